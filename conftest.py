@@ -1,0 +1,66 @@
+"""Test infrastructure shared by every package: device fixture, hypothesis profiles, markers.
+
+This file sits at the repository root so that pytest loads it both in the workspace environment and in
+nox's isolated per-package environments (which run the package's tests from this checkout).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    max_examples=15,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors],
+)
+settings.register_profile(
+    "dev",
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+DATA_ENV = "PARTIALBAYES_DATA"
+_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=_DEVICES)
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """Every numerical test runs on cpu, and on cuda whenever a GPU is present."""
+    return torch.device(request.param)
+
+
+@pytest.fixture
+def data_dir() -> Path:
+    """Root of the real data (layout of ``shared/data``: ``glue/<task>/...``, ``uci/<name>/data/...``)."""
+    root = os.environ.get(DATA_ENV)
+    if not root:
+        pytest.skip(
+            f"{DATA_ENV} is unset: point it at a folder with glue/ and uci/ to run the data tests"
+        )
+    path = Path(root)
+    if not path.is_dir():
+        pytest.skip(f"{DATA_ENV}={root} is not a directory")
+    return path
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip `gpu` tests without CUDA and `data` tests without $PARTIALBAYES_DATA, saying why."""
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device; none is available")
+    no_data = pytest.mark.skip(
+        reason=f"{DATA_ENV} is unset: it names the folder holding glue/ and uci/"
+    )
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        if "data" in item.keywords and not os.environ.get(DATA_ENV):
+            item.add_marker(no_data)
