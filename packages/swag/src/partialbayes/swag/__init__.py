@@ -1,5 +1,37 @@
-"""SWAG on a stochastic subset of the weights."""
+"""SWAG (Maddox et al., 2019) on a stochastic subset of the weights; everything else stays at the MAP.
 
-from partialbayes.swag._moments import update_moments
+Main entry points: `collect_swag` (SGD from the MAP, snapshots, returns a `SWAG`), `sweep_learning_rate`
+(the paper's learning-rate sweep by validation NLL), `SWAG.sample` / `SWAG.sampled` (draw weights and swap
+them into the model), `SWAG.save` / `SWAG.load`. The pure functions on flat vectors (`update_moments`,
+`diagonal_variance`, `swag_sample`) are exported for reuse and testing.
+"""
 
-__all__ = ["update_moments"]
+from partialbayes.swag._io import load_swag, save_swag
+from partialbayes.swag._layout import FlatLayout
+from partialbayes.swag._moments import diagonal_variance, update_moments
+from partialbayes.swag._posterior import SWAG
+from partialbayes.swag._sample import swag_sample
+from partialbayes.swag._sweep import SweepResult, predictive_nll, sweep_learning_rate
+from partialbayes.swag._train import (
+    NonFiniteLossError,
+    classification_loss,
+    collect_swag,
+    hf_logits,
+)
+
+__all__ = [
+    "SWAG",
+    "FlatLayout",
+    "NonFiniteLossError",
+    "SweepResult",
+    "classification_loss",
+    "collect_swag",
+    "diagonal_variance",
+    "hf_logits",
+    "load_swag",
+    "predictive_nll",
+    "save_swag",
+    "swag_sample",
+    "sweep_learning_rate",
+    "update_moments",
+]

@@ -1,0 +1,133 @@
+"""Flat layout of the stochastic entries of a model: the bridge between a ``Subset`` and one vector."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def _check_subset(subset: Any) -> None:
+    """Raise ``TypeError`` unless ``subset`` looks like a ``partialbayes.selection.Subset``."""
+    for attr in ("names", "mask", "shape", "num_entries"):
+        if not hasattr(subset, attr):
+            raise TypeError(
+                f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__} "
+                f"(it has no attribute {attr!r})"
+            )
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where the stochastic entries of each parameter sit in one flat vector.
+
+    The entries of parameter ``names[i]`` occupy ``flat[offsets[i]:offsets[i + 1]]``, in the row-major order of
+    the parameter's storage mask (the order of ``Subset.gather``).
+
+    Attributes:
+        names: Parameter names, model order.
+        shapes: Storage shape of each parameter.
+        indices: Per parameter, the int64 positions (cpu) of its stochastic entries in the flattened storage.
+        offsets: Start of each parameter's slice in the flat vector, plus the total at the end.
+    """
+
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    indices: tuple[Tensor, ...]
+    offsets: tuple[int, ...]
+
+    @classmethod
+    def from_subset(cls, subset: Any) -> FlatLayout:
+        """Build the layout of a ``partialbayes.selection.Subset``.
+
+        Raises:
+            TypeError: If ``subset`` is not a ``Subset``.
+            ValueError: If the subset has no stochastic entries.
+        """
+        _check_subset(subset)
+        names = tuple(subset.names)
+        shapes, indices, offsets = [], [], [0]
+        for name in names:
+            mask = subset.mask(name).to("cpu", torch.bool)
+            idx = mask.reshape(-1).nonzero().squeeze(1)
+            shapes.append(torch.Size(mask.shape))
+            indices.append(idx)
+            offsets.append(offsets[-1] + idx.numel())
+        if offsets[-1] == 0:
+            raise ValueError("subset has no stochastic entries: SWAG needs at least one")
+        return cls(names, tuple(shapes), tuple(indices), tuple(offsets))
+
+    @property
+    def size(self) -> int:
+        """Number of stochastic entries ``d``."""
+        return self.offsets[-1]
+
+    def parameters(self, model: nn.Module) -> dict[str, nn.Parameter]:
+        """Return the model's parameters named by the layout, checking names and shapes.
+
+        Raises:
+            TypeError: If ``model`` is not an ``nn.Module``.
+            ValueError: If a parameter is missing or has a different shape (the subset does not match).
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        params = dict(model.named_parameters())
+        out = {}
+        for name, shape in zip(self.names, self.shapes, strict=True):
+            if name not in params:
+                raise ValueError(
+                    f"subset does not match the model: parameter {name!r} is not a parameter of "
+                    f"{type(model).__name__}"
+                )
+            if params[name].shape != shape:
+                raise ValueError(
+                    f"subset does not match the model: parameter {name!r} has shape "
+                    f"{tuple(params[name].shape)} in the model but {tuple(shape)} in the subset"
+                )
+            out[name] = params[name]
+        return out
+
+    def gather(self, tensors: Mapping[str, Tensor], dtype: torch.dtype | None = None) -> Tensor:
+        """Concatenate the stochastic entries of storage-shaped tensors.
+
+        Args:
+            tensors: Parameter name -> tensor in the parameter's storage shape (parameters or gradients).
+            dtype: Result dtype (default: that of the first tensor).
+
+        Returns:
+            Flat tensor of shape ``(d,)`` on the device of the tensors.
+        """
+        parts = []
+        for name, idx in zip(self.names, self.indices, strict=True):
+            t = tensors[name].detach()
+            parts.append(t.reshape(-1)[idx.to(t.device)])
+        flat = torch.cat(parts)
+        return flat if dtype is None else flat.to(dtype)
+
+    def scatter_(self, params: Mapping[str, Tensor], flat: Tensor) -> None:
+        """Write ``flat`` (shape ``(d,)``) into the stochastic entries of ``params``, in place.
+
+        Entries outside the subset are not touched.
+        """
+        if flat.shape != (self.size,):
+            raise ValueError(f"flat must have shape ({self.size},), got {tuple(flat.shape)}")
+        with torch.no_grad():
+            for i, (name, idx) in enumerate(zip(self.names, self.indices, strict=True)):
+                p = params[name]
+                values = flat[self.offsets[i] : self.offsets[i + 1]].to(p.device, p.dtype)
+                if p.is_contiguous():
+                    p.view(-1).index_copy_(0, idx.to(p.device), values)
+                else:
+                    tmp = p.detach().reshape(-1).clone()
+                    tmp.index_copy_(0, idx.to(p.device), values)
+                    p.copy_(tmp.view(p.shape))
+
+    def unflatten(self, flat: Tensor) -> dict[str, Tensor]:
+        """Split ``flat`` (shape ``(..., d)``) into per-parameter value vectors (``Subset.gather`` order)."""
+        return {
+            name: flat[..., self.offsets[i] : self.offsets[i + 1]]
+            for i, name in enumerate(self.names)
+        }

@@ -1,0 +1,199 @@
+"""SWAG collection: SGD with momentum on the stochastic entries only, a snapshot every few steps."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from partialbayes.swag._posterior import SWAG
+
+Batch = Mapping[str, Any]
+LossFn = Callable[[nn.Module, Batch], Tensor]
+
+
+class NonFiniteLossError(ValueError):
+    """The training loss (or gradient) became NaN or infinite during SWAG collection.
+
+    Attributes:
+        step: The 1-based SGD step at which it happened.
+        lr: The learning rate in use.
+    """
+
+    def __init__(self, step: int, lr: float, what: str) -> None:
+        super().__init__(f"non-finite {what} at SGD step {step} (lr={lr}): SWAG collection stopped")
+        self.step = step
+        self.lr = lr
+
+
+def to_device(batch: Batch, device: torch.device) -> dict[str, Any]:
+    """Move the tensors of a dict batch to ``device`` (other values pass through)."""
+    if not isinstance(batch, Mapping):
+        raise TypeError(
+            f"batches must yield dicts of tensors (Hugging Face style), got {type(batch).__name__}"
+        )
+    return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
+
+
+def hf_logits(model: nn.Module, batch: Batch) -> Tensor:
+    """Logits of a Hugging Face model: ``model(**inputs).logits`` with ``labels`` left out of the inputs."""
+    out = model(**{k: v for k, v in batch.items() if k != "labels"})
+    return out.logits if hasattr(out, "logits") else out
+
+
+def classification_loss(model: nn.Module, batch: Batch) -> Tensor:
+    """Mean cross-entropy of ``hf_logits(model, batch)`` against ``batch["labels"]`` (-100 ignored)."""
+    if "labels" not in batch:
+        raise ValueError(f"batch has no 'labels' entry (keys: {sorted(batch)})")
+    logits = hf_logits(model, batch)
+    labels = batch["labels"]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def cycle(batches: Iterable[Batch]) -> Iterator[Batch]:
+    """Iterate over ``batches`` again and again (re-creating the iterator, so loaders reshuffle)."""
+    while True:
+        empty = True
+        for b in batches:
+            empty = False
+            yield b
+        if empty:
+            raise ValueError("batches is empty")
+
+
+@contextmanager
+def _training_state(model: nn.Module, trainable: set[str]) -> Iterator[None]:
+    """Train mode, gradients only for ``trainable`` parameters; modes and flags restored on exit."""
+    modes = {m: m.training for m in model.modules()}
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    try:
+        model.train()
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in trainable)
+        yield
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+        for n, p in model.named_parameters():
+            p.requires_grad_(flags[n])
+
+
+def _progress(total: int, enabled: bool, desc: str) -> Any:
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm is optional
+        return None
+    return tqdm(total=total, desc=desc, leave=False)
+
+
+def collect_swag(
+    model: nn.Module,
+    subset: Any,
+    batches: Iterable[Batch],
+    *,
+    lr: float,
+    n_steps: int = 2000,
+    snapshot_every: int = 5,
+    max_rank: int = 20,
+    diagonal_only: bool = False,
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    loss_fn: LossFn | None = None,
+    dtype: torch.dtype | None = None,
+    progress: bool = True,
+) -> SWAG:
+    """Run SWAG from the MAP: SGD with momentum on the stochastic entries only, snapshotting as it goes.
+
+    Starting from the model's current weights (the MAP), take ``n_steps`` steps of SGD with momentum at the
+    constant learning rate ``lr`` (``buf ← μ·buf + g``, ``w ← w − lr·buf``, as ``torch.optim.SGD``),
+    touching only the stochastic entries of ``subset``; after every ``snapshot_every``-th step the entries
+    are folded into a `SWAG`. Every other weight, including the frozen entries of partially stochastic
+    tensors, never changes. On return (or error) the stochastic entries are reset to the MAP, and the
+    model's train/eval modes and ``requires_grad`` flags are restored.
+
+    Args:
+        model: The fine-tuned model.
+        subset: ``partialbayes.selection.Subset`` of the model.
+        batches: Re-iterable of dict batches (e.g. a ``DataLoader``), cycled as often as needed.
+        lr: Constant learning rate (> 0).
+        n_steps: Number of SGD steps (the paper: 2000).
+        snapshot_every: Steps between snapshots (the paper: 5).
+        max_rank: ``K``, deviation columns kept (the paper: 20).
+        diagonal_only: SWAG-Diag.
+        momentum: Momentum (0.9).
+        weight_decay: L2 coefficient added to the gradient of the stochastic entries.
+        loss_fn: ``loss_fn(model, batch) -> scalar``; default `classification_loss`
+            (``model(**batch).logits`` against ``batch["labels"]``).
+        dtype: dtype of the SWAG moments.
+        progress: Show a tqdm progress bar (when tqdm is installed).
+
+    Returns:
+        The collected `SWAG` posterior.
+
+    Raises:
+        NonFiniteLossError: (a ``ValueError``) when the loss or gradient becomes NaN/inf; names the step.
+        ValueError: On bad hyper-parameters, empty ``batches`` or a subset that does not match the model.
+    """
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+    if snapshot_every < 1:
+        raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
+    if n_steps < snapshot_every:
+        raise ValueError(
+            f"n_steps={n_steps} < snapshot_every={snapshot_every}: no snapshot would be taken"
+        )
+    if not 0 <= momentum < 1:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    loss_fn = classification_loss if loss_fn is None else loss_fn
+    swag = SWAG(model, subset, max_rank=max_rank, diagonal_only=diagonal_only, dtype=dtype)
+    layout = swag.layout
+    params = layout.parameters(model)
+    device = params[layout.names[0]].device
+    w_map = layout.gather(params)
+    w = w_map.clone()
+    buf = torch.zeros_like(w)
+    bar = _progress(n_steps, progress, f"SWAG lr={lr:g}")
+    try:
+        with _training_state(model, set(layout.names)):
+            for p in params.values():
+                p.grad = None
+            data = cycle(batches)
+            for step in range(1, n_steps + 1):
+                loss = loss_fn(model, to_device(next(data), device))
+                if not bool(torch.isfinite(loss.detach()).all()):
+                    raise NonFiniteLossError(step, lr, f"loss {loss.item()}")
+                loss.backward()
+                grads = {
+                    n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in params.items()
+                }
+                g = layout.gather(grads)
+                if not bool(torch.isfinite(g).all()):
+                    raise NonFiniteLossError(step, lr, "gradient")
+                for p in params.values():
+                    p.grad = None
+                if weight_decay:
+                    g = g + weight_decay * w
+                buf.mul_(momentum).add_(g)
+                w.sub_(lr * buf)
+                layout.scatter_(params, w)
+                if step % snapshot_every == 0:
+                    swag.collect(model)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss.item():.4f}", snapshots=swag.n_snapshots)
+    finally:
+        layout.scatter_(params, w_map)
+        for p in params.values():
+            p.grad = None
+        if bar is not None:
+            bar.close()
+    return swag
