@@ -1,0 +1,175 @@
+"""Block types of a Subset: Kronecker-structured index blocks and elementwise masks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def _as_index(value: Tensor | Sequence[int] | None, what: str) -> Tensor | None:
+    """Convert to a sorted unique int64 cpu tensor (``None`` passes through)."""
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        if value.dtype.is_floating_point or value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"KronBlock {what} must be integer indices, got dtype {value.dtype}")
+        t = value.detach().to("cpu", torch.int64)
+    else:
+        try:
+            t = torch.as_tensor(list(value), dtype=torch.int64)
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"KronBlock {what} must be a sequence of ints, got {value!r}") from err
+    if t.ndim != 1:
+        raise ValueError(f"KronBlock {what} must be 1-D, got shape {tuple(t.shape)}")
+    if t.numel() and int(t.min()) < 0:
+        raise ValueError(f"KronBlock {what} must be non-negative, got {int(t.min())}")
+    return torch.unique(t, sorted=True)
+
+
+def _same(a: Tensor | None, b: Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+@dataclass(frozen=True, eq=False)
+class KronBlock:
+    """Kronecker-structured block: the entries ``rows x cols`` of a parameter.
+
+    For a linear map's weight, ``rows`` are output indices and ``cols`` input indices in the logical
+    (n_out x n_in) orientation, also for Hugging Face ``Conv1D`` whose storage is transposed. For a bias
+    (or any 1-D parameter), ``rows`` are the selected entries and ``cols`` must be ``None``. For other 2-D
+    parameters, rows and cols index the storage dimensions. ``None`` means all.
+
+    Indices are stored as sorted, unique int64 cpu tensors.
+
+    Attributes:
+        rows: Selected rows (outputs), or ``None`` for all.
+        cols: Selected columns (inputs), or ``None`` for all.
+    """
+
+    rows: Tensor | None = None
+    cols: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rows", _as_index(self.rows, "rows"))
+        object.__setattr__(self, "cols", _as_index(self.cols, "cols"))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KronBlock):
+            return NotImplemented
+        return _same(self.rows, other.rows) and _same(self.cols, other.cols)
+
+    def __hash__(self) -> int:
+        key = tuple(None if t is None else tuple(t.tolist()) for t in (self.rows, self.cols))
+        return hash(key)
+
+    def __repr__(self) -> str:
+        def fmt(t: Tensor | None) -> str:
+            if t is None:
+                return "all"
+            body = t.tolist() if t.numel() <= 8 else [*t[:4].tolist(), "...", *t[-2:].tolist()]
+            return f"{body} (n={t.numel()})"
+
+        return f"KronBlock(rows={fmt(self.rows)}, cols={fmt(self.cols)})"
+
+
+@dataclass(frozen=True, eq=False)
+class MaskBlock:
+    """Elementwise block: a boolean mask in the parameter's storage shape (stored on cpu).
+
+    Attributes:
+        mask: Boolean tensor, ``True`` marks a stochastic entry.
+    """
+
+    mask: Tensor
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mask, Tensor):
+            raise TypeError(
+                f"MaskBlock mask must be a torch.Tensor, got {type(self.mask).__name__}"
+            )
+        if self.mask.dtype != torch.bool:
+            raise TypeError(f"MaskBlock mask must have dtype torch.bool, got {self.mask.dtype}")
+        object.__setattr__(self, "mask", self.mask.detach().to("cpu").clone())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MaskBlock):
+            return NotImplemented
+        return self.mask.shape == other.mask.shape and bool(torch.equal(self.mask, other.mask))
+
+    def __hash__(self) -> int:
+        return hash(
+            (tuple(self.mask.shape), tuple(self.mask.flatten().nonzero().flatten().tolist()))
+        )
+
+    def __repr__(self) -> str:
+        return f"MaskBlock(shape={tuple(self.mask.shape)}, n={int(self.mask.sum())})"
+
+
+Block = KronBlock | MaskBlock
+"""A block of a Subset."""
+
+
+@dataclass(frozen=True, eq=False)
+class KronModule:
+    """A linear map of a Kronecker-structured Subset, as KFAC-type methods consume it.
+
+    Attributes:
+        module_name: Qualified module name.
+        weight_name: Parameter name of the weight.
+        bias_name: Parameter name of the bias when it is in the subset, else ``None``.
+        rows: Selected outputs (sorted int64), or ``None`` for all ``n_out``.
+        cols: Selected inputs (sorted int64), or ``None`` for all ``n_in``.
+        n_out: Number of outputs of the map.
+        n_in: Number of inputs of the map.
+        transposed: ``True`` for Hugging Face ``Conv1D`` (weight stored as n_in x n_out).
+    """
+
+    module_name: str
+    weight_name: str
+    bias_name: str | None
+    rows: Tensor | None
+    cols: Tensor | None
+    n_out: int
+    n_in: int
+    transposed: bool
+
+    @property
+    def n_rows(self) -> int:
+        """Number of selected outputs."""
+        return self.n_out if self.rows is None else int(self.rows.numel())
+
+    @property
+    def n_cols(self) -> int:
+        """Number of selected inputs."""
+        return self.n_in if self.cols is None else int(self.cols.numel())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KronModule):
+            return NotImplemented
+        return (
+            (
+                self.module_name,
+                self.weight_name,
+                self.bias_name,
+                self.n_out,
+                self.n_in,
+                self.transposed,
+            )
+            == (
+                other.module_name,
+                other.weight_name,
+                other.bias_name,
+                other.n_out,
+                other.n_in,
+                other.transposed,
+            )
+            and _same(self.rows, other.rows)
+            and _same(self.cols, other.cols)
+        )
+
+    __hash__ = None  # type: ignore[assignment]

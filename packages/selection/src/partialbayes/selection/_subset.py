@@ -1,0 +1,529 @@
+"""The Subset type: parameter name -> block (Kronecker-structured or elementwise mask)."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from partialbayes.selection._blocks import Block, KronBlock, KronModule, MaskBlock
+from partialbayes.selection._modules import is_conv1d, linear_modules
+
+_FORMAT = "partialbayes.selection.Subset"
+_VERSION = 1
+
+EMBEDDINGS = "embeddings"
+"""Default ``exclude`` of :meth:`Subset.percent_of`: parameters of every ``nn.Embedding`` module."""
+
+
+@dataclass(frozen=True)
+class _ParamInfo:
+    """Structure of one model parameter (internal)."""
+
+    index: int
+    shape: torch.Size
+    transposed: bool
+    module_name: str | None  # linear map owning it, if any
+    role: str | None  # "weight" / "bias" of that linear map
+    n_out: int
+    n_in: int
+
+
+def _model_structure(model: nn.Module) -> dict[str, _ParamInfo]:
+    """Parameter name -> structure, in ``named_parameters`` order."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    owner: dict[str, tuple[str, str, int, int, bool]] = {}
+    try:
+        lin = linear_modules(model)
+    except ValueError:
+        lin = {}
+    for mname, mod in lin.items():
+        conv = is_conv1d(mod)
+        w = mod.weight
+        n_out, n_in = (
+            (int(w.shape[1]), int(w.shape[0])) if conv else (int(w.shape[0]), int(w.shape[1]))
+        )
+        prefix = f"{mname}." if mname else ""
+        owner[prefix + "weight"] = (mname, "weight", n_out, n_in, conv)
+        if getattr(mod, "bias", None) is not None:
+            owner[prefix + "bias"] = (mname, "bias", n_out, n_in, False)
+    out: dict[str, _ParamInfo] = {}
+    for i, (name, p) in enumerate(model.named_parameters()):
+        if name in owner:
+            mname, role, n_out, n_in, tr = owner[name]
+            out[name] = _ParamInfo(i, p.shape, tr, mname, role, n_out, n_in)
+        else:
+            out[name] = _ParamInfo(i, p.shape, False, None, None, 0, 0)
+    return out
+
+
+def _close(name: str, options: Iterable[str]) -> str:
+    """Text listing close matches of ``name`` among ``options``."""
+    matches = difflib.get_close_matches(name, list(options), n=3, cutoff=0.5)
+    return f"; close matches: {matches}" if matches else ""
+
+
+def _check_block(name: str, block: Any, info: _ParamInfo) -> None:
+    """Validate one block against its parameter; raise naming the parameter."""
+    shape = info.shape
+    if isinstance(block, MaskBlock):
+        if block.mask.shape != shape:
+            raise ValueError(
+                f"MaskBlock for {name!r} has shape {tuple(block.mask.shape)}, the parameter has "
+                f"storage shape {tuple(shape)}"
+            )
+        if not bool(block.mask.any()):
+            raise ValueError(f"MaskBlock for {name!r} selects no entries; leave the parameter out")
+        return
+    if not isinstance(block, KronBlock):
+        raise TypeError(
+            f"block for {name!r} must be a KronBlock or MaskBlock, got {type(block).__name__}"
+        )
+    if len(shape) == 1:
+        if block.cols is not None:
+            raise ValueError(
+                f"KronBlock for 1-D parameter {name!r} (e.g. a bias) must have cols=None"
+            )
+        limits = {"rows": int(shape[0])}
+    elif len(shape) == 2:
+        if info.transposed:
+            limits = {"rows": int(shape[1]), "cols": int(shape[0])}
+        else:
+            limits = {"rows": int(shape[0]), "cols": int(shape[1])}
+    else:
+        if block.rows is not None or block.cols is not None:
+            raise ValueError(
+                f"KronBlock with indices needs a 1-D or 2-D parameter; {name!r} has shape "
+                f"{tuple(shape)}: use MaskBlock or KronBlock() (all entries)"
+            )
+        return
+    for what, limit in limits.items():
+        idx = getattr(block, what)
+        if idx is None:
+            continue
+        if idx.numel() == 0:
+            raise ValueError(f"KronBlock for {name!r} has empty {what}; leave the parameter out")
+        if int(idx.max()) >= limit:
+            raise ValueError(
+                f"KronBlock {what} for {name!r} contains index {int(idx.max())}, out of range for "
+                f"size {limit} (logical shape n_out x n_in)"
+            )
+
+
+class Subset:
+    """The stochastic subset of a model's weights: parameter name -> block.
+
+    Build it with :meth:`from_model` (validates against the model) or a selection strategy.
+    Blocks are :class:`KronBlock` (Kronecker-structured ``rows x cols``, ``None`` = all) or
+    :class:`MaskBlock` (boolean mask in storage shape). A Subset may be empty (e.g. ``ramp`` count 0).
+    """
+
+    __slots__ = ("_blocks", "_info")
+
+    def __init__(self, blocks: Mapping[str, Block], info: Mapping[str, _ParamInfo]) -> None:
+        """Internal: use :meth:`from_model`. ``info`` describes every parameter of the model."""
+        self._info = dict(info)
+        self._blocks = {n: blocks[n] for n in sorted(blocks, key=lambda n: self._info[n].index)}
+
+    # --------------------------------------------------------------------------- construction
+    @classmethod
+    def from_model(cls, model: nn.Module, blocks: Mapping[str, Block]) -> Subset:
+        """Build a Subset of ``model`` from ``{parameter name: block}``, validating against the model.
+
+        Args:
+            model: The model whose parameters are selected.
+            blocks: Parameter name (as in ``model.named_parameters()``) -> :class:`KronBlock` or
+                :class:`MaskBlock`.
+
+        Returns:
+            The validated Subset (names in model order).
+
+        Raises:
+            ValueError: Unknown parameter name (with close matches), index out of range, mask of the
+                wrong shape, block selecting nothing.
+            TypeError: A block of the wrong type.
+        """
+        info = _model_structure(model)
+        if not isinstance(blocks, Mapping):
+            raise TypeError(f"blocks must be a mapping name -> block, got {type(blocks).__name__}")
+        for name, block in blocks.items():
+            if name not in info:
+                raise ValueError(
+                    f"unknown parameter {name!r} for model {type(model).__name__}{_close(name, info)}"
+                )
+            _check_block(name, block, info[name])
+        return cls(blocks, info)
+
+    def _spawn(self, blocks: Mapping[str, Block]) -> Subset:
+        return Subset(blocks, self._info)
+
+    # --------------------------------------------------------------------------- inspection
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Parameter names in the subset, in model order."""
+        return tuple(self._blocks)
+
+    def _get(self, name: str) -> Block:
+        if name not in self._blocks:
+            where = "model" if name not in self._info else "subset"
+            raise KeyError(f"parameter {name!r} is not in the {where}{_close(name, self._blocks)}")
+        return self._blocks[name]
+
+    def block(self, name: str) -> Block:
+        """The block of parameter ``name``."""
+        return self._get(name)
+
+    def shape(self, name: str) -> torch.Size:
+        """Storage shape of parameter ``name``."""
+        self._get(name)
+        return self._info[name].shape
+
+    def transposed(self, name: str) -> bool:
+        """``True`` when ``name`` is a Hugging Face ``Conv1D`` weight (storage n_in x n_out)."""
+        self._get(name)
+        return self._info[name].transposed
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __iter__(self):
+        return iter(self._blocks)
+
+    @property
+    def is_kronecker(self) -> bool:
+        """Whether every block is a :class:`KronBlock`."""
+        return all(isinstance(b, KronBlock) for b in self._blocks.values())
+
+    def _storage_index(self, name: str) -> tuple[Tensor | None, Tensor | None]:
+        """(storage-dim-0 indices, storage-dim-1 indices) of a KronBlock."""
+        b = self._blocks[name]
+        assert isinstance(b, KronBlock)
+        if self._info[name].transposed:
+            return b.cols, b.rows
+        return b.rows, b.cols
+
+    def mask(self, name: str) -> Tensor:
+        """Boolean mask of ``name`` in storage shape, on cpu."""
+        b = self._get(name)
+        shape = self._info[name].shape
+        if isinstance(b, MaskBlock):
+            return b.mask.clone()
+        m = torch.zeros(shape, dtype=torch.bool)
+        if len(shape) not in (1, 2):
+            m.fill_(True)
+            return m
+        r, c = self._storage_index(name)
+        if len(shape) == 1:
+            m[slice(None) if r is None else r] = True
+            return m
+        rows = torch.zeros(shape[0], dtype=torch.bool)
+        cols = torch.zeros(shape[1], dtype=torch.bool)
+        rows[slice(None) if r is None else r] = True
+        cols[slice(None) if c is None else c] = True
+        return rows[:, None] & cols[None, :]
+
+    def num_entries(self, name: str | None = None) -> int:
+        """Number of stochastic entries of ``name``, or of the whole subset when ``name`` is None."""
+        if name is None:
+            return sum(self.num_entries(n) for n in self._blocks)
+        b = self._get(name)
+        shape = self._info[name].shape
+        if isinstance(b, MaskBlock):
+            return int(b.mask.sum())
+        if len(shape) not in (1, 2):
+            return int(shape.numel())
+        r, c = self._storage_index(name)
+        n = int(shape[0]) if r is None else int(r.numel())
+        if len(shape) == 2:
+            n *= int(shape[1]) if c is None else int(c.numel())
+        return n
+
+    def _check_storage(self, name: str, tensor: Tensor, what: str) -> None:
+        if not isinstance(tensor, Tensor):
+            raise TypeError(
+                f"{what} for {name!r} must be a torch.Tensor, got {type(tensor).__name__}"
+            )
+        if tensor.shape != self._info[name].shape:
+            raise ValueError(
+                f"{what} for {name!r} has shape {tuple(tensor.shape)}, expected storage shape "
+                f"{tuple(self._info[name].shape)}"
+            )
+
+    def gather(self, name: str, tensor: Tensor) -> Tensor:
+        """The stochastic entries of a storage-shaped ``tensor`` as a 1-D tensor.
+
+        Order: row-major order of the storage mask (``tensor[mask]``).
+        """
+        b = self._get(name)
+        self._check_storage(name, tensor, "tensor")
+        if isinstance(b, KronBlock) and tensor.ndim in (1, 2):
+            r, c = self._storage_index(name)
+            out = tensor if r is None else tensor.index_select(0, r.to(tensor.device))
+            if tensor.ndim == 2 and c is not None:
+                out = out.index_select(1, c.to(tensor.device))
+            return out.reshape(-1)
+        return tensor[self.mask(name).to(tensor.device)]
+
+    def scatter(self, name: str, values: Tensor, into: Tensor) -> Tensor:
+        """Return a copy of ``into`` with its stochastic entries replaced by the 1-D ``values``."""
+        self._get(name)
+        self._check_storage(name, into, "into")
+        n = self.num_entries(name)
+        if not isinstance(values, Tensor) or values.ndim != 1 or values.numel() != n:
+            got = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
+            raise ValueError(f"values for {name!r} must be 1-D with {n} entries, got {got}")
+        out = into.clone()
+        out[self.mask(name).to(into.device)] = values.to(device=into.device, dtype=into.dtype)
+        return out
+
+    def kron_modules(self) -> dict[str, KronModule]:
+        """Linear maps of a Kronecker-structured subset, by module name, in model order.
+
+        Raises:
+            TypeError: If a block is a :class:`MaskBlock` (KFAC needs Kronecker structure).
+            ValueError: If a selected parameter is not the weight / bias of a linear map, a bias is
+                selected without its weight, or the bias rows differ from the weight rows.
+        """
+        for n, b in self._blocks.items():
+            if isinstance(b, MaskBlock):
+                raise TypeError(
+                    f"parameter {n!r} has an elementwise MaskBlock; Kronecker-factored methods need "
+                    "KronBlock blocks (e.g. from sparse_kfac or a module strategy)"
+                )
+        out: dict[str, KronModule] = {}
+        bias_of: dict[str, str] = {}
+        for n in self._blocks:
+            inf = self._info[n]
+            if inf.module_name is None:
+                raise ValueError(
+                    f"parameter {n!r} is not the weight or bias of a linear map (nn.Linear / Conv1D); "
+                    "Kronecker-factored methods cannot handle it"
+                )
+            if inf.role == "bias":
+                bias_of[inf.module_name] = n
+        for n, b in self._blocks.items():
+            inf = self._info[n]
+            if inf.role != "weight":
+                continue
+            assert isinstance(b, KronBlock)
+            assert inf.module_name is not None
+            bias = bias_of.pop(inf.module_name, None)
+            if bias is not None:
+                bb = self._blocks[bias]
+                assert isinstance(bb, KronBlock)
+                if bb != KronBlock(rows=b.rows):
+                    raise ValueError(
+                        f"bias {bias!r} selects rows {bb.rows}, its weight selects rows {b.rows}; "
+                        "Kronecker-factored methods need the bias rows to equal the weight rows"
+                    )
+            out[inf.module_name] = KronModule(
+                inf.module_name, n, bias, b.rows, b.cols, inf.n_out, inf.n_in, inf.transposed
+            )
+        if bias_of:
+            name = next(iter(bias_of.values()))
+            raise ValueError(
+                f"bias {name!r} is selected without its weight; Kronecker-factored methods need both"
+            )
+        return out
+
+    # --------------------------------------------------------------------------- counting
+    def percent_of(
+        self, model: nn.Module, exclude: str | Iterable[str] | None = EMBEDDINGS
+    ) -> float:
+        """Stochastic entries as a percentage of the model's countable parameters.
+
+        Args:
+            model: The model (must have the structure this subset was built for).
+            exclude: ``"embeddings"`` (default: every ``nn.Embedding`` parameter, i.e. token, position and
+                token-type embeddings, as in Kampen et al.), an iterable of regexes matched with
+                ``re.search`` against parameter names, or ``None`` to count everything.
+        """
+        self._check_model(model)
+        return 100.0 * self.num_entries() / countable_parameters(model, exclude)
+
+    def _check_model(self, model: nn.Module) -> None:
+        info = _model_structure(model)
+        if {n: i.shape for n, i in info.items()} != {n: i.shape for n, i in self._info.items()}:
+            raise ValueError(
+                f"model {type(model).__name__} does not have the parameter structure this subset was "
+                "built for"
+            )
+
+    # --------------------------------------------------------------------------- algebra
+    def _compatible(self, other: object, op: str) -> Subset:
+        if not isinstance(other, Subset):
+            raise TypeError(f"cannot {op} a Subset with {type(other).__name__}")
+        if {n: i.shape for n, i in self._info.items()} != {
+            n: i.shape for n, i in other._info.items()
+        }:
+            raise ValueError(f"cannot {op} subsets of models with different parameter structure")
+        return other
+
+    def __or__(self, other: Subset) -> Subset:
+        other = self._compatible(other, "union")
+        blocks: dict[str, Block] = {}
+        for n in {*self._blocks, *other._blocks}:
+            a, b = self._blocks.get(n), other._blocks.get(n)
+            if a is None or b is None:
+                blocks[n] = a if b is None else b  # type: ignore[assignment]
+                continue
+            if a == b:
+                blocks[n] = a
+                continue
+            ma, mb = self.mask(n), other.mask(n)
+            mu = ma | mb
+            if torch.equal(mu, ma) and isinstance(a, KronBlock):
+                blocks[n] = a
+            elif torch.equal(mu, mb) and isinstance(b, KronBlock):
+                blocks[n] = b
+            else:
+                blocks[n] = MaskBlock(mu)
+        return self._spawn(blocks)
+
+    def __and__(self, other: Subset) -> Subset:
+        other = self._compatible(other, "intersect")
+        blocks: dict[str, Block] = {}
+        for n in self._blocks:
+            if n not in other._blocks:
+                continue
+            a, b = self._blocks[n], other._blocks[n]
+            if isinstance(a, KronBlock) and isinstance(b, KronBlock):
+                rows, cols = _meet(a.rows, b.rows), _meet(a.cols, b.cols)
+                if (rows is not None and rows.numel() == 0) or (
+                    cols is not None and cols.numel() == 0
+                ):
+                    continue
+                blocks[n] = KronBlock(rows, cols)
+            else:
+                m = self.mask(n) & other.mask(n)
+                if bool(m.any()):
+                    blocks[n] = MaskBlock(m)
+        return self._spawn(blocks)
+
+    def issubset(self, other: Subset) -> bool:
+        """Whether every stochastic entry of ``self`` is stochastic in ``other``."""
+        other = self._compatible(other, "compare")
+        for n in self._blocks:
+            if n not in other._blocks:
+                return False
+            if bool((self.mask(n) & ~other.mask(n)).any()):
+                return False
+        return True
+
+    def __le__(self, other: Subset) -> bool:
+        return self.issubset(other)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Subset):
+            return NotImplemented
+        return self._blocks.keys() == other._blocks.keys() and all(
+            torch.equal(self.mask(n), other.mask(n)) for n in self._blocks
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        kinds = "kronecker" if self.is_kronecker else "mixed/mask"
+        return f"Subset({len(self)} parameters, {self.num_entries()} entries, {kinds})"
+
+    # --------------------------------------------------------------------------- JSON
+    def to_json(self) -> str:
+        """Serialise to JSON (Kron blocks as index lists, masks as flat indices of their True entries)."""
+        blocks: dict[str, Any] = {}
+        for n, b in self._blocks.items():
+            if isinstance(b, KronBlock):
+                blocks[n] = {
+                    "type": "kron",
+                    "rows": None if b.rows is None else b.rows.tolist(),
+                    "cols": None if b.cols is None else b.cols.tolist(),
+                }
+            else:
+                blocks[n] = {
+                    "type": "mask",
+                    "shape": list(b.mask.shape),
+                    "indices": b.mask.flatten().nonzero().flatten().tolist(),
+                }
+        return json.dumps({"format": _FORMAT, "version": _VERSION, "blocks": blocks})
+
+    @classmethod
+    def from_json(cls, text: str, model: nn.Module) -> Subset:
+        """Load a Subset saved with :meth:`to_json`, validating it against ``model``.
+
+        Raises:
+            ValueError: Malformed JSON or a subset that does not fit ``model``.
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"text is not valid JSON: {err}") from err
+        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+            raise ValueError(f"JSON is not a {_FORMAT} (missing or wrong 'format' field)")
+        if data.get("version") != _VERSION:
+            raise ValueError(f"unsupported Subset JSON version {data.get('version')!r}")
+        blocks: dict[str, Block] = {}
+        for n, d in data["blocks"].items():
+            kind = d.get("type") if isinstance(d, dict) else None
+            if kind == "kron":
+                blocks[n] = KronBlock(d["rows"], d["cols"])
+            elif kind == "mask":
+                shape = [int(s) for s in d["shape"]]
+                flat = torch.zeros(int(torch.Size(shape).numel()), dtype=torch.bool)
+                idx = torch.as_tensor(d["indices"], dtype=torch.int64)
+                if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= flat.numel()):
+                    raise ValueError(f"mask indices of {n!r} are out of range for shape {shape}")
+                flat[idx] = True
+                blocks[n] = MaskBlock(flat.reshape(shape))
+            else:
+                raise ValueError(
+                    f"block of {n!r} has unknown type {kind!r} (expected 'kron' or 'mask')"
+                )
+        return cls.from_model(model, blocks)
+
+
+def _meet(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    """Intersection of two sorted index sets (``None`` = all)."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a[torch.isin(a, b)]
+
+
+def countable_parameters(model: nn.Module, exclude: str | Iterable[str] | None = EMBEDDINGS) -> int:
+    """Number of countable parameters of ``model`` (denominator of "percent of parameters").
+
+    Args:
+        model: The model.
+        exclude: ``"embeddings"`` (default: parameters of every ``nn.Embedding`` module), an iterable of
+            regexes matched with ``re.search`` against parameter names, or ``None`` (count everything).
+
+    Raises:
+        ValueError: If nothing is countable.
+    """
+    if exclude is None:
+        skip: set[int] = set()
+    elif isinstance(exclude, str):
+        if exclude != EMBEDDINGS:
+            raise ValueError(f"exclude={exclude!r}: use 'embeddings', None, or a list of regexes")
+        skip = {
+            id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
+        }
+    else:
+        pats = [re.compile(p) for p in exclude]
+        skip = {id(p) for n, p in model.named_parameters() if any(q.search(n) for q in pats)}
+    total = sum(p.numel() for p in model.parameters() if id(p) not in skip)
+    if total == 0:
+        raise ValueError(
+            f"model {type(model).__name__} has no countable parameters (exclude={exclude!r})"
+        )
+    return total
