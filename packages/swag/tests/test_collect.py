@@ -1,0 +1,198 @@
+"""SWAG.collect against numpy, masked SGD against a dense torch.optim.SGD reference, frozen entries."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from partialbayes.swag import SWAG, collect_swag
+
+
+@given(n=st.integers(1, 12), k_max=st.integers(2, 6), seed=st.integers(0, 2**16))
+def test_collect_matches_numpy_moments_and_last_k_centred_columns(helpers, n, k_max, seed):
+    model = helpers.tiny_net(seed)
+    subset = helpers.partial_subset(model, seed)
+    swag = SWAG(model, subset, max_rank=k_max)
+    snaps = []
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+        snaps.append(helpers.gathered(model, subset).numpy())
+        swag.collect(model)
+    snaps = np.stack(snaps)
+    assert swag.num_entries == subset.num_entries() == snaps.shape[1]
+    assert swag.n_snapshots == n
+    np.testing.assert_allclose(swag.mean.numpy(), snaps.mean(0), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(swag.variance.numpy(), snaps.var(0), rtol=1e-9, atol=1e-10)
+    running = np.cumsum(snaps, 0) / np.arange(1, n + 1)[:, None]
+    np.testing.assert_allclose(
+        swag.deviations.numpy(), (snaps - running)[-k_max:].T, rtol=1e-10, atol=1e-12
+    )
+
+
+@given(lr=st.sampled_from([1e-2, 1e-1]), seed=st.integers(0, 2**16), wd=st.sampled_from([0, 0.1]))
+def test_masked_sgd_matches_torch_sgd_with_masked_gradient(helpers, lr, seed, wd):
+    model = helpers.tiny_net(seed)
+    subset = helpers.partial_subset(model, seed)
+    batches = helpers.x_batches(model, seed=seed)
+    n_steps, every = 12, 3
+    swag = collect_swag(
+        model,
+        subset,
+        batches,
+        lr=lr,
+        n_steps=n_steps,
+        snapshot_every=every,
+        max_rank=3,
+        weight_decay=wd,
+        loss_fn=helpers.x_loss,
+        progress=False,
+    )
+    # Dense reference: torch SGD (momentum 0.9) on a copy, gradients masked to the subset, rest frozen.
+    ref = helpers.tiny_net(seed)
+    names = list(subset.names)
+    params = dict(ref.named_parameters())
+    for name, p in params.items():
+        p.requires_grad_(name in names)
+    opt = torch.optim.SGD([params[n] for n in names], lr=lr, momentum=0.9)
+    snaps = []
+    for step in range(1, n_steps + 1):
+        opt.zero_grad()
+        helpers.x_loss(ref, batches[(step - 1) % len(batches)]).backward()
+        for n in names:
+            grad = params[n].grad + wd * params[n].detach()
+            params[n].grad = grad * subset.mask(n).to(grad.dtype)
+        opt.step()
+        if step % every == 0:
+            snaps.append(helpers.gathered(ref, subset))
+    snaps = torch.stack(snaps)
+    assert swag.n_snapshots == n_steps // every
+    torch.testing.assert_close(swag.mean, snaps.mean(0), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(swag.variance, snaps.var(0, unbiased=False), rtol=1e-8, atol=1e-12)
+
+
+def test_frozen_entries_never_change_and_map_is_restored(helpers, device):
+    model = helpers.tiny_net(1, device=device)
+    subset = helpers.partial_subset(model, 1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    frozen = {n: ~subset.mask(n).to(device) if n in subset.names else None for n in before}
+    seen = []
+
+    def checking_loss(m, batch):
+        for n, p in m.named_parameters():
+            keep = frozen[n]
+            if keep is None:
+                assert torch.equal(p, before[n]), f"{n} changed"
+            else:
+                assert torch.equal(p[keep], before[n][keep]), f"frozen entries of {n} changed"
+        seen.append(helpers.gathered(m, subset).cpu())
+        return helpers.x_loss(m, batch)
+
+    model.eval()
+    swag = collect_swag(
+        model,
+        subset,
+        helpers.x_batches(model, seed=1),
+        lr=0.1,
+        n_steps=10,
+        snapshot_every=2,
+        max_rank=3,
+        loss_fn=checking_loss,
+        progress=False,
+    )
+    assert len(seen) == 10
+    assert not torch.equal(seen[0], seen[-1])  # the stochastic entries did move
+    assert bool((swag.variance > 0).all())
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])  # back at the MAP
+        assert p.requires_grad
+    assert not model.training  # mode restored
+
+
+def test_snapshots_reproducible_by_seed(helpers):
+    def run():
+        model = helpers.tiny_net(3)
+        subset = helpers.partial_subset(model, 3)
+        swag = collect_swag(
+            model,
+            subset,
+            helpers.x_batches(model, seed=3),
+            lr=0.05,
+            n_steps=8,
+            snapshot_every=2,
+            max_rank=3,
+            loss_fn=helpers.x_loss,
+            progress=False,
+        )
+        return swag, swag.sample(4, generator=torch.Generator().manual_seed(9))
+
+    (a, sa), (b, sb) = run(), run()
+    assert torch.equal(a.mean, b.mean)
+    assert torch.equal(a.deviations, b.deviations)
+    assert torch.equal(sa, sb)
+
+
+def test_fewer_than_k_snapshots_use_the_number_collected(helpers):
+    model = helpers.tiny_net(0)
+    swag = SWAG(model, helpers.partial_subset(model), max_rank=20)
+    for _ in range(3):
+        with torch.no_grad():
+            model.fc1.weight.add_(1.0)
+            model.fc2.weight.mul_(1.5)
+        swag.collect(model)
+    assert swag.deviations.shape == (swag.num_entries, 3)
+    assert swag.sample(2).shape == (2, swag.num_entries)
+    assert swag.num_floats == 22 * swag.num_entries
+
+
+def test_diagonal_only_stores_no_deviations(helpers):
+    model = helpers.tiny_net(0)
+    swag = SWAG(model, helpers.partial_subset(model), diagonal_only=True, max_rank=0)
+    swag.collect(model)
+    assert swag.deviations is None
+    assert swag.num_floats == 2 * swag.num_entries
+    torch.testing.assert_close(swag.sample(), swag.mean)  # one snapshot: zero variance
+
+
+def test_gather_order_matches_subset_gather(helpers):
+    model = helpers.tiny_net(4)
+    subset = helpers.partial_subset(model, 4)
+    swag = SWAG(model, subset)
+    torch.testing.assert_close(swag.current(model), helpers.gathered(model, subset))
+    parts = swag.unflatten(swag.current(model))
+    for n in subset.names:
+        assert torch.equal(parts[n], subset.gather(n, dict(model.named_parameters())[n].detach()))
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_non_finite_loss_stops_naming_the_step_and_restores_map(helpers, bad):
+    from partialbayes.swag import NonFiniteLossError
+
+    model = helpers.tiny_net(0)
+    subset = helpers.partial_subset(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    calls = []
+
+    def loss_fn(m, batch):
+        calls.append(1)
+        loss = helpers.x_loss(m, batch)
+        return loss * float(bad) if len(calls) == 4 else loss
+
+    with pytest.raises(NonFiniteLossError, match="step 4") as err:
+        collect_swag(
+            model,
+            subset,
+            helpers.x_batches(model),
+            lr=0.1,
+            n_steps=10,
+            snapshot_every=2,
+            loss_fn=loss_fn,
+            progress=False,
+        )
+    assert err.value.step == 4
+    assert isinstance(err.value, ValueError)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])

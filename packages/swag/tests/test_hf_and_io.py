@@ -1,0 +1,265 @@
+"""End to end on a tiny DistilBERT, the sample context manager, save/load, bad input."""
+
+import math
+
+import pytest
+import torch
+
+from partialbayes.selection import KronBlock, MaskBlock, Subset
+from partialbayes.swag import (
+    SWAG,
+    collect_swag,
+    load_swag,
+    predictive_nll,
+    sweep_learning_rate,
+)
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_distilbert(seed=0, device="cpu"):
+    torch.manual_seed(seed)
+    config = transformers.DistilBertConfig(
+        vocab_size=50,
+        dim=16,
+        n_layers=2,
+        n_heads=2,
+        hidden_dim=32,
+        max_position_embeddings=32,
+        num_labels=3,
+    )
+    return transformers.DistilBertForSequenceClassification(config).to(device).eval()
+
+
+def hf_batches(n_batches=3, batch=4, length=6, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_batches):
+        mask = torch.ones(batch, length, dtype=torch.long)
+        mask[0, length // 2 :] = 0  # some padding
+        out.append(
+            {
+                "input_ids": torch.randint(0, 50, (batch, length), generator=g).to(device),
+                "attention_mask": mask.to(device),
+                "labels": torch.randint(0, 3, (batch,), generator=g).to(device),
+            }
+        )
+    return out
+
+
+def hf_subset(model):
+    q = "distilbert.transformer.layer.0.attention.q_lin"
+    return Subset.from_model(
+        model,
+        {
+            f"{q}.weight": KronBlock(rows=torch.tensor([1, 4, 7]), cols=torch.tensor([0, 3, 5, 9])),
+            f"{q}.bias": KronBlock(rows=torch.tensor([1, 4, 7])),
+            "classifier.weight": KronBlock(),
+            "classifier.bias": MaskBlock(torch.tensor([True, False, True])),
+        },
+    )
+
+
+def test_sweep_end_to_end_on_tiny_distilbert(device):
+    model = tiny_distilbert(device=device)
+    subset = hf_subset(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    train, val = hf_batches(seed=0, device=device), hf_batches(2, seed=1, device=device)
+    torch.manual_seed(0)
+    result = sweep_learning_rate(
+        model,
+        subset,
+        train,
+        val,
+        lrs=(1e-3, 5e-2),
+        sweep_steps=4,
+        final_steps=6,
+        snapshot_every=2,
+        max_rank=4,
+        n_samples=3,
+        generator=torch.Generator(device=device).manual_seed(0),
+        progress=True,
+    )
+    assert result.lr in (1e-3, 5e-2)
+    assert set(result.nll) == {1e-3, 5e-2}
+    assert all(math.isfinite(v) for v in result.nll.values())
+    assert result.nll[result.lr] == min(result.nll.values())
+    swag = result.swag
+    assert swag.n_snapshots == 3
+    assert swag.deviations.shape == (subset.num_entries(), 3)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n  # back at the MAP, nothing else touched
+    assert not model.training
+    # The NLL of the MC predictive is the mean of -log of the sample-averaged probabilities.
+    g1 = torch.Generator(device=device).manual_seed(3)
+    nll = predictive_nll(model, swag, val, n_samples=2, generator=g1)
+    g2 = torch.Generator(device=device).manual_seed(3)
+    probs = 0
+    with torch.no_grad():
+        for _ in range(2):
+            with swag.sampled(model, generator=g2):
+                probs = probs + torch.cat(
+                    [
+                        torch.softmax(
+                            model(
+                                input_ids=b["input_ids"], attention_mask=b["attention_mask"]
+                            ).logits.double(),
+                            -1,
+                        )
+                        for b in val
+                    ]
+                )
+    labels = torch.cat([b["labels"] for b in val])
+    ref = -torch.log(probs[torch.arange(len(labels)), labels] / 2).mean()
+    assert nll == pytest.approx(float(ref), rel=1e-6)
+
+
+def test_sampled_swaps_and_restores_even_on_error(helpers, device):
+    model = helpers.tiny_net(0, device=device)
+    subset = helpers.partial_subset(model)
+    swag = collect_swag(
+        model,
+        subset,
+        helpers.x_batches(model),
+        lr=0.1,
+        n_steps=6,
+        snapshot_every=2,
+        loss_fn=helpers.x_loss,
+        progress=False,
+    )
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    g = torch.Generator(device=device).manual_seed(0)
+    with swag.sampled(model, generator=g) as w:
+        torch.testing.assert_close(helpers.gathered(model, subset), w.cpu())
+        for n, p in model.named_parameters():
+            keep = (
+                ~subset.mask(n).to(device) if n in subset.names else torch.ones_like(p, dtype=bool)
+            )
+            assert torch.equal(p[keep], before[n][keep])
+        assert not torch.equal(model.fc1.weight, before["fc1.weight"])
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])
+    with pytest.raises(RuntimeError, match="boom"), swag.sampled(model, generator=g):
+        raise RuntimeError("boom")
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])
+
+
+def test_save_load_round_trip_and_refusals(helpers, tmp_path):
+    model = tiny_distilbert()
+    subset = hf_subset(model)
+    swag = collect_swag(
+        model,
+        subset,
+        hf_batches(),
+        lr=0.05,
+        n_steps=8,
+        snapshot_every=2,
+        max_rank=3,
+        progress=False,
+    )
+    path = tmp_path / "swag.safetensors"
+    swag.save(path)
+    loaded = SWAG.load(path, model)
+    assert loaded.n_snapshots == swag.n_snapshots == 4
+    assert loaded.max_rank == 3
+    assert torch.equal(loaded.mean, swag.mean)
+    assert torch.equal(loaded.sq_mean, swag.sq_mean)
+    assert torch.equal(loaded.deviations, swag.deviations)
+    s1 = swag.sample(3, generator=torch.Generator().manual_seed(1))
+    s2 = loaded.sample(3, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(s1, s2)
+    # Collecting on after loading continues the ring buffer like the original.
+    for s in (swag, loaded):
+        with torch.no_grad():
+            model.classifier.weight.add_(0.5)
+        s.collect(model)
+        with torch.no_grad():
+            model.classifier.weight.sub_(0.5)
+    assert torch.equal(loaded.deviations, swag.deviations)
+    # Explicit matching subset is accepted; a different one is refused.
+    assert load_swag(path, model, subset).num_entries == swag.num_entries
+    other = Subset.from_model(model, {"classifier.weight": KronBlock()})
+    with pytest.raises(ValueError, match="subset does not match"):
+        load_swag(path, model, other)
+    # A model of another shape is refused, naming the parameter.
+    config = model.config
+    config.dim, config.hidden_dim = 8, 16
+    wrong = transformers.DistilBertForSequenceClassification(config)
+    with pytest.raises(ValueError, match="does not match"):
+        load_swag(path, wrong)
+    bogus = tmp_path / "bogus.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"mean": torch.zeros(3)}, str(bogus))
+    with pytest.raises(ValueError, match="not a partialbayes SWAG"):
+        load_swag(bogus, model)
+
+
+def test_bad_input(helpers):
+    model = helpers.tiny_net(0)
+    subset = helpers.partial_subset(model)
+    swag = SWAG(model, subset, max_rank=3)
+    with pytest.raises(ValueError, match="0 snapshot"):
+        swag.sample()
+    with pytest.raises(ValueError, match="0 snapshot"):
+        swag.mean
+    swag.collect(model)
+    with pytest.raises(ValueError, match="needs at least 2"):
+        swag.sample()  # one snapshot is not enough for the low-rank part
+    with pytest.raises(ValueError, match="max_rank must be >= 2"):
+        SWAG(model, subset, max_rank=1)
+    with pytest.raises(TypeError, match="Subset"):
+        SWAG(model, {"fc1.weight": None})
+    # A subset of a different model (other shapes) is refused, naming the parameter.
+    other = helpers.tiny_net(0, n_in=6)
+    with pytest.raises(ValueError, match=r"fc1\.weight"):
+        SWAG(other, subset)
+    with pytest.raises(ValueError, match=r"fc1\.weight"):
+        swag.collect(other)
+    with pytest.raises(ValueError, match="lr"):
+        collect_swag(model, subset, helpers.x_batches(model), lr=0.0, loss_fn=helpers.x_loss)
+    with pytest.raises(ValueError, match="no snapshot"):
+        collect_swag(model, subset, helpers.x_batches(model), lr=0.1, n_steps=2, snapshot_every=5)
+    with pytest.raises(TypeError, match="dicts"):
+        collect_swag(
+            model, subset, [torch.zeros(2)], lr=0.1, n_steps=2, snapshot_every=1, progress=False
+        )
+    with pytest.raises(ValueError, match="empty"):
+        collect_swag(model, subset, [], lr=0.1, n_steps=2, snapshot_every=1, progress=False)
+    with torch.no_grad():
+        model.fc1.weight[0, 1] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        swag.collect(model)
+
+
+def test_sweep_skips_diverging_rates_and_fails_when_all_diverge(helpers):
+    model = helpers.tiny_net(0)
+    subset = helpers.partial_subset(model)
+
+    def loss_fn(m, batch):  # diverges whenever the step is large
+        loss = helpers.x_loss(m, batch)
+        return loss if m.fc1.weight.abs().max() < 10 else loss * float("nan")
+
+    kw = dict(
+        sweep_steps=4, final_steps=4, snapshot_every=2, max_rank=2, n_samples=2, progress=False
+    )
+    data = helpers.x_batches(model)
+    val = [{"x": b["x"], "labels": b["labels"]} for b in data]
+    with pytest.warns(RuntimeWarning, match="lr=1000"):
+        result = sweep_learning_rate(
+            model,
+            subset,
+            data,
+            val,
+            lrs=(1e-2, 1e3),
+            loss_fn=loss_fn,
+            logits_fn=lambda m, b: m(b["x"]),
+            **kw,
+        )
+    assert result.lr == 1e-2
+    assert result.nll[1e3] == math.inf
+    with pytest.raises(ValueError, match="every learning rate"), pytest.warns(RuntimeWarning):
+        sweep_learning_rate(model, subset, data, val, lrs=(1e3,), loss_fn=loss_fn, **kw)
+    with pytest.raises(ValueError, match="fewer than 2 snapshots"):
+        sweep_learning_rate(model, subset, data, val, lrs=(1e-2,), sweep_steps=2, snapshot_every=2)
