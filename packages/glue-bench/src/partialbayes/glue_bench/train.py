@@ -1,0 +1,267 @@
+"""MAP fine-tuning with the paper's Table 5 settings, early stopping, and cached safetensors checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm.auto import tqdm
+
+from partialbayes.glue_bench.data_glue import Examples, encode
+
+Batch = Mapping[str, torch.Tensor]
+OPTIMIZERS = ("adamw", "ivon")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Fine-tuning settings (defaults: the paper's Table 5).
+
+    Attributes:
+        lr: AdamW learning rate.
+        betas: AdamW betas.
+        weight_decay: AdamW weight decay.
+        batch_size: Training batch size.
+        epochs: Maximum number of epochs.
+        patience: Stop after this many epochs without a better validation accuracy.
+        max_length: Maximum sequence length in tokens.
+        dropout: Hidden and attention dropout of the encoder.
+        optimizer: ``adamw`` or ``ivon``.
+        ivon_lr: IVON learning rate.
+        ivon_hess_init: IVON initial Hessian.
+        seed: Seed of the initialisation of the head and of the batch order.
+    """
+
+    lr: float = 5e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.01
+    batch_size: int = 16
+    epochs: int = 10
+    patience: int = 3
+    max_length: int = 128
+    dropout: float = 0.1
+    optimizer: str = "adamw"
+    ivon_lr: float = 0.1
+    ivon_hess_init: float = 0.1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"unknown optimizer {self.optimizer!r}; valid optimizers: {', '.join(OPTIMIZERS)}"
+            )
+        for key in ("batch_size", "epochs", "patience", "max_length"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict."""
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+
+def model_inputs(batch: Batch, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The model's keyword inputs of a batch (everything but ``labels``), moved to ``device``."""
+    return {k: v.to(device) for k, v in batch.items() if k != "labels"}
+
+
+def logits_of(model: nn.Module, batch: Batch, device: torch.device | str) -> torch.Tensor:
+    """(B, C) logits of a Hugging Face classifier on a dict batch."""
+    return model(**model_inputs(batch, device)).logits
+
+
+@torch.no_grad()
+def predict_logits(
+    model: nn.Module, batches: Iterable[Batch], device: torch.device | str
+) -> torch.Tensor:
+    """(N, C) float64 logits over all batches, in eval mode (the model's mode is restored)."""
+    was_training = model.training
+    model.eval()
+    try:
+        out = [logits_of(model, b, device).double().cpu() for b in batches]
+    finally:
+        model.train(was_training)
+    return torch.cat(out)
+
+
+def labels_of(batches: Iterable[Batch]) -> torch.Tensor:
+    """(N,) int64 labels over all batches."""
+    return torch.cat([b["labels"] for b in batches])
+
+
+def accuracy(model: nn.Module, batches: Sequence[Batch], device: torch.device | str) -> float:
+    """Accuracy of the model on the batches."""
+    logits = predict_logits(model, batches, device)
+    return float((logits.argmax(-1) == labels_of(batches)).double().mean())
+
+
+def _epoch_batches(
+    train: Examples, tokenizer: Any, config: TrainConfig, epoch: int
+) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(config.seed * 1000 + epoch)
+    order = torch.randperm(len(train), generator=gen).tolist()
+    return encode(train.take(order), tokenizer, config.batch_size, config.max_length)
+
+
+def _make_optimizer(model: nn.Module, config: TrainConfig, n_train: int) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if config.optimizer == "ivon":
+        from partialbayes.ivon import IVON  # optional at import time: sibling package
+
+        return IVON(
+            params,
+            lr=config.ivon_lr,
+            ess=float(n_train),
+            hess_init=config.ivon_hess_init,
+            weight_decay=1e-4,
+        )
+    return torch.optim.AdamW(
+        params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+    )
+
+
+def finetune(
+    model: nn.Module,
+    tokenizer: Any,
+    train: Examples,
+    val: Examples,
+    config: TrainConfig,
+    device: torch.device | str = "cpu",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Fine-tune ``model`` in place; keep the weights of the epoch with the best validation accuracy.
+
+    Returns:
+        A summary: best epoch, its validation accuracy, per-epoch history, seconds; with
+        ``optimizer="ivon"`` also ``"ivon_hess"`` (parameter name -> Hessian estimate) and ``"ivon"``
+        (the hyperparameters needed to rebuild the posterior).
+    """
+    if len(train) == 0 or len(val) == 0:
+        raise ValueError(f"need training and validation examples, got {len(train)} and {len(val)}")
+    torch.manual_seed(config.seed)
+    model.to(device)
+    opt = _make_optimizer(model, config, len(train))
+    val_batches = encode(val, tokenizer, 64, config.max_length)
+    best_acc, best_epoch, stale = -1.0, -1, 0
+    best_state: dict[str, torch.Tensor] | None = None
+    best_hess: dict[str, torch.Tensor] | None = None
+    history = []
+    start = time.perf_counter()
+    for epoch in range(config.epochs):
+        model.train()
+        batches = _epoch_batches(train, tokenizer, config, epoch)
+        bar = tqdm(batches, desc=f"fine-tune epoch {epoch + 1}", disable=not progress, leave=False)
+        total = 0.0
+        for batch in bar:
+            labels = batch["labels"].to(device)
+            if config.optimizer == "ivon":
+                with opt.sampled_params(train=True):  # type: ignore[attr-defined]
+                    loss = F.cross_entropy(logits_of(model, batch, device), labels)
+                    loss.backward()
+            else:
+                opt.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(logits_of(model, batch, device), labels)
+                loss.backward()
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite training loss at epoch {epoch + 1}")
+            opt.step()
+            total += float(loss)
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+        acc = accuracy(model, val_batches, device)
+        history.append(
+            {"epoch": epoch + 1, "train_loss": total / len(batches), "val_accuracy": acc}
+        )
+        if acc > best_acc:
+            best_acc, best_epoch, stale = acc, epoch + 1, 0
+            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            best_hess = _ivon_hessians(model, opt) if config.optimizer == "ivon" else None
+        else:
+            stale += 1
+            if stale >= config.patience:
+                break
+    assert best_state is not None
+    model.load_state_dict(best_state)
+    model.eval()
+    summary: dict[str, Any] = {
+        "best_epoch": best_epoch,
+        "val_accuracy": best_acc,
+        "history": history,
+        "seconds": time.perf_counter() - start,
+    }
+    if config.optimizer == "ivon":
+        summary["ivon_hess"] = best_hess
+        group = opt.param_groups[0]
+        summary["ivon"] = {"ess": group["ess"], "weight_decay": group["weight_decay"]}
+    return summary
+
+
+def _ivon_hessians(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    return {
+        name: opt.state[p]["hess"].detach().clone()
+        for name, p in model.named_parameters()
+        if p in opt.state and "hess" in opt.state[p]
+    }
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+    os.replace(tmp, path)
+
+
+def save_checkpoint(
+    model: nn.Module,
+    folder: Path,
+    meta: dict[str, Any],
+    extra: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Write ``model.safetensors`` (state dict), optional ``ivon_hess.safetensors`` and ``meta.json``.
+
+    ``meta.json`` is written last (atomically), so a folder with it is complete.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    # safetensors refuses shared storage: clone every tensor.
+    _atomic_save({k: v.clone() for k, v in state.items()}, folder / "model.safetensors")
+    if extra:
+        _atomic_save(extra, folder / "ivon_hess.safetensors")
+    tmp = folder / f"meta.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True))
+    os.replace(tmp, folder / "meta.json")
+
+
+def load_checkpoint(
+    model: nn.Module, folder: Path
+) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None] | None:
+    """Load a complete checkpoint into ``model``; ``None`` when ``folder`` holds none.
+
+    Returns:
+        ``(meta, ivon_hessians or None)``.
+
+    Raises:
+        ValueError: The checkpoint does not match the model's parameter names or shapes.
+    """
+    if not (folder / "meta.json").is_file():
+        return None
+    meta = json.loads((folder / "meta.json").read_text())
+    state = load_file(str(folder / "model.safetensors"))
+    own = model.state_dict()
+    if set(state) != set(own) or any(state[k].shape != own[k].shape for k in own):
+        raise ValueError(f"checkpoint {folder} does not match the model's structure")
+    model.load_state_dict(state)
+    model.eval()
+    hess_path = folder / "ivon_hess.safetensors"
+    hess = load_file(str(hess_path)) if hess_path.is_file() else None
+    return meta, hess

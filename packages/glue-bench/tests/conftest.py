@@ -1,0 +1,116 @@
+"""Fixtures: a tiny tokenizer and tiny random-init encoders built in code, and a mini GLUE folder."""
+
+from __future__ import annotations
+
+import os
+import string
+from pathlib import Path
+
+import pytest
+import torch
+
+SYNTHETIC = {
+    "SST-2": (
+        "sentence\tlabel\n",
+        [
+            ("a charming and often affecting journey . ", "1"),
+            ("unflinchingly bleak and desperate ", "0"),
+            ('the " best " film of the year ', "1"),
+            ("dull , lifeless and boring ", "0"),
+        ],
+    ),
+}
+
+
+def _build_tokenizer(folder: Path):
+    from transformers import BertTokenizerFast
+
+    chars = list(string.ascii_lowercase + string.digits + string.punctuation)
+    words = ["the", "and", "a", "of", "to", "is", "in", "it", "that", "film"]
+    vocab = [
+        "[PAD]",
+        "[UNK]",
+        "[CLS]",
+        "[SEP]",
+        "[MASK]",
+        *chars,
+        *[f"##{c}" for c in chars],
+        *words,
+    ]
+    path = folder / "vocab.txt"
+    path.write_text("\n".join(vocab) + "\n")
+    return BertTokenizerFast(vocab_file=str(path), do_lower_case=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory):
+    return _build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture
+def tiny_bert_factory(tiny_tokenizer):
+    """Returns ``make(num_labels) -> (model, tokenizer)`` with a random-init 2-layer BERT."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    def make(num_labels: int = 2, seed: int = 0):
+        torch.manual_seed(seed)
+        config = BertConfig(
+            vocab_size=tiny_tokenizer.vocab_size,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=64,
+            num_labels=num_labels,
+        )
+        return BertForSequenceClassification(config), tiny_tokenizer
+
+    return make
+
+
+@pytest.fixture
+def tiny_distilbert_factory(tiny_tokenizer):
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+    def make(num_labels: int = 2, seed: int = 0):
+        torch.manual_seed(seed)
+        config = DistilBertConfig(
+            vocab_size=tiny_tokenizer.vocab_size,
+            dim=16,
+            n_layers=2,
+            n_heads=2,
+            hidden_dim=32,
+            max_position_embeddings=64,
+            num_labels=num_labels,
+        )
+        return DistilBertForSequenceClassification(config), tiny_tokenizer
+
+    return make
+
+
+def _head(path: Path, n_rows: int) -> str:
+    """Header plus the first ``n_rows`` data lines of a file (bytes kept, BOM included)."""
+    with path.open(encoding="utf-8", newline="") as handle:
+        lines = [handle.readline() for _ in range(n_rows + 1)]
+    return "".join(lines)
+
+
+@pytest.fixture
+def mini_glue(tmp_path) -> Path:
+    """A GLUE folder with the first 48 training and 24 dev rows of the real files when
+    ``$PARTIALBAYES_DATA`` is set; otherwise a synthetic SST-2 folder of the same layout."""
+    out = tmp_path / "glue"
+    root = os.environ.get("PARTIALBAYES_DATA")
+    if root and (Path(root) / "glue").is_dir():
+        for task in ("SST-2", "MRPC", "RTE"):
+            (out / task).mkdir(parents=True)
+            for split, n in (("train", 48), ("dev", 24)):
+                src = Path(root) / "glue" / task / f"{split}.tsv"
+                (out / task / f"{split}.tsv").write_text(_head(src, n), encoding="utf-8")
+        return out
+    header, rows = SYNTHETIC["SST-2"]
+    (out / "SST-2").mkdir(parents=True)
+    for split, n in (("train", 48), ("dev", 24)):
+        body = "".join(f"{rows[i % len(rows)][0]}\t{rows[i % len(rows)][1]}\n" for i in range(n))
+        (out / "SST-2" / f"{split}.tsv").write_text(header + body)
+    return out
