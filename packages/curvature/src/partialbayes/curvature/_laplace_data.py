@@ -1,0 +1,140 @@
+"""Data plumbing of the Laplace posteriors: batches, the training loss at the MAP, parameter Jacobians."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from partialbayes.selection import Subset
+
+
+def split_batch(batch: Any) -> tuple[Any, Tensor]:
+    """Split a batch into model inputs and labels.
+
+    Accepted: ``(inputs, labels)`` tuples / lists, or Hugging Face dicts with a ``"labels"`` key.
+
+    Raises:
+        TypeError: If no labels can be found.
+    """
+    if isinstance(batch, dict):
+        if "labels" not in batch:
+            raise TypeError(f"dict batch needs a 'labels' key; got keys {sorted(batch)}")
+        return {k: v for k, v in batch.items() if k != "labels"}, batch["labels"]
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise TypeError(
+        f"batch must be (inputs, labels) or a dict with 'labels', got {type(batch).__name__}"
+    )
+
+
+def model_logits(model: nn.Module, inputs: Any) -> Tensor:
+    """Logits ``[B, C]`` of ``model`` on ``inputs`` (a tensor, or a dict of keyword tensors)."""
+    out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    logits = getattr(out, "logits", out)
+    if isinstance(logits, (tuple, list)):
+        logits = logits[0]
+    if not isinstance(logits, Tensor) or logits.ndim != 2:
+        raise ValueError(
+            f"model output must be logits of shape [B, C], got {getattr(logits, 'shape', type(logits))}"
+        )
+    return logits
+
+
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` in eval mode (dropout off), restoring its mode afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def map_loss(
+    model: nn.Module, loader: Iterable[Any], likelihood: str, num_classes: int | None = None
+) -> tuple[float, int, int]:
+    """Training loss at the MAP, summed over the data, in eval mode.
+
+    Classification: summed cross-entropy (nats). Regression: summed squared error over all outputs.
+
+    Returns:
+        ``(loss, n_examples, n_outputs)``.
+
+    Raises:
+        ValueError: On an empty loader, out-of-range labels or a wrong number of classes.
+    """
+    total, n, n_out = 0.0, 0, 0
+    with torch.no_grad(), eval_mode(model):
+        for batch in loader:
+            inputs, labels = split_batch(batch)
+            f = model_logits(model, inputs)
+            n_out = f.shape[1]
+            labels = labels.to(f.device)
+            if likelihood == "classification":
+                if num_classes is not None and f.shape[1] != num_classes:
+                    raise ValueError(
+                        f"model returns {f.shape[1]} logits but num_classes={num_classes}"
+                    )
+                if labels.min() < 0 or labels.max() >= f.shape[1]:
+                    raise ValueError(
+                        f"labels out of range [0, {f.shape[1]}): min {int(labels.min())}, max {int(labels.max())}"
+                    )
+                total += float(nn.functional.cross_entropy(f.double(), labels, reduction="sum"))
+            else:
+                total += float(((f.double() - labels.reshape(f.shape).double()) ** 2).sum())
+            n += f.shape[0]
+    if n == 0:
+        raise ValueError("loader is empty: the posterior needs at least one batch")
+    if not math.isfinite(total):
+        raise ValueError(f"the training loss at the MAP is not finite ({total})")
+    return total, n, n_out
+
+
+def param_jacobians(
+    model: nn.Module, inputs: Any, subset: Subset
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-example logit Jacobians w.r.t. the subset's entries, by reverse mode over all logits.
+
+    Generic (any parameter, any mask) but costs one batched backward pass over ``B·C`` cotangents
+    (falling back to ``B·C`` plain backward passes when batching fails). Examples must not interact
+    (eval mode, no batch statistics).
+
+    Returns:
+        ``(logits [B, C], {param name: J [B, C, k]})`` with ``k`` entries in ``subset.gather`` order.
+    """
+    params = dict(model.named_parameters())
+    targets = [params[n] for n in subset.names]
+    with torch.enable_grad():
+        f = model_logits(model, inputs)
+        b, c = f.shape
+        eye = torch.eye(b * c, dtype=f.dtype, device=f.device).reshape(b * c, b, c)
+        try:
+            grads = torch.autograd.grad(
+                f, targets, eye, is_grads_batched=True, allow_unused=True, retain_graph=True
+            )
+        except RuntimeError:
+            rows = [
+                torch.autograd.grad(f, targets, e, allow_unused=True, retain_graph=True)
+                for e in eye
+            ]
+            grads = tuple(
+                torch.stack([r[i] if r[i] is not None else torch.zeros_like(t) for r in rows])
+                if any(r[i] is not None for r in rows)
+                else None
+                for i, t in enumerate(targets)
+            )
+    jac = {}
+    for name, t, g in zip(subset.names, targets, grads, strict=True):
+        if g is None:
+            warnings.warn(f"logits do not depend on parameter {name!r}", stacklevel=2)
+            g = torch.zeros((b * c, *t.shape), dtype=f.dtype, device=f.device)
+        mask = subset.mask(name).to(g.device)
+        jac[name] = g.reshape(b * c, -1)[:, mask.reshape(-1)].reshape(b, c, -1)
+    return f.detach(), jac
