@@ -3,6 +3,8 @@
 from partialbayes.curvature._kfac_math import kfac_factors
 
 __all__ = ["kfac_factors"]
+from partialbayes.curvature._laplace_dense import DenseLaplace
+from partialbayes.curvature._laplace_diag import DiagLaplace
 from partialbayes.curvature._laplace_kron import KronLaplace
 
-__all__ += ["KronLaplace"]
+__all__ += ["DenseLaplace", "DiagLaplace", "KronLaplace"]
