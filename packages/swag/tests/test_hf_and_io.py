@@ -263,3 +263,59 @@ def test_sweep_skips_diverging_rates_and_fails_when_all_diverge(helpers):
         sweep_learning_rate(model, subset, data, val, lrs=(1e3,), loss_fn=loss_fn, **kw)
     with pytest.raises(ValueError, match="fewer than 2 snapshots"):
         sweep_learning_rate(model, subset, data, val, lrs=(1e-2,), sweep_steps=2, snapshot_every=2)
+
+
+def test_gpt2_conv1d_partial_tensor_only_selected_entries_move():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16, num_labels=2, pad_token_id=0
+    )
+    model = transformers.GPT2ForSequenceClassification(config).eval()
+    # c_attn is a Conv1D: logical (48 x 16) map stored as (16 x 48); rows/cols are logical.
+    subset = Subset.from_model(
+        model,
+        {
+            "transformer.h.0.attn.c_attn.weight": KronBlock(
+                rows=torch.tensor([0, 5, 40]), cols=torch.tensor([2, 3])
+            )
+        },
+    )
+    name = "transformer.h.0.attn.c_attn.weight"
+    mask = subset.mask(name)
+    assert mask.shape == (16, 48)
+    assert mask[2, 40]
+    assert not mask[0, 2]
+    assert int(mask.sum()) == 6
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moved = []
+
+    def loss_fn(m, batch):
+        w = dict(m.named_parameters())[name].detach()
+        assert torch.equal(w[~mask], before[name][~mask])
+        moved.append(not torch.equal(w[mask], before[name][mask]))
+        return transformers.GPT2ForSequenceClassification.forward(m, **batch).loss
+
+    batches = [
+        {
+            "input_ids": torch.randint(1, 50, (4, 6), generator=torch.Generator().manual_seed(i)),
+            "labels": torch.tensor([0, 1, 1, 0]),
+        }
+        for i in range(2)
+    ]
+    swag = collect_swag(
+        model,
+        subset,
+        batches,
+        lr=0.5,
+        n_steps=6,
+        snapshot_every=2,
+        max_rank=3,
+        loss_fn=loss_fn,
+        progress=False,
+    )
+    assert any(moved[1:])
+    assert swag.num_entries == 6
+    with swag.sampled(model, generator=torch.Generator().manual_seed(0)) as w:
+        assert torch.equal(subset.gather(name, dict(model.named_parameters())[name].detach()), w)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])

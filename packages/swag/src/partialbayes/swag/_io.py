@@ -51,14 +51,6 @@ def save_swag(swag: SWAG, path: str | Path) -> None:
     save_file(tensors, str(path), metadata={"partialbayes_swag": json.dumps(meta)})
 
 
-def _same_layout(a: FlatLayout, b: FlatLayout) -> bool:
-    return (
-        a.names == b.names
-        and a.shapes == b.shapes
-        and all(torch.equal(x, y) for x, y in zip(a.indices, b.indices, strict=True))
-    )
-
-
 def load_swag(path: str | Path, model: nn.Module, subset: Any | None = None) -> SWAG:
     """Load a SWAG saved by `save_swag` onto ``model``.
 
@@ -99,7 +91,7 @@ def load_swag(path: str | Path, model: nn.Module, subset: Any | None = None) -> 
     saved_subset = Subset.from_json(meta["subset"], model)
     if subset is None:
         subset = saved_subset
-    elif not _same_layout(FlatLayout.from_subset(subset), FlatLayout.from_subset(saved_subset)):
+    elif not FlatLayout.from_subset(subset).same_entries(FlatLayout.from_subset(saved_subset)):
         raise ValueError("subset does not match the saved SWAG: it selects different entries")
     swag = SWAG(
         model,

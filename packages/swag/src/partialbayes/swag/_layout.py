@@ -60,6 +60,23 @@ class FlatLayout:
             raise ValueError("subset has no stochastic entries: SWAG needs at least one")
         return cls(names, tuple(shapes), tuple(indices), tuple(offsets))
 
+    def to(self, device: torch.device | str) -> FlatLayout:
+        """The same layout with its index tensors on ``device`` (avoids a copy per gather/scatter)."""
+        return FlatLayout(
+            self.names, self.shapes, tuple(i.to(device) for i in self.indices), self.offsets
+        )
+
+    def same_entries(self, other: FlatLayout) -> bool:
+        """Whether ``other`` selects exactly the same entries of the same parameters."""
+        return (
+            self.names == other.names
+            and self.shapes == other.shapes
+            and all(
+                torch.equal(a.cpu(), b.cpu())
+                for a, b in zip(self.indices, other.indices, strict=True)
+            )
+        )
+
     @property
     def size(self) -> int:
         """Number of stochastic entries ``d``."""
@@ -103,7 +120,7 @@ class FlatLayout:
         parts = []
         for name, idx in zip(self.names, self.indices, strict=True):
             t = tensors[name].detach()
-            parts.append(t.reshape(-1)[idx.to(t.device)])
+            parts.append(t.reshape(-1)[idx if idx.device == t.device else idx.to(t.device)])
         flat = torch.cat(parts)
         return flat if dtype is None else flat.to(dtype)
 
@@ -117,12 +134,13 @@ class FlatLayout:
         with torch.no_grad():
             for i, (name, idx) in enumerate(zip(self.names, self.indices, strict=True)):
                 p = params[name]
+                idx = idx if idx.device == p.device else idx.to(p.device)
                 values = flat[self.offsets[i] : self.offsets[i + 1]].to(p.device, p.dtype)
                 if p.is_contiguous():
-                    p.view(-1).index_copy_(0, idx.to(p.device), values)
+                    p.view(-1).index_copy_(0, idx, values)
                 else:
                     tmp = p.detach().reshape(-1).clone()
-                    tmp.index_copy_(0, idx.to(p.device), values)
+                    tmp.index_copy_(0, idx, values)
                     p.copy_(tmp.view(p.shape))
 
     def unflatten(self, flat: Tensor) -> dict[str, Tensor]:

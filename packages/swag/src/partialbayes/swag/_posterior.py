@@ -62,6 +62,7 @@ class SWAG:
         if not self.dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating point dtype, got {self.dtype}")
         self.device = first.device
+        self.layout = self.layout.to(self.device)
         self.max_rank = max_rank
         self.diagonal_only = diagonal_only
         d = self.layout.size

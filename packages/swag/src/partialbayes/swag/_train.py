@@ -169,15 +169,14 @@ def collect_swag(
             data = cycle(batches)
             for step in range(1, n_steps + 1):
                 loss = loss_fn(model, to_device(next(data), device))
-                if not bool(torch.isfinite(loss.detach()).all()):
-                    raise NonFiniteLossError(step, lr, f"loss {loss.item()}")
+                loss_value = float(loss.detach())  # the one host sync per step
+                if not math.isfinite(loss_value):
+                    raise NonFiniteLossError(step, lr, f"loss {loss_value}")
                 loss.backward()
                 grads = {
                     n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in params.items()
                 }
                 g = layout.gather(grads)
-                if not bool(torch.isfinite(g).all()):
-                    raise NonFiniteLossError(step, lr, "gradient")
                 for p in params.values():
                     p.grad = None
                 if weight_decay:
@@ -186,10 +185,12 @@ def collect_swag(
                 w.sub_(lr * buf)
                 layout.scatter_(params, w)
                 if step % snapshot_every == 0:
+                    if not bool(torch.isfinite(w).all()):
+                        raise NonFiniteLossError(step, lr, "weights (gradient overflow)")
                     swag.collect(model)
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{loss.item():.4f}", snapshots=swag.n_snapshots)
+                    bar.set_postfix(loss=f"{loss_value:.4f}", snapshots=swag.n_snapshots)
     finally:
         layout.scatter_(params, w_map)
         for p in params.values():
