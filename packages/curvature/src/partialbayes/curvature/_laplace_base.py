@@ -11,6 +11,7 @@ implements the small hooks marked "subclass" below; everything else is here, onc
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -465,6 +466,29 @@ class LaplaceBase:
         lines += [f"{m.ljust(width)}  {s:<40}  {f}" for m, s, f in rows]
         lines.append(f"{'total'.ljust(width)}  {'':<40}  {self.num_floats}")
         return "\n".join(lines)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Save to one ``.safetensors`` file (tensors) with JSON metadata (options, subset, model structure)."""
+        from partialbayes.curvature._io import save_posterior
+
+        save_posterior(self, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], model: nn.Module) -> LaplaceBase:
+        """Load a posterior saved with `save` onto ``model``.
+
+        Raises:
+            ValueError: If ``model``'s parameter names / shapes or the saved subset do not match, or the file
+                holds another posterior type than ``cls``.
+        """
+        from partialbayes.curvature._io import load_posterior
+
+        post = load_posterior(path, model)
+        if cls is not LaplaceBase and not isinstance(post, cls):
+            raise ValueError(
+                f"{os.fspath(path)!r} holds a {type(post).__name__}, not a {cls.__name__}"
+            )
+        return post
 
     def __repr__(self) -> str:
         state = f"{self.num_floats} floats" if self._fitted else "not fitted"

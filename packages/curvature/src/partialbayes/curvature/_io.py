@@ -1,0 +1,145 @@
+"""Save / load Laplace posteriors: safetensors for the tensors, JSON metadata, never pickle."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from partialbayes.selection import Subset
+
+FORMAT = "partialbayes.curvature.Laplace"
+VERSION = 1
+_DTYPES = {"torch.float64": torch.float64, "torch.float32": torch.float32}
+
+
+def _structure(model: nn.Module) -> list[list[Any]]:
+    return [[n, list(p.shape)] for n, p in model.named_parameters()]
+
+
+def _classes() -> dict[str, type]:
+    from partialbayes.curvature._laplace_dense import DenseLaplace
+    from partialbayes.curvature._laplace_diag import DiagLaplace
+    from partialbayes.curvature._laplace_kron import KronLaplace
+
+    return {c.__name__: c for c in (KronLaplace, DiagLaplace, DenseLaplace)}
+
+
+def save_posterior(posterior: Any, path: str | os.PathLike[str]) -> None:
+    """Write a fitted posterior to ``path`` (one ``.safetensors`` file with JSON metadata).
+
+    Stored: the curvature representation, the MAP entries, the prior precision, the subset (JSON), the
+    model's parameter structure (names and shapes) and the options needed to rebuild the posterior.
+    """
+    posterior._require_fit()
+    tensors = {f"curv:{k}": v for k, v in posterior._curvature_state().items()}
+    tensors.update({f"map:{k}": v for k, v in posterior._map.items()})
+    tensors["prior_precision"] = posterior.prior_precision.detach()
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    options = {"max_entries": posterior.max_entries} if hasattr(posterior, "max_entries") else {}
+    if hasattr(posterior, "sharing"):
+        options["sharing"] = posterior.sharing
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "class": type(posterior).__name__,
+        "model_class": type(posterior.model).__name__,
+        "structure": _structure(posterior.model),
+        "subset": posterior.subset.to_json(),
+        "modules": list(posterior.modules),
+        "likelihood": posterior.likelihood,
+        "fisher": posterior.fisher,
+        "mc_samples": posterior.mc_samples,
+        "num_classes": posterior.num_classes,
+        "temperature": posterior.temperature,
+        "sigma_noise": posterior.sigma_noise,
+        "sigma_fit": posterior._sigma_fit,
+        "dtype": str(posterior.dtype),
+        "n_data": posterior.n_data,
+        "n_outputs": posterior.n_outputs,
+        "map_loss": posterior.map_loss,
+        "options": options,
+    }
+    save_file(tensors, os.fspath(path), metadata={"partialbayes": json.dumps(meta)})
+
+
+def _check_structure(meta: dict[str, Any], model: nn.Module) -> None:
+    saved = {n: tuple(s) for n, s in meta["structure"]}
+    here = {n: tuple(s) for n, s in _structure(model)}
+    if saved == here:
+        return
+    missing = sorted(set(saved) - set(here))[:3]
+    extra = sorted(set(here) - set(saved))[:3]
+    shapes = [
+        f"{n}: saved {saved[n]}, model {here[n]}"
+        for n in saved
+        if n in here and saved[n] != here[n]
+    ]
+    raise ValueError(
+        f"model {type(model).__name__} does not match the saved posterior (fitted on "
+        f"{meta['model_class']}): missing parameters {missing}, unexpected {extra}, shape mismatches "
+        f"{shapes[:3]}"
+    )
+
+
+def load_posterior(path: str | os.PathLike[str], model: nn.Module) -> Any:
+    """Load a posterior saved by `save_posterior` onto ``model``.
+
+    Raises:
+        ValueError: If the file is not a saved posterior, or ``model``'s parameter structure (names and
+            shapes) or the saved subset do not match ``model``.
+    """
+    with safe_open(os.fspath(path), framework="pt") as f:
+        raw = (f.metadata() or {}).get("partialbayes")
+        if raw is None:
+            raise ValueError(f"{os.fspath(path)!r} is not a saved partialbayes Laplace posterior")
+        meta = json.loads(raw)
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iterator)
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ValueError(
+            f"unsupported posterior file format {meta.get('format')!r} v{meta.get('version')}"
+        )
+    _check_structure(meta, model)
+    subset = Subset.from_json(meta["subset"], model)
+    cls = _classes()[meta["class"]]
+    post = cls(
+        model,
+        subset,
+        likelihood=meta["likelihood"],
+        prior_precision=tensors["prior_precision"],
+        temperature=meta["temperature"],
+        sigma_noise=meta["sigma_noise"],
+        fisher=meta["fisher"],
+        mc_samples=meta["mc_samples"],
+        num_classes=meta["num_classes"],
+        dtype=_DTYPES[meta["dtype"]],
+        **meta["options"],
+    )
+    if list(post.modules) != meta["modules"]:
+        raise ValueError(
+            f"saved modules {meta['modules']} do not match the subset's {list(post.modules)}"
+        )
+    post._load_curvature_state({k[5:]: v for k, v in tensors.items() if k.startswith("curv:")})
+    post._map = {
+        n: tensors[f"map:{n}"].to(device=post.device, dtype=post.dtype) for n in subset.names
+    }
+    post.n_data, post.n_outputs, post.map_loss = meta["n_data"], meta["n_outputs"], meta["map_loss"]
+    post._sigma_fit = meta["sigma_fit"]
+    post._fitted = True
+    params = dict(model.named_parameters())
+    for n in subset.names:
+        here = subset.gather(n, params[n].detach()).to(post.dtype)
+        if not torch.allclose(here, post._map[n], rtol=1e-5, atol=1e-6):
+            warnings.warn(
+                f"the model's current values of {n!r} differ from the saved MAP; the posterior is centred on "
+                "the saved MAP (swapped() restores the saved MAP values)",
+                stacklevel=2,
+            )
+            break
+    return post
