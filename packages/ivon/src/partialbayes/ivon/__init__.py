@@ -1,5 +1,30 @@
-"""The IVON optimizer: improved variational online Newton."""
+"""The IVON optimizer (improved variational online Newton), sampled weights and Multi-IVON.
+
+IVON (Shen et al., *Variational Learning is Effective for Large Deep Networks*, ICML 2024) learns a
+mean-field Gaussian posterior over the weights at about the cost of AdamW. :class:`IVON` is the optimizer;
+:func:`ivon_posterior` reads the learned Gaussian off it, :func:`predict_mean` and :func:`predict_mc`
+predict with it, and :class:`MultiIVON` mixes several runs.
+"""
 
 from partialbayes.ivon._math import hessian_update
+from partialbayes.ivon.optimizer import HESS_APPROX, IVON
+from partialbayes.ivon.posterior import (
+    GaussianPosterior,
+    MultiIVON,
+    ivon_posterior,
+    predict_mc,
+    predict_mean,
+    swapped_params,
+)
 
-__all__ = ["hessian_update"]
+__all__ = [
+    "HESS_APPROX",
+    "IVON",
+    "GaussianPosterior",
+    "MultiIVON",
+    "hessian_update",
+    "ivon_posterior",
+    "predict_mc",
+    "predict_mean",
+    "swapped_params",
+]
