@@ -177,7 +177,7 @@ def finetune(
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite training loss at epoch {epoch + 1}")
             opt.step()
-            total += float(loss)
+            total += float(loss.detach())
             bar.set_postfix(loss=f"{loss.item():.3f}")
         acc = accuracy(model, val_batches, device)
         history.append(

@@ -1,0 +1,190 @@
+"""Run the GLUE grid: fine-tune (or reuse) one MAP per (task, split), then fill every method cell."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from partialbayes.glue_bench.data_glue import encode, load_glue, split_indices, task_spec
+from partialbayes.glue_bench.methods import Context, Method, Settings, get_methods
+from partialbayes.glue_bench.metrics import all_metrics
+from partialbayes.glue_bench.models import DEFAULT_MODEL, load_encoder
+from partialbayes.glue_bench.store import Cell, ResultStore, shard_units
+from partialbayes.glue_bench.train import TrainConfig, finetune, load_checkpoint, save_checkpoint
+
+ModelFactory = Callable[[str, int, float], tuple[torch.nn.Module, Any]]
+
+
+@dataclass
+class RunConfig:
+    """Everything that determines the results (stored as the results folder's configuration).
+
+    Attributes:
+        model: Model name or path (``minilm`` is the packaged default).
+        train: Fine-tuning settings.
+        settings: Method hyperparameters.
+        max_train_examples: Cap on the training part of each split (``None``: the paper's sizes).
+        max_test_examples: Cap on the test set (``None``: the whole GLUE dev set).
+        curvature_batch_size: Batch size of the curvature, SWAG and prediction passes.
+        seed: Base seed.
+    """
+
+    model: str = DEFAULT_MODEL
+    train: TrainConfig = field(default_factory=TrainConfig)
+    settings: Settings = field(default_factory=Settings)
+    max_train_examples: int | None = None
+    max_test_examples: int | None = None
+    curvature_batch_size: int = 16
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict (the store's fingerprint is taken of it)."""
+        return {
+            "model": self.model,
+            "train": self.train.to_dict(),
+            "settings": self.settings.to_dict(),
+            "max_train_examples": self.max_train_examples,
+            "max_test_examples": self.max_test_examples,
+            "curvature_batch_size": self.curvature_batch_size,
+            "seed": self.seed,
+        }
+
+
+def _to(
+    batches: list[dict[str, torch.Tensor]], device: torch.device
+) -> list[dict[str, torch.Tensor]]:
+    return [{k: v.to(device) for k, v in b.items()} for b in batches]
+
+
+def prepare_context(
+    task: str,
+    split: int,
+    config: RunConfig,
+    store: ResultStore,
+    device: torch.device,
+    glue_dir: str | Path | None = None,
+    model_factory: ModelFactory | None = None,
+    progress: bool = True,
+) -> tuple[Context, dict[str, Any]]:
+    """Load data, fine-tune or reuse the checkpoint of (task, split), and build the method context.
+
+    Args:
+        model_factory: ``(name, num_labels, dropout) -> (model, tokenizer)``; default :func:`load_encoder`.
+
+    Returns:
+        ``(context, checkpoint meta)``.
+    """
+    spec = task_spec(task)
+    factory = model_factory or (lambda n, c, d: load_encoder(n, c, dropout=d))
+    train_all, test = load_glue(task, glue_dir)
+    tr_idx, val_idx = split_indices(len(train_all), spec, split, config.max_train_examples)
+    train, val = train_all.take(tr_idx), train_all.take(val_idx)
+    if config.max_test_examples is not None:
+        test = test.take(range(min(config.max_test_examples, len(test))))
+    seed = config.seed * 100 + split
+    tcfg = TrainConfig(**{**config.train.to_dict(), "betas": config.train.betas, "seed": seed})
+    model, tokenizer = factory(config.model, spec.num_labels, tcfg.dropout)
+    model.to(device)
+    folder = store.checkpoint_dir(task, split, config.model)
+    loaded = load_checkpoint(model, folder)
+    if loaded is None:
+        summary = finetune(model, tokenizer, train, val, tcfg, device, progress=progress)
+        hess = summary.pop("ivon_hess", None)
+        meta = {"task": task, "split": split, "model": config.model, **summary}
+        save_checkpoint(model, folder, meta, hess)
+    else:
+        meta, hess = loaded
+    model.eval()
+    ivon = None
+    if hess is not None and "ivon" in meta:
+        ivon = {"hess": hess, **meta["ivon"]}
+    bs, ml = config.curvature_batch_size, tcfg.max_length
+    ctx = Context(
+        model=model,
+        train=_to(encode(train, tokenizer, bs, ml), device),
+        val=_to(encode(val, tokenizer, bs, ml), device),
+        test=_to(encode(test, tokenizer, bs, ml), device),
+        num_labels=spec.num_labels,
+        device=device,
+        seed=seed,
+        settings=config.settings,
+        ivon=ivon,
+    )
+    return ctx, meta
+
+
+def run_cell(ctx: Context, method: Method, size: str) -> dict[str, Any]:
+    """Run one cell and return its record (metrics, floats, times, method facts)."""
+    torch.manual_seed(ctx.seed)
+    pred = method.run(ctx, size)
+    labels = ctx.labels("test")
+    if not torch.isfinite(pred.probs).all():
+        raise ValueError(f"method {method.name!r} size {size} produced non-finite probabilities")
+    return {
+        **all_metrics(pred.probs, labels),
+        "n_test": len(labels),
+        "floats": pred.floats,
+        "n_stochastic": pred.n_stochastic,
+        "percent_stochastic": pred.percent_stochastic,
+        "fit_seconds": pred.fit_seconds,
+        "predict_seconds": pred.predict_seconds,
+        "extra": pred.extra,
+    }
+
+
+def run_grid(
+    tasks: Sequence[str],
+    splits: Sequence[int],
+    method_names: Sequence[str],
+    config: RunConfig,
+    results: str | Path,
+    device: str | torch.device = "cpu",
+    glue_dir: str | Path | None = None,
+    shard: tuple[int, int] = (0, 1),
+    model_factory: ModelFactory | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> ResultStore:
+    """Fill the (task, split, method, size) grid of this shard; finished cells are skipped.
+
+    Returns:
+        The results store.
+    """
+    for t in tasks:
+        task_spec(t)
+    methods = {m.name: m for m in get_methods(method_names)}
+    device = torch.device(device)
+    store = ResultStore(results, config.to_dict())
+    units = shard_units([(t, s, m) for t in tasks for s in splits for m in methods], shard)
+    by_ts: dict[tuple[str, int], list[str]] = {}
+    for t, s, m in units:
+        by_ts.setdefault((t, s), []).append(m)
+    for (task, split), names in by_ts.items():
+        ctx: Context | None = None
+        for name in sorted(names, key=list(methods).index):
+            method = methods[name]
+            if ctx is None:
+                log(f"[{task} split {split}] preparing model {config.model}")
+                ctx, meta = prepare_context(
+                    task, split, config, store, device, glue_dir, model_factory, progress
+                )
+                log(f"[{task} split {split}] MAP val accuracy {meta['val_accuracy']:.3f}")
+            sizes = method.sizes(ctx)
+            todo = [s for s in sizes if not store.has(Cell(task, split, name, s))]
+            bar = tqdm(todo, desc=f"{task}/{split}/{name}", disable=not progress, leave=False)
+            for size in bar:
+                t0 = time.perf_counter()
+                record = run_cell(ctx, method, size)
+                record["seconds"] = time.perf_counter() - t0
+                store.write(Cell(task, split, name, size), record)
+                log(
+                    f"[{task} split {split}] {name} {size}: acc {record['accuracy']:.3f} "
+                    f"nll {record['nll']:.3f} ece {record['ece']:.3f} ({record['seconds']:.1f} s)"
+                )
+    return store

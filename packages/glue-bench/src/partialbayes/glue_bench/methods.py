@@ -1,0 +1,481 @@
+"""The posterior methods of the benchmark: a registry of plain functions ``run(ctx, size) -> Prediction``.
+
+Every method turns the fine-tuned (MAP) classifier of one (task, split) into predictive probabilities on
+the test set. Ramping methods have several sizes (module counts or percentages); the others have the
+single size ``"-"``. Methods that need a sibling package import it when they run, so the registry itself
+imports nothing optional.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Batch = dict[str, torch.Tensor]
+
+# Module counts of the paper's module ramping, and the S-KFAC percentages (percent of the rows and of the
+# columns kept in every linear map) of the authors' experiment code: numpy.linspace(1, 30, 6).
+MODULE_COUNTS = (1, 2, 3, 4, 5, 8, 11, 17, 38)
+SKFAC_PERCENTS = (1.0, 6.8, 12.6, 18.4, 24.2, 30.0)
+SWAG_L1_PERCENTS = (1.0, 12.0, 24.0, 36.0, 48.0, 60.0, 100.0)
+PRIOR_GRID = tuple(float(v) for v in torch.logspace(-1, 3, 9))
+
+
+@dataclass
+class Settings:
+    """Method hyperparameters (part of the results configuration).
+
+    Attributes:
+        prior: ``val_nll`` (grid search over :data:`PRIOR_GRID` on validation) or ``marglik``.
+        n_samples: Monte Carlo samples for SWAG and IVON predictions.
+        swag_lrs: SWAG learning rates of the validation sweep.
+        swag_sweep_steps: SGD steps per sweep point.
+        swag_steps: SGD steps of the final SWAG run.
+        module_counts: Module counts of the module-ramping methods.
+        skfac_percents: Percentages of the S-KFAC ramping.
+        swag_l1_percents: Percentages of the SWAG largest-magnitude (l1) sub-layer ramping.
+    """
+
+    prior: str = "val_nll"
+    n_samples: int = 50
+    swag_lrs: tuple[float, ...] = (1e-3, 1e-2, 5e-2, 1e-1)
+    swag_sweep_steps: int = 400
+    swag_steps: int = 2000
+    module_counts: tuple[int, ...] = MODULE_COUNTS
+    skfac_percents: tuple[float, ...] = SKFAC_PERCENTS
+    swag_l1_percents: tuple[float, ...] = SWAG_L1_PERCENTS
+
+    def __post_init__(self) -> None:
+        if self.prior not in ("val_nll", "marglik"):
+            raise ValueError(f"prior must be 'val_nll' or 'marglik', got {self.prior!r}")
+        if self.n_samples < 1:
+            raise ValueError(f"n_samples must be >= 1, got {self.n_samples}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
+
+
+@dataclass
+class Context:
+    """Everything a method needs about one fine-tuned (task, split).
+
+    Attributes:
+        model: The fine-tuned classifier at its MAP weights, in eval mode, on ``device``.
+        train: Training batches (dicts with ``labels``) on ``device``, for curvature and SWAG.
+        val: Validation batches on ``device``.
+        test: Test batches on ``device``.
+        num_labels: Number of classes.
+        device: The device.
+        seed: Seed of this (task, split): random module choices and sampling derive from it.
+        settings: Method hyperparameters.
+        ivon: ``{"hess": {name: tensor}, "ess": float, "weight_decay": float}`` when fine-tuned with IVON.
+    """
+
+    model: nn.Module
+    train: list[Batch]
+    val: list[Batch]
+    test: list[Batch]
+    num_labels: int
+    device: torch.device
+    seed: int
+    settings: Settings = field(default_factory=Settings)
+    ivon: dict[str, Any] | None = None
+    _cache: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def labels(self, which: str) -> torch.Tensor:
+        """(N,) labels of ``"val"`` or ``"test"``."""
+        return torch.cat([b["labels"] for b in getattr(self, which)]).cpu()
+
+    def logits(self, which: str) -> torch.Tensor:
+        """(N, C) float64 MAP logits of ``"val"`` or ``"test"`` (cached)."""
+        if which not in self._cache:
+            self._cache[which] = batch_logits(self.model, getattr(self, which))
+        return self._cache[which]
+
+
+@dataclass
+class Prediction:
+    """A method's output on the test set.
+
+    Attributes:
+        probs: (N, C) float64 predictive probabilities.
+        floats: Floats the posterior stores beyond the MAP weights.
+        n_stochastic: Number of stochastic parameters.
+        percent_stochastic: Percent of the countable parameters that are stochastic.
+        fit_seconds: Time to build the posterior (including hyperparameter search).
+        predict_seconds: Time to predict the test set.
+        extra: Method-specific facts (chosen prior precision, learning rate, modules).
+    """
+
+    probs: torch.Tensor
+    floats: int
+    n_stochastic: int
+    percent_stochastic: float
+    fit_seconds: float
+    predict_seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Method:
+    """One registered method.
+
+    Attributes:
+        name: Command-line name.
+        description: One line.
+        sizes: ``sizes(ctx) -> list of size keys`` (``["-"]`` for single-cell methods).
+        run: ``run(ctx, size) -> Prediction``.
+        requires: Sibling package the method imports when it runs (for error messages).
+    """
+
+    name: str
+    description: str
+    sizes: Callable[[Context], list[str]]
+    run: Callable[[Context, str], Prediction]
+    requires: str | None = None
+
+
+# ------------------------------------------------------------------------------------------ helpers
+@torch.no_grad()
+def batch_logits(model: nn.Module, batches: Sequence[Batch]) -> torch.Tensor:
+    """(N, C) float64 logits of ``model`` over dict batches (labels ignored), on cpu."""
+    out = []
+    for b in batches:
+        inputs = {k: v for k, v in b.items() if k != "labels"}
+        out.append(model(**inputs).logits.double().cpu())
+    return torch.cat(out)
+
+
+def probit_probs(mean: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
+    """Probit (MacKay) approximation of E[softmax(f)], f ~ N(mean, cov).
+
+    Args:
+        mean: (B, C) logit means.
+        cov: (B, C, C) logit covariances.
+
+    Returns:
+        (B, C) probabilities ``softmax(mean / sqrt(1 + π/8 · diag(cov)))``.
+    """
+    var = torch.diagonal(cov, dim1=-2, dim2=-1).clamp_min(0)
+    return torch.softmax(mean / torch.sqrt(1 + math.pi / 8 * var), dim=-1)
+
+
+def _countable(model: nn.Module) -> int:
+    from partialbayes.selection import countable_parameters
+
+    return countable_parameters(model)
+
+
+def _single(_: Context) -> list[str]:
+    return ["-"]
+
+
+def _fmt(p: float) -> str:
+    return f"{p:g}"
+
+
+# ------------------------------------------------------------------------------------------ MAP, TS
+def run_map(ctx: Context, size: str) -> Prediction:
+    """The fine-tuned network's softmax probabilities."""
+    t0 = time.perf_counter()
+    probs = torch.softmax(ctx.logits("test"), -1)
+    return Prediction(probs, 0, 0, 0.0, 0.0, time.perf_counter() - t0)
+
+
+def fit_temperature(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """Temperature T > 0 minimising the NLL of ``softmax(logits / T)`` (LBFGS on log T).
+
+    Args:
+        logits: (N, C) validation logits.
+        labels: (N,) validation labels.
+    """
+    log_t = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([log_t], lr=0.1, max_iter=200, line_search_fn="strong_wolfe")
+    logits = logits.double()
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(logits / log_t.exp(), labels)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    t = float(log_t.detach().exp())
+    if not math.isfinite(t) or t <= 0:
+        raise ValueError(f"temperature fit failed (T={t})")
+    return t
+
+
+def run_temperature(ctx: Context, size: str) -> Prediction:
+    """Temperature scaling fitted on the validation set."""
+    t0 = time.perf_counter()
+    temp = fit_temperature(ctx.logits("val"), ctx.labels("val"))
+    fit = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    probs = torch.softmax(ctx.logits("test") / temp, -1)
+    return Prediction(probs, 1, 0, 0.0, fit, time.perf_counter() - t0, {"temperature": temp})
+
+
+# ------------------------------------------------------------------------------------------ Laplace
+def laplace_prediction(ctx: Context, subset: Any, kind: str = "kron") -> Prediction:
+    """Fit a Laplace posterior of ``kind`` (``kron`` or ``dense``) on ``subset``, tune the prior, predict.
+
+    The prior precision is chosen by validation NLL over :data:`PRIOR_GRID` or by the marginal
+    likelihood (``ctx.settings.prior``); predictions use the linearised probit approximation.
+    """
+    from partialbayes import curvature
+
+    cls = curvature.KronLaplace if kind == "kron" else curvature.DenseLaplace
+    t0 = time.perf_counter()
+    la = cls(ctx.model, subset, num_classes=ctx.num_labels)
+    la.fit(ctx.train)
+    if ctx.settings.prior == "val_nll":
+        prior = la.optimize_prior_precision("val_nll", val_loader=ctx.val, grid=PRIOR_GRID)
+    else:
+        prior = la.optimize_prior_precision("marglik", grid=PRIOR_GRID)
+    fit = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    probs = []
+    for batch in ctx.test:
+        mean, cov = la.logit_mean_cov(batch)
+        probs.append(probit_probs(mean.double(), cov.double()).cpu())
+    predict = time.perf_counter() - t0
+    return Prediction(
+        torch.cat(probs),
+        int(la.num_floats),
+        subset.num_entries(),
+        float(subset.percent_of(ctx.model)),
+        fit,
+        predict,
+        {"prior_precision": prior, "prior_method": ctx.settings.prior, "modules": _modules(subset)},
+    )
+
+
+def _modules(subset: Any) -> list[str]:
+    return sorted({n.rsplit(".", 1)[0] for n in subset.names})
+
+
+def _n_linear(ctx: Context, group: str) -> int:
+    from partialbayes.selection import grouped_linear_modules
+
+    return len(grouped_linear_modules(ctx.model, group))
+
+
+def _count_sizes(group: str) -> Callable[[Context], list[str]]:
+    def sizes(ctx: Context) -> list[str]:
+        n = _n_linear(ctx, group)
+        return [str(k) for k in ctx.settings.module_counts if k <= n]
+
+    return sizes
+
+
+def _module_subset(ctx: Context, strategy: str, group: str, k: int) -> Any:
+    from partialbayes import selection
+
+    if strategy == "random":
+        return selection.random_modules(ctx.model, k, seed=ctx.seed, group=group)
+    if strategy == "max":
+        return selection.max_operator_norm(ctx.model, k, group=group)
+    return selection.min_operator_norm(ctx.model, k, group=group)
+
+
+def _kfac_ramp(strategy: str, group: str) -> Callable[[Context, str], Prediction]:
+    def run(ctx: Context, size: str) -> Prediction:
+        return laplace_prediction(ctx, _module_subset(ctx, strategy, group, int(size)))
+
+    return run
+
+
+def run_last_layer(ctx: Context, size: str) -> Prediction:
+    """Dense-GGN Laplace on the classification head."""
+    from partialbayes.selection import last_layer
+
+    return laplace_prediction(ctx, last_layer(ctx.model), kind="dense")
+
+
+def run_kfac_full(ctx: Context, size: str) -> Prediction:
+    """KFAC Laplace on every linear map."""
+    return laplace_prediction(ctx, _module_subset(ctx, "max", "all", _n_linear(ctx, "all")))
+
+
+def run_skfac(ctx: Context, size: str) -> Prediction:
+    """S-KFAC Laplace keeping ``size`` % of the rows and columns of every linear map."""
+    from partialbayes.selection import sparse_kfac
+
+    return laplace_prediction(ctx, sparse_kfac(ctx.model, float(size)))
+
+
+# ------------------------------------------------------------------------------------------ SWAG
+def swag_prediction(ctx: Context, subset: Any) -> Prediction:
+    """SWAG on ``subset``: learning rate by validation NLL, then Monte Carlo predictions."""
+    from partialbayes.swag import sweep_learning_rate
+
+    s = ctx.settings
+    t0 = time.perf_counter()
+    result = sweep_learning_rate(
+        ctx.model,
+        subset,
+        ctx.train,
+        ctx.val,
+        lrs=s.swag_lrs,
+        sweep_steps=s.swag_sweep_steps,
+        final_steps=s.swag_steps,
+        n_samples=min(s.n_samples, 20),
+        generator=torch.Generator().manual_seed(ctx.seed),
+        progress=False,
+    )
+    fit = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    gen = torch.Generator(device=result.swag.mean.device).manual_seed(ctx.seed + 1)
+    total = torch.zeros_like(ctx.logits("test"))
+    for _ in range(s.n_samples):
+        with result.swag.sampled(ctx.model, generator=gen):
+            total += torch.softmax(batch_logits(ctx.model, ctx.test), -1)
+    predict = time.perf_counter() - t0
+    return Prediction(
+        total / s.n_samples,
+        int(result.swag.num_floats),
+        subset.num_entries(),
+        float(subset.percent_of(ctx.model)),
+        fit,
+        predict,
+        {"swag_lr": result.lr, "modules": _modules(subset)},
+    )
+
+
+def run_swag_random(ctx: Context, size: str) -> Prediction:
+    """SWAG on ``size`` random linear maps."""
+    return swag_prediction(ctx, _module_subset(ctx, "random", "all", int(size)))
+
+
+def run_swag_l1(ctx: Context, size: str) -> Prediction:
+    """SWAG on the ``size`` % largest-magnitude (l1) parameters."""
+    from partialbayes.selection import largest_magnitude
+
+    return swag_prediction(ctx, largest_magnitude(ctx.model, float(size)))
+
+
+def run_swag_full(ctx: Context, size: str) -> Prediction:
+    """SWAG on every linear map."""
+    return swag_prediction(ctx, _module_subset(ctx, "max", "all", _n_linear(ctx, "all")))
+
+
+# ------------------------------------------------------------------------------------------ IVON
+def run_ivon(ctx: Context, size: str) -> Prediction:
+    """IVON's mean-field posterior N(m, 1/(ess·(h+δ))) from IVON fine-tuning, Monte Carlo predictions."""
+    if ctx.ivon is None:
+        raise ValueError("method 'ivon' needs a model fine-tuned with --optimizer ivon")
+    t0 = time.perf_counter()
+    params = dict(ctx.model.named_parameters())
+    ess, delta = float(ctx.ivon["ess"]), float(ctx.ivon["weight_decay"])
+    hess = {k: v.to(params[k].device) for k, v in ctx.ivon["hess"].items() if k in params}
+    std = {k: 1.0 / torch.sqrt(ess * (h + delta)) for k, h in hess.items()}
+    gen = torch.Generator().manual_seed(ctx.seed + 2)
+    total = torch.zeros_like(ctx.logits("test"))
+    means = {k: params[k].detach().clone() for k in std}
+    try:
+        for _ in range(ctx.settings.n_samples):
+            with torch.no_grad():
+                for k, s in std.items():
+                    eps = torch.randn(s.shape, generator=gen, dtype=s.dtype).to(s.device)
+                    params[k].copy_(means[k] + s * eps)
+            total += torch.softmax(batch_logits(ctx.model, ctx.test), -1)
+    finally:
+        with torch.no_grad():
+            for k, m in means.items():
+                params[k].copy_(m)
+    n = sum(int(h.numel()) for h in hess.values())
+    return Prediction(
+        total / ctx.settings.n_samples,
+        n,
+        n,
+        100.0 * n / max(_countable(ctx.model), 1),
+        0.0,
+        time.perf_counter() - t0,
+    )
+
+
+# ------------------------------------------------------------------------------------------ registry
+def _pct_sizes(attr: str) -> Callable[[Context], list[str]]:
+    return lambda ctx: [_fmt(p) for p in getattr(ctx.settings, attr)]
+
+
+def _registry() -> dict[str, Method]:
+    methods = [
+        Method("map", "the fine-tuned network (MAP)", _single, run_map),
+        Method("temperature", "temperature scaling on validation NLL", _single, run_temperature),
+        Method(
+            "last-layer",
+            "Laplace, dense GGN on the classification head",
+            _single,
+            run_last_layer,
+            "curvature",
+        ),
+        Method(
+            "kfac-full", "KFAC Laplace on every linear map", _single, run_kfac_full, "curvature"
+        ),
+        Method(
+            "skfac",
+            "S-KFAC Laplace ramping (percent of rows/cols)",
+            _pct_sizes("skfac_percents"),
+            run_skfac,
+            "curvature",
+        ),
+        Method(
+            "swag-random",
+            "SWAG on k random linear maps",
+            _count_sizes("all"),
+            run_swag_random,
+            "swag",
+        ),
+        Method(
+            "swag-l1",
+            "SWAG on the p % largest-magnitude weights",
+            _pct_sizes("swag_l1_percents"),
+            run_swag_l1,
+            "swag",
+        ),
+        Method("swag-full", "SWAG on every linear map", _single, run_swag_full, "swag"),
+        Method("ivon", "IVON posterior (needs --optimizer ivon)", _single, run_ivon, "ivon"),
+    ]
+    for strategy, label in (
+        ("random", "random"),
+        ("max", "max operator norm"),
+        ("min", "min operator norm"),
+    ):
+        groups = ("all",) if strategy == "random" else ("mlp", "attention")
+        for group in groups:
+            name = (
+                f"kfac-{strategy}"
+                if group == "all"
+                else f"kfac-{strategy}-{'attn' if group == 'attention' else group}"
+            )
+            methods.append(
+                Method(
+                    name,
+                    f"KFAC Laplace on k linear maps ({label}, {group})",
+                    _count_sizes(group),
+                    _kfac_ramp(strategy, group),
+                    "curvature",
+                )
+            )
+    return {m.name: m for m in methods}
+
+
+METHODS: dict[str, Method] = _registry()
+
+
+def get_methods(names: Sequence[str]) -> list[Method]:
+    """Look up methods by name; raises ``ValueError`` listing the valid names."""
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; valid methods: {', '.join(METHODS)}")
+    return [METHODS[n] for n in names]

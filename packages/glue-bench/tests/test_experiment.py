@@ -1,0 +1,84 @@
+import pytest
+import torch
+
+from partialbayes.glue_bench.experiment import RunConfig, run_grid
+from partialbayes.glue_bench.methods import Settings
+from partialbayes.glue_bench.store import iter_records
+from partialbayes.glue_bench.train import TrainConfig
+
+FAST = Settings(
+    n_samples=3,
+    swag_lrs=(1e-2,),
+    swag_sweep_steps=10,
+    swag_steps=10,
+    module_counts=(1, 2),
+    skfac_percents=(10.0, 50.0),
+    swag_l1_percents=(5.0,),
+)
+
+
+def _config(**kw):
+    train = TrainConfig(epochs=2, batch_size=8, max_length=32, patience=1, lr=1e-3)
+    return RunConfig(model="tiny-bert", train=train, settings=FAST, max_train_examples=32, **kw)
+
+
+def _run(tmp_path, mini_glue, factory, methods, task="sst2", **kw):
+    torch.set_num_threads(1)
+    store = run_grid(
+        [task],
+        [0],
+        methods,
+        _config(**kw),
+        tmp_path / "res",
+        glue_dir=mini_glue,
+        model_factory=lambda name, c, d: factory(c),
+        progress=False,
+        log=lambda s: None,
+    )
+    recs = {(r["method"], r["size"]): r for r in iter_records(store.root)}
+    for r in recs.values():
+        assert 0 <= r["accuracy"] <= 1 and r["nll"] > 0 and 0 <= r["ece"] <= 1
+        assert 0 <= r["brier"] <= 2
+    return recs
+
+
+def test_map_and_temperature(tmp_path, mini_glue, tiny_bert_factory):
+    recs = _run(tmp_path, mini_glue, tiny_bert_factory, ["map", "temperature"])
+    assert set(recs) == {("map", "-"), ("temperature", "-")}
+    assert recs[("map", "-")]["floats"] == 0
+    assert recs[("map", "-")]["n_test"] == 24
+    # same predictions up to a temperature: same argmax, so same accuracy
+    assert recs[("temperature", "-")]["accuracy"] == recs[("map", "-")]["accuracy"]
+    assert recs[("temperature", "-")]["extra"]["temperature"] > 0
+
+
+def test_laplace_methods(tmp_path, mini_glue, tiny_bert_factory):
+    pytest.importorskip("partialbayes.curvature")
+    recs = _run(
+        tmp_path,
+        mini_glue,
+        tiny_bert_factory,
+        ["last-layer", "kfac-random", "skfac", "kfac-max-mlp"],
+    )
+    assert set(recs) == {
+        ("last-layer", "-"),
+        ("kfac-random", "1"),
+        ("kfac-random", "2"),
+        ("skfac", "10"),
+        ("skfac", "50"),
+        ("kfac-max-mlp", "1"),
+        ("kfac-max-mlp", "2"),
+    }
+    assert recs[("kfac-random", "2")]["n_stochastic"] > recs[("kfac-random", "1")]["n_stochastic"]
+    assert recs[("skfac", "50")]["percent_stochastic"] > recs[("skfac", "10")]["percent_stochastic"]
+    assert recs[("last-layer", "-")]["extra"]["modules"] == ["classifier"]
+    # dense covariance of the 2 x (16 + 1) head
+    assert recs[("last-layer", "-")]["floats"] >= 34
+
+
+def test_swag_methods(tmp_path, mini_glue, tiny_distilbert_factory):
+    pytest.importorskip("partialbayes.swag")
+    recs = _run(tmp_path, mini_glue, tiny_distilbert_factory, ["swag-random", "swag-l1"])
+    assert set(recs) == {("swag-random", "1"), ("swag-random", "2"), ("swag-l1", "5")}
+    assert recs[("swag-random", "1")]["extra"]["swag_lr"] == 1e-2
+    assert recs[("swag-l1", "5")]["percent_stochastic"] == pytest.approx(5.0, abs=0.5)
