@@ -1,23 +1,88 @@
-"""Choose which weights of a model get a posterior: the Subset type and selection strategies."""
+"""Choose which weights of a model get a posterior: the Subset type and selection strategies.
+
+The shared type is :class:`Subset` (parameter name -> :class:`KronBlock` or :class:`MaskBlock`). Strategies
+are plain functions returning a Subset: module level (:func:`max_operator_norm`, :func:`min_operator_norm`,
+:func:`random_modules`, :func:`last_layer`, :func:`modules`, :func:`ramp`), Sparse-KFAC
+(:func:`sparse_kfac`) and parameter level (:func:`largest_magnitude`, :func:`random_parameters`,
+:func:`largest_marginal_variance`).
+"""
 
 from partialbayes.selection._blocks import Block, KronBlock, KronModule, MaskBlock
+from partialbayes.selection._module_strategies import (
+    PAPER_COUNTS,
+    last_layer,
+    max_operator_norm,
+    min_operator_norm,
+    modules,
+    ramp,
+    random_modules,
+    rank_by_operator_norm,
+)
 from partialbayes.selection._modules import (
     Grouping,
     grouped_linear_modules,
     linear_modules,
     module_group,
 )
-from partialbayes.selection._subset import Subset, countable_parameters
+from partialbayes.selection._norms import (
+    operator_norms,
+    spectral_norm_power,
+    spectral_norm_svd,
+)
+from partialbayes.selection._parameter_strategies import (
+    largest_magnitude,
+    largest_marginal_variance,
+    random_parameters,
+)
+from partialbayes.selection._skfac import (
+    skfac_count,
+    skfac_fraction,
+    skfac_percent_for_fraction,
+    skfac_percent_for_target,
+    skfac_percent_of_params,
+    skfac_rows_cols,
+    sparse_kfac,
+)
+from partialbayes.selection._subset import (
+    Subset,
+    countable_named_parameters,
+    countable_parameters,
+)
+from partialbayes.selection._summary import summary, summary_rows
 
 __all__ = [
+    "PAPER_COUNTS",
     "Block",
     "Grouping",
     "KronBlock",
     "KronModule",
     "MaskBlock",
     "Subset",
+    "countable_named_parameters",
     "countable_parameters",
     "grouped_linear_modules",
+    "largest_magnitude",
+    "largest_marginal_variance",
+    "last_layer",
     "linear_modules",
+    "max_operator_norm",
+    "min_operator_norm",
     "module_group",
+    "modules",
+    "operator_norms",
+    "ramp",
+    "random_modules",
+    "random_parameters",
+    "rank_by_operator_norm",
+    "skfac_count",
+    "skfac_fraction",
+    "skfac_percent_for_fraction",
+    "skfac_percent_for_target",
+    "skfac_percent_of_params",
+    "skfac_rows_cols",
+    "sparse_kfac",
+    "spectral_norm_power",
+    "spectral_norm_svd",
+    "summary",
+    "summary_rows",
 ]

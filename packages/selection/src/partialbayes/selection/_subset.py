@@ -499,29 +499,37 @@ def _meet(a: Tensor | None, b: Tensor | None) -> Tensor | None:
     return a[torch.isin(a, b)]
 
 
-def countable_parameters(model: nn.Module, exclude: str | Iterable[str] | None = EMBEDDINGS) -> int:
-    """Number of countable parameters of ``model`` (denominator of "percent of parameters").
-
-    Args:
-        model: The model.
-        exclude: ``"embeddings"`` (default: parameters of every ``nn.Embedding`` module), an iterable of
-            regexes matched with ``re.search`` against parameter names, or ``None`` (count everything).
-
-    Raises:
-        ValueError: If nothing is countable.
-    """
+def countable_named_parameters(
+    model: nn.Module, exclude: str | Iterable[str] | None = EMBEDDINGS
+) -> dict[str, nn.Parameter]:
+    """Countable parameters of ``model`` by name, in model order (see :func:`countable_parameters`)."""
+    named = dict(model.named_parameters())
     if exclude is None:
-        skip: set[int] = set()
-    elif isinstance(exclude, str):
+        return named
+    if isinstance(exclude, str):
         if exclude != EMBEDDINGS:
             raise ValueError(f"exclude={exclude!r}: use 'embeddings', None, or a list of regexes")
         skip = {
             id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
         }
-    else:
-        pats = [re.compile(p) for p in exclude]
-        skip = {id(p) for n, p in model.named_parameters() if any(q.search(n) for q in pats)}
-    total = sum(p.numel() for p in model.parameters() if id(p) not in skip)
+        return {n: p for n, p in named.items() if id(p) not in skip}
+    pats = [re.compile(p) for p in exclude]
+    return {n: p for n, p in named.items() if not any(q.search(n) for q in pats)}
+
+
+def countable_parameters(model: nn.Module, exclude: str | Iterable[str] | None = EMBEDDINGS) -> int:
+    """Number of countable parameters of ``model`` (denominator of "percent of parameters").
+
+    Args:
+        model: The model.
+        exclude: ``"embeddings"`` (default: parameters of every ``nn.Embedding`` module: token, position
+            and token-type embeddings), an iterable of regexes matched with ``re.search`` against
+            parameter names, or ``None`` (count everything).
+
+    Raises:
+        ValueError: If nothing is countable or ``exclude`` is an unknown keyword.
+    """
+    total = sum(p.numel() for p in countable_named_parameters(model, exclude).values())
     if total == 0:
         raise ValueError(
             f"model {type(model).__name__} has no countable parameters (exclude={exclude!r})"

@@ -1,0 +1,168 @@
+"""Module-level strategies: whole linear maps (weight and bias) become stochastic."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from partialbayes.selection._blocks import Block, KronBlock
+from partialbayes.selection._modules import Grouping, grouped_linear_modules, linear_modules
+from partialbayes.selection._norms import operator_norms
+from partialbayes.selection._subset import Subset
+from partialbayes.selection._validate import as_generator, check_count, check_names
+
+PAPER_COUNTS: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 8, 11, 17, 38)
+"""Module counts of the ramping experiments of Kampen et al."""
+
+
+def _whole_modules(model: nn.Module, names: Iterable[str]) -> Subset:
+    """Subset with every parameter of the named modules fully stochastic."""
+    all_modules = dict(model.named_modules())
+    blocks: dict[str, Block] = {}
+    for name in names:
+        prefix = f"{name}." if name else ""
+        for pname, _ in all_modules[name].named_parameters():
+            blocks[prefix + pname] = KronBlock()
+    return Subset.from_model(model, blocks)
+
+
+def rank_by_operator_norm(
+    model: nn.Module,
+    group: str = "mlp",
+    descending: bool = True,
+    method: str = "svd",
+    grouping: Grouping | None = None,
+) -> list[tuple[str, float]]:
+    """Linear maps of ``group`` ordered by operator norm (ties by model order).
+
+    Returns:
+        ``[(module name, operator norm), ...]``, largest first when ``descending``.
+    """
+    norms = operator_norms(model, group=group, method=method, grouping=grouping)
+    order = list(norms)
+    key = (
+        (lambda n: (-norms[n], order.index(n)))
+        if descending
+        else (lambda n: (norms[n], order.index(n)))
+    )
+    return [(n, norms[n]) for n in sorted(order, key=key)]
+
+
+def max_operator_norm(
+    model: nn.Module,
+    k: int,
+    group: str = "mlp",
+    method: str = "svd",
+    grouping: Grouping | None = None,
+) -> Subset:
+    """The ``k`` linear maps of ``group`` with the largest operator norm (weight and bias stochastic).
+
+    Args:
+        model: The model.
+        k: Number of modules (0 gives the empty subset).
+        group: ``"mlp"``, ``"attention"``, ``"all"`` or a group of the user ``grouping``.
+        method: ``"svd"`` (exact) or ``"power"`` (power iteration).
+        grouping: Optional user grouping (see :func:`module_group`).
+
+    Raises:
+        ValueError: If ``k`` exceeds the number of modules in ``group`` (the message gives the count).
+    """
+    ranked = rank_by_operator_norm(model, group, True, method, grouping)
+    check_count(k, len(ranked), f"linear maps in group {group!r}")
+    return _whole_modules(model, [n for n, _ in ranked[:k]])
+
+
+def min_operator_norm(
+    model: nn.Module,
+    k: int,
+    group: str = "mlp",
+    method: str = "svd",
+    grouping: Grouping | None = None,
+) -> Subset:
+    """The ``k`` linear maps of ``group`` with the smallest operator norm (see :func:`max_operator_norm`)."""
+    ranked = rank_by_operator_norm(model, group, False, method, grouping)
+    check_count(k, len(ranked), f"linear maps in group {group!r}")
+    return _whole_modules(model, [n for n, _ in ranked[:k]])
+
+
+def random_modules(
+    model: nn.Module,
+    k: int,
+    seed: int | torch.Generator = 0,
+    group: str = "all",
+    grouping: Grouping | None = None,
+) -> Subset:
+    """``k`` linear maps of ``group`` drawn uniformly without replacement.
+
+    The draw is the first ``k`` entries of a seeded random permutation, so for a fixed seed the subsets
+    are nested in ``k``.
+
+    Args:
+        model: The model.
+        k: Number of modules.
+        seed: Int seed or cpu ``torch.Generator``.
+        group: ``"all"`` (default), ``"mlp"``, ``"attention"`` or a user group.
+        grouping: Optional user grouping.
+
+    Raises:
+        ValueError: If ``k`` exceeds the number of modules in ``group``.
+    """
+    names = list(grouped_linear_modules(model, group, grouping))
+    check_count(k, len(names), f"linear maps in group {group!r}")
+    perm = torch.randperm(len(names), generator=as_generator(seed))
+    return _whole_modules(model, [names[i] for i in perm[:k].tolist()])
+
+
+def last_layer(model: nn.Module) -> Subset:
+    """The last linear map of ``model`` (in registration order; the classification head of HF models)."""
+    name = list(linear_modules(model))[-1]
+    return _whole_modules(model, [name])
+
+
+def modules(model: nn.Module, names: Sequence[str]) -> Subset:
+    """Every parameter of the named modules is stochastic (any module, not only linear maps).
+
+    Raises:
+        ValueError: Unknown module names (listing close matches), a name given twice, a module without
+            parameters.
+    """
+    all_modules = dict(model.named_modules())
+    picked = check_names(names, all_modules, "module")
+    for n in picked:
+        if next(all_modules[n].parameters(), None) is None:
+            raise ValueError(f"module {n!r} has no parameters")
+    return _whole_modules(model, picked)
+
+
+def ramp(
+    strategy: Callable[[int], Subset], counts: Sequence[int] = PAPER_COUNTS
+) -> Iterator[Subset]:
+    """Yield ``strategy(k)`` for each ``k`` in ``counts``, checking that the subsets are nested.
+
+    Example: ``ramp(lambda k: max_operator_norm(model, k, group="mlp"))``, or
+    ``ramp(functools.partial(random_modules, model, seed=0))``.
+
+    Args:
+        strategy: Function of the module count returning a Subset (must be nested in ``k``).
+        counts: Non-decreasing non-negative counts (default the paper's 0, 1, 2, 3, 4, 5, 8, 11, 17, 38).
+
+    Raises:
+        ValueError: If ``counts`` is not non-decreasing, or a subset is not contained in the next one.
+    """
+    counts = list(counts)
+    for a, b in itertools.pairwise(counts):
+        if b < a:
+            raise ValueError(f"counts must be non-decreasing, got {a} before {b}")
+    prev: Subset | None = None
+    prev_k = None
+    for k in counts:
+        s = strategy(k)
+        if not isinstance(s, Subset):
+            raise TypeError(f"strategy({k}) returned {type(s).__name__}, expected a Subset")
+        if prev is not None and not prev <= s:
+            raise ValueError(f"strategy is not nested: subset for k={prev_k} is not within k={k}")
+        prev, prev_k = s, k
+        yield s
