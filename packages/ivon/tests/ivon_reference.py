@@ -48,9 +48,9 @@ def reference_ivon(
                 z.normal_(0.0, 1.0 / math.sqrt(ess), generator=generator)
                 e = z / torch.sqrt(hx + d)
                 eps.append(e if mk is None else e * mk)
-            w = [(x + e).requires_grad_(True) for x, e in zip(m, eps, strict=False)]
+            w = [(x + e).requires_grad_(True) for x, e in zip(m, eps, strict=True)]
             grads = torch.autograd.grad(loss_fn(w), w)
-            for i, (g, e) in enumerate(zip(grads, eps, strict=False), strict=True):
+            for i, (g, e) in enumerate(zip(grads, eps, strict=True)):
                 gbar[i] += g / mc_samples
                 if hess_approx == "price":
                     hhat[i] += e * g * ess * (h[i] + d) / mc_samples

@@ -193,7 +193,7 @@ def test_clipping_bounds_every_step(radius, seed):
         before = [p.detach().clone() for p in model.parameters()]
         _train(model, opt, x, y, 1, 1)
         bound = lr * (1e-3 + 1e-4) * radius
-        steps = [(p.detach() - b).abs() for p, b in zip(model.parameters(), before, strict=False)]
+        steps = [(p.detach() - b).abs() for p, b in zip(model.parameters(), before, strict=True)]
         assert max(s.max().item() for s in steps) <= bound * (1 + 1e-6)
         assert max(s.max().item() for s in steps) >= bound * (1 - 1e-6)  # the bound is attained
 
@@ -279,7 +279,7 @@ def test_param_groups_use_their_own_hyperparameters():
     # far less than the fast one and that the groups kept their settings through the update.
     moved = [
         (p.detach() - p0).abs().max().item()
-        for p, p0 in zip(model.parameters(), params0, strict=False)
+        for p, p0 in zip(model.parameters(), params0, strict=True)
     ]
     assert max(moved[2:]) < 0.05 * max(moved[:2])
     assert opt.param_groups[1]["lr"] == 0.0001
