@@ -1,5 +1,66 @@
-"""Predictive distributions, uncertainty decomposition and calibration metrics."""
+"""Predictive distributions, uncertainty decomposition and calibration metrics.
 
-from partialbayes.predictive._decomposition import entropy
+Takes what a posterior produces — Gaussian logits ``N(mean, cov)`` or logit samples — and turns it
+into predictive distributions and scores. Depends on torch only; never imports a posterior class.
+"""
 
-__all__ = ["entropy"]
+from partialbayes.predictive._auroc import auroc
+from partialbayes.predictive._calibration import ReliabilityData, ece, mce, reliability
+from partialbayes.predictive._decomposition import (
+    Uncertainty,
+    average_softmax,
+    decompose_classification,
+    decompose_regression,
+    entropy,
+    log_average_softmax,
+)
+from partialbayes.predictive._link import (
+    gaussian_predictive,
+    laplace_bridge,
+    laplace_bridge_alpha,
+    probit,
+    probit_binary,
+    probit_scale,
+)
+from partialbayes.predictive._mc import cholesky_jitter, mc_predictive, sample_logits
+from partialbayes.predictive._metrics import accuracy, brier, gaussian_nll, nll
+from partialbayes.predictive._stream import (
+    MCPrediction,
+    MCRegression,
+    mc_predict,
+    mc_predict_regression,
+)
+from partialbayes.predictive._temperature import apply_temperature, fit_temperature
+
+__all__ = [
+    "MCPrediction",
+    "MCRegression",
+    "ReliabilityData",
+    "Uncertainty",
+    "accuracy",
+    "apply_temperature",
+    "auroc",
+    "average_softmax",
+    "brier",
+    "cholesky_jitter",
+    "decompose_classification",
+    "decompose_regression",
+    "ece",
+    "entropy",
+    "fit_temperature",
+    "gaussian_nll",
+    "gaussian_predictive",
+    "laplace_bridge",
+    "laplace_bridge_alpha",
+    "log_average_softmax",
+    "mc_predict",
+    "mc_predict_regression",
+    "mc_predictive",
+    "mce",
+    "nll",
+    "probit",
+    "probit_binary",
+    "probit_scale",
+    "reliability",
+    "sample_logits",
+]

@@ -1,20 +1,146 @@
-"""Entropy-based uncertainty measures."""
+"""Predictives from samples and the total / aleatoric / epistemic uncertainty decomposition."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+
+from partialbayes.predictive._validate import check_nonneg, check_same_device, check_tensor
+
+
+@dataclass(frozen=True)
+class Uncertainty:
+    """Per-example uncertainty decomposition, ``total = aleatoric + epistemic``.
+
+    Classification (nats): ``total`` is the entropy of the mean prediction, ``aleatoric`` the mean
+    entropy of the sampled predictions and ``epistemic`` their mutual information with the
+    parameters. Regression: the law of total variance (mean of the variances plus the variance of
+    the means).
+
+    Attributes:
+        total: ``[B]`` (or the batch shape).
+        aleatoric: Same shape.
+        epistemic: Same shape, ``≥ 0``.
+    """
+
+    total: Tensor
+    aleatoric: Tensor
+    epistemic: Tensor
 
 
 def entropy(log_probs: Tensor, dim: int = -1) -> Tensor:
     """Shannon entropy (nats) of categorical distributions given as log-probabilities.
 
     Args:
-        log_probs: Log-probabilities, shape ``[..., C]`` along ``dim``.
+        log_probs: Log-probabilities, shape ``[..., C]`` along ``dim``; ``-inf`` allowed.
         dim: The class dimension.
 
     Returns:
         Entropy with ``dim`` removed. Zero-probability classes contribute 0 (no ``0 * log 0`` NaN).
     """
+    if not isinstance(log_probs, Tensor) or not log_probs.is_floating_point():
+        raise TypeError("log_probs must be a floating-point torch.Tensor")
+    if bool(torch.isnan(log_probs).any()) or bool((log_probs == math.inf).any()):
+        raise ValueError("log_probs contains NaN or +inf")
     p = log_probs.exp()
     return -torch.where(p > 0, p * log_probs, torch.zeros_like(p)).sum(dim)
+
+
+def _check_samples(name: str, samples: Tensor) -> Tensor:
+    x = check_tensor(name, samples)
+    if x.ndim < 2 or x.shape[0] < 1:
+        raise ValueError(f"{name} must have shape [S, ..., C] with S >= 1, got {tuple(x.shape)}")
+    return x
+
+
+def log_average_softmax(logit_samples: Tensor) -> Tensor:
+    """Log of the Monte Carlo predictive ``log( (1/S) Σ_s softmax(f_s) )``, via log-sum-exp.
+
+    Args:
+        logit_samples: ``[S, ..., C]``.
+
+    Returns:
+        Log-probabilities ``[..., C]`` (finite even when a probability underflows in float).
+    """
+    f = _check_samples("logit_samples", logit_samples)
+    return torch.logsumexp(torch.log_softmax(f, dim=-1), dim=0) - math.log(f.shape[0])
+
+
+def average_softmax(logit_samples: Tensor) -> Tensor:
+    """Monte Carlo predictive ``(1/S) Σ_s softmax(f_s)`` from logit samples.
+
+    Args:
+        logit_samples: ``[S, ..., C]`` (e.g. ``[S, B, C]``).
+
+    Returns:
+        Probabilities ``[..., C]``.
+    """
+    return log_average_softmax(logit_samples).exp()
+
+
+def decompose_classification(logit_samples: Tensor) -> Uncertainty:
+    """Entropy decomposition of the predictive from logit samples.
+
+    ``total = H[p̄]``, ``aleatoric = (1/S) Σ_s H[p_s]`` and
+    ``epistemic = (1/S) Σ_s KL(p_s ‖ p̄) = total − aleatoric`` (the mutual information), with
+    ``p_s = softmax(f_s)`` and ``p̄`` their mean. Everything is computed from log-probabilities
+    (log-softmax, log-sum-exp), so no ``log 0`` occurs. ``epistemic`` is computed as the mean KL
+    divergence and clipped at 0 against round-off.
+
+    Args:
+        logit_samples: ``[S, ..., C]``; log-probabilities are valid logits too.
+
+    Returns:
+        An [`Uncertainty`][partialbayes.predictive.Uncertainty] with fields of shape ``[...]``.
+    """
+    f = _check_samples("logit_samples", logit_samples)
+    log_p = torch.log_softmax(f, dim=-1)
+    log_mean = torch.logsumexp(log_p, dim=0) - math.log(f.shape[0])
+    total = entropy(log_mean)
+    aleatoric = entropy(log_p).mean(0)
+    p = log_p.exp()
+    kl = torch.where(p > 0, p * (log_p - log_mean), torch.zeros_like(p)).sum(-1)
+    return Uncertainty(total=total, aleatoric=aleatoric, epistemic=kl.mean(0).clamp_min(0.0))
+
+
+def decompose_regression(
+    mean_samples: Tensor, var_samples: Tensor | float | None = None
+) -> Uncertainty:
+    """Law of total variance for a Gaussian mixture predictive ``(1/S) Σ_s N(m_s, v_s)``.
+
+    ``total = aleatoric + epistemic`` with ``aleatoric = mean_s v_s`` and
+    ``epistemic = mean_s (m_s − m̄)²`` (the population variance of the sampled means, i.e. the
+    exact variance of the equally weighted mixture).
+
+    Args:
+        mean_samples: Sampled predictive means ``[S, ...]``.
+        var_samples: Observation-noise variances: ``[S, ...]``, anything broadcastable to it
+            (e.g. a homoscedastic float), or ``None`` for zero.
+
+    Returns:
+        An [`Uncertainty`][partialbayes.predictive.Uncertainty] of shape ``[...]``.
+    """
+    m = check_tensor("mean_samples", mean_samples)
+    if m.ndim < 1 or m.shape[0] < 1:
+        raise ValueError(f"mean_samples must have shape [S, ...], got {tuple(m.shape)}")
+    if var_samples is None:
+        var_samples = 0.0
+    if not isinstance(var_samples, Tensor):
+        var_samples = torch.as_tensor(float(var_samples), dtype=m.dtype, device=m.device)
+    v = check_nonneg("var_samples", var_samples)
+    check_same_device(mean_samples=m, var_samples=v)
+    try:
+        ok = torch.broadcast_shapes(m.shape, v.shape) == m.shape
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"var_samples of shape {tuple(v.shape)} does not broadcast to mean_samples "
+            f"{tuple(m.shape)}"
+        )
+    aleatoric = v.expand(m.shape).mean(0)
+    epistemic = (m - m.mean(0)).square().mean(0)
+    return Uncertainty(total=aleatoric + epistemic, aleatoric=aleatoric, epistemic=epistemic)

@@ -1,0 +1,60 @@
+"""Area under the ROC curve via the Mann–Whitney rank statistic, with ties."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from partialbayes.predictive._validate import check_same_device, check_tensor
+
+
+def auroc(scores: Tensor, positives: Tensor) -> Tensor:
+    """AUROC: the probability that a random positive scores above a random negative.
+
+    Ties count one half: ``AUROC = (Σ_{i∈P} r_i − n_P (n_P + 1)/2) / (n_P n_N)`` with ``r_i`` the
+    mid-ranks (average rank within a tie group) of the scores. Typical uses: misclassification
+    detection (score = predictive entropy, positive = error) and out-of-distribution detection
+    (positive = OOD). Cost ``O(N log N)``.
+
+    Args:
+        scores: Real scores ``[N]``, higher meaning "more positive".
+        positives: Boolean (or 0/1 integer) labels ``[N]``.
+
+    Returns:
+        Scalar tensor in ``[0, 1]`` (dtype of ``scores``).
+
+    Raises:
+        ValueError: On NaN/inf scores, mismatched shapes, labels other than 0/1, or when only one
+            class is present.
+    """
+    s = check_tensor("scores", scores)
+    if not isinstance(positives, Tensor):
+        raise TypeError(f"positives must be a torch.Tensor, got {type(positives).__name__}")
+    check_same_device(scores=s, positives=positives)
+    if s.ndim != 1 or positives.shape != s.shape:
+        raise ValueError(
+            f"scores and positives must both have shape [N], got {tuple(s.shape)} and "
+            f"{tuple(positives.shape)}"
+        )
+    if positives.dtype != torch.bool:
+        if positives.is_floating_point() or positives.is_complex():
+            raise TypeError(f"positives must be bool or integer, got dtype {positives.dtype}")
+        if bool(((positives != 0) & (positives != 1)).any()):
+            raise ValueError("positives must contain only 0 and 1")
+        positives = positives.bool()
+    n_pos = int(positives.sum())
+    n_neg = s.numel() - n_pos
+    if n_pos == 0 or n_neg == 0:
+        raise ValueError(
+            f"auroc needs both classes in positives, got {n_pos} positive and {n_neg} negative"
+        )
+    rank_dtype = torch.float64 if s.dtype == torch.float64 else torch.float32
+    sorted_s, order = torch.sort(s)
+    _, counts = torch.unique_consecutive(sorted_s, return_counts=True)
+    ends = torch.cumsum(counts, 0)  # 1-based rank of the last member of each tie group
+    mid = (ends - (counts - 1) / 2.0).to(rank_dtype)  # mean of ranks ends-counts+1 .. ends
+    ranks_sorted = torch.repeat_interleave(mid, counts)
+    pos_sorted = positives[order]
+    rank_sum = ranks_sorted[pos_sorted].to(torch.float64).sum()
+    u = rank_sum - n_pos * (n_pos + 1) / 2.0
+    return (u / (n_pos * n_neg)).to(s.dtype)

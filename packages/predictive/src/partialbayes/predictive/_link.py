@@ -1,0 +1,177 @@
+"""Deterministic link approximations for Gaussian logits: probit and the Laplace bridge.
+
+Given logits ``f ~ N(mean, cov)`` per example, these approximate the predictive
+``E[softmax(f)]`` (or ``E[sigmoid(f)]`` for one binary logit) without sampling.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from partialbayes.predictive._validate import check_nonneg, check_same_device, check_tensor
+from partialbayes.predictive._validate import gaussian_logits as _gaussian_logits
+
+_PI_OVER_8 = math.pi / 8.0
+
+
+def probit_scale(var: Tensor) -> Tensor:
+    """The probit scaling factor κ = (1 + π/8 · var)^(-1/2), elementwise.
+
+    Args:
+        var: Non-negative variances, any shape.
+
+    Returns:
+        κ, same shape as ``var``, in ``(0, 1]``.
+    """
+    return torch.rsqrt(1.0 + _PI_OVER_8 * var)
+
+
+def probit_binary(mean: Tensor, var: Tensor) -> Tensor:
+    """Probit approximation of ``E[sigmoid(f)]`` for one logit ``f ~ N(mean, var)``.
+
+    ``E[σ(f)] ≈ σ(κ·mean)`` with ``κ = (1 + π var / 8)^(-1/2)`` (MacKay 1992). The approximation
+    replaces σ(x) by Φ(√(π/8)·x), whose Gaussian integral is exact, so its error is at most
+    ``sup_x |σ(x) − Φ(√(π/8) x)| ≈ 0.019``.
+
+    Args:
+        mean: Logit means, any shape ``[...]``.
+        var: Logit variances, same shape, non-negative.
+
+    Returns:
+        Probability of the positive class, shape ``[...]``.
+
+    Raises:
+        ValueError: On NaN/inf, negative ``var`` or mismatched shapes.
+    """
+    mu = check_tensor("mean", mean)
+    v = check_nonneg("var", var)
+    check_same_device(mean=mu, var=v)
+    if v.shape != mu.shape:
+        raise ValueError(f"var must have the shape of mean {tuple(mu.shape)}, got {tuple(v.shape)}")
+    return torch.sigmoid(probit_scale(v) * mu)
+
+
+def probit(mean: Tensor, cov: Tensor) -> Tensor:
+    """Multiclass probit approximation of ``E[softmax(f)]`` for ``f ~ N(mean, cov)``.
+
+    The form of Kampen et al. (2024, Eq. 12): ``softmax(κ ⊙ mean)`` with
+    ``κ_c = (1 + π/8 · Σ_cc)^(-1/2)``. Only the diagonal of a full covariance is used.
+
+    Args:
+        mean: Logit means ``[..., C]``.
+        cov: Variances ``[..., C]`` or covariances ``[..., C, C]`` (positive semi-definite).
+
+    Returns:
+        Predictive probabilities ``[..., C]``.
+
+    Raises:
+        ValueError: On NaN/inf, negative variances, asymmetric covariances or mismatched shapes.
+    """
+    mu, var, full = _gaussian_logits(mean, cov)
+    if full:
+        var = var.diagonal(dim1=-2, dim2=-1)
+    return torch.softmax(probit_scale(var) * mu, dim=-1)
+
+
+def laplace_bridge_alpha(mean: Tensor, cov: Tensor, *, correct_mean: bool = True) -> Tensor:
+    """Dirichlet concentrations of the Laplace bridge for ``f ~ N(mean, cov)``.
+
+    ``α_k = (1 − 2/K + e^{μ_k} Σ_l e^{−μ_l} / K²) / Σ_kk`` (Hobbhahn, Kristiadi & Hennig, 2022).
+    This inverts the Laplace approximation of a Dirichlet in the softmax basis, whose mean
+    ``μ_k = log α_k − mean_l log α_l`` and variances ``Σ_kk = (1 − 2/K)/α_k + Σ_l α_l^{-1} / K²``.
+
+    With ``correct_mean`` (the default, as in laplace-torch), the Gaussian is first conditioned on
+    ``Σ_k f_k = 0`` (logits are shift-invariant under softmax), which the bridge assumes:
+    ``μ ← μ − Σ1 (1ᵀμ)/(1ᵀΣ1)`` and ``Σ ← Σ − Σ11ᵀΣ/(1ᵀΣ1)``.
+
+    Args:
+        mean: Logit means ``[..., K]``.
+        cov: Variances ``[..., K]`` or covariances ``[..., K, K]``; the used variances must be > 0.
+        correct_mean: Apply the sum-to-zero correction first.
+
+    Returns:
+        Concentrations ``α`` ``[..., K]``, positive.
+
+    Raises:
+        ValueError: On NaN/inf, non-positive variances, or fewer than two classes.
+    """
+    mu, var, full = _gaussian_logits(mean, cov)
+    k = mu.shape[-1]
+    if k < 2:
+        raise ValueError(f"the Laplace bridge needs at least 2 classes, mean has {k}")
+    if not full:
+        var = torch.diag_embed(var)
+    if correct_mean:
+        row = var.sum(-1)  # Σ1, [..., K]
+        total = row.sum(-1, keepdim=True)  # 1ᵀΣ1, [..., 1]
+        if bool((total <= 0).any()):
+            raise ValueError("cov must be non-zero for the Laplace bridge (1ᵀ cov 1 = 0)")
+        mu = mu - row * mu.sum(-1, keepdim=True) / total
+        var = var - row.unsqueeze(-1) * row.unsqueeze(-2) / total.unsqueeze(-1)
+    d = var.diagonal(dim1=-2, dim2=-1)
+    tiny = 1e3 * torch.finfo(d.dtype).eps * d.amax(-1, keepdim=True)
+    if bool((d <= tiny).any()):
+        raise ValueError(
+            "the Laplace bridge needs positive logit variances; cov has a zero "
+            "(or, after the sum-to-zero correction, vanishing) variance"
+        )
+    # e^{μ_k} Σ_l e^{−μ_l} = exp(μ_k + logsumexp(−μ)), computed stably.
+    s = torch.exp(mu + torch.logsumexp(-mu, dim=-1, keepdim=True))
+    return (1.0 - 2.0 / k + s / k**2) / d
+
+
+def laplace_bridge(mean: Tensor, cov: Tensor, *, correct_mean: bool = True) -> Tensor:
+    """Predictive probabilities of the Laplace bridge: the mean ``α / Σα`` of its Dirichlet.
+
+    See [`laplace_bridge_alpha`][partialbayes.predictive.laplace_bridge_alpha] for the formula.
+
+    Args:
+        mean: Logit means ``[..., K]``.
+        cov: Variances ``[..., K]`` or covariances ``[..., K, K]``.
+        correct_mean: Apply the sum-to-zero correction first (as laplace-torch does).
+
+    Returns:
+        Probabilities ``[..., K]``.
+    """
+    alpha = laplace_bridge_alpha(mean, cov, correct_mean=correct_mean)
+    return alpha / alpha.sum(-1, keepdim=True)
+
+
+def gaussian_predictive(
+    mean: Tensor, var: Tensor, noise_var: Tensor | float
+) -> tuple[Tensor, Tensor]:
+    """Regression predictive ``N(mean, var + σ²)`` with the observation noise σ² added.
+
+    Args:
+        mean: Predictive means of the function, ``[...]``.
+        var: Function variances ``[...]`` (or covariances ``[..., D, D]`` for ``mean [..., D]``,
+            in which case σ² is added to the diagonal).
+        noise_var: Observation noise variance σ² ≥ 0: a float or a tensor broadcastable to the
+            variances.
+
+    Returns:
+        ``(mean, predictive variance)``.
+
+    Raises:
+        ValueError: On NaN/inf, negative variances or mismatched shapes.
+    """
+    mu, v, full = _gaussian_logits(mean, var)
+    if not isinstance(noise_var, Tensor):
+        noise_var = torch.as_tensor(float(noise_var), dtype=mu.dtype, device=mu.device)
+    noise = check_nonneg("noise_var", noise_var)
+    target = v.diagonal(dim1=-2, dim2=-1) if full else v
+    try:
+        ok = torch.broadcast_shapes(target.shape, noise.shape) == target.shape
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"noise_var of shape {tuple(noise.shape)} does not broadcast to the variances "
+            f"{tuple(target.shape)}"
+        )
+    if full:
+        return mu, v + torch.diag_embed(torch.zeros_like(target) + noise)
+    return mu, v + noise

@@ -1,0 +1,131 @@
+"""Monte Carlo predictive for Gaussian logits over the full covariance."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from partialbayes.predictive._validate import gaussian_logits as _gaussian_logits
+
+#: Elements of one sample chunk ``[s, ..., C]``; bounds the memory of `mc_predictive`.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def cholesky_jitter(cov: Tensor, *, max_tries: int = 8) -> Tensor:
+    """Lower Cholesky factor of a batch of PSD matrices, adding jitter only where needed.
+
+    Matrices that fail the factorisation are first checked with an eigendecomposition: an
+    eigenvalue below ``−√eps · max|λ|`` means ``cov`` is not positive semi-definite and raises.
+    Otherwise ``jitter·I`` is added to those matrices only, starting at ``10·eps·mean(diag)``
+    and growing tenfold per try.
+
+    Args:
+        cov: Symmetric PSD matrices ``[..., C, C]``.
+        max_tries: Number of jitter levels tried.
+
+    Returns:
+        ``L`` with ``L Lᵀ ≈ cov``, ``[..., C, C]``.
+
+    Raises:
+        ValueError: If ``cov`` is not positive semi-definite or no jitter level succeeds.
+    """
+    chol, info = torch.linalg.cholesky_ex(cov)
+    bad = info > 0
+    if not bool(bad.any()):
+        return chol
+    eps = torch.finfo(cov.dtype).eps
+    failing = cov[bad]
+    eig = torch.linalg.eigvalsh(failing)
+    scale = eig.abs().amax(-1)
+    worst = eig[:, 0] / scale.clamp_min(torch.finfo(cov.dtype).tiny)
+    if bool((worst < -math.sqrt(eps)).any()):
+        i = int(torch.argmin(worst))
+        idx = bad.nonzero()[i].tolist()
+        raise ValueError(
+            f"cov is not positive semi-definite: matrix at batch index {idx} has eigenvalue "
+            f"{float(eig[i, 0]):.3g} (largest magnitude {float(scale[i]):.3g})"
+        )
+    mean_diag = failing.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(torch.finfo(cov.dtype).tiny)
+    eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
+    jitter = 10 * eps * mean_diag
+    for _ in range(max_tries):
+        fixed, info_fixed = torch.linalg.cholesky_ex(failing + jitter[:, None, None] * eye)
+        if not bool((info_fixed > 0).any()):
+            chol = chol.clone()
+            chol[bad] = fixed
+            return chol
+        jitter = jitter * 10
+    raise ValueError(f"cov: Cholesky failed even with jitter up to {float(jitter.max() / 10):.3g}")
+
+
+def sample_logits(
+    mean: Tensor, cov: Tensor, n_samples: int, *, generator: torch.Generator | None = None
+) -> Tensor:
+    """Draw logit samples ``f = mean + L ε`` with ``L Lᵀ = cov`` (Cholesky with jitter fallback).
+
+    Args:
+        mean: ``[..., C]``.
+        cov: Variances ``[..., C]`` or covariances ``[..., C, C]``.
+        n_samples: Number of samples ``S ≥ 1``.
+        generator: Random generator (same seed, same samples).
+
+    Returns:
+        Samples ``[S, ..., C]``.
+    """
+    _check_n(n_samples)
+    mu, var, full = _gaussian_logits(mean, cov)
+    scale = cholesky_jitter(var) if full else var.sqrt()
+    return _draw(mu, scale, full, n_samples, generator)
+
+
+def mc_predictive(
+    mean: Tensor,
+    cov: Tensor,
+    n_samples: int = 100,
+    *,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Monte Carlo estimate of ``E[softmax(f)]`` for ``f ~ N(mean, cov)``.
+
+    Samples are drawn in chunks, so memory stays bounded for large batches; the estimate is
+    unbiased with standard error ``O(S^{-1/2})``.
+
+    Args:
+        mean: Logit means ``[..., C]``.
+        cov: Variances ``[..., C]`` or covariances ``[..., C, C]``.
+        n_samples: Number of samples ``S``.
+        generator: Random generator.
+
+    Returns:
+        Predictive probabilities ``[..., C]``.
+
+    Raises:
+        ValueError: On invalid shapes, NaN/inf, negative variances or a non-PSD covariance.
+    """
+    _check_n(n_samples)
+    mu, var, full = _gaussian_logits(mean, cov)
+    scale = cholesky_jitter(var) if full else var.sqrt()
+    chunk = max(1, _CHUNK_ELEMENTS // max(1, mu.numel()))
+    total = torch.zeros_like(mu)
+    done = 0
+    while done < n_samples:
+        s = min(chunk, n_samples - done)
+        total += torch.softmax(_draw(mu, scale, full, s, generator), dim=-1).sum(0)
+        done += s
+    return total / n_samples
+
+
+def _draw(
+    mu: Tensor, scale: Tensor, full: bool, n: int, generator: torch.Generator | None
+) -> Tensor:
+    eps = torch.randn((n, *mu.shape), dtype=mu.dtype, device=mu.device, generator=generator)
+    if full:
+        return mu + (scale @ eps.unsqueeze(-1)).squeeze(-1)
+    return mu + scale * eps
+
+
+def _check_n(n_samples: int) -> None:
+    if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
+        raise ValueError(f"n_samples must be a positive int, got {n_samples!r}")

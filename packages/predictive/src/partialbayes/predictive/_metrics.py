@@ -1,0 +1,125 @@
+"""Proper scoring rules and accuracy on batched tensors."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from partialbayes.predictive._validate import (
+    check_labels,
+    check_nonneg,
+    check_probs,
+    check_same_device,
+    check_tensor,
+)
+
+Reduction = Literal["mean", "sum", "none"]
+
+
+def _reduce(x: Tensor, reduction: Reduction) -> Tensor:
+    if reduction == "mean":
+        return x.mean()
+    if reduction == "sum":
+        return x.sum()
+    if reduction == "none":
+        return x
+    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+def _probs_labels(probs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    p = check_probs("probs", probs)
+    if p.ndim != 2:
+        raise ValueError(f"probs must have shape [N, C], got {tuple(p.shape)}")
+    if p.shape[0] == 0:
+        raise ValueError("probs must hold at least one example, got N = 0")
+    y = check_labels("labels", labels, p.shape[0], p.shape[1])
+    check_same_device(probs=p, labels=y)
+    return p, y
+
+
+def accuracy(probs: Tensor, labels: Tensor) -> Tensor:
+    """Fraction of examples whose most probable class equals the label.
+
+    Args:
+        probs: Probabilities ``[N, C]`` (rows sum to one).
+        labels: Integer labels ``[N]`` in ``[0, C)``.
+
+    Returns:
+        Scalar tensor in ``[0, 1]``.
+    """
+    p, y = _probs_labels(probs, labels)
+    return (p.argmax(-1) == y).to(p.dtype).mean()
+
+
+def nll(probs: Tensor, labels: Tensor, *, reduction: Reduction = "mean") -> Tensor:
+    """Negative log-likelihood ``−log p[y]`` of categorical predictions.
+
+    A probability of exactly 0 for the true label is clamped to the dtype's smallest normal
+    number, so the result stays finite (about 708 nats in float64, 87 in float32).
+
+    Args:
+        probs: Probabilities ``[N, C]``.
+        labels: Integer labels ``[N]``.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per example ``[N]``).
+
+    Returns:
+        The reduced NLL in nats.
+    """
+    p, y = _probs_labels(probs, labels)
+    py = p.gather(1, y[:, None]).squeeze(1)
+    return _reduce(-py.clamp_min(torch.finfo(p.dtype).tiny).log(), reduction)
+
+
+def gaussian_nll(
+    mean: Tensor, var: Tensor | float, targets: Tensor, *, reduction: Reduction = "mean"
+) -> Tensor:
+    """Gaussian negative log-likelihood ``½ log(2π v) + (y − m)² / (2 v)``.
+
+    Args:
+        mean: Predictive means ``[...]``.
+        var: Predictive variances (``> 0``), broadcastable to ``mean``.
+        targets: Targets, the shape of ``mean``.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+
+    Returns:
+        The reduced NLL in nats.
+    """
+    m = check_tensor("mean", mean)
+    t = check_tensor("targets", targets)
+    if not isinstance(var, Tensor):
+        var = torch.as_tensor(float(var), dtype=m.dtype, device=m.device)
+    v = check_nonneg("var", var)
+    check_same_device(mean=m, var=v, targets=t)
+    if t.shape != m.shape:
+        raise ValueError(f"targets shape {tuple(t.shape)} != mean shape {tuple(m.shape)}")
+    if bool((v == 0).any()):
+        raise ValueError("var must be strictly positive for a Gaussian NLL")
+    try:
+        ok = torch.broadcast_shapes(m.shape, v.shape) == m.shape
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"var shape {tuple(v.shape)} does not broadcast to mean {tuple(m.shape)}")
+    out = 0.5 * (math.log(2 * math.pi) + v.log() + (t - m).square() / v)
+    return _reduce(out, reduction)
+
+
+def brier(probs: Tensor, labels: Tensor, *, reduction: Reduction = "mean") -> Tensor:
+    """Multiclass Brier score ``Σ_c (p_c − 1[y = c])²`` (summed over classes, range ``[0, 2]``).
+
+    Args:
+        probs: Probabilities ``[N, C]``.
+        labels: Integer labels ``[N]``.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+
+    Returns:
+        The reduced Brier score.
+    """
+    p, y = _probs_labels(probs, labels)
+    py = p.gather(1, y[:, None]).squeeze(1)
+    # Σ_c p_c² − 2 p_y + 1, without materialising the one-hot matrix.
+    out = p.square().sum(1) - 2 * py + 1
+    return _reduce(out, reduction)

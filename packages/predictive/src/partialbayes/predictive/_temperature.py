@@ -1,0 +1,90 @@
+"""Temperature scaling (Guo et al., 2017) fitted on validation logits."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from partialbayes.predictive._validate import check_labels, check_same_device, check_tensor
+
+
+def _logits_labels(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    z = check_tensor("logits", logits)
+    if z.ndim != 2 or z.shape[0] == 0 or z.shape[1] < 2:
+        raise ValueError(f"logits must have shape [N, C] with N >= 1, C >= 2, got {tuple(z.shape)}")
+    y = check_labels("labels", labels, z.shape[0], z.shape[1])
+    check_same_device(logits=z, labels=y)
+    return z, y
+
+
+def fit_temperature(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    init: float = 1.0,
+    max_iter: int = 100,
+) -> Tensor:
+    """Fit the temperature ``T`` minimising the NLL of ``softmax(logits / T)`` on validation data.
+
+    Optimises ``log T`` (so ``T > 0`` without constraints) with L-BFGS and a strong-Wolfe line
+    search, in float64. The objective is convex in ``1/T``, so the optimum is unique.
+
+    Args:
+        logits: Validation logits ``[N, C]``.
+        labels: Validation labels ``[N]``.
+        init: Starting temperature ``> 0``.
+        max_iter: Maximum L-BFGS iterations.
+
+    Returns:
+        The fitted temperature, a 0-dim tensor in the dtype and on the device of ``logits``.
+
+    Raises:
+        ValueError: On invalid inputs, or if the optimum runs off to ``T → 0`` or ``∞`` (e.g.
+            perfectly separable validation data).
+    """
+    z, y = _logits_labels(logits, labels)
+    if not init > 0:
+        raise ValueError(f"init must be a positive temperature, got {init!r}")
+    z64 = z.detach().to(torch.float64)
+    log_t = torch.tensor(float(torch.tensor(init).log()), dtype=torch.float64, device=z.device)
+    log_t.requires_grad_(True)
+    opt = torch.optim.LBFGS(
+        [log_t],
+        lr=1.0,
+        max_iter=max_iter,
+        line_search_fn="strong_wolfe",
+        tolerance_grad=1e-12,
+        tolerance_change=1e-14,
+    )
+
+    def closure() -> Tensor:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(z64 * torch.exp(-log_t), y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    value = float(log_t.detach())
+    if not -20.0 < value < 20.0:
+        raise ValueError(
+            f"temperature scaling diverged (log T = {value:.3g}); the validation logits may be "
+            "perfectly separable or constant"
+        )
+    return torch.tensor(value, dtype=torch.float64).exp().to(dtype=z.dtype, device=z.device)
+
+
+def apply_temperature(logits: Tensor, temperature: Tensor | float) -> Tensor:
+    """Scale logits by ``1 / T``.
+
+    Args:
+        logits: ``[..., C]``.
+        temperature: ``T > 0``, a float or a 0-dim tensor.
+
+    Returns:
+        ``logits / T``.
+    """
+    z = check_tensor("logits", logits)
+    t = float(temperature)
+    if not t > 0:
+        raise ValueError(f"temperature must be positive, got {t!r}")
+    return z / t
