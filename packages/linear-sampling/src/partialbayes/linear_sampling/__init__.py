@@ -1,5 +1,62 @@
-"""Sample-then-optimise posteriors and EM prior updates for large linear models."""
+"""Sample-then-optimise posteriors and EM prior updates for large linear models, and linearised Laplace.
+
+Implements Antorán et al. (ICLR 2023), *Sampling-based inference for large linear models, with
+application to linearised Laplace*. The model is ``y_n = Φ_n θ + η_n`` with ``θ ~ N(0, A⁻¹)`` and
+``η_n ~ N(0, B_n⁻¹)``; the features ``Φ`` are minibatched operators (JVP / VJP), so nothing of size
+``d × d`` is ever formed.
+"""
 
 from partialbayes.linear_sampling._cg import conjugate_gradients
+from partialbayes.linear_sampling._em import (
+    EMResult,
+    dense_log_evidence,
+    effective_dimension,
+    feature_scales,
+    fit_prior_precision,
+    mackay_update,
+)
+from partialbayes.linear_sampling._features import Features, scale_features
+from partialbayes.linear_sampling._linearised import (
+    linearised_logit_moments,
+    linearised_logit_samples,
+)
+from partialbayes.linear_sampling._network import (
+    network_features,
+    network_logits,
+    network_parameters,
+)
+from partialbayes.linear_sampling._precision import NoisePrecision, Prior, softmax_hessian
+from partialbayes.linear_sampling._sgd import DivergenceError, SGDConfig, SolveInfo
+from partialbayes.linear_sampling._solve import (
+    PosteriorMean,
+    PosteriorSamples,
+    posterior_mean,
+    posterior_samples,
+)
 
-__all__ = ["conjugate_gradients"]
+__all__ = [
+    "DivergenceError",
+    "EMResult",
+    "Features",
+    "NoisePrecision",
+    "PosteriorMean",
+    "PosteriorSamples",
+    "Prior",
+    "SGDConfig",
+    "SolveInfo",
+    "conjugate_gradients",
+    "dense_log_evidence",
+    "effective_dimension",
+    "feature_scales",
+    "fit_prior_precision",
+    "linearised_logit_moments",
+    "linearised_logit_samples",
+    "mackay_update",
+    "network_features",
+    "network_logits",
+    "network_parameters",
+    "posterior_mean",
+    "posterior_samples",
+    "scale_features",
+    "softmax_hessian",
+]

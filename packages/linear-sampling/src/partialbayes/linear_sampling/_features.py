@@ -1,0 +1,215 @@
+"""Features Φ of a linear model as minibatched operators (JVP ``Φ z`` and VJP ``Φᵀ v``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+JvpFn = Callable[[Tensor, Tensor], Tensor]
+"""``(idx [b] int64, z [d, k]) -> Φ_idx z [b, m, k]``."""
+VjpFn = Callable[[Tensor, Tensor], Tensor]
+"""``(idx [b] int64, v [b, m, k]) -> Φ_idxᵀ v [d, k]``."""
+
+
+def _shape(x: Tensor | tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(x.shape) if isinstance(x, Tensor) else tuple(x)
+
+
+@dataclass(frozen=True)
+class Features:
+    """Features ``Φ`` of ``n`` observations with ``m`` outputs each over ``d`` parameters, as operators.
+
+    The linear model is ``y_n = Φ_n θ + η_n`` with ``Φ_n`` of shape ``[m, d]``. Only two operations are
+    needed, both minibatched over observations: ``Φ_idx z`` (a Jacobian-vector product) and ``Φ_idxᵀ v``
+    (a vector-Jacobian product). ``k`` right-hand sides are carried jointly as a trailing dimension.
+
+    Use [`Features.dense`][partialbayes.linear_sampling.Features.dense] for an explicit matrix and
+    [`network_features`][partialbayes.linear_sampling.network_features] for the Jacobian of a network.
+
+    Attributes:
+        jvp: ``(idx [b], z [d, k]) -> [b, m, k]``.
+        vjp: ``(idx [b], v [b, m, k]) -> [d, k]``.
+        n: Number of observations.
+        m: Outputs per observation.
+        d: Number of parameters.
+        dtype: Floating dtype of the features.
+        device: Device of the features.
+        matrix: The dense ``[n, m, d]`` matrix when the features were built from one, else ``None``.
+        check_finite: Raise when an operator returns NaN or inf (one device sync per call).
+    """
+
+    jvp: JvpFn
+    vjp: VjpFn
+    n: int
+    m: int
+    d: int
+    dtype: torch.dtype
+    device: torch.device
+    matrix: Tensor | None = None
+    check_finite: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("n", "m", "d"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Features.{name} must be a positive int, got {value!r}")
+        if not self.dtype.is_floating_point:
+            raise TypeError(f"Features.dtype must be floating point, got {self.dtype}")
+
+    @classmethod
+    def dense(cls, phi: Tensor, *, check_finite: bool = True) -> Features:
+        """Features from an explicit matrix (a convenience for small problems and tests).
+
+        Args:
+            phi: ``[n, d]`` (one output per observation) or ``[n, m, d]``.
+            check_finite: See the class attributes.
+
+        Returns:
+            Features whose operators are matrix products with ``phi``.
+
+        Raises:
+            TypeError: If ``phi`` is not a floating tensor.
+            ValueError: If ``phi`` has the wrong rank or non-finite entries.
+        """
+        if not isinstance(phi, Tensor) or not phi.dtype.is_floating_point:
+            raise TypeError(f"phi must be a floating-point tensor, got {type(phi).__name__}")
+        if phi.ndim == 2:
+            phi = phi.unsqueeze(1)
+        if phi.ndim != 3:
+            raise ValueError(f"phi must have shape [n, d] or [n, m, d], got {_shape(phi)}")
+        if not bool(torch.isfinite(phi).all()):
+            bad = (~torch.isfinite(phi)).flatten(1).any(1).nonzero().flatten()[:5].tolist()
+            raise ValueError(f"phi has non-finite entries (observations {bad})")
+        n, m, d = phi.shape
+
+        def jvp(idx: Tensor, z: Tensor) -> Tensor:
+            return torch.einsum("bmd,dk->bmk", phi[idx], z)
+
+        def vjp(idx: Tensor, v: Tensor) -> Tensor:
+            return torch.einsum("bmd,bmk->dk", phi[idx], v)
+
+        return cls(jvp, vjp, n, m, d, phi.dtype, phi.device, matrix=phi, check_finite=check_finite)
+
+    def apply(self, idx: Tensor, z: Tensor) -> Tensor:
+        """``Φ_idx z``, validated.
+
+        Args:
+            idx: ``[b]`` int64 observation indices.
+            z: ``[d, k]``.
+
+        Returns:
+            ``[b, m, k]``.
+
+        Raises:
+            ValueError: On a shape mismatch (both shapes named) or non-finite output.
+        """
+        if z.ndim != 2 or z.shape[0] != self.d:
+            raise ValueError(
+                f"parameter-space input has shape {_shape(z)} but the features expect (d={self.d}, k)"
+            )
+        out = self.jvp(idx, z)
+        expected = (idx.shape[0], self.m, z.shape[1])
+        if _shape(out) != expected:
+            raise ValueError(
+                f"features jvp returned shape {_shape(out)}, expected (b, m, k) = {expected}"
+            )
+        self._finite(out, "jvp (Φ z)", idx)
+        return out
+
+    def apply_t(self, idx: Tensor, v: Tensor) -> Tensor:
+        """``Φ_idxᵀ v``, validated.
+
+        Args:
+            idx: ``[b]`` int64 observation indices.
+            v: ``[b, m, k]``.
+
+        Returns:
+            ``[d, k]``.
+
+        Raises:
+            ValueError: On a shape mismatch (both shapes named) or non-finite output.
+        """
+        if v.ndim != 3 or v.shape[:2] != (idx.shape[0], self.m):
+            raise ValueError(
+                f"observation-space input has shape {_shape(v)} but the features expect "
+                f"(b={idx.shape[0]}, m={self.m}, k)"
+            )
+        out = self.vjp(idx, v)
+        expected = (self.d, v.shape[2])
+        if _shape(out) != expected:
+            raise ValueError(
+                f"features vjp returned shape {_shape(out)}, expected (d, k) = {expected}"
+            )
+        self._finite(out, "vjp (Φᵀ v)", idx)
+        return out
+
+    def _finite(self, out: Tensor, what: str, idx: Tensor) -> None:
+        if self.check_finite and not bool(torch.isfinite(out).all()):
+            raise ValueError(
+                f"non-finite features: {what} returned NaN or inf on a batch of observations "
+                f"{idx[:8].tolist()}{'...' if idx.shape[0] > 8 else ''}"
+            )
+
+
+def scale_features(features: Features, scale: Tensor) -> Features:
+    """Features of the reparametrised model ``θ = θ' / s``: ``Φ' = Φ diag(1/s)``.
+
+    Used for the g-prior: with ``s_i² = (ΦᵀBΦ)_ii`` every normalised feature has unit curvature.
+
+    Args:
+        features: The original features.
+        scale: ``[d]`` positive scales ``s``.
+
+    Returns:
+        Features ``Φ diag(1 / s)``.
+
+    Raises:
+        ValueError: If ``scale`` has the wrong shape or non-positive entries.
+    """
+    if scale.shape != (features.d,):
+        raise ValueError(f"scale has shape {_shape(scale)} but the features have d={features.d}")
+    if not bool((scale > 0).all() & torch.isfinite(scale).all()):
+        raise ValueError("scale must be positive and finite")
+    inv = (1.0 / scale).unsqueeze(1)
+
+    def jvp(idx: Tensor, z: Tensor) -> Tensor:
+        return features.jvp(idx, z * inv)
+
+    def vjp(idx: Tensor, v: Tensor) -> Tensor:
+        return features.vjp(idx, v) * inv
+
+    matrix = None if features.matrix is None else features.matrix * inv.T
+    return Features(
+        jvp,
+        vjp,
+        features.n,
+        features.m,
+        features.d,
+        features.dtype,
+        features.device,
+        matrix=matrix,
+        check_finite=features.check_finite,
+    )
+
+
+def batches(
+    n: int, batch_size: int, device: torch.device, generator: torch.Generator | None = None
+):
+    """Index batches covering ``0..n-1`` once; shuffled when a generator is given.
+
+    Args:
+        n: Number of observations.
+        batch_size: Batch size (the last batch may be smaller).
+        device: Device of the index tensors.
+        generator: CPU generator for the permutation; ``None`` keeps the natural order.
+
+    Yields:
+        ``[b]`` int64 index tensors.
+    """
+    order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
+    order = order.to(device)
+    for start in range(0, n, batch_size):
+        yield order[start : start + batch_size]

@@ -1,0 +1,134 @@
+"""Linearised-Laplace predictive: logit means, covariances and samples of ``f(x; θ*) + J(x)(θ − θ*)``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from partialbayes.linear_sampling._cg import cg_solve
+from partialbayes.linear_sampling._features import Features, batches
+from partialbayes.linear_sampling._network import (
+    Inputs,
+    ParamSpec,
+    network_features,
+    network_logits,
+)
+from partialbayes.linear_sampling._ops import curvature_matvec, default_batch_size
+from partialbayes.linear_sampling._precision import NoisePrecision, Prior
+
+
+def linearised_logit_samples(
+    model: nn.Module,
+    inputs: Inputs,
+    params: ParamSpec,
+    samples: Tensor,
+    *,
+    batch_size: int = 64,
+    output_fn: Callable[[Any], Tensor] | None = None,
+) -> Tensor:
+    """Logit samples ``f(x; θ*) + J(x) z_j`` of the linearised network.
+
+    Args:
+        model: The network at the MAP ``θ*``, in eval mode.
+        inputs: ``[n, ...]`` tensor or dict of tensors (test points).
+        params: The stochastic parameters (as in
+            [`network_features`][partialbayes.linear_sampling.network_features]).
+        samples: ``[d, k]`` zero-mean posterior samples of the stochastic parameters (for example
+            [`posterior_samples`][partialbayes.linear_sampling.posterior_samples]).
+        batch_size: Test points per JVP call.
+        output_fn: Maps the model output to logits.
+
+    Returns:
+        ``[k, n, m]`` logit samples (the layout ``predictive`` takes).
+
+    Raises:
+        ValueError: If the samples do not have ``d`` rows.
+    """
+    feats = network_features(model, inputs, params, output_fn=output_fn)
+    mean = network_logits(model, inputs, batch_size=batch_size, output_fn=output_fn)
+    out = torch.empty(feats.n, feats.m, samples.shape[-1], dtype=mean.dtype, device=mean.device)
+    for idx in batches(feats.n, batch_size, feats.device):
+        out[idx] = feats.apply(idx, samples.to(device=feats.device, dtype=feats.dtype)).to(
+            mean.dtype
+        )
+    return (mean.unsqueeze(2) + out).permute(2, 0, 1)
+
+
+def linearised_logit_moments(
+    model: nn.Module,
+    inputs: Inputs,
+    params: ParamSpec,
+    *,
+    train_features: Features | None = None,
+    noise: NoisePrecision | None = None,
+    prior: Prior | None = None,
+    samples: Tensor | None = None,
+    batch_size: int = 16,
+    tol: float = 1e-8,
+    output_fn: Callable[[Any], Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Logit mean ``f(x; θ*)`` and covariance ``J H⁻¹ Jᵀ`` of the linearised network.
+
+    Give either ``samples`` (Monte Carlo covariance ``(1/k) Σ_j (J z_j)(J z_j)ᵀ``, cost ``k`` JVPs per
+    test batch) or ``train_features``, ``noise`` and ``prior`` (exact covariance: ``Jᵀ`` by ``m`` VJPs
+    per test point, then conjugate gradients on ``H = ΦᵀBΦ + A``; for modest numbers of test points).
+
+    Args:
+        model: The network at the MAP, in eval mode.
+        inputs: Test points.
+        params: The stochastic parameters.
+        train_features: Training features ``Φ`` (for the exact covariance).
+        noise: Training noise precision ``B`` (for the exact covariance).
+        prior: Prior precision ``A`` (for the exact covariance).
+        samples: ``[d, k]`` zero-mean posterior samples (for the Monte Carlo covariance).
+        batch_size: Test points per call.
+        tol: CG relative tolerance.
+        output_fn: Maps the model output to logits.
+
+    Returns:
+        ``(mean [n, m], covariance [n, m, m])``.
+
+    Raises:
+        ValueError: If neither or both ways are given, or ``d`` disagrees.
+    """
+    exact = train_features is not None or noise is not None or prior is not None
+    if exact == (samples is not None) or (
+        exact and (train_features is None or noise is None or prior is None)
+    ):
+        raise ValueError("give either samples, or all of train_features, noise and prior")
+    feats = network_features(model, inputs, params, output_fn=output_fn)
+    mean = network_logits(model, inputs, batch_size=batch_size, output_fn=output_fn)
+    cov = torch.empty(feats.n, feats.m, feats.m, dtype=feats.dtype, device=feats.device)
+    if samples is not None:
+        if samples.ndim != 2 or samples.shape[0] != feats.d:
+            raise ValueError(
+                f"samples have shape {tuple(samples.shape)} but the network has d={feats.d}"
+            )
+        z = samples.to(device=feats.device, dtype=feats.dtype)
+        for idx in batches(feats.n, batch_size, feats.device):
+            jz = feats.apply(idx, z)
+            cov[idx] = jz @ jz.transpose(1, 2) / z.shape[1]
+        return mean, cov
+    assert train_features is not None
+    assert noise is not None
+    assert prior is not None
+    if train_features.d != feats.d:
+        raise ValueError(f"train_features have d={train_features.d} but params select d={feats.d}")
+    noise.check(train_features.n, train_features.m)
+    noise = noise.to(train_features.dtype, train_features.device)
+    a = prior.diag(feats.d, train_features.dtype, train_features.device).unsqueeze(1)
+    bs = default_batch_size(train_features, None)
+    m = feats.m
+    for idx in batches(feats.n, batch_size, feats.device):
+        b = idx.shape[0]
+        eye = torch.eye(b * m, dtype=feats.dtype, device=feats.device).reshape(b, m, b * m)
+        jt = feats.apply_t(idx, eye).to(train_features.dtype)  # [d, b·m]
+        x, _, _ = cg_solve(
+            lambda v: curvature_matvec(train_features, noise, v, bs) + a * v, jt, tol
+        )
+        block = (jt.T @ x).reshape(b, m, b, m)
+        cov[idx] = block[torch.arange(b), :, torch.arange(b), :].to(feats.dtype)
+    return mean, cov

@@ -1,0 +1,109 @@
+"""Full-data sums of minibatched feature products: ``ΦᵀBΦ z``, ``ΦᵀB Y``, ``ΦᵀB^½ ε``."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from partialbayes.linear_sampling._features import Features, batches
+from partialbayes.linear_sampling._precision import NoisePrecision
+
+
+def default_batch_size(features: Features, batch_size: int | None) -> int:
+    """``batch_size`` validated, defaulting to ``min(n, 256)``.
+
+    Raises:
+        ValueError: If ``batch_size`` is not a positive int.
+    """
+    if batch_size is None:
+        return min(features.n, 256)
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    return min(batch_size, features.n)
+
+
+def targets_3d(features: Features, targets: Tensor) -> Tensor:
+    """Targets as ``[n, m, 1]``, validated against the features.
+
+    Args:
+        features: The features.
+        targets: ``[n]`` (needs ``m = 1``) or ``[n, m]``.
+
+    Returns:
+        ``[n, m, 1]`` on the features' device and dtype.
+
+    Raises:
+        ValueError: On a shape mismatch (both shapes named) or non-finite targets.
+    """
+    y = targets.unsqueeze(1) if targets.ndim == 1 else targets
+    if y.ndim != 2 or tuple(y.shape) != (features.n, features.m):
+        raise ValueError(
+            f"targets have shape {tuple(targets.shape)} but the features expect "
+            f"(n, m) = ({features.n}, {features.m})"
+        )
+    if not bool(torch.isfinite(y).all()):
+        raise ValueError("targets have non-finite entries")
+    return y.to(device=features.device, dtype=features.dtype).unsqueeze(2)
+
+
+def curvature_matvec(
+    features: Features, noise: NoisePrecision, z: Tensor, batch_size: int
+) -> Tensor:
+    """``ΦᵀBΦ z = Σ_n Φ_nᵀ B_n Φ_n z`` over all observations.
+
+    Args:
+        features: Features ``Φ``.
+        noise: Noise precision ``B``.
+        z: ``[d, k]``.
+        batch_size: Observations per operator call.
+
+    Returns:
+        ``[d, k]``.
+    """
+    out = torch.zeros_like(z)
+    for idx in batches(features.n, batch_size, features.device):
+        out += features.apply_t(idx, noise.apply(idx, features.apply(idx, z)))
+    return out
+
+
+def features_t_noise(
+    features: Features, noise: NoisePrecision, y: Tensor, batch_size: int
+) -> Tensor:
+    """``ΦᵀB Y`` for observation-space ``y`` of shape ``[n, m, k]``; returns ``[d, k]``."""
+    out = torch.zeros(features.d, y.shape[2], dtype=features.dtype, device=features.device)
+    for idx in batches(features.n, batch_size, features.device):
+        out += features.apply_t(idx, noise.apply(idx, y[idx]))
+    return out
+
+
+def features_t_noise_sqrt(
+    features: Features,
+    noise: NoisePrecision,
+    k: int,
+    batch_size: int,
+    generator: torch.Generator | None,
+    keep: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """``Φᵀ B^½ ε`` for fresh ``ε ~ N(0, I)`` of shape ``[n, m, k]``, drawn batch by batch.
+
+    The cross-covariance ``Φᵀ B^½ (Φᵀ B^½)ᵀ = ΦᵀBΦ``, so this is a sample of ``N(0, ΦᵀBΦ)``.
+
+    Args:
+        features: Features ``Φ``.
+        noise: Noise precision ``B`` (its Cholesky factor is the square root).
+        k: Number of samples.
+        batch_size: Observations per operator call.
+        generator: CPU generator for ``ε``.
+        keep: Also return ``ε`` (needed by the standard objective); memory ``O(n·m·k)``.
+
+    Returns:
+        ``(Φᵀ B^½ ε [d, k], ε [n, m, k] or None)``.
+    """
+    out = torch.zeros(features.d, k, dtype=features.dtype, device=features.device)
+    eps_all = torch.empty(features.n, features.m, k, dtype=features.dtype) if keep else None
+    for idx in batches(features.n, batch_size, features.device):
+        eps = torch.randn(idx.shape[0], features.m, k, generator=generator, dtype=features.dtype)
+        if eps_all is not None:
+            eps_all[idx.cpu()] = eps
+        out += features.apply_t(idx, noise.apply_sqrt(idx, eps.to(features.device)))
+    return out, None if eps_all is None else eps_all.to(features.device)

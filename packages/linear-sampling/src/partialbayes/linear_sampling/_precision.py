@@ -1,0 +1,200 @@
+"""Noise precision ``B`` (scalar, per observation, or one ``m×m`` matrix per observation) and prior ``A``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class NoisePrecision:
+    """Observation-noise precision ``B_n`` of ``η_n ~ N(0, B_n⁻¹)``.
+
+    Attributes:
+        value: ``[]`` one scalar for every output (regression), ``[n]`` one scalar per observation, or
+            ``[n, m, m]`` one symmetric positive-definite matrix per observation (linearised
+            classification; see [`softmax_hessian`][partialbayes.linear_sampling.softmax_hessian]).
+        sqrt: For matrices, the lower Cholesky factor ``L_n`` with ``L_n L_nᵀ = B_n`` (a square root
+            of ``B_n``; computed on construction). ``None`` otherwise.
+    """
+
+    value: Tensor
+    sqrt: Tensor | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        v = self.value
+        if isinstance(v, (int, float)):
+            v = torch.tensor(float(v))
+            object.__setattr__(self, "value", v)
+        if not isinstance(v, Tensor) or not v.dtype.is_floating_point:
+            raise TypeError(f"noise precision must be a float or a floating tensor, got {v!r}")
+        if v.ndim not in (0, 1, 3) or (v.ndim == 3 and v.shape[1] != v.shape[2]):
+            raise ValueError(
+                f"noise precision must have shape [], [n] or [n, m, m], got {tuple(v.shape)}"
+            )
+        if not bool(torch.isfinite(v).all()):
+            raise ValueError("noise precision has non-finite entries")
+        if v.ndim < 3:
+            if not bool((v > 0).all()):
+                bad = v.min().item()
+                raise ValueError(f"noise precision must be positive, got a value {bad:.3g}")
+            return
+        if not torch.allclose(v, v.transpose(1, 2), rtol=1e-5, atol=1e-8):
+            raise ValueError("noise precision matrices [n, m, m] must be symmetric")
+        chol, info = torch.linalg.cholesky_ex(v)
+        if bool((info > 0).any()):
+            bad = (info > 0).nonzero().flatten()[:5].tolist()
+            raise ValueError(
+                f"noise precision matrices must be positive definite; observations {bad} are not "
+                "(add jitter, e.g. softmax_hessian(logits, jitter=1e-6))"
+            )
+        object.__setattr__(self, "sqrt", chol)
+
+    def check(self, n: int, m: int) -> None:
+        """Raise if this precision does not fit ``n`` observations with ``m`` outputs.
+
+        Args:
+            n: Number of observations.
+            m: Outputs per observation.
+
+        Raises:
+            ValueError: On a shape mismatch, naming both shapes.
+        """
+        v = self.value
+        if (v.ndim == 1 and v.shape[0] != n) or (v.ndim == 3 and tuple(v.shape) != (n, m, m)):
+            raise ValueError(
+                f"noise precision has shape {tuple(v.shape)} but the features have n={n}, m={m} "
+                f"(expected [], [{n}] or [{n}, {m}, {m}])"
+            )
+
+    def to(self, dtype: torch.dtype, device: torch.device) -> NoisePrecision:
+        """Copy to ``dtype`` and ``device``."""
+        return NoisePrecision(self.value.to(device=device, dtype=dtype))
+
+    def _pick(self, idx: Tensor, dims: int) -> Tensor:
+        v = self.value if self.value.ndim == 0 else self.value[idx]
+        return v.reshape(v.shape + (1,) * dims) if self.value.ndim < 3 else v
+
+    def apply(self, idx: Tensor, v: Tensor) -> Tensor:
+        """``B_idx v`` for ``v`` of shape ``[b, m, k]``."""
+        if self.value.ndim < 3:
+            return self._pick(idx, 2) * v
+        return self.value[idx] @ v
+
+    def apply_sqrt(self, idx: Tensor, e: Tensor) -> Tensor:
+        """``B_idx^½ e`` (``L e`` with ``L Lᵀ = B``) for ``e`` of shape ``[b, m, k]``."""
+        if self.value.ndim < 3:
+            return self._pick(idx, 2).sqrt() * e
+        assert self.sqrt is not None
+        return self.sqrt[idx] @ e
+
+    def apply_inv_sqrt_t(self, idx: Tensor, e: Tensor) -> Tensor:
+        """``L_idx⁻ᵀ e`` for ``e`` of shape ``[b, m, k]``: maps ``N(0, I)`` to ``N(0, B⁻¹)``."""
+        if self.value.ndim < 3:
+            return e / self._pick(idx, 2).sqrt()
+        assert self.sqrt is not None
+        return torch.linalg.solve_triangular(self.sqrt[idx].transpose(1, 2), e, upper=True)
+
+    def logdet(self, n: int, m: int) -> Tensor:
+        """``Σ_n log det B_n`` over ``n`` observations with ``m`` outputs."""
+        v = self.value
+        if v.ndim == 0:
+            return n * m * v.log()
+        if v.ndim == 1:
+            return m * v.log().sum()
+        assert self.sqrt is not None
+        return 2 * self.sqrt.diagonal(dim1=1, dim2=2).log().sum()
+
+
+def softmax_hessian(logits: Tensor, jitter: float = 1e-6) -> NoisePrecision:
+    """Hessian of the categorical negative log-likelihood in the logits: ``diag(p) − ppᵀ + jitter·I``.
+
+    This is the ``B_n`` of linearised Laplace for classification (the GGN). It is singular along the
+    all-ones direction, hence the jitter.
+
+    Args:
+        logits: ``[n, m]`` logits at the MAP.
+        jitter: Positive value added to the diagonal.
+
+    Returns:
+        A [`NoisePrecision`][partialbayes.linear_sampling.NoisePrecision] with ``[n, m, m]`` matrices.
+
+    Raises:
+        ValueError: If ``logits`` is not ``[n, m]``, has non-finite entries, or ``jitter`` is not
+            positive.
+    """
+    if logits.ndim != 2:
+        raise ValueError(f"logits must have shape [n, m], got {tuple(logits.shape)}")
+    if not math.isfinite(jitter) or jitter <= 0:
+        raise ValueError(f"jitter must be positive, got {jitter}")
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError("logits have non-finite entries")
+    p = logits.softmax(-1)
+    eye = torch.eye(logits.shape[1], dtype=logits.dtype, device=logits.device)
+    hess = torch.diag_embed(p) - p.unsqueeze(2) * p.unsqueeze(1) + jitter * eye
+    return NoisePrecision(0.5 * (hess + hess.transpose(1, 2)))
+
+
+@dataclass(frozen=True)
+class Prior:
+    """Gaussian prior ``θ ~ N(0, A⁻¹)`` with diagonal ``A``: one precision, or one per parameter group.
+
+    Attributes:
+        alpha: ``[]`` scalar precision or ``[G]`` one precision per group.
+        groups: ``[d]`` int64 group of every parameter (values in ``0..G-1``), or ``None`` for one group.
+    """
+
+    alpha: Tensor
+    groups: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        a = self.alpha
+        if isinstance(a, (int, float)):
+            a = torch.tensor(float(a))
+            object.__setattr__(self, "alpha", a)
+        if not isinstance(a, Tensor) or not a.dtype.is_floating_point or a.ndim > 1:
+            raise TypeError(
+                f"prior precision alpha must be a float or a [G] float tensor, got {a!r}"
+            )
+        if not bool(torch.isfinite(a).all() & (a > 0).all()):
+            raise ValueError(f"prior precision alpha must be positive and finite, got {a.tolist()}")
+        g = self.groups
+        if g is None:
+            if a.ndim == 1 and a.shape[0] != 1:
+                raise ValueError(f"alpha has {a.shape[0]} groups but no groups tensor was given")
+            return
+        if g.ndim != 1 or g.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"groups must be a [d] integer tensor, got {g.dtype} {tuple(g.shape)}")
+        n_groups = 1 if a.ndim == 0 else a.shape[0]
+        if g.numel() and (int(g.min()) < 0 or int(g.max()) >= n_groups):
+            raise ValueError(
+                f"groups must take values in 0..{n_groups - 1} (alpha has {n_groups} entries), "
+                f"got range {int(g.min())}..{int(g.max())}"
+            )
+
+    @property
+    def n_groups(self) -> int:
+        """Number of groups ``G``."""
+        return 1 if self.alpha.ndim == 0 else self.alpha.shape[0]
+
+    def diag(self, d: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """The diagonal of ``A``, ``[d]``.
+
+        Raises:
+            ValueError: If ``groups`` does not have ``d`` entries.
+        """
+        a = self.alpha.to(device=device, dtype=dtype)
+        if self.groups is None:
+            return a.reshape(-1)[0].expand(d).clone()
+        if self.groups.shape[0] != d:
+            raise ValueError(f"prior groups has {self.groups.shape[0]} entries but d={d}")
+        return a.reshape(-1)[self.groups.to(device)]
+
+    def group_index(self, d: int, device: torch.device) -> Tensor:
+        """``[d]`` group of every parameter (all zeros without groups)."""
+        if self.groups is None:
+            return torch.zeros(d, dtype=torch.int64, device=device)
+        return self.groups.to(device=device, dtype=torch.int64)
