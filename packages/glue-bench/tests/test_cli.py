@@ -1,7 +1,7 @@
 import pytest
 
 from partialbayes.glue_bench import __version__
-from partialbayes.glue_bench.cli import main
+from partialbayes.glue_bench.cli import main, parse_splits
 
 
 def test_version(capsys):
@@ -9,3 +9,45 @@ def test_version(capsys):
         main(["--version"])
     assert exc.value.code == 0
     assert __version__ in capsys.readouterr().out
+
+
+def test_parse_splits():
+    assert parse_splits("0-4") == [0, 1, 2, 3, 4]
+    assert parse_splits("3,1,1") == [1, 3]
+
+
+def test_unknown_task_lists_valid(capsys, tmp_path):
+    assert main(["run", "--tasks", "cola", "--results", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown task(s) ['cola']" in err
+    assert "sst2, mrpc, rte, boston, energy, yacht" in err
+
+
+def test_unknown_method_lists_valid(capsys, tmp_path):
+    assert main(["run", "--methods", "map,laplace-magic", "--results", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown method(s) ['laplace-magic']" in err
+    assert "skfac" in err
+
+
+def test_methods_listing(capsys):
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    for name in ("map", "temperature", "last-layer", "skfac", "swag-random", "kfac-max-mlp"):
+        assert name in out
+
+
+def test_quickstart_without_data_says_where(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("PARTIALBAYES_DATA", raising=False)
+    assert main(["quickstart", "--results", str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err
+    assert "--glue-dir" in err
+    assert "SST-2" in err
+    assert "PARTIALBAYES_DATA" in err
+    assert main(["quickstart", "--glue-dir", str(tmp_path), "--results", str(tmp_path / "q")]) == 2
+    assert f"{tmp_path}/SST-2/" in capsys.readouterr().err
+
+
+def test_report_on_empty_folder(capsys, tmp_path):
+    assert main(["report", "--results", str(tmp_path)]) == 2
+    assert "no result records" in capsys.readouterr().err

@@ -1,20 +1,301 @@
-"""Command-line entry point ``glue-bench``."""
+"""Command-line entry point ``glue-bench``: ``run``, ``report`` and ``quickstart``."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import sys
+import time
+from pathlib import Path
 
 from partialbayes.glue_bench import __version__
+from partialbayes.glue_bench.data_glue import TASKS, default_glue_dir, glue_missing_message
+from partialbayes.glue_bench.data_uci import UCI_DATASETS
+from partialbayes.glue_bench.methods import METHODS, Settings
+from partialbayes.glue_bench.models import DEFAULT_MODEL
+from partialbayes.glue_bench.train import OPTIMIZERS, TrainConfig
+
+QUICKSTART_METHODS = ("map", "temperature", "last-layer", "skfac", "swag-random")
+
+
+def parse_splits(text: str) -> list[int]:
+    """``"0-4"`` -> [0, 1, 2, 3, 4]; ``"0,2"`` -> [0, 2]."""
+    out: list[int] = []
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if not m:
+            raise argparse.ArgumentTypeError(
+                f"--splits: cannot parse {part!r} (use e.g. 0-4 or 0,2)"
+            )
+        lo, hi = int(m[1]), int(m[2] or m[1])
+        if hi < lo:
+            raise argparse.ArgumentTypeError(f"--splits: empty range {part!r}")
+        out.extend(range(lo, hi + 1))
+    return sorted(set(out))
+
+
+def _names(text: str) -> list[str]:
+    return [t for t in re.split(r"[,\s]+", text.strip()) if t]
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="Hugging Face model name or folder; default: the packaged MiniLM (extra 'minilm')",
+    )
+    p.add_argument("--device", default="cuda" if _cuda() else "cpu", help="torch device")
+    p.add_argument(
+        "--glue-dir",
+        type=Path,
+        default=None,
+        help="folder holding SST-2/, MRPC/, RTE/ (default $PARTIALBAYES_DATA/glue)",
+    )
+    p.add_argument(
+        "--max-train-examples",
+        type=int,
+        default=None,
+        help="cap the training part of each split (default: the paper's sizes)",
+    )
+    p.add_argument("--max-test-examples", type=int, default=None, help="cap the test set")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adamw",
+        help="fine-tuning optimizer (ivon also yields the 'ivon' posterior)",
+    )
+    p.add_argument("--epochs", type=int, default=None, help="fine-tuning epochs (default 10)")
+    p.add_argument("--max-length", type=int, default=None, help="max tokens (default 128)")
+    p.add_argument(
+        "--prior",
+        choices=("val_nll", "marglik"),
+        default="val_nll",
+        help="how Laplace methods choose the prior precision",
+    )
+    p.add_argument("--n-samples", type=int, default=None, help="MC samples (default 50)")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover
+        return False
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``glue-bench`` argument parser."""
-    parser = argparse.ArgumentParser(prog="glue-bench", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="glue-bench",
+        description="Stochastic-subset Bayesian transformers on GLUE (Kampen et al., UAI 2024).",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command")
+
+    run = sub.add_parser("run", help="fill (part of) the experiment grid in a results folder")
+    run.add_argument(
+        "--tasks",
+        type=_names,
+        default=["sst2"],
+        help=f"GLUE tasks {list(TASKS)} and/or UCI datasets {list(UCI_DATASETS)}",
+    )
+    run.add_argument(
+        "--methods",
+        type=_names,
+        default=["map", "temperature"],
+        help="methods (see `glue-bench methods`)",
+    )
+    run.add_argument("--splits", type=parse_splits, default=[0], help="e.g. 0-4 (default 0)")
+    run.add_argument(
+        "--shard", default=None, help="i/n: run the i-th of n disjoint parts of the grid"
+    )
+    run.add_argument("--results", type=Path, default=Path("results"), help="results folder")
+    run.add_argument(
+        "--uci-dir",
+        type=Path,
+        default=None,
+        help="folder holding bostonHousing/, energy/, yacht/ (default $PARTIALBAYES_DATA/uci)",
+    )
+    _common(run)
+
+    rep = sub.add_parser("report", help="tables (markdown, CSV) and plots of a results folder")
+    rep.add_argument("--results", type=Path, default=Path("results"))
+    rep.add_argument("--out", type=Path, default=None, help="default <results>/report")
+
+    sub.add_parser("methods", help="list the methods")
+
+    quick = sub.add_parser("quickstart", help="a ~10 minute CPU demo on one GLUE task")
+    quick.add_argument("--task", default="sst2", choices=list(TASKS))
+    quick.add_argument("--results", type=Path, default=Path("glue-bench-quickstart"))
+    _common(quick)
+    quick.set_defaults(
+        max_train_examples=512, max_test_examples=None, epochs=3, max_length=64, n_samples=10
+    )
     return parser
+
+
+def _configs(args: argparse.Namespace, quick: bool = False):
+    from partialbayes.glue_bench.experiment import RunConfig
+
+    train_kw = {"optimizer": args.optimizer, "seed": args.seed}
+    if args.epochs is not None:
+        train_kw["epochs"] = args.epochs
+    if args.max_length is not None:
+        train_kw["max_length"] = args.max_length
+    settings_kw: dict = {"prior": args.prior}
+    if args.n_samples is not None:
+        settings_kw["n_samples"] = args.n_samples
+    if quick:
+        settings_kw.update(
+            swag_lrs=(1e-2, 5e-2),
+            swag_sweep_steps=40,
+            swag_steps=160,
+            module_counts=(1, 4, 12),
+            skfac_percents=(1.0, 6.8, 12.6),
+        )
+    return RunConfig(
+        model=args.model,
+        train=TrainConfig(**train_kw),
+        settings=Settings(**settings_kw),
+        max_train_examples=args.max_train_examples,
+        max_test_examples=args.max_test_examples,
+        seed=args.seed,
+    )
+
+
+def _check_names(tasks: list[str], methods: list[str]) -> None:
+    valid = [*TASKS, *UCI_DATASETS]
+    bad = [t for t in tasks if t.lower().replace("-", "") not in valid]
+    if bad:
+        raise ValueError(f"unknown task(s) {bad}; valid tasks: {', '.join(valid)}")
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise ValueError(f"unknown method(s) {bad}; valid methods: {', '.join(METHODS)}")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """``glue-bench run``."""
+    from partialbayes.glue_bench.experiment import run_grid
+    from partialbayes.glue_bench.store import parse_shard
+
+    _check_names(args.tasks, args.methods)
+    shard = parse_shard(args.shard)
+    glue = [t.lower().replace("-", "") for t in args.tasks if t not in UCI_DATASETS]
+    uci = [t for t in args.tasks if t in UCI_DATASETS]
+    config = _configs(args)
+    if glue:
+        run_grid(
+            glue,
+            args.splits,
+            args.methods,
+            config,
+            args.results,
+            args.device,
+            args.glue_dir,
+            shard,
+            progress=not args.no_progress,
+        )
+    if uci:
+        from partialbayes.glue_bench.uci import run_uci
+
+        run_uci(
+            uci,
+            args.splits,
+            args.methods,
+            args.results / "uci",
+            args.uci_dir,
+            shard,
+            seed=args.seed,
+            device=args.device,
+        )
+    print(f"results in {args.results}; summarise with: glue-bench report --results {args.results}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """``glue-bench report``."""
+    from partialbayes.glue_bench.report import write_report
+
+    out = write_report(args.results, args.out)
+    print(out["markdown"])
+    for f in out["files"]:
+        print(f"wrote {f}")
+    return 0
+
+
+def cmd_quickstart(args: argparse.Namespace) -> int:
+    """``glue-bench quickstart``: fine-tune on a subsample, compare five methods, print and plot."""
+    from partialbayes.glue_bench.data_glue import task_spec
+    from partialbayes.glue_bench.experiment import run_grid
+    from partialbayes.glue_bench.report import ramping_plot, short_table, summarise
+    from partialbayes.glue_bench.store import iter_records
+
+    folder = args.glue_dir or default_glue_dir()
+    spec = task_spec(args.task)
+    if folder is None or not (Path(folder) / spec.folder).is_dir():
+        print(glue_missing_message(args.task, folder), file=sys.stderr)
+        return 2
+    if args.model == DEFAULT_MODEL:
+        from partialbayes.glue_bench.models import minilm_path
+
+        try:
+            minilm_path()
+        except ImportError as err:
+            print(str(err), file=sys.stderr)
+            return 2
+    config = _configs(args, quick=True)
+    start = time.perf_counter()
+    print(
+        f"glue-bench quickstart: {args.task}, model {args.model}, {args.max_train_examples} training "
+        f"examples, {config.train.epochs} epochs, device {args.device}; results in {args.results}"
+    )
+    run_grid(
+        [args.task],
+        [0],
+        list(QUICKSTART_METHODS),
+        config,
+        args.results,
+        args.device,
+        folder,
+        progress=not args.no_progress,
+    )
+    rows = summarise(iter_records(args.results))
+    rows = [r for r in rows if r["task"] == args.task]
+    print()
+    print(short_table(rows))
+    args.results.mkdir(parents=True, exist_ok=True)
+    plot = args.results / f"{args.task}_ramping_nll.png"
+    if ramping_plot(rows, args.task, plot):
+        print(f"wrote {plot}")
+    print(
+        f"finished in {time.perf_counter() - start:.0f} s; full tables: "
+        f"glue-bench report --results {args.results}"
+    )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``glue-bench``; returns the process exit status."""
-    build_parser().parse_args(argv)
-    return 0
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if args.command == "methods":
+        for m in METHODS.values():
+            print(f"{m.name:16s} {m.description}")
+        return 0
+    try:
+        if args.command == "run":
+            return cmd_run(args)
+        if args.command == "report":
+            return cmd_report(args)
+        return cmd_quickstart(args)
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        print(f"glue-bench: error: {err}", file=sys.stderr)
+        return 2

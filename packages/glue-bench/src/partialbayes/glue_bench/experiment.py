@@ -75,7 +75,14 @@ def prepare_context(
     """Load data, fine-tune or reuse the checkpoint of (task, split), and build the method context.
 
     Args:
+        task: GLUE task name.
+        split: Split index (seeds the train/validation permutation and the fine-tuning).
+        config: The run configuration.
+        store: Results store (holds the checkpoint cache).
+        device: Device of the model and batches.
+        glue_dir: GLUE folder; default ``$PARTIALBAYES_DATA/glue`` (or the hub).
         model_factory: ``(name, num_labels, dropout) -> (model, tokenizer)``; default :func:`load_encoder`.
+        progress: Show progress bars.
 
     Returns:
         ``(context, checkpoint meta)``.

@@ -1,0 +1,200 @@
+"""The paper's UCI regression experiments (appendix B): MLP, Laplace on module subsets, SWAG.
+
+Metrics are in the original target units: RMSE and the mean Gaussian negative log-likelihood of the
+predictive ``N(mean, var)``. Records go to the same kind of results store as GLUE (task = dataset name).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from partialbayes.glue_bench.data_uci import UCISplit, load_uci
+from partialbayes.glue_bench.models import MLP
+from partialbayes.glue_bench.store import Cell, ResultStore, shard_units
+
+UCI_METHODS = ("map", "last-layer", "kfac-full", "kfac-random", "kfac-max", "kfac-min", "swag-full")
+PRIOR_GRID = tuple(float(v) for v in torch.logspace(-1, 3, 9))
+
+
+def train_mlp(
+    split: UCISplit,
+    width: int = 50,
+    depth: int = 2,
+    steps: int = 2000,
+    lr: float = 1e-2,
+    seed: int = 0,
+) -> tuple[MLP, float]:
+    """Full-batch Adam on the squared error (weight decay 1e-4) in standardised units.
+
+    Returns:
+        ``(model in eval mode, sigma_noise)`` with ``sigma_noise`` the training residual RMS (standardised).
+    """
+    torch.manual_seed(seed)
+    x, y = split.x_train.float(), split.y_train.float()
+    model = MLP(x.shape[1], width, depth)
+    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=1e-4)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = ((model(x).squeeze(-1) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+    if not torch.isfinite(loss):
+        raise FloatingPointError("UCI MLP training diverged")
+    model.eval()
+    with torch.no_grad():
+        sigma = float(((model(x).squeeze(-1) - y) ** 2).mean().sqrt())
+    return model, max(sigma, 1e-3)
+
+
+def gaussian_metrics(
+    mean: torch.Tensor, var: torch.Tensor, y: torch.Tensor, y_std: float
+) -> dict[str, float]:
+    """RMSE and mean Gaussian NLL in original units, from standardised ``mean``, ``var``, ``y`` (N,)."""
+    var = var.clamp_min(1e-12)
+    rmse = float(((mean - y) ** 2).mean().sqrt()) * y_std
+    nll = float((0.5 * (torch.log(2 * math.pi * var) + (y - mean) ** 2 / var)).mean()) + math.log(
+        y_std
+    )
+    if not (math.isfinite(rmse) and math.isfinite(nll)):
+        raise ValueError("non-finite UCI metrics")
+    return {"rmse": rmse, "nll": nll}
+
+
+def _subset(model: nn.Module, method: str, k: int, seed: int) -> Any:
+    from partialbayes import selection
+
+    if method == "last-layer":
+        return selection.last_layer(model)
+    if method == "kfac-full" or method == "swag-full":
+        return selection.max_operator_norm(model, len(selection.linear_modules(model)), group="all")
+    if method == "kfac-random":
+        return selection.random_modules(model, k, seed=seed, group="all")
+    if method == "kfac-max":
+        return selection.max_operator_norm(model, k, group="all")
+    return selection.min_operator_norm(model, k, group="all")
+
+
+def _sizes(model: nn.Module, method: str) -> list[str]:
+    from partialbayes.selection import linear_modules
+
+    if method in ("kfac-random", "kfac-max", "kfac-min"):
+        return [str(k) for k in range(1, len(linear_modules(model)) + 1)]
+    return ["-"]
+
+
+def run_uci_cell(
+    model: nn.Module, sigma: float, split: UCISplit, method: str, size: str, seed: int
+) -> dict[str, Any]:
+    """One UCI cell: fit the posterior on the training part, predict the test part.
+
+    The Laplace prior precision maximises the marginal likelihood over :data:`PRIOR_GRID` (UCI has no
+    validation part in the standard splits).
+    """
+    x_tr, y_tr = split.x_train.float(), split.y_train.float()
+    x_te, y_te = split.x_test.float(), split.y_test.double()
+    t0 = time.perf_counter()
+    extra: dict[str, Any] = {"sigma_noise": sigma}
+    if method == "map":
+        with torch.no_grad():
+            mean = model(x_te).squeeze(-1).double()
+        var = torch.full_like(mean, sigma**2)
+        fit, floats, n_stoch = 0.0, 0, 0
+    elif method == "swag-full":
+        from partialbayes.swag import collect_swag
+
+        subset = _subset(model, method, 0, seed)
+        batches = [(x_tr[i : i + 32], y_tr[i : i + 32]) for i in range(0, len(x_tr), 32)]
+
+        def loss_fn(m: nn.Module, b: Any) -> torch.Tensor:
+            return ((m(b[0]).squeeze(-1) - b[1]) ** 2).mean()
+
+        swag = collect_swag(
+            model, subset, batches, lr=1e-2, n_steps=500, loss_fn=loss_fn, progress=False
+        )
+        fit = time.perf_counter() - t0
+        gen = torch.Generator().manual_seed(seed)
+        outs = []
+        for _ in range(30):
+            with swag.sampled(model, generator=gen), torch.no_grad():
+                outs.append(model(x_te).squeeze(-1).double())
+        stack = torch.stack(outs)
+        mean, var = stack.mean(0), stack.var(0) + sigma**2
+        floats, n_stoch = int(swag.num_floats), subset.num_entries()
+    else:
+        from partialbayes import curvature
+
+        subset = _subset(model, method, int(size) if size != "-" else 0, seed)
+        cls = curvature.DenseLaplace if method == "last-layer" else curvature.KronLaplace
+        la = cls(model, subset, likelihood="regression", sigma_noise=sigma)
+        la.fit([(x_tr, y_tr[:, None])])
+        extra["prior_precision"] = la.optimize_prior_precision("marglik", grid=PRIOR_GRID)
+        fit = time.perf_counter() - t0
+        f, cov = la.logit_mean_cov(x_te)
+        mean = f.squeeze(-1).double()
+        var = cov[:, 0, 0].double().clamp_min(0) + sigma**2
+        floats, n_stoch = int(la.num_floats), subset.num_entries()
+    predict = time.perf_counter() - t0 - fit
+    total = sum(p.numel() for p in model.parameters())
+    return {
+        **gaussian_metrics(mean, var, y_te, split.y_std),
+        "n_test": len(y_te),
+        "floats": floats,
+        "n_stochastic": n_stoch,
+        "percent_stochastic": 100.0 * n_stoch / total,
+        "fit_seconds": fit,
+        "predict_seconds": predict,
+        "extra": extra,
+    }
+
+
+def run_uci(
+    datasets: Sequence[str],
+    splits: Sequence[int],
+    methods: Sequence[str],
+    results: str | Path,
+    uci_dir: str | Path | None = None,
+    shard: tuple[int, int] = (0, 1),
+    seed: int = 0,
+    device: str = "cpu",
+    log: Callable[[str], None] = print,
+) -> ResultStore:
+    """Fill the UCI grid (dataset, split, method, size) of this shard; finished cells are skipped.
+
+    Raises:
+        ValueError: A method that has no UCI version (the message lists the valid ones).
+    """
+    bad = [m for m in methods if m not in UCI_METHODS]
+    if bad:
+        raise ValueError(
+            f"method(s) {bad} have no UCI version; valid UCI methods: {', '.join(UCI_METHODS)}"
+        )
+    if str(device) != "cpu":
+        log("UCI models are tiny: running them on cpu")
+    store = ResultStore(
+        results, {"kind": "uci", "width": 50, "depth": 2, "steps": 2000, "seed": seed}
+    )
+    units = shard_units([(d, s, m) for d in datasets for s in splits for m in methods], shard)
+    cache: dict[tuple[str, int], tuple[UCISplit, MLP, float]] = {}
+    for name, split_k, method in units:
+        if (name, split_k) not in cache:
+            data = load_uci(name, split_k, uci_dir)
+            model, sigma = train_mlp(data, seed=seed * 100 + split_k)
+            cache[(name, split_k)] = (data, model, sigma)
+        data, model, sigma = cache[(name, split_k)]
+        for size in _sizes(model, method):
+            cell = Cell(name, split_k, method, size)
+            if store.has(cell):
+                continue
+            rec = run_uci_cell(model, sigma, data, method, size, seed * 100 + split_k)
+            store.write(cell, rec)
+            log(
+                f"[{name} split {split_k}] {method} {size}: rmse {rec['rmse']:.3f} nll {rec['nll']:.3f}"
+            )
+    return store
