@@ -25,8 +25,8 @@ from partialbayes.selection import KronBlock, MaskBlock, Subset
 FIXTURE_OK = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-def _fitted(seed=0, prior=0.7, temperature=1.0, rank=None, loss=12.5, n=20):
-    model = TinyNet(seed)
+def _fitted(seed=0, prior=0.7, temperature=1.0, rank=None, loss=12.5, n=20, device="cpu"):
+    model = TinyNet(seed).to(device)
     subset = kron_subset(model)
     la = KronLaplace(model, subset, prior_precision=prior, temperature=temperature)
     factors = random_factors(la, seed, rank)
@@ -42,31 +42,32 @@ def _block_map(la):
     return torch.cat([la.params_to_block(m, la._map).reshape(-1) for m in la.modules])
 
 
-@settings(max_examples=8)
+@settings(max_examples=8, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     seed=st.integers(0, 1000),
     prior=st.floats(0.05, 10.0),
     temperature=st.sampled_from([0.5, 1.0, 2.0]),
     rank=st.sampled_from([None, 1, 2]),
 )
-def test_log_det_functional_cov_and_marglik_equal_dense(seed, prior, temperature, rank):
-    model, subset, la, factors = _fitted(seed, prior, temperature, rank)
+def test_log_det_functional_cov_and_marglik_equal_dense(device, seed, prior, temperature, rank):
+    model, subset, la, factors = _fitted(seed, prior, temperature, rank, device=device)
     P = dense_precision(la, factors, _prior_vec(la, prior), temperature)
-    torch.testing.assert_close(la.log_det(), torch.logdet(P))
+    torch.testing.assert_close(la.log_det().cpu(), torch.logdet(P))
     x, _ = classification_data(4, seed)
-    f, cov = la.logit_mean_cov(x)
+    f, cov = la.logit_mean_cov(x.to(device))
+    model.cpu()
     J = reference_block_jacobian(model, x, subset)
-    torch.testing.assert_close(f, model(x).detach())
-    torch.testing.assert_close(cov, J @ torch.linalg.inv(P) @ J.mT)
+    torch.testing.assert_close(f.cpu(), model(x).detach())
+    torch.testing.assert_close(cov.cpu(), J @ torch.linalg.inv(P) @ J.mT)
     # hand evidence: -loss/T - ½(log det P - d log δ) - ½ δ |θ|²
-    theta = _block_map(la)
+    theta = _block_map(la).cpu()
     d = theta.numel()
     hand = (
         -12.5 / temperature
         - 0.5 * (torch.logdet(P) - d * math.log(prior))
         - 0.5 * prior * theta @ theta
     )
-    torch.testing.assert_close(la.log_marginal_likelihood(), hand)
+    torch.testing.assert_close(la.log_marginal_likelihood().cpu(), hand)
 
 
 def test_per_module_prior_matches_dense():
@@ -91,25 +92,26 @@ def test_per_module_prior_matches_dense():
         assert math.isclose(grad[i].item(), num.item(), rel_tol=1e-4, abs_tol=1e-6)
 
 
-def test_samples_mean_and_covariance_match_dense():
-    _, subset, la, factors = _fitted(2, prior=1.5, temperature=2.0)
+def test_samples_mean_and_covariance_match_dense(device):
+    _, subset, la, factors = _fitted(2, prior=1.5, temperature=2.0, device=device)
     P = dense_precision(la, factors, _prior_vec(la, 1.5), 2.0)
     sigma = torch.linalg.inv(P)
     n = 20_000
-    s = la.sample(n, torch.Generator().manual_seed(0))
+    s = la.sample(n, torch.Generator(device=device).manual_seed(0))
+    s = {k: v.cpu() for k, v in s.items()}
     assert set(s) == set(subset.names)
     for name in subset.names:
         assert s[name].shape == (n, subset.num_entries(name))
     blocks = torch.cat([la.params_to_block(m, s).reshape(n, -1) for m in la.modules], dim=1)
-    centered = blocks - _block_map(la)
+    centered = blocks - _block_map(la).cpu()
     d = torch.diagonal(sigma)
     mean_tol = 6 * torch.sqrt(d / n)
     assert (centered.mean(0).abs() <= mean_tol).all()
     emp = centered.T @ centered / n
     tol = 6 * torch.sqrt((torch.outer(d, d) + sigma**2) / n)
     assert ((emp - sigma).abs() <= tol).all()
-    s2 = la.sample(n, torch.Generator().manual_seed(0))
-    torch.testing.assert_close(s2["c1.weight"], s["c1.weight"])
+    s2 = la.sample(n, torch.Generator(device=device).manual_seed(0))
+    torch.testing.assert_close(s2["c1.weight"].cpu(), s["c1.weight"])
 
 
 def test_block_mapping_round_trip_and_gather_order():
@@ -126,10 +128,11 @@ def test_block_mapping_round_trip_and_gather_order():
     torch.testing.assert_close(la.params_to_block("c1", la._map), expected)
 
 
-def test_swapped_restores_map_on_exception():
-    model, subset, la, _ = _fitted(4)
+def test_swapped_restores_map_on_exception(device):
+    model, subset, la, _ = _fitted(4, device=device)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    sample = {k: v[0] for k, v in la.sample(1, torch.Generator().manual_seed(1)).items()}
+    gen = torch.Generator(device=device)
+    sample = {k: v[0] for k, v in la.sample(1, gen.manual_seed(1)).items()}
     seen = {}
 
     def run():
@@ -148,7 +151,8 @@ def test_swapped_restores_map_on_exception():
     for k, v in model.named_parameters():
         assert torch.equal(v.detach(), before[k]), k
     x, _ = classification_data(2, 0)
-    with la.sampled(torch.Generator().manual_seed(3)):
+    x = x.to(device)
+    with la.sampled(gen.manual_seed(3)):
         changed = model(x)
     assert not torch.allclose(changed, model(x))
 

@@ -166,6 +166,10 @@ class KronLaplace(LaplaceBase):
     # ------------------------------------------------------------------ predictive
     def _jacobians(self, inputs: Any) -> tuple[Tensor, dict[str, Tensor]]:
         """Per-example logit Jacobians of each block, ``{module: [B, C, r, c]}``."""
+        return self._autograd_jacobians(inputs)
+
+    def _autograd_jacobians(self, inputs: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        """Block Jacobians by generic reverse mode over all logits (reference path)."""
         f, jac = param_jacobians(self.model, inputs, self.subset)
         blocks = {m: self.params_to_block(m, jac) for m in self.modules}
         return f, blocks

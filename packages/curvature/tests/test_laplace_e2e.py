@@ -1,0 +1,131 @@
+"""End to end on tiny Hugging Face classifiers: fit, tune the prior, predict, sample, save, load."""
+
+import importlib.util
+import math
+
+import pytest
+import torch
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    DistilBertConfig,
+    DistilBertForSequenceClassification,
+    GPT2Config,
+    GPT2ForSequenceClassification,
+)
+
+from partialbayes.curvature import DenseLaplace, DiagLaplace, KronLaplace
+from partialbayes.selection import last_layer, random_parameters, sparse_kfac
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("partialbayes.curvature._kfac") is None,
+    reason="the curvature factors (engineer A's kfac) are not in this checkout yet",
+)
+
+VOCAB, CLASSES = 50, 3
+
+
+def distilbert():
+    torch.manual_seed(0)
+    cfg = DistilBertConfig(
+        vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, hidden_dim=32, max_position_embeddings=32
+    )
+    cfg.num_labels = CLASSES
+    return DistilBertForSequenceClassification(cfg).eval()
+
+
+def bert():
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        num_labels=CLASSES,
+    )
+    return BertForSequenceClassification(cfg).eval()
+
+
+def gpt2():
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=32)
+    cfg.num_labels, cfg.pad_token_id = CLASSES, 0
+    return GPT2ForSequenceClassification(cfg).eval()
+
+
+def batches(n_batches, size, seed, length=10):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_batches):
+        mask = torch.ones(size, length, dtype=torch.long)
+        mask[0, length // 2 :] = 0  # a padded sequence (right padding)
+        ids = torch.randint(1, VOCAB, (size, length), generator=g) * mask
+        labels = torch.randint(0, CLASSES, (size,), generator=g)
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
+def _inputs(batch):
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
+@pytest.mark.parametrize("make", [distilbert, bert, gpt2])
+def test_kron_end_to_end(make, tmp_path):
+    model = make()
+    train, val, test = batches(3, 4, 0), batches(1, 4, 1), batches(1, 3, 2)[0]
+    subset = sparse_kfac(model, 50)
+    la = KronLaplace(model, subset, num_classes=CLASSES).fit(train)
+    assert la.n_data == 12
+    lml = la.log_marginal_likelihood()
+    assert torch.isfinite(lml)
+    grid = torch.logspace(-1, 3, 9)
+    best = la.optimize_prior_precision("marglik", grid=grid)
+    scores = torch.stack([la.log_marginal_likelihood(float(v)) for v in grid])
+    assert best == pytest.approx(grid[int(scores.argmax())].item())
+    chosen = la.optimize_prior_precision("val_nll", val_loader=val, grid=grid)
+    assert chosen in grid.tolist()
+
+    f, cov = la.logit_mean_cov(test)
+    assert f.shape == (3, CLASSES)
+    assert cov.shape == (3, CLASSES, CLASSES)
+    torch.testing.assert_close(f, model(**_inputs(test)).logits.detach())
+    torch.testing.assert_close(cov, cov.mT)
+    assert (torch.linalg.eigvalsh(cov.double()) > -1e-6).all()
+    # the hook Jacobians and autograd Jacobians give the same functional covariance
+    _, jac = la._autograd_jacobians(_inputs(test))
+    ref = la._functional_cov(la._prepare(jac), la.prior_precision, 1.0)
+    torch.testing.assert_close(cov.double(), ref, rtol=1e-4, atol=1e-7)
+
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    with la.sampled(torch.Generator().manual_seed(0)) as m:
+        sampled_logits = m(**_inputs(test)).logits
+    assert not torch.allclose(sampled_logits, f)
+    for k, v in model.named_parameters():
+        assert torch.equal(v.detach(), before[k])
+
+    path = tmp_path / "kron.safetensors"
+    la.save(path)
+    fresh = make()
+    fresh.load_state_dict(model.state_dict())
+    back = KronLaplace.load(path, fresh)
+    torch.testing.assert_close(back.logit_mean_cov(test)[1], cov)
+    with pytest.raises(ValueError, match="does not match"):
+        KronLaplace.load(path, distilbert() if make is not distilbert else bert())
+
+
+def test_dense_last_layer_and_diag_on_bert():
+    model = bert()
+    train, test = batches(2, 4, 3), batches(1, 2, 4)[0]
+    dense = DenseLaplace(model, last_layer(model)).fit(train)
+    f, cov = dense.logit_mean_cov(test)
+    assert cov.shape == (2, CLASSES, CLASSES)
+    assert math.isfinite(dense.optimize_prior_precision())
+    subset = random_parameters(model, 0.5, seed=0)
+    diag = DiagLaplace(model, subset).fit(train)
+    f2, cov2 = diag.logit_mean_cov(test)
+    torch.testing.assert_close(f2, f)
+    assert (torch.diagonal(cov2, dim1=-2, dim2=-1) > 0).all()
+    assert diag.num_floats == subset.num_entries()
+    assert dense.num_floats == dense.subset.num_entries() ** 2 + dense.subset.num_entries()
