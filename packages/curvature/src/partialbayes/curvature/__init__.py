@@ -1,10 +1,13 @@
 """KFAC / Sparse-KFAC / GGN / EF curvature on a parameter subset, and Laplace posteriors."""
 
+from partialbayes.curvature._factors import ModuleFactors
+from partialbayes.curvature._kfac import kfac
 from partialbayes.curvature._kfac_math import kfac_factors
-
-__all__ = ["kfac_factors"]
 from partialbayes.curvature._laplace_dense import DenseLaplace
 from partialbayes.curvature._laplace_diag import DiagLaplace
 from partialbayes.curvature._laplace_kron import KronLaplace
+from partialbayes.curvature._likelihood import forward_logits
 
+__all__ = ["kfac_factors"]
 __all__ += ["DenseLaplace", "DiagLaplace", "KronLaplace"]
+__all__ += ["ModuleFactors", "forward_logits", "kfac"]

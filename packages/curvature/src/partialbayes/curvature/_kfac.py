@@ -1,0 +1,186 @@
+"""KFAC and Sparse-KFAC factors of the linear maps of a Kronecker-structured subset."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from partialbayes.curvature._distributed import all_reduce_int
+from partialbayes.curvature._factors import FactorAccumulator, ModuleFactors
+from partialbayes.curvature._hooks import prepared, stream, token_mask
+from partialbayes.curvature._likelihood import check_options, model_device
+from partialbayes.selection import Subset
+
+
+def kron_targets(model: nn.Module, subset: Subset, what: str) -> dict[str, Any]:
+    """``subset.kron_modules()`` checked against ``model``; a mask subset raises a TypeError with a pointer.
+
+    Raises:
+        TypeError: If ``subset`` is not a Subset or has elementwise mask blocks.
+        ValueError: If a module of the subset is not in ``model``.
+    """
+    if not isinstance(subset, Subset):
+        raise TypeError(
+            f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
+        )
+    try:
+        kmods = subset.kron_modules()
+    except TypeError as err:
+        raise TypeError(
+            f"{what} needs a Kronecker-structured subset (KronBlock blocks): {err}. "
+            "For elementwise mask subsets use diag_curvature or dense_curvature "
+            "(DiagLaplace / DenseLaplace)."
+        ) from err
+    if not kmods:
+        raise ValueError("subset is empty: no linear map to compute factors for")
+    named = dict(model.named_modules())
+    missing = [m for m in kmods if m not in named]
+    if missing:
+        raise ValueError(f"modules {missing} of the subset are not in the model")
+    return kmods
+
+
+def _reduce_rows(t: Tensor, m: Tensor | None, mean: bool) -> Tensor:
+    """``[B, T, d] -> [B, d]``: masked sum (or mean) over tokens; ``[B, d]`` unchanged."""
+    if m is None:
+        return t
+    s = torch.einsum("btd,bt->bd", t, m)
+    return s / m.sum(1, keepdim=True) if mean else s
+
+
+def _expand_rows(t: Tensor, m: Tensor | None) -> Tensor:
+    """``[B, T, d] -> [B·T, d]`` with masked tokens zeroed; ``[B, d]`` unchanged."""
+    if m is None:
+        return t
+    return (t * m[..., None]).reshape(-1, t.shape[-1])
+
+
+def kfac(
+    model: nn.Module,
+    loader: Iterable[Any],
+    subset: Subset,
+    *,
+    likelihood: str = "classification",
+    fisher: str = "exact",
+    mc_samples: int = 1,
+    sharing: str = "reduce",
+    sigma_noise: float = 1.0,
+    dtype: torch.dtype = torch.float64,
+    generator: torch.Generator | None = None,
+    progress: bool = False,
+    num_classes: int | None = None,
+) -> dict[str, ModuleFactors]:
+    r"""KFAC (or Sparse-KFAC) factors of every linear map of a Kronecker-structured subset.
+
+    For each module the summed curvature of its selected block ``vec(W[R][:, C] | b[R])`` (row-major) is
+    approximated by ``G ⊗ A`` with
+
+    $$ G = \sum_n \sum_s \delta_{n,s}[R]\,\delta_{n,s}[R]^\top, \qquad
+       A = \frac{1}{N} \sum_n \tilde x_n[C]\,\tilde x_n[C]^\top, $$
+
+    ``G`` SUMMED and ``A`` AVERAGED (the laplace-torch convention), ``x̃ = (x, 1)`` when the bias is in the
+    subset. S-KFAC blocks gather ``δ[:, R]`` and ``x[:, C]`` in the hooks: the full factors are never formed.
+    Token sequences (``[B, T, d]`` activations): ``sharing="reduce"`` sums ``δ`` and averages ``x`` over the
+    unmasked tokens of each sequence before the outer products (exact for deep linear networks with one
+    loss per sequence); ``"expand"`` treats every unmasked token as an example (``A`` averaged over tokens).
+    Padding tokens (``attention_mask == 0``) never contribute.
+
+    Args:
+        model: Network; its forward takes a tensor or a Hugging Face dict batch and returns logits
+            ``[B, C]`` (or an output with ``.logits``). Run in eval mode (a training-mode model is switched
+            with a warning and restored).
+        loader: Iterable of batches ``(x, y)`` or dicts (``"labels"``, ``"attention_mask"``).
+        subset: Kronecker-structured :class:`~partialbayes.selection.Subset`.
+        likelihood: ``"classification"`` (softmax cross-entropy) or ``"regression"`` (Gaussian).
+        fisher: ``"exact"`` (GGN, one backward pass per class), ``"mc"`` (``mc_samples`` sampled labels) or
+            ``"empirical"`` (true labels).
+        mc_samples: Number of sampled labels per example for ``fisher="mc"``.
+        sharing: ``"reduce"`` or ``"expand"`` weight sharing over tokens.
+        sigma_noise: Gaussian noise standard deviation (regression).
+        dtype: Accumulation dtype of the factors (float32 or float64).
+        generator: Random generator for ``fisher="mc"``.
+        progress: Show a tqdm progress bar.
+        num_classes: When given, the number of logits the model must output.
+
+    Returns:
+        ``{module name: ModuleFactors}`` in the subset's model order. Under ``torch.distributed`` the sums
+        are reduced across ranks, giving the factors of the union of the shards.
+
+    Raises:
+        TypeError: A subset with elementwise mask blocks (use :func:`diag_curvature` /
+            :func:`dense_curvature`), or a batch of unknown kind.
+        ValueError: Bad options, empty loader, labels out of range, logits of the wrong shape, an example
+            without unmasked tokens, non-finite curvature (naming the module and batch).
+    """
+    check_options(likelihood, fisher, mc_samples, sigma_noise, sharing)
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    kmods = kron_targets(model, subset, "kfac")
+    named = dict(model.named_modules())
+    modules = {m: named[m] for m in kmods}
+    device = model_device(model)
+    rows = {m: (None if k.rows is None else k.rows.to(device)) for m, k in kmods.items()}
+    acc = {m: FactorAccumulator(k.n_rows, k.n_cols, dtype, device) for m, k in kmods.items()}
+    n_examples = 0
+    with prepared(model, modules):
+        for bp in stream(
+            model,
+            loader,
+            modules,
+            {m: k.cols for m, k in kmods.items()},
+            likelihood=likelihood,
+            fisher=fisher,
+            mc_samples=mc_samples,
+            sigma_noise=sigma_noise,
+            generator=generator,
+            num_classes=num_classes,
+        ):
+            n_examples += bp.n_examples
+            masks: dict[str, Tensor | None] = {}
+            checks: dict[str, Tensor] = {}
+            for m, x in bp.inputs.items():
+                tm = token_mask(x, bp.mask)
+                masks[m] = tm
+                if tm is not None and sharing == "reduce" and bool((tm.sum(1) == 0).any()):
+                    raise ValueError(f"batch {bp.index}: an example has no unmasked token")
+                if sharing == "reduce":
+                    xr, cnt = _reduce_rows(x, tm, mean=True), x.shape[0]
+                else:
+                    xr = _expand_rows(x, tm)
+                    cnt = x.shape[0] if tm is None else tm.sum()
+                checks[m] = acc[m].add_inputs(xr, cnt).sum()
+            deltas: dict[str, list[Tensor]] = {m: [] for m in kmods}
+            for grads in bp.passes:
+                for m, d in grads.items():
+                    if rows[m] is not None:
+                        d = d.index_select(-1, rows[m])
+                    tm = masks[m]
+                    deltas[m].append(
+                        _reduce_rows(d, tm, mean=False)
+                        if sharing == "reduce"
+                        else _expand_rows(d, tm)
+                    )
+            for m, ds in deltas.items():
+                checks[m] = checks[m] + acc[m].add_grads(torch.cat(ds)).sum()
+            total = torch.stack(list(checks.values())).sum()
+            if not bool(torch.isfinite(total)):
+                bad = next(m for m, v in checks.items() if not bool(torch.isfinite(v)))
+                raise ValueError(f"non-finite curvature in module {bad!r} at batch {bp.index}")
+    n_examples = all_reduce_int(n_examples, device)
+    out: dict[str, ModuleFactors] = {}
+    for m, k in kmods.items():
+        acc[m].all_reduce()
+        G, A = acc[m].factors(bias=k.bias_name is not None)
+        out[m] = ModuleFactors(
+            module=m,
+            G=G,
+            A=A,
+            rows=k.rows,
+            cols=k.cols,
+            bias=k.bias_name is not None,
+            n_examples=n_examples,
+        )
+    return out

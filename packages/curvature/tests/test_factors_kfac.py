@@ -1,0 +1,171 @@
+"""KFAC / S-KFAC factors against dense float64 references."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _factor_refs import dense_ef, dense_ggn, linear_block_jacobian
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from partialbayes.curvature import ModuleFactors, kfac
+from partialbayes.selection import KronBlock, MaskBlock, Subset, modules
+
+FIXTURE = settings(
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+
+
+def mlp(d_in: int, h: int, c: int, seed: int, bias: bool = True) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(d_in, h, bias=bias), nn.Tanh(), nn.Linear(h, c, bias=bias)
+    ).double()
+
+
+@given(
+    d_in=st.integers(1, 4),
+    h=st.integers(1, 5),
+    c=st.integers(2, 4),
+    seed=st.integers(0, 2**16),
+    module=st.sampled_from(["0", "2"]),
+    bias=st.booleans(),
+    likelihood=st.sampled_from(["classification", "regression"]),
+    fisher=st.sampled_from(["exact", "empirical"]),
+)
+@FIXTURE
+def test_one_datum_block_equals_dense(d_in, h, c, seed, module, bias, likelihood, fisher, device):
+    model = mlp(d_in, h, c, seed, bias).eval()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, d_in, generator=g, dtype=torch.float64)
+    if likelihood == "classification":
+        y = torch.randint(0, c, (1,), generator=g)
+    else:
+        y = torch.randn(1, c, generator=g, dtype=torch.float64)
+    sigma = 0.7
+    logits, J = linear_block_jacobian(model, x, module, bias)
+    ref = (
+        dense_ggn(J, logits, likelihood, sigma)
+        if fisher == "exact"
+        else dense_ef(J, logits, y, likelihood, sigma)
+    )
+    model.to(device)
+    f = kfac(
+        model,
+        [(x.to(device), y.to(device))],
+        modules(model, [module]),
+        likelihood=likelihood,
+        fisher=fisher,
+        sigma_noise=sigma,
+    )[module]
+    assert isinstance(f, ModuleFactors)
+    assert f.bias is bias
+    assert f.n_examples == 1
+    assert f.rows is None
+    assert f.cols is None
+    assert f.G.dtype == torch.float64
+    assert f.G.device.type == device.type
+    torch.testing.assert_close(torch.kron(f.G, f.A).cpu(), ref, rtol=1e-9, atol=1e-12)
+
+
+@given(seed=st.integers(0, 2**16), n=st.integers(2, 6), p=st.integers(1, 100))
+@FIXTURE
+def test_skfac_factors_are_principal_subblocks(seed, n, p, device):
+    model = mlp(5, 6, 3, seed).to(device).eval()
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randperm(6, generator=g)[: max(1, 6 * p // 100)].sort().values
+    cols = torch.randperm(5, generator=g)[: max(1, 5 * p // 100)].sort().values
+    x = torch.randn(n, 5, generator=g, dtype=torch.float64, device=device)
+    y = torch.randint(0, 3, (n,), generator=g).to(device)
+    full = kfac(model, [(x, y)], modules(model, ["0"]), fisher="empirical")["0"]
+    sub = Subset.from_model(model, {"0.weight": KronBlock(rows, cols), "0.bias": KronBlock(rows)})
+    part = kfac(model, [(x, y)], sub, fisher="empirical")["0"]
+    r, c = rows.to(device), torch.cat([cols, torch.tensor([5])]).to(device)
+    torch.testing.assert_close(part.G, full.G[r][:, r])
+    torch.testing.assert_close(part.A, full.A[c][:, c])
+    assert torch.equal(part.rows, rows)
+    assert torch.equal(part.cols, cols)
+    assert part.bias
+
+
+@given(seed=st.integers(0, 2**16), split=st.integers(1, 5))
+def test_batch_size_does_not_change_factors(seed, split):
+    model = mlp(3, 4, 2, seed).eval()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, 3, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 2, (6,), generator=g)
+    s = modules(model, ["0", "2"])
+    one = kfac(model, [(x, y)], s)
+    many = kfac(model, [(x[i : i + split], y[i : i + split]) for i in range(0, 6, split)], s)
+    for m in one:
+        torch.testing.assert_close(one[m].G, many[m].G)
+        torch.testing.assert_close(one[m].A, many[m].A)
+        assert many[m].n_examples == 6
+
+
+def test_float32_accumulation():
+    model = mlp(3, 4, 2, 0).eval()
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    f64 = kfac(model, [(x, y)], modules(model, ["2"]))["2"]
+    f32 = kfac(model, [(x, y)], modules(model, ["2"]), dtype=torch.float32)["2"]
+    assert f32.G.dtype == torch.float32
+    torch.testing.assert_close(f32.G.double(), f64.G, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- bad input
+def test_mask_subset_points_to_diag_dense():
+    model = mlp(3, 4, 2, 0)
+    s = Subset.from_model(model, {"0.weight": MaskBlock(torch.ones(4, 3, dtype=torch.bool))})
+    with pytest.raises(TypeError, match="diag_curvature"):
+        kfac(model, [(torch.randn(2, 3, dtype=torch.float64), torch.tensor([0, 1]))], s)
+
+
+def test_empty_loader_and_bad_options():
+    model = mlp(3, 4, 2, 0).eval()
+    s = modules(model, ["2"])
+    with pytest.raises(ValueError, match="empty"):
+        kfac(model, [], s)
+    x = torch.randn(2, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="fisher"):
+        kfac(model, [(x, torch.tensor([0, 1]))], s, fisher="bogus")
+    with pytest.raises(ValueError, match="sharing"):
+        kfac(model, [(x, torch.tensor([0, 1]))], s, sharing="bogus")
+    with pytest.raises(ValueError, match="mc_samples"):
+        kfac(model, [(x, torch.tensor([0, 1]))], s, fisher="mc", mc_samples=0)
+
+
+def test_labels_out_of_range_and_num_classes():
+    model = mlp(3, 4, 2, 0).eval()
+    s = modules(model, ["2"])
+    x = torch.randn(2, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="out of range"):
+        kfac(model, [(x, torch.tensor([0, 2]))], s, fisher="empirical")
+    with pytest.raises(ValueError, match="num_classes=3"):
+        kfac(model, [(x, torch.tensor([0, 1]))], s, num_classes=3)
+
+
+def test_non_finite_curvature_names_module_and_batch():
+    model = mlp(3, 4, 2, 0).eval()
+    x = torch.randn(2, 3, dtype=torch.float64)
+    bad = x.clone()
+    bad[0, 0] = float("inf")
+    with torch.no_grad():
+        model[2].weight.zero_()  # logits stay finite, inputs of layer 0 are not
+    with pytest.raises(ValueError, match=r"module '0' at batch 1"):
+        kfac(model, [(x, torch.tensor([0, 1])), (bad, torch.tensor([0, 1]))], modules(model, ["0"]))
+
+
+def test_training_mode_warns_and_is_restored():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2)).double().train()
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 0, 1])
+    with pytest.warns(UserWarning, match="training mode"):
+        a = kfac(model, [(x, y)], modules(model, ["0"]))["0"]
+    assert model.training
+    b = kfac(model.eval(), [(x, y)], modules(model, ["0"]))["0"]
+    torch.testing.assert_close(a.G, b.G)  # dropout was off
