@@ -39,13 +39,28 @@ def fit_temperature(
         The fitted temperature, a 0-dim tensor in the dtype and on the device of ``logits``.
 
     Raises:
-        ValueError: On invalid inputs, or if the optimum runs off to ``T → 0`` or ``∞`` (e.g.
-            perfectly separable validation data).
+        ValueError: On invalid inputs, or when no finite optimum exists (every validation
+            example correct with a margin, or logits no better than uniform).
     """
     z, y = _logits_labels(logits, labels)
     if not init > 0:
         raise ValueError(f"init must be a positive temperature, got {init!r}")
     z64 = z.detach().to(torch.float64)
+    # The mean NLL is convex in β = 1/T. It has no finite minimiser when every example is
+    # classified correctly with a margin (NLL → 0 as β → ∞), or when its slope at β = 0,
+    # mean(mean_c z_c − z_y), is non-negative (optimum at β ≤ 0, i.e. T = ∞ or negative).
+    z_y = z64.gather(1, y[:, None])
+    others = z64.scatter(1, y[:, None], -torch.inf)
+    if bool((others.amax(1, keepdim=True) < z_y).all()):
+        raise ValueError(
+            "temperature scaling has no finite optimum: every validation example is classified "
+            "correctly (separable logits), so the NLL keeps falling as T -> 0"
+        )
+    if float((z64.mean(1, keepdim=True) - z_y).mean()) >= 0:
+        raise ValueError(
+            "temperature scaling has no finite optimum: the logits carry no information about "
+            "the labels (the NLL decreases as T -> infinity)"
+        )
     log_t = torch.tensor(float(torch.tensor(init).log()), dtype=torch.float64, device=z.device)
     log_t.requires_grad_(True)
     opt = torch.optim.LBFGS(
