@@ -44,7 +44,7 @@ def partial_subset(model, seed=0):
 def gathered(model, subset):
     """Concatenated subset.gather of every subset parameter (the reference flat layout)."""
     params = dict(model.named_parameters())
-    return torch.cat([subset.gather(n, params[n].detach()) for n in subset.names])
+    return torch.cat([subset.gather(n, params[n].detach().cpu()) for n in subset.names])
 
 
 def x_batches(model, n_batches=4, batch=8, seed=0, n_in=4, n_out=3):
@@ -73,3 +73,12 @@ def helpers():
         x_batches=x_batches,
         x_loss=x_loss,
     )
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models on a shared 2-core machine: one intra-op thread avoids spin-wait contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

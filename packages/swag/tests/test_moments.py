@@ -5,7 +5,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from partialbayes.swag import diagonal_variance, update_moments
-from partialbayes.swag._moments import ring_append, ring_ordered
+from partialbayes.swag._moments import ring_append, ring_ordered, update_moments_
+
+
+def assert_close(actual, expected, rtol=1e-7, atol=1e-12):
+    """numpy's assert_allclose on tensors (torch.testing imports torch.distributed: slow to import)."""
+    np.testing.assert_allclose(
+        actual.detach().cpu().numpy(), expected.detach().cpu().numpy(), rtol=rtol, atol=atol
+    )
 
 
 @given(
@@ -45,3 +52,13 @@ def test_variance_is_clamped_at_zero():
 def test_update_moments_rejects_negative_count():
     with pytest.raises(ValueError, match="n must be >= 0"):
         update_moments(torch.zeros(2), torch.zeros(2), torch.ones(2), -1)
+
+
+@given(d=st.integers(1, 6), n=st.integers(0, 20), seed=st.integers(0, 2**16))
+def test_in_place_update_equals_pure_update(d, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    mean, sq, w = (torch.randn(d, generator=g, dtype=torch.float64) for _ in range(3))
+    expected = update_moments(mean, sq, w, n)
+    update_moments_(mean, sq, w, n)
+    assert_close(mean, expected[0], rtol=1e-14, atol=1e-14)
+    assert_close(sq, expected[1], rtol=1e-14, atol=1e-14)

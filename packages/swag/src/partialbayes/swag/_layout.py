@@ -117,12 +117,19 @@ class FlatLayout:
         Returns:
             Flat tensor of shape ``(d,)`` on the device of the tensors.
         """
-        parts = []
-        for name, idx in zip(self.names, self.indices, strict=True):
-            t = tensors[name].detach()
-            parts.append(t.reshape(-1)[idx if idx.device == t.device else idx.to(t.device)])
-        flat = torch.cat(parts)
-        return flat if dtype is None else flat.to(dtype)
+        first = tensors[self.names[0]]
+        flat = torch.empty(
+            self.size, dtype=first.dtype if dtype is None else dtype, device=first.device
+        )
+        for i, (name, idx) in enumerate(zip(self.names, self.indices, strict=True)):
+            t = tensors[name].detach().reshape(-1)
+            idx = idx if idx.device == t.device else idx.to(t.device)
+            part = flat[self.offsets[i] : self.offsets[i + 1]]
+            if t.dtype == flat.dtype and t.device == flat.device:
+                torch.index_select(t, 0, idx, out=part)  # no temporary, no torch.cat
+            else:
+                part.copy_(torch.index_select(t, 0, idx))
+        return flat
 
     def scatter_(self, params: Mapping[str, Tensor], flat: Tensor) -> None:
         """Write ``flat`` (shape ``(d,)``) into the stochastic entries of ``params``, in place.
@@ -137,7 +144,9 @@ class FlatLayout:
                 idx = idx if idx.device == p.device else idx.to(p.device)
                 values = flat[self.offsets[i] : self.offsets[i + 1]].to(p.device, p.dtype)
                 if p.is_contiguous():
-                    p.view(-1).index_copy_(0, idx, values)
+                    p.view(-1).scatter_(
+                        0, idx, values
+                    )  # unique indices; much faster than index_copy_
                 else:
                     tmp = p.detach().reshape(-1).clone()
                     tmp.index_copy_(0, idx, values)

@@ -26,6 +26,14 @@ def update_moments(mean: Tensor, sq_mean: Tensor, w: Tensor, n: int) -> tuple[Te
     return a * mean + w / (n + 1), a * sq_mean + w * w / (n + 1)
 
 
+def update_moments_(mean: Tensor, sq_mean: Tensor, w: Tensor, n: int) -> None:
+    """In-place `update_moments`: no temporaries of size ``d`` (used by `SWAG.collect`)."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    mean.mul_(n / (n + 1)).add_(w, alpha=1 / (n + 1))
+    sq_mean.mul_(n / (n + 1)).addcmul_(w, w, value=1 / (n + 1))
+
+
 def diagonal_variance(mean: Tensor, sq_mean: Tensor) -> Tensor:
     """Diagonal variance ``Σ_diag = max(sq_mean − mean², 0)``, shape ``(d,)``.
 

@@ -11,7 +11,12 @@ import torch
 from torch import Tensor, nn
 
 from partialbayes.swag._layout import FlatLayout
-from partialbayes.swag._moments import diagonal_variance, ring_append, ring_ordered, update_moments
+from partialbayes.swag._moments import (
+    diagonal_variance,
+    ring_append,
+    ring_ordered,
+    update_moments_,
+)
 from partialbayes.swag._sample import swag_sample
 
 
@@ -129,16 +134,16 @@ class SWAG:
             ValueError: If the model does not match the subset or the entries are not finite.
         """
         params = self.layout.parameters(model)
-        w = self.layout.gather(params).to(self.device, self.dtype)
+        w = self.layout.gather(params, dtype=self.dtype).to(self.device)
         if not bool(torch.isfinite(w).all()):
             bad = [n for n in self.layout.names if not bool(torch.isfinite(params[n]).all())]
             raise ValueError(
                 f"snapshot {self.n_snapshots + 1} has non-finite stochastic entries in {bad}"
             )
-        self._mean, self._sq_mean = update_moments(self._mean, self._sq_mean, w, self.n_snapshots)
+        update_moments_(self._mean, self._sq_mean, w, self.n_snapshots)
         self.n_snapshots += 1
         if self._buffer is not None:
-            self._n_columns = ring_append(self._buffer, self._n_columns, w - self._mean)
+            self._n_columns = ring_append(self._buffer, self._n_columns, w.sub_(self._mean))
 
     def current(self, model: nn.Module) -> Tensor:
         """The model's current stochastic entries, shape ``(d,)`` (dtype of the moments)."""
