@@ -212,3 +212,25 @@ def test_non_finite_loss_stops_naming_the_step_and_restores_map(helpers, bad):
     assert isinstance(err.value, ValueError)
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n])
+
+
+def test_bfloat16_model_keeps_float32_moments_and_restores_map(helpers):
+    model = helpers.tiny_net(2, dtype=torch.bfloat16)
+    subset = helpers.partial_subset(model, 2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    swag = collect_swag(
+        model,
+        subset,
+        helpers.x_batches(model, seed=2),
+        lr=0.1,
+        n_steps=6,
+        snapshot_every=2,
+        max_rank=3,
+        loss_fn=helpers.x_loss,
+        dtype=torch.float32,
+        progress=False,
+    )
+    assert swag.mean.dtype == torch.float32
+    assert bool(torch.isfinite(swag.sample(2)).all())
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])

@@ -89,12 +89,15 @@ class SWAG:
 
     @property
     def num_floats(self) -> int:
-        """Floats stored: ``(2 + K)·d``, or ``2d`` for the diagonal only."""
+        """Floats stored: ``(2 + K)·d``, or ``2d`` for the diagonal only.
+
+        Not counted: the int64 positions of the ``d`` entries in their parameters (the flat layout).
+        """
         return self.layout.size * (2 + (0 if self.diagonal_only else self.max_rank))
 
     @property
     def mean(self) -> Tensor:
-        """SWA mean ``w_swa``, shape ``(d,)``."""
+        """SWA mean ``w_swa``, shape ``(d,)``; updated in place by `collect` (clone it to keep it)."""
         self._require_snapshots(1)
         return self._mean
 

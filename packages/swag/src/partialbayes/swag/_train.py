@@ -159,7 +159,8 @@ def collect_swag(
     params = layout.parameters(model)
     device = params[layout.names[0]].device
     w_map = layout.gather(params)
-    w = w_map.clone()
+    # Master copy in at least float32, so half-precision models do not lose small momentum steps.
+    w = w_map.to(torch.promote_types(w_map.dtype, torch.float32), copy=True)
     buf = torch.zeros_like(w)
     bar = _progress(n_steps, progress, f"SWAG lr={lr:g}")
     try:
