@@ -22,7 +22,11 @@ from partialbayes.linear_sampling import (
 
 F64 = torch.float64
 FIXTURE_OK = settings(
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.differing_executors]
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.differing_executors,
+    ]
 )
 
 
@@ -46,7 +50,7 @@ def problem(n, m, d, seed, kind, n_groups=1, feature_scale=None):
 
 
 def dense_posterior(phi, y, noise, prior):
-    n, m, d = phi.shape
+    n, _m, d = phi.shape
     idx = torch.arange(n)
     bphi = noise.apply(idx, phi)
     a = prior.diag(d, F64, phi.device)
@@ -76,8 +80,13 @@ def exact_mackay(phi, y, noise, prior, iters=2000):
 
 
 @FIXTURE_OK
-@given(n=st.integers(6, 14), m=st.integers(1, 2), d=st.integers(1, 3), seed=st.integers(0, 2**16),
-       kind=st.sampled_from(["scalar", "matrix"]))
+@given(
+    n=st.integers(6, 14),
+    m=st.integers(1, 2),
+    d=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+    kind=st.sampled_from(["scalar", "matrix"]),
+)
 def test_mackay_fixed_point_maximises_exact_evidence_scalar(n, m, d, seed, kind):
     if kind == "matrix":
         m += 1  # a one-class softmax Hessian is only the jitter
@@ -86,7 +95,9 @@ def test_mackay_fixed_point_maximises_exact_evidence_scalar(n, m, d, seed, kind)
     assume(fixed is not None)
 
     def neg(log_a):
-        return -float(dense_log_evidence(phi, y, noise, Prior(torch.tensor(math.exp(log_a), dtype=F64))))
+        return -float(
+            dense_log_evidence(phi, y, noise, Prior(torch.tensor(math.exp(log_a), dtype=F64)))
+        )
 
     best = minimize_scalar(neg, bounds=(-12, 12), method="bounded", options={"xatol": 1e-10})
     assert abs(math.log(float(fixed.alpha)) - best.x) < 1e-4
@@ -102,7 +113,8 @@ def test_mackay_fixed_point_is_stationary_per_group(n, d, seed):
     (grad,) = torch.autograd.grad(ev, log_a)
     assert float(grad.abs().max()) < 1e-7
     hess = torch.autograd.functional.hessian(
-        lambda la: dense_log_evidence(phi, y, noise, Prior(la.exp(), fixed.groups)), fixed.alpha.log()
+        lambda la: dense_log_evidence(phi, y, noise, Prior(la.exp(), fixed.groups)),
+        fixed.alpha.log(),
     )
     assert float(torch.linalg.eigvalsh(hess).max()) < 0  # a maximum
 
@@ -113,26 +125,42 @@ def test_effective_dimension_estimators_are_unbiased(device, estimator):
     gamma, _ = exact_gamma(phi, y, noise, prior)
     feats = Features.dense(phi.to(device))
     k = 4000
-    z = posterior_samples(feats, noise, prior, k, method="cg", generator=torch.Generator().manual_seed(0)).samples
+    z = posterior_samples(
+        feats, noise, prior, k, method="cg", generator=torch.Generator().manual_seed(0)
+    ).samples
     est = effective_dimension(feats, noise, prior, z, estimator=estimator).cpu()
     # standard error from the per-sample terms of the estimator
-    per = torch.stack([
-        effective_dimension(feats, noise, prior, z[:, j : j + 1], estimator=estimator).cpu()
-        for j in range(0, k, 20)
-    ])
+    per = torch.stack(
+        [
+            effective_dimension(feats, noise, prior, z[:, j : j + 1], estimator=estimator).cpu()
+            for j in range(0, k, 20)
+        ]
+    )
     se = per.std(0) / math.sqrt(k)
     assert bool(((est - gamma).abs() <= 5 * se + 1e-12).all()), (est, gamma, se)
 
 
-@pytest.mark.parametrize(("estimator", "n_groups", "g_prior"),
-                         [("function", 1, False), ("weight", 1, False), ("function", 2, False), ("function", 1, True)])
+@pytest.mark.parametrize(
+    ("estimator", "n_groups", "g_prior"),
+    [("function", 1, False), ("weight", 1, False), ("function", 2, False), ("function", 1, True)],
+)
 def test_sampled_em_reaches_the_evidence_maximiser(device, estimator, n_groups, g_prior):
     scale = torch.tensor([0.3, 1.0, 3.0]) if g_prior else None
     phi, y, noise, prior = problem(40, 2, 3, 7, "matrix", n_groups=n_groups, feature_scale=scale)
     feats = Features.dense(phi.to(device))
     k = 2000
-    out = fit_prior_precision(feats, y.to(device), noise, prior, k=k, estimator=estimator, tol=0.02,
-                              max_iter=60, g_prior=g_prior, generator=torch.Generator().manual_seed(3))
+    out = fit_prior_precision(
+        feats,
+        y.to(device),
+        noise,
+        prior,
+        k=k,
+        estimator=estimator,
+        tol=0.02,
+        max_iter=60,
+        g_prior=g_prior,
+        generator=torch.Generator().manual_seed(3),
+    )
     assert out.converged
     if g_prior:
         s = feature_scales(feats, noise).cpu()
@@ -143,7 +171,9 @@ def test_sampled_em_reaches_the_evidence_maximiser(device, estimator, n_groups, 
     rel = (out.prior.alpha.reshape(-1) - exact.alpha.reshape(-1)).abs() / exact.alpha.reshape(-1)
     assert float(rel.max()) < 6 * math.sqrt(2 / k) + 0.02
     # the returned mean is the posterior mean under the returned prior, in original coordinates
-    h = torch.einsum("nmd,nmk,nke->de", phi, noise.value, phi) + torch.diag(out.precision_diag.cpu())
+    h = torch.einsum("nmd,nmk,nke->de", phi, noise.value, phi) + torch.diag(
+        out.precision_diag.cpu()
+    )
     mean = torch.linalg.solve(h, torch.einsum("nmd,nmk,nk->d", phi, noise.value, y))
     torch.testing.assert_close(out.mean.cpu(), mean, rtol=1e-6, atol=1e-8)
 
@@ -151,16 +181,27 @@ def test_sampled_em_reaches_the_evidence_maximiser(device, estimator, n_groups, 
 def test_sgd_em_is_close_to_exact():
     phi, y, noise, prior = problem(60, 1, 3, 2, "scalar")
     feats = Features.dense(phi)
-    out = fit_prior_precision(feats, y, noise, prior, k=64, method="sgd", tol=0.05, max_iter=15,
-                              sgd=SGDConfig(batch_size=30, max_epochs=200, tol=1e-5),
-                              generator=torch.Generator().manual_seed(0))
+    out = fit_prior_precision(
+        feats,
+        y,
+        noise,
+        prior,
+        k=64,
+        method="sgd",
+        tol=0.05,
+        max_iter=15,
+        sgd=SGDConfig(batch_size=30, max_epochs=200, tol=1e-5),
+        generator=torch.Generator().manual_seed(0),
+    )
     exact = exact_mackay(phi, y, noise, prior)
     assert abs(math.log(float(out.prior.alpha) / float(exact.alpha))) < 0.5
     assert len(out.history) >= 1
 
 
 def test_feature_scales_probe_estimate_matches_exact():
-    phi, y, noise, prior = problem(50, 2, 4, 4, "matrix", feature_scale=torch.tensor([0.5, 1.0, 2.0, 4.0]))
+    phi, _y, noise, _prior = problem(
+        50, 2, 4, 4, "matrix", feature_scale=torch.tensor([0.5, 1.0, 2.0, 4.0])
+    )
     dense = Features.dense(phi)
     ops = Features(dense.jvp, dense.vjp, 50, 2, 4, F64, torch.device("cpu"))  # no matrix: probes
     exact = feature_scales(dense, noise)

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, jvp, vjp
+from torch.func import functional_call, jvp, vjp, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from partialbayes.linear_sampling._features import Features
 
@@ -178,15 +179,53 @@ def network_features(
             ]
         )
 
+    batched = {"jvp": True, "vjp": True}  # vmap over the k columns; switched off after a failure
+
     def jvp_fn(idx: Tensor, z: Tensor) -> Tensor:
         fn = f(_index(inputs, idx.to(_device(inputs))))
-        cols = [jvp(fn, primals, unflatten(z[:, j]))[1] for j in range(z.shape[1])]
+        # forward-mode AD has no rule for the fused attention kernels: use the math backend
+        with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+            if batched["jvp"] and z.shape[1] > 1:
+                try:
+                    tangents = unflatten_batched(z)
+                    out = vmap(lambda *t: jvp(fn, primals, t)[1], out_dims=-1)(*tangents)
+                    return out.to(z.dtype)
+                except Exception:  # data-dependent control flow (Hugging Face): loop instead
+                    batched["jvp"] = False
+            cols = [jvp(fn, primals, unflatten(z[:, j]))[1] for j in range(z.shape[1])]
         return torch.stack(cols, -1).to(z.dtype)
 
     def vjp_fn(idx: Tensor, v: Tensor) -> Tensor:
-        out, pull = vjp(f(_index(inputs, idx.to(_device(inputs)))), *primals)
-        cols = [flatten(pull(v[..., j].to(out.dtype))) for j in range(v.shape[2])]
+        with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+            out, pull = vjp(f(_index(inputs, idx.to(_device(inputs)))), *primals)
+            if batched["vjp"] and v.shape[2] > 1:
+                try:
+                    grads = vmap(pull, in_dims=-1, out_dims=-1)(v.to(out.dtype))
+                    return flatten_batched(grads).to(v.dtype)
+                except Exception:
+                    batched["vjp"] = False
+            cols = [flatten(pull(v[..., j].to(out.dtype))) for j in range(v.shape[2])]
         return torch.stack(cols, -1).to(v.dtype)
+
+    def unflatten_batched(z: Tensor) -> tuple[Tensor, ...]:
+        out = []
+        k = z.shape[1]
+        for nm, chunk, prim in zip(names, z.split(sizes), primals, strict=True):
+            mask = masks[nm]
+            if mask is None:
+                out.append(chunk.T.reshape(k, *prim.shape).to(prim.dtype))
+            else:
+                t = torch.zeros(k, *prim.shape, dtype=prim.dtype, device=prim.device)
+                t[:, mask] = chunk.T.to(prim.dtype)
+                out.append(t)
+        return tuple(out)
+
+    def flatten_batched(grads: tuple[Tensor, ...]) -> Tensor:
+        parts = []
+        for nm, g in zip(names, grads, strict=True):
+            g = g.movedim(-1, 0)
+            parts.append(g[:, masks[nm]] if masks[nm] is not None else g.reshape(g.shape[0], -1))
+        return torch.cat(parts, 1).T
 
     with torch.no_grad():
         first = _index(inputs, torch.arange(1, device=_device(inputs)))
