@@ -68,3 +68,47 @@ def dense_ef(J: Tensor, logits: Tensor, y: Tensor, likelihood: str, sigma: float
         r = (logits - y.reshape(logits.shape)) / sigma**2
     g = torch.einsum("bcp,bc->bp", J, r)
     return g.T @ g
+
+
+class SeqNet(nn.Module):
+    """Token model: two linear maps applied per token, masked mean (or sum) pooling, a linear head.
+
+    ``forward(x [B, T, d], attention_mask [B, T] | None) -> logits [B, C]``; identity activation gives a
+    deep linear network.
+    """
+
+    def __init__(self, d: int, h: int, c: int, act: bool = True, pool: str = "mean") -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(d, h)
+        self.lin2 = nn.Linear(h, h)
+        self.head = nn.Linear(h, c)
+        self.act = nn.Tanh() if act else nn.Identity()
+        self.pool = pool
+
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        m = torch.ones(x.shape[:2], dtype=x.dtype) if attention_mask is None else attention_mask
+        m = m.to(x.dtype)
+        h = self.act(self.lin2(self.act(self.lin1(x))))
+        s = (h * m[..., None]).sum(1)
+        return self.head(s / m.sum(1, keepdim=True) if self.pool == "mean" else s)
+
+
+def seq_batch(
+    b: int, t: int, d: int, c: int, seed: int, regression: bool = False, pad: int = 0
+) -> dict[str, Tensor]:
+    """A dict batch with random lengths in [1, t] and ``pad`` extra padded positions."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, t + pad, d, generator=g, dtype=torch.float64)
+    lengths = torch.randint(1, t + 1, (b,), generator=g)
+    mask = (torch.arange(t + pad)[None] < lengths[:, None]).long()
+    y = (
+        torch.randn(b, c, generator=g, dtype=torch.float64)
+        if regression
+        else torch.randint(0, c, (b,), generator=g)
+    )
+    return {"x": x, "attention_mask": mask, "labels": y}
+
+
+def kw(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Model keyword inputs of a dict batch."""
+    return {k: v for k, v in batch.items() if k != "labels"}

@@ -1,6 +1,9 @@
 """KFAC / Sparse-KFAC / GGN / EF curvature on a parameter subset, and Laplace posteriors."""
 
+from partialbayes.curvature._dense import dense_curvature
+from partialbayes.curvature._diag import diag_curvature
 from partialbayes.curvature._factors import ModuleFactors
+from partialbayes.curvature._jacobians import logit_jacobians
 from partialbayes.curvature._kfac import kfac
 from partialbayes.curvature._kfac_math import kfac_factors
 from partialbayes.curvature._laplace_dense import DenseLaplace
@@ -10,4 +13,11 @@ from partialbayes.curvature._likelihood import forward_logits
 
 __all__ = ["kfac_factors"]
 __all__ += ["DenseLaplace", "DiagLaplace", "KronLaplace"]
-__all__ += ["ModuleFactors", "forward_logits", "kfac"]
+__all__ += [
+    "ModuleFactors",
+    "dense_curvature",
+    "diag_curvature",
+    "forward_logits",
+    "kfac",
+    "logit_jacobians",
+]

@@ -79,22 +79,24 @@ class Recorder:
 
 @contextmanager
 def prepared(
-    model: nn.Module, modules: Mapping[str, nn.Module], warn: bool = True
+    model: nn.Module, modules: Mapping[str, nn.Module], switch: bool = True
 ) -> Iterator[None]:
     """Eval mode (warning if the model was training), gradients enabled, target weights differentiable.
 
-    Restores the model's mode and the weights' ``requires_grad`` afterwards, even on error.
+    Restores the model's mode and the weights' ``requires_grad`` afterwards, even on error. With
+    ``switch=False`` the model's mode is left alone.
     """
     was_training = model.training
-    if was_training and warn:
+    if was_training and switch:
         warnings.warn(
             "model is in training mode; the curvature is computed in eval mode (dropout would corrupt it) "
             "and the mode is restored afterwards",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
     flags = [(m.weight, m.weight.requires_grad) for m in modules.values()]
-    model.eval()
+    if switch:
+        model.eval()
     try:
         for w, _ in flags:
             w.requires_grad_(True)

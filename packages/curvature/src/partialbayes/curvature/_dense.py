@@ -1,0 +1,96 @@
+"""Dense GGN / Fisher of a small subset (the last layer, a few thousand entries)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from partialbayes.curvature._distributed import all_reduce_sum
+from partialbayes.curvature._hooks import prepared, stream
+from partialbayes.curvature._jacobians import entry_grads, param_targets
+from partialbayes.curvature._likelihood import check_options
+from partialbayes.selection import Subset
+
+
+def dense_curvature(
+    model: nn.Module,
+    loader: Iterable[Any],
+    subset: Subset,
+    *,
+    likelihood: str = "classification",
+    fisher: str = "exact",
+    mc_samples: int = 1,
+    sigma_noise: float = 1.0,
+    dtype: torch.dtype = torch.float64,
+    generator: torch.Generator | None = None,
+    progress: bool = False,
+    num_classes: int | None = None,
+) -> Tensor:
+    r"""Dense summed GGN / Fisher ``H`` ``[P, P]`` of the subset's entries.
+
+    $$ H = \sum_n \sum_s g_{n,s} g_{n,s}^\top, \qquad g_{n,s} = J_n^\top v_{n,s}, $$
+
+    with the per-example gradients from linear-map hooks, one ``[S·B, P]`` matmul per batch. Entries are
+    ordered parameter by parameter in ``subset.names`` order, each in ``subset.gather`` order.
+
+    Args:
+        model: Network returning logits ``[B, C]``; evaluated in eval mode.
+        loader: Iterable of ``(x, y)`` or Hugging Face dict batches.
+        subset: Subset of weights / biases of ``nn.Linear`` / HF ``Conv1D`` (mask or Kronecker blocks).
+        likelihood: ``"classification"`` or ``"regression"``.
+        fisher: ``"exact"`` (GGN), ``"mc"`` or ``"empirical"``.
+        mc_samples: Sampled labels per example (``fisher="mc"``).
+        sigma_noise: Gaussian noise standard deviation (regression).
+        dtype: Accumulation dtype.
+        generator: Random generator for ``fisher="mc"``.
+        progress: Show a tqdm progress bar.
+        num_classes: When given, the number of logits the model must output.
+
+    Returns:
+        ``H`` ``[P, P]``, ``P = subset.num_entries()``, summed over examples (and ranks).
+
+    Raises:
+        ValueError: Parameters outside linear maps, bad options, empty loader, bad labels / logits,
+            non-finite curvature (naming the batch).
+    """
+    check_options(likelihood, fisher, mc_samples, sigma_noise)
+    targets, modules = param_targets(model, subset)
+    device = dict(model.named_parameters())[targets[0].name].device
+    p = sum(t.index.numel() for t in targets)
+    H = torch.zeros(p, p, dtype=dtype, device=device)
+    with prepared(model, modules):
+        for bp in stream(
+            model,
+            loader,
+            modules,
+            dict.fromkeys(modules),
+            likelihood=likelihood,
+            fisher=fisher,
+            mc_samples=mc_samples,
+            sigma_noise=sigma_noise,
+            generator=generator,
+            num_classes=num_classes,
+        ):
+            rows = [
+                torch.cat(
+                    [entry_grads(t, bp.inputs[t.module], grads[t.module]) for t in targets], dim=1
+                )
+                for grads in bp.passes
+            ]
+            g = torch.cat(rows).to(dtype)
+            inc = g.T @ g
+            if not bool(torch.isfinite(inc).all()):
+                ok = torch.isfinite(g).all(0)
+                start, bad = 0, targets[0].name
+                for t in targets:
+                    k = t.index.numel()
+                    if not bool(ok[start : start + k].all()):
+                        bad = t.name
+                        break
+                    start += k
+                raise ValueError(f"non-finite curvature in parameter {bad!r} at batch {bp.index}")
+            H += inc
+    return all_reduce_sum(H)
