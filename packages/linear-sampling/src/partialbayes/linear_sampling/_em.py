@@ -229,6 +229,8 @@ def fit_prior_precision(
     Raises:
         ValueError: On bad arguments or divergence.
     """
+    if estimator not in _ESTIMATORS:
+        raise ValueError(f"estimator must be one of {_ESTIMATORS}, got {estimator!r}")
     if max_iter < 1:
         raise ValueError(f"max_iter must be >= 1, got {max_iter}")
     if not (math.isfinite(tol) and tol > 0):
