@@ -150,7 +150,7 @@ def test_bad_options():
 
 
 def test_mackay_update_rejects_non_positive_gamma():
-    with pytest.raises(ValueError, match="group 0 .* draw more samples"):
+    with pytest.raises(ValueError, match=r"group 0 .* draw more samples"):
         mackay_update(torch.ones(3, dtype=F64), torch.tensor([-0.5], dtype=F64), Prior(1.0))
 
 
