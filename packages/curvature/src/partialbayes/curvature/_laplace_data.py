@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from partialbayes.selection import Subset
+from partialbayes.selection import KronModule, Subset
 
 
 def split_batch(batch: Any) -> tuple[Any, Tensor]:
@@ -138,3 +138,53 @@ def param_jacobians(
         mask = subset.mask(name).to(g.device)
         jac[name] = g.reshape(b * c, -1)[:, mask.reshape(-1)].reshape(b, c, -1)
     return f.detach(), jac
+
+
+def block_to_params(km: KronModule, block: Tensor) -> dict[str, Tensor]:
+    """Split Kronecker block matrices ``[..., r, c]`` (bias column last) into the module's parameters.
+
+    Returns:
+        ``{weight name: [..., r·c_w], bias name: [..., r]}`` in ``subset.gather`` order (for a Conv1D the
+        storage is ``n_in x n_out``, so the weight part is transposed before flattening).
+    """
+    cw = km.n_in if km.cols is None else int(km.cols.numel())
+    w = block[..., :cw]
+    if km.transposed:
+        w = w.transpose(-1, -2)
+    out = {km.weight_name: w.reshape(*block.shape[:-2], -1)}
+    if km.bias_name is not None:
+        out[km.bias_name] = block[..., cw]
+    return out
+
+
+def params_to_block(km: KronModule, values: Mapping[str, Tensor]) -> Tensor:
+    """Inverse of `block_to_params`: ``{param: [..., k]}`` -> ``[..., r, c]``."""
+    r = km.n_out if km.rows is None else int(km.rows.numel())
+    cw = km.n_in if km.cols is None else int(km.cols.numel())
+    w = values[km.weight_name]
+    lead = w.shape[:-1]
+    w = w.reshape(*lead, cw, r).transpose(-1, -2) if km.transposed else w.reshape(*lead, r, cw)
+    if km.bias_name is None:
+        return w
+    return torch.cat([w, values[km.bias_name].unsqueeze(-1)], dim=-1)
+
+
+def subset_jacobians(
+    model: nn.Module, inputs: Any, subset: Subset
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-example logit Jacobians ``{param: [B, C, k]}`` in ``subset.gather`` order.
+
+    Kronecker subsets of linear maps use the hook Jacobians (``C`` backward passes); any other subset falls
+    back to `param_jacobians`.
+    """
+    try:
+        kmods = subset.kron_modules()
+    except (TypeError, ValueError):
+        return param_jacobians(model, inputs, subset)
+    from partialbayes.curvature._jacobians import logit_jacobians
+
+    f, blocks = logit_jacobians(model, inputs, subset)
+    out: dict[str, Tensor] = {}
+    for m, km in kmods.items():
+        out.update(block_to_params(km, blocks[m]))
+    return f, out

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from partialbayes.curvature._kron_algebra import clamped_eigh
 from partialbayes.curvature._laplace_base import LaplaceBase
-from partialbayes.curvature._laplace_data import param_jacobians
+from partialbayes.curvature._laplace_data import subset_jacobians
 
 
 class DenseLaplace(LaplaceBase):
@@ -130,7 +130,7 @@ class DenseLaplace(LaplaceBase):
         return self._split(flat)
 
     def _jacobians(self, inputs: Any) -> tuple[Tensor, Tensor]:
-        f, jac = param_jacobians(self.model, inputs, self.subset)
+        f, jac = subset_jacobians(self.model, inputs, self.subset)
         return f, torch.cat([jac[n] for n in self.subset.names], dim=-1)
 
     def _prepare(self, jac: Tensor) -> Tensor:

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from partialbayes.curvature._laplace_base import LaplaceBase
-from partialbayes.curvature._laplace_data import param_jacobians
+from partialbayes.curvature._laplace_data import subset_jacobians
 
 
 class DiagLaplace(LaplaceBase):
@@ -77,7 +77,7 @@ class DiagLaplace(LaplaceBase):
         }
 
     def _jacobians(self, inputs: Any) -> tuple[Tensor, dict[str, Tensor]]:
-        return param_jacobians(self.model, inputs, self.subset)
+        return subset_jacobians(self.model, inputs, self.subset)
 
     def _prepare(self, jac: Mapping[str, Tensor]) -> dict[str, Tensor]:
         return {n: j.to(device=self.device, dtype=self.dtype) for n, j in jac.items()}

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from partialbayes.curvature._jacobians import logit_jacobians
 from partialbayes.curvature._kron_algebra import (
     clamped_eigh,
     kron_functional_covariance_projected,
@@ -17,7 +18,7 @@ from partialbayes.curvature._kron_algebra import (
     precision_eigenvalues,
 )
 from partialbayes.curvature._laplace_base import LaplaceBase
-from partialbayes.curvature._laplace_data import param_jacobians
+from partialbayes.curvature._laplace_data import block_to_params, param_jacobians, params_to_block
 
 
 class KronLaplace(LaplaceBase):
@@ -80,26 +81,11 @@ class KronLaplace(LaplaceBase):
         Returns:
             ``{weight name: [..., r·c_w], bias name: [..., r]}`` (storage order, Conv1D transposed).
         """
-        km = self._kmods[module]
-        _, cw, _ = self._dims(module)
-        w = block[..., :cw]
-        if km.transposed:
-            w = w.transpose(-1, -2)
-        out = {km.weight_name: w.reshape(*block.shape[:-2], -1)}
-        if km.bias_name is not None:
-            out[km.bias_name] = block[..., cw]
-        return out
+        return block_to_params(self._kmods[module], block)
 
     def params_to_block(self, module: str, values: Mapping[str, Tensor]) -> Tensor:
         """Inverse of `block_to_params`: ``{param: [..., k]}`` -> ``[..., r, c]``."""
-        km = self._kmods[module]
-        r, cw, _ = self._dims(module)
-        w = values[km.weight_name]
-        lead = w.shape[:-1]
-        w = w.reshape(*lead, cw, r).transpose(-1, -2) if km.transposed else w.reshape(*lead, r, cw)
-        if km.bias_name is None:
-            return w
-        return torch.cat([w, values[km.bias_name].unsqueeze(-1)], dim=-1)
+        return params_to_block(self._kmods[module], values)
 
     # ------------------------------------------------------------------ curvature
     def _compute_curvature(self, loader: Iterable[Any], progress: bool) -> Any:
@@ -165,8 +151,8 @@ class KronLaplace(LaplaceBase):
 
     # ------------------------------------------------------------------ predictive
     def _jacobians(self, inputs: Any) -> tuple[Tensor, dict[str, Tensor]]:
-        """Per-example logit Jacobians of each block, ``{module: [B, C, r, c]}``."""
-        return self._autograd_jacobians(inputs)
+        """Per-example logit Jacobians of each block, ``{module: [B, C, r, c]}`` (hooks, C backward passes)."""
+        return logit_jacobians(self.model, inputs, self.subset)
 
     def _autograd_jacobians(self, inputs: Any) -> tuple[Tensor, dict[str, Tensor]]:
         """Block Jacobians by generic reverse mode over all logits (reference path)."""
