@@ -1,6 +1,81 @@
-"""The stochastic-subset GLUE and UCI experiments of Kampen et al. (UAI 2024), end to end."""
+"""The stochastic-subset GLUE and UCI experiments of Kampen et al. (UAI 2024), end to end.
+
+Data (:func:`load_glue`, :func:`split_indices`, :func:`load_uci`), models (:func:`load_encoder`,
+:class:`MLP`), MAP fine-tuning (:func:`finetune`), the method registry (:data:`METHODS`), the
+resumable results store (:class:`ResultStore`), the grid runners (:func:`run_grid`, :func:`run_uci`) and
+reports (:func:`write_report`). The console script ``glue-bench`` wraps them.
+"""
 
 from importlib.metadata import version
 
+from partialbayes.glue_bench.data_glue import (
+    TASKS,
+    Examples,
+    TaskSpec,
+    encode,
+    load_glue,
+    read_glue_tsv,
+    split_indices,
+    task_spec,
+)
+from partialbayes.glue_bench.data_uci import UCISplit, load_uci
+from partialbayes.glue_bench.experiment import RunConfig, prepare_context, run_cell, run_grid
+from partialbayes.glue_bench.methods import (
+    METHODS,
+    Context,
+    Method,
+    Prediction,
+    Settings,
+    fit_temperature,
+    get_methods,
+    probit_probs,
+)
+from partialbayes.glue_bench.metrics import accuracy, all_metrics, brier, ece, nll
+from partialbayes.glue_bench.models import MLP, load_encoder
+from partialbayes.glue_bench.report import summarise, write_report
+from partialbayes.glue_bench.store import Cell, ResultStore, iter_records
+from partialbayes.glue_bench.train import TrainConfig, finetune
+from partialbayes.glue_bench.uci import run_uci, train_mlp
+
 __version__ = version("partialbayes-glue-bench")
-__all__ = ["__version__"]
+__all__ = [
+    "METHODS",
+    "MLP",
+    "TASKS",
+    "Cell",
+    "Context",
+    "Examples",
+    "Method",
+    "Prediction",
+    "ResultStore",
+    "RunConfig",
+    "Settings",
+    "TaskSpec",
+    "TrainConfig",
+    "UCISplit",
+    "__version__",
+    "accuracy",
+    "all_metrics",
+    "brier",
+    "ece",
+    "encode",
+    "finetune",
+    "fit_temperature",
+    "get_methods",
+    "iter_records",
+    "load_encoder",
+    "load_glue",
+    "load_uci",
+    "nll",
+    "prepare_context",
+    "probit_probs",
+    "read_glue_tsv",
+    "run_cell",
+    "run_grid",
+    "run_uci",
+    "split_indices",
+    "summarise",
+    "task_spec",
+    "train_mlp",
+    "write_report",
+]

@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _configs(args: argparse.Namespace, quick: bool = False):
     from partialbayes.glue_bench.experiment import RunConfig
 
-    train_kw = {"optimizer": args.optimizer, "seed": args.seed}
+    train_kw: dict = {"optimizer": args.optimizer, "seed": args.seed, "freeze_embeddings": quick}
     if args.epochs is not None:
         train_kw["epochs"] = args.epochs
     if args.max_length is not None:
@@ -187,8 +187,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     glue = [t.lower().replace("-", "") for t in args.tasks if t not in UCI_DATASETS]
     uci = [t for t in args.tasks if t in UCI_DATASETS]
     config = _configs(args)
+    failures: list[str] = []
     if glue:
-        run_grid(
+        store = run_grid(
             glue,
             args.splits,
             args.methods,
@@ -198,7 +199,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             args.glue_dir,
             shard,
             progress=not args.no_progress,
+            keep_going=True,
         )
+        failures += store.failures
     if uci:
         from partialbayes.glue_bench.uci import run_uci
 
@@ -213,7 +216,16 @@ def cmd_run(args: argparse.Namespace) -> int:
             device=args.device,
         )
     print(f"results in {args.results}; summarise with: glue-bench report --results {args.results}")
-    return 0
+    return _report_failures(failures)
+
+
+def _report_failures(failures: list[str]) -> int:
+    if not failures:
+        return 0
+    print(f"{len(failures)} cell(s) failed (rerun to retry them):", file=sys.stderr)
+    for f in failures:
+        print(f"  {f}", file=sys.stderr)
+    return 1
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -253,7 +265,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
         f"glue-bench quickstart: {args.task}, model {args.model}, {args.max_train_examples} training "
         f"examples, {config.train.epochs} epochs, device {args.device}; results in {args.results}"
     )
-    run_grid(
+    store = run_grid(
         [args.task],
         [0],
         list(QUICKSTART_METHODS),
@@ -262,6 +274,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
         args.device,
         folder,
         progress=not args.no_progress,
+        keep_going=True,
     )
     rows = summarise(iter_records(args.results))
     rows = [r for r in rows if r["task"] == args.task]
@@ -275,7 +288,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
         f"finished in {time.perf_counter() - start:.0f} s; full tables: "
         f"glue-bench report --results {args.results}"
     )
-    return 0
+    return _report_failures(store.failures)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -157,8 +157,12 @@ def run_grid(
     model_factory: ModelFactory | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    keep_going: bool = False,
 ) -> ResultStore:
     """Fill the (task, split, method, size) grid of this shard; finished cells are skipped.
+
+    With ``keep_going`` a cell that raises is logged and skipped (no record is written, so a later run
+    retries it); the messages are in ``store.failures``. Otherwise the first failure propagates.
 
     Returns:
         The results store.
@@ -168,6 +172,7 @@ def run_grid(
     methods = {m.name: m for m in get_methods(method_names)}
     device = torch.device(device)
     store = ResultStore(results, config.to_dict())
+    failures = store.failures
     units = shard_units([(t, s, m) for t in tasks for s in splits for m in methods], shard)
     by_ts: dict[tuple[str, int], list[str]] = {}
     for t, s, m in units:
@@ -187,7 +192,16 @@ def run_grid(
             bar = tqdm(todo, desc=f"{task}/{split}/{name}", disable=not progress, leave=False)
             for size in bar:
                 t0 = time.perf_counter()
-                record = run_cell(ctx, method, size)
+                try:
+                    record = run_cell(ctx, method, size)
+                except Exception as err:  # one broken cell must not stop the grid
+                    failures.append(
+                        f"{task}/split{split}/{name}/{size}: {type(err).__name__}: {err}"
+                    )
+                    log(f"[{task} split {split}] {name} {size}: FAILED ({failures[-1]})")
+                    if not keep_going:
+                        raise
+                    continue
                 record["seconds"] = time.perf_counter() - t0
                 store.write(Cell(task, split, name, size), record)
                 log(

@@ -67,6 +67,7 @@ class ResultStore:
         self.root = Path(root)
         self.config = config
         self.fingerprint = fingerprint(config)
+        self.failures: list[str] = []
         path = self.root / "config.json"
         if path.is_file():
             old = json.loads(path.read_text())

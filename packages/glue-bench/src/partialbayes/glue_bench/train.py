@@ -39,6 +39,8 @@ class TrainConfig:
         ivon_lr: IVON learning rate.
         ivon_hess_init: IVON initial Hessian.
         seed: Seed of the initialisation of the head and of the batch order.
+        freeze_embeddings: Keep the token embedding matrix fixed (about half of MiniLM's weights; the
+            quickstart does this to halve the optimizer's cost on CPU; the paper fine-tunes everything).
     """
 
     lr: float = 5e-5
@@ -53,6 +55,7 @@ class TrainConfig:
     ivon_lr: float = 0.1
     ivon_hess_init: float = 0.1
     seed: int = 0
+    freeze_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -116,6 +119,12 @@ def _epoch_batches(
 
 
 def _make_optimizer(model: nn.Module, config: TrainConfig, n_train: int) -> torch.optim.Optimizer:
+    if config.freeze_embeddings:
+        get = getattr(model, "get_input_embeddings", None)
+        emb = get() if get is not None else None
+        if emb is None:
+            raise ValueError("freeze_embeddings: the model exposes no get_input_embeddings()")
+        emb.weight.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
     if config.optimizer == "ivon":
         from partialbayes.ivon import IVON  # optional at import time: sibling package
@@ -128,7 +137,7 @@ def _make_optimizer(model: nn.Module, config: TrainConfig, n_train: int) -> torc
             weight_decay=1e-4,
         )
     return torch.optim.AdamW(
-        params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+        params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, foreach=True
     )
 
 

@@ -1,0 +1,87 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from partialbayes.glue_bench.methods import fit_temperature, probit_probs
+from partialbayes.glue_bench.metrics import accuracy, all_metrics, brier, ece, nll
+
+
+def _draw(seed, n, c):
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(3 * torch.randn(n, c, generator=g, dtype=torch.float64), -1)
+    labels = torch.randint(0, c, (n,), generator=g)
+    return probs, labels
+
+
+def _ece_reference(probs, labels, n_bins):
+    p, y = probs.numpy(), labels.numpy()
+    conf, pred = p.max(1), p.argmax(1)
+    order = np.argsort(conf, kind="stable")
+    bins = np.array_split(order, min(n_bins, len(order)))
+    return sum(len(b) / len(y) * abs((pred[b] == y[b]).mean() - conf[b].mean()) for b in bins)
+
+
+@given(st.integers(0, 10_000), st.integers(1, 60), st.integers(2, 5), st.integers(1, 25))
+def test_metrics_match_numpy_reference(seed, n, c, n_bins):
+    probs, labels = _draw(seed, n, c)
+    p, y = probs.numpy(), labels.numpy()
+    assert accuracy(probs, labels) == pytest.approx((p.argmax(1) == y).mean())
+    assert nll(probs, labels) == pytest.approx(-np.log(p[np.arange(n), y]).mean())
+    onehot = np.eye(c)[y]
+    assert brier(probs, labels) == pytest.approx(((p - onehot) ** 2).sum(1).mean())
+    assert ece(probs, labels, n_bins) == pytest.approx(_ece_reference(probs, labels, n_bins))
+
+
+def test_ece_equal_mass_bins_exact_case():
+    # 4 examples, 2 bins of 2: confidences (0.6, 0.7) both right, (0.8, 0.9) one right
+    probs = torch.tensor([[0.6, 0.4], [0.3, 0.7], [0.8, 0.2], [0.1, 0.9]], dtype=torch.float64)
+    labels = torch.tensor([0, 1, 1, 1])
+    assert ece(probs, labels, n_bins=2) == pytest.approx(
+        0.5 * abs(1 - 0.65) + 0.5 * abs(0.5 - 0.85)
+    )
+    assert set(all_metrics(probs, labels)) == {"accuracy", "nll", "ece", "brier"}
+
+
+def test_metric_bad_input():
+    probs = torch.full((3, 2), 0.5, dtype=torch.float64)
+    with pytest.raises(ValueError, match="labels must lie in"):
+        nll(probs, torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="NaN"):
+        ece(torch.full((3, 2), float("nan")), torch.tensor([0, 1, 0]))
+    with pytest.raises(ValueError, match=r"\(N, C\)"):
+        brier(probs, torch.tensor([0, 1]))
+
+
+def test_temperature_recovers_generating_temperature():
+    g = torch.Generator().manual_seed(0)
+    logits = 4 * torch.randn(4000, 3, generator=g, dtype=torch.float64)
+    labels = torch.multinomial(torch.softmax(logits / 2.5, -1), 1, generator=g).squeeze(1)
+    t = fit_temperature(logits, labels)
+    # standard error of a 1-parameter MLE on 4000 points is a few percent
+    assert t == pytest.approx(2.5, rel=0.1)
+
+
+@given(st.integers(0, 1000))
+def test_probit_zero_covariance_is_softmax_and_matches_binary_mc(seed):
+    g = torch.Generator().manual_seed(seed)
+    mean = torch.randn(5, 2, generator=g, dtype=torch.float64)
+    zero = torch.zeros(5, 2, 2, dtype=torch.float64)
+    torch.testing.assert_close(probit_probs(mean, zero), torch.softmax(mean, -1))
+    # binary case with variance only on the logit difference: probit ≈ E[sigmoid], error < 0.02
+    var = torch.rand(5, generator=g, dtype=torch.float64) * 4
+    cov = torch.zeros(5, 2, 2, dtype=torch.float64)
+    cov[:, 0, 0] = var
+    d = mean[:, 0] - mean[:, 1]
+    f = d[None] + var.sqrt()[None] * torch.randn(200_000, 5, generator=g, dtype=torch.float64)
+    mc = torch.sigmoid(f).mean(0)
+    approx = torch.sigmoid(d / torch.sqrt(1 + math.pi / 8 * var))
+    assert torch.allclose(approx, mc, atol=0.02)
+    fixed_second = mean.clone()
+    out = probit_probs(fixed_second, cov)
+    torch.testing.assert_close(
+        out[:, 0], torch.sigmoid(mean[:, 0] / torch.sqrt(1 + math.pi / 8 * var) - mean[:, 1])
+    )
