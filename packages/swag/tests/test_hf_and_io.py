@@ -233,6 +233,17 @@ def test_bad_input(helpers):
         collect_swag(
             model, subset, [torch.zeros(2)], lr=0.1, n_steps=2, snapshot_every=1, progress=False
         )
+    with pytest.raises(ValueError, match="re-iterable"):
+        collect_swag(
+            model,
+            subset,
+            iter(helpers.x_batches(model, n_batches=2)),
+            lr=0.1,
+            n_steps=4,
+            snapshot_every=1,
+            loss_fn=helpers.x_loss,
+            progress=False,
+        )
     with pytest.raises(ValueError, match="empty"):
         collect_swag(model, subset, [], lr=0.1, n_steps=2, snapshot_every=1, progress=False)
     with torch.no_grad():

@@ -56,14 +56,26 @@ def classification_loss(model: nn.Module, batch: Batch) -> Tensor:
 
 
 def cycle(batches: Iterable[Batch]) -> Iterator[Batch]:
-    """Iterate over ``batches`` again and again (re-creating the iterator, so loaders reshuffle)."""
+    """Iterate over ``batches`` again and again (re-creating the iterator, so loaders reshuffle).
+
+    Raises:
+        ValueError: If ``batches`` is empty, or yields nothing on a later pass (a generator, not a
+            re-iterable).
+    """
+    passes = 0
     while True:
         empty = True
         for b in batches:
             empty = False
             yield b
         if empty:
-            raise ValueError("batches is empty")
+            if passes == 0:
+                raise ValueError("batches is empty")
+            raise ValueError(
+                "batches yielded nothing on its second pass: pass a re-iterable (a list or a DataLoader), "
+                "not a generator or iterator"
+            )
+        passes += 1
 
 
 @contextmanager
