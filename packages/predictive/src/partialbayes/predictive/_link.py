@@ -58,7 +58,8 @@ def probit(mean: Tensor, cov: Tensor) -> Tensor:
     """Multiclass probit approximation of ``E[softmax(f)]`` for ``f ~ N(mean, cov)``.
 
     The form of Kampen et al. (2024, Eq. 12): ``softmax(κ ⊙ mean)`` with
-    ``κ_c = (1 + π/8 · Σ_cc)^(-1/2)``. Only the diagonal of a full covariance is used.
+    ``κ_c = (1 + π/8 · Σ_cc)^(-1/2)``. Only the diagonal of a full covariance is read (and
+    validated: finite, non-negative).
 
     Args:
         mean: Logit means ``[..., C]``.
@@ -70,9 +71,7 @@ def probit(mean: Tensor, cov: Tensor) -> Tensor:
     Raises:
         ValueError: On NaN/inf, negative variances, asymmetric covariances or mismatched shapes.
     """
-    mu, var, full = _gaussian_logits(mean, cov)
-    if full:
-        var = var.diagonal(dim1=-2, dim2=-1)
+    mu, var, _ = _gaussian_logits(mean, cov, full=False)
     return torch.softmax(probit_scale(var) * mu, dim=-1)
 
 

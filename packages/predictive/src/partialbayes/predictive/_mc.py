@@ -77,7 +77,7 @@ def sample_logits(
     _check_n(n_samples)
     mu, var, full = _gaussian_logits(mean, cov)
     scale = cholesky_jitter(var) if full else var.sqrt()
-    return _draw(mu, scale, full, n_samples, generator)
+    return _draw_t(mu, scale, full, n_samples, generator).movedim(-1, 0)
 
 
 def mc_predictive(
@@ -112,18 +112,19 @@ def mc_predictive(
     done = 0
     while done < n_samples:
         s = min(chunk, n_samples - done)
-        total += torch.softmax(_draw(mu, scale, full, s, generator), dim=-1).sum(0)
+        total += torch.softmax(_draw_t(mu, scale, full, s, generator), dim=-2).sum(-1)
         done += s
     return total / n_samples
 
 
-def _draw(
+def _draw_t(
     mu: Tensor, scale: Tensor, full: bool, n: int, generator: torch.Generator | None
 ) -> Tensor:
-    eps = torch.randn((n, *mu.shape), dtype=mu.dtype, device=mu.device, generator=generator)
+    """Samples laid out ``[..., C, n]`` (one batched matmul ``L @ ε`` per example)."""
+    eps = torch.randn((*mu.shape, n), dtype=mu.dtype, device=mu.device, generator=generator)
     if full:
-        return mu + (scale @ eps.unsqueeze(-1)).squeeze(-1)
-    return mu + scale * eps
+        return mu.unsqueeze(-1) + scale @ eps
+    return mu.unsqueeze(-1) + scale.unsqueeze(-1) * eps
 
 
 def _check_n(n_samples: int) -> None:

@@ -35,17 +35,30 @@ def check_ndim(name: str, x: Tensor, ndim: int, shape_doc: str) -> None:
 
 
 def check_probs(name: str, probs: object) -> Tensor:
-    """Check categorical probabilities ``[..., C]``: finite, non-negative, rows sum to one."""
-    p = check_tensor(name, probs)
+    """Check categorical probabilities ``[..., C]``: finite, non-negative, rows sum to one.
+
+    Two passes over the data: the row sums (a NaN or inf anywhere makes its row sum non-finite)
+    and the minimum.
+    """
+    if not isinstance(probs, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(probs).__name__}")
+    if not probs.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {probs.dtype}")
+    p = probs
     if p.ndim < 1 or p.shape[-1] < 1:
         raise ValueError(f"{name} must have shape [..., C] with C >= 1, got {tuple(p.shape)}")
-    if bool((p < -PROB_ATOL).any()):
+    if p.numel() == 0:
+        return p
+    sums = p.sum(-1)
+    if not bool(torch.isfinite(sums).all()):
+        check_tensor(name, p)  # names the count of NaN / inf entries
+    if float(p.amin()) < -PROB_ATOL:
         raise ValueError(f"{name} has negative probabilities (min {float(p.min()):.3g})")
-    err = (p.sum(-1) - 1).abs()
-    if p.numel() and bool((err > PROB_ATOL).any()):
+    err = float((sums - 1).abs().amax())
+    if err > PROB_ATOL:
         raise ValueError(
             f"{name} rows must sum to 1 over the last dimension "
-            f"(largest deviation {float(err.max()):.3g}); pass probabilities, not logits"
+            f"(largest deviation {err:.3g}); pass probabilities, not logits"
         )
     return p
 
@@ -73,40 +86,53 @@ def check_labels(name: str, labels: object, n: int, n_classes: int | None) -> Te
     return labels
 
 
-def gaussian_logits(mean: object, cov: object) -> tuple[Tensor, Tensor, bool]:
+def gaussian_logits(mean: object, cov: object, *, full: bool = True) -> tuple[Tensor, Tensor, bool]:
     """Validate Gaussian logits ``N(mean, cov)``.
 
     Args:
         mean: ``[..., C]``.
         cov: ``[..., C]`` (diagonal variances) or ``[..., C, C]`` (full covariance).
+        full: Whether the caller uses the whole covariance. When ``False`` only its diagonal is
+            read, returned and checked (finite, non-negative), which is cheaper.
 
     Returns:
-        ``(mean, cov, is_full)``; a full ``cov`` is symmetrised.
+        ``(mean, cov, is_full)``; a full ``cov`` is symmetrised (or reduced to its diagonal when
+        ``full`` is ``False``, with ``is_full`` then ``False``).
     """
     mu = check_tensor("mean", mean)
-    var = check_tensor("cov", cov)
-    check_same_device(mean=mu, cov=var)
+    if not isinstance(cov, Tensor):
+        raise TypeError(f"cov must be a torch.Tensor, got {type(cov).__name__}")
+    check_same_device(mean=mu, cov=cov)
     if mu.ndim < 1:
         raise ValueError(f"mean must have shape [..., C], got {tuple(mu.shape)}")
-    if var.dtype != mu.dtype:
-        raise TypeError(f"mean and cov must share a dtype, got {mu.dtype} and {var.dtype}")
-    if var.shape == mu.shape:
-        return mu, check_nonneg("cov", var), False
+    if cov.dtype != mu.dtype:
+        raise TypeError(f"mean and cov must share a dtype, got {mu.dtype} and {cov.dtype}")
+    if cov.shape == mu.shape:
+        return mu, check_nonneg("cov", cov), False
     c = mu.shape[-1]
-    if var.shape != (*mu.shape, c):
+    if cov.shape != (*mu.shape, c):
         raise ValueError(
             f"cov must have shape {tuple(mu.shape)} (variances) or {(*mu.shape, c)} "
-            f"(covariances) to match mean {tuple(mu.shape)}, got {tuple(var.shape)}"
+            f"(covariances) to match mean {tuple(mu.shape)}, got {tuple(cov.shape)}"
         )
-    scale = var.diagonal(dim1=-2, dim2=-1).abs().amax(-1, keepdim=True).unsqueeze(-1)
-    asym = (var - var.mT).abs()
+    if not full:
+        diag = check_tensor("cov", cov.diagonal(dim1=-2, dim2=-1))
+        _check_psd_diag(diag)
+        return mu, diag, False
+    var = check_tensor("cov", cov)
+    diag = var.diagonal(dim1=-2, dim2=-1)
+    _check_psd_diag(diag)
+    scale = diag.amax(-1, keepdim=True).unsqueeze(-1)
     tol = 1e3 * torch.finfo(var.dtype).eps * scale.clamp_min(torch.finfo(var.dtype).tiny)
+    asym = (var - var.mT).abs()
     if bool((asym > tol).any()):
         raise ValueError(f"cov must be symmetric (largest asymmetry {float(asym.max()):.3g})")
-    diag = var.diagonal(dim1=-2, dim2=-1)
+    return mu, 0.5 * (var + var.mT), True
+
+
+def _check_psd_diag(diag: Tensor) -> None:
     if bool((diag < 0).any()):
         raise ValueError(
             f"cov is not positive semi-definite: negative variance {float(diag.min()):.3g} "
             "on its diagonal"
         )
-    return mu, 0.5 * (var + var.mT), True
