@@ -1,6 +1,7 @@
 """Selection on a DistilBERT-size random-init model.
 
-Operator-norm ranking (exact SVD vs power iteration) and S-KFAC / magnitude selection over every linear map.
+Operator-norm ranking of every linear map (exact SVD, exact Gram eigenvalues, power iteration) and S-KFAC /
+magnitude selection over every linear map.
 """
 
 from __future__ import annotations
@@ -42,26 +43,29 @@ def _rank(norms: dict[str, float]) -> list[str]:
 def bench_operator_norm(b: Bench) -> None:
     model = _model(b)
     n_maps = len(linear_modules(model))
-    group = f"Operator-norm ranking of all {n_maps} linear maps, DistilBERT-size random init"
-    if b.quick:
-        group = group.replace("DistilBERT-size", "small DistilBERT")
-    b.time("exact SVD (batched svdvals)", lambda: operator_norms(model, method="svd"), group=group)
+    size = "small DistilBERT" if b.quick else "DistilBERT-size"
+    group = f"Operator-norm ranking of all {n_maps} linear maps, {size} random init"
+    # Full size: one exact SVD pass takes minutes on a small CPU, so time single calls there.
+    opts = {} if b.quick else {"repeat": 1, "warmup": 0}
+    ref = "exact SVD (batched svdvals)"
+    b.time(ref, lambda: operator_norms(model, method="svd"), group=group, **opts)
     exact = operator_norms(model, method="svd")
-    for n_iter in (20, 100, 300):
-        name = f"power iteration, {n_iter} iterations"
-        b.time(
-            name,
-            lambda n_iter=n_iter: operator_norms(model, method="power", n_iter=n_iter, tol=0.0),
-            group=group,
-            reference="exact SVD (batched svdvals)",
-        )
-        power = operator_norms(model, method="power", n_iter=n_iter, tol=0.0)
-        rel = max(abs(power[n] - exact[n]) / exact[n] for n in exact)
-        b.metric(f"{name}: max relative error", rel, unit="", group=group)
-        top5 = len(set(_rank(power)[:5]) & set(_rank(exact)[:5]))
-        same = sum(a == c for a, c in zip(_rank(power), _rank(exact), strict=True))
+    cases = {"exact Gram eigenvalues (eigvalsh)": {"method": "gram"}}
+    for n_iter in (30, 100, 300):
+        cases[f"power iteration, {n_iter} iterations"] = {
+            "method": "power",
+            "n_iter": n_iter,
+            "tol": 0.0,
+        }
+    for name, kw in cases.items():
+        b.time(name, lambda kw=kw: operator_norms(model, **kw), group=group, reference=ref, **opts)
+        got = operator_norms(model, **kw)
+        rel = max(abs(got[n] - exact[n]) / exact[n] for n in exact)
+        top5 = len(set(_rank(got)[:5]) & set(_rank(exact)[:5]))
+        same = sum(a == c for a, c in zip(_rank(got), _rank(exact), strict=True))
+        b.metric(f"{name}: max relative error vs SVD", rel, unit="", group=group)
         b.metric(
-            f"{name}: ranks equal to exact",
+            f"{name}: ranks equal to SVD's",
             same,
             unit=f"of {n_maps}",
             group=group,
@@ -74,19 +78,23 @@ def bench_skfac_selection(b: Bench) -> None:
     group = "Subset selection over every linear map" + (
         " (small config)" if b.quick else ", DistilBERT-size"
     )
-    b.time("sparse_kfac(p=50), all modules", lambda: sparse_kfac(model, 50), group=group)
+    opts = {} if b.quick else {"repeat": 3}
+    ref = "sparse_kfac(p=50), all modules"
+    b.time(ref, lambda: sparse_kfac(model, 50), group=group, **opts)
     b.time(
         "sparse_kfac(p=50, sequential=True)",
         lambda: sparse_kfac(model, 50, sequential=True),
         group=group,
-        reference="sparse_kfac(p=50), all modules",
+        reference=ref,
+        **opts,
     )
     b.time(
         "largest_magnitude(10 %) (global sort)",
         lambda: largest_magnitude(model, 10),
         group=group,
-        reference="sparse_kfac(p=50), all modules",
-        repeat=3,
+        reference=ref,
+        repeat=1 if not b.quick else None,
+        warmup=0 if not b.quick else None,
     )
     s = sparse_kfac(model, 50)
     b.metric(

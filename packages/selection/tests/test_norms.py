@@ -11,6 +11,7 @@ from partialbayes.selection import (
     min_operator_norm,
     operator_norms,
     rank_by_operator_norm,
+    spectral_norm_gram,
     spectral_norm_power,
     spectral_norm_svd,
 )
@@ -29,6 +30,8 @@ def test_svd_matches_numpy(batch, n, m, seed, device):
     got = spectral_norm_svd(w.to(device)).cpu()
     ref = np.array([np.linalg.norm(x, 2) for x in w.numpy()])
     np.testing.assert_allclose(got.numpy(), ref, rtol=1e-12)
+    gram = spectral_norm_gram(w.to(device)).cpu()
+    np.testing.assert_allclose(gram.numpy(), ref, rtol=1e-12)
 
 
 def matrix_with_gap(n, m, gap, g):
@@ -65,17 +68,21 @@ def test_power_iteration_errors():
         spectral_norm_power(torch.tensor([[float("nan")]]))
     with pytest.raises(ValueError, match="n_iter"):
         spectral_norm_power(torch.ones(2, 2), n_iter=0)
+    with pytest.raises(ValueError, match="shape"):
+        spectral_norm_gram(torch.ones(3))
 
 
 def test_operator_norms_gpt2_conv1d(gpt2):
     mods = linear_modules(gpt2)
     exact = operator_norms(gpt2, method="svd")
     power = operator_norms(gpt2, method="power", n_iter=5000, tol=1e-12)
+    gram = operator_norms(gpt2, method="gram")
     assert list(exact) == list(mods)
     for name, mod in mods.items():
         ref = np.linalg.norm(mod.weight.detach().double().numpy(), 2)
         assert exact[name] == pytest.approx(ref, rel=1e-5)
         assert power[name] == pytest.approx(ref, rel=1e-3)
+        assert gram[name] == pytest.approx(ref, rel=1e-5)
 
 
 def test_max_min_pick_argmax_in_order(distilbert):
@@ -90,6 +97,7 @@ def test_max_min_pick_argmax_in_order(distilbert):
         ::-1
     ]
     assert [n for n, _ in rank_by_operator_norm(distilbert, "mlp", method="power")] == ranked
+    assert [n for n, _ in rank_by_operator_norm(distilbert, "mlp", method="gram")] == ranked
     for k in range(len(ranked) + 1):
         top = max_operator_norm(distilbert, k, group="mlp")
         assert set(top.names) == {f"{n}.{p}" for n in ranked[:k] for p in ("weight", "bias")}

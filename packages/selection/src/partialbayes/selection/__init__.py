@@ -26,6 +26,7 @@ from partialbayes.selection._modules import (
 )
 from partialbayes.selection._norms import (
     operator_norms,
+    spectral_norm_gram,
     spectral_norm_power,
     spectral_norm_svd,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "skfac_percent_of_params",
     "skfac_rows_cols",
     "sparse_kfac",
+    "spectral_norm_gram",
     "spectral_norm_power",
     "spectral_norm_svd",
     "summary",

@@ -64,7 +64,7 @@ def max_operator_norm(
         model: The model.
         k: Number of modules (0 gives the empty subset).
         group: ``"mlp"``, ``"attention"``, ``"all"`` or a group of the user ``grouping``.
-        method: ``"svd"`` (exact) or ``"power"`` (power iteration).
+        method: ``"svd"`` (exact), ``"gram"`` (exact, faster) or ``"power"`` (power iteration).
         grouping: Optional user grouping (see :func:`module_group`).
 
     Raises:

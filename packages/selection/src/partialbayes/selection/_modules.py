@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 
-from torch import nn
+from torch import Tensor, nn
 
 Grouping = Mapping[str, str] | Callable[[str], "str | None"]
 """A user grouping: ``{group: regex}`` (first ``re.search`` match wins) or a function ``name -> group | None``."""
@@ -63,6 +63,8 @@ def linear_modules(model: nn.Module) -> dict[str, nn.Module]:
 def linear_shape(module: nn.Module) -> tuple[int, int]:
     """Logical shape (n_out, n_in) of a linear map (``nn.Linear`` or ``Conv1D``)."""
     w = module.weight
+    if not isinstance(w, Tensor):
+        raise TypeError(f"module {type(module).__name__} has no weight tensor")
     if is_conv1d(module):
         return int(w.shape[1]), int(w.shape[0])
     return int(w.shape[0]), int(w.shape[1])
@@ -96,9 +98,9 @@ def module_group(name: str, grouping: Grouping | None = None) -> str | None:
             name = name[: -len(suffix)]
             break
     if grouping is None:
-        for group, pattern in _DEFAULT_RULES:
-            if pattern.search(name):
-                return group
+        for rule_group, rule in _DEFAULT_RULES:
+            if rule.search(name):
+                return rule_group
         return None
     if isinstance(grouping, Mapping):
         for group, pattern in grouping.items():
@@ -110,12 +112,12 @@ def module_group(name: str, grouping: Grouping | None = None) -> str | None:
                 return group
         return None
     if callable(grouping):
-        group = grouping(name)
-        if group is not None and not isinstance(group, str):
+        found = grouping(name)
+        if found is not None and not isinstance(found, str):
             raise TypeError(
-                f"grouping function returned {group!r} for module {name!r}; expected a str or None"
+                f"grouping function returned {found!r} for module {name!r}; expected a str or None"
             )
-        return group
+        return found
     raise TypeError(
         f"grouping must be a mapping {{group: regex}} or a callable, got {type(grouping).__name__}"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 
@@ -53,7 +54,8 @@ def _top_scores(
         raise ValueError(
             f"percent={percent} asks for {k} entries but only {n_scores} are given scores"
         )
-    flat = torch.cat([s.detach().reshape(-1).to("cpu", torch.float64) for s in scores.values()])
+    dtype = functools.reduce(torch.promote_types, (s.dtype for s in scores.values()))
+    flat = torch.cat([s.detach().reshape(-1).to("cpu", dtype) for s in scores.values()])
     order = torch.sort(flat, descending=True, stable=True).indices[:k]
     return _masks_from_flat(model, {n: s.shape for n, s in scores.items()}, order)
 

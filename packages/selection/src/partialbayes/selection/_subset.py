@@ -375,7 +375,9 @@ class Subset:
         for n in {*self._blocks, *other._blocks}:
             a, b = self._blocks.get(n), other._blocks.get(n)
             if a is None or b is None:
-                blocks[n] = a if b is None else b  # type: ignore[assignment]
+                one = a if b is None else b
+                assert one is not None
+                blocks[n] = one
                 continue
             if a == b:
                 blocks[n] = a
