@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     quick.add_argument("--results", type=Path, default=Path("glue-bench-quickstart"))
     _common(quick)
     quick.set_defaults(
-        max_train_examples=512, max_test_examples=None, epochs=3, max_length=64, n_samples=10
+        max_train_examples=256, max_test_examples=300, epochs=3, max_length=64, n_samples=8
     )
     return parser
 
@@ -151,10 +151,10 @@ def _configs(args: argparse.Namespace, quick: bool = False):
         settings_kw["n_samples"] = args.n_samples
     if quick:
         settings_kw.update(
-            swag_lrs=(1e-2, 5e-2),
-            swag_sweep_steps=40,
-            swag_steps=160,
-            module_counts=(1, 4, 12),
+            swag_lrs=(1e-2,),
+            swag_sweep_steps=10,
+            swag_steps=60,
+            module_counts=(1, 4),
             skfac_percents=(1.0, 6.8, 12.6),
         )
     return RunConfig(

@@ -257,15 +257,30 @@ def split_indices(
 
 
 def encode(
-    examples: Examples, tokenizer: Any, batch_size: int, max_length: int = 128
+    examples: Examples,
+    tokenizer: Any,
+    batch_size: int,
+    max_length: int = 128,
+    sort_by_length: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """Tokenise into a list of dict batches (padded to the longest sequence in each batch).
 
     Each batch holds the tokenizer's tensors (``input_ids``, ``attention_mask``, maybe
     ``token_type_ids``), each of shape (B, L), and ``labels`` of shape (B,).
+
+    Args:
+        examples: The examples.
+        tokenizer: A Hugging Face tokenizer.
+        batch_size: Examples per batch.
+        max_length: Truncation length in tokens.
+        sort_by_length: Order the examples by text length first (labels move with them), which cuts
+            padding for evaluation passes where the order does not matter.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if sort_by_length:
+        order = sorted(range(len(examples)), key=lambda i: sum(len(t) for t in examples.texts[i]))
+        examples = examples.take(order)
     out = []
     for start in range(0, len(examples), batch_size):
         chunk = examples.texts[start : start + batch_size]

@@ -114,9 +114,9 @@ def prepare_context(
     bs, ml = config.curvature_batch_size, tcfg.max_length
     ctx = Context(
         model=model,
-        train=_to(encode(train, tokenizer, bs, ml), device),
-        val=_to(encode(val, tokenizer, bs, ml), device),
-        test=_to(encode(test, tokenizer, bs, ml), device),
+        train=_to(encode(train, tokenizer, bs, ml, sort_by_length=True), device),
+        val=_to(encode(val, tokenizer, bs, ml, sort_by_length=True), device),
+        test=_to(encode(test, tokenizer, bs, ml, sort_by_length=True), device),
         num_labels=spec.num_labels,
         device=device,
         seed=seed,

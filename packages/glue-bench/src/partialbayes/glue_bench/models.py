@@ -67,7 +67,14 @@ def load_encoder(name: str, num_labels: int, dropout: float | None = None) -> tu
             ):
                 if hasattr(config, key):
                     setattr(config, key, dropout)
-        model = AutoModelForSequenceClassification.from_pretrained(path, config=config)
+        from transformers.utils import logging as hf_logging
+
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # the "classifier weights newly initialised" report is expected
+        try:
+            model = AutoModelForSequenceClassification.from_pretrained(path, config=config)
+        finally:
+            hf_logging.set_verbosity(level)
         tokenizer = AutoTokenizer.from_pretrained(path)
     except OSError as err:
         raise ValueError(

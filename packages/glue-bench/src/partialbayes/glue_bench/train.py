@@ -162,7 +162,7 @@ def finetune(
     torch.manual_seed(config.seed)
     model.to(device)
     opt = _make_optimizer(model, config, len(train))
-    val_batches = encode(val, tokenizer, 64, config.max_length)
+    val_batches = encode(val, tokenizer, 64, config.max_length, sort_by_length=True)
     best_acc, best_epoch, stale = -1.0, -1, 0
     best_state: dict[str, torch.Tensor] | None = None
     best_hess: dict[str, torch.Tensor] | None = None
