@@ -42,13 +42,10 @@ def rank_by_operator_norm(
         ``[(module name, operator norm), ...]``, largest first when ``descending``.
     """
     norms = operator_norms(model, group=group, method=method, grouping=grouping)
-    order = list(norms)
-    key = (
-        (lambda n: (-norms[n], order.index(n)))
-        if descending
-        else (lambda n: (norms[n], order.index(n)))
-    )
-    return [(n, norms[n]) for n in sorted(order, key=key)]
+    position = {n: i for i, n in enumerate(norms)}
+    sign = -1.0 if descending else 1.0
+    order = sorted(norms, key=lambda n: (sign * norms[n], position[n]))
+    return [(n, norms[n]) for n in order]
 
 
 def max_operator_norm(

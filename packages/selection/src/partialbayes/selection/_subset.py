@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,7 +196,7 @@ class Subset:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self._blocks)
 
     @property
