@@ -125,3 +125,92 @@ def mean_step_(
         torch._foreach_clamp_min_(direction, -clip_radius * debias)
         torch._foreach_clamp_max_(direction, clip_radius * debias)
     torch._foreach_add_(means, direction, alpha=-lr / debias)
+
+
+def sample_(
+    noise: list[Tensor],
+    means: list[Tensor],
+    hess: list[Tensor],
+    masks: list[Tensor] | None,
+    *,
+    std: float,
+    delta: float,
+    generator: torch.Generator | None,
+    draw: bool = True,
+) -> None:
+    """Draw ``z ~ N(0, std²)`` into ``noise``, zero it outside ``masks``, and make it the sample ``m + z/√(h+δ)``.
+
+    Args:
+        noise: Buffers of the parameters' shapes, overwritten with the samples.
+        means: Means ``m``.
+        hess: Hessian estimates ``h``.
+        masks: Boolean masks of the variational entries, or ``None`` (all entries).
+        std: ``1/√ess``.
+        delta: Weight decay δ.
+        generator: Generator for the draw (``None``: the global RNG of the device).
+        draw: Draw the noise here; ``False`` when ``noise`` already holds ``z``.
+    """
+    if draw:
+        for z in noise:
+            z.normal_(0.0, std, generator=generator)
+    if masks is not None:
+        torch._foreach_mul_(noise, masks)
+    perturb_(noise, means, hess, delta)
+
+
+def collect_price_(
+    samples: list[Tensor],
+    means: list[Tensor],
+    grads: list[Tensor],
+    avg: list[Tensor] | None,
+    count: int,
+) -> None:
+    """Turn samples into ``ε·g`` (:func:`price_sample_`) and, for the ``count``-th sample, average into ``avg``."""
+    price_sample_(samples, means, grads)
+    if avg is not None:
+        running_mean_(avg, samples, count)
+
+
+def update_(
+    means: list[Tensor],
+    momentum: list[Tensor],
+    hess: list[Tensor],
+    grads: list[Tensor],
+    h_hat: list[Tensor] | None,
+    masks: list[Tensor] | None,
+    *,
+    price: bool,
+    beta1: float,
+    beta2: float,
+    delta: float,
+    ess: float,
+    lr: float,
+    debias: float,
+    clip_radius: float,
+) -> None:
+    """One IVON step in place: momentum, Hessian (when ``h_hat`` is given) and mean.
+
+    Args:
+        means: Means ``m`` (the parameters).
+        momentum: Momentum ``μ``.
+        hess: Hessian estimates ``h``.
+        grads: MC-averaged gradients ``ĝ``.
+        h_hat: MC-averaged ``ε·g`` (``price``) or ``g²``; ``None`` keeps ``h`` fixed. Destroyed.
+        masks: Variational entries (``h`` is kept fixed elsewhere), or ``None`` for all.
+        price: Whether ``h_hat`` holds ``ε·g`` (to be scaled by ``ess·(h+δ)``).
+        beta1: Gradient momentum β1.
+        beta2: Hessian momentum β2.
+        delta: Weight decay δ.
+        ess: Effective sample size.
+        lr: Effective learning rate (after ``rescale_lr``).
+        debias: ``1 − β1ᵗ`` or 1.
+        clip_radius: Element-wise clipping radius.
+    """
+    torch._foreach_lerp_(momentum, grads, 1.0 - beta1)
+    if h_hat is not None:
+        if price:
+            price_to_hessian_(h_hat, hess, delta, ess)
+        if masks is not None:
+            h_hat = [torch.where(m, e, h) for m, e, h in zip(masks, h_hat, hess, strict=True)]
+        hessian_step_(hess, h_hat, beta2, delta)
+    mean_step_(means, momentum, hess, lr=lr, delta=delta, debias=debias, clip_radius=clip_radius)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -11,15 +12,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from partialbayes.ivon import _blocked as blocked
 from partialbayes.ivon import _distributed as dist_utils
-from partialbayes.ivon._math import (
-    hessian_step_,
-    mean_step_,
-    perturb_,
-    price_sample_,
-    price_to_hessian_,
-    running_mean_,
-)
+from partialbayes.ivon._math import collect_price_, running_mean_, sample_, update_
 
 if TYPE_CHECKING:  # the selection package is an optional extra: never imported at run time
     from partialbayes.selection import Subset
@@ -40,6 +35,16 @@ def _check_hyper(
         lo = "(" if low_open else "["
         hi = ")" if high_open else "]"
         raise ValueError(f"IVON: {name} must lie in {lo}{low}, {high}{hi}, got {value!r}")
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
+
+
+def _pick(items: list[Any], idx: list[int]) -> list[Any] | None:
+    """``items`` at ``idx``, or ``None`` if all of those are ``None``."""
+    out = [items[i] for i in idx]
+    return None if all(x is None for x in out) else out
 
 
 def _validate_group(group: Mapping[str, Any]) -> None:
@@ -251,22 +256,6 @@ class IVON(torch.optim.Optimizer):
             return self._rank_generators[device]
         return None
 
-    def _noise_like(self, p: Tensor, std: float) -> Tensor:
-        gen = self._generator_for(p.device)
-        if gen is None:
-            return torch.empty_like(p, memory_format=torch.contiguous_format).normal_(0.0, std)
-        gen_device = torch.device(gen.device)
-        same = gen_device.type == p.device.type and (
-            gen_device.index is None or gen_device.index == (p.device.index or 0)
-        )
-        if same:
-            out = torch.empty_like(p, memory_format=torch.contiguous_format)
-            return out.normal_(0.0, std, generator=gen)
-        out = torch.empty(p.shape, dtype=p.dtype, device=gen_device).normal_(
-            0.0, std, generator=gen
-        )
-        return out.to(p.device)
-
     def _sync_enabled(self) -> bool:
         return self.sync is not False and dist_utils.is_distributed()
 
@@ -327,18 +316,56 @@ class IVON(torch.optim.Optimizer):
             var = [p for p in params if self.variational_mask(p) is not False]
             if not var:
                 continue
-            noise = [self._noise_like(p, 1.0 / math.sqrt(group["ess"])) for p in var]
-            for z, p in zip(noise, var, strict=True):
-                mask = self.variational_mask(p)
-                if isinstance(mask, Tensor):
-                    z.mul_(mask)
+            device = var[0].device
+            gen = self._generator_for(device)
+            std = 1.0 / math.sqrt(group["ess"])
+            is_blocked = self._blocked(device)
+            noise = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in var]
+            # noise is drawn per parameter in order; on the CPU chunk by chunk inside the blocked pass
+            draw_in_pass = is_blocked and (
+                gen is None or _same_device(torch.device(gen.device), device)
+            )
+            if not draw_in_pass:
+                for i, (z, p) in enumerate(zip(noise, var, strict=True)):
+                    if gen is None or _same_device(torch.device(gen.device), device):
+                        z.normal_(0.0, std, generator=gen)
+                    else:  # the generator lives elsewhere: draw there, copy over
+                        z_gen = torch.empty(p.shape, dtype=p.dtype, device=gen.device)
+                        noise[i] = z_gen.normal_(0.0, std, generator=gen).to(device)
             mean_views = [p.data for p in var]
-            perturb_(noise, mean_views, [self.state[p]["hess"] for p in var], group["weight_decay"])
+            hess = [self.state[p]["hess"] for p in var]
+            masks = self._mask_list(var)
+            fn = functools.partial(
+                sample_, std=std, delta=group["weight_decay"], generator=gen, draw=draw_in_pass
+            )
+            if is_blocked:  # one parameter at a time, in order (the draw order)
+                blocked.apply(fn, [noise, mean_views, hess, masks], blocked=True)
+            else:
+                for idx in self._categories(var, masks):
+                    sub = [_pick(noise, idx), _pick(mean_views, idx), _pick(hess, idx)]
+                    blocked.apply(fn, [*sub, _pick(masks, idx)], blocked=False)
             for p, m, w in zip(var, mean_views, noise, strict=True):
                 means[p] = m
                 samples[p] = w
                 p.data = w
         return means, samples
+
+    def _mask_list(self, params: list[Tensor]) -> list[Tensor | None]:
+        out: list[Tensor | None] = []
+        for p in params:
+            mask = self.variational_mask(p)
+            out.append(mask if isinstance(mask, Tensor) else None)
+        return out
+
+    def _categories(self, params: list[Tensor], masks: list[Tensor | None]) -> list[list[int]]:
+        """Index lists of parameters with and without a partial mask (homogeneous lists for foreach)."""
+        with_mask = [i for i, m in enumerate(masks) if m is not None]
+        without = [i for i, m in enumerate(masks) if m is None]
+        return [idx for idx in (without, with_mask) if idx]
+
+    @staticmethod
+    def _blocked(device: torch.device) -> bool:
+        return device.type == "cpu"
 
     @staticmethod
     def _restore(means: dict[Tensor, Tensor]) -> None:
@@ -359,15 +386,20 @@ class IVON(torch.optim.Optimizer):
                 continue
             vp = [p for p, _ in var]
             vg = [g for _, g in var]
+            avg = None if k == 1 else [self._avg_hess[p] for p in vp]
             if self.hess_approx == "price":
                 est = [samples[p] for p in vp]
-                price_sample_(est, [p.data for p in vp], vg)
+                blocked.apply(
+                    functools.partial(collect_price_, count=k),
+                    [est, [p.data for p in vp], vg, avg],
+                    blocked=self._blocked(vp[0].device),
+                )
             else:
                 est = torch._foreach_mul(vg, vg)
+                if avg is not None:
+                    running_mean_(avg, est, k)
             if k == 1:
                 self._avg_hess.update(zip(vp, est, strict=True))
-            else:
-                running_mean_([self._avg_hess[p] for p in vp], est, k)
 
     # ------------------------------------------------------------------------------------------------- step
     @torch.no_grad()
@@ -412,36 +444,44 @@ class IVON(torch.optim.Optimizer):
         return loss
 
     def _update_bucket(self, group: dict[str, Any], params: list[Tensor], sync: bool) -> None:
-        delta, ess = group["weight_decay"], group["ess"]
-        beta1, beta2 = group["beta1"], group["beta2"]
+        delta = group["weight_decay"]
         grads = [self._avg_grad[p] for p in params]
-        var = [p for p in params if p in self._avg_hess]
-        est = [self._avg_hess[p] for p in var]
+        est_all = [self._avg_hess.get(p) for p in params]
         if sync:
             dist_utils.all_reduce_mean_(grads)
-            dist_utils.all_reduce_mean_(est)
-        momentum = [self.state[p]["momentum"] for p in params]
-        torch._foreach_lerp_(momentum, grads, 1.0 - beta1)
-        if var:
-            hess_var = [self.state[p]["hess"] for p in var]
-            if self.hess_approx == "price":
-                price_to_hessian_(est, hess_var, delta, ess)
-            for i, p in enumerate(var):
-                mask = self.variational_mask(p)
-                if isinstance(mask, Tensor):  # entries outside the subset keep their h exactly
-                    est[i] = torch.where(mask, est[i], hess_var[i])
-            hessian_step_(hess_var, est, beta2, delta)
-        debias = 1.0 - beta1 ** group["step"] if self.debias else 1.0
-        lr = group["lr"] * (group["hess_init"] + delta) if self.rescale_lr else group["lr"]
-        mean_step_(
-            [p.data for p in params],
-            momentum,
-            [self.state[p]["hess"] for p in params],
-            lr=lr,
+            dist_utils.all_reduce_mean_([e for e in est_all if e is not None])
+        masks = self._mask_list(params)
+        fn = functools.partial(
+            update_,
+            price=self.hess_approx == "price",
+            beta1=group["beta1"],
+            beta2=group["beta2"],
             delta=delta,
-            debias=debias,
+            ess=group["ess"],
+            lr=group["lr"] * (group["hess_init"] + delta) if self.rescale_lr else group["lr"],
+            debias=1.0 - group["beta1"] ** group["step"] if self.debias else 1.0,
             clip_radius=group["clip_radius"],
         )
+        means = [p.data for p in params]
+        momentum = [self.state[p]["momentum"] for p in params]
+        hess = [self.state[p]["hess"] for p in params]
+        # homogeneous lists: (has a Hessian estimate, has a partial mask)
+        kinds: dict[tuple[bool, bool], list[int]] = {}
+        for i in range(len(params)):
+            kinds.setdefault((est_all[i] is not None, masks[i] is not None), []).append(i)
+        for idx in kinds.values():
+            blocked.apply(
+                fn,
+                [
+                    _pick(means, idx),
+                    _pick(momentum, idx),
+                    _pick(hess, idx),
+                    _pick(grads, idx),
+                    _pick(est_all, idx),
+                    _pick(masks, idx),
+                ],
+                blocked=self._blocked(params[0].device),
+            )
 
     # ---------------------------------------------------------------------------------------------- state
     @property

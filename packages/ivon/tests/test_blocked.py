@@ -1,0 +1,50 @@
+import functools
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from partialbayes.ivon import _blocked
+from partialbayes.ivon._math import hessian_update, update_
+
+
+@given(
+    sizes=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+    chunk=st.integers(1, 17),
+    seed=st.integers(0, 1000),
+    price=st.booleans(),
+)
+def test_chunked_update_equals_whole_list_update(sizes, chunk, seed, price):
+    g = torch.Generator().manual_seed(seed)
+
+    def make():
+        return [torch.randn(n, generator=g, dtype=torch.float64) for n in sizes]
+
+    means, mom, grads, est = make(), make(), make(), make()
+    hess = [torch.rand(n, generator=g, dtype=torch.float64) + 0.1 for n in sizes]
+    masks = [torch.rand(n, generator=g) < 0.5 for n in sizes]
+    fn = functools.partial(
+        update_,
+        price=price,
+        beta1=0.9,
+        beta2=0.8,
+        delta=0.01,
+        ess=7.0,
+        lr=0.1,
+        debias=0.5,
+        clip_radius=0.3,
+    )
+    copies = [[t.clone() for t in lst] for lst in (means, mom, hess, grads, est)]
+    _blocked.apply(fn, [*copies, masks], blocked=True, chunk=chunk)
+    _blocked.apply(fn, [means, mom, hess, grads, est, masks], blocked=False)
+    for a_list, b_list in zip(copies[:3], (means, mom, hess), strict=True):
+        for a, b in zip(a_list, b_list, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_hessian_update_positive_and_fixed_point():
+    h = torch.full((100,), 0.5, dtype=torch.float64)
+    h_hat = torch.linspace(-50, 50, 100, dtype=torch.float64)
+    assert (hessian_update(h, h_hat, 0.9, 1e-4) > 0).all()
+    h = torch.tensor([2.0], dtype=torch.float64)
+    torch.testing.assert_close(hessian_update(h, h, 0.99, 0.1), h)
