@@ -53,8 +53,7 @@ def swag_sample(
     d = mean.shape[0]
     s = 1 if n_samples is None else n_samples
     device = generator.device if generator is not None else mean.device
-    opts = {"generator": generator, "device": device, "dtype": mean.dtype}
-    z1 = torch.randn(s, d, **opts).to(mean.device)
+    z1 = torch.randn(s, d, generator=generator, device=device, dtype=mean.dtype).to(mean.device)
     if deviations is None:
         noise = variance.sqrt() * z1
     else:
@@ -65,7 +64,7 @@ def swag_sample(
             raise ValueError(
                 f"the low-rank part needs at least 2 deviation columns (snapshots), got {k}"
             )
-        z2 = torch.randn(s, k, **opts).to(mean.device)
+        z2 = torch.randn(s, k, generator=generator, device=device, dtype=mean.dtype).to(mean.device)
         noise = variance.sqrt() * z1 / math.sqrt(2.0) + (z2 @ deviations.T) / math.sqrt(
             2.0 * (k - 1)
         )
