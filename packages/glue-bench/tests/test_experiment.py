@@ -84,3 +84,33 @@ def test_swag_methods(tmp_path, mini_glue, tiny_distilbert_factory):
     assert set(recs) == {("swag-random", "1"), ("swag-random", "2"), ("swag-l1", "5")}
     assert recs[("swag-random", "1")]["extra"]["swag_lr"] == 1e-2
     assert recs[("swag-l1", "5")]["percent_stochastic"] == pytest.approx(5.0, abs=0.5)
+
+
+def test_ivon_finetuning_and_posterior(tmp_path, mini_glue, tiny_bert_factory):
+    pytest.importorskip("partialbayes.ivon")
+    torch.set_num_threads(1)
+    train = TrainConfig(
+        epochs=2, batch_size=8, max_length=32, patience=1, optimizer="ivon", ivon_lr=0.05
+    )
+    config = RunConfig(model="tiny-bert", train=train, settings=FAST, max_train_examples=32)
+    store = run_grid(
+        ["sst2"],
+        [0],
+        ["map", "ivon"],
+        config,
+        tmp_path / "res",
+        glue_dir=mini_glue,
+        model_factory=lambda name, c, d: tiny_bert_factory(c),
+        progress=False,
+        log=lambda s: None,
+    )
+    recs = {(r["method"], r["size"]): r for r in iter_records(store.root)}
+    assert set(recs) == {("map", "-"), ("ivon", "-")}
+    assert recs[("ivon", "-")]["n_stochastic"] > 0
+    ckpt = next((tmp_path / "res" / "checkpoints").rglob("ivon_hess.safetensors"))
+    assert ckpt.stat().st_size > 0
+
+
+def test_ivon_method_needs_ivon_checkpoint(tmp_path, mini_glue, tiny_bert_factory):
+    with pytest.raises(ValueError, match="--optimizer ivon"):
+        _run(tmp_path, mini_glue, tiny_bert_factory, ["ivon"])
