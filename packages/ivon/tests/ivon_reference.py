@@ -27,11 +27,13 @@ def reference_ivon(
     rescale_lr=True,
     generator=None,
     masks=None,
+    generators=None,
 ):
     """Run Alg. 1 for ``steps`` steps from ``params0`` (list of tensors); returns (means, hess) lists.
 
     Noise: for each sample, for each parameter in order, ``z ~ N(0, 1/ess)`` drawn with ``generator`` in the
     parameter's shape (the order the optimizer documents); entries outside ``masks`` get no noise and keep h.
+    With ``generators``, MC sample ``s`` draws from ``generators[s]`` (one generator per data-parallel rank).
     """
     m = [p.detach().to(torch.float64).clone() for p in params0]
     h = [torch.full_like(x, hess_init) for x in m]
@@ -41,11 +43,12 @@ def reference_ivon(
     for t in range(1, steps + 1):
         gbar = [torch.zeros_like(x) for x in m]
         hhat = [torch.zeros_like(x) for x in m]
-        for _ in range(mc_samples):
+        for s in range(mc_samples):
+            gen = generator if generators is None else generators[s]
             eps = []
             for x, hx, mk in zip(m, h, masks, strict=True):
                 z = torch.empty(x.shape, dtype=torch.float64, device=x.device)
-                z.normal_(0.0, 1.0 / math.sqrt(ess), generator=generator)
+                z.normal_(0.0, 1.0 / math.sqrt(ess), generator=gen)
                 e = z / torch.sqrt(hx + d)
                 eps.append(e if mk is None else e * mk)
             w = [(x + e).requires_grad_(True) for x, e in zip(m, eps, strict=True)]
