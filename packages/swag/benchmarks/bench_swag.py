@@ -82,6 +82,16 @@ def bench_collection(b: Bench) -> None:
         repeat=repeat,
         note=f"K={K}, d={swag.num_entries}",
     )
+    averaged = torch.optim.swa_utils.AveragedModel(model)
+    b.time(
+        "torch AveragedModel.update_parameters (SWA mean only, all weights)",
+        lambda: averaged.update_parameters(model),
+        group=group,
+        reference="torch SGD step (all weights)",
+        floats=n_params,
+        repeat=repeat,
+        note="first moment only, no variance or deviations",
+    )
     c = 5
     b.time(
         f"collect_swag, {c} masked SGD steps + 1 snapshot",
