@@ -101,17 +101,17 @@ def laplace_bridge_alpha(mean: Tensor, cov: Tensor, *, correct_mean: bool = True
     k = mu.shape[-1]
     if k < 2:
         raise ValueError(f"the Laplace bridge needs at least 2 classes, mean has {k}")
-    if not full:
-        var = torch.diag_embed(var)
     if correct_mean:
-        row = var.sum(-1)  # Σ1, [..., K]
+        row = var.sum(-1) if full else var  # Σ1, [..., K]
         total = row.sum(-1, keepdim=True)  # 1ᵀΣ1, [..., 1]
         if bool((total <= 0).any()):
             raise ValueError("cov must be non-zero for the Laplace bridge (1ᵀ cov 1 = 0)")
         mu = mu - row * mu.sum(-1, keepdim=True) / total
-        var = var - row.unsqueeze(-1) * row.unsqueeze(-2) / total.unsqueeze(-1)
-    d = var.diagonal(dim1=-2, dim2=-1)
-    tiny = 1e3 * torch.finfo(d.dtype).eps * d.amax(-1, keepdim=True)
+        # only the diagonal of the corrected covariance is needed
+        d = (var.diagonal(dim1=-2, dim2=-1) if full else var) - row.square() / total
+    else:
+        d = var.diagonal(dim1=-2, dim2=-1) if full else var
+    tiny = 10 * torch.finfo(d.dtype).eps * d.amax(-1, keepdim=True)
     if bool((d <= tiny).any()):
         raise ValueError(
             "the Laplace bridge needs positive logit variances; cov has a zero "
