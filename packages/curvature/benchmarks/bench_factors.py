@@ -48,7 +48,7 @@ def _model(b: Bench, num_labels: int = 2) -> nn.Module:
 
 
 def _loader(b: Bench, vocab: int, num_labels: int = 2) -> list[dict[str, torch.Tensor]]:
-    n_batches, batch, length = (2, 4, 16) if b.quick else (2, 16, 128)
+    n_batches, batch, length = (2, 4, 16) if b.quick else (1, 16, 128)
     g = torch.Generator().manual_seed(0)
     out = []
     for _ in range(n_batches):
