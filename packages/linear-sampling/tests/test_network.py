@@ -9,9 +9,11 @@ from partialbayes.linear_sampling import (
     Prior,
     linearised_logit_moments,
     linearised_logit_samples,
+    linearised_targets,
     network_features,
     network_logits,
     network_parameters,
+    posterior_mean,
     posterior_samples,
     softmax_hessian,
 )
@@ -251,3 +253,40 @@ def test_tiny_hf_linearised_laplace_end_to_end():
     assert samples.shape == (4, 3, 3)
     assert bool(torch.isfinite(samples).all())
     assert float(samples.std(0).min()) > 0
+
+
+def test_linearised_targets_make_the_map_the_linear_posterior_mean():
+    # At a MAP of the summed cross-entropy + α/2 ‖θ‖², Φᵀ(y − p) = αθ*, so θ̄ of the linear model = θ*.
+    model = mlp(2, 4, 3, 0, "cpu")
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(30, 2, generator=g, dtype=F64)
+    labels = torch.randint(0, 3, (30,), generator=g)
+    alpha = 0.5
+    opt = torch.optim.LBFGS(
+        model.parameters(),
+        lr=1,
+        max_iter=500,
+        tolerance_grad=1e-12,
+        tolerance_change=0,
+        line_search_fn="strong_wolfe",
+    )
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), labels, reduction="sum")
+        loss = loss + 0.5 * alpha * sum((p**2).sum() for p in model.parameters())
+        loss.backward()
+        return loss
+
+    for _ in range(5):
+        opt.step(closure)
+    params = [n for n, _ in model.named_parameters()]
+    feats = network_features(model, x, params)
+    logits = network_logits(model, x)
+    noise = softmax_hessian(logits, jitter=1e-3)
+    theta = network_parameters(model, params)
+    targets = linearised_targets(feats, theta, logits, labels, noise)
+    mean = posterior_mean(feats, targets, noise, Prior(alpha), tol=1e-12).mean
+    torch.testing.assert_close(mean, theta, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"labels must lie in 0\.\.2"):
+        linearised_targets(feats, theta, logits, labels + 3, noise)

@@ -19,6 +19,7 @@ from partialbayes.linear_sampling._features import Features, scale_features
 from partialbayes.linear_sampling._linearised import (
     linearised_logit_moments,
     linearised_logit_samples,
+    linearised_targets,
 )
 from partialbayes.linear_sampling._network import (
     network_features,
@@ -51,6 +52,7 @@ __all__ = [
     "fit_prior_precision",
     "linearised_logit_moments",
     "linearised_logit_samples",
+    "linearised_targets",
     "mackay_update",
     "network_features",
     "network_logits",

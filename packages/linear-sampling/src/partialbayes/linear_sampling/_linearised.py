@@ -132,3 +132,61 @@ def linearised_logit_moments(
         block = (jt.T @ x).reshape(b, m, b, m)
         cov[idx] = block[torch.arange(b), :, torch.arange(b), :].to(feats.dtype)
     return mean, cov
+
+
+def linearised_targets(
+    features: Features,
+    theta: Tensor,
+    logits: Tensor,
+    labels: Tensor,
+    noise: NoisePrecision,
+    *,
+    batch_size: int | None = None,
+) -> Tensor:
+    """Targets of the linear model that linearised Laplace for classification solves: ``Φθ* + B⁻¹(y − p)``.
+
+    Expanding the categorical log-likelihood to second order in the logits around the MAP ``θ*`` gives a
+    Gaussian linear model with noise precision ``B_n`` (the softmax Hessian) and these pseudo-targets. At a
+    MAP trained with the same prior precision, ``Φᵀ(y − p) = Aθ*``, so the linear model's posterior mean
+    is ``θ*`` itself; [`fit_prior_precision`][partialbayes.linear_sampling.fit_prior_precision] uses
+    them to re-estimate ``A``.
+
+    Args:
+        features: Training features ``Φ`` at ``θ*`` (``n`` examples, ``m`` classes).
+        theta: ``[d]`` the MAP values of the stochastic parameters
+            ([`network_parameters`][partialbayes.linear_sampling.network_parameters]).
+        logits: ``[n, m]`` logits at ``θ*``.
+        labels: ``[n]`` int64 class labels.
+        noise: ``B`` with ``[n, m, m]`` matrices (from
+            [`softmax_hessian`][partialbayes.linear_sampling.softmax_hessian]).
+        batch_size: Observations per JVP call.
+
+    Returns:
+        ``[n, m]`` targets.
+
+    Raises:
+        ValueError: On shape mismatches or labels out of range.
+    """
+    n, m = features.n, features.m
+    if tuple(logits.shape) != (n, m):
+        raise ValueError(f"logits have shape {tuple(logits.shape)}, expected (n, m) = ({n}, {m})")
+    if labels.shape != (n,) or labels.dtype not in (torch.int64, torch.int32):
+        raise ValueError(
+            f"labels must be [n={n}] integers, got {labels.dtype} {tuple(labels.shape)}"
+        )
+    if int(labels.min()) < 0 or int(labels.max()) >= m:
+        raise ValueError(
+            f"labels must lie in 0..{m - 1}, got range {int(labels.min())}..{int(labels.max())}"
+        )
+    if noise.value.ndim != 3:
+        raise ValueError("noise must hold [n, m, m] matrices (softmax_hessian)")
+    noise.check(n, m)
+    noise = noise.to(features.dtype, features.device)
+    theta = theta.to(device=features.device, dtype=features.dtype).reshape(-1, 1)
+    grad = torch.nn.functional.one_hot(labels.to(features.device), m).to(features.dtype)
+    grad = grad - logits.to(features.device, features.dtype).softmax(-1)
+    assert noise.sqrt is not None
+    out = torch.cholesky_solve(grad.unsqueeze(2), noise.sqrt)[..., 0]
+    for idx in batches(n, default_batch_size(features, batch_size), features.device):
+        out[idx] += features.apply(idx, theta)[..., 0]
+    return out
