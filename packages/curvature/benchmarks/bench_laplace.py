@@ -165,3 +165,90 @@ def bench_memory(b: Bench) -> None:
         b.metric(
             name, post.num_floats, unit="floats", group=group, note=f"{subset.num_entries()} params"
         )
+
+
+class _DictLogits(nn.Module):
+    """laplace-torch calls ``model(X)`` with the whole dict batch: drop the labels, return the logits."""
+
+    def __init__(self, hf: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.hf(**{k: v for k, v in batch.items() if k != "labels"}).logits
+
+
+def bench_predictive_transformer(b: Bench) -> None:
+    """DistilBERT-style classifier, every linear map stochastic (what laplace-torch can do on HF models)."""
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+    from partialbayes.selection import modules
+
+    if b.quick:
+        dims, n_layers, batch, length = (32, 64), 2, 4, 16
+    else:
+        dims, n_layers, batch, length = (128, 512), 2, 16, 64
+    config = DistilBertConfig(
+        vocab_size=1000, dim=dims[0], n_layers=n_layers, n_heads=4, hidden_dim=dims[1]
+    )
+    config.num_labels = 2
+    torch.manual_seed(0)
+    hf = DistilBertForSequenceClassification(config).to(b.device).eval()
+    g = torch.Generator().manual_seed(0)
+
+    def make_batch():
+        return {
+            "input_ids": torch.randint(0, 1000, (batch, length), generator=g).to(b.device),
+            "attention_mask": torch.ones(batch, length, dtype=torch.long, device=b.device),
+            "labels": torch.randint(0, 2, (batch,), generator=g).to(b.device),
+        }
+
+    loader = [make_batch() for _ in range(2)]
+    test = make_batch()
+    group = (
+        f"Linearised probit predictive, DistilBERT-style d={dims[0]}, {n_layers} layers, "
+        f"batch {batch}x{length}, all linear maps"
+    )
+    subset = modules(hf, list(linear_modules(hf)))
+    ours = KronLaplace(hf, subset, dtype=torch.float32).fit(loader)
+    with torch.no_grad():
+        b.time(
+            "forward", lambda: hf(**{k: v for k, v in test.items() if k != "labels"}), group=group
+        )
+    b.time(
+        "partialbayes KronLaplace",
+        lambda: _probit(*ours.logit_mean_cov(test)),
+        group=group,
+        reference="forward",
+        floats=ours.num_floats,
+        repeat=3,
+    )
+    if not b.has("laplace"):
+        b.skip("laplace-torch KronLaplace", group=group, reason="laplace-torch not installed")
+        return
+    from laplace import KronLaplace as PeerKron
+    from laplace.curvature import CurvlinopsGGN
+
+    wrapped = _DictLogits(hf)
+    linear_params = set(subset.names)
+    for name, p in wrapped.hf.named_parameters():
+        p.requires_grad_(name in linear_params)  # laplace-torch refuses embeddings and LayerNorm
+    try:
+        peer = PeerKron(wrapped, "classification", backend=CurvlinopsGGN, prior_precision=1.0)
+
+        class _Loader(list):
+            dataset = range(sum(len(x["labels"]) for x in loader))
+
+        peer.fit(_Loader(loader), progress_bar=False)
+        b.time(
+            "laplace-torch KronLaplace",
+            lambda: peer(test, pred_type="glm", link_approx="probit"),
+            group=group,
+            reference="partialbayes KronLaplace",
+            repeat=1 if not b.quick else 2,
+            warmup=0 if not b.quick else 1,
+            note="ratio = laplace-torch / ours",
+        )
+    finally:
+        for p in hf.parameters():
+            p.requires_grad_(True)
