@@ -92,7 +92,8 @@ def laplace_bridge_alpha(mean: Tensor, cov: Tensor, *, correct_mean: bool = True
         correct_mean: Apply the sum-to-zero correction first.
 
     Returns:
-        Concentrations ``α`` ``[..., K]``, positive.
+        Concentrations ``α`` ``[..., K]``, positive, in the dtype of ``mean`` (computed in at
+        least float64, since the correction cancels nearly equal numbers).
 
     Raises:
         ValueError: On NaN/inf, non-positive variances, or fewer than two classes.
@@ -101,6 +102,10 @@ def laplace_bridge_alpha(mean: Tensor, cov: Tensor, *, correct_mean: bool = True
     k = mu.shape[-1]
     if k < 2:
         raise ValueError(f"the Laplace bridge needs at least 2 classes, mean has {k}")
+    out_dtype = mu.dtype
+    # The correction subtracts nearly equal numbers: do it (and the rest) in at least float64.
+    work = torch.promote_types(out_dtype, torch.float64)
+    mu, var = mu.to(work), var.to(work)
     if correct_mean:
         row = var.sum(-1) if full else var  # Σ1, [..., K]
         total = row.sum(-1, keepdim=True)  # 1ᵀΣ1, [..., 1]
@@ -108,18 +113,23 @@ def laplace_bridge_alpha(mean: Tensor, cov: Tensor, *, correct_mean: bool = True
             raise ValueError("cov must be non-zero for the Laplace bridge (1ᵀ cov 1 = 0)")
         mu = mu - row * mu.sum(-1, keepdim=True) / total
         # only the diagonal of the corrected covariance is needed
-        d = (var.diagonal(dim1=-2, dim2=-1) if full else var) - row.square() / total
+        d0 = var.diagonal(dim1=-2, dim2=-1) if full else var
+        d = d0 - row.square() / total
     else:
-        d = var.diagonal(dim1=-2, dim2=-1) if full else var
-    tiny = 10 * torch.finfo(d.dtype).eps * d.amax(-1, keepdim=True)
-    if bool((d <= tiny).any()):
+        d0 = d = var.diagonal(dim1=-2, dim2=-1) if full else var
+    # a corrected variance within round-off of zero (relative to the uncorrected one) is zero
+    tiny = 10 * torch.finfo(work).eps * d0
+    bad = (d <= tiny).any(-1)
+    if bool(bad.any()):
+        idx = bad.nonzero()[0].tolist()
         raise ValueError(
-            "the Laplace bridge needs positive logit variances; cov has a zero "
-            "(or, after the sum-to-zero correction, vanishing) variance"
+            "the Laplace bridge needs positive logit variances; cov has a zero (or, after the "
+            f"sum-to-zero correction, vanishing) variance at batch index {idx}. Add jitter to "
+            "cov or use probit / mc_predictive"
         )
     # e^{μ_k} Σ_l e^{−μ_l} = exp(μ_k + logsumexp(−μ)), computed stably.
     s = torch.exp(mu + torch.logsumexp(-mu, dim=-1, keepdim=True))
-    return (1.0 - 2.0 / k + s / k**2) / d
+    return ((1.0 - 2.0 / k + s / k**2) / d).to(out_dtype)
 
 
 def laplace_bridge(mean: Tensor, cov: Tensor, *, correct_mean: bool = True) -> Tensor:
