@@ -290,3 +290,14 @@ def test_linearised_targets_make_the_map_the_linear_posterior_mean():
     torch.testing.assert_close(mean, theta, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match=r"labels must lie in 0\.\.2"):
         linearised_targets(feats, theta, logits, labels + 3, noise)
+
+
+@pytest.mark.slow
+def test_howto_example_runs():
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "examples" / "linearised_laplace_transformer.py"
+    ns = runpy.run_path(str(script))
+    assert ns["logit_samples"].shape == (16, 8, 2)
+    assert bool(torch.isfinite(ns["probs"]).all())
