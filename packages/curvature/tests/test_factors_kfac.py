@@ -169,3 +169,47 @@ def test_training_mode_warns_and_is_restored():
     assert model.training
     b = kfac(model.eval(), [(x, y)], modules(model, ["0"]))["0"]
     torch.testing.assert_close(a.G, b.G)  # dropout was off
+
+
+def test_batch_kinds_and_errors():
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _factor_refs import SeqNet, seq_batch
+
+    model = SeqNet(3, 4, 2).double().eval()
+    batch = seq_batch(3, 2, 3, 2, 0)
+    s = modules(model, ["lin1"])
+    no_labels = {k: v for k, v in batch.items() if k != "labels"}
+    a = kfac(model, [no_labels], s, progress=True)["lin1"]  # exact fisher needs no labels
+    b = kfac(model, [batch], s)["lin1"]
+    torch.testing.assert_close(a.G, b.G)
+    with pytest.raises(ValueError, match="needs labels"):
+        kfac(model, [no_labels], s, fisher="empirical")
+    with pytest.raises(TypeError, match="batch must be"):
+        kfac(model, [42], s)
+    with pytest.raises(ValueError, match="regression targets"):
+        kfac(
+            model,
+            [{**batch, "labels": torch.zeros(3, 5)}],
+            s,
+            likelihood="regression",
+            fisher="empirical",
+        )
+
+
+def test_module_not_called_is_reported():
+    class Skip(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = nn.Linear(3, 2)
+            self.unused = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.used(x)
+
+    model = Skip().double().eval()
+    with pytest.raises(ValueError, match="not called"):
+        kfac(
+            model,
+            [(torch.randn(2, 3, dtype=torch.float64), torch.tensor([0, 1]))],
+            modules(model, ["unused"]),
+        )

@@ -73,6 +73,7 @@ def dense_curvature(
             sigma_noise=sigma_noise,
             generator=generator,
             num_classes=num_classes,
+            progress=progress,
         ):
             rows = [
                 torch.cat(

@@ -80,6 +80,7 @@ def diag_curvature(
             sigma_noise=sigma_noise,
             generator=generator,
             num_classes=num_classes,
+            progress=progress,
         ):
             before = {n: v.sum() for n, v in out.items()}
             d2: dict[str, Tensor] = {}

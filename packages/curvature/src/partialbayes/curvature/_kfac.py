@@ -137,6 +137,7 @@ def kfac(
             sigma_noise=sigma_noise,
             generator=generator,
             num_classes=num_classes,
+            progress=progress,
         ):
             n_examples += bp.n_examples
             masks: dict[str, Tensor | None] = {}
