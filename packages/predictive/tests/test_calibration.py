@@ -76,7 +76,8 @@ def test_equal_width_edges_and_ties(device):
 def test_ece_near_zero_on_calibrated_data_and_large_when_not(binning, device):
     g = torch.Generator().manual_seed(0)
     n, c, n_bins = 20_000, 3, 20
-    p = torch.distributions.Dirichlet(torch.ones(c, dtype=F64)).sample((n,))
+    e = torch.empty(n, c, dtype=F64).exponential_(generator=g)
+    p = e / e.sum(-1, keepdim=True)  # Dirichlet(1, ..., 1), drawn from the seeded generator
     y = torch.multinomial(p, 1, generator=g).squeeze(1)
     p, y = p.to(device), y.to(device)
     # each bin mean of Bernoulli(conf) deviates by <= 0.5/sqrt(n_b); summed with weights n_b/N
@@ -86,8 +87,9 @@ def test_ece_near_zero_on_calibrated_data_and_large_when_not(binning, device):
     sharp = p**4 / (p**4).sum(-1, keepdim=True)  # overconfident
     assert ece(sharp, y, n_bins=n_bins, binning=binning).item() > 0.1
     r = reliability(sharp, y, n_bins=n_bins, binning=binning)
-    populated = r.count > 0
-    assert bool((r.accuracy[populated] <= r.confidence[populated] + 0.05).all())
+    populated = r.count >= 200  # per-bin accuracy then has standard error <= 0.036
+    assert bool((r.accuracy[populated] <= r.confidence[populated] + 0.15).all())
+    assert r.gaps[populated].mean() > 0.1
 
 
 def test_equal_mass_bins_balanced():
