@@ -71,7 +71,9 @@ class NoisePrecision:
             )
 
     def to(self, dtype: torch.dtype, device: torch.device) -> NoisePrecision:
-        """Copy to ``dtype`` and ``device``."""
+        """Copy to ``dtype`` and ``device`` (``self`` when already there)."""
+        if self.value.dtype == dtype and self.value.device == device:
+            return self
         return NoisePrecision(self.value.to(device=device, dtype=dtype))
 
     def _pick(self, idx: Tensor, dims: int) -> Tensor:
