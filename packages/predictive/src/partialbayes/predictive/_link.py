@@ -98,25 +98,28 @@ def laplace_bridge_alpha(mean: Tensor, cov: Tensor, *, correct_mean: bool = True
     Raises:
         ValueError: On NaN/inf, non-positive variances, or fewer than two classes.
     """
-    mu, var, full = _gaussian_logits(mean, cov)
+    mu, var, full = _gaussian_logits(mean, cov, symmetrize=False)
     k = mu.shape[-1]
     if k < 2:
         raise ValueError(f"the Laplace bridge needs at least 2 classes, mean has {k}")
     out_dtype = mu.dtype
-    # The correction subtracts nearly equal numbers: do it (and the rest) in at least float64.
+    # The correction subtracts nearly equal numbers: work in at least float64. Only the row
+    # sums and the diagonal of the covariance are needed (rows of the symmetrised matrix).
     work = torch.promote_types(out_dtype, torch.float64)
-    mu, var = mu.to(work), var.to(work)
+    mu = mu.to(work)
+    if full:
+        d0 = var.diagonal(dim1=-2, dim2=-1).to(work)
+        row = 0.5 * (var.sum(-1, dtype=work) + var.sum(-2, dtype=work))  # Σ1, [..., K]
+    else:
+        d0 = row = var.to(work)
     if correct_mean:
-        row = var.sum(-1) if full else var  # Σ1, [..., K]
         total = row.sum(-1, keepdim=True)  # 1ᵀΣ1, [..., 1]
         if bool((total <= 0).any()):
             raise ValueError("cov must be non-zero for the Laplace bridge (1ᵀ cov 1 = 0)")
         mu = mu - row * mu.sum(-1, keepdim=True) / total
-        # only the diagonal of the corrected covariance is needed
-        d0 = var.diagonal(dim1=-2, dim2=-1) if full else var
-        d = d0 - row.square() / total
+        d = d0 - row.square() / total  # diagonal of the corrected covariance
     else:
-        d0 = d = var.diagonal(dim1=-2, dim2=-1) if full else var
+        d = d0
     # a corrected variance within round-off of zero (relative to the uncorrected one) is zero
     tiny = 10 * torch.finfo(work).eps * d0
     bad = (d <= tiny).any(-1)

@@ -86,7 +86,9 @@ def check_labels(name: str, labels: object, n: int, n_classes: int | None) -> Te
     return labels
 
 
-def gaussian_logits(mean: object, cov: object, *, full: bool = True) -> tuple[Tensor, Tensor, bool]:
+def gaussian_logits(
+    mean: object, cov: object, *, full: bool = True, symmetrize: bool = True
+) -> tuple[Tensor, Tensor, bool]:
     """Validate Gaussian logits ``N(mean, cov)``.
 
     Args:
@@ -94,6 +96,8 @@ def gaussian_logits(mean: object, cov: object, *, full: bool = True) -> tuple[Te
         cov: ``[..., C]`` (diagonal variances) or ``[..., C, C]`` (full covariance).
         full: Whether the caller uses the whole covariance. When ``False`` only its diagonal is
             read, returned and checked (finite, non-negative), which is cheaper.
+        symmetrize: Return ``(cov + covᵀ)/2`` for a full ``cov`` (after checking that it is
+            symmetric up to round-off); ``False`` returns it as given.
 
     Returns:
         ``(mean, cov, is_full)``; a full ``cov`` is symmetrised (or reduced to its diagonal when
@@ -127,7 +131,7 @@ def gaussian_logits(mean: object, cov: object, *, full: bool = True) -> tuple[Te
     asym = (var - var.mT).abs()
     if bool((asym > tol).any()):
         raise ValueError(f"cov must be symmetric (largest asymmetry {float(asym.max()):.3g})")
-    return mu, 0.5 * (var + var.mT), True
+    return mu, (0.5 * (var + var.mT) if symmetrize else var), True
 
 
 def _check_psd_diag(diag: Tensor) -> None:
