@@ -57,7 +57,7 @@ def dense_closed_form(feats: Features, phi, batch_size: int, k: int) -> torch.Te
 
 
 def sampled(feats: Features, epochs: int, batch_size: int, k: int) -> torch.Tensor:
-    config = SGDConfig(batch_size=batch_size, max_epochs=epochs, tol=0.0)
+    config = SGDConfig(batch_size=batch_size, max_epochs=epochs, tol=0.0)  # fixed budget
     out = posterior_samples(
         feats,
         NoisePrecision(BETA),
@@ -151,3 +151,24 @@ def bench_epoch_scaling(b: Bench) -> None:
 
         seconds = b.time(f"n={n}, d={d}", epoch, group=group, repeat=3, warmup=1)
         b.metric(f"n={n}, d={d}: ns per n·d", 1e9 * seconds / (n * d), unit="ns", group=group)
+
+
+def bench_accuracy(b: Bench) -> None:
+    """How far the fixed epoch budget of the crossover table is from the exact samples (same draws, CG)."""
+    n, d = (512, 250) if b.quick else (4096, 1000)
+    group = f"sample-then-optimise accuracy vs CG (same θ⁰, ε), n={n}, d={d}, k={K}"
+    feats, _ = rff_features(n, d, b.device)
+    exact = posterior_samples(
+        feats,
+        NoisePrecision(BETA),
+        Prior(ALPHA),
+        K,
+        method="cg",
+        tol=1e-6,
+        batch_size=256,
+        generator=torch.Generator().manual_seed(0),
+    ).samples
+    for epochs in [2, 10] if b.quick else [10, 40]:
+        approx = sampled(feats, epochs, 512 if not b.quick else 256, K)
+        err = float((approx - exact).norm() / exact.norm())
+        b.metric(f"{epochs} epochs: ‖z − z_CG‖ / ‖z_CG‖", err, unit="", group=group)
