@@ -236,3 +236,51 @@ def test_summary_and_num_floats():
     text = la.summary()
     assert "G 3x3 ⊗ A 3x3" in text
     assert str(expected) in text
+
+
+def test_regression_evidence_rescales_curvature_with_sigma():
+    model = TinyNet(0)
+    subset = kron_subset(model)
+    la = KronLaplace(model, subset, likelihood="regression", sigma_noise=0.5, prior_precision=2.0)
+    factors = random_factors(la, 0)
+    sse, n, c = 4.0, 10, 3
+    la.fit_curvature(factors, map_loss=sse, n_data=n, n_outputs=c)
+    theta = _block_map(la)
+    for sigma in (0.5, 1.3):
+        P = dense_precision(la, factors, _prior_vec(la, 2.0), scale=0.5**2 / sigma**2)
+        loglik = -(sse / (2 * sigma**2) + n * c * math.log(sigma * math.sqrt(2 * math.pi)))
+        d = theta.numel()
+        hand = loglik - 0.5 * (torch.logdet(P) - d * math.log(2.0)) - 0.5 * 2.0 * theta @ theta
+        torch.testing.assert_close(la.log_marginal_likelihood(sigma_noise=sigma), hand)
+    s = torch.tensor(0.8, dtype=torch.float64, requires_grad=True)
+    (grad,) = torch.autograd.grad(la.log_marginal_likelihood(sigma_noise=s), s)
+    num = (
+        la.log_marginal_likelihood(sigma_noise=0.8 + 1e-6)
+        - la.log_marginal_likelihood(sigma_noise=0.8)
+    ) / 1e-6
+    assert math.isclose(grad.item(), num.item(), rel_tol=1e-4)
+    with pytest.raises(ValueError, match="sigma_noise"):
+        la.log_marginal_likelihood(sigma_noise=-1.0)
+
+
+def test_fit_from_loader_records_map_loss_and_rejects_bad_data():
+    model = TinyNet(0).eval()
+    subset = kron_subset(model)
+    x, y = classification_data(10, 0)
+    loader = [(x[:6], y[:6]), (x[6:], y[6:])]
+    la = KronLaplace(model, subset).fit(loader)
+    assert la.n_data == 10
+    hand = torch.nn.functional.cross_entropy(model(x), y, reduction="sum").item()
+    assert la.map_loss == pytest.approx(hand)
+    assert torch.isfinite(la.log_marginal_likelihood())
+    with pytest.raises(ValueError, match="empty"):
+        KronLaplace(model, subset).fit([])
+    with pytest.raises(ValueError, match="out of range"):
+        KronLaplace(model, subset).fit([(x, y + 5)])
+    with pytest.raises(ValueError, match="num_classes"):
+        KronLaplace(model, subset, num_classes=4).fit(loader)
+    model.train()
+    with pytest.warns(UserWarning, match="training mode"):
+        again = KronLaplace(model, subset).fit(loader)
+    assert model.training
+    torch.testing.assert_close(again.log_det(), la.log_det())
