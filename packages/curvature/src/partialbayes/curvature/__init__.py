@@ -6,13 +6,14 @@ from partialbayes.curvature._factors import ModuleFactors
 from partialbayes.curvature._jacobians import logit_jacobians
 from partialbayes.curvature._kfac import kfac
 from partialbayes.curvature._kfac_math import kfac_factors
+from partialbayes.curvature._laplace_base import LaplaceBase
 from partialbayes.curvature._laplace_dense import DenseLaplace
 from partialbayes.curvature._laplace_diag import DiagLaplace
 from partialbayes.curvature._laplace_kron import KronLaplace
 from partialbayes.curvature._likelihood import forward_logits
 
 __all__ = ["kfac_factors"]
-__all__ += ["DenseLaplace", "DiagLaplace", "KronLaplace"]
+__all__ += ["DenseLaplace", "DiagLaplace", "KronLaplace", "LaplaceBase"]
 __all__ += [
     "ModuleFactors",
     "dense_curvature",
