@@ -301,3 +301,24 @@ def test_howto_example_runs():
     ns = runpy.run_path(str(script))
     assert ns["logit_samples"].shape == (16, 8, 2)
     assert bool(torch.isfinite(ns["probs"]).all())
+
+
+def test_subset_like_object_is_accepted():
+    model = mlp(3, 4, 2, 0, "cpu")
+    masks = choose(model, "masks", 1)
+
+    class FakeSubset:  # the partialbayes.selection.Subset interface used here: names and mask(name)
+        names = tuple(masks)
+
+        def mask(self, name):
+            return masks[name].cpu()
+
+    x = torch.randn(5, 3, dtype=F64)
+    via_subset = network_features(model, x, FakeSubset())
+    via_masks = network_features(model, x, masks)
+    z = torch.randn(via_masks.d, 3, dtype=F64)
+    idx = torch.arange(5)
+    torch.testing.assert_close(via_subset.apply(idx, z), via_masks.apply(idx, z))
+    torch.testing.assert_close(
+        network_parameters(model, FakeSubset()), network_parameters(model, masks)
+    )
