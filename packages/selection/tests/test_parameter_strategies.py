@@ -15,6 +15,7 @@ from partialbayes.selection import (
     summary,
     summary_rows,
 )
+from partialbayes.selection._parameter_strategies import top_k_stable
 
 
 class Small(nn.Module):
@@ -58,6 +59,17 @@ def test_largest_magnitude_reference_and_nested(seed, p1, p2, ties):
     assert s_lo.num_entries() == k
     assert s_lo <= s_hi
     assert "emb.weight" not in s_hi.names
+
+
+@given(
+    vals=st.lists(st.integers(-3, 3), min_size=1, max_size=40),
+    k_frac=st.floats(0.0, 1.0),
+)
+def test_top_k_stable_matches_stable_sort(vals, k_frac):
+    flat = torch.tensor(vals, dtype=torch.float32)
+    k = max(1, round(k_frac * len(vals)))
+    ref = torch.sort(torch.sort(flat, descending=True, stable=True).indices[:k]).values
+    assert torch.equal(top_k_stable(flat, k), ref)
 
 
 def test_random_parameters_seeded_nested():

@@ -56,8 +56,30 @@ def _top_scores(
         )
     dtype = functools.reduce(torch.promote_types, (s.dtype for s in scores.values()))
     flat = torch.cat([s.detach().reshape(-1).to("cpu", dtype) for s in scores.values()])
-    order = torch.sort(flat, descending=True, stable=True).indices[:k]
-    return _masks_from_flat(model, {n: s.shape for n, s in scores.items()}, order)
+    return _masks_from_flat(model, {n: s.shape for n, s in scores.items()}, top_k_stable(flat, k))
+
+
+def top_k_stable(flat: Tensor, k: int) -> Tensor:
+    """Indices of the ``k`` largest entries of ``flat``, ties broken by lower index, in O(n).
+
+    Equals ``torch.sort(flat, descending=True, stable=True).indices[:k]`` as a set, without the full sort:
+    the k-th largest value ``t`` comes from ``kthvalue``; every entry above ``t`` is kept, then the first
+    entries equal to ``t`` fill up to ``k``.
+
+    Args:
+        flat: (n,) scores without NaN.
+        k: 1 <= k <= n.
+
+    Returns:
+        (k,) int64 indices in increasing order.
+    """
+    n = flat.numel()
+    if k >= n:
+        return torch.arange(n)
+    t = torch.kthvalue(flat, n - k + 1).values
+    above = (flat > t).nonzero().flatten()
+    ties = (flat == t).nonzero().flatten()[: k - above.numel()]
+    return torch.sort(torch.cat([above, ties])).values
 
 
 def largest_magnitude(
