@@ -96,7 +96,7 @@ def bench_skfac_selection(b: Bench) -> None:
         **opts,
     )
     b.time(
-        "largest_magnitude(10 %) (global sort)",
+        "largest_magnitude(10 %) (global top-k)",
         lambda: largest_magnitude(model, 10),
         group=group,
         reference=ref,
