@@ -104,12 +104,19 @@ def laplace_bridge_alpha(mean: Tensor, cov: Tensor, *, correct_mean: bool = True
         raise ValueError(f"the Laplace bridge needs at least 2 classes, mean has {k}")
     out_dtype = mu.dtype
     # The correction subtracts nearly equal numbers: work in at least float64. Only the row
-    # sums and the diagonal of the covariance are needed (rows of the symmetrised matrix).
+    # sums and the diagonal of the covariance are needed, so symmetry is checked on the sums.
     work = torch.promote_types(out_dtype, torch.float64)
     mu = mu.to(work)
     if full:
         d0 = var.diagonal(dim1=-2, dim2=-1).to(work)
-        row = 0.5 * (var.sum(-1, dtype=work) + var.sum(-2, dtype=work))  # Σ1, [..., K]
+        row_sums, col_sums = var.sum(-1).to(work), var.sum(-2).to(work)
+        tol = 1e3 * torch.finfo(var.dtype).eps * var.abs().sum((-1, -2)).to(work).unsqueeze(-1)
+        if bool(((row_sums - col_sums).abs() > tol).any()):
+            raise ValueError(
+                "cov must be symmetric (its row sums and column sums differ by up to "
+                f"{float((row_sums - col_sums).abs().max()):.3g})"
+            )
+        row = 0.5 * (row_sums + col_sums)  # Σ1, [..., K]
     else:
         d0 = row = var.to(work)
     if correct_mean:

@@ -15,9 +15,12 @@ def check_tensor(name: str, x: object, *, floating: bool = True) -> Tensor:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if floating and not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
-    if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+    # Fast path: a NaN or inf anywhere makes the total non-finite (inf - inf is NaN). Only when
+    # the total is non-finite (possibly a harmless overflow) are the entries checked one by one.
+    if x.is_floating_point() and not bool(torch.isfinite(x.sum())):
         n_bad = int((~torch.isfinite(x)).sum())
-        raise ValueError(f"{name} contains {n_bad} NaN or infinite value(s)")
+        if n_bad:
+            raise ValueError(f"{name} contains {n_bad} NaN or infinite value(s)")
     return x
 
 
@@ -96,8 +99,9 @@ def gaussian_logits(
         cov: ``[..., C]`` (diagonal variances) or ``[..., C, C]`` (full covariance).
         full: Whether the caller uses the whole covariance. When ``False`` only its diagonal is
             read, returned and checked (finite, non-negative), which is cheaper.
-        symmetrize: Return ``(cov + covᵀ)/2`` for a full ``cov`` (after checking that it is
-            symmetric up to round-off); ``False`` returns it as given.
+        symmetrize: Check that a full ``cov`` is symmetric up to round-off and return
+            ``(cov + covᵀ)/2``. ``False`` returns it unchecked and as given: the caller must
+            check the symmetry it relies on.
 
     Returns:
         ``(mean, cov, is_full)``; a full ``cov`` is symmetrised (or reduced to its diagonal when
@@ -126,12 +130,14 @@ def gaussian_logits(
     var = check_tensor("cov", cov)
     diag = var.diagonal(dim1=-2, dim2=-1)
     _check_psd_diag(diag)
+    if not symmetrize:
+        return mu, var, True
     scale = diag.amax(-1, keepdim=True).unsqueeze(-1)
     tol = 1e3 * torch.finfo(var.dtype).eps * scale.clamp_min(torch.finfo(var.dtype).tiny)
     asym = (var - var.mT).abs()
     if bool((asym > tol).any()):
         raise ValueError(f"cov must be symmetric (largest asymmetry {float(asym.max()):.3g})")
-    return mu, (0.5 * (var + var.mT) if symmetrize else var), True
+    return mu, 0.5 * (var + var.mT), True
 
 
 def _check_psd_diag(diag: Tensor) -> None:
