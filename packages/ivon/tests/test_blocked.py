@@ -13,8 +13,9 @@ from partialbayes.ivon._math import hessian_update, update_
     chunk=st.integers(1, 17),
     seed=st.integers(0, 1000),
     price=st.booleans(),
+    use_workspace=st.booleans(),
 )
-def test_chunked_update_equals_whole_list_update(sizes, chunk, seed, price):
+def test_chunked_update_equals_whole_list_update(sizes, chunk, seed, price, use_workspace):
     g = torch.Generator().manual_seed(seed)
 
     def make():
@@ -35,7 +36,8 @@ def test_chunked_update_equals_whole_list_update(sizes, chunk, seed, price):
         clip_radius=0.3,
     )
     copies = [[t.clone() for t in lst] for lst in (means, mom, hess, grads, est)]
-    _blocked.apply(fn, [*copies, masks], blocked=True, chunk=chunk)
+    workspace = _blocked.Workspace() if use_workspace else None
+    _blocked.apply(fn, [*copies, masks], blocked=True, chunk=chunk, workspace=workspace)
     _blocked.apply(fn, [means, mom, hess, grads, est, masks], blocked=False)
     for a_list, b_list in zip(copies[:3], (means, mom, hess), strict=True):
         for a, b in zip(a_list, b_list, strict=True):

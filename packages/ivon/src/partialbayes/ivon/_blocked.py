@@ -13,11 +13,36 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import torch
 from torch import Tensor
 
-CHUNK = (
-    1 << 16
-)  # entries per chunk: a phase touches ~8 buffers, 8 x 256 KiB (float32) stays in L2/L3
+#: Entries per chunk: only very large tensors (embedding matrices) are cut.
+CHUNK = 1 << 22
+
+
+N_SCRATCH = 2  # temporaries a phase needs at once
+
+
+class Workspace:
+    """Reusable flat scratch buffers per (device, dtype), so per-parameter temporaries are never allocated.
+
+    Allocating a temporary of a few MiB per parameter and pass costs page faults on every step on the CPU
+    (such blocks are mapped and unmapped by the C allocator); one buffer of ``N_SCRATCH × CHUNK`` entries at
+    most is reused instead.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[object, object], Tensor] = {}
+
+    def views(self, like: Tensor) -> list[list[Tensor]]:
+        """``N_SCRATCH`` one-element lists of scratch tensors shaped like ``like``."""
+        key = (like.device, like.dtype)
+        n = like.numel()
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < N_SCRATCH * n:
+            buf = torch.empty(N_SCRATCH * n, device=like.device, dtype=like.dtype)
+            self._buffers[key] = buf
+        return [[buf[i * n : (i + 1) * n].view(like.shape)] for i in range(N_SCRATCH)]
 
 
 def apply(
@@ -26,15 +51,18 @@ def apply(
     *,
     blocked: bool,
     chunk: int | None = None,
+    workspace: Workspace | None = None,
 ) -> None:
     """Call ``fn(*lists)``, or, if ``blocked``, ``fn`` on one-element lists of flat chunks of each item.
 
     Args:
-        fn: In-place list function; positional arguments are the lists (``None`` passes through).
+        fn: In-place list function; positional arguments are the lists (``None`` passes through); it takes a
+            keyword ``scratch`` (see :class:`Workspace`) when ``workspace`` is given.
         lists: Aligned lists of tensors (same length, item ``i`` of every list has the same number of
-            entries), or ``None``.
+            entries), or ``None``. The first list's items decide the scratch dtype.
         blocked: Chunk the work (CPU) or not (GPU: one foreach call).
         chunk: Entries per chunk (default :data:`CHUNK`).
+        workspace: Scratch buffers for the blocked path.
     """
     if not blocked:
         fn(*lists)
@@ -43,12 +71,23 @@ def apply(
     present = [lst for lst in lists if lst is not None]
     if not present:
         return
+
+    def call(items: list[Tensor | None]) -> None:
+        args = [None if t is None else [t] for t in items]
+        if workspace is None:
+            fn(*args)
+        else:
+            fn(*args, scratch=workspace.views(present_item(items)))
+
+    def present_item(items: list[Tensor | None]) -> Tensor:
+        return next(t for t in items if t is not None)
+
     for i in range(len(present[0])):
         items = [None if lst is None else lst[i] for lst in lists]
         numel = present[0][i].numel()
         if numel <= chunk or not all(t is None or t.is_contiguous() for t in items):
-            fn(*[None if t is None else [t] for t in items])
+            call(items)
             continue
         flats = [None if t is None else t.view(-1) for t in items]
         for start in range(0, numel, chunk):
-            fn(*[None if f is None else [f[start : start + chunk]] for f in flats])
+            call([None if f is None else f[start : start + chunk] for f in flats])

@@ -14,6 +14,31 @@ import torch
 from torch import Tensor
 
 
+def _add(
+    tensors: list[Tensor],
+    scalar: float,
+    out: list[Tensor] | None,
+    other: list[Tensor] | None = None,
+) -> list[Tensor]:
+    """``tensors + scalar`` (or ``tensors + scalar·other``), in ``out`` when given (no allocation), else new."""
+    if out is None:
+        if other is None:
+            return torch._foreach_add(tensors, scalar)
+        return torch._foreach_add(tensors, other, alpha=scalar)
+    for t, dst, o in zip(
+        tensors, out, other if other is not None else [None] * len(out), strict=True
+    ):
+        if o is None:
+            torch.add(t, scalar, out=dst)
+        else:
+            torch.add(t, o, alpha=scalar, out=dst)
+    return out
+
+
+def _slot(scratch: list[list[Tensor]] | None, i: int) -> list[Tensor] | None:
+    return None if scratch is None else scratch[i]
+
+
 def hessian_update(h: Tensor, h_hat: Tensor, beta2: float, delta: float) -> Tensor:
     """IVON's Hessian update, which keeps ``h`` positive: ``β2·h + (1−β2)·ĥ + ½(1−β2)²(h−ĥ)²/(h+δ)``.
 
@@ -29,7 +54,13 @@ def hessian_update(h: Tensor, h_hat: Tensor, beta2: float, delta: float) -> Tens
     return beta2 * h + (1 - beta2) * h_hat + 0.5 * (1 - beta2) ** 2 * (h - h_hat) ** 2 / (h + delta)
 
 
-def perturb_(noise: list[Tensor], means: list[Tensor], hess: list[Tensor], delta: float) -> None:
+def perturb_(
+    noise: list[Tensor],
+    means: list[Tensor],
+    hess: list[Tensor],
+    delta: float,
+    scratch: list[Tensor] | None = None,
+) -> None:
     """Turn noise ``z·c`` into a weight sample ``m + c·z/√(h+δ)`` in place (``c = 1/√ess`` drawn into z).
 
     Args:
@@ -37,8 +68,9 @@ def perturb_(noise: list[Tensor], means: list[Tensor], hess: list[Tensor], delta
         means: Means, same shapes (read only).
         hess: Hessian estimates ``h``, same shapes (read only).
         delta: Weight decay δ.
+        scratch: Optional buffers of the same shapes for the temporary.
     """
-    scale = torch._foreach_add(hess, delta)
+    scale = _add(hess, delta, scratch)
     torch._foreach_rsqrt_(scale)
     torch._foreach_mul_(noise, scale)
     del scale
@@ -65,7 +97,13 @@ def running_mean_(avg: list[Tensor], new: list[Tensor], count: int) -> None:
     torch._foreach_lerp_(avg, new, 1.0 / count)
 
 
-def price_to_hessian_(nxg: list[Tensor], hess: list[Tensor], delta: float, ess: float) -> None:
+def price_to_hessian_(
+    nxg: list[Tensor],
+    hess: list[Tensor],
+    delta: float,
+    ess: float,
+    scratch: list[Tensor] | None = None,
+) -> None:
     """Reparameterisation (Price) estimate in place: ``ĥ = E[ε·g]/σ² = E[ε·g]·ess·(h+δ)``.
 
     Args:
@@ -73,13 +111,20 @@ def price_to_hessian_(nxg: list[Tensor], hess: list[Tensor], delta: float, ess: 
         hess: Current ``h`` (read only).
         delta: Weight decay δ.
         ess: Effective sample size λ.
+        scratch: Optional buffers of the same shapes for the temporary.
     """
-    scale = torch._foreach_add(hess, delta)
+    scale = _add(hess, delta, scratch)
     torch._foreach_mul_(nxg, scale)
     torch._foreach_mul_(nxg, ess)
 
 
-def hessian_step_(hess: list[Tensor], h_hat: list[Tensor], beta2: float, delta: float) -> None:
+def hessian_step_(
+    hess: list[Tensor],
+    h_hat: list[Tensor],
+    beta2: float,
+    delta: float,
+    scratch: list[list[Tensor]] | None = None,
+) -> None:
     """:func:`hessian_update` in place on lists: ``h ← β2·h + (1−β2)·ĥ + ½(1−β2)²(h−ĥ)²/(h+δ)``.
 
     Args:
@@ -87,9 +132,10 @@ def hessian_step_(hess: list[Tensor], h_hat: list[Tensor], beta2: float, delta: 
         h_hat: ``ĥ``, destroyed (used as scratch).
         beta2: Hessian momentum β2.
         delta: Weight decay δ.
+        scratch: Optional two lists of buffers of the same shapes for the temporaries.
     """
-    denom = torch._foreach_add(hess, delta)
-    diff2 = torch._foreach_sub(h_hat, hess)
+    denom = _add(hess, delta, _slot(scratch, 0))
+    diff2 = _add(h_hat, -1.0, _slot(scratch, 1), other=hess)
     torch._foreach_mul_(diff2, diff2)
     torch._foreach_lerp_(hess, h_hat, 1.0 - beta2)
     torch._foreach_addcdiv_(hess, diff2, denom, value=0.5 * (1.0 - beta2) ** 2)
@@ -104,6 +150,7 @@ def mean_step_(
     delta: float,
     debias: float,
     clip_radius: float,
+    scratch: list[list[Tensor]] | None = None,
 ) -> None:
     """Mean update in place: ``m ← m − lr·clip((μ/debias + δ·m)/(h+δ), ±clip_radius)``.
 
@@ -115,10 +162,11 @@ def mean_step_(
         delta: Weight decay δ.
         debias: Momentum debiasing factor ``1 − β1^t`` (1 to switch debiasing off).
         clip_radius: Element-wise clipping radius (``inf`` for none).
+        scratch: Optional two lists of buffers of the same shapes for the temporaries.
     """
     # direction·debias = μ + debias·δ·m, divided by h + δ; the debias factor is folded into lr and the radius.
-    direction = torch._foreach_add(momentum, means, alpha=delta * debias)
-    denom = torch._foreach_add(hess, delta)
+    direction = _add(momentum, delta * debias, _slot(scratch, 0), other=means)
+    denom = _add(hess, delta, _slot(scratch, 1))
     torch._foreach_div_(direction, denom)
     del denom
     if clip_radius != float("inf"):
@@ -137,6 +185,7 @@ def sample_(
     delta: float,
     generator: torch.Generator | None,
     draw: bool = True,
+    scratch: list[list[Tensor]] | None = None,
 ) -> None:
     """Draw ``z ~ N(0, std²)`` into ``noise``, zero it outside ``masks``, and make it the sample ``m + z/√(h+δ)``.
 
@@ -149,13 +198,14 @@ def sample_(
         delta: Weight decay δ.
         generator: Generator for the draw (``None``: the global RNG of the device).
         draw: Draw the noise here; ``False`` when ``noise`` already holds ``z``.
+        scratch: Optional buffers for the temporaries (see :mod:`partialbayes.ivon._blocked`).
     """
     if draw:
         for z in noise:
             z.normal_(0.0, std, generator=generator)
     if masks is not None:
         torch._foreach_mul_(noise, masks)
-    perturb_(noise, means, hess, delta)
+    perturb_(noise, means, hess, delta, _slot(scratch, 0))
 
 
 def collect_price_(
@@ -164,8 +214,13 @@ def collect_price_(
     grads: list[Tensor],
     avg: list[Tensor] | None,
     count: int,
+    scratch: list[list[Tensor]] | None = None,
 ) -> None:
-    """Turn samples into ``ε·g`` (:func:`price_sample_`) and, for the ``count``-th sample, average into ``avg``."""
+    """Turn samples into ``ε·g`` (:func:`price_sample_`) and, for the ``count``-th sample, average into ``avg``.
+
+    ``scratch`` is accepted for a uniform interface and unused.
+    """
+    del scratch
     price_sample_(samples, means, grads)
     if avg is not None:
         running_mean_(avg, samples, count)
@@ -187,6 +242,7 @@ def update_(
     lr: float,
     debias: float,
     clip_radius: float,
+    scratch: list[list[Tensor]] | None = None,
 ) -> None:
     """One IVON step in place: momentum, Hessian (when ``h_hat`` is given) and mean.
 
@@ -205,12 +261,22 @@ def update_(
         lr: Effective learning rate (after ``rescale_lr``).
         debias: ``1 − β1ᵗ`` or 1.
         clip_radius: Element-wise clipping radius.
+        scratch: Optional two lists of buffers of the same shapes for the temporaries.
     """
     torch._foreach_lerp_(momentum, grads, 1.0 - beta1)
     if h_hat is not None:
         if price:
-            price_to_hessian_(h_hat, hess, delta, ess)
+            price_to_hessian_(h_hat, hess, delta, ess, _slot(scratch, 0))
         if masks is not None:
             h_hat = [torch.where(m, e, h) for m, e, h in zip(masks, h_hat, hess, strict=True)]
-        hessian_step_(hess, h_hat, beta2, delta)
-    mean_step_(means, momentum, hess, lr=lr, delta=delta, debias=debias, clip_radius=clip_radius)
+        hessian_step_(hess, h_hat, beta2, delta, scratch)
+    mean_step_(
+        means,
+        momentum,
+        hess,
+        lr=lr,
+        delta=delta,
+        debias=debias,
+        clip_radius=clip_radius,
+        scratch=scratch,
+    )

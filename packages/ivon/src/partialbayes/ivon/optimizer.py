@@ -157,6 +157,7 @@ class IVON(torch.optim.Optimizer):
         self.generator = generator
         self._rank_generators: dict[torch.device, torch.Generator] = {}
         self._masks: dict[Tensor, _Mask] = {}
+        self._workspace = blocked.Workspace()
         self._sampling = False
         self._count = 0
         self._avg_grad: dict[Tensor, Tensor] = {}
@@ -339,7 +340,9 @@ class IVON(torch.optim.Optimizer):
                 sample_, std=std, delta=group["weight_decay"], generator=gen, draw=draw_in_pass
             )
             if is_blocked:  # one parameter at a time, in order (the draw order)
-                blocked.apply(fn, [noise, mean_views, hess, masks], blocked=True)
+                blocked.apply(
+                    fn, [noise, mean_views, hess, masks], blocked=True, workspace=self._workspace
+                )
             else:
                 for idx in self._categories(var, masks):
                     sub = [_pick(noise, idx), _pick(mean_views, idx), _pick(hess, idx)]
@@ -481,6 +484,7 @@ class IVON(torch.optim.Optimizer):
                     _pick(masks, idx),
                 ],
                 blocked=self._blocked(params[0].device),
+                workspace=self._workspace,
             )
 
     # ---------------------------------------------------------------------------------------------- state
