@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's own)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "results.json")
     parser.add_argument(
         "--no-docs", action="store_true", help="do not rewrite docs/pages/benchmarks.md"
@@ -112,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         print("no benchmark modules found", file=sys.stderr)
         return 1
     device = torch.device(args.device)
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     rows, failed = [], []
     for pkg, path in modules:
         spec = importlib.util.spec_from_file_location(f"bench_{pkg}_{path.stem}", path)
