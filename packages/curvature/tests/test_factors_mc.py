@@ -58,9 +58,9 @@ def test_mc_same_seed_same_result_and_diag_mc():
     sd = Subset.from_model(model, {"2.weight": KronBlock()})
     exact = diag_curvature(model, data, sd)["2.weight"]
     mc = diag_curvature(
-        model, data, sd, fisher="mc", mc_samples=20000, generator=torch.Generator().manual_seed(0)
+        model, data, sd, fisher="mc", mc_samples=4000, generator=torch.Generator().manual_seed(0)
     )["2.weight"]
-    torch.testing.assert_close(mc, exact, rtol=0.1, atol=1e-3)
+    torch.testing.assert_close(mc, exact, rtol=0.2, atol=2e-3)  # ~6 sd at k = 4000
 
 
 def test_regression_mc_approaches_exact():

@@ -45,41 +45,65 @@ class FactorAccumulator:
     """Running sums for one module: ``Σ δδᵀ``, ``Σ xxᵀ``, ``Σ x`` and the number of rows of ``x``.
 
     The bias column of ``A`` is assembled at the end from ``Σ x`` and the count, so ``x`` is never
-    concatenated with ones.
+    concatenated with ones. Buffers are created by the first batch (no zero-fill pass).
     """
 
     def __init__(self, r: int, c: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.gg = torch.zeros(r, r, dtype=dtype, device=device)
-        self.xx = torch.zeros(c, c, dtype=dtype, device=device)
-        self.xs = torch.zeros(c, dtype=dtype, device=device)
+        self.r, self.c, self.dtype, self.device = r, c, dtype, device
+        self.gg: Tensor | None = None
+        self.xx: Tensor | None = None
+        self.xs: Tensor | None = None
         self.count = torch.zeros((), dtype=dtype, device=device)
 
-    def add_inputs(self, x: Tensor, count: Tensor | float) -> Tensor:
-        """Add rows ``x`` ``[m, c]`` (zero rows allowed for masked tokens) counting ``count``; returns ``xᵀx``."""
-        x = x.to(self.xx.dtype)
-        xx = x.T @ x
-        self.xx += xx
-        self.xs += x.sum(0)
+    def add_inputs(self, x: Tensor, count: Tensor | float) -> None:
+        """Add rows ``x`` ``[m, c]`` (zero rows allowed for masked tokens) counting ``count``."""
+        x = x.to(self.dtype)
+        if self.xx is None:
+            self.xx = x.T @ x
+            self.xs = x.sum(0)
+        else:
+            self.xx.addmm_(x.T, x)
+            self.xs += x.sum(0)
         self.count += count
-        return xx
 
-    def add_grads(self, d: Tensor) -> Tensor:
-        """Add rows ``δ`` ``[m, r]``; returns ``δᵀδ``."""
-        d = d.to(self.gg.dtype)
-        gg = d.T @ d
-        self.gg += gg
-        return gg
+    def add_grads(self, d: Tensor) -> None:
+        """Add rows ``δ`` ``[m, r]``."""
+        d = d.to(self.dtype)
+        if self.gg is None:
+            self.gg = d.T @ d
+        else:
+            self.gg.addmm_(d.T, d)
+
+    def _filled(self) -> None:
+        if self.gg is None:
+            self.gg = torch.zeros(self.r, self.r, dtype=self.dtype, device=self.device)
+        if self.xx is None:
+            self.xx = torch.zeros(self.c, self.c, dtype=self.dtype, device=self.device)
+            self.xs = torch.zeros(self.c, dtype=self.dtype, device=self.device)
 
     def all_reduce(self) -> None:
         """Sum the running sums over ranks when ``torch.distributed`` is initialised (no-op otherwise)."""
+        self._filled()
         for t in (self.gg, self.xx, self.xs, self.count):
             all_reduce_sum(t)
 
     def factors(self, bias: bool) -> tuple[Tensor, Tensor]:
-        """``(G, A)``: ``G`` summed, ``A = Σ x̃x̃ᵀ / count`` with ``x̃ = (x, 1)`` when ``bias``."""
+        """``(G, A)``: ``G`` summed, ``A = Σ x̃x̃ᵀ / count`` with ``x̃ = (x, 1)`` when ``bias``.
+
+        Consumes the accumulator (``A`` is divided in place).
+        """
+        self._filled()
+        assert self.gg is not None
+        assert self.xx is not None
+        assert self.xs is not None
         count = self.count.clamp_min(1)
         if not bias:
-            return self.gg, self.xx / count
-        top = torch.cat([self.xx, self.xs[:, None]], dim=1)
-        bottom = torch.cat([self.xs, self.count.reshape(1)])[None]
-        return self.gg, torch.cat([top, bottom], dim=0) / count
+            return self.gg, self.xx.div_(count)
+        c = self.c
+        A = torch.empty(c + 1, c + 1, dtype=self.dtype, device=self.device)
+        A[:c, :c] = self.xx
+        A[:c, c] = self.xs
+        A[c, :c] = self.xs
+        A[c, c] = self.count
+        self.xx = None
+        return self.gg, A.div_(count)

@@ -152,7 +152,8 @@ def kfac(
                 else:
                     xr = _expand_rows(x, tm)
                     cnt = x.shape[0] if tm is None else tm.sum()
-                checks[m] = acc[m].add_inputs(xr, cnt).sum()
+                acc[m].add_inputs(xr, cnt)
+                checks[m] = xr.sum()
             deltas: dict[str, list[Tensor]] = {m: [] for m in kmods}
             for grads in bp.passes:
                 for m, d in grads.items():
@@ -165,7 +166,10 @@ def kfac(
                         else _expand_rows(d, tm)
                     )
             for m, ds in deltas.items():
-                checks[m] = checks[m] + acc[m].add_grads(torch.cat(ds)).sum()
+                dd = torch.cat(ds) if len(ds) > 1 else ds[0]
+                acc[m].add_grads(dd)
+                checks[m] = checks[m] + dd.sum()
+            # finite rows give finite factors (overflow is caught on the totals below)
             total = torch.stack(list(checks.values())).sum()
             if not bool(torch.isfinite(total)):
                 bad = next(m for m, v in checks.items() if not bool(torch.isfinite(v)))
@@ -175,6 +179,10 @@ def kfac(
     for m, k in kmods.items():
         acc[m].all_reduce()
         G, A = acc[m].factors(bias=k.bias_name is not None)
+        if not bool(torch.isfinite(G).all() and torch.isfinite(A).all()):
+            raise ValueError(
+                f"non-finite curvature in module {m!r} (overflow in the accumulated factors)"
+            )
         out[m] = ModuleFactors(
             module=m,
             G=G,
