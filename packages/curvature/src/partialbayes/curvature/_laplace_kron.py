@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from partialbayes.curvature._jacobians import logit_jacobians
 from partialbayes.curvature._kron_algebra import (
     clamped_eigh,
     kron_functional_covariance_projected,
@@ -19,6 +18,11 @@ from partialbayes.curvature._kron_algebra import (
 )
 from partialbayes.curvature._laplace_base import LaplaceBase
 from partialbayes.curvature._laplace_data import block_to_params, param_jacobians, params_to_block
+from partialbayes.curvature._laplace_projected import projected_jacobians
+
+
+class _Projected(dict):
+    """Block Jacobians already rotated into the eigenbases (``{module: M [B, C, r, c]}``)."""
 
 
 class KronLaplace(LaplaceBase):
@@ -150,9 +154,14 @@ class KronLaplace(LaplaceBase):
         return out
 
     # ------------------------------------------------------------------ predictive
-    def _jacobians(self, inputs: Any) -> tuple[Tensor, dict[str, Tensor]]:
-        """Per-example logit Jacobians of each block, ``{module: [B, C, r, c]}`` (hooks, C backward passes)."""
-        return logit_jacobians(self.model, inputs, self.subset)
+    def _jacobians(self, inputs: Any) -> tuple[Tensor, _Projected]:
+        """Per-example logit Jacobians of each block, already in the eigenbases: ``M = Q_Gᵀ J Q_A``.
+
+        Hooks and ``C`` backward passes; ``J`` itself is never formed (see `projected_jacobians`).
+        """
+        bases = {m: (self._eig[m][1], self._eig[m][3]) for m in self.modules}
+        f, projected = projected_jacobians(self.model, inputs, self._kmods, bases, self.dtype)
+        return f, _Projected(projected)
 
     def _autograd_jacobians(self, inputs: Any) -> tuple[Tensor, dict[str, Tensor]]:
         """Block Jacobians by generic reverse mode over all logits (reference path)."""
@@ -161,6 +170,8 @@ class KronLaplace(LaplaceBase):
         return f, blocks
 
     def _prepare(self, jac: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        if isinstance(jac, _Projected):
+            return jac
         out = {}
         for m in self.modules:
             _, qg, _, qa = self._eig[m]
