@@ -98,12 +98,14 @@ def ramping_plot(
     by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in mine:
         by_method[r["method"]].append(r)
+    flat_styles = iter(["--", ":", "-.", (0, (5, 1)), (0, (1, 3))])
     for method, rs in sorted(by_method.items()):
         pts = sorted(rs, key=lambda r: r["percent_stochastic"])
         x = [max(r["percent_stochastic"], 1e-4) for r in pts]
         y = [r[metric] for r in pts]
         if len(pts) == 1 and pts[0]["percent_stochastic"] == 0:
-            ax.axhline(y[0], linestyle="--", linewidth=1, label=method, color=None)
+            style = next(flat_styles, "--")
+            ax.axhline(y[0], linestyle=style, linewidth=1.2, label=method, color="0.3")
             continue
         line = ax.plot(x, y, marker="o", label=method)[0]
         ax.fill_between(
