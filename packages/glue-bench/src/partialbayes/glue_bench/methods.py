@@ -8,14 +8,12 @@ imports nothing optional.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 Batch = dict[str, torch.Tensor]
@@ -155,7 +153,7 @@ def batch_logits(model: nn.Module, batches: Sequence[Batch]) -> torch.Tensor:
 
 
 def probit_probs(mean: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
-    """Probit (MacKay) approximation of E[softmax(f)], f ~ N(mean, cov).
+    """Probit approximation of E[softmax(f)], f ~ N(mean, cov) (Kampen et al. Eq. 12, from `predictive`).
 
     Args:
         mean: (B, C) logit means.
@@ -164,8 +162,9 @@ def probit_probs(mean: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
     Returns:
         (B, C) probabilities ``softmax(mean / sqrt(1 + π/8 · diag(cov)))``.
     """
-    var = torch.diagonal(cov, dim1=-2, dim2=-1).clamp_min(0)
-    return torch.softmax(mean / torch.sqrt(1 + math.pi / 8 * var), dim=-1)
+    from partialbayes.predictive import probit
+
+    return probit(mean, cov)
 
 
 def _countable(model: nn.Module) -> int:
@@ -191,27 +190,31 @@ def run_map(ctx: Context, size: str) -> Prediction:
 
 
 def fit_temperature(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    """Temperature T > 0 minimising the NLL of ``softmax(logits / T)`` (LBFGS on log T).
+    """Temperature T > 0 minimising the validation NLL of ``softmax(logits / T)`` (from `predictive`).
 
     Args:
         logits: (N, C) validation logits.
         labels: (N,) validation labels.
+
+    When the validation NLL has no finite optimum (an untrained model, or a separable validation set),
+    `predictive` refuses; the benchmark then takes the best T on the grid ``logspace(-2, 2, 81)`` and warns,
+    so that one degenerate cell does not stop a grid.
     """
-    log_t = torch.zeros((), dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.LBFGS([log_t], lr=0.1, max_iter=200, line_search_fn="strong_wolfe")
-    logits = logits.double()
+    import warnings
 
-    def closure() -> torch.Tensor:
-        opt.zero_grad()
-        loss = F.cross_entropy(logits / log_t.exp(), labels)
-        loss.backward()
-        return loss
+    from partialbayes.predictive import fit_temperature as fit
 
-    opt.step(closure)
-    t = float(log_t.detach().exp())
-    if not math.isfinite(t) or t <= 0:
-        raise ValueError(f"temperature fit failed (T={t})")
-    return t
+    try:
+        return float(fit(logits.double(), labels))
+    except ValueError as err:
+        grid = torch.logspace(-2, 2, 81, dtype=torch.float64)
+        z = logits.double()
+        losses = torch.stack([torch.nn.functional.cross_entropy(z / t, labels) for t in grid])
+        best = float(grid[int(losses.argmin())])
+        warnings.warn(
+            f"{err}; using the best grid temperature T={best:g} in [0.01, 100]", stacklevel=2
+        )
+        return best
 
 
 def run_temperature(ctx: Context, size: str) -> Prediction:
