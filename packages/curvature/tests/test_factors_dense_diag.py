@@ -38,7 +38,9 @@ def _subset(model, seed, with_mask=True):
         m = torch.rand(w.shape, generator=g) < 0.5
         m.view(-1)[0] = True
         blocks["lin1.weight"] = MaskBlock(m)
-        blocks["lin2.bias"] = MaskBlock(torch.rand(model.lin2.bias.shape, generator=g) < 0.7)
+        mb = torch.rand(model.lin2.bias.shape, generator=g) < 0.7
+        mb[0] = True  # an empty mask block is refused by Subset
+        blocks["lin2.bias"] = MaskBlock(mb)
     n_out, n_in = model.head.weight.shape
     rows = torch.randperm(n_out, generator=g)[: max(1, n_out // 2)].sort().values
     cols = torch.randperm(n_in, generator=g)[: max(1, n_in - 1)].sort().values
