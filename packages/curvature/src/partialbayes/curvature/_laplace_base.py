@@ -122,6 +122,18 @@ class LaplaceBase:
         """Prior groups, in order (default: the owning modules of the subset's parameters)."""
         return tuple(dict.fromkeys(self._module_of(n) for n in self.subset.names))
 
+    def _curvature_options(self, progress: bool) -> dict[str, Any]:
+        """Keyword arguments every curvature routine (kfac, diag, dense) takes from the posterior."""
+        return {
+            "likelihood": self.likelihood,
+            "fisher": self.fisher,
+            "mc_samples": self.mc_samples,
+            "sigma_noise": self.sigma_noise,
+            "dtype": self.dtype,
+            "progress": progress,
+            "num_classes": self.num_classes,
+        }
+
     def _compute_curvature(self, loader: Iterable[Any], progress: bool) -> Any:
         raise NotImplementedError
 

@@ -31,13 +31,7 @@ class DiagLaplace(LaplaceBase):
             self.model,
             loader,
             self.subset,
-            likelihood=self.likelihood,
-            fisher=self.fisher,
-            mc_samples=self.mc_samples,
-            sigma_noise=self.sigma_noise,
-            dtype=self.dtype,
-            progress=progress,
-            num_classes=self.num_classes,
+            **self._curvature_options(progress),
         )
 
     def _set_curvature(self, curvature: Mapping[str, Tensor]) -> None:
