@@ -8,6 +8,7 @@ logits do not depend on them.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ from torch import Tensor, nn
 
 from partialbayes.curvature._hooks import Recorder, prepared
 from partialbayes.curvature._likelihood import logits_of, model_device, split_batch
-from partialbayes.selection import KronBlock, Subset, linear_modules
+from partialbayes.selection import KronBlock, KronModule, Subset, linear_modules
 
 
 def example_weight_grads(x: Tensor, d: Tensor) -> Tensor:
@@ -66,6 +67,29 @@ def logit_jacobians(
     from partialbayes.curvature._kfac import kron_targets
 
     kmods = kron_targets(model, subset, "logit_jacobians")
+    return class_block_grads(
+        model, batch, kmods, lambda m, x, d: block_grads(x, d, kmods[m].bias_name is not None)
+    )
+
+
+def class_block_grads(
+    model: nn.Module,
+    batch: Any,
+    kmods: Mapping[str, KronModule],
+    combine: Callable[[str, Tensor, Tensor], Tensor],
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """One forward pass with hooks and one backward pass per class, combining inputs and output gradients.
+
+    Args:
+        model: Network returning logits ``[B, C]``.
+        batch: Tensor, pair or Hugging Face dict batch (``"labels"`` ignored).
+        kmods: Kronecker modules to differentiate.
+        combine: ``(module, x [B, (T,) |C|], δ_k [B, (T,) r]) -> [B, ...]`` per class ``k``; ``x`` is gathered
+            to the selected columns, ``δ_k`` (the gradient of logit ``k``) to the selected rows.
+
+    Returns:
+        ``(logits [B, C], {module: [B, C, ...]})``: the per-class results stacked along dim 1.
+    """
     named = dict(model.named_modules())
     modules = {m: named[m] for m in kmods}
     device = model_device(model)
@@ -93,9 +117,8 @@ def logit_jacobians(
                 d = torch.zeros_like(o) if g is None else g
                 if rows[m] is not None:
                     d = d.index_select(-1, rows[m])
-                per_class[m].append(block_grads(rec.inputs[m], d, kmods[m].bias_name is not None))
-    jac = {m: torch.stack(v, dim=1) for m, v in per_class.items()}
-    return logits.detach(), jac
+                per_class[m].append(combine(m, rec.inputs[m], d))
+    return logits.detach(), {m: torch.stack(v, dim=1) for m, v in per_class.items()}
 
 
 # ----------------------------------------------------------------------------- elementwise subsets
