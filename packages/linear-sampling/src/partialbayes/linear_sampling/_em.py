@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -244,8 +245,14 @@ def fit_prior_precision(
     feats = features if scale is None else scale_features(features, scale)
     history: list[dict] = []
     converged = False
-    kw = {"sgd": sgd, "batch_size": batch_size, "generator": generator, "tol": solver_tol}
-    mean = samples = None
+    kw: dict[str, Any] = {
+        "sgd": sgd,
+        "batch_size": batch_size,
+        "generator": generator,
+        "tol": solver_tol,
+    }
+    mean: Tensor | None = None
+    samples: Tensor | None = None
     for _ in range(max_iter):
         init = None if mean is None or method == "cg" else mean
         mean = posterior_mean(feats, targets, noise, prior, method=method, init=init, **kw).mean
@@ -266,9 +273,9 @@ def fit_prior_precision(
         feats, targets, noise, prior, method=method, init=None if method == "cg" else mean, **kw
     ).mean
     a = prior.diag(features.d, features.dtype, features.device)
+    assert samples is not None
     if scale is not None:
         mean, samples, a = mean / scale, samples / scale.unsqueeze(1), a * scale**2
-    assert samples is not None
     return EMResult(prior, a, mean, samples, scale, converged, history)
 
 

@@ -144,7 +144,7 @@ def network_features(
     named = dict(model.named_parameters())
     names = list(masks)
     primals = tuple(named[nm].detach() for nm in names)
-    sizes = [int(masks[nm].sum()) if masks[nm] is not None else named[nm].numel() for nm in names]
+    sizes = [named[nm].numel() if (mk := masks[nm]) is None else int(mk.sum()) for nm in names]
     d = sum(sizes)
     n = _n(inputs)
     get = output_fn or _logits
@@ -197,7 +197,7 @@ def network_features(
 
     def vjp_fn(idx: Tensor, v: Tensor) -> Tensor:
         with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
-            out, pull = vjp(f(_index(inputs, idx.to(_device(inputs)))), *primals)
+            out, pull = vjp(f(_index(inputs, idx.to(_device(inputs)))), *primals)  # type: ignore[misc]
             if batched["vjp"] and v.shape[2] > 1:
                 try:
                     grads = vmap(pull, in_dims=-1, out_dims=-1)(v.to(out.dtype))

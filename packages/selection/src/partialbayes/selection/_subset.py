@@ -46,7 +46,7 @@ def _model_structure(model: nn.Module) -> dict[str, _ParamInfo]:
         lin = {}
     for mname, mod in lin.items():
         conv = is_conv1d(mod)
-        w = mod.weight
+        w: Tensor = mod.weight  # type: ignore[assignment]
         n_out, n_in = (
             (int(w.shape[1]), int(w.shape[0])) if conv else (int(w.shape[0]), int(w.shape[1]))
         )

@@ -151,7 +151,7 @@ def sweep_learning_rate(
                 f"{name}={steps} with snapshot_every={snapshot_every} gives fewer than {needed} "
                 "snapshots, too few to sample"
             )
-    common = {
+    common: dict[str, Any] = {
         "snapshot_every": snapshot_every,
         "max_rank": max_rank,
         "diagonal_only": diagonal_only,
