@@ -43,7 +43,7 @@ def test_ece_equal_mass_bins_exact_case():
     assert ece(probs, labels, n_bins=2) == pytest.approx(
         0.5 * abs(1 - 0.65) + 0.5 * abs(0.5 - 0.85)
     )
-    assert set(all_metrics(probs, labels)) == {"accuracy", "nll", "ece", "brier"}
+    assert set(all_metrics(probs, labels)) == {"accuracy", "nll", "ece", "brier", "reliability"}
 
 
 def test_metric_bad_input():

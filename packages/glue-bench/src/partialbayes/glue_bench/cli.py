@@ -122,9 +122,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(run)
 
-    rep = sub.add_parser("report", help="tables (markdown, CSV) and plots of a results folder")
-    rep.add_argument("--results", type=Path, default=Path("results"))
-    rep.add_argument("--out", type=Path, default=None, help="default <results>/report")
+    rep = sub.add_parser(
+        "report", help="tables (markdown, CSV) and figures (PNG) of a results folder"
+    )
+    rep.add_argument(
+        "results_dir", nargs="?", type=Path, default=None, metavar="RESULTS", help="results folder"
+    )
+    rep.add_argument("--results", type=Path, default=None, help="results folder (default results)")
+    rep.add_argument(
+        "--out", type=Path, default=None, help="output folder (default <results>/report)"
+    )
+    rep.add_argument(
+        "--budget",
+        type=float,
+        default=10.0,
+        help="stochastic budget of Table 2 in percent (default 10)",
+    )
+    rep.add_argument(
+        "--calibration-methods",
+        type=_names,
+        default=None,
+        help="methods of the calibration figure (default: map, temperature and the 4 best by NLL)",
+    )
 
     sub.add_parser("methods", help="list the methods")
 
@@ -232,10 +251,20 @@ def cmd_report(args: argparse.Namespace) -> int:
     """``glue-bench report``."""
     from partialbayes.glue_bench.report import write_report
 
-    out = write_report(args.results, args.out)
+    if args.results_dir is not None and args.results is not None:
+        raise ValueError("give the results folder once: either RESULTS or --results")
+    results = args.results_dir or args.results or Path("results")
+    out = write_report(
+        results,
+        args.out,
+        budget=args.budget,
+        calibration_methods=args.calibration_methods,
+    )
     print(out["markdown"])
     for f in out["files"]:
         print(f"wrote {f}")
+    for s in out["skipped"]:
+        print(f"skipped {s}")
     return 0
 
 

@@ -1,51 +1,73 @@
-"""Summaries of a results folder: median / IQR tables (markdown, CSV) and ramping plots (PNG)."""
+"""Summaries of a results folder: median / IQR tables (markdown, CSV) and figures (PNG).
+
+:func:`write_report` (``glue-bench report``) writes everything; the tables are computed in
+:mod:`partialbayes.glue_bench.tables` and the figures drawn in :mod:`partialbayes.glue_bench.figures`.
+"""
 
 from __future__ import annotations
 
-import csv
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from partialbayes.glue_bench.store import iter_records
+from partialbayes.glue_bench.tables import size_key, write_csv
 
 METRICS = ("accuracy", "nll", "ece", "brier")
 COLUMNS = (*METRICS, "percent_stochastic", "floats", "fit_seconds", "predict_seconds")
+UCI_COLUMNS = ("nll", "rmse", "percent_stochastic", "floats", "fit_seconds", "predict_seconds")
+
+__all__ = [
+    "COLUMNS",
+    "METRICS",
+    "UCI_COLUMNS",
+    "markdown_table",
+    "memory_plot",
+    "ramping_plot",
+    "short_table",
+    "summarise",
+    "write_csv",
+    "write_report",
+]
 
 
-def _size_key(size: str) -> tuple[int, float, str]:
-    try:
-        return (1, float(size), size)
-    except ValueError:
-        return (0, 0.0, size)
-
-
-def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+def summarise(
+    records: Iterable[dict[str, Any]], columns: Sequence[str] = COLUMNS
+) -> list[dict[str, Any]]:
     """Median and interquartile range over splits for each (task, method, size).
+
+    Args:
+        records: Results records.
+        columns: Numeric record fields to summarise; a field missing from some record of a group is left
+            out of that group's row.
 
     Returns:
         One row per (task, method, size) with ``n_splits`` and ``<col>``, ``<col>_q25``, ``<col>_q75``
-        for every column of :data:`COLUMNS`; sorted by task, method, size.
+        (``numpy.percentile``, linear interpolation) for every column; sorted by task, method, size.
     """
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in records:
-        groups[(r["task"], r["method"], r["size"])].append(r)
+        groups[(r["task"], r["method"], str(r["size"]))].append(r)
     rows = []
     for (task, method, size), recs in groups.items():
         row: dict[str, Any] = {"task": task, "method": method, "size": size, "n_splits": len(recs)}
-        for col in COLUMNS:
+        for col in columns:
+            if not all(col in r for r in recs):
+                continue
             values = np.array([float(r[col]) for r in recs])
             q25, med, q75 = np.percentile(values, [25, 50, 75])
             row[col], row[f"{col}_q25"], row[f"{col}_q75"] = float(med), float(q25), float(q75)
         rows.append(row)
-    rows.sort(key=lambda r: (r["task"], r["method"], _size_key(r["size"])))
+    rows.sort(key=lambda r: (r["task"], r["method"], size_key(r["size"])))
     return rows
 
 
 def _fmt(row: dict[str, Any], col: str) -> str:
+    if col not in row:
+        return "–"
     value = row[col]
     if col == "floats":
         return f"{value:,.0f}"
@@ -65,35 +87,23 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] = COLU
     return "\n".join(lines) + "\n"
 
 
-def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
-    """Write the summary rows as CSV."""
-    if not rows:
-        path.write_text("")
-        return
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def ramping_plot(
     rows: Sequence[dict[str, Any]], task: str, path: Path, metric: str = "nll"
 ) -> bool:
-    """NLL (or ``metric``) against percent stochastic for every method of ``task`` with several sizes.
+    """NLL (or ``metric``) against percent stochastic for every method of ``task`` (Figs. 2, 3).
 
-    Single-size methods (MAP, temperature, ...) are drawn as horizontal lines. Medians with IQR bands.
+    Single-size methods with nothing stochastic (MAP, temperature) are drawn as horizontal lines. Medians
+    with IQR bands.
 
     Returns:
         Whether a figure was written (``False`` when ``task`` has no rows).
     """
-    import matplotlib
+    from partialbayes.glue_bench.figures import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    mine = [r for r in rows if r["task"] == task]
+    mine = [r for r in rows if r["task"] == task and metric in r]
     if not mine:
         return False
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in mine:
@@ -121,21 +131,22 @@ def ramping_plot(
     ax.set_title(f"{task}: {metric} vs stochastic subset size (median, IQR over splits)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 
 def memory_plot(rows: Sequence[dict[str, Any]], task: str, path: Path, metric: str = "nll") -> bool:
-    """``metric`` against the floats each posterior stores (the paper's Fig. 5), one point per cell."""
-    import matplotlib
+    """``metric`` against the floats each posterior stores (the paper's Fig. 5), medians per cell.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Returns:
+        Whether a figure was written (``False`` when ``task`` has no cell that stores floats).
+    """
+    from partialbayes.glue_bench.figures import pyplot, save_figure
 
-    mine = [r for r in rows if r["task"] == task and r["floats"] > 0]
+    mine = [r for r in rows if r["task"] == task and r.get("floats", 0) > 0 and metric in r]
     if not mine:
         return False
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in mine:
@@ -145,43 +156,216 @@ def memory_plot(rows: Sequence[dict[str, Any]], task: str, path: Path, metric: s
         ax.plot([r["floats"] for r in pts], [r[metric] for r in pts], marker="o", label=method)
     ax.set_xscale("log")
     ax.set_xlabel("floats stored by the posterior")
-    ax.set_ylabel(f"test {metric}")
-    ax.set_title(f"{task}: {metric} vs memory")
+    ax.set_ylabel(f"test {metric.upper()}")
+    ax.set_title(f"{task}: {metric.upper()} vs memory")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 
-def write_report(results: str | Path, out: str | Path | None = None) -> dict[str, Any]:
-    """Write ``summary.md``, ``summary.csv`` and per-task PNG plots for a results folder.
+def _records(results: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(GLUE records, UCI records) of a results folder; UCI ones also from ``<results>/uci``."""
+    recs = list(iter_records(results))
+    if (results / "uci" / "records").is_dir():
+        recs += list(iter_records(results / "uci"))
+    uci = [r for r in recs if "rmse" in r]
+    glue = [r for r in recs if "rmse" not in r]
+    return glue, uci
+
+
+def _section(title: str, body: str) -> str:
+    return f"## {title}\n\n{body}\n"
+
+
+def _rank_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    head = "| task | family | modules | strategy | mean rank | splits | strategies | NLL (median) |"
+    lines = [head, "|---|---|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['task']} | {r['family']} | {r['modules']} | {r['strategy']} | "
+            f"{r['mean_rank']:.2f} | {r['n_splits']} | {r['n_strategies']} | {r['nll_median']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_report(
+    results: str | Path,
+    out: str | Path | None = None,
+    budget: float = 10.0,
+    calibration_methods: Sequence[str] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Write every table and figure of a results folder (PNG, markdown, CSV; each file atomically).
+
+    Outputs (in ``out``; a figure or table whose records are missing is skipped with its reason):
+
+    * ``report.md``: all tables below in one markdown file (printed by ``glue-bench report``).
+    * ``summary.md`` / ``.csv``: every (task, method, size) cell, median and [q25, q75] over splits.
+    * ``table1_map.md`` / ``.csv``: the MAP network per task (the paper's Table 1).
+    * ``table2_budget.md`` / ``.csv``: per task and method the cell closest to ``budget`` % stochastic
+      (:func:`partialbayes.glue_bench.tables.budget_table`; the paper's Table 2).
+    * ``ranks.md`` / ``.csv``, ``<task>_ranks.png``, ``all_ranks.png``: mean rank by NLL of the module
+      strategies against the module count (:func:`~partialbayes.glue_bench.tables.strategy_ranks`; Fig. 4).
+    * ``<task>_ramping_nll.png``: NLL against percent stochastic (Figs. 2, 3).
+    * ``<task>_memory_nll.png``, ``<task>_memory_ece.png``: NLL and ECE against floats stored (Fig. 5).
+    * ``calibration.csv``, ``<task>_calibration.png``: reliability diagrams of MAP, temperature scaling and
+      selected methods at their Table 2 cell (:func:`~partialbayes.glue_bench.tables.calibration_cells`;
+      Fig. 6).
+    * ``uci_summary.md`` / ``.csv``, ``uci_<dataset>_selection.png``: UCI cells and norm- vs variance-based
+      subnetwork selection, NLL and RMSE against percent stochastic (Figs. 9, 10).
 
     Args:
-        results: The results folder.
+        results: The results folder (GLUE records under ``records/``, UCI records under ``uci/records/``).
         out: Output folder (default ``<results>/report``).
+        budget: Stochastic budget of Table 2, in percent.
+        calibration_methods: Methods of the calibration figure (default: see ``calibration_cells``).
+        log: Called with one line per written file and per skipped output.
 
     Returns:
-        ``{"rows": summary rows, "markdown": text, "files": [written paths]}``.
+        ``{"rows": GLUE summary rows, "markdown": report.md text, "files": [written paths],
+        "skipped": [reasons]}``.
 
     Raises:
         FileNotFoundError: No records under ``results``.
     """
-    rows = summarise(iter_records(results))
-    if not rows:
-        raise FileNotFoundError(f"no result records under {Path(results) / 'records'}")
-    out = Path(out) if out is not None else Path(results) / "report"
+    from partialbayes.glue_bench import figures, tables
+
+    results = Path(results)
+    glue, uci = _records(results)
+    if not glue and not uci:
+        raise FileNotFoundError(
+            f"no result records under {results / 'records'} or {results / 'uci' / 'records'}"
+        )
+    out = Path(out) if out is not None else results / "report"
     out.mkdir(parents=True, exist_ok=True)
-    text = markdown_table(rows)
-    files = [out / "summary.md", out / "summary.csv"]
-    files[0].write_text(text)
-    write_csv(rows, files[1])
-    for task in sorted({r["task"] for r in rows}):
-        for kind, fn in (("ramping", ramping_plot), ("memory", memory_plot)):
-            path = out / f"{task}_{kind}_nll.png"
-            if fn(rows, task, path):
-                files.append(path)
-    return {"rows": rows, "markdown": text, "files": [str(f) for f in files]}
+    files: list[Path] = []
+    skipped: list[str] = []
+    say = log or (lambda _: None)
+
+    def wrote(path: Path) -> None:
+        files.append(path)
+        say(f"wrote {path}")
+
+    def skip(what: str, why: str) -> None:
+        skipped.append(f"{what}: {why}")
+        say(f"skipped {what}: {why}")
+
+    def text(name: str, body: str) -> None:
+        tables.atomic_write_text(out / name, body)
+        wrote(out / name)
+
+    def csv_(name: str, rows: Sequence[dict[str, Any]]) -> None:
+        tables.write_csv(rows, out / name)
+        wrote(out / name)
+
+    parts = [
+        "# glue-bench report\n",
+        f"Results: `{results}`. Medians over splits, [q25, q75] in brackets.\n",
+    ]
+    rows = summarise(glue)
+    if rows:
+        tasks = sorted({r["task"] for r in rows})
+        summary_md = markdown_table(rows)
+        text("summary.md", summary_md)
+        csv_("summary.csv", rows)
+        table1 = [r for r in rows if r["method"] == "map"]
+        if table1:
+            md = markdown_table(table1, METRICS)
+            text("table1_map.md", md)
+            csv_("table1_map.csv", table1)
+            parts.append(_section("Table 1: MAP", md))
+        else:
+            skip("table1_map", "no 'map' records")
+        table2 = tables.budget_table(rows, budget)
+        md = markdown_table(table2, ("percent_stochastic", *METRICS))
+        text("table2_budget.md", md)
+        csv_("table2_budget.csv", table2)
+        parts.append(
+            _section(
+                f"Table 2: ≈ {budget:g} % stochastic budget",
+                "Per task and method, the size whose median percent stochastic is closest to "
+                f"{budget:g} % (ties: the smaller percentage).\n\n" + md,
+            )
+        )
+        ranks = tables.strategy_ranks(glue)
+        if ranks:
+            md = _rank_markdown(ranks)
+            text("ranks.md", md)
+            csv_("ranks.csv", ranks)
+            parts.append(
+                _section(
+                    "Module-strategy ranks (Fig. 4)",
+                    "Per split, strategies ranked by test NLL (1 = best, ties share the mean rank) among "
+                    "splits where every strategy has the module count; mean over splits.\n\n" + md,
+                )
+            )
+            for task in [*tasks, "all"]:
+                path = out / f"{task}_ranks.png"
+                if figures.rank_plot(ranks, task, path):
+                    wrote(path)
+        else:
+            skip(
+                "ranks",
+                "needs module-ramping records of at least two strategies of one family "
+                "(kfac-random, kfac-max-mlp, kfac-min-mlp, kfac-max-attn, kfac-min-attn, swag-random, ...)",
+            )
+        for task in tasks:
+            for name, fn, metric in (
+                ("ramping_nll", ramping_plot, "nll"),
+                ("memory_nll", memory_plot, "nll"),
+                ("memory_ece", memory_plot, "ece"),
+            ):
+                path = out / f"{task}_{name}.png"
+                if fn(rows, task, path, metric):
+                    wrote(path)
+                else:
+                    skip(path.name, "no cells with stored floats")
+        cells = tables.calibration_cells(table2, calibration_methods)
+        curves = tables.calibration_curves(glue, cells)
+        if curves:
+            csv_("calibration.csv", curves)
+            for task in tasks:
+                path = out / f"{task}_calibration.png"
+                if figures.calibration_plot(curves, task, path):
+                    wrote(path)
+                else:
+                    skip(path.name, "no reliability bins for the chosen cells of this task")
+        else:
+            skip(
+                "calibration",
+                "no record of the chosen cells has reliability bins (records written before "
+                "glue-bench stored them: rerun those cells in a fresh results folder)",
+            )
+        parts.append(_section("All cells", summary_md))
+    else:
+        skip("GLUE tables and figures", f"no GLUE records under {results / 'records'}")
+    uci_rows = summarise(uci, UCI_COLUMNS)
+    if uci_rows:
+        md = markdown_table(uci_rows, UCI_COLUMNS)
+        text("uci_summary.md", md)
+        csv_("uci_summary.csv", uci_rows)
+        parts.append(_section("UCI", md))
+        for dataset in sorted({r["task"] for r in uci_rows}):
+            path = out / f"uci_{dataset}_selection.png"
+            if figures.uci_selection_plot(uci_rows, dataset, path):
+                wrote(path)
+            else:
+                skip(path.name, "no subnet-norm / subnet-variance records (run them with run_uci)")
+    else:
+        skip("UCI tables and figures", f"no UCI records under {results / 'uci' / 'records'}")
+    figs = [f.name for f in files if f.suffix == ".png"]
+    parts.append(_section("Figures", "\n".join(f"* `{f}`" for f in figs) or "none"))
+    if skipped:
+        parts.append(_section("Skipped", "\n".join(f"* {s}" for s in skipped)))
+    markdown = "\n".join(parts)
+    text("report.md", markdown)
+    return {
+        "rows": rows,
+        "markdown": markdown,
+        "files": [str(f) for f in files],
+        "skipped": skipped,
+    }
 
 
 def short_table(rows: Sequence[dict[str, Any]]) -> str:

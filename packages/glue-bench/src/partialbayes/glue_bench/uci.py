@@ -19,7 +19,20 @@ from partialbayes.glue_bench.data_uci import UCISplit, load_uci
 from partialbayes.glue_bench.models import MLP
 from partialbayes.glue_bench.store import Cell, ResultStore, shard_units
 
-UCI_METHODS = ("map", "last-layer", "kfac-full", "kfac-random", "kfac-max", "kfac-min", "swag-full")
+UCI_METHODS = (
+    "map",
+    "last-layer",
+    "kfac-full",
+    "kfac-random",
+    "kfac-max",
+    "kfac-min",
+    "swag-full",
+    "subnet-norm",
+    "subnet-variance",
+)
+# Percent-of-parameters ramp of the norm- vs variance-based subnetwork comparison (the paper's Figs. 9, 10;
+# the authors' UCI code ramps the same percentages).
+SUBNET_PERCENTS = (1.0, 2.0, 5.0, 8.0, 14.0, 23.0, 37.0, 61.0, 100.0)
 PRIOR_GRID = tuple(float(v) for v in torch.logspace(-1, 3, 9))
 
 
@@ -86,7 +99,46 @@ def _sizes(model: nn.Module, method: str) -> list[str]:
 
     if method in ("kfac-random", "kfac-max", "kfac-min"):
         return [str(k) for k in range(1, len(linear_modules(model)) + 1)]
+    if method in ("subnet-norm", "subnet-variance"):
+        return [f"{p:g}" for p in SUBNET_PERCENTS]
     return ["-"]
+
+
+def subnet_subset(
+    model: nn.Module, method: str, percent: float, x: torch.Tensor, y: torch.Tensor, sigma: float
+) -> Any:
+    """The elementwise subnetwork of the norm- vs variance-based comparison (Figs. 9, 10).
+
+    ``subnet-norm`` keeps the ``percent`` % of weights and biases with the largest magnitude;
+    ``subnet-variance`` keeps those with the largest marginal variance under a diagonal GGN Laplace of all
+    parameters (Daxberger et al., 2021). With a scalar prior precision ``δ`` that variance is
+    ``1 / (h_i / σ² + δ)``, which orders the entries by ascending GGN diagonal ``h_i`` whatever ``δ`` is, so
+    no prior needs to be fitted for the selection.
+
+    Args:
+        model: The trained MLP.
+        method: ``subnet-norm`` or ``subnet-variance``.
+        percent: Percent of the parameters, in (0, 100].
+        x: (N, D) training inputs.
+        y: (N,) training targets (standardised).
+        sigma: Gaussian noise standard deviation (standardised).
+    """
+    from partialbayes import selection
+
+    if method == "subnet-norm":
+        return selection.largest_magnitude(model, percent)
+    if method != "subnet-variance":
+        raise ValueError(f"method must be 'subnet-norm' or 'subnet-variance', got {method!r}")
+    from partialbayes.curvature import diag_curvature
+
+    full = selection.max_operator_norm(model, len(selection.linear_modules(model)), group="all")
+    h = diag_curvature(model, [(x, y[:, None])], full, likelihood="regression", sigma_noise=sigma)
+    params = dict(model.named_parameters())
+    variances = {
+        n: 1.0 / (full.scatter(n, h[n].to(params[n].dtype), torch.zeros_like(params[n])) + 1.0)
+        for n in full.names
+    }
+    return selection.largest_marginal_variance(model, variances, percent)
 
 
 def run_uci_cell(
@@ -130,8 +182,12 @@ def run_uci_cell(
     else:
         from partialbayes import curvature
 
-        subset = _subset(model, method, int(size) if size != "-" else 0, seed)
-        cls = curvature.DenseLaplace if method == "last-layer" else curvature.KronLaplace
+        if method.startswith("subnet-"):
+            subset = subnet_subset(model, method, float(size), x_tr, y_tr, sigma)
+        else:
+            subset = _subset(model, method, int(size) if size != "-" else 0, seed)
+        dense = method == "last-layer" or method.startswith("subnet-")
+        cls = curvature.DenseLaplace if dense else curvature.KronLaplace
         la = cls(model, subset, likelihood="regression", sigma_noise=sigma)
         la.fit([(x_tr, y_tr[:, None])])
         extra["prior_precision"] = la.optimize_prior_precision("marglik", grid=PRIOR_GRID)
