@@ -5,6 +5,12 @@ selected columns) and its output tensor. Then ``S`` backward passes of the logit
 :func:`partialbayes.curvature._likelihood.output_vectors`) return ``δ``, the gradient w.r.t. every hooked
 output, through ``torch.autograd.grad`` (no parameter ``.grad`` is touched, no weight gradients are computed).
 Nothing about an example is kept beyond its batch.
+
+A module called several times per forward pass (tied weights, a layer applied twice, a module reused in a
+loop) records every call; each call's ``δ`` is the gradient w.r.t. that call's own output tensor, so inputs
+and gradients are paired by call. The calls are merged as extra token positions of each example
+(`merge_calls`): its per-example gradient is ``Σ_calls Σ_t δ_t x_tᵀ``, and KFAC's ``reduce`` / ``expand``
+treat the calls exactly like tokens (Eschenhagen et al., 2023, weight sharing over ``R`` positions).
 """
 
 from __future__ import annotations
@@ -27,8 +33,66 @@ from partialbayes.curvature._likelihood import (
 )
 
 
+def merge_calls(name: str, tensors: list[Tensor]) -> Tensor:
+    """Merge the per-call tensors of one module into one, the calls as extra token positions.
+
+    One call is returned as it is. Several calls (a shared / tied / looped module) are concatenated along
+    the token axis: ``[B, d]`` calls count as one position each, ``[B, T_k, d]`` calls as ``T_k``, giving
+    ``[B, Σ_k T_k, d]`` in call order.
+
+    Raises:
+        ValueError: Naming the module, when the calls do not share the batch dimension ``B`` or are not
+            ``[B, d]`` / ``[B, T, d]``.
+    """
+    if len(tensors) == 1:
+        return tensors[0]
+    lead = tensors[0].shape[0]
+    if any(t.ndim not in (2, 3) or t.shape[0] != lead for t in tensors):
+        shapes = [tuple(t.shape) for t in tensors]
+        raise ValueError(
+            f"module {name!r} is called {len(tensors)} times per forward pass with activations of shapes "
+            f"{shapes}: repeated calls are merged as extra token positions of each example and must be "
+            "[B, d] or [B, T, d] with the same batch size B"
+        )
+    return torch.cat([t[:, None] if t.ndim == 2 else t for t in tensors], dim=1)
+
+
+def call_grads(
+    logits: Tensor,
+    calls: Mapping[str, list[Tensor]],
+    cotangent: Tensor,
+    retain_graph: bool,
+) -> dict[str, Tensor]:
+    """One backward pass of ``logits`` with ``cotangent``: ``{module: δ}``, the calls merged.
+
+    Each call's output gradient comes from its own output tensor, so it is paired with that call's input
+    (no reliance on the order in which backward hooks would fire); it is the total derivative, including
+    the paths through later calls of the same module. Unused outputs get zero gradients.
+    """
+    names = list(calls)
+    flat = [t for n in names for t in calls[n]]
+    grads = torch.autograd.grad(
+        logits, flat, grad_outputs=cotangent, retain_graph=retain_graph, allow_unused=True
+    )
+    out: dict[str, Tensor] = {}
+    i = 0
+    for n in names:
+        k = len(calls[n])
+        gs = [
+            torch.zeros_like(t) if g is None else g
+            for t, g in zip(calls[n], grads[i : i + k], strict=True)
+        ]
+        out[n] = merge_calls(n, gs)
+        i += k
+    return out
+
+
 class Recorder:
     """Context manager hooking linear maps: records gathered inputs and raw outputs of one forward pass.
+
+    A module called several times in one forward pass (weight tying, a layer reused in a loop) records
+    every call; `inputs`, `token_masks` and `output_grads` merge the calls as extra token positions
+    (see `merge_calls`).
 
     Args:
         modules: Module name -> ``nn.Linear`` / HF ``Conv1D``.
@@ -42,28 +106,60 @@ class Recorder:
             for k, v in cols.items()
             for m in [modules[k]]
         }
-        self.inputs: dict[str, Tensor] = {}
-        self.outputs: dict[str, Tensor] = {}
+        self.calls_in: dict[str, list[Tensor]] = {}
+        self.calls_out: dict[str, list[Tensor]] = {}
+        self._merged: dict[str, Tensor] | None = None
         self._handles: list[Any] = []
 
     def _hook(self, name: str):
         def hook(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> None:
-            if name in self.outputs:
-                raise ValueError(
-                    f"module {name!r} is called more than once per forward pass; "
-                    "curvature of shared (reused) linear maps is not supported"
-                )
             x = args[0].detach()
             c = self.cols[name]
-            self.inputs[name] = x if c is None else x.index_select(-1, c)
-            self.outputs[name] = output
+            self.calls_in.setdefault(name, []).append(x if c is None else x.index_select(-1, c))
+            self.calls_out.setdefault(name, []).append(output)
+            self._merged = None
 
         return hook
 
+    @property
+    def inputs(self) -> dict[str, Tensor]:
+        """``{module: x}``, gathered inputs with the calls merged (``[B, c]`` or ``[B, T, c]``)."""
+        if self._merged is None:
+            self._merged = {n: merge_calls(n, xs) for n, xs in self.calls_in.items()}
+        return self._merged
+
+    def token_masks(self, mask: Tensor | None) -> dict[str, Tensor | None]:
+        """``{module: float mask [B, T] | None}`` matching `inputs` (see `token_mask`), calls merged."""
+        out: dict[str, Tensor | None] = {}
+        for n, xs in self.calls_in.items():
+            if len(xs) == 1:
+                out[n] = token_mask(xs[0], mask)
+                continue
+            parts = [token_mask(x, mask) for x in xs]
+            out[n] = torch.cat(
+                [
+                    torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device) if m is None else m
+                    for x, m in zip(xs, parts, strict=True)
+                ],
+                dim=1,
+            )
+        return out
+
+    def snapshot(self) -> dict[str, list[Tensor]]:
+        """The recorded call outputs (a copy that survives `clear`), for `call_grads`."""
+        return {n: list(v) for n, v in self.calls_out.items()}
+
+    def output_grads(
+        self, logits: Tensor, cotangent: Tensor, retain_graph: bool = False
+    ) -> dict[str, Tensor]:
+        """``{module: δ}`` of one backward pass, calls merged like `inputs` (see `call_grads`)."""
+        return call_grads(logits, self.calls_out, cotangent, retain_graph)
+
     def clear(self) -> None:
         """Forget the last forward pass."""
-        self.inputs.clear()
-        self.outputs.clear()
+        self.calls_in = {}
+        self.calls_out = {}
+        self._merged = None
 
     def __enter__(self) -> Recorder:
         for name, m in self.modules.items():
@@ -115,8 +211,11 @@ class BatchPasses:
     Attributes:
         index: Batch index in the loader.
         n_examples: Examples (sequences) in the batch, ``B``.
-        inputs: Module -> gathered input ``x`` (``[B, c]`` or ``[B, T, c]``).
+        inputs: Module -> gathered input ``x`` (``[B, c]`` or ``[B, T, c]``; the calls of a module called
+            several times merged as extra positions).
         mask: Attention mask ``[B, T]`` (bool) or ``None``.
+        token_masks: Module -> float mask ``[B, T]`` of the positions of ``inputs`` that count (``None``
+            for ``[B, c]`` inputs).
         passes: Iterator of ``{module: δ}`` (``[B, n_out]`` or ``[B, T, n_out]``, full rows), one per cotangent;
             exhaust it before advancing to the next batch.
     """
@@ -125,23 +224,16 @@ class BatchPasses:
     n_examples: int
     inputs: dict[str, Tensor]
     mask: Tensor | None
+    token_masks: dict[str, Tensor | None]
     passes: Iterator[dict[str, Tensor]]
 
 
 def _backward_passes(
-    logits: Tensor, outputs: dict[str, Tensor], vectors: Tensor
+    logits: Tensor, calls: dict[str, list[Tensor]], vectors: Tensor
 ) -> Iterator[dict[str, Tensor]]:
-    names = list(outputs)
-    tensors = [outputs[n] for n in names]
     s = vectors.shape[0]
     for i in range(s):
-        grads = torch.autograd.grad(
-            logits, tensors, grad_outputs=vectors[i], retain_graph=i < s - 1, allow_unused=True
-        )
-        yield {
-            n: (torch.zeros_like(t) if g is None else g)
-            for n, t, g in zip(names, tensors, grads, strict=True)
-        }
+        yield call_grads(logits, calls, vectors[i], retain_graph=i < s - 1)
 
 
 def stream(
@@ -183,7 +275,7 @@ def stream(
             rec.clear()
             logits = logits_of(model, inputs)
             check_logits(logits, num_classes, index)
-            missing = [n for n in modules if n not in rec.outputs]
+            missing = [n for n in modules if n not in rec.calls_out]
             if missing:
                 raise ValueError(
                     f"batch {index}: modules {missing} were not called by the model's forward pass"
@@ -203,7 +295,8 @@ def stream(
                 n_examples=int(logits.shape[0]),
                 inputs=dict(rec.inputs),
                 mask=None if mask is None else mask.bool(),
-                passes=_backward_passes(logits, dict(rec.outputs), vectors),
+                token_masks=rec.token_masks(mask),
+                passes=_backward_passes(logits, rec.snapshot(), vectors),
             )
             del logits
     if seen == 0:

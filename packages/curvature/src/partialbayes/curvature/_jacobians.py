@@ -106,15 +106,16 @@ def class_block_grads(
             )
         b, c = logits.shape
         names = list(kmods)
-        outs = [rec.outputs[m] for m in names]
+        missing = [m for m in names if m not in rec.calls_out]
+        if missing:
+            raise ValueError(f"modules {missing} were not called by the model's forward pass")
         eye = torch.eye(c, dtype=logits.dtype, device=logits.device)
         per_class: dict[str, list[Tensor]] = {m: [] for m in names}
         for k in range(c):
-            grads = torch.autograd.grad(
-                logits, outs, eye[k].expand(b, c), retain_graph=k < c - 1, allow_unused=True
-            )
-            for m, o, g in zip(names, outs, grads, strict=True):
-                d = torch.zeros_like(o) if g is None else g
+            # calls of a module used several times are merged as extra token positions
+            grads = rec.output_grads(logits, eye[k].expand(b, c), retain_graph=k < c - 1)
+            for m in names:
+                d = grads[m]
                 if rows[m] is not None:
                     d = d.index_select(-1, rows[m])
                 per_class[m].append(combine(m, rec.inputs[m], d))

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from partialbayes.curvature._distributed import all_reduce_int
 from partialbayes.curvature._factors import FactorAccumulator, ModuleFactors
-from partialbayes.curvature._hooks import prepared, stream, token_mask
+from partialbayes.curvature._hooks import prepared, stream
 from partialbayes.curvature._likelihood import check_options, model_device
 from partialbayes.selection import Subset
 
@@ -143,7 +143,7 @@ def kfac(
             masks: dict[str, Tensor | None] = {}
             checks: dict[str, Tensor] = {}
             for m, x in bp.inputs.items():
-                tm = token_mask(x, bp.mask)
+                tm = bp.token_masks[m]
                 masks[m] = tm
                 if tm is not None and sharing == "reduce" and bool((tm.sum(1) == 0).any()):
                     raise ValueError(f"batch {bp.index}: an example has no unmasked token")
