@@ -300,3 +300,30 @@ def test_calls_with_different_batch_sizes_are_refused():
         kfac(model, [(x, y)], modules(model, ["shared"]))
     with pytest.raises(ValueError, match=r"module 'shared' is called 2 times"):
         logit_jacobians(model, x, modules(model, ["shared"]))
+
+
+class TiedNet(nn.Module):
+    """Two ``nn.Linear`` sharing one weight parameter (tying by attribute, not by calling one module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 2)
+        self.c = nn.Linear(3, 3)
+        self.c.weight = self.a.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.tanh(self.c(torch.tanh(self.a(x)))))
+
+
+def test_weights_tied_across_modules_are_refused():
+    model = TiedNet().double().eval()
+    x, y = _data(3, 3, 2, 0, regression=False)
+    s = modules(model, ["a", "b"])
+    with pytest.raises(ValueError, match=r"weight of module 'a' is tied to module\(s\) \['c'\]"):
+        kfac(model, [(x, y)], s)
+    with pytest.raises(ValueError, match=r"weight of module 'a' is tied"):
+        dense_curvature(model, [(x, y)], s)
+    with pytest.raises(ValueError, match=r"weight of module 'a' is tied"):
+        logit_jacobians(model, x, s)
+    kfac(model, [(x, y)], modules(model, ["b"]))  # untied modules of the same model are fine

@@ -173,6 +173,33 @@ class Recorder:
         self.clear()
 
 
+def check_untied(model: nn.Module, modules: Mapping[str, nn.Module]) -> None:
+    """Refuse target weights shared with another module of ``model`` (tied parameters).
+
+    The hooks see only the target module's calls, so the curvature of a weight that another module also
+    uses (e.g. a classifier tied to an embedding, or two ``nn.Linear`` sharing one ``weight``) would
+    silently miss that module's contribution. Calling the same module several times is supported instead.
+
+    Raises:
+        ValueError: Naming the target module and the modules it shares its weight with.
+    """
+    owner = {id(m.weight): name for name, m in modules.items()}
+    tied: dict[str, list[str]] = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        w = getattr(mod, "weight", None)
+        if isinstance(w, Tensor) and id(w) in owner:
+            target = owner[id(w)]
+            if mod is not modules[target]:
+                tied.setdefault(target, []).append(name)
+    if tied:
+        target, others = next(iter(tied.items()))
+        raise ValueError(
+            f"the weight of module {target!r} is tied to module(s) {others}: hooks on {target!r} would miss "
+            "their use of the weight. Curvature of tied weights is supported only when one module is "
+            "called several times (e.g. apply the same nn.Linear twice)"
+        )
+
+
 @contextmanager
 def prepared(
     model: nn.Module, modules: Mapping[str, nn.Module], switch: bool = True
@@ -181,7 +208,11 @@ def prepared(
 
     Restores the model's mode and the weights' ``requires_grad`` afterwards, even on error. With
     ``switch=False`` the model's mode is left alone.
+
+    Raises:
+        ValueError: If a target weight is tied to another module (see `check_untied`).
     """
+    check_untied(model, modules)
     was_training = model.training
     if was_training and switch:
         warnings.warn(
