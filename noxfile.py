@@ -1,14 +1,14 @@
 """Developer sessions for the partialbayes workspace (``nox -l`` lists them).
 
-* ``tests-<pkg>``: a package's tests in the whole-workspace environment (``uv sync --all-packages``).
-* ``isolated-<pkg>``: build the package's wheel (and its sibling wheels), install it ALONE with only its
+* ``tests(package='<pkg>')``: a package's tests in the whole-workspace environment (``uv sync --all-packages``).
+* ``isolated(package='<pkg>')``: build the package's wheel (and its sibling wheels), install it ALONE with only its
   declared dependencies into a fresh venv, run its tests there: proof that one sub-package installs by itself.
 * ``slow``: the tests marked ``slow`` (excluded from the default suite).
-* ``torch_matrix-<oldest|newest>``: the whole suite against the oldest torch we support and the newest on PyPI.
-* ``cuda-<variant>``: the suite against torch from PyTorch's per-CUDA wheel index; skips, saying why, on a
+* ``torch_matrix(torch='oldest'|'newest')``: the whole suite against the oldest torch we support and the newest on PyPI.
+* ``cuda(variant='cu126'|'cu128'|'cu130')``: the suite against torch from PyTorch's per-CUDA wheel index; skips, saying why, on a
   machine without an NVIDIA GPU or without access to that index.
 * ``lint``, ``types``, ``docs`` (strict build), ``bench`` (benchmark harness with peers; not part of CI),
-  ``release_check`` (version bump + changelog entry since the last tag of each package).
+  ``release-check`` (version bump + changelog entry since the last tag of each package).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ nox.options.sessions = ["lint", "tests", "docs"]
 ROOT = Path(__file__).parent
 PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists())
 OLDEST_TORCH = "2.4.1"
+OLDEST_TRANSFORMERS = "4.45.2"
 CUDA_VARIANTS = ["cu126", "cu128", "cu130"]
 TEST_TOOLS = ["pytest>=8.0", "hypothesis>=6.100", "numpy>=1.26", "scipy>=1.11"]
 
@@ -140,7 +141,7 @@ def _matrix_env(session: nox.Session, torch_req: list[str]) -> None:
     dist = _build_wheels(session, PACKAGES)
     wheels = [_wheel(dist, p) for p in PACKAGES]
     session.install(
-        "--find-links", str(dist), *torch_req, *wheels, *TEST_TOOLS, "transformers>=4.45"
+        "--find-links", str(dist), *torch_req, *wheels, *TEST_TOOLS, "safetensors", "matplotlib"
     )
 
 
@@ -148,7 +149,13 @@ def _matrix_env(session: nox.Session, torch_req: list[str]) -> None:
 @nox.parametrize("torch", ["oldest", "newest"])
 def torch_matrix(session: nox.Session, torch: str) -> None:
     """The whole suite against the oldest supported torch and the newest one on PyPI."""
-    req = [f"torch=={OLDEST_TORCH}"] if torch == "oldest" else ["--upgrade", "torch"]
+    # The oldest torch pairs with the oldest transformers we declare: recent transformers releases refuse
+    # old torch versions (transformers 5 disables PyTorch < 2.6), so the floors must be tested together.
+    req = (
+        [f"torch=={OLDEST_TORCH}", f"transformers=={OLDEST_TRANSFORMERS}"]
+        if torch == "oldest"
+        else ["--upgrade", "torch", "transformers"]
+    )
     _matrix_env(session, req)
     session.run("python", "-c", "import torch; print('torch', torch.__version__)")
     session.run("pytest", *session.posargs)
