@@ -2,6 +2,13 @@
 
 Convention (laplace-torch): ``G`` is SUMMED over examples, ``A`` AVERAGED, so ``G ⊗ A`` approximates the
 summed curvature of the block ``vec(W[R][:, C] | b[R])`` taken row-major (entry ``(i, j)`` ↔ ``i·c + j``).
+
+The bias is either folded into ``A`` (``x̃ = (x, 1)``; ``A`` carries the weight–bias cross terms) or kept
+separate: the weight block is ``G ⊗ A`` with ``A`` over the inputs only and the bias block is
+``G ⊗ A_bias``. The bias's input is the constant 1, so its output-gradient factor is the weight's ``G``
+(same δ, same reduce / expand treatment) and ``A_bias = [Σ 1·1 / count] = [1]`` (the average of 1 over the
+counted rows: examples for ``reduce``, unmasked positions for ``expand``). "Separate" is thus the folded
+approximation with the cross terms ``A[:c, c]`` (the mean input) set to zero: ``blockdiag(A, A_bias)``.
 """
 
 from __future__ import annotations
@@ -25,8 +32,12 @@ class ModuleFactors:
             input 1): input factor, AVERAGED over examples (over unmasked tokens with ``sharing="expand"``).
         rows: Selected output indices ``R`` (``None`` = all).
         cols: Selected input indices ``C`` (``None`` = all).
-        bias: ``True`` when the bias entries of ``R`` are folded into ``A`` as its last row / column.
+        bias: ``True`` when the bias entries of ``R`` are in the block (folded into ``A`` as its last row /
+            column, or kept separate with ``A_bias``).
         n_examples: Examples (sequences) the factors were computed from.
+        A_bias: ``[1, 1]`` input factor of the bias kept separate (``kfac(..., bias="separate")``): the
+            bias block is ``G ⊗ A_bias`` (``A_bias = [1]``, the average of the constant input 1) and ``A``
+            covers the weight inputs only; ``None`` when the bias is folded or not in the block.
 
     The block covers ``vec(W[R][:, C] | b[R])`` row-major; for HF ``Conv1D`` the logical (n_out x n_in)
     orientation.
@@ -39,6 +50,18 @@ class ModuleFactors:
     cols: Tensor | None
     bias: bool
     n_examples: int
+    A_bias: Tensor | None = None
+
+    def input_factor(self) -> Tensor:
+        """The input factor of the whole block (bias column last): ``A`` folded, ``blockdiag(A, A_bias)`` separate.
+
+        Returns:
+            ``[c, c]`` with ``c = |C| (+1 with a bias)``; ``G ⊗ input_factor()`` is the block's curvature in
+            ``vec(W[R][:, C] | b[R])`` order either way.
+        """
+        if self.A_bias is None:
+            return self.A
+        return torch.block_diag(self.A, self.A_bias.to(self.A))
 
 
 class FactorAccumulator:
@@ -86,6 +109,10 @@ class FactorAccumulator:
         self._filled()
         for t in (self.gg, self.xx, self.xs, self.count):
             all_reduce_sum(t)
+
+    def bias_factor(self) -> Tensor:
+        """``A_bias = [count / count]`` ``[1, 1]``: the separate bias's input factor (1 once any row counted)."""
+        return (self.count / self.count.clamp_min(1)).reshape(1, 1).clone()
 
     def factors(self, bias: bool) -> tuple[Tensor, Tensor]:
         """``(G, A)``: ``G`` summed, ``A = Σ x̃x̃ᵀ / count`` with ``x̃ = (x, 1)`` when ``bias``.

@@ -45,6 +45,8 @@ def save_posterior(posterior: Any, path: str | os.PathLike[str]) -> None:
     options = {"max_entries": posterior.max_entries} if hasattr(posterior, "max_entries") else {}
     if hasattr(posterior, "sharing"):
         options["sharing"] = posterior.sharing
+    if hasattr(posterior, "bias"):
+        options["bias"] = posterior.bias
     meta = {
         "format": FORMAT,
         "version": VERSION,

@@ -67,6 +67,7 @@ def kfac(
     fisher: str = "exact",
     mc_samples: int = 1,
     sharing: str = "reduce",
+    bias: str = "fold",
     sigma_noise: float = 1.0,
     dtype: torch.dtype = torch.float64,
     generator: torch.Generator | None = None,
@@ -82,11 +83,20 @@ def kfac(
        A = \frac{1}{N} \sum_n \tilde x_n[C]\,\tilde x_n[C]^\top, $$
 
     ``G`` SUMMED and ``A`` AVERAGED (the laplace-torch convention), ``x̃ = (x, 1)`` when the bias is in the
-    subset. S-KFAC blocks gather ``δ[:, R]`` and ``x[:, C]`` in the hooks: the full factors are never formed.
+    subset and ``bias="fold"``. With ``bias="separate"`` the weight block is ``G ⊗ A`` with ``x̃ = x[C]``
+    and the bias block is ``G ⊗ A_bias`` (``ModuleFactors.A_bias = [1]``: the bias's input is the constant
+    1, its output-gradient factor the same ``G``); the weight–bias cross terms are dropped. S-KFAC blocks
+    gather ``δ[:, R]`` and ``x[:, C]`` in the hooks: the full factors are never formed.
     Token sequences (``[B, T, d]`` activations): ``sharing="reduce"`` sums ``δ`` and averages ``x`` over the
     unmasked tokens of each sequence before the outer products (exact for deep linear networks with one
     loss per sequence); ``"expand"`` treats every unmasked token as an example (``A`` averaged over tokens).
-    Padding tokens (``attention_mask == 0``) never contribute.
+    Padding tokens (``attention_mask == 0``) never contribute. A module called several times per forward
+    pass (a shared, tied or looped layer) contributes every call, the calls merged as extra token positions
+    of each example (its per-example gradient is ``Σ_calls Σ_t δ_t x_tᵀ``): ``reduce`` sums ``δ`` and
+    averages ``x`` over all calls' positions (exact with one datum when the calls' output gradients agree,
+    e.g. their outputs are summed; for any data in deep linear networks with MSE), ``expand`` treats each
+    call's positions as examples (exact for deep linear networks with MSE when each call feeds its own
+    outputs through the same linear path).
 
     Args:
         model: Network; its forward takes a tensor or a Hugging Face dict batch and returns logits
@@ -99,6 +109,7 @@ def kfac(
             ``"empirical"`` (true labels).
         mc_samples: Number of sampled labels per example for ``fisher="mc"``.
         sharing: ``"reduce"`` or ``"expand"`` weight sharing over tokens.
+        bias: ``"fold"`` (bias as the last column of ``A``) or ``"separate"`` (own block ``G ⊗ A_bias``).
         sigma_noise: Gaussian noise standard deviation (regression).
         dtype: Accumulation dtype of the factors (float32 or float64).
         generator: Random generator for ``fisher="mc"``.
@@ -116,6 +127,8 @@ def kfac(
             without unmasked tokens, non-finite curvature (naming the module and batch).
     """
     check_options(likelihood, fisher, mc_samples, sigma_noise, sharing)
+    if bias not in ("fold", "separate"):
+        raise ValueError(f"bias must be 'fold' or 'separate', got {bias!r}")
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     kmods = kron_targets(model, subset, "kfac")
@@ -178,7 +191,10 @@ def kfac(
     out: dict[str, ModuleFactors] = {}
     for m, k in kmods.items():
         acc[m].all_reduce()
-        G, A = acc[m].factors(bias=k.bias_name is not None)
+        has_bias = k.bias_name is not None
+        separate = has_bias and bias == "separate"
+        A_bias = acc[m].bias_factor() if separate else None
+        G, A = acc[m].factors(bias=has_bias and not separate)
         if not bool(torch.isfinite(G).all() and torch.isfinite(A).all()):
             raise ValueError(
                 f"non-finite curvature in module {m!r} (overflow in the accumulated factors)"
@@ -189,7 +205,8 @@ def kfac(
             A=A,
             rows=k.rows,
             cols=k.cols,
-            bias=k.bias_name is not None,
+            bias=has_bias,
             n_examples=n_examples,
+            A_bias=A_bias,
         )
     return out

@@ -28,17 +28,22 @@ class _Projected(dict):
 class KronLaplace(LaplaceBase):
     """Laplace posterior with one Kronecker-factored block per linear map of the subset.
 
-    Each block covers ``vec(W[R][:, C] | b[R])`` (row-major, bias folded as the last column) with precision
+    Each block covers ``vec(W[R][:, C] | b[R])`` (row-major, bias as the last column) with precision
     ``P = (G ⊗ A) / T + δ_m I``, ``G = G[R, R]`` summed over the data and ``A = A[C, C]`` averaged (KFAC on
-    whole modules, S-KFAC on row / column blocks). Only the eigendecompositions of ``G`` and ``A`` are
-    stored; the prior is added exactly in their eigenbasis, and inverse, log-determinant, samples and the
-    functional covariance never form a dense covariance. Prior precision: scalar or one per module
+    whole modules, S-KFAC on row / column blocks). With ``bias="fold"`` the bias is folded into ``A``
+    (``x̃ = (x, 1)``); with ``bias="separate"`` the weight block is ``G ⊗ A`` (inputs only) and the bias has
+    its own block ``G ⊗ A_bias`` (``A_bias = [1]``), i.e. ``A`` is replaced by ``blockdiag(A, A_bias)``:
+    the weight–bias cross terms are zero and every operation below keeps working in the same layout. Only
+    the eigendecompositions of ``G`` and ``A`` are stored; the prior is added exactly in their eigenbasis,
+    and inverse, log-determinant, samples and the functional covariance never form a dense covariance. Prior precision: scalar or one per module
     (keys: module names of ``subset.kron_modules()``).
 
     Args:
         model: The fine-tuned model.
         subset: A Kronecker-structured subset (``KronBlock`` blocks on linear maps).
         sharing: Weight sharing over tokens for KFAC, ``"reduce"`` or ``"expand"``.
+        bias: ``"fold"`` (bias folded into ``A``) or ``"separate"`` (own Kronecker block ``G ⊗ A_bias``);
+            stored by `save` and passed to `kfac`.
         **kwargs: See `LaplaceBase` (likelihood, prior_precision, temperature, sigma_noise, fisher, ...).
 
     Raises:
@@ -46,10 +51,21 @@ class KronLaplace(LaplaceBase):
             `DenseLaplace`).
     """
 
-    def __init__(self, model: Any, subset: Any, *, sharing: str = "reduce", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        subset: Any,
+        *,
+        sharing: str = "reduce",
+        bias: str = "fold",
+        **kwargs: Any,
+    ) -> None:
         if sharing not in ("reduce", "expand"):
             raise ValueError(f"sharing must be 'reduce' or 'expand', got {sharing!r}")
+        if bias not in ("fold", "separate"):
+            raise ValueError(f"bias must be 'fold' or 'separate', got {bias!r}")
         self.sharing = sharing
+        self.bias = bias
         self._eig: dict[str, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
         super().__init__(model, subset, **kwargs)
 
@@ -79,6 +95,10 @@ class KronLaplace(LaplaceBase):
         cw = km.n_in if km.cols is None else int(km.cols.numel())
         return r, cw, cw + (km.bias_name is not None)
 
+    def _separate(self, module: str) -> bool:
+        """Whether the module's bias is in its block and kept separate (``bias="separate"``)."""
+        return self.bias == "separate" and self._kmods[module].bias_name is not None
+
     def block_to_params(self, module: str, block: Tensor) -> dict[str, Tensor]:
         """Split block matrices ``[..., r, c]`` into the module's parameters in ``subset.gather`` order.
 
@@ -100,28 +120,48 @@ class KronLaplace(LaplaceBase):
             loader,
             self.subset,
             sharing=self.sharing,
+            bias=self.bias,
             **self._curvature_options(progress),
         )
 
     def _set_curvature(self, curvature: Mapping[str, Any]) -> None:
-        """``curvature``: ``{module: factors}`` with ``.G [r, r]`` (summed) and ``.A [c, c]`` (averaged)."""
+        """``curvature``: ``{module: factors}`` with ``.G [r, r]`` (summed) and ``.A [c, c]`` (averaged).
+
+        With ``bias="separate"`` a module with a bias needs ``.A [c_w, c_w]`` and ``.A_bias [1, 1]`` (as from
+        ``kfac(..., bias="separate")``); factors of the other bias mode are refused.
+        """
         missing = [m for m in self.modules if m not in curvature]
         extra = [m for m in curvature if m not in self.modules]
         if missing or extra:
             raise ValueError(f"factors do not match the subset: missing {missing}, unknown {extra}")
         eig = {}
         for m in self.modules:
-            r, _, c = self._dims(m)
+            r, cw, c = self._dims(m)
+            separate = self._separate(m)
             G = curvature[m].G.to(device=self.device, dtype=self.dtype)
             A = curvature[m].A.to(device=self.device, dtype=self.dtype)
-            if G.shape != (r, r) or A.shape != (c, c):
+            A_bias = getattr(curvature[m], "A_bias", None)
+            if separate and A_bias is None:
+                raise ValueError(
+                    f"factors of module {m!r} fold the bias into A but the posterior keeps it separate "
+                    "(bias='separate'): compute them with kfac(..., bias='separate')"
+                )
+            if not separate and A_bias is not None:
+                raise ValueError(
+                    f"factors of module {m!r} keep the bias separate (A_bias) but the posterior folds it "
+                    "(bias='fold'): use KronLaplace(..., bias='separate') or kfac(..., bias='fold')"
+                )
+            ca = cw if separate else c
+            if G.shape != (r, r) or A.shape != (ca, ca):
                 raise ValueError(
                     f"factors of module {m!r} have G {tuple(G.shape)} and A {tuple(A.shape)}, "
-                    f"expected ({r}, {r}) and ({c}, {c}) for its block"
+                    f"expected ({r}, {r}) and ({ca}, {ca}) for its block"
                 )
             try:
                 eg, qg = clamped_eigh(G)
                 ea, qa = clamped_eigh(A)
+                if separate:
+                    ea, qa = _with_separate_bias(ea, qa, A_bias.to(A))
             except ValueError as err:
                 raise ValueError(f"curvature of module {m!r}: {err}") from err
             eig[m] = (eg, qg, ea, qa)
@@ -182,23 +222,61 @@ class KronLaplace(LaplaceBase):
 
     # ------------------------------------------------------------------ state
     def _curvature_state(self) -> dict[str, Tensor]:
+        """Eigenbases per module.
+
+        A separate bias stores ``Q_A`` of the weight inputs only (``[c_w, c_w]``) and
+        ``eig_a = (λ_A, A_bias)`` (``[c_w + 1]``).
+        """
         state = {}
         for m, (eg, qg, ea, qa) in self._eig.items():
+            if self._separate(m):
+                qa = qa[:-1, :-1]
             state.update({f"{m}:eig_g": eg, f"{m}:q_g": qg, f"{m}:eig_a": ea, f"{m}:q_a": qa})
         return state
 
     def _load_curvature_state(self, tensors: Mapping[str, Tensor]) -> None:
-        self._eig = {
-            m: tuple(
+        """Inverse of `_curvature_state`; shapes are checked against the blocks and the bias mode."""
+        eig = {}
+        for m in self.modules:
+            eg, qg, ea, qa = (
                 tensors[f"{m}:{k}"].to(device=self.device, dtype=self.dtype)
                 for k in ("eig_g", "q_g", "eig_a", "q_a")
             )
-            for m in self.modules
-        }
+            r, cw, c = self._dims(m)
+            ca = cw if self._separate(m) else c
+            if eg.shape != (r,) or qg.shape != (r, r) or ea.shape != (c,) or qa.shape != (ca, ca):
+                raise ValueError(
+                    f"saved curvature of module {m!r} (Q_A {tuple(qa.shape)}, eig_a {tuple(ea.shape)}) does "
+                    f"not match its block with bias={self.bias!r} (Q_A ({ca}, {ca}), eig_a ({c},))"
+                )
+            if self._separate(m):
+                ea, qa = _with_separate_bias(ea[:-1], qa, ea[-1:].reshape(1, 1))
+            eig[m] = (eg, qg, ea, qa)
+        self._eig = eig
 
     def _summary_rows(self) -> list[tuple[str, str, int]]:
         rows = []
         for m in self.modules:
-            r, _, c = self._dims(m)
-            rows.append((m, f"G {r}x{r} ⊗ A {c}x{c}", r * r + r + c * c + c))
+            r, cw, c = self._dims(m)
+            if self._separate(m):
+                rows.append((m, f"G {r}x{r} ⊗ A {cw}x{cw}, bias G ⊗ [1]", r * r + r + cw * cw + c))
+            else:
+                rows.append((m, f"G {r}x{r} ⊗ A {c}x{c}", r * r + r + c * c + c))
         return rows
+
+
+def _with_separate_bias(eig_a: Tensor, q_a: Tensor, a_bias: Tensor) -> tuple[Tensor, Tensor]:
+    """Eigenpairs of ``blockdiag(A, A_bias)`` from those of ``A``: ``(λ_A, a_b)`` and ``blockdiag(Q_A, 1)``.
+
+    Args:
+        eig_a: ``[c_w]`` eigenvalues of the weight-input factor.
+        q_a: ``[c_w, c_w]`` its eigenvectors.
+        a_bias: ``[1, 1]`` the separate bias's input factor.
+
+    Raises:
+        ValueError: If ``a_bias`` is not a finite ``[1, 1]`` tensor.
+    """
+    if a_bias.shape != (1, 1) or not bool(torch.isfinite(a_bias).all()):
+        raise ValueError(f"A_bias must be a finite [1, 1] tensor, got {a_bias.tolist()}")
+    one = torch.ones(1, 1, dtype=q_a.dtype, device=q_a.device)
+    return torch.cat([eig_a, a_bias.reshape(1).clamp(min=0.0)]), torch.block_diag(q_a, one)
