@@ -7,6 +7,7 @@ nox's isolated per-package environments (which run the package's tests from this
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,21 @@ _DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 def device(request: pytest.FixtureRequest) -> torch.device:
     """Every numerical test runs on cpu, and on cuda whenever a GPU is present."""
     return torch.device(request.param)
+
+
+@pytest.fixture
+def float64_default() -> Iterator[None]:
+    """Make float64 torch's default dtype for one test (restored afterwards).
+
+    For float64 Hugging Face models under older transformers: 4.45 (our declared floor) builds GPT-2's
+    causal mask with ``torch.full`` in the *default* dtype, which overflows for a float64 model otherwise.
+    """
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 @pytest.fixture

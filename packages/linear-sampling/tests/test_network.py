@@ -186,21 +186,8 @@ def tiny_hf(kind):
     return model.eval()
 
 
-@pytest.fixture
-def f64_default():
-    """float64 as torch's default dtype for the test (restored afterwards).
-
-    transformers 4.45 (our declared floor) builds GPT-2's causal mask with ``torch.full`` in the *default*
-    dtype, which overflows for a float64 model unless the default is float64 too.
-    """
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(F64)
-    yield
-    torch.set_default_dtype(previous)
-
-
 @pytest.mark.parametrize("kind", ["distilbert", "gpt2"])
-def test_tiny_hf_features_are_adjoint_and_match_finite_differences(device, kind, f64_default):
+def test_tiny_hf_features_are_adjoint_and_match_finite_differences(device, kind, float64_default):
     model = tiny_hf(kind).to(device=device, dtype=F64)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 50, (6, 7), generator=g)
