@@ -327,3 +327,27 @@ def test_weights_tied_across_modules_are_refused():
     with pytest.raises(ValueError, match=r"weight of module 'a' is tied"):
         logit_jacobians(model, x, s)
     kfac(model, [(x, y)], modules(model, ["b"]))  # untied modules of the same model are fine
+
+
+@FIXTURE
+@given(
+    d=st.integers(1, 3),
+    h=st.integers(1, 3),
+    c=st.integers(1, 2),
+    b=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_reduce_exact_for_summed_calls_deep_linear_mse(d, h, c, b, seed, device):
+    torch.manual_seed(seed)
+    model = SumNet(d, h, c, act=False).double().eval()
+    x, y = _data(b, 2 * d, c, seed, regression=True)
+    ref = _ref(model, x, y, "shared", True, "regression", "exact", 0.6)
+    f = kfac(
+        model.to(device),
+        [(x.to(device), y.to(device))],
+        modules(model, ["shared"]),
+        likelihood="regression",
+        sigma_noise=0.6,
+        sharing="reduce",
+    )["shared"]
+    torch.testing.assert_close(torch.kron(f.G, f.A).cpu(), ref, rtol=1e-8, atol=1e-10)
