@@ -1,21 +1,23 @@
 import functools
+import math
 
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from partialbayes.ivon import _blocked
-from partialbayes.ivon._math import hessian_update, update_
+from partialbayes.ivon._math import EST_KINDS, hessian_update, update_
 
 
 @given(
     sizes=st.lists(st.integers(1, 40), min_size=1, max_size=4),
     chunk=st.integers(1, 17),
     seed=st.integers(0, 1000),
-    price=st.booleans(),
+    est_kind=st.sampled_from(EST_KINDS),
     use_workspace=st.booleans(),
+    clip=st.sampled_from([0.3, math.inf]),
 )
-def test_chunked_update_equals_whole_list_update(sizes, chunk, seed, price, use_workspace):
+def test_chunked_update_equals_whole_list_update(sizes, chunk, seed, est_kind, use_workspace, clip):
     g = torch.Generator().manual_seed(seed)
 
     def make():
@@ -26,15 +28,19 @@ def test_chunked_update_equals_whole_list_update(sizes, chunk, seed, price, use_
     masks = [torch.rand(n, generator=g) < 0.5 for n in sizes]
     fn = functools.partial(
         update_,
-        price=price,
+        est_kind=est_kind,
         beta1=0.9,
         beta2=0.8,
         delta=0.01,
         ess=7.0,
         lr=0.1,
         debias=0.5,
-        clip_radius=0.3,
+        clip_radius=clip,
     )
+    if est_kind == "sample":  # weight samples near the means
+        est = [m + 0.1 * e for m, e in zip(means, est, strict=True)]
+    elif est_kind == "gradsq":
+        est = [e * e for e in est]
     copies = [[t.clone() for t in lst] for lst in (means, mom, hess, grads, est)]
     workspace = _blocked.Workspace() if use_workspace else None
     _blocked.apply(fn, [*copies, masks], blocked=True, chunk=chunk, workspace=workspace)

@@ -13,8 +13,9 @@ import torch
 from torch import Tensor, nn
 
 from partialbayes.ivon import _blocked as blocked
+from partialbayes.ivon import _compiled as compiled_kernels
 from partialbayes.ivon import _distributed as dist_utils
-from partialbayes.ivon._math import collect_price_, running_mean_, sample_, update_
+from partialbayes.ivon._math import draw_, price_product_, running_mean_, update_
 
 if TYPE_CHECKING:  # the selection package is an optional extra: never imported at run time
     from partialbayes.selection import Subset
@@ -118,11 +119,18 @@ class IVON(torch.optim.Optimizer):
         sync: All-reduce across ranks; ``None`` means "when torch.distributed is initialised".
         generator: Generator for the noise (same seed, same trajectory). Noise for a parameter on another
             device than the generator is drawn on the generator's device and copied. ``None``: the global RNG.
+        compiled: Run the sample and the update as ``torch.compile``'d fused kernels (one pass over the
+            parameters each instead of 3 and 12; same noise, same results up to rounding). Compiles on first
+            use (tens of seconds on a CPU, needs a C++ compiler there); if compilation fails it warns once
+            and falls back to the eager kernels.
 
     Raises:
         ValueError: If a hyperparameter is out of range or ``hess_approx`` is unknown.
         TypeError: If a hyperparameter has the wrong type or a parameter is not floating point.
     """
+
+    #: ``torch.amp.GradScaler.step`` hands this optimizer its scale and inf flag instead of unscaling ``.grad``
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -140,6 +148,7 @@ class IVON(torch.optim.Optimizer):
         debias: bool = True,
         sync: bool | None = None,
         generator: torch.Generator | None = None,
+        compiled: bool = False,
     ) -> None:
         if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
             raise ValueError(f"IVON: mc_samples must be an int >= 1, got {mc_samples!r}")
@@ -155,13 +164,18 @@ class IVON(torch.optim.Optimizer):
         self.debias = bool(debias)
         self.sync = sync
         self.generator = generator
+        self.compiled = bool(compiled)
         self._rank_generators: dict[torch.device, torch.Generator] = {}
         self._masks: dict[Tensor, _Mask] = {}
         self._workspace = blocked.Workspace()
         self._sampling = False
         self._count = 0
         self._avg_grad: dict[Tensor, Tensor] = {}
-        self._avg_hess: dict[Tensor, Tensor] = {}
+        self._est: dict[Tensor, Tensor] = {}  # per variational parameter: see _math.EST_KINDS
+        self._est_kind: str | None = None
+        self._sample_bufs: dict[Any, Tensor] = {}  # (device, dtype) -> flat buffer of the samples
+        self._est_bufs: dict[Any, Tensor] = {}  # the same for the statistic of several MC samples
+        self._layout_cache: Any = None
         defaults = {
             "lr": lr,
             "ess": ess,
@@ -178,6 +192,7 @@ class IVON(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group (validated), initialising its momentum to 0 and Hessian to ``hess_init``."""
         super().add_param_group(param_group)
+        self._layout_cache = None
         group = self.param_groups[-1]
         _validate_group(group)
         group.setdefault("step", 0)
@@ -230,6 +245,7 @@ class IVON(torch.optim.Optimizer):
         params = [p for p in named.values() if p.requires_grad]
         opt = cls(params, **kwargs)
         opt._masks = {p: masks.get(p, False) for p in params}
+        opt._layout_cache = None
         return opt
 
     # ---------------------------------------------------------------------------------------------- helpers
@@ -266,8 +282,40 @@ class IVON(torch.optim.Optimizer):
             return torch.zeros_like(p)
         if g.is_sparse:
             raise TypeError("IVON does not support sparse gradients")
-        p.grad = None
         return g.clone() if g._base is not None else g  # never keep a view into someone's bucket
+
+    def _release_grads(self) -> None:
+        """Detach the averaged gradients this optimizer exposes as ``p.grad`` (before a sample, after a step)."""
+        for p, g in self._avg_grad.items():
+            if p.grad is g:
+                p.grad = None
+
+    def _layout(self) -> dict[Tensor, tuple[tuple[torch.device, torch.dtype], int]]:
+        """Offset of every variational parameter in the flat buffer of its (device, dtype)."""
+        if self._layout_cache is None:
+            layout: dict[Tensor, tuple[tuple[torch.device, torch.dtype], int]] = {}
+            sizes: dict[tuple[torch.device, torch.dtype], int] = {}
+            for _group, params in self._buckets():
+                for p in params:
+                    if self.variational_mask(p) is False or p in layout:
+                        continue
+                    key = (p.device, p.dtype)
+                    layout[p] = (key, sizes.get(key, 0))
+                    sizes[key] = sizes.get(key, 0) + p.numel()
+            self._layout_cache = (layout, sizes)
+        return self._layout_cache[0]
+
+    def _views(self, store: dict[Any, Tensor]) -> dict[Tensor, Tensor]:
+        """Views, shaped like each variational parameter, into the reused flat buffers of ``store``."""
+        layout = self._layout()
+        assert self._layout_cache is not None
+        for key, size in self._layout_cache[1].items():
+            buf = store.get(key)
+            if buf is None or buf.numel() != size:
+                store[key] = torch.empty(size, device=key[0], dtype=key[1])
+        return {
+            p: store[key][off : off + p.numel()].view(p.shape) for p, (key, off) in layout.items()
+        }
 
     # --------------------------------------------------------------------------------------------- sampling
     @contextmanager
@@ -276,8 +324,13 @@ class IVON(torch.optim.Optimizer):
 
         The means are restored even if the body raises (the sample is then discarded). With
         ``train=True`` the gradients at ``w`` (``p.grad``, accumulated over any number of backward passes in
-        the body; missing gradients count as zero) are consumed on exit and averaged into the running
-        gradient and Hessian estimates used by the next :meth:`step`.
+        the body; missing gradients count as zero) are collected on exit into the running gradient and
+        Hessian statistics of the next :meth:`step`. Afterwards ``p.grad`` holds the running MC average of the
+        gradient (the tensor :meth:`step` will use: a ``torch.amp.GradScaler`` checks and unscales it there),
+        and it is detached again when the next sample is drawn and after the step.
+
+        The samples live in one reused buffer per (device, dtype): a reference to a parameter kept from
+        inside the block is overwritten by the next sample.
 
         Args:
             train: Collect the gradient sample for training.
@@ -293,7 +346,7 @@ class IVON(torch.optim.Optimizer):
         self._sampling = True
         try:
             with torch.no_grad():
-                means, samples = self._draw()
+                means, samples = self._draw(train)
         except BaseException:
             self._sampling = False
             raise
@@ -309,49 +362,64 @@ class IVON(torch.optim.Optimizer):
             with torch.no_grad():
                 self._collect(samples)
 
-    def _draw(self) -> tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]:
+    def _draw(self, train: bool) -> tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]:
         """Put samples into the variational parameters; returns their means and samples by parameter."""
+        if self._count and self._est_kind in ("sample", "grad"):
+            self._materialize()  # the pending first sample's statistic must leave the sample buffer
+        if train:
+            self._release_grads()
+        views = self._views(self._sample_bufs)
         means: dict[Tensor, Tensor] = {}
-        samples: dict[Tensor, Tensor] = {}
         for group, params in self._buckets():
-            var = [p for p in params if self.variational_mask(p) is not False]
+            var = [p for p in params if p in views and p not in means]
             if not var:
                 continue
             device = var[0].device
             gen = self._generator_for(device)
             std = 1.0 / math.sqrt(group["ess"])
             is_blocked = self._blocked(device)
-            noise = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in var]
+            noise = [views[p] for p in var]
             # noise is drawn per parameter in order; on the CPU chunk by chunk inside the blocked pass
-            draw_in_pass = is_blocked and (
-                gen is None or _same_device(torch.device(gen.device), device)
-            )
-            if not draw_in_pass:
-                for i, (z, p) in enumerate(zip(noise, var, strict=True)):
-                    if gen is None or _same_device(torch.device(gen.device), device):
-                        z.normal_(0.0, std, generator=gen)
-                    else:  # the generator lives elsewhere: draw there, copy over
-                        z_gen = torch.empty(p.shape, dtype=p.dtype, device=gen.device)
-                        noise[i] = z_gen.normal_(0.0, std, generator=gen).to(device)
+            gen_here = gen is None or _same_device(torch.device(gen.device), device)
+            draw_in_pass = gen_here
+            if not gen_here:  # the generator lives elsewhere: draw there, copy over
+                for z, p in zip(noise, var, strict=True):
+                    z_gen = torch.empty(p.shape, dtype=p.dtype, device=gen.device)
+                    z.copy_(z_gen.normal_(0.0, std, generator=gen))
             mean_views = [p.data for p in var]
             hess = [self.state[p]["hess"] for p in var]
             masks = self._mask_list(var)
             fn = functools.partial(
-                sample_, std=std, delta=group["weight_decay"], generator=gen, draw=draw_in_pass
+                draw_, std=std, delta=group["weight_decay"], generator=gen, draw=draw_in_pass
             )
-            if is_blocked:  # one parameter at a time, in order (the draw order)
+            if self._use_compiled(var):
+                if draw_in_pass:
+                    for z in noise:
+                        z.normal_(0.0, std, generator=gen)
+                done = self._draw_compiled(noise, mean_views, hess, masks, group["weight_decay"])
+                if done < len(var):
+                    rest = slice(done, None)
+                    sub = [noise[rest], mean_views[rest], hess[rest], masks[rest]]
+                    blocked.apply(
+                        functools.partial(fn, draw=False), sub, blocked=is_blocked,
+                        workspace=self._workspace,
+                    )  # fmt: skip
+            elif is_blocked:  # one parameter (chunk) at a time, in order (the draw order)
                 blocked.apply(
                     fn, [noise, mean_views, hess, masks], blocked=True, workspace=self._workspace
                 )
             else:
+                if draw_in_pass:
+                    for z in noise:
+                        z.normal_(0.0, std, generator=gen)
+                fn = functools.partial(fn, draw=False)
                 for idx in self._categories(var, masks):
                     sub = [_pick(noise, idx), _pick(mean_views, idx), _pick(hess, idx)]
                     blocked.apply(fn, [*sub, _pick(masks, idx)], blocked=False)
             for p, m, w in zip(var, mean_views, noise, strict=True):
                 means[p] = m
-                samples[p] = w
                 p.data = w
-        return means, samples
+        return means, views
 
     def _mask_list(self, params: list[Tensor]) -> list[Tensor | None]:
         out: list[Tensor | None] = []
@@ -366,6 +434,26 @@ class IVON(torch.optim.Optimizer):
         without = [i for i, m in enumerate(masks) if m is None]
         return [idx for idx in (without, with_mask) if idx]
 
+    def _use_compiled(self, params: list[Tensor]) -> bool:
+        if not (self.compiled and compiled_kernels.available()):
+            return False
+        return all(p.is_contiguous() and self.state[p]["hess"].is_contiguous() for p in params)
+
+    @staticmethod
+    def _draw_compiled(
+        noise: list[Tensor],
+        means: list[Tensor],
+        hess: list[Tensor],
+        masks: list[Tensor | None],
+        delta: float,
+    ) -> int:
+        """Compiled :func:`draw_` (noise already drawn) per parameter; returns how many were done."""
+        c = compiled_kernels.scalars([delta], noise[0])
+        for i, args in enumerate(zip(noise, means, hess, masks, strict=True)):
+            if not compiled_kernels.draw_one(*args, c):
+                return i
+        return len(noise)
+
     @staticmethod
     def _blocked(device: torch.device) -> bool:
         return device.type == "cpu"
@@ -376,38 +464,66 @@ class IVON(torch.optim.Optimizer):
             p.data = m
 
     def _collect(self, samples: dict[Tensor, Tensor]) -> None:
+        """Fold the gradients at the sample into the running statistics; expose the average as ``p.grad``.
+
+        The first sample's Hessian statistic is left pending: with one MC sample per step it is computed
+        inside the update (from the sample buffer and the gradient), which saves two passes and a buffer.
+        """
         self._count += 1
         k = self._count
+        if k == 1:
+            self._est_kind = "sample" if self.hess_approx == "price" else "grad"
         for _group, params in self._buckets():
             grads = [self._take_grad(p) for p in params]
             if k == 1:
                 self._avg_grad.update(zip(params, grads, strict=True))
+                for p in params:
+                    if p in samples and self.hess_approx == "price":
+                        self._est[p] = samples[p]
             else:
+                var = [i for i, p in enumerate(params) if p in samples]
+                if var:
+                    ws = [samples[params[i]] for i in var]
+                    gs = [grads[i] for i in var]
+                    if self.hess_approx == "price":
+                        price_product_(ws, ws, [params[i].data for i in var], gs)
+                    else:
+                        for w, g in zip(ws, gs, strict=True):
+                            torch.mul(g, g, out=w)
+                    running_mean_([self._est[params[i]] for i in var], ws, k)
                 running_mean_([self._avg_grad[p] for p in params], grads, k)
-            var = [(p, g) for p, g in zip(params, grads, strict=True) if p in samples]
-            if not var:
-                continue
-            vp = [p for p, _ in var]
-            vg = [g for _, g in var]
-            avg = None if k == 1 else [self._avg_hess[p] for p in vp]
-            if self.hess_approx == "price":
-                est = [samples[p] for p in vp]
-                blocked.apply(
-                    functools.partial(collect_price_, count=k),
-                    [est, [p.data for p in vp], vg, avg],
-                    blocked=self._blocked(vp[0].device),
-                )
+            for p in params:
+                p.grad = self._avg_grad[p]
+
+    def _materialize(self) -> None:
+        """Move the pending statistic of the first sample (``ε·g`` or ``g²``) into its own buffers."""
+        views = self._views(self._est_bufs)
+        for p, e in views.items():
+            g = self._avg_grad[p]
+            if self._est_kind == "sample":
+                price_product_([e], [self._est[p]], [p.data], [g])
             else:
-                est = torch._foreach_mul(vg, vg)
-                if avg is not None:
-                    running_mean_(avg, est, k)
-            if k == 1:
-                self._avg_hess.update(zip(vp, est, strict=True))
+                torch.mul(g, g, out=e)
+            self._est[p] = e
+        self._est_kind = "price" if self._est_kind == "sample" else "gradsq"
+
+    def _discard(self) -> None:
+        """Forget the collected samples (a skipped step)."""
+        self._release_grads()
+        self._count = 0
+        self._est_kind = None
+        self._avg_grad.clear()
+        self._est.clear()
 
     # ------------------------------------------------------------------------------------------------- step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Update means, momentum and Hessian from the gradient samples collected since the last step.
+
+        Works with ``torch.amp.GradScaler``: ``scaler.step(optimizer)`` passes its scale and inf flag
+        (``_step_supports_amp_scaling``); a step with non-finite gradients is skipped without touching the
+        state (means, momentum, ``h`` and the step counter stay as they were, the samples are dropped),
+        otherwise the gradient statistics are unscaled before the update.
 
         Args:
             closure: Optional; computes the loss and calls ``backward()``. Called ``mc_samples`` times, each
@@ -417,7 +533,9 @@ class IVON(torch.optim.Optimizer):
             The average closure loss, or ``None`` without a closure.
 
         Raises:
-            RuntimeError: If called inside ``sampled_params`` or with no gradient sample collected.
+            RuntimeError: If called inside ``sampled_params`` or with no gradient sample collected, or if a
+                ``GradScaler`` unscaled the gradients of several MC samples before the step (call
+                ``scaler.unscale_`` only with one sample per step).
         """
         if self._sampling:
             raise RuntimeError(
@@ -436,43 +554,100 @@ class IVON(torch.optim.Optimizer):
                 "IVON.step() needs at least one gradient sample: run forward/backward inside "
                 "`with optimizer.sampled_params(train=True):` first (or pass a closure)"
             )
+        if not self._unscale():
+            self._discard()
+            return loss
         sync = self._sync_enabled()
+        if sync and self._est_kind in ("sample", "grad"):
+            self._materialize()
         for group in self.param_groups:
             group["step"] += 1
         for group, params in self._buckets():
             self._update_bucket(group, params, sync)
-        self._count = 0
-        self._avg_grad.clear()
-        self._avg_hess.clear()
+        self._discard()
         return loss
+
+    def _unscale(self) -> bool:
+        """Apply a GradScaler's scale and inf flag (set as attributes by ``scaler.step``); ``False``: skip."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            return True
+        if float(found_inf) != 0.0:
+            return False
+        grad_scale = getattr(self, "grad_scale", None)
+        if (
+            grad_scale is None
+        ):  # the user called scaler.unscale_(optimizer): p.grad is unscaled already
+            if self._est_kind in ("price", "gradsq"):
+                raise RuntimeError(
+                    "IVON with GradScaler: scaler.unscale_(optimizer) unscales only the averaged gradient, "
+                    "not the Hessian statistic of several MC samples; with mc_samples > 1 let "
+                    "scaler.step(optimizer) unscale"
+                )
+            return True
+        inv = 1.0 / float(grad_scale)
+        for _group, params in self._buckets():
+            torch._foreach_mul_([self._avg_grad[p] for p in params], inv)
+            est = [self._est[p] for p in params if p in self._est]
+            if est and self._est_kind == "price":
+                torch._foreach_mul_(est, inv)
+            elif est and self._est_kind == "gradsq":
+                torch._foreach_mul_(est, inv * inv)
+        return True
 
     def _update_bucket(self, group: dict[str, Any], params: list[Tensor], sync: bool) -> None:
         delta = group["weight_decay"]
         grads = [self._avg_grad[p] for p in params]
-        est_all = [self._avg_hess.get(p) for p in params]
+        est_all = [self._est.get(p) for p in params]
         if sync:
             dist_utils.all_reduce_mean_(grads)
             dist_utils.all_reduce_mean_([e for e in est_all if e is not None])
         masks = self._mask_list(params)
-        fn = functools.partial(
-            update_,
-            price=self.hess_approx == "price",
-            beta1=group["beta1"],
-            beta2=group["beta2"],
-            delta=delta,
-            ess=group["ess"],
-            lr=group["lr"] * (group["hess_init"] + delta) if self.rescale_lr else group["lr"],
-            debias=1.0 - group["beta1"] ** group["step"] if self.debias else 1.0,
-            clip_radius=group["clip_radius"],
-        )
+        hyper = {
+            "beta1": group["beta1"],
+            "beta2": group["beta2"],
+            "delta": delta,
+            "ess": group["ess"],
+            "lr": group["lr"] * (group["hess_init"] + delta) if self.rescale_lr else group["lr"],
+            "debias": 1.0 - group["beta1"] ** group["step"] if self.debias else 1.0,
+            "clip_radius": group["clip_radius"],
+        }
         means = [p.data for p in params]
         momentum = [self.state[p]["momentum"] for p in params]
         hess = [self.state[p]["hess"] for p in params]
-        # homogeneous lists: (has a Hessian estimate, has a partial mask)
+        # homogeneous lists: (variational, has a partial mask)
         kinds: dict[tuple[bool, bool], list[int]] = {}
-        for i in range(len(params)):
-            kinds.setdefault((est_all[i] is not None, masks[i] is not None), []).append(i)
-        for idx in kinds.values():
+        for i, p in enumerate(params):
+            variational = self.variational_mask(p) is not False
+            kinds.setdefault((variational, masks[i] is not None), []).append(i)
+        if self._use_compiled(params):
+            c = compiled_kernels.scalars(
+                [
+                    1.0 - hyper["beta1"], delta, hyper["ess"], 1.0 - hyper["beta2"],
+                    0.5 * (1.0 - hyper["beta2"]) ** 2, hyper["debias"] * delta,
+                    -hyper["lr"] / hyper["debias"], hyper["debias"] * hyper["clip_radius"],
+                ],
+                params[0],
+            )  # fmt: skip
+            clip = hyper["clip_radius"] != math.inf
+            todo = []
+            for i, p in enumerate(params):
+                kind = self._est_kind if self.variational_mask(p) is not False else None
+                args = (means[i], momentum[i], hess[i], grads[i], est_all[i], masks[i], c)
+                if not (
+                    compiled_kernels.flat_ok(*args[:6])
+                    and compiled_kernels.update_one(*args, kind, clip)
+                ):
+                    todo.append(i)
+            if not todo:
+                return
+            kinds = {k: [i for i in v if i in todo] for k, v in kinds.items()}
+        for (variational, _), idx in kinds.items():
+            if not idx:
+                continue
+            fn = functools.partial(
+                update_, est_kind=self._est_kind if variational else None, **hyper
+            )
             blocked.apply(
                 fn,
                 [
@@ -531,6 +706,4 @@ class IVON(torch.optim.Optimizer):
             group.setdefault("step", 0)
         if gen_state is not None and self.generator is not None:
             self.generator.set_state(gen_state)
-        self._count = 0
-        self._avg_grad.clear()
-        self._avg_hess.clear()
+        self._discard()
