@@ -18,7 +18,7 @@ from partialbayes.selection import modules
 pytestmark = pytest.mark.peers
 
 
-def _curvlinops_block(model, x, y, module, fisher, approx):
+def _curvlinops_block(model, x, y, module, fisher, approx, separate=False):
     curvlinops = pytest.importorskip("curvlinops")
     m = model.get_submodule(module)
     params = [m.weight, m.bias]
@@ -29,7 +29,7 @@ def _curvlinops_block(model, x, y, module, fisher, approx):
         [(x, y)],
         fisher_type=fisher,
         kfac_approx=approx,
-        separate_weight_and_bias=False,
+        separate_weight_and_bias=separate,
         check_deterministic=False,
     )
     p = sum(t.numel() for t in params)
@@ -67,3 +67,16 @@ def test_sequences_match_curvlinops(sharing):
     ref = _curvlinops_block(model, x, y, "lin2", "type-2", sharing)
     f = kfac(model, [(x, y)], modules(model, ["lin2"]), fisher="exact", sharing=sharing)["lin2"]
     torch.testing.assert_close(_ours_in_param_order(f, 4, 4), ref, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("sharing", ["reduce", "expand"])
+def test_separate_bias_matches_curvlinops(sharing):
+    """Our ``bias="separate"`` is curvlinops' ``separate_weight_and_bias=True``: ``G ⊗ A`` and ``G ⊗ [1]``."""
+    torch.manual_seed(1)
+    model = SeqNet(3, 4, 2).double().eval()
+    x, y = torch.randn(5, 6, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    ref = _curvlinops_block(model, x, y, "lin2", "type-2", sharing, separate=True)
+    s = modules(model, ["lin2"])
+    f = kfac(model, [(x, y)], s, fisher="exact", sharing=sharing, bias="separate")["lin2"]
+    ours = torch.block_diag(torch.kron(f.G, f.A), torch.kron(f.G, f.A_bias))
+    torch.testing.assert_close(ours, ref, rtol=1e-8, atol=1e-10)
