@@ -85,6 +85,7 @@ class FactorAccumulator:
             self.xx = x.T @ x
             self.xs = x.sum(0)
         else:
+            assert self.xs is not None
             self.xx.addmm_(x.T, x)
             self.xs += x.sum(0)
         self.count += count
@@ -108,6 +109,7 @@ class FactorAccumulator:
         """Sum the running sums over ranks when ``torch.distributed`` is initialised (no-op otherwise)."""
         self._filled()
         for t in (self.gg, self.xx, self.xs, self.count):
+            assert t is not None
             all_reduce_sum(t)
 
     def bias_factor(self) -> Tensor:

@@ -221,7 +221,8 @@ def prepared(
             UserWarning,
             stacklevel=4,
         )
-    flags = [(m.weight, m.weight.requires_grad) for m in modules.values()]
+    weights: list[Tensor] = [m.weight for m in modules.values()]  # type: ignore[misc]
+    flags = [(w, bool(w.requires_grad)) for w in weights]
     if switch:
         model.eval()
     try:

@@ -160,6 +160,7 @@ def kfac(
                 masks[m] = tm
                 if tm is not None and sharing == "reduce" and bool((tm.sum(1) == 0).any()):
                     raise ValueError(f"batch {bp.index}: an example has no unmasked token")
+                cnt: Tensor | int
                 if sharing == "reduce":
                     xr, cnt = _reduce_rows(x, tm, mean=True), x.shape[0]
                 else:
@@ -170,8 +171,9 @@ def kfac(
             deltas: dict[str, list[Tensor]] = {m: [] for m in kmods}
             for grads in bp.passes:
                 for m, d in grads.items():
-                    if rows[m] is not None:
-                        d = d.index_select(-1, rows[m])
+                    r = rows[m]
+                    if r is not None:
+                        d = d.index_select(-1, r)
                     tm = masks[m]
                     deltas[m].append(
                         _reduce_rows(d, tm, mean=False)

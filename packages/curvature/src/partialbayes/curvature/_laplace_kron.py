@@ -160,7 +160,7 @@ class KronLaplace(LaplaceBase):
             try:
                 eg, qg = clamped_eigh(G)
                 ea, qa = clamped_eigh(A)
-                if separate:
+                if A_bias is not None:  # separate (checked above)
                     ea, qa = _with_separate_bias(ea, qa, A_bias.to(A))
             except ValueError as err:
                 raise ValueError(f"curvature of module {m!r}: {err}") from err
@@ -172,9 +172,9 @@ class KronLaplace(LaplaceBase):
         return precision_eigenvalues(eg, ea, prior[i], self.temperature, scale)
 
     def _log_det(self, prior: Tensor, scale: Tensor | float) -> Tensor:
-        return sum(
-            kron_log_det(self._eigenvalues(i, m, prior, scale)) for i, m in enumerate(self.modules)
-        )
+        return torch.stack(
+            [kron_log_det(self._eigenvalues(i, m, prior, scale)) for i, m in enumerate(self.modules)]
+        ).sum()
 
     def _sample_centered(self, n: int, generator: torch.Generator | None) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
