@@ -51,3 +51,16 @@ def test_quickstart_without_data_says_where(capsys, tmp_path, monkeypatch):
 def test_report_on_empty_folder(capsys, tmp_path):
     assert main(["report", "--results", str(tmp_path)]) == 2
     assert "no result records" in capsys.readouterr().err
+
+
+def test_unknown_model_says_what_is_valid(tmp_path):
+    from partialbayes.glue_bench.models import load_encoder
+
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    with pytest.raises(
+        ValueError, match=r"cannot load model .*not-a-model.*valid choices are 'minilm'"
+    ):
+        load_encoder(str(empty), 2)
+    with pytest.raises(ValueError, match="num_labels must be >= 2"):
+        load_encoder(str(empty), 1)

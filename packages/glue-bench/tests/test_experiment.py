@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from partialbayes.glue_bench.experiment import RunConfig, run_grid
+from partialbayes.glue_bench.linearised import LinearSamplingConfig
 from partialbayes.glue_bench.methods import Settings
 from partialbayes.glue_bench.store import iter_records
 from partialbayes.glue_bench.train import TrainConfig
@@ -14,6 +15,7 @@ FAST = Settings(
     module_counts=(1, 2),
     skfac_percents=(10.0, 50.0),
     swag_l1_percents=(5.0,),
+    linear_sampling=LinearSamplingConfig(k=2, em_iters=1, samples=3, cg_iters=3),
 )
 
 
@@ -114,3 +116,42 @@ def test_ivon_finetuning_and_posterior(tmp_path, mini_glue, tiny_bert_factory):
 def test_ivon_method_needs_ivon_checkpoint(tmp_path, mini_glue, tiny_bert_factory):
     with pytest.raises(ValueError, match="--optimizer ivon"):
         _run(tmp_path, mini_glue, tiny_bert_factory, ["ivon"])
+
+
+def test_linear_sampling_methods(tmp_path, mini_glue, tiny_bert_factory):
+    recs = _run(tmp_path, mini_glue, tiny_bert_factory, ["ls-last-layer", "ls-skfac", "skfac"])
+    assert set(recs) == {
+        ("ls-last-layer", "-"),
+        ("ls-skfac", "10"),
+        ("ls-skfac", "50"),
+        ("skfac", "10"),
+        ("skfac", "50"),
+    }
+    head = recs[("ls-last-layer", "-")]
+    assert head["extra"]["modules"] == ["classifier"]
+    assert head["n_stochastic"] == 2 * 16 + 2
+    assert head["floats"] == head["n_stochastic"] * 3 + 1  # 3 samples of d entries, and alpha
+    for size in ("10", "50"):
+        ls, kfac = recs[("ls-skfac", size)], recs[("skfac", size)]
+        # the same S-KFAC subset as the KFAC-Laplace method, with the achieved percentage stored
+        assert ls["n_stochastic"] == kfac["n_stochastic"]
+        assert ls["percent_stochastic"] == pytest.approx(kfac["percent_stochastic"])
+        assert ls["extra"]["skfac_percent"] == float(size)
+        assert ls["extra"]["prior_method"] == "em"
+        assert len(ls["extra"]["em_history"]) == 1
+        assert ls["extra"]["prior_precision"] > 0
+        assert ls["fit_seconds"] > 0
+        assert ls["predict_seconds"] > 0
+    assert recs[("ls-skfac", "50")]["n_stochastic"] > recs[("ls-skfac", "10")]["n_stochastic"]
+
+
+def test_results_folder_of_another_configuration_is_refused(tmp_path, mini_glue):
+    from partialbayes.glue_bench.store import ResultStore
+
+    ResultStore(tmp_path / "res", _config().to_dict())
+    other = _config(max_test_examples=5)
+    with pytest.raises(ValueError, match=r"another configuration.*max_test_examples"):
+        run_grid(
+            ["sst2"], [0], ["map"], other, tmp_path / "res", glue_dir=mini_glue, progress=False
+        )
+    assert not (tmp_path / "res" / "records").exists()

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from partialbayes.glue_bench.linearised import LinearSamplingConfig
 
 Batch = dict[str, torch.Tensor]
 
@@ -39,6 +41,7 @@ class Settings:
         module_counts: Module counts of the module-ramping methods.
         skfac_percents: Percentages of the S-KFAC ramping.
         swag_l1_percents: Percentages of the SWAG largest-magnitude (l1) sub-layer ramping.
+        linear_sampling: Settings of the sampling-based linearised Laplace methods (``ls-*``).
     """
 
     prior: str = "val_nll"
@@ -49,6 +52,7 @@ class Settings:
     module_counts: tuple[int, ...] = MODULE_COUNTS
     skfac_percents: tuple[float, ...] = SKFAC_PERCENTS
     swag_l1_percents: tuple[float, ...] = SWAG_L1_PERCENTS
+    linear_sampling: LinearSamplingConfig = field(default_factory=LinearSamplingConfig)
 
     def __post_init__(self) -> None:
         if self.prior not in ("val_nll", "marglik"):
@@ -58,7 +62,9 @@ class Settings:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
+        out = {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
+        out["linear_sampling"] = asdict(self.linear_sampling)
+        return out
 
 
 @dataclass
@@ -406,6 +412,39 @@ def run_ivon(ctx: Context, size: str) -> Prediction:
     )
 
 
+# ------------------------------------------------------------------------------------------ linear sampling
+def _linear_sampling(ctx: Context, subset: Any) -> Prediction:
+    from partialbayes.glue_bench.linearised import linear_sampling_prediction
+
+    return linear_sampling_prediction(ctx, subset)
+
+
+def run_ls_last_layer(ctx: Context, size: str) -> Prediction:
+    """Sampling-based linearised Laplace on the classification head."""
+    from partialbayes.selection import last_layer
+
+    return _linear_sampling(ctx, last_layer(ctx.model))
+
+
+def run_ls_skfac(ctx: Context, size: str) -> Prediction:
+    """Sampling-based linearised Laplace on the S-KFAC subset of ``size`` % rows and columns."""
+    from partialbayes.selection import sparse_kfac
+
+    pred = _linear_sampling(ctx, sparse_kfac(ctx.model, float(size)))
+    pred.extra["skfac_percent"] = float(size)
+    return pred
+
+
+def run_ls_random(ctx: Context, size: str) -> Prediction:
+    """Sampling-based linearised Laplace on ``size`` random linear maps."""
+    return _linear_sampling(ctx, _module_subset(ctx, "random", "all", int(size)))
+
+
+def run_ls_full(ctx: Context, size: str) -> Prediction:
+    """Sampling-based linearised Laplace on every linear map (weights and biases)."""
+    return _linear_sampling(ctx, _module_subset(ctx, "max", "all", _n_linear(ctx, "all")))
+
+
 # ------------------------------------------------------------------------------------------ registry
 def _pct_sizes(attr: str) -> Callable[[Context], list[str]]:
     return lambda ctx: [_fmt(p) for p in getattr(ctx.settings, attr)]
@@ -448,6 +487,34 @@ def _registry() -> dict[str, Method]:
         ),
         Method("swag-full", "SWAG on every linear map", _single, run_swag_full, "swag"),
         Method("ivon", "IVON posterior (needs --optimizer ivon)", _single, run_ivon, "ivon"),
+        Method(
+            "ls-last-layer",
+            "sampling-based linearised Laplace (EM prior) on the classification head",
+            _single,
+            run_ls_last_layer,
+            "linear_sampling",
+        ),
+        Method(
+            "ls-skfac",
+            "sampling-based linearised Laplace on the S-KFAC subsets (percent of rows/cols)",
+            _pct_sizes("skfac_percents"),
+            run_ls_skfac,
+            "linear_sampling",
+        ),
+        Method(
+            "ls-random",
+            "sampling-based linearised Laplace on k random linear maps",
+            _count_sizes("all"),
+            run_ls_random,
+            "linear_sampling",
+        ),
+        Method(
+            "ls-full",
+            "sampling-based linearised Laplace on every linear map",
+            _single,
+            run_ls_full,
+            "linear_sampling",
+        ),
     ]
     for strategy, label in (
         ("random", "random"),

