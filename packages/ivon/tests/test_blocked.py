@@ -2,10 +2,10 @@ import functools
 import math
 
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from partialbayes.ivon import _blocked
+from partialbayes.ivon import IVON, _blocked
 from partialbayes.ivon._math import EST_KINDS, hessian_update, update_
 
 
@@ -56,3 +56,23 @@ def test_hessian_update_positive_and_fixed_point():
     assert (hessian_update(h, h_hat, 0.9, 1e-4) > 0).all()
     h = torch.tensor([2.0], dtype=torch.float64)
     torch.testing.assert_close(hessian_update(h, h, 0.99, 0.1), h)
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # setattr each time
+@given(n_hidden=st.integers(5, 60), seed=st.integers(0, 1000))
+def test_chunked_draw_and_update_equal_whole_tensor_ones(n_hidden, seed, monkeypatch):
+    """Chunks of a multiple of 16 entries draw the same normals as one draw per parameter."""
+    finals = []
+    for chunk in (1 << 22, 32, 16):
+        monkeypatch.setattr(_blocked, "CHUNK", chunk)
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(3, n_hidden), torch.nn.Tanh()).double()
+        x = torch.randn(4, 3, dtype=torch.float64)
+        opt = IVON(model.parameters(), lr=0.1, ess=4, generator=torch.Generator().manual_seed(seed))
+        for _ in range(2):
+            with opt.sampled_params(train=True):
+                model(x).pow(2).mean().backward()
+            opt.step()
+        finals.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(finals[0], finals[1])
+    assert torch.equal(finals[0], finals[2])

@@ -19,6 +19,10 @@ from torch import Tensor
 #: Entries per chunk: only very large tensors (embedding matrices) are cut.
 CHUNK = 1 << 22
 
+#: The shortest last chunk: torch's CPU ``normal_`` fills blocks of 16 entries (a shorter tensor takes
+#: another code path and draws other numbers).
+TAIL = 16
+
 
 N_SCRATCH = 2  # temporaries a phase needs at once
 
@@ -89,5 +93,10 @@ def apply(
             call(items)
             continue
         flats = [None if t is None else t.view(-1) for t in items]
-        for start in range(0, numel, chunk):
-            call([None if f is None else f[start : start + chunk] for f in flats])
+        start = 0
+        while start < numel:
+            # the last chunk takes a short tail along (>= TAIL entries), so that ``normal_`` chunk by chunk
+            # draws exactly what one call on the whole tensor draws when ``chunk`` is a multiple of 16
+            stop = numel if numel - (start + chunk) < TAIL else start + chunk
+            call([None if f is None else f[start:stop] for f in flats])
+            start = stop
