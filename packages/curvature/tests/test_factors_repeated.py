@@ -351,3 +351,24 @@ def test_reduce_exact_for_summed_calls_deep_linear_mse(d, h, c, b, seed, device)
         sharing="reduce",
     )["shared"]
     torch.testing.assert_close(torch.kron(f.G, f.A).cpu(), ref, rtol=1e-8, atol=1e-10)
+
+
+class KwargCall(nn.Module):
+    """Calls its linear map with a keyword argument, twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(input=torch.tanh(self.lin(input=x)))
+
+
+def test_keyword_calls_are_recorded():
+    torch.manual_seed(0)
+    model = KwargCall().double().eval()
+    x, y = _data(3, 2, 2, 0, regression=False)
+    s = modules(model, ["lin"])
+    logits, J = block_jacobian(model, x, list(s.names))
+    H = dense_curvature(model, [(x, y)], s)
+    torch.testing.assert_close(H, dense_ggn(J, logits, "classification"), rtol=1e-9, atol=1e-12)

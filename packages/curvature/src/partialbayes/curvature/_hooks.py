@@ -112,8 +112,10 @@ class Recorder:
         self._handles: list[Any] = []
 
     def _hook(self, name: str):
-        def hook(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> None:
-            x = args[0].detach()
+        def hook(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Tensor
+        ) -> None:
+            x = (args[0] if args else kwargs.get("input", kwargs.get("x"))).detach()
             c = self.cols[name]
             self.calls_in.setdefault(name, []).append(x if c is None else x.index_select(-1, c))
             self.calls_out.setdefault(name, []).append(output)
@@ -163,7 +165,7 @@ class Recorder:
 
     def __enter__(self) -> Recorder:
         for name, m in self.modules.items():
-            self._handles.append(m.register_forward_hook(self._hook(name)))
+            self._handles.append(m.register_forward_hook(self._hook(name), with_kwargs=True))
         return self
 
     def __exit__(self, *exc: object) -> None:
