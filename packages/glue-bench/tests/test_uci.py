@@ -2,6 +2,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from partialbayes.glue_bench.store import iter_records
 from partialbayes.glue_bench.uci import gaussian_metrics, run_uci
@@ -53,3 +55,89 @@ def test_uci_pipeline_one_split(tmp_path, data_dir, monkeypatch):
     # every method shares the MAP mean; Laplace only adds variance
     assert recs[("last-layer", "-")]["rmse"] == pytest.approx(recs[("map", "-")]["rmse"], rel=1e-6)
     assert recs[("kfac-max", "3")]["n_stochastic"] > recs[("kfac-max", "1")]["n_stochastic"]
+
+
+def _flat_mask(subset, params):
+    return torch.cat(
+        [
+            subset.mask(n).flatten() if n in subset.names else torch.zeros(p.numel(), dtype=bool)
+            for n, p in params.items()
+        ]
+    )
+
+
+@given(st.integers(0, 10_000), st.integers(3, 12), st.sampled_from([1.0, 10.0, 37.0]))
+def test_subnet_selection_matches_dense_reference(seed, n, percent):
+    pytest.importorskip("partialbayes.curvature")
+    from partialbayes.glue_bench.models import MLP
+    from partialbayes.glue_bench.uci import subnet_subset
+
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = MLP(3, width=4, depth=1).eval()
+    x, y = torch.randn(n, 3, generator=g), torch.randn(n, generator=g)
+    params = dict(model.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    k = math.ceil(percent * total / 100)
+    # norm-based: the k largest |w|
+    flat = torch.cat([p.detach().abs().flatten() for p in params.values()])
+    mask = subnet_subset(model, "subnet-norm", percent, x, y, 0.5)
+    got = _flat_mask(mask, params)
+    assert int(got.sum()) == k
+    assert set(got.nonzero().flatten().tolist()) == set(flat.topk(k).indices.tolist())
+    # variance-based: the k smallest GGN diagonal entries sum_n (df_n/dθ)² / σ² (dense reference)
+    h = torch.zeros(total, dtype=torch.float64)
+    for i in range(n):
+        model.zero_grad()
+        model(x[i : i + 1]).sum().backward()
+        h += torch.cat([p.grad.flatten() for p in params.values()]).double() ** 2 / 0.25
+    mask = subnet_subset(model, "subnet-variance", percent, x, y, 0.5)
+    got = _flat_mask(mask, params)
+    assert int(got.sum()) == k
+    chosen = h[got]
+    rest = h[~got]
+    # every chosen entry has curvature no larger than any left-out one (up to float error)
+    assert rest.numel() == 0 or float(chosen.max()) <= float(rest.min()) * (1 + 1e-5) + 1e-9
+
+
+def test_subnet_selection_bad_method():
+    from partialbayes.glue_bench.models import MLP
+    from partialbayes.glue_bench.uci import subnet_subset
+
+    with pytest.raises(ValueError, match="'subnet-norm' or 'subnet-variance'"):
+        subnet_subset(MLP(2, 3, 1), "subnet-magic", 5.0, torch.zeros(2, 2), torch.zeros(2), 1.0)
+
+
+@pytest.mark.data
+def test_uci_subnet_methods_one_split(tmp_path, data_dir, monkeypatch):
+    pytest.importorskip("partialbayes.curvature")
+    torch.set_num_threads(1)
+    from partialbayes.glue_bench import uci
+    from partialbayes.glue_bench.report import write_report
+
+    real = uci.train_mlp
+    monkeypatch.setattr(uci, "train_mlp", lambda split, seed=0: real(split, steps=200, seed=seed))
+    monkeypatch.setattr(uci, "SUBNET_PERCENTS", (1.0, 5.0))
+    run_uci(
+        ["yacht"],
+        [0],
+        ["map", "subnet-norm", "subnet-variance"],
+        tmp_path / "uci",
+        data_dir / "uci",
+        log=lambda s: None,
+    )
+    recs = {(r["method"], r["size"]): r for r in iter_records(tmp_path / "uci")}
+    assert set(recs) == {
+        ("map", "-"),
+        ("subnet-norm", "1"),
+        ("subnet-norm", "5"),
+        ("subnet-variance", "1"),
+        ("subnet-variance", "5"),
+    }
+    for method in ("subnet-norm", "subnet-variance"):
+        assert recs[(method, "5")]["n_stochastic"] > recs[(method, "1")]["n_stochastic"]
+        assert recs[(method, "1")]["percent_stochastic"] == pytest.approx(1.0, abs=0.1)
+        # the Laplace mean is the MAP mean
+        assert recs[(method, "1")]["rmse"] == pytest.approx(recs[("map", "-")]["rmse"], rel=1e-6)
+    out = write_report(tmp_path)
+    assert str(tmp_path / "report" / "uci_yacht_selection.png") in out["files"]
