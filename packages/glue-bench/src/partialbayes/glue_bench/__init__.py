@@ -3,7 +3,8 @@
 Data (:func:`load_glue`, :func:`split_indices`, :func:`load_uci`), models (:func:`load_encoder`,
 :class:`MLP`), MAP fine-tuning (:func:`finetune`), the method registry (:data:`METHODS`), the
 resumable results store (:class:`ResultStore`), the grid runners (:func:`run_grid`, :func:`run_uci`) and
-reports (:func:`write_report`). The console script ``glue-bench`` wraps them.
+reports (:func:`write_report`, with the tables :func:`budget_table`, :func:`strategy_ranks`,
+:func:`calibration_curves`). The console script ``glue-bench`` wraps them.
 """
 
 from importlib.metadata import version
@@ -30,10 +31,23 @@ from partialbayes.glue_bench.methods import (
     get_methods,
     probit_probs,
 )
-from partialbayes.glue_bench.metrics import accuracy, all_metrics, brier, ece, nll
+from partialbayes.glue_bench.metrics import (
+    accuracy,
+    all_metrics,
+    brier,
+    ece,
+    nll,
+    reliability_bins,
+)
 from partialbayes.glue_bench.models import MLP, load_encoder
 from partialbayes.glue_bench.report import summarise, write_report
 from partialbayes.glue_bench.store import Cell, ResultStore, iter_records
+from partialbayes.glue_bench.tables import (
+    budget_table,
+    calibration_cells,
+    calibration_curves,
+    strategy_ranks,
+)
 from partialbayes.glue_bench.train import TrainConfig, finetune
 from partialbayes.glue_bench.uci import run_uci, train_mlp
 
@@ -57,6 +71,9 @@ __all__ = [
     "accuracy",
     "all_metrics",
     "brier",
+    "budget_table",
+    "calibration_cells",
+    "calibration_curves",
     "ece",
     "encode",
     "finetune",
@@ -70,10 +87,12 @@ __all__ = [
     "prepare_context",
     "probit_probs",
     "read_glue_tsv",
+    "reliability_bins",
     "run_cell",
     "run_grid",
     "run_uci",
     "split_indices",
+    "strategy_ranks",
     "summarise",
     "task_spec",
     "train_mlp",

@@ -65,6 +65,9 @@ def rank_plot(rank_rows: Sequence[dict[str, Any]], task: str, path: Path) -> boo
                 [r["modules"] for r in rs], [r["mean_rank"] for r in rs], marker="o", label=strategy
             )
         ax.set_xscale("log")
+        counts = sorted({r["modules"] for r in mine if r["family"] == family})
+        ax.set_xticks(counts, [str(k) for k in counts])
+        ax.minorticks_off()
         ax.set_xlabel("number of stochastic modules")
         ax.set_title(f"{task}: {family.upper()} strategies")
         ax.legend(fontsize=8)

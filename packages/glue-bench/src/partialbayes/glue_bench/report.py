@@ -351,7 +351,10 @@ def write_report(
             if figures.uci_selection_plot(uci_rows, dataset, path):
                 wrote(path)
             else:
-                skip(path.name, "no subnet-norm / subnet-variance records (run them with run_uci)")
+                skip(
+                    path.name,
+                    "no subnet-norm / subnet-variance records (UCI methods of partialbayes.glue_bench.run_uci)",
+                )
     else:
         skip("UCI tables and figures", f"no UCI records under {results / 'uci' / 'records'}")
     figs = [f.name for f in files if f.suffix == ".png"]
