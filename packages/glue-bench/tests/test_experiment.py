@@ -24,7 +24,7 @@ def _config(**kw):
     return RunConfig(model="tiny-bert", train=train, settings=FAST, max_train_examples=32, **kw)
 
 
-def _run(tmp_path, mini_glue, factory, methods, task="sst2", **kw):
+def _run(tmp_path, mini_glue, factory, methods, task="sst2", timings=None, **kw):
     torch.set_num_threads(1)
     store = run_grid(
         [task],
@@ -36,6 +36,7 @@ def _run(tmp_path, mini_glue, factory, methods, task="sst2", **kw):
         model_factory=lambda name, c, d: factory(c),
         progress=False,
         log=lambda s: None,
+        timings=timings,
     )
     recs = {(r["method"], r["size"]): r for r in iter_records(store.root)}
     for r in recs.values():
@@ -47,7 +48,11 @@ def _run(tmp_path, mini_glue, factory, methods, task="sst2", **kw):
 
 
 def test_map_and_temperature(tmp_path, mini_glue, tiny_bert_factory):
-    recs = _run(tmp_path, mini_glue, tiny_bert_factory, ["map", "temperature"])
+    timings = []
+    recs = _run(tmp_path, mini_glue, tiny_bert_factory, ["map", "temperature"], timings=timings)
+    assert [t["stage"] for t in timings] == ["prepare", "map", "temperature"]
+    assert timings[0]["finetune_cpu"] > 0  # trained here, not cached
+    assert timings[1]["cpu"] == recs[("map", "-")]["cpu_seconds"]
     assert set(recs) == {("map", "-"), ("temperature", "-")}
     assert recs[("map", "-")]["floats"] == 0
     assert recs[("map", "-")]["n_test"] == 24
@@ -85,6 +90,7 @@ def test_swag_methods(tmp_path, mini_glue, tiny_distilbert_factory):
     recs = _run(tmp_path, mini_glue, tiny_distilbert_factory, ["swag-random", "swag-l1"])
     assert set(recs) == {("swag-random", "1"), ("swag-random", "2"), ("swag-l1", "5")}
     assert recs[("swag-random", "1")]["extra"]["swag_lr"] == 1e-2
+    assert recs[("swag-random", "1")]["extra"]["swag_lr_swept"] is False
     assert recs[("swag-l1", "5")]["percent_stochastic"] == pytest.approx(5.0, abs=0.5)
 
 
@@ -155,3 +161,50 @@ def test_results_folder_of_another_configuration_is_refused(tmp_path, mini_glue)
             ["sst2"], [0], ["map"], other, tmp_path / "res", glue_dir=mini_glue, progress=False
         )
     assert not (tmp_path / "res" / "records").exists()
+
+
+def test_swag_learning_rate_sweep(tmp_path, mini_glue, tiny_distilbert_factory):
+    """Two learning rates: the validation sweep runs and picks one; one rate: no sweep."""
+    torch.set_num_threads(1)
+    settings = Settings(
+        n_samples=2, swag_lrs=(1e-3, 1e-2), swag_sweep_steps=10, swag_steps=10, module_counts=(1,)
+    )
+    train = TrainConfig(epochs=1, batch_size=8, max_length=32, patience=1, lr=1e-3)
+    config = RunConfig(model="tiny", train=train, settings=settings, max_train_examples=32)
+    store = run_grid(
+        ["sst2"],
+        [0],
+        ["swag-random"],
+        config,
+        tmp_path / "res",
+        glue_dir=mini_glue,
+        model_factory=lambda name, c, d: tiny_distilbert_factory(c),
+        progress=False,
+        log=lambda s: None,
+    )
+    (rec,) = iter_records(store.root)
+    assert rec["extra"]["swag_lr_swept"] is True
+    assert rec["extra"]["swag_lr"] in (1e-3, 1e-2)
+
+
+def test_stage_table_sums_cells():
+    from partialbayes.glue_bench.cli import stage_table
+
+    timings = [
+        {
+            "stage": "prepare",
+            "wall": 12.0,
+            "cpu": 20.0,
+            "finetune_wall": 10.0,
+            "finetune_cpu": 18.0,
+        },
+        {"stage": "skfac", "size": "1", "wall": 3.0, "cpu": 5.0},
+        {"stage": "skfac", "size": "6.8", "wall": 4.0, "cpu": 6.0},
+    ]
+    table = stage_table(timings, total_wall=20.0, total_cpu=40.0)
+    assert "| fine-tuning | 1 | 10 | 18 |" in table
+    assert "| skfac | 2 | 7 | 11 |" in table
+    assert "| other | | 3 | 11 |" in table
+    assert "| **total** | | 20 | 40 |" in table
+    cached = stage_table([{**timings[0], "finetune_wall": 0.0, "finetune_cpu": 0.0}], 1.0, 1.0)
+    assert "| fine-tuning | cached | 0 | 0 |" in cached

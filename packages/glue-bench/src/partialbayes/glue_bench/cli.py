@@ -161,6 +161,8 @@ def _configs(args: argparse.Namespace, quick: bool = False):
     from partialbayes.glue_bench.experiment import RunConfig
 
     train_kw: dict = {"optimizer": args.optimizer, "seed": args.seed, "freeze_embeddings": quick}
+    if quick:
+        train_kw["length_buckets"] = 4
     if args.epochs is not None:
         train_kw["epochs"] = args.epochs
     if args.max_length is not None:
@@ -294,6 +296,8 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
         f"glue-bench quickstart: {args.task}, model {args.model}, {args.max_train_examples} training "
         f"examples, {config.train.epochs} epochs, device {args.device}; results in {args.results}"
     )
+    cpu_start = time.process_time()
+    timings: list[dict] = []
     store = run_grid(
         [args.task],
         [0],
@@ -304,6 +308,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
         folder,
         progress=not args.no_progress,
         keep_going=True,
+        timings=timings,
     )
     rows = summarise(iter_records(args.results))
     rows = [r for r in rows if r["task"] == args.task]
@@ -313,11 +318,50 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     plot = args.results / f"{args.task}_ramping_nll.png"
     if ramping_plot(rows, args.task, plot):
         print(f"wrote {plot}")
+    print()
+    print(stage_table(timings, time.perf_counter() - start, time.process_time() - cpu_start))
     print(
         f"finished in {time.perf_counter() - start:.0f} s; full tables: "
         f"glue-bench report --results {args.results}"
     )
     return _report_failures(store.failures)
+
+
+def stage_table(timings: list[dict], total_wall: float, total_cpu: float) -> str:
+    """Markdown table of where the time went: setup, fine-tuning, each method (its cells summed).
+
+    Args:
+        timings: The stage dicts collected by ``run_grid(..., timings=...)``.
+        total_wall: Wall-clock seconds of the whole command.
+        total_cpu: Process CPU seconds of the whole command (all threads).
+
+    Returns:
+        The table; ``other`` is the rest (reading data, tokenising, loading the model, tables, plots).
+        CPU time counts every thread, so on a busy machine it estimates the cost better than wall time.
+    """
+    rows: dict[str, list[float]] = {}
+    for t in timings:
+        if t["stage"] == "prepare":
+            ft = rows.setdefault("fine-tuning", [0.0, 0.0, 0])
+            ft[0] += t["finetune_wall"]
+            ft[1] += t["finetune_cpu"]
+            ft[2] += 1 if t["finetune_wall"] > 0 else 0
+            continue
+        row = rows.setdefault(t["stage"], [0.0, 0.0, 0])
+        row[0] += t["wall"]
+        row[1] += t["cpu"]
+        row[2] += 1
+    lines = ["| stage | cells | wall s | CPU s |", "|---|---:|---:|---:|"]
+    for name, (wall, cpu, n) in rows.items():
+        cells = "cached" if name == "fine-tuning" and n == 0 else str(n)
+        lines.append(f"| {name} | {cells} | {wall:.0f} | {cpu:.0f} |")
+    used_wall = sum(r[0] for r in rows.values())
+    used_cpu = sum(r[1] for r in rows.values())
+    lines.append(
+        f"| other | | {max(total_wall - used_wall, 0):.0f} | {max(total_cpu - used_cpu, 0):.0f} |"
+    )
+    lines.append(f"| **total** | | {total_wall:.0f} | {total_cpu:.0f} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -85,7 +85,7 @@ def prepare_context(
         progress: Show progress bars.
 
     Returns:
-        ``(context, checkpoint meta)``.
+        ``(context, checkpoint meta)``; the meta's ``cached`` says whether the checkpoint was reused.
     """
     spec = task_spec(task)
     factory = model_factory or (lambda n, c, d: load_encoder(n, c, dropout=d))
@@ -105,8 +105,10 @@ def prepare_context(
         hess = summary.pop("ivon_hess", None)
         meta = {"task": task, "split": split, "model": config.model, **summary}
         save_checkpoint(model, folder, meta, hess)
+        meta = {**meta, "cached": False}
     else:
         meta, hess = loaded
+        meta = {**meta, "cached": True}
     model.eval()
     ivon = None
     if hess is not None and "ivon" in meta:
@@ -127,9 +129,16 @@ def prepare_context(
 
 
 def run_cell(ctx: Context, method: Method, size: str) -> dict[str, Any]:
-    """Run one cell and return its record (metrics, floats, times, method facts)."""
+    """Run one cell and return its record (metrics, floats, times, method facts).
+
+    ``fit_seconds`` and ``predict_seconds`` are wall-clock times measured by the method; ``cpu_seconds``
+    is the process CPU time of the whole cell (all threads), a load-independent cost measure on a shared
+    machine.
+    """
     torch.manual_seed(ctx.seed)
+    cpu = time.process_time()
     pred = method.run(ctx, size)
+    cpu = time.process_time() - cpu
     labels = ctx.labels("test")
     if not torch.isfinite(pred.probs).all():
         raise ValueError(f"method {method.name!r} size {size} produced non-finite probabilities")
@@ -141,6 +150,7 @@ def run_cell(ctx: Context, method: Method, size: str) -> dict[str, Any]:
         "percent_stochastic": pred.percent_stochastic,
         "fit_seconds": pred.fit_seconds,
         "predict_seconds": pred.predict_seconds,
+        "cpu_seconds": cpu,
         "extra": pred.extra,
     }
 
@@ -158,11 +168,15 @@ def run_grid(
     progress: bool = True,
     log: Callable[[str], None] = print,
     keep_going: bool = False,
+    timings: list[dict[str, Any]] | None = None,
 ) -> ResultStore:
     """Fill the (task, split, method, size) grid of this shard; finished cells are skipped.
 
     With ``keep_going`` a cell that raises is logged and skipped (no record is written, so a later run
     retries it); the messages are in ``store.failures``. Otherwise the first failure propagates.
+    ``timings``, when given, receives one dict per stage run here: ``{"stage": "prepare", "task",
+    "split", "wall", "cpu", "finetune_wall", "finetune_cpu"}`` (fine-tuning times are 0 for a cached
+    checkpoint) and ``{"stage": method, "size", "task", "split", "wall", "cpu"}`` per computed cell.
 
     Returns:
         The results store.
@@ -183,9 +197,23 @@ def run_grid(
             method = methods[name]
             if ctx is None:
                 log(f"[{task} split {split}] preparing model {config.model}")
+                w0, c0 = time.perf_counter(), time.process_time()
                 ctx, meta = prepare_context(
                     task, split, config, store, device, glue_dir, model_factory, progress
                 )
+                if timings is not None:
+                    fresh = not meta["cached"]
+                    timings.append(
+                        {
+                            "stage": "prepare",
+                            "task": task,
+                            "split": split,
+                            "wall": time.perf_counter() - w0,
+                            "cpu": time.process_time() - c0,
+                            "finetune_wall": float(meta.get("seconds", 0.0)) if fresh else 0.0,
+                            "finetune_cpu": float(meta.get("cpu_seconds", 0.0)) if fresh else 0.0,
+                        }
+                    )
                 log(f"[{task} split {split}] MAP val accuracy {meta['val_accuracy']:.3f}")
             sizes = method.sizes(ctx)
             todo = [s for s in sizes if not store.has(Cell(task, split, name, s))]
@@ -204,6 +232,17 @@ def run_grid(
                     continue
                 record["seconds"] = time.perf_counter() - t0
                 store.write(Cell(task, split, name, size), record)
+                if timings is not None:
+                    timings.append(
+                        {
+                            "stage": name,
+                            "size": size,
+                            "task": task,
+                            "split": split,
+                            "wall": record["seconds"],
+                            "cpu": record["cpu_seconds"],
+                        }
+                    )
                 log(
                     f"[{task} split {split}] {name} {size}: acc {record['accuracy']:.3f} "
                     f"nll {record['nll']:.3f} ece {record['ece']:.3f} ({record['seconds']:.1f} s)"

@@ -324,39 +324,50 @@ def run_skfac(ctx: Context, size: str) -> Prediction:
 
 # ------------------------------------------------------------------------------------------ SWAG
 def swag_prediction(ctx: Context, subset: Any) -> Prediction:
-    """SWAG on ``subset``: learning rate by validation NLL, then Monte Carlo predictions."""
-    from partialbayes.swag import sweep_learning_rate
+    """SWAG on ``subset``: learning rate by validation NLL, then Monte Carlo predictions.
+
+    With a single learning rate in ``settings.swag_lrs`` there is nothing to choose: the sweep (and its
+    validation predictive) is skipped and SWAG is collected at that rate directly.
+    """
+    from partialbayes.swag import collect_swag, sweep_learning_rate
 
     s = ctx.settings
     t0 = time.perf_counter()
-    result = sweep_learning_rate(
-        ctx.model,
-        subset,
-        ctx.train,
-        ctx.val,
-        lrs=s.swag_lrs,
-        sweep_steps=s.swag_sweep_steps,
-        final_steps=s.swag_steps,
-        n_samples=min(s.n_samples, 20),
-        generator=torch.Generator().manual_seed(ctx.seed),
-        progress=False,
-    )
+    if len(s.swag_lrs) == 1:
+        lr = float(s.swag_lrs[0])
+        swag = collect_swag(
+            ctx.model, subset, ctx.train, lr=lr, n_steps=s.swag_steps, progress=False
+        )
+    else:
+        result = sweep_learning_rate(
+            ctx.model,
+            subset,
+            ctx.train,
+            ctx.val,
+            lrs=s.swag_lrs,
+            sweep_steps=s.swag_sweep_steps,
+            final_steps=s.swag_steps,
+            n_samples=min(s.n_samples, 20),
+            generator=torch.Generator().manual_seed(ctx.seed),
+            progress=False,
+        )
+        lr, swag = result.lr, result.swag
     fit = time.perf_counter() - t0
     t0 = time.perf_counter()
-    gen = torch.Generator(device=result.swag.mean.device).manual_seed(ctx.seed + 1)
+    gen = torch.Generator(device=swag.mean.device).manual_seed(ctx.seed + 1)
     total = torch.zeros_like(ctx.logits("test"))
     for _ in range(s.n_samples):
-        with result.swag.sampled(ctx.model, generator=gen):
+        with swag.sampled(ctx.model, generator=gen):
             total += torch.softmax(batch_logits(ctx.model, ctx.test), -1)
     predict = time.perf_counter() - t0
     return Prediction(
         total / s.n_samples,
-        int(result.swag.num_floats),
+        int(swag.num_floats),
         subset.num_entries(),
         float(subset.percent_of(ctx.model)),
         fit,
         predict,
-        {"swag_lr": result.lr, "modules": _modules(subset)},
+        {"swag_lr": lr, "swag_lr_swept": len(s.swag_lrs) > 1, "modules": _modules(subset)},
     )
 
 

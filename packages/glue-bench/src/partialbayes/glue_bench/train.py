@@ -41,6 +41,11 @@ class TrainConfig:
         seed: Seed of the initialisation of the head and of the batch order.
         freeze_embeddings: Keep the token embedding matrix fixed (about half of MiniLM's weights; the
             quickstart does this to halve the optimizer's cost on CPU; the paper fine-tunes everything).
+        length_buckets: ``0`` (default): batches of a random permutation. ``k >= 1``: after the
+            permutation, sort each run of ``k`` batches by text length before cutting it into batches,
+            then shuffle the batch order, so that a batch holds sentences of similar length and carries
+            little padding (the quickstart uses 4: SST-2's short phrases otherwise pad to about 2.7 times
+            their tokens). Every example is still seen once per epoch.
     """
 
     lr: float = 5e-5
@@ -56,6 +61,7 @@ class TrainConfig:
     ivon_hess_init: float = 0.1
     seed: int = 0
     freeze_embeddings: bool = False
+    length_buckets: int = 0
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -65,6 +71,8 @@ class TrainConfig:
         for key in ("batch_size", "epochs", "patience", "max_length"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.length_buckets < 0:
+            raise ValueError(f"length_buckets must be >= 0, got {self.length_buckets}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
 
@@ -115,7 +123,17 @@ def _epoch_batches(
 ) -> list[dict[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(config.seed * 1000 + epoch)
     order = torch.randperm(len(train), generator=gen).tolist()
-    return encode(train.take(order), tokenizer, config.batch_size, config.max_length)
+    if config.length_buckets == 0:
+        return encode(train.take(order), tokenizer, config.batch_size, config.max_length)
+    span = config.length_buckets * config.batch_size
+    batches = []
+    for start in range(0, len(order), span):
+        bucket = train.take(order[start : start + span])
+        batches += encode(
+            bucket, tokenizer, config.batch_size, config.max_length, sort_by_length=True
+        )
+    perm = torch.randperm(len(batches), generator=gen).tolist()
+    return [batches[i] for i in perm]
 
 
 def _make_optimizer(model: nn.Module, config: TrainConfig, n_train: int) -> torch.optim.Optimizer:
@@ -153,7 +171,8 @@ def finetune(
     """Fine-tune ``model`` in place; keep the weights of the epoch with the best validation accuracy.
 
     Returns:
-        A summary: best epoch, its validation accuracy, per-epoch history, seconds; with
+        A summary: best epoch, its validation accuracy, per-epoch history, wall-clock ``seconds`` and
+        process ``cpu_seconds`` (all threads); with
         ``optimizer="ivon"`` also ``"ivon_hess"`` (parameter name -> Hessian estimate) and ``"ivon"``
         (the hyperparameters needed to rebuild the posterior).
     """
@@ -167,7 +186,7 @@ def finetune(
     best_state: dict[str, torch.Tensor] | None = None
     best_hess: dict[str, torch.Tensor] | None = None
     history = []
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     for epoch in range(config.epochs):
         model.train()
         batches = _epoch_batches(train, tokenizer, config, epoch)
@@ -208,6 +227,7 @@ def finetune(
         "val_accuracy": best_acc,
         "history": history,
         "seconds": time.perf_counter() - start,
+        "cpu_seconds": time.process_time() - start_cpu,
     }
     if config.optimizer == "ivon":
         summary["ivon_hess"] = best_hess
