@@ -9,7 +9,7 @@ from partialbayes.glue_bench.methods import Settings
 from partialbayes.glue_bench.store import Cell, ResultStore, parse_shard, shard_units
 from partialbayes.glue_bench.train import TrainConfig
 
-TIMING = {"fit_seconds", "predict_seconds", "seconds"}
+TIMING = {"fit_seconds", "predict_seconds", "seconds", "cpu_seconds"}
 
 
 def test_record_roundtrip_and_atomic_layout(tmp_path):
