@@ -311,16 +311,16 @@ def write_report(
                 "(kfac-random, kfac-max-mlp, kfac-min-mlp, kfac-max-attn, kfac-min-attn, swag-random, ...)",
             )
         for task in tasks:
-            for name, fn, metric in (
-                ("ramping_nll", ramping_plot, "nll"),
-                ("memory_nll", memory_plot, "nll"),
-                ("memory_ece", memory_plot, "ece"),
+            for name, fn, metric, why in (
+                ("ramping_nll", ramping_plot, "nll", "no cells with an NLL"),
+                ("memory_nll", memory_plot, "nll", "no posterior stores floats (MAP only)"),
+                ("memory_ece", memory_plot, "ece", "no posterior stores floats (MAP only)"),
             ):
                 path = out / f"{task}_{name}.png"
                 if fn(rows, task, path, metric):
                     wrote(path)
                 else:
-                    skip(path.name, "no cells with stored floats")
+                    skip(path.name, why)
         cells = tables.calibration_cells(table2, calibration_methods)
         curves = tables.calibration_curves(glue, cells)
         if curves:
