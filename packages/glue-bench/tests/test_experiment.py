@@ -80,6 +80,15 @@ def test_laplace_methods(tmp_path, mini_glue, tiny_bert_factory):
     }
     assert recs[("kfac-random", "2")]["n_stochastic"] > recs[("kfac-random", "1")]["n_stochastic"]
     assert recs[("skfac", "50")]["percent_stochastic"] > recs[("skfac", "10")]["percent_stochastic"]
+    # the achieved percentage is stored beside the requested one: Subset.percent_of, token and position
+    # embeddings not counted
+    from partialbayes.selection import countable_parameters
+
+    countable = countable_parameters(tiny_bert_factory(2)[0])
+    for size in ("10", "50"):
+        rec = recs[("skfac", size)]
+        assert rec["extra"]["skfac_percent"] == float(size)
+        assert rec["percent_stochastic"] == pytest.approx(100 * rec["n_stochastic"] / countable)
     assert recs[("last-layer", "-")]["extra"]["modules"] == ["classifier"]
     # dense covariance of the 2 x (16 + 1) head
     assert recs[("last-layer", "-")]["floats"] >= 34
@@ -92,6 +101,7 @@ def test_swag_methods(tmp_path, mini_glue, tiny_distilbert_factory):
     assert recs[("swag-random", "1")]["extra"]["swag_lr"] == 1e-2
     assert recs[("swag-random", "1")]["extra"]["swag_lr_swept"] is False
     assert recs[("swag-l1", "5")]["percent_stochastic"] == pytest.approx(5.0, abs=0.5)
+    assert recs[("swag-l1", "5")]["extra"]["l1_percent"] == 5.0
 
 
 def test_ivon_finetuning_and_posterior(tmp_path, mini_glue, tiny_bert_factory):

@@ -197,3 +197,28 @@ def test_bad_settings_name_the_field(key, value):
 def test_stacked_features_refuses_no_batches():
     with pytest.raises(ValueError, match="batches is empty"):
         stacked_features(_toy(2, 3, 2, 0, "cpu"), [], {"head.bias": None})
+
+
+def test_dense_jacobians_match_the_operator_features(tiny_bert_factory, tiny_tokenizer):
+    """The hook-based dense Φ (curvature.logit_jacobians) equals network_features' Φ, column order too."""
+    from partialbayes.glue_bench.linearised import dense_jacobians
+    from partialbayes.selection import last_layer, sparse_kfac
+
+    model, tok = tiny_bert_factory(3)
+    model = model.double().eval()
+    texts = [["a film", "the best film of the year"], ["dull", "it is"]]
+    batches = []
+    for i, chunk in enumerate(texts):
+        enc = dict(tok(chunk, padding="longest", return_tensors="pt"))
+        enc["labels"] = torch.tensor([i, 2])
+        batches.append(enc)
+    subset = sparse_kfac(model, 40.0) | last_layer(model)
+    feats = stacked_features(model, batches, subset)
+    phi = torch.cat([dense_jacobians(model, b, subset) for b in batches])
+    assert phi.shape == (4, 3, feats.d)
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(feats.d, 2, generator=gen, dtype=F64)
+    v = torch.randn(4, 3, 2, generator=gen, dtype=F64)
+    idx = torch.tensor([2, 0, 3, 1])
+    torch.testing.assert_close(torch.einsum("nmd,dk->nmk", phi[idx], z), feats.apply(idx, z))
+    torch.testing.assert_close(torch.einsum("nmd,nmk->dk", phi[idx], v), feats.apply_t(idx, v))

@@ -9,7 +9,10 @@ predictive averages ``softmax(f(x; θ*) + J(x) z_j)`` over ``z_j ~ N(0, H⁻¹)`
 
 ``network_features`` of ``linear_sampling`` takes one input dict of ``[n, ...]`` tensors, but the
 benchmark's batches are padded to different lengths; :func:`stacked_features` joins per-batch features into
-one operator instead of padding everything to the longest sequence.
+one operator instead of padding everything to the longest sequence. On Hugging Face models its forward-mode
+JVPs cost about 16 forward passes per column (measured on MiniLM, CPU), so when the training Jacobian fits
+in memory (``dense_max_floats``) it is computed once with one backward pass per class
+(:func:`dense_jacobians`) and handed to ``linear_sampling`` as ``Features.dense``.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ class LinearSamplingConfig:
         cg_tol: Relative residual tolerance of conjugate gradients.
         alpha0: Initial prior precision.
         jitter: Added to the softmax Hessian's diagonal (it is singular along the all-ones direction).
+        dense_max_floats: Materialise the training Jacobian ``Φ`` (``n·m·d`` floats) when it has at most
+            this many entries and the subset is Kronecker-structured: per-example Jacobians from one
+            backward pass per class (``curvature.logit_jacobians``), then every product is a matmul. Larger
+            problems use ``linear_sampling.network_features`` (a forward-mode JVP per column, much slower on
+            Hugging Face models, but memory ``O(d·k)``). Test batches follow the same rule per batch.
     """
 
     k: int = 8
@@ -48,9 +56,10 @@ class LinearSamplingConfig:
     cg_tol: float = 1e-3
     alpha0: float = 1.0
     jitter: float = 1e-4
+    dense_max_floats: int = 50_000_000
 
     def __post_init__(self) -> None:
-        for key in ("k", "em_iters", "samples", "cg_iters"):
+        for key in ("k", "em_iters", "samples", "cg_iters", "dense_max_floats"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"linear sampling: {key} must be an int >= 1, got {value!r}")
@@ -120,6 +129,49 @@ def stacked_features(model: nn.Module, batches: Sequence[Batch], params: Any) ->
     return Features(jvp, vjp, int(sizes.sum()), m, d, dtype, device)
 
 
+def dense_jacobians(model: nn.Module, batch: Batch, subset: Any) -> Tensor:
+    """``[b, m, d]`` per-example logit Jacobians in the stochastic entries of a Kronecker ``subset``.
+
+    Columns follow ``linear_sampling.network_parameters``' order (parameters in model order, the
+    entries of each in row-major order of its storage mask), so the result is the dense ``Φ`` of
+    ``network_features(model, batch, subset)``. Computed by ``curvature.logit_jacobians``: one
+    backward pass per class with hooks, ``J = Σ_t δ_t x_tᵀ`` over tokens.
+
+    Args:
+        model: The classifier, in eval mode.
+        batch: A dict batch (``labels`` ignored).
+        subset: A Kronecker-structured ``selection.Subset`` of linear-map weights and biases.
+
+    Raises:
+        TypeError: If ``subset`` has mask blocks.
+    """
+    from partialbayes.curvature import logit_jacobians
+
+    _, jac = logit_jacobians(model, model_inputs(batch), subset)
+    owner = {}
+    for mod in subset.kron_modules().values():
+        owner[mod.weight_name] = (mod.module_name, "weight", mod)
+        if mod.bias_name is not None:
+            owner[mod.bias_name] = (mod.module_name, "bias", mod)
+    parts = []
+    for name in subset.names:
+        module, role, mod = owner[name]
+        j = jac[module]  # [b, m, r, c (+1: the bias column last)]
+        n_cols = j.shape[-1] - (1 if mod.bias_name is not None else 0)
+        if role == "bias":
+            parts.append(j[..., n_cols])
+        else:
+            w = j[..., :n_cols]
+            if mod.transposed:  # Conv1D stores (n_in x n_out): row-major over the storage mask
+                w = w.transpose(-1, -2)
+            parts.append(w.reshape(*w.shape[:2], -1))
+    return torch.cat(parts, -1)
+
+
+def _use_dense(params: Any, n: int, m: int, d: int, config: LinearSamplingConfig) -> bool:
+    return bool(getattr(params, "is_kronecker", False)) and n * m * d <= config.dense_max_floats
+
+
 @dataclass
 class LinearisedPosterior:
     """A fitted sampling-based linearised Laplace posterior on a subset.
@@ -166,6 +218,7 @@ def fit_linearised(
         The fitted posterior.
     """
     from partialbayes.linear_sampling import (
+        Features,
         Prior,
         effective_dimension,
         linearised_targets,
@@ -177,11 +230,17 @@ def fit_linearised(
         softmax_hessian,
     )
 
-    feats = stacked_features(model, train, params)
-    logits = torch.cat([network_logits(model, model_inputs(b)) for b in train]).to(feats.dtype)
+    logits = torch.cat([network_logits(model, model_inputs(b)) for b in train])
+    theta = network_parameters(model, params)
+    n, m, d = logits.shape[0], logits.shape[1], theta.shape[0]
+    if _use_dense(params, n, m, d, config):
+        phi = torch.cat([dense_jacobians(model, b, params) for b in train])
+        feats = Features.dense(phi.to(theta.dtype))
+    else:
+        feats = stacked_features(model, train, params)
+    logits = logits.to(feats.dtype)
     labels = torch.cat([b["labels"] for b in train]).to(logits.device)
     noise = softmax_hessian(logits.double(), jitter=config.jitter).to(feats.dtype, feats.device)
-    theta = network_parameters(model, params)
     bs = max(int(b["labels"].shape[0]) for b in train)  # one operator call per batch
     targets = linearised_targets(feats, theta, logits, labels, noise, batch_size=bs)
     solve = {"method": "cg", "tol": config.cg_tol, "max_iter": config.cg_iters, "batch_size": bs}
@@ -214,7 +273,11 @@ def fit_linearised(
 
 
 def linearised_probs(
-    model: nn.Module, batches: Sequence[Batch], params: Any, samples: Tensor
+    model: nn.Module,
+    batches: Sequence[Batch],
+    params: Any,
+    samples: Tensor,
+    dense_max_floats: int = 0,
 ) -> Tensor:
     """(N, C) float64 predictive ``(1/K) Σ_j softmax(f(x; θ*) + J(x) z_j)`` over ``batches``.
 
@@ -223,14 +286,23 @@ def linearised_probs(
         batches: Test batches (``labels`` ignored).
         params: The stochastic parameters of ``samples``.
         samples: ``[d, K]`` zero-mean posterior samples.
+        dense_max_floats: Use :func:`dense_jacobians` for a batch whose Jacobian has at most this many
+            entries (Kronecker subsets only); else ``linear_sampling.linearised_logit_samples`` (JVPs).
     """
-    from partialbayes.linear_sampling import linearised_logit_samples
+    from partialbayes.linear_sampling import linearised_logit_samples, network_logits
 
     out = []
+    d = samples.shape[0]
     for b in batches:
         inputs = model_inputs(b)
         n = next(iter(inputs.values())).shape[0]
-        logits = linearised_logit_samples(model, inputs, params, samples, batch_size=n)
+        mean = network_logits(model, inputs, batch_size=n)
+        if bool(getattr(params, "is_kronecker", False)) and mean.numel() * d <= dense_max_floats:
+            jac = dense_jacobians(model, b, params)
+            z = samples.to(device=jac.device, dtype=jac.dtype)
+            logits = mean.unsqueeze(0) + torch.einsum("nmd,dk->knm", jac, z).to(mean.dtype)
+        else:
+            logits = linearised_logit_samples(model, inputs, params, samples, batch_size=n)
         out.append(torch.softmax(logits.double(), -1).mean(0).cpu())
     return torch.cat(out)
 
@@ -253,7 +325,7 @@ def linear_sampling_prediction(ctx: Any, subset: Any) -> Any:
     post = fit_linearised(ctx.model, ctx.train, subset, config, gen)
     fit = time.perf_counter() - t0
     t0 = time.perf_counter()
-    probs = linearised_probs(ctx.model, ctx.test, subset, post.samples)
+    probs = linearised_probs(ctx.model, ctx.test, subset, post.samples, config.dense_max_floats)
     predict = time.perf_counter() - t0
     d = int(post.samples.shape[0])
     return Prediction(

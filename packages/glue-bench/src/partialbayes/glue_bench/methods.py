@@ -20,10 +20,18 @@ from partialbayes.glue_bench.linearised import LinearSamplingConfig
 
 Batch = dict[str, torch.Tensor]
 
-# Module counts of the paper's module ramping, and the S-KFAC percentages (percent of the rows and of the
-# columns kept in every linear map) of the authors' experiment code: numpy.linspace(1, 30, 6).
+# Where the ramp sizes come from (every record also stores the percentage of countable parameters that was
+# actually stochastic, ``percent_stochastic`` = ``Subset.percent_of``, and the requested size):
+# * MODULE_COUNTS: the module counts of Kampen et al.'s ramping figures (``selection.PAPER_COUNTS`` without
+#   the 0, which is the MAP cell); counts above a model's number of linear maps in the group are dropped.
+# * SKFAC_PERCENTS: the S-KFAC percentage p (percent of the rows and of the columns kept in every linear
+#   map, DESIGN.md's S-KFAC rule) of the authors' experiment code, ``numpy.linspace(1, 30, 6)`` rounded to
+#   one decimal. A map keeps about (p/100)² of its weights (the paper's g_p, Table 3), so these cover
+#   about 0.01 % to 9 % of the linear weights.
+# * SWAG_L1_PERCENTS: the paper's l1 sub-layer ramp p ∈ {1, 12, 24, 36, 48, 60, 100}: percent of the
+#   countable parameters with the largest magnitude (``selection.largest_magnitude``).
 MODULE_COUNTS = (1, 2, 3, 4, 5, 8, 11, 17, 38)
-SKFAC_PERCENTS = (1.0, 6.8, 12.6, 18.4, 24.2, 30.0)
+SKFAC_PERCENTS = tuple(round(float(p), 1) for p in torch.linspace(1, 30, 6, dtype=torch.float64))
 SWAG_L1_PERCENTS = (1.0, 12.0, 24.0, 36.0, 48.0, 60.0, 100.0)
 PRIOR_GRID = tuple(float(v) for v in torch.logspace(-1, 3, 9))
 
@@ -319,7 +327,9 @@ def run_skfac(ctx: Context, size: str) -> Prediction:
     """S-KFAC Laplace keeping ``size`` % of the rows and columns of every linear map."""
     from partialbayes.selection import sparse_kfac
 
-    return laplace_prediction(ctx, sparse_kfac(ctx.model, float(size)))
+    pred = laplace_prediction(ctx, sparse_kfac(ctx.model, float(size)))
+    pred.extra["skfac_percent"] = float(size)
+    return pred
 
 
 # ------------------------------------------------------------------------------------------ SWAG
@@ -380,7 +390,9 @@ def run_swag_l1(ctx: Context, size: str) -> Prediction:
     """SWAG on the ``size`` % largest-magnitude (l1) parameters."""
     from partialbayes.selection import largest_magnitude
 
-    return swag_prediction(ctx, largest_magnitude(ctx.model, float(size)))
+    pred = swag_prediction(ctx, largest_magnitude(ctx.model, float(size)))
+    pred.extra["l1_percent"] = float(size)
+    return pred
 
 
 def run_swag_full(ctx: Context, size: str) -> Prediction:
