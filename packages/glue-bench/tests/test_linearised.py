@@ -214,7 +214,13 @@ def test_dense_jacobians_match_the_operator_features(tiny_bert_factory, tiny_tok
         batches.append(enc)
     subset = sparse_kfac(model, 40.0) | last_layer(model)
     feats = stacked_features(model, batches, subset)
-    phi = torch.cat([dense_jacobians(model, b, subset) for b in batches])
+    pairs = [dense_jacobians(model, b, subset) for b in batches]
+    phi = torch.cat([p[1] for p in pairs])
+    with torch.no_grad():
+        logits = torch.cat(
+            [model(**{k: v for k, v in b.items() if k != "labels"}).logits for b in batches]
+        )
+    torch.testing.assert_close(torch.cat([p[0] for p in pairs]), logits)
     assert phi.shape == (4, 3, feats.d)
     gen = torch.Generator().manual_seed(0)
     z = torch.randn(feats.d, 2, generator=gen, dtype=F64)

@@ -49,7 +49,7 @@ class LinearSamplingConfig:
     """
 
     k: int = 8
-    em_iters: int = 3
+    em_iters: int = 10
     em_tol: float = 0.1
     samples: int = 16
     cg_iters: int = 50
@@ -129,8 +129,8 @@ def stacked_features(model: nn.Module, batches: Sequence[Batch], params: Any) ->
     return Features(jvp, vjp, int(sizes.sum()), m, d, dtype, device)
 
 
-def dense_jacobians(model: nn.Module, batch: Batch, subset: Any) -> Tensor:
-    """``[b, m, d]`` per-example logit Jacobians in the stochastic entries of a Kronecker ``subset``.
+def dense_jacobians(model: nn.Module, batch: Batch, subset: Any) -> tuple[Tensor, Tensor]:
+    """Logits ``[b, m]`` and per-example logit Jacobians ``[b, m, d]`` in a Kronecker ``subset``.
 
     Columns follow ``linear_sampling.network_parameters``' order (parameters in model order, the
     entries of each in row-major order of its storage mask), so the result is the dense ``Φ`` of
@@ -147,7 +147,7 @@ def dense_jacobians(model: nn.Module, batch: Batch, subset: Any) -> Tensor:
     """
     from partialbayes.curvature import logit_jacobians
 
-    _, jac = logit_jacobians(model, model_inputs(batch), subset)
+    logits, jac = logit_jacobians(model, model_inputs(batch), subset)
     owner = {}
     for mod in subset.kron_modules().values():
         owner[mod.weight_name] = (mod.module_name, "weight", mod)
@@ -165,7 +165,7 @@ def dense_jacobians(model: nn.Module, batch: Batch, subset: Any) -> Tensor:
             if mod.transposed:  # Conv1D stores (n_in x n_out): row-major over the storage mask
                 w = w.transpose(-1, -2)
             parts.append(w.reshape(*w.shape[:2], -1))
-    return torch.cat(parts, -1)
+    return logits.detach(), torch.cat(parts, -1)
 
 
 def _use_dense(params: Any, n: int, m: int, d: int, config: LinearSamplingConfig) -> bool:
@@ -230,13 +230,16 @@ def fit_linearised(
         softmax_hessian,
     )
 
-    logits = torch.cat([network_logits(model, model_inputs(b)) for b in train])
     theta = network_parameters(model, params)
-    n, m, d = logits.shape[0], logits.shape[1], theta.shape[0]
+    n, d = sum(int(b["labels"].shape[0]) for b in train), theta.shape[0]
+    m = network_logits(model, {k: v[:1] for k, v in model_inputs(train[0]).items()}).shape[1]
     if _use_dense(params, n, m, d, config):
-        phi = torch.cat([dense_jacobians(model, b, params) for b in train])
-        feats = Features.dense(phi.to(theta.dtype))
+        pairs = [dense_jacobians(model, b, params) for b in train]
+        logits = torch.cat([p[0] for p in pairs])
+        feats = Features.dense(torch.cat([p[1] for p in pairs]).to(theta.dtype))
+        del pairs
     else:
+        logits = torch.cat([network_logits(model, model_inputs(b)) for b in train])
         feats = stacked_features(model, train, params)
     logits = logits.to(feats.dtype)
     labels = torch.cat([b["labels"] for b in train]).to(logits.device)
@@ -296,9 +299,9 @@ def linearised_probs(
     for b in batches:
         inputs = model_inputs(b)
         n = next(iter(inputs.values())).shape[0]
-        mean = network_logits(model, inputs, batch_size=n)
-        if bool(getattr(params, "is_kronecker", False)) and mean.numel() * d <= dense_max_floats:
-            jac = dense_jacobians(model, b, params)
+        m = network_logits(model, {k: v[:1] for k, v in inputs.items()}).shape[1]
+        if bool(getattr(params, "is_kronecker", False)) and n * m * d <= dense_max_floats:
+            mean, jac = dense_jacobians(model, b, params)
             z = samples.to(device=jac.device, dtype=jac.dtype)
             logits = mean.unsqueeze(0) + torch.einsum("nmd,dk->knm", jac, z).to(mean.dtype)
         else:
