@@ -87,6 +87,8 @@ def bench_cells(b: Bench) -> None:
         ("kfac-max-mlp", "2"),
         ("kfac-full", "-"),
         ("swag-random", "2"),
+        ("ls-last-layer", "-"),
+        ("ls-skfac", "6.8"),
     ):
         method = METHODS[name]
         floats = method.run(ctx, size).floats
@@ -97,5 +99,24 @@ def bench_cells(b: Bench) -> None:
             reference="forward+backward (1 batch)",
             floats=floats,
             repeat=3,
+            warmup=0,
+        )
+
+    # The same linearised-Laplace cell through linear_sampling's JVP operators instead of the dense
+    # Jacobian (what ls-full and large subsets use): tiny model only, it is far slower on MiniLM.
+    if b.quick:
+        from dataclasses import replace
+
+        ctx.settings = replace(
+            settings, linear_sampling=replace(settings.linear_sampling, dense_max_floats=0)
+        )
+        method = METHODS["ls-skfac"]
+        b.time(
+            "ls-skfac 6.8 (JVP operators)",
+            lambda: method.run(ctx, "6.8"),
+            group=group,
+            reference="forward+backward (1 batch)",
+            floats=method.run(ctx, "6.8").floats,
+            repeat=1,
             warmup=0,
         )

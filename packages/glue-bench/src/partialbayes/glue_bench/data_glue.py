@@ -180,6 +180,9 @@ def load_glue_hub(task: str) -> tuple[Examples, Examples]:  # pragma: no cover -
     Needs the optional ``datasets`` package (extra ``hub``) and network access to the hub.
     """
     spec = task_spec(task)
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            raise OSError(f"the Hugging Face hub is switched off ({var} is set)")
     try:
         import datasets
     except ImportError as err:
