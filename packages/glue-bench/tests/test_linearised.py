@@ -187,6 +187,7 @@ def test_predictive_matches_dense(device):
         ("cg_iters", True),
         ("cg_tol", 0.0),
         ("alpha0", -1.0),
+        ("dense_max_floats", -1),
     ],
 )
 def test_bad_settings_name_the_field(key, value):

@@ -45,7 +45,8 @@ class LinearSamplingConfig:
             this many entries and the subset is Kronecker-structured: per-example Jacobians from one
             backward pass per class (``curvature.logit_jacobians``), then every product is a matmul. Larger
             problems use ``linear_sampling.network_features`` (a forward-mode JVP per column, much slower on
-            Hugging Face models, but memory ``O(d·k)``). Test batches follow the same rule per batch.
+            Hugging Face models, but memory ``O(d·k)``); ``0`` always uses the operators. Test batches follow
+            the same rule per batch.
     """
 
     k: int = 8
@@ -60,9 +61,9 @@ class LinearSamplingConfig:
 
     def __post_init__(self) -> None:
         for key in ("k", "em_iters", "samples", "cg_iters", "dense_max_floats"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"linear sampling: {key} must be an int >= 1, got {value!r}")
+            value, low = getattr(self, key), 0 if key == "dense_max_floats" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"linear sampling: {key} must be an int >= {low}, got {value!r}")
         for key in ("em_tol", "cg_tol", "alpha0", "jitter"):
             value = getattr(self, key)
             if not (isinstance(value, (int, float)) and value > 0 and value < float("inf")):
