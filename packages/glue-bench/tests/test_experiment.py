@@ -135,8 +135,16 @@ def test_ivon_method_needs_ivon_checkpoint(tmp_path, mini_glue, tiny_bert_factor
 
 
 def test_linear_sampling_methods(tmp_path, mini_glue, tiny_bert_factory):
-    recs = _run(tmp_path, mini_glue, tiny_bert_factory, ["ls-last-layer", "ls-skfac", "skfac"])
+    recs = _run(
+        tmp_path,
+        mini_glue,
+        tiny_bert_factory,
+        ["ls-last-layer", "ls-skfac", "skfac", "ls-random", "ls-full"],
+    )
     assert set(recs) == {
+        ("ls-random", "1"),
+        ("ls-random", "2"),
+        ("ls-full", "-"),
         ("ls-last-layer", "-"),
         ("ls-skfac", "10"),
         ("ls-skfac", "50"),
@@ -159,6 +167,10 @@ def test_linear_sampling_methods(tmp_path, mini_glue, tiny_bert_factory):
         assert ls["fit_seconds"] > 0
         assert ls["predict_seconds"] > 0
     assert recs[("ls-skfac", "50")]["n_stochastic"] > recs[("ls-skfac", "10")]["n_stochastic"]
+    assert recs[("ls-random", "2")]["n_stochastic"] > recs[("ls-random", "1")]["n_stochastic"]
+    full = recs[("ls-full", "-")]
+    assert len(full["extra"]["modules"]) == 2 * 6 + 2  # 6 linear maps per layer, pooler, classifier
+    assert full["n_stochastic"] > recs[("ls-skfac", "50")]["n_stochastic"]
 
 
 def test_results_folder_of_another_configuration_is_refused(tmp_path, mini_glue):
