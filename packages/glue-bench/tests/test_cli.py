@@ -33,7 +33,15 @@ def test_unknown_method_lists_valid(capsys, tmp_path):
 def test_methods_listing(capsys):
     assert main(["methods"]) == 0
     out = capsys.readouterr().out
-    for name in ("map", "temperature", "last-layer", "skfac", "swag-random", "kfac-max-mlp"):
+    for name in (
+        "map",
+        "temperature",
+        "last-layer",
+        "skfac",
+        "swag-random",
+        "kfac-max-mlp",
+        "ls-skfac",
+    ):
         assert name in out
 
 

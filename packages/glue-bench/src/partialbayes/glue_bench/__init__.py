@@ -2,7 +2,7 @@
 
 Data (:func:`load_glue`, :func:`split_indices`, :func:`load_uci`), models (:func:`load_encoder`,
 :class:`MLP`), MAP fine-tuning (:func:`finetune`), the method registry (:data:`METHODS`), the
-resumable results store (:class:`ResultStore`), the grid runners (:func:`run_grid`, :func:`run_uci`) and
+resumable results store (:class:`ResultStore`), sampling-based linearised Laplace (:func:`fit_linearised`), the grid runners (:func:`run_grid`, :func:`run_uci`) and
 reports (:func:`write_report`, with the tables :func:`budget_table`, :func:`strategy_ranks`,
 :func:`calibration_curves`). The console script ``glue-bench`` wraps them.
 """
@@ -21,6 +21,13 @@ from partialbayes.glue_bench.data_glue import (
 )
 from partialbayes.glue_bench.data_uci import UCISplit, load_uci
 from partialbayes.glue_bench.experiment import RunConfig, prepare_context, run_cell, run_grid
+from partialbayes.glue_bench.linearised import (
+    LinearSamplingConfig,
+    dense_jacobians,
+    fit_linearised,
+    linearised_probs,
+    stacked_features,
+)
 from partialbayes.glue_bench.methods import (
     METHODS,
     Context,
@@ -59,6 +66,7 @@ __all__ = [
     "Cell",
     "Context",
     "Examples",
+    "LinearSamplingConfig",
     "Method",
     "Prediction",
     "ResultStore",
@@ -74,12 +82,15 @@ __all__ = [
     "budget_table",
     "calibration_cells",
     "calibration_curves",
+    "dense_jacobians",
     "ece",
     "encode",
     "finetune",
+    "fit_linearised",
     "fit_temperature",
     "get_methods",
     "iter_records",
+    "linearised_probs",
     "load_encoder",
     "load_glue",
     "load_uci",
@@ -92,6 +103,7 @@ __all__ = [
     "run_grid",
     "run_uci",
     "split_indices",
+    "stacked_features",
     "strategy_ranks",
     "summarise",
     "task_spec",
