@@ -72,3 +72,31 @@ def test_unknown_model_says_what_is_valid(tmp_path):
         load_encoder(str(empty), 2)
     with pytest.raises(ValueError, match="num_labels must be >= 2"):
         load_encoder(str(empty), 1)
+
+
+def test_quickstart_end_to_end_with_a_local_model_folder(
+    capsys, tmp_path, mini_glue, tiny_bert_factory
+):
+    """The README's main command on a tiny BERT saved to a folder: table, plot and the stage times."""
+    import torch
+
+    torch.set_num_threads(1)
+    model, tokenizer = tiny_bert_factory(2)
+    folder = tmp_path / "tiny-bert"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    results = tmp_path / "quick"
+    argv = ["quickstart", "--model", str(folder), "--glue-dir", str(mini_glue)]
+    argv += ["--results", str(results), "--max-train-examples", "32", "--max-test-examples", "16"]
+    argv += ["--epochs", "1", "--n-samples", "2", "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for method in ("map", "temperature", "last-layer", "skfac", "swag-random"):
+        assert f"| {method} |" in out
+    assert "| fine-tuning | 1 |" in out
+    assert "| skfac | 3 |" in out
+    assert "| **total** |" in out
+    assert (results / "sst2_ramping_nll.png").stat().st_size > 0
+    # rerun: everything is reused, the checkpoint too
+    assert main(argv) == 0
+    assert "| fine-tuning | cached |" in capsys.readouterr().out
