@@ -35,6 +35,33 @@ FISHERS = ("exact", "mc", "empirical")
 SHARINGS = ("reduce", "expand")
 
 
+def split_inputs(inputs: Any, chunk_size: int | None) -> list[Any]:
+    """Split model inputs (a tensor, or a dict of tensors) into chunks of at most ``chunk_size`` examples.
+
+    Tensors whose first dimension is the batch size are split along it; other values are passed to every
+    chunk unchanged.
+    """
+    if chunk_size is None:
+        return [inputs]
+    if isinstance(inputs, Tensor):
+        return list(inputs.split(chunk_size))
+    if not isinstance(inputs, dict):
+        raise TypeError(f"chunk_size needs a tensor or dict batch, got {type(inputs).__name__}")
+    sizes = {v.shape[0] for v in inputs.values() if isinstance(v, Tensor) and v.ndim > 0}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"chunk_size: cannot find the batch size of a dict batch with leading sizes {sorted(sizes)}"
+        )
+    (n,) = sizes
+    return [
+        {
+            k: (v[i : i + chunk_size] if isinstance(v, Tensor) and v.ndim > 0 else v)
+            for k, v in inputs.items()
+        }
+        for i in range(0, n, chunk_size)
+    ]
+
+
 def owner_module(param_name: str) -> str:
     """Module owning a parameter: ``"a.b.weight" -> "a.b"`` (``""`` for a top-level parameter)."""
     return param_name.rpartition(".")[0]
@@ -155,6 +182,19 @@ class LaplaceBase:
 
     def _functional_cov(self, prepared: Any, prior: Tensor, scale: Tensor | float) -> Tensor:
         raise NotImplementedError
+
+    def _mean_covs(
+        self, inputs: Any, priors: Sequence[Tensor], scale: Tensor | float
+    ) -> tuple[Tensor, list[Tensor]]:
+        """Logits and one functional covariance per prior setting (subclass may stream instead).
+
+        Default: Jacobians once (`_jacobians`, `_prepare`), then `_functional_cov` per prior.
+        """
+        with eval_mode(self.model):
+            f, jac = self._jacobians(inputs)
+        with torch.no_grad():
+            prepared = self._prepare(jac)
+            return f.detach(), [self._functional_cov(prepared, p, scale) for p in priors]
 
     def _curvature_state(self) -> dict[str, Tensor]:
         """Subclass: the stored curvature tensors (saved; counted by `num_floats`)."""
@@ -360,13 +400,11 @@ class LaplaceBase:
         with torch.no_grad():
             for batch in val_loader:
                 inputs, labels = split_batch(batch)
-                with eval_mode(self.model):
-                    f, jac = self._jacobians(inputs)
-                prepared = self._prepare(jac)
+                with torch.enable_grad():
+                    f, covs = self._mean_covs(inputs, priors, scale)
                 f = f.to(self.dtype)
                 labels = labels.to(f.device)
-                for i, prior in enumerate(priors):
-                    cov = self._functional_cov(prepared, prior, scale)
+                for i, cov in enumerate(covs):
                     if self.likelihood == "classification":
                         nll = probit_nll(f, cov, labels)
                     else:
@@ -439,24 +477,31 @@ class LaplaceBase:
             yield model
 
     # ------------------------------------------------------------------ predictive
-    def logit_mean_cov(self, batch: Any) -> tuple[Tensor, Tensor]:
+    def logit_mean_cov(self, batch: Any, chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
         """Linearised predictive: ``f_MAP`` and the functional covariance ``J Σ Jᵀ`` per example.
 
         Args:
             batch: Model inputs (a tensor or dict), or a batch with labels (labels are ignored).
+            chunk_size: Process at most this many examples at a time (bounds the memory of the recorded
+                activations and output gradients); ``None`` = the whole batch at once.
 
         Returns:
             ``(f [B, C], Σ_f [B, C, C])`` in the dtype of the logits.
         """
         self._require_fit()
+        if chunk_size is not None and (
+            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+        ):
+            raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
         inputs = batch
         if (isinstance(batch, dict) and "labels" in batch) or isinstance(batch, (tuple, list)):
             inputs, _ = split_batch(batch)
-        with eval_mode(self.model):
-            f, jac = self._jacobians(inputs)
-        with torch.no_grad():
-            cov = self._functional_cov(self._prepare(jac), self._prior, self._scale(None))
-        return f.detach(), cov.to(f.dtype)
+        fs, covs = [], []
+        for part in split_inputs(inputs, chunk_size):
+            f, (cov,) = self._mean_covs(part, [self._prior], self._scale(None))
+            fs.append(f.detach())
+            covs.append(cov.to(f.dtype))
+        return torch.cat(fs), torch.cat(covs)
 
     # ------------------------------------------------------------------ size, summary, io
     @property

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,8 +17,13 @@ from partialbayes.curvature._kron_algebra import (
     precision_eigenvalues,
 )
 from partialbayes.curvature._laplace_base import LaplaceBase
-from partialbayes.curvature._laplace_data import block_to_params, param_jacobians, params_to_block
-from partialbayes.curvature._laplace_projected import projected_jacobians
+from partialbayes.curvature._laplace_data import (
+    block_to_params,
+    eval_mode,
+    param_jacobians,
+    params_to_block,
+)
+from partialbayes.curvature._laplace_projected import kron_predictive, projected_jacobians
 
 
 class _Projected(dict):
@@ -173,7 +178,10 @@ class KronLaplace(LaplaceBase):
 
     def _log_det(self, prior: Tensor, scale: Tensor | float) -> Tensor:
         return torch.stack(
-            [kron_log_det(self._eigenvalues(i, m, prior, scale)) for i, m in enumerate(self.modules)]
+            [
+                kron_log_det(self._eigenvalues(i, m, prior, scale))
+                for i, m in enumerate(self.modules)
+            ]
         ).sum()
 
     def _sample_centered(self, n: int, generator: torch.Generator | None) -> dict[str, Tensor]:
@@ -196,6 +204,25 @@ class KronLaplace(LaplaceBase):
         bases = {m: (self._eig[m][1], self._eig[m][3]) for m in self.modules}
         f, projected = projected_jacobians(self.model, inputs, self._kmods, bases, self.dtype)
         return f, _Projected(projected)
+
+    def _mean_covs(
+        self, inputs: Any, priors: Sequence[Tensor], scale: Tensor | float
+    ) -> tuple[Tensor, list[Tensor]]:
+        """Streamed predictive: each module's ``Σ_ij M_k M_l / E`` is added as soon as its gradients exist.
+
+        See `kron_predictive`; ``M`` is never stored for all modules (at most one example's at a time).
+        """
+        bases = {m: (self._eig[m][1], self._eig[m][3]) for m in self.modules}
+        inv = [
+            {
+                m: self._eigenvalues(i, m, prior, scale).reciprocal()
+                for i, m in enumerate(self.modules)
+            }
+            for prior in priors
+        ]
+        with eval_mode(self.model):
+            f, covs = kron_predictive(self.model, inputs, self._kmods, bases, inv, self.dtype)
+        return f, covs
 
     def _autograd_jacobians(self, inputs: Any) -> tuple[Tensor, dict[str, Tensor]]:
         """Block Jacobians by generic reverse mode over all logits (reference path)."""

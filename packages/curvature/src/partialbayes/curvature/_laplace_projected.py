@@ -8,13 +8,15 @@ rotating formed Jacobians (``T = 1`` for unshared layers: ~``min(r, c)`` times c
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from partialbayes.curvature._hooks import Recorder, prepared
 from partialbayes.curvature._jacobians import class_block_grads
+from partialbayes.curvature._likelihood import logits_of, model_device, split_batch
 from partialbayes.selection import KronModule
 
 
@@ -48,3 +50,181 @@ def projected_jacobians(
         return torch.einsum("btr,btc->brc", dq, xq[m])
 
     return class_block_grads(model, batch, kmods, combine)
+
+
+# ----------------------------------------------------------------------------- streamed functional covariance
+def rotate_inputs(x: Tensor, q_a: Tensor, bias: bool) -> Tensor:
+    """Rows ``(Q_Aᵀ x̃)ᵀ = x̃ Q_A`` with ``x̃ = (x | 1)`` when the bias is in the block (no concatenation).
+
+    Args:
+        x: ``[N, c_w]`` inputs gathered to the selected columns.
+        q_a: ``[c, c]`` eigenvectors of ``A`` (``c = c_w + 1`` with a bias).
+        bias: Whether the block has the bias column (last).
+
+    Returns:
+        ``[N, c]``.
+    """
+    if not bias:
+        return x @ q_a
+    return torch.addmm(q_a[-1], x, q_a[:-1])
+
+
+def unshared_covariances(xq: Tensor, dq: Tensor, inv_eigenvalues: Sequence[Tensor]) -> list[Tensor]:
+    """``J Σ Jᵀ`` of one block for rank-1 Jacobians ``J_k = δ_k x̃ᵀ`` (one token per example).
+
+    ``M_k = dq_k xqᵀ`` so ``Σ_ij M_k,ij M_l,ij / E_ij = Σ_i dq_k,i dq_l,i w_i`` with ``w = (1/E) xq²``: an
+    ``[C, B, r]`` contraction that never forms ``M``. Cost ``B (r c + C² r)`` per prior.
+
+    Args:
+        xq: Rotated inputs ``x̃ Q_A``, ``[B, c]``.
+        dq: Rotated output gradients ``δ_k Q_G``, ``[C, B, r]``.
+        inv_eigenvalues: ``1 / E`` (``[r, c]``) for each prior setting.
+
+    Returns:
+        One ``[B, C, C]`` covariance per prior setting.
+    """
+    x2 = xq * xq
+    d = dq.permute(1, 0, 2)  # [B, C, r]
+    return [(d * (x2 @ inv_e.T)[:, None, :]) @ d.transpose(1, 2) for inv_e in inv_eigenvalues]
+
+
+def shared_covariances(
+    x: Tensor,
+    d: Tensor,
+    q_g: Tensor,
+    q_a: Tensor,
+    bias: bool,
+    inv_eigenvalues: Sequence[Tensor],
+    dtype: torch.dtype,
+) -> list[Tensor]:
+    """``J Σ Jᵀ`` of one block for token sequences, ``J_k = Σ_t δ_k,t x̃_tᵀ``, one example at a time.
+
+    Tokens whose output gradient is zero for every class (padding the logits do not see) are dropped first.
+    Per example with ``n`` tokens, ``M_k = Q_Gᵀ J_k Q_A`` is formed in the cheaper order: the inputs are
+    rotated before the token sum when ``n ≤ C r`` (cost ``n c²``, else ``C r c²`` after it), the output
+    gradients when ``n ≤ c`` (cost ``C n r²``, else ``C r² c``); the token sum costs ``C n r c``. Only one
+    example's ``M`` (``[C, r, c]``) lives at a time; it is contracted at once, ``Σ_ij M_k M_l / E``.
+
+    Args:
+        x: Inputs ``[B, T, c_w]`` gathered to the selected columns (model dtype).
+        d: Output gradients ``[C, B, T, r]`` gathered to the selected rows, one slice per class.
+        q_g: ``[r, r]``.
+        q_a: ``[c, c]``.
+        bias: Whether the block has the bias column.
+        inv_eigenvalues: ``1 / E`` (``[r, c]``) for each prior setting.
+        dtype: Dtype of the computation (the posterior's).
+
+    Returns:
+        One ``[B, C, C]`` covariance per prior setting.
+    """
+    n_cls, b, t, r = d.shape
+    c = q_a.shape[0]
+    active = d.ne(0).any(dim=3).any(dim=0)  # [B, T]
+    counts = active.sum(1).tolist()
+    idx = active.reshape(-1).nonzero().squeeze(1)
+    n_tok = idx.numel()
+    xp = x.reshape(b * t, -1).index_select(0, idx).to(dtype)  # [N, c_w]
+    dp = d.reshape(n_cls, b * t, r).index_select(1, idx).to(dtype)  # [C, N, r]
+    x_first = n_tok <= b * n_cls * r
+    d_first = n_tok <= b * c
+    if x_first:
+        xp = rotate_inputs(xp, q_a, bias)
+    elif bias:
+        xp = torch.cat([xp, torch.ones_like(xp[:, :1])], dim=1)
+    if d_first:
+        dp = dp @ q_g
+    out = [torch.zeros(b, n_cls, n_cls, dtype=dtype, device=d.device) for _ in inv_eigenvalues]
+    start = 0
+    for i, n in enumerate(counts):
+        if n == 0:
+            continue
+        m = dp[:, start : start + n].transpose(1, 2) @ xp[start : start + n]  # [C, r, c]
+        start += n
+        if not d_first:
+            m = q_g.T @ m
+        if not x_first:
+            m = m @ q_a
+        flat = m.reshape(n_cls, r * c)
+        for cov, inv_e in zip(out, inv_eigenvalues, strict=True):
+            cov[i] = (flat * inv_e.reshape(-1)) @ flat.T
+    return out
+
+
+def kron_predictive(
+    model: nn.Module,
+    batch: Any,
+    kmods: Mapping[str, KronModule],
+    bases: Mapping[str, tuple[Tensor, Tensor]],
+    inv_eigenvalues: Sequence[Mapping[str, Tensor]],
+    dtype: torch.dtype,
+) -> tuple[Tensor, list[Tensor]]:
+    """Logits and the functional covariance ``J Σ Jᵀ`` of a Kronecker posterior, streamed module by module.
+
+    One forward pass with hooks (inputs gathered to the selected columns) and one backward pass per class
+    (gradients w.r.t. the hooked outputs only, gathered to the selected rows). Then each module's
+    contribution ``Σ_ij M_k,ij M_l,ij / E_ij`` (``M = Q_Gᵀ J Q_A``) is added to the running ``[B, C, C]``
+    covariance and its gradients are freed: rank-1 contraction for unshared layers (`unshared_covariances`),
+    one example at a time for token sequences (`shared_covariances`). ``J`` is never formed and at most one
+    example's ``M`` lives at a time.
+
+    Args:
+        model: Network returning logits ``[B, C]`` (call in eval mode).
+        batch: Tensor, pair or Hugging Face dict batch (``"labels"`` ignored).
+        kmods: Kronecker modules of the subset.
+        bases: ``{module: (Q_G [r, r], Q_A [c, c])}`` in ``dtype``.
+        inv_eigenvalues: For each prior setting, ``{module: 1 / E [r, c]}``.
+        dtype: Dtype of the computation and of the result.
+
+    Returns:
+        ``(logits [B, C], [Σ_f [B, C, C] per prior setting])``.
+    """
+    named = dict(model.named_modules())
+    modules = {m: named[m] for m in kmods}
+    device = model_device(model)
+    rows = {m: (None if k.rows is None else k.rows.to(device)) for m, k in kmods.items()}
+    inputs, _, _ = split_batch(batch, device)
+    with (
+        prepared(model, modules, switch=False),
+        Recorder(modules, {m: k.cols for m, k in kmods.items()}) as rec,
+    ):
+        logits = logits_of(model, inputs)
+        if logits.ndim != 2:
+            raise ValueError(
+                f"model output must be logits of shape [B, C], got {tuple(logits.shape)}"
+            )
+        b, n_cls = logits.shape
+        names = list(kmods)
+        missing = [m for m in names if m not in rec.calls_out]
+        if missing:
+            raise ValueError(f"modules {missing} were not called by the model's forward pass")
+        eye = torch.eye(n_cls, dtype=logits.dtype, device=logits.device)
+        grads: dict[str, list[Tensor]] = {m: [] for m in names}
+        for k in range(n_cls):
+            # calls of a module used several times are merged as extra token positions
+            gs = rec.output_grads(logits, eye[k].expand(b, n_cls), retain_graph=k < n_cls - 1)
+            for m in names:
+                g = gs[m].detach()
+                grads[m].append(g if rows[m] is None else g.index_select(-1, rows[m]))
+            del gs
+        inputs_x = rec.inputs
+        rec.clear()
+        covs = [torch.zeros(b, n_cls, n_cls, dtype=dtype, device=device) for _ in inv_eigenvalues]
+        with torch.no_grad():
+            for m in names:
+                x = inputs_x.pop(m)
+                d = torch.stack(grads.pop(m))  # [C, B, (T...,) r]
+                q_g, q_a = bases[m]
+                inv = [e[m] for e in inv_eigenvalues]
+                bias = kmods[m].bias_name is not None
+                if x.ndim == 2:
+                    parts = unshared_covariances(
+                        rotate_inputs(x.to(dtype), q_a, bias), d.to(dtype) @ q_g, inv
+                    )
+                else:
+                    x3 = x.reshape(b, -1, x.shape[-1])
+                    d4 = d.reshape(n_cls, b, x3.shape[1], d.shape[-1])
+                    parts = shared_covariances(x3, d4, q_g, q_a, bias, inv, dtype)
+                for cov, part in zip(covs, parts, strict=True):
+                    cov += part
+                del x, d
+    return logits.detach(), covs
