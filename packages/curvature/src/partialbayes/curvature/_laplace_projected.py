@@ -4,6 +4,11 @@ For one example with tokens ``t``, ``J_k = Σ_t δ_{k,t} x̃_tᵀ`` (``x̃ = (x[
 block), so ``M_k = Σ_t (Q_Gᵀ δ_{k,t}) (Q_Aᵀ x̃_t)ᵀ``: the inputs are rotated once and the output gradients
 once per class. Cost per module ``B T (c² + C r² + C r c)`` instead of ``B C (T r c + r² c + r c²)`` for
 rotating formed Jacobians (``T = 1`` for unshared layers: ~``min(r, c)`` times cheaper).
+
+`projected_jacobians` returns ``M`` for every module at once (reference path, ``B C Σ r c`` floats);
+`kron_predictive` streams instead: each module's ``Σ_ij M_k M_l / E`` is contracted into the running
+``[B, C, C]`` covariance as soon as its gradients exist, one example at a time for sequences (tokens with zero
+output gradient dropped, rotation order chosen by cost) and without forming ``M`` at all for unshared layers.
 """
 
 from __future__ import annotations
