@@ -139,6 +139,8 @@ def shared_covariances(
     if d_first:
         dp = dp @ q_g
     out = [torch.zeros(b, n_cls, n_cls, dtype=dtype, device=d.device) for _ in inv_eigenvalues]
+    # one prior: scale M in place by 1/√E (one pass over M instead of a product copy)
+    inv_sqrt = inv_eigenvalues[0].sqrt().reshape(-1) if len(inv_eigenvalues) == 1 else None
     start = 0
     for i, n in enumerate(counts):
         if n == 0:
@@ -150,6 +152,10 @@ def shared_covariances(
         if not x_first:
             m = m @ q_a
         flat = m.reshape(n_cls, r * c)
+        if inv_sqrt is not None:
+            flat = flat.mul_(inv_sqrt)
+            torch.mm(flat, flat.T, out=out[0][i])
+            continue
         for cov, inv_e in zip(out, inv_eigenvalues, strict=True):
             cov[i] = (flat * inv_e.reshape(-1)) @ flat.T
     return out
