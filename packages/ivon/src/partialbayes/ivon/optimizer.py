@@ -377,45 +377,31 @@ class IVON(torch.optim.Optimizer):
             device = var[0].device
             gen = self._generator_for(device)
             std = 1.0 / math.sqrt(group["ess"])
-            is_blocked = self._blocked(device)
             noise = [views[p] for p in var]
-            # noise is drawn per parameter in order; on the CPU chunk by chunk inside the blocked pass
-            gen_here = gen is None or _same_device(torch.device(gen.device), device)
-            draw_in_pass = gen_here
-            if not gen_here:  # the generator lives elsewhere: draw there, copy over
-                for z, p in zip(noise, var, strict=True):
-                    z_gen = torch.empty(p.shape, dtype=p.dtype, device=gen.device)
+            # the noise: one normal_ per parameter, in order (the reference's order), all drawn first
+            for z in noise:
+                if gen is None or _same_device(torch.device(gen.device), device):
+                    z.normal_(0.0, std, generator=gen)
+                else:  # the generator lives elsewhere: draw there, copy over
+                    z_gen = torch.empty(z.shape, dtype=z.dtype, device=gen.device)
                     z.copy_(z_gen.normal_(0.0, std, generator=gen))
             mean_views = [p.data for p in var]
             hess = [self.state[p]["hess"] for p in var]
             masks = self._mask_list(var)
             fn = functools.partial(
-                draw_, std=std, delta=group["weight_decay"], generator=gen, draw=draw_in_pass
+                draw_, std=std, delta=group["weight_decay"], generator=gen, draw=False
             )
+            done: set[int] = set()
             if self._use_compiled(var):
-                if draw_in_pass:
-                    for z in noise:
-                        z.normal_(0.0, std, generator=gen)
                 done = self._draw_compiled(noise, mean_views, hess, masks, group["weight_decay"])
-                if done < len(var):
-                    rest = slice(done, None)
-                    sub = [noise[rest], mean_views[rest], hess[rest], masks[rest]]
+            for idx in self._categories(var, masks):
+                idx = [i for i in idx if i not in done]
+                if idx:
+                    sub = [_pick(noise, idx), _pick(mean_views, idx), _pick(hess, idx)]
                     blocked.apply(
-                        functools.partial(fn, draw=False), sub, blocked=is_blocked,
+                        fn, [*sub, _pick(masks, idx)], blocked=self._blocked(device),
                         workspace=self._workspace,
                     )  # fmt: skip
-            elif is_blocked:  # one parameter (chunk) at a time, in order (the draw order)
-                blocked.apply(
-                    fn, [noise, mean_views, hess, masks], blocked=True, workspace=self._workspace
-                )
-            else:
-                if draw_in_pass:
-                    for z in noise:
-                        z.normal_(0.0, std, generator=gen)
-                fn = functools.partial(fn, draw=False)
-                for idx in self._categories(var, masks):
-                    sub = [_pick(noise, idx), _pick(mean_views, idx), _pick(hess, idx)]
-                    blocked.apply(fn, [*sub, _pick(masks, idx)], blocked=False)
             for p, m, w in zip(var, mean_views, noise, strict=True):
                 means[p] = m
                 p.data = w
@@ -446,13 +432,14 @@ class IVON(torch.optim.Optimizer):
         hess: list[Tensor],
         masks: list[Tensor | None],
         delta: float,
-    ) -> int:
-        """Compiled :func:`draw_` (noise already drawn) per parameter; returns how many were done."""
+    ) -> set[int]:
+        """Compiled :func:`draw_` (noise already drawn) on the large parameters; returns which were done."""
         c = compiled_kernels.scalars([delta], noise[0])
+        done = set()
         for i, args in enumerate(zip(noise, means, hess, masks, strict=True)):
-            if not compiled_kernels.draw_one(*args, c):
-                return i
-        return len(noise)
+            if args[0].numel() > blocked.SMALL and compiled_kernels.draw_one(*args, c):
+                done.add(i)
+        return done
 
     @staticmethod
     def _blocked(device: torch.device) -> bool:
@@ -635,7 +622,8 @@ class IVON(torch.optim.Optimizer):
                 kind = self._est_kind if self.variational_mask(p) is not False else None
                 args = (means[i], momentum[i], hess[i], grads[i], est_all[i], masks[i], c)
                 if not (
-                    compiled_kernels.flat_ok(*args[:6])
+                    p.numel() > blocked.SMALL
+                    and compiled_kernels.flat_ok(*args[:6])
                     and compiled_kernels.update_one(*args, kind, clip)
                 ):
                     todo.append(i)
