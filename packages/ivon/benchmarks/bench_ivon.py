@@ -7,10 +7,9 @@ are the more trustworthy ratios: every round times each optimizer once, in turn,
 ratio is taken between the medians over the rounds.
 
 Memory: the harness column is the transient peak during the timed calls (state allocated in warm-up is not
-in it). The ``peak memory`` metric rows are measured separately, per optimizer from a fresh start: the
-largest resident-set growth while the optimizer is built and takes two steps, in copies of the parameters
-(``× P``). For the update alone this is the optimizer's state, buffers and temporaries; for the full step it
-adds the gradients and activations, which are the same for every optimizer.
+in it; on CPUs a resident-set measure, which the C allocator's reuse of freed memory makes unreliable). The
+``memory kept between steps`` rows count, after two steps, the tensors the optimizer holds (state, sample and
+scratch buffers; for ivon-opt also its per-group tensors), in copies of the parameters (``× P``).
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import copy
 import gc
 import os
 import statistics
-import threading
 import time
 from collections.abc import Callable
 
@@ -35,11 +33,6 @@ from partialbayes.ivon import IVON, _compiled
 
 Batch = dict[str, torch.Tensor]
 MakeOpt = Callable[[torch.nn.Module], torch.optim.Optimizer]
-
-try:
-    import psutil
-except ImportError:  # pragma: no cover - psutil is in the bench group
-    psutil = None
 
 
 def _distilbert(b: Bench) -> tuple[torch.nn.Module, Batch, str]:
@@ -135,33 +128,6 @@ def _make_fn(
     return _update_only(model, opt, grads)
 
 
-class _RssPeak:
-    """Largest resident-set growth (bytes) while the block runs, sampled every millisecond."""
-
-    def __enter__(self) -> _RssPeak:
-        gc.collect()
-        self._proc = psutil.Process()
-        self.base = self.peak = self._proc.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._proc.memory_info().rss)
-            time.sleep(0.001)
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._proc.memory_info().rss)
-
-    @property
-    def growth(self) -> int:
-        return self.peak - self.base
-
-
 def _compile_available(b: Bench, group: str, name: str) -> bool:
     if _compiled.available():
         return True
@@ -207,27 +173,47 @@ def _compare(b: Bench, base: torch.nn.Module, batch: Batch, label: str) -> None:
                 if name in medians:
                     b.metric(f"{name} / ivon-opt", medians[name] / medians["ivon-opt"],
                              unit="ratio", group=group)  # fmt: skip
-        if psutil is not None and b.device.type == "cpu":
+        if kind == "update only":
             _memory(b, base, batch, kind, group, n_params)
+
+
+def _tensor_floats(obj: object, seen: set[int]) -> int:
+    if isinstance(obj, torch.Tensor):
+        key = obj.untyped_storage().data_ptr()
+        if key in seen or obj.is_sparse:
+            return 0
+        seen.add(key)
+        return obj.untyped_storage().nbytes() // 4
+    if isinstance(obj, dict):
+        return sum(_tensor_floats(v, seen) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_tensor_floats(v, seen) for v in obj)
+    return 0
 
 
 def _memory(
     b: Bench, base: torch.nn.Module, batch: Batch, kind: str, group: str, n_params: int
 ) -> None:
+    """Float32-equivalent floats the optimizer keeps between steps (state and buffers), after two steps."""
     for name, make_opt in _optimizers().items():
-        if make_opt is None or ("compiled" in name and not _compiled.available()):
+        if make_opt is None:
             continue
         model = copy.deepcopy(base).train()
-        grads = [torch.randn_like(p) * 1e-3 for p in model.parameters()]
-        with _RssPeak() as peak:
-            opt = make_opt(model)
-            fn = (
-                _full_step(model, opt, batch) if kind == "step" else _update_only(model, opt, grads)
-            )
-            fn()
-            fn()
-        b.metric(f"peak memory: {name}", peak.growth / 4 / n_params, unit="× P", group=group)
-        del model, grads, opt, fn
+        opt = make_opt(model)
+        fn = _make_fn(kind, model, opt, batch)
+        fn()
+        fn()
+        seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        held = [
+            opt.state,
+            [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        ]
+        held += [getattr(opt, a, None) for a in ("_sample_bufs", "_est_bufs")]
+        workspace = getattr(opt, "_workspace", None)
+        held.append(getattr(workspace, "_buffers", None))
+        floats = _tensor_floats(held, seen)
+        b.metric(f"memory kept between steps: {name}", floats / n_params, unit="× P", group=group)
+        del model, opt, fn
         gc.collect()
 
 

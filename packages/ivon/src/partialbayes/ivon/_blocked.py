@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 #: Entries per chunk: only very large tensors (embedding matrices) are cut.
-CHUNK = 1 << 22
+CHUNK = 1 << 20
 
 #: Tensors of at most this many entries are batched into one multi-tensor call.
 SMALL = 1 << 16
