@@ -27,6 +27,13 @@ def _draw_kernel(w: Tensor, m: Tensor, h: Tensor, mask: Tensor | None, c: Tensor
     w.copy_(m + z * torch.rsqrt(h + c[0]))
 
 
+def _needs_est(est: Tensor | None, est_kind: str) -> Tensor:
+    """``est``, which ``est_kind`` needs (resolved when tracing: ``est is None`` is fixed per compiled key)."""
+    if est is None:
+        raise ValueError(f"update kernel: est_kind {est_kind!r} needs est")
+    return est
+
+
 def _update_kernel(
     m: Tensor,
     mu: Tensor,
@@ -47,11 +54,11 @@ def _update_kernel(
     if est_kind is not None:
         s = h + c[1]
         if est_kind == "sample":
-            d = h - c[2] * ((est - m) * g * s)
+            d = h - c[2] * ((_needs_est(est, est_kind) - m) * g * s)
         elif est_kind == "price":
-            d = h - c[2] * (est * s)
+            d = h - c[2] * (_needs_est(est, est_kind) * s)
         elif est_kind == "gradsq":
-            d = h - est
+            d = h - _needs_est(est, est_kind)
         else:  # "grad"
             d = h - g * g
         if mask is not None:

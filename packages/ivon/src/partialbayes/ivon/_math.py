@@ -30,6 +30,9 @@ from torch import Tensor
 #: ``"grad"``: nothing (``est`` is ``None``), ``ĥ = g²`` from the gradient; ``None``: ``h`` is kept fixed.
 EST_KINDS = ("sample", "price", "gradsq", "grad", None)
 
+#: A list of tensors as the ``torch._foreach_*`` kernels take and return them (they return tuples).
+Tensors = list[Tensor] | tuple[Tensor, ...]
+
 
 def hessian_update(h: Tensor, h_hat: Tensor, beta2: float, delta: float) -> Tensor:
     """IVON's Hessian update, which keeps ``h`` positive: ``β2·h + (1−β2)·ĥ + ½(1−β2)²(h−ĥ)²/(h+δ)``.
@@ -55,7 +58,7 @@ def _add(
     scalar: float,
     out: list[Tensor] | None,
     other: list[Tensor] | None = None,
-) -> list[Tensor]:
+) -> Tensors:
     """``tensors + scalar`` (or ``tensors + scalar·other``), written into ``out`` when given, else new."""
     if out is None:
         if other is None:
@@ -70,8 +73,8 @@ def _add(
 
 
 def _addcmul(
-    base: list[Tensor], t1: list[Tensor], t2: list[Tensor], value: float, out: list[Tensor] | None
-) -> list[Tensor]:
+    base: Tensors, t1: Tensors, t2: Tensors, value: float, out: list[Tensor] | None
+) -> Tensors:
     """``base + value·t1·t2``, written into ``out`` when given, else new."""
     if out is None:
         return torch._foreach_addcmul(base, t1, t2, value=value)

@@ -245,7 +245,7 @@ class IVON(torch.optim.Optimizer):
                     f"expected bool of the storage shape {tuple(p.shape)}"
                 )
             masks[p] = True if bool(mask.all()) else mask.to(p.device)
-        if not any(m is True or bool(m.any()) for m in masks.values()):
+        if not any(bool(m.any()) if isinstance(m, Tensor) else m for m in masks.values()):
             raise ValueError("IVON.from_subset: the subset has no stochastic entries")
         params = [p for p in named.values() if p.requires_grad]
         opt = cls(params, **kwargs)
@@ -509,7 +509,7 @@ class IVON(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------------- step
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update means, momentum and Hessian from the gradient samples collected since the last step.
 
         Works with ``torch.amp.GradScaler``: ``scaler.step(optimizer)`` passes its scale and inf flag

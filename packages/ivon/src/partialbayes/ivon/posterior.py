@@ -158,8 +158,9 @@ class MultiIVON:
     @property
     def mean(self) -> dict[str, Tensor]:
         """The mixture mean (the average of the component means)."""
+        first, rest = self.components[0], self.components[1:]
         k = len(self.components)
-        return {n: sum(c.mean[n] for c in self.components) / k for n in self.components[0].mean}
+        return {n: sum((c.mean[n] for c in rest), first.mean[n]) / k for n in first.mean}
 
     def sample(
         self, generator: torch.Generator | None = None, component: int | None = None
