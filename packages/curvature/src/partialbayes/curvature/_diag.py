@@ -67,7 +67,8 @@ def diag_curvature(
     params = dict(model.named_parameters())
     device = params[targets[0].name].device
     out = {t.name: torch.zeros(t.index.numel(), dtype=dtype, device=device) for t in targets}
-    full_2d = {}  # weight name -> logical [n_out, n_in] buffer (2-D activations fast path)
+    # weight name -> logical [n_out, n_in] buffer (2-D activations fast path)
+    full_2d: dict[str, Tensor] = {}
     with prepared(model, modules):
         for bp in stream(
             model,

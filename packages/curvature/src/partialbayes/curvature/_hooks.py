@@ -115,7 +115,10 @@ class Recorder:
         def hook(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Tensor
         ) -> None:
-            x = (args[0] if args else kwargs.get("input", kwargs.get("x"))).detach()
+            x = args[0] if args else kwargs.get("input", kwargs.get("x"))
+            if x is None:
+                raise TypeError(f"module {name!r} was called without an input tensor")
+            x = x.detach()
             c = self.cols[name]
             self.calls_in.setdefault(name, []).append(x if c is None else x.index_select(-1, c))
             self.calls_out.setdefault(name, []).append(output)

@@ -115,9 +115,9 @@ def class_block_grads(
             # calls of a module used several times are merged as extra token positions
             grads = rec.output_grads(logits, eye[k].expand(b, c), retain_graph=k < c - 1)
             for m in names:
-                d = grads[m]
-                if rows[m] is not None:
-                    d = d.index_select(-1, rows[m])
+                d, r = grads[m], rows[m]
+                if r is not None:
+                    d = d.index_select(-1, r)
                 per_class[m].append(combine(m, rec.inputs[m], d))
     return logits.detach(), {m: torch.stack(v, dim=1) for m, v in per_class.items()}
 
@@ -167,16 +167,16 @@ def param_targets(
             )
         mname, role = owner[n]
         blk = subset.block(n)
-        is_kron = isinstance(blk, KronBlock) and role == "weight"
+        kron = blk if isinstance(blk, KronBlock) and role == "weight" else None
         out.append(
             ParamTarget(
                 name=n,
                 module=mname,
                 role=role,
                 transposed=subset.transposed(n),
-                kron_rows=None if not is_kron or blk.rows is None else blk.rows.to(device),
-                kron_cols=None if not is_kron or blk.cols is None else blk.cols.to(device),
-                is_kron=is_kron,
+                kron_rows=None if kron is None or kron.rows is None else kron.rows.to(device),
+                kron_cols=None if kron is None or kron.cols is None else kron.cols.to(device),
+                is_kron=kron is not None,
                 index=subset.mask(n).reshape(-1).nonzero().squeeze(1).to(device),
             )
         )

@@ -115,6 +115,7 @@ def param_jacobians(
         f = model_logits(model, inputs)
         b, c = f.shape
         eye = torch.eye(b * c, dtype=f.dtype, device=f.device).reshape(b * c, b, c)
+        grads: tuple[Tensor | None, ...]  # None: the logits do not depend on the parameter
         try:
             grads = torch.autograd.grad(
                 f, targets, eye, is_grads_batched=True, allow_unused=True, retain_graph=True

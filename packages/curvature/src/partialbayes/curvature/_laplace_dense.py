@@ -88,15 +88,21 @@ class DenseLaplace(LaplaceBase):
             raise ValueError(f"dense curvature of modules {list(self.modules)}: {err}") from err
         self._eigvals, self._eigvecs = vals, vecs
 
+    def _eig(self) -> tuple[Tensor, Tensor]:
+        """``(λ, Q)`` of ``H``, set by `fit` / `load` (callers check `_require_fit` first)."""
+        if self._eigvals is None or self._eigvecs is None:
+            raise RuntimeError(f"{type(self).__name__} is not fitted: call fit(loader) first")
+        return self._eigvals, self._eigvecs
+
     def _uniform(self, prior: Tensor) -> bool:
         return not prior.requires_grad and bool((prior == prior[0]).all())
 
     def _eig_precision(self, prior: Tensor, scale: Tensor | float) -> Tensor:
-        return self._eigvals * (scale / self.temperature) + prior[0]
+        return self._eig()[0] * (scale / self.temperature) + prior[0]
 
     def _cholesky(self, prior: Tensor, scale: Tensor | float) -> Tensor:
-        q = self._eigvecs
-        precision = (q * (self._eigvals * (scale / self.temperature))) @ q.T
+        vals, q = self._eig()
+        precision = (q * (vals * (scale / self.temperature))) @ q.T
         precision = precision + torch.diag(self._entry_prior(prior))
         chol, info = torch.linalg.cholesky_ex(precision)
         if int(info) != 0:
@@ -114,10 +120,11 @@ class DenseLaplace(LaplaceBase):
         return {n: flat[..., s] for n, s in self._offsets().items()}
 
     def _sample_centered(self, n: int, generator: torch.Generator | None) -> dict[str, Tensor]:
-        eps = self._noise((n, self._eigvals.numel()), generator)
+        vals, vecs = self._eig()
+        eps = self._noise((n, vals.numel()), generator)
         scale = self._scale(None)
         if self._uniform(self._prior):
-            flat = (eps * self._eig_precision(self._prior, scale).rsqrt()) @ self._eigvecs.T
+            flat = (eps * self._eig_precision(self._prior, scale).rsqrt()) @ vecs.T
         else:
             chol = self._cholesky(self._prior, scale)
             flat = torch.linalg.solve_triangular(chol.T, eps.T, upper=True).T
@@ -129,19 +136,20 @@ class DenseLaplace(LaplaceBase):
 
     def _prepare(self, jac: Tensor) -> Tensor:
         """``J Q``: Jacobians in the eigenbasis of ``H``, ``[B, C, P]``."""
-        return jac.to(device=self.device, dtype=self.dtype) @ self._eigvecs
+        return jac.to(device=self.device, dtype=self.dtype) @ self._eig()[1]
 
     def _functional_cov(self, prepared: Tensor, prior: Tensor, scale: Tensor | float) -> Tensor:
         if self._uniform(prior):
             m = prepared * self._eig_precision(prior, scale).rsqrt()
             return m @ m.transpose(1, 2)
         chol = self._cholesky(prior, scale)
-        jac = prepared @ self._eigvecs.T
+        jac = prepared @ self._eig()[1].T
         v = torch.linalg.solve_triangular(chol, jac.transpose(1, 2), upper=False)
         return v.transpose(1, 2) @ v
 
     def _curvature_state(self) -> dict[str, Tensor]:
-        return {"eigvals": self._eigvals, "eigvecs": self._eigvecs}
+        vals, vecs = self._eig()
+        return {"eigvals": vals, "eigvecs": vecs}
 
     def _load_curvature_state(self, tensors: Mapping[str, Tensor]) -> None:
         self._eigvals = tensors["eigvals"].to(device=self.device, dtype=self.dtype)

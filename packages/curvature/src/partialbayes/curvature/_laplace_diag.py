@@ -60,7 +60,8 @@ class DiagLaplace(LaplaceBase):
         return self._h[name] * (scale / self.temperature) + prior[self._param_module[name]]
 
     def _log_det(self, prior: Tensor, scale: Tensor | float) -> Tensor:
-        return sum(self._precision(n, prior, scale).log().sum() for n in self.subset.names)
+        first, *rest = [self._precision(n, prior, scale).log().sum() for n in self.subset.names]
+        return sum(rest, first)
 
     def _sample_centered(self, n: int, generator: torch.Generator | None) -> dict[str, Tensor]:
         scale = self._scale(None)
@@ -79,10 +80,13 @@ class DiagLaplace(LaplaceBase):
     def _functional_cov(
         self, prepared: Mapping[str, Tensor], prior: Tensor, scale: Tensor | float
     ) -> Tensor:
-        out = 0.0
+        out: Tensor | None = None
         for n in self.subset.names:
             j = prepared[n] * self._precision(n, prior, scale).rsqrt()
-            out = out + j @ j.transpose(1, 2)
+            cov = j @ j.transpose(1, 2)
+            out = cov if out is None else out + cov
+        if out is None:
+            raise ValueError("DiagLaplace: the subset has no parameters")
         return out
 
     def _curvature_state(self) -> dict[str, Tensor]:

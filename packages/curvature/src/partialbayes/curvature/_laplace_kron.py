@@ -242,10 +242,15 @@ class KronLaplace(LaplaceBase):
     def _functional_cov(
         self, prepared: Mapping[str, Tensor], prior: Tensor, scale: Tensor | float
     ) -> Tensor:
-        return sum(
-            kron_functional_covariance_projected(prepared[m], self._eigenvalues(i, m, prior, scale))
-            for i, m in enumerate(self.modules)
-        )
+        out: Tensor | None = None
+        for i, m in enumerate(self.modules):
+            cov = kron_functional_covariance_projected(
+                prepared[m], self._eigenvalues(i, m, prior, scale)
+            )
+            out = cov if out is None else out + cov
+        if out is None:
+            raise ValueError("KronLaplace: the subset has no modules")
+        return out
 
     # ------------------------------------------------------------------ state
     def _curvature_state(self) -> dict[str, Tensor]:

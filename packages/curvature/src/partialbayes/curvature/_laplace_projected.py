@@ -214,8 +214,8 @@ def kron_predictive(
             # calls of a module used several times are merged as extra token positions
             gs = rec.output_grads(logits, eye[k].expand(b, n_cls), retain_graph=k < n_cls - 1)
             for m in names:
-                g = gs[m].detach()
-                grads[m].append(g if rows[m] is None else g.index_select(-1, rows[m]))
+                g, r = gs[m].detach(), rows[m]
+                grads[m].append(g if r is None else g.index_select(-1, r))
             del gs
         inputs_x = rec.inputs
         rec.clear()
