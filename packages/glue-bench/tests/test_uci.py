@@ -57,6 +57,24 @@ def test_uci_pipeline_one_split(tmp_path, data_dir, monkeypatch):
     assert recs[("kfac-max", "3")]["n_stochastic"] > recs[("kfac-max", "1")]["n_stochastic"]
 
 
+def test_uci_swag_full_cell_runs():
+    # collect_swag takes dict batches; the UCI cell used to pass (x, y) tuples and raised TypeError
+    pytest.importorskip("partialbayes.swag")
+    from partialbayes.glue_bench.data_uci import UCISplit
+    from partialbayes.glue_bench.models import MLP
+    from partialbayes.glue_bench.uci import run_uci_cell
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3, dtype=torch.float64, generator=gen)
+    y = x.sum(1)
+    split = UCISplit(x[:48], y[:48], x[48:], y[48:], 0.0, 1.0)
+    torch.manual_seed(0)
+    rec = run_uci_cell(MLP(3, width=8, depth=1), 0.1, split, "swag-full", "-", 0)
+    assert rec["n_test"] == 16
+    assert math.isfinite(rec["nll"])
+    assert rec["percent_stochastic"] == pytest.approx(100.0)
+
+
 def _flat_mask(subset, params):
     return torch.cat(
         [

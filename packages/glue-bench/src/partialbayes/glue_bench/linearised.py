@@ -20,12 +20,21 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import Tensor, nn
 
 Batch = Mapping[str, Tensor]
+
+
+class _SolveOptions(TypedDict):
+    """Keyword arguments of ``linear_sampling.posterior_mean`` / ``posterior_samples`` for one CG solve."""
+
+    method: str
+    tol: float
+    max_iter: int
+    batch_size: int
 
 
 @dataclass(frozen=True)
@@ -247,8 +256,13 @@ def fit_linearised(
     noise = softmax_hessian(logits.double(), jitter=config.jitter).to(feats.dtype, feats.device)
     bs = max(int(b["labels"].shape[0]) for b in train)  # one operator call per batch
     targets = linearised_targets(feats, theta, logits, labels, noise, batch_size=bs)
-    solve = {"method": "cg", "tol": config.cg_tol, "max_iter": config.cg_iters, "batch_size": bs}
-    prior = Prior(float(config.alpha0))
+    solve: _SolveOptions = {
+        "method": "cg",
+        "tol": config.cg_tol,
+        "max_iter": config.cg_iters,
+        "batch_size": bs,
+    }
+    prior = Prior(torch.tensor(float(config.alpha0)))
     history: list[dict[str, Any]] = []
     converged, cg_ok = False, True
     for _ in range(config.em_iters):

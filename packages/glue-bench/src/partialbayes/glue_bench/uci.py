@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -162,10 +162,11 @@ def run_uci_cell(
         from partialbayes.swag import collect_swag
 
         subset = _subset(model, method, 0, seed)
-        batches = [(x_tr[i : i + 32], y_tr[i : i + 32]) for i in range(0, len(x_tr), 32)]
+        # collect_swag takes dict batches (it moves each tensor entry to the model's device)
+        batches = [{"x": x_tr[i : i + 32], "y": y_tr[i : i + 32]} for i in range(0, len(x_tr), 32)]
 
-        def loss_fn(m: nn.Module, b: Any) -> torch.Tensor:
-            return ((m(b[0]).squeeze(-1) - b[1]) ** 2).mean()
+        def loss_fn(m: nn.Module, b: Mapping[str, Any]) -> torch.Tensor:
+            return ((m(b["x"]).squeeze(-1) - b["y"]) ** 2).mean()
 
         swag = collect_swag(
             model, subset, batches, lr=1e-2, n_steps=500, loss_fn=loss_fn, progress=False
