@@ -297,3 +297,40 @@ def test_frozen_and_unused_parameters_count_as_zero_gradient():
     h = opt.state[unused]["hess"]
     expected = 1 - 0.1 * (1 + 0.1) * 0.1 / (h + 0.1)
     torch.testing.assert_close(unused.detach(), expected)
+
+
+def test_rejected_param_group_leaves_no_trace():
+    x, y = _data(6, 3, "cpu")
+    model = _mlp(3, 4, "cpu")
+    opt = IVON(model[0].parameters(), lr=0.1, ess=6)
+    with pytest.raises(ValueError, match="beta2"):
+        opt.add_param_group({"params": model[2].parameters(), "beta2": 1.0})
+    with pytest.raises(TypeError, match="floating point"):
+        opt.add_param_group({"params": [torch.zeros(3, dtype=torch.long)]})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": model[2].parameters(), "lr": 0.05})
+    _train(model, opt, x, y, 2, 1)  # would fail with a KeyError on a half-added group
+    assert [g["step"] for g in opt.param_groups] == [2, 2]
+
+
+@pytest.mark.parametrize("hess_approx", ["price", "gradsq"])
+def test_zero_grad_between_samples_keeps_the_collected_average(hess_approx, device):
+    x, y = _data(8, 3, device)
+    runs = []
+    for zero_outside in (False, True):
+        model = _mlp(3, 4, device)
+        opt = IVON(model.parameters(), lr=0.1, ess=8, mc_samples=3, hess_approx=hess_approx,
+                   generator=torch.Generator(device).manual_seed(2))  # fmt: skip
+        for _ in range(3):
+            for _ in range(3):
+                if zero_outside:  # before the sample: p.grad is the running average here
+                    opt.zero_grad(set_to_none=False)
+                with opt.sampled_params(train=True):
+                    if not zero_outside:
+                        opt.zero_grad()
+                    ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+        runs.append([p.detach().clone() for p in model.parameters()])
+        runs.append([opt.state[p]["hess"].clone() for p in model.parameters()])
+    for a, b in zip(runs[0] + runs[1], runs[2] + runs[3], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -216,3 +216,37 @@ def test_posterior_bad_input():
     opt = IVON(model.parameters(), lr=0.1, ess=1)
     with pytest.raises(RuntimeError, match="inside sampled_params"), opt.sampled_params():
         ivon_posterior(opt, model)
+
+
+def test_multi_ivon_draws_reproducible_on_the_generator_device(device):
+    posts = [
+        GaussianPosterior(
+            {"w": torch.full((3,), float(k), device=device)}, {"w": torch.ones(3, device=device)}
+        )
+        for k in range(4)
+    ]
+    mix = MultiIVON(posts)
+
+    def draws(global_seed):
+        torch.manual_seed(global_seed)  # the global RNGs must play no part
+        if device != "cpu":
+            torch.cuda.manual_seed_all(global_seed)
+        gen = torch.Generator(device).manual_seed(3)
+        return torch.stack([mix.sample(gen)["w"] for _ in range(20)])
+
+    first, second = draws(0), draws(1)
+    assert torch.equal(first, second)
+    assert first.device.type == torch.device(device).type
+    components = first.mean(1).round()  # means 0..3 with unit noise: the drawn component, roughly
+    assert len(set(components.tolist())) > 1
+
+
+def test_predict_mean_refuses_a_mixture_of_several_runs():
+    model = _model("cpu")
+    a = ivon_posterior(IVON(model.parameters(), lr=0.1, ess=10), model)
+    x = torch.randn(2, 3, dtype=torch.float64)
+    torch.testing.assert_close(
+        predict_mean(model, MultiIVON([a]), lambda m: m(x)), predict_mean(model, a, lambda m: m(x))
+    )
+    with pytest.raises(ValueError, match="no meaningful mean"):
+        predict_mean(model, MultiIVON([a, a]), lambda m: m(x))

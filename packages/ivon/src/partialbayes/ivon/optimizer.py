@@ -197,13 +197,18 @@ class IVON(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group (validated), initialising its momentum to 0 and Hessian to ``hess_init``."""
         super().add_param_group(param_group)
-        self._layout_cache = None
         group = self.param_groups[-1]
-        _validate_group(group)
+        try:  # a rejected group must not stay behind (a later step would find it without state)
+            _validate_group(group)
+            for p in group["params"]:
+                if not p.is_floating_point():
+                    raise TypeError(f"IVON: parameters must be floating point, got dtype {p.dtype}")
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
+        self._layout_cache = None
         group.setdefault("step", 0)
         for p in group["params"]:
-            if not p.is_floating_point():
-                raise TypeError(f"IVON: parameters must be floating point, got dtype {p.dtype}")
             self.state[p] = {
                 "momentum": torch.zeros_like(p, memory_format=torch.preserve_format),
                 "hess": torch.full_like(p, group["hess_init"], memory_format=torch.preserve_format),
@@ -288,6 +293,19 @@ class IVON(torch.optim.Optimizer):
         if g.is_sparse:
             raise TypeError("IVON does not support sparse gradients")
         return g.clone() if g._base is not None else g  # never keep a view into someone's bucket
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients, as :meth:`torch.optim.Optimizer.zero_grad`, without touching collected samples.
+
+        Between the samples of one step ``p.grad`` is the running MC-averaged gradient this optimizer
+        collected (see :meth:`sampled_params`). It is detached from ``p.grad`` first (``p.grad`` becomes
+        ``None`` there), so that ``zero_grad(set_to_none=False)`` never zeroes the average in place.
+
+        Args:
+            set_to_none: Set the other gradients to ``None`` instead of zeroing them.
+        """
+        self._release_grads()
+        super().zero_grad(set_to_none=set_to_none)
 
     def _release_grads(self) -> None:
         """Detach the averaged gradients this optimizer exposes as ``p.grad`` (before a sample, after a step)."""

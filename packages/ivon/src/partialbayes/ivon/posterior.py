@@ -176,14 +176,11 @@ class MultiIVON:
         """
         k = len(self.components)
         if component is None:
-            component = int(torch.randint(k, (1,), generator=_cpu(generator)).item())
+            device = None if generator is None else generator.device
+            component = int(torch.randint(k, (1,), generator=generator, device=device).item())
         if not 0 <= component < k:
             raise ValueError(f"MultiIVON.sample: component must be in [0, {k}), got {component}")
         return self.components[component].sample(generator)
-
-
-def _cpu(generator: torch.Generator | None) -> torch.Generator | None:
-    return generator if generator is None or torch.device(generator.device).type == "cpu" else None
 
 
 Posterior = GaussianPosterior | MultiIVON
@@ -192,16 +189,28 @@ Posterior = GaussianPosterior | MultiIVON
 def predict_mean(
     model: nn.Module, posterior: Posterior, fn: Callable[[nn.Module], Tensor]
 ) -> Tensor:
-    """``fn(model)`` with the posterior (mixture) mean swapped in, without gradients.
+    """``fn(model)`` with the posterior mean swapped in, without gradients.
 
     Args:
         model: The model.
-        posterior: A :class:`GaussianPosterior` or :class:`MultiIVON`.
+        posterior: A :class:`GaussianPosterior`, or a :class:`MultiIVON` of one component. The mean of a
+            mixture of several runs is refused: independent runs sit in different modes (and permutations)
+            of the weights, so their averaged weights are no meaningful network. Use :func:`predict_mc`, or
+            ``predict_mean`` on each component.
         fn: Computes the output from the model, e.g. ``lambda m: m(x).logits``.
 
     Returns:
         The output at the mean.
+
+    Raises:
+        ValueError: For a :class:`MultiIVON` of several components.
     """
+    if isinstance(posterior, MultiIVON) and len(posterior.components) > 1:
+        raise ValueError(
+            f"predict_mean: a MultiIVON of {len(posterior.components)} runs has no meaningful mean "
+            "network (averaged weights of independent runs); use predict_mc, or predict_mean on each "
+            "of posterior.components"
+        )
     with torch.no_grad(), swapped_params(model, posterior.mean):
         return fn(model)
 
