@@ -134,3 +134,33 @@ def test_interrupted_run_resumes_without_recomputing(
     calls.clear()
     _grid(root, mini_glue, tiny_bert_factory)
     assert calls == []
+
+
+def test_temporary_names_are_unique_across_machines(tmp_path, monkeypatch):
+    """Two machines with the same process id writing one shared folder must not share a temporary file."""
+    import os
+    import socket
+
+    from partialbayes.glue_bench.figures import pyplot, save_figure
+    from partialbayes.glue_bench.store import atomic_write_json
+    from partialbayes.glue_bench.tables import atomic_write_text
+
+    monkeypatch.setattr(os, "getpid", lambda: 4242)
+    monkeypatch.setattr(socket, "gethostname", lambda: "node 7")
+    real = os.replace
+    sources: list[str] = []
+
+    def spy(src, dst):
+        sources.append(os.path.basename(src))
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", spy)
+    for _ in range(2):
+        atomic_write_json(tmp_path / "a.json", {"x": 1})
+        atomic_write_text(tmp_path / "a.md", "x")
+        save_figure(pyplot().figure(), tmp_path / "a.png")
+    assert len(sources) == 6
+    assert len(set(sources)) == 6  # a random token, not only the pid
+    for name in sources:
+        assert "-node_7-4242-" in name  # host name (sanitised) and pid, for debugging
+    assert not list(tmp_path.glob(".*"))

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from partialbayes.glue_bench.store import temp_path
+
 
 def pyplot() -> Any:
     """``matplotlib.pyplot`` on the non-interactive Agg backend."""
@@ -25,9 +27,9 @@ def pyplot() -> Any:
 
 
 def save_figure(fig: Any, path: Path, dpi: int = 120) -> None:
-    """Save ``fig`` as PNG at ``path`` through a temporary file and ``os.replace``, then close it."""
+    """Save ``fig`` as PNG at ``path`` through a unique temporary file and ``os.replace``, then close it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = temp_path(path)
     try:
         fig.savefig(tmp, dpi=dpi, format="png")
         os.replace(tmp, path)

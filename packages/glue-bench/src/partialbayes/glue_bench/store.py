@@ -16,6 +16,8 @@ import hashlib
 import json
 import os
 import re
+import socket
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,12 +45,26 @@ def fingerprint(config: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def temp_path(path: Path) -> Path:
+    """A fresh hidden sibling of ``path`` to write before an atomic rename onto ``path``.
+
+    The name ``.<name>.tmp-<host>-<pid>-<token>`` holds the host name, the process id and a random token
+    (``uuid4`` hex), so writers on several machines sharing one results folder (a network file system, where
+    process ids repeat across machines) never write the same temporary file.
+    """
+    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
+    return path.with_name(f".{path.name}.tmp-{host}-{os.getpid()}-{uuid.uuid4().hex}")
+
+
 def atomic_write_json(path: Path, obj: Any) -> None:
-    """Write JSON to ``path`` via a temporary file in the same folder and ``os.replace``."""
+    """Write JSON to ``path`` via a unique temporary file in the same folder and ``os.replace``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    tmp = temp_path(path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 class ResultStore:

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from partialbayes.glue_bench.store import temp_path
+
 # Module-ramping strategies of the paper's Fig. 4: <family>-<strategy>, sizes = module counts.
 STRATEGY_PATTERN = re.compile(
     r"^(?P<family>kfac|swag)-(?P<strategy>random|(?:max|min)(?:-(?:mlp|attn))?)$"
@@ -27,11 +29,14 @@ BASELINES = ("map", "temperature")
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
+    """Write ``text`` to ``path`` through a unique temporary file in the same folder and ``os.replace``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    tmp = temp_path(path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
