@@ -230,3 +230,80 @@ def test_stage_table_sums_cells():
     assert "| **total** | | 20 | 40 |" in table
     cached = stage_table([{**timings[0], "finetune_wall": 0.0, "finetune_cpu": 0.0}], 1.0, 1.0)
     assert "| fine-tuning | cached | 0 | 0 |" in cached
+
+
+def test_concurrent_shards_score_with_the_published_checkpoint(
+    tmp_path, mini_glue, tiny_bert_factory, monkeypatch
+):
+    """Two shards fine-tune one checkpoint at once: the one published first is the MAP of both."""
+    from partialbayes.glue_bench import experiment
+    from partialbayes.glue_bench.store import ResultStore
+    from partialbayes.glue_bench.train import load_checkpoint, save_checkpoint
+
+    torch.set_num_threads(1)
+    config = _config()
+    store = ResultStore(tmp_path / "res", config.to_dict())
+    folder = store.checkpoint_dir("sst2", 0, config.model)
+    other, _ = tiny_bert_factory(2, seed=123)
+    published = {k: v.clone() for k, v in other.state_dict().items()}
+    real = experiment.finetune
+
+    def another_shard_publishes_first(model, *args, **kwargs):
+        summary = real(model, *args, **kwargs)
+        meta = {"task": "sst2", "split": 0, "model": config.model, "val_accuracy": 0.5, "shard": 1}
+        save_checkpoint(other, folder, meta)
+        return summary
+
+    monkeypatch.setattr(experiment, "finetune", another_shard_publishes_first)
+    ctx, meta = experiment.prepare_context(
+        "sst2",
+        0,
+        config,
+        store,
+        torch.device("cpu"),
+        mini_glue,
+        model_factory=lambda n, c, d: tiny_bert_factory(c),
+        progress=False,
+    )
+    # the context scores with the published (other shard's) weights and meta, not its own training
+    own = ctx.model.state_dict()
+    assert all(torch.equal(own[k], v) for k, v in published.items())
+    assert meta["shard"] == 1
+    # this process did train (and its time is its own)
+    assert meta["cached"] is False
+    assert meta["published_here"] is False
+    assert meta["finetune_seconds"] > 0
+    # ours was discarded: only the published directory is left, with the other shard's meta
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name]
+    fresh, _ = tiny_bert_factory(2)
+    meta_on_disk, hess = load_checkpoint(fresh, folder)
+    assert meta_on_disk["shard"] == 1
+    assert hess is None
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in published.items())
+
+
+def test_save_checkpoint_publishes_once(tmp_path, tiny_bert_factory):
+    from partialbayes.glue_bench.train import load_checkpoint, save_checkpoint
+
+    first, _ = tiny_bert_factory(2, seed=1)
+    second, _ = tiny_bert_factory(2, seed=2)
+    folder = tmp_path / "ckpt"
+    hess = {"classifier.weight": torch.ones(2, 16)}
+    assert save_checkpoint(first, folder, {"who": "first"}, hess) is True
+    assert save_checkpoint(second, folder, {"who": "second"}) is False
+    meta, loaded_hess = load_checkpoint(second, folder)
+    assert meta == {"who": "first"}
+    assert torch.equal(loaded_hess["classifier.weight"], hess["classifier.weight"])
+    assert all(torch.equal(second.state_dict()[k], v) for k, v in first.state_dict().items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    # a folder that save_checkpoint did not write completely is named, not silently retrained
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"broken is incomplete \(no meta.json\)"):
+        load_checkpoint(second, broken)
+    # an empty folder counts as no checkpoint, and publishing replaces it
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert load_checkpoint(second, empty) is None
+    assert save_checkpoint(first, empty, {"who": "first"}) is True

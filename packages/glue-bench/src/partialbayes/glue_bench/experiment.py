@@ -84,8 +84,16 @@ def prepare_context(
         model_factory: ``(name, num_labels, dropout) -> (model, tokenizer)``; default :func:`load_encoder`.
         progress: Show progress bars.
 
+    The checkpoint is fine-tuned only when ``store`` holds none for (task, split, model); it is then
+    published atomically (:func:`~partialbayes.glue_bench.train.save_checkpoint`). Either way the model is
+    loaded from the published checkpoint, so shards that fine-tuned the same checkpoint concurrently all
+    score with the one that was published first.
+
     Returns:
-        ``(context, checkpoint meta)``; the meta's ``cached`` says whether the checkpoint was reused.
+        ``(context, checkpoint meta)``: the published meta plus ``cached`` (no fine-tuning here),
+        ``finetune_seconds`` / ``finetune_cpu_seconds`` (this process's fine-tuning, 0 when cached) and,
+        after fine-tuning, ``published_here`` (``False``: another process published first and its
+        weights are used).
     """
     spec = task_spec(task)
     factory = model_factory or (lambda n, c, d: load_encoder(n, c, dropout=d))
@@ -100,15 +108,27 @@ def prepare_context(
     model.to(device)
     folder = store.checkpoint_dir(task, split, config.model)
     loaded = load_checkpoint(model, folder)
+    own: dict[str, Any] = {"cached": True, "finetune_seconds": 0.0, "finetune_cpu_seconds": 0.0}
     if loaded is None:
         summary = finetune(model, tokenizer, train, val, tcfg, device, progress=progress)
         hess = summary.pop("ivon_hess", None)
         meta = {"task": task, "split": split, "model": config.model, **summary}
-        save_checkpoint(model, folder, meta, hess)
-        meta = {**meta, "cached": False}
-    else:
-        meta, hess = loaded
-        meta = {**meta, "cached": True}
+        published = save_checkpoint(model, folder, meta, hess)
+        own = {
+            "cached": False,
+            "published_here": published,
+            "finetune_seconds": float(summary["seconds"]),
+            "finetune_cpu_seconds": float(summary["cpu_seconds"]),
+        }
+        # Score with the published weights, not the in-memory ones: when another shard published this
+        # checkpoint first, ours was discarded, and every cell of the folder must use the same MAP.
+        loaded = load_checkpoint(model, folder)
+        if (
+            loaded is None
+        ):  # pragma: no cover - save_checkpoint either published or found a checkpoint
+            raise RuntimeError(f"checkpoint {folder} vanished after it was published")
+    meta, hess = loaded
+    meta = {**meta, **own}
     model.eval()
     ivon = None
     if hess is not None and "ivon" in meta:
@@ -201,8 +221,12 @@ def run_grid(
                 ctx, meta = prepare_context(
                     task, split, config, store, device, glue_dir, model_factory, progress
                 )
+                if meta.get("published_here") is False:
+                    log(
+                        f"[{task} split {split}] another process published this checkpoint first: "
+                        "using its weights"
+                    )
                 if timings is not None:
-                    fresh = not meta["cached"]
                     timings.append(
                         {
                             "stage": "prepare",
@@ -210,8 +234,8 @@ def run_grid(
                             "split": split,
                             "wall": time.perf_counter() - w0,
                             "cpu": time.process_time() - c0,
-                            "finetune_wall": float(meta.get("seconds", 0.0)) if fresh else 0.0,
-                            "finetune_cpu": float(meta.get("cpu_seconds", 0.0)) if fresh else 0.0,
+                            "finetune_wall": meta["finetune_seconds"],
+                            "finetune_cpu": meta["finetune_cpu_seconds"],
                         }
                     )
                 log(f"[{task} split {split}] MAP val accuracy {meta['val_accuracy']:.3f}")

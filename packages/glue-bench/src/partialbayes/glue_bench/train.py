@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -17,6 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from partialbayes.glue_bench.data_glue import Examples, encode
+from partialbayes.glue_bench.store import temp_path
 
 Batch = Mapping[str, torch.Tensor]
 OPTIMIZERS = ("adamw", "ivon")
@@ -244,46 +247,67 @@ def _ivon_hessians(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, to
     }
 
 
-def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp))
-    os.replace(tmp, path)
-
-
 def save_checkpoint(
     model: nn.Module,
     folder: Path,
     meta: dict[str, Any],
     extra: dict[str, torch.Tensor] | None = None,
-) -> None:
-    """Write ``model.safetensors`` (state dict), optional ``ivon_hess.safetensors`` and ``meta.json``.
+) -> bool:
+    """Publish a checkpoint directory ``folder`` in one atomic step, unless one is there already.
 
-    ``meta.json`` is written last (atomically), so a folder with it is complete.
+    ``model.safetensors`` (the state dict), the optional ``ivon_hess.safetensors`` (``extra``) and
+    ``meta.json`` are written into a fresh temporary sibling directory (host name, pid and a random token in
+    its name), which is then renamed onto ``folder`` with one ``os.rename``. A reader therefore sees either
+    no checkpoint or a complete one whose weights and meta come from the same training. When ``folder``
+    already holds a checkpoint (another process sharing the results folder published first), the rename
+    fails, this checkpoint is discarded and ``folder`` is left as it is: load it with
+    :func:`load_checkpoint` to use the published weights.
+
+    Returns:
+        ``True`` when this call published ``folder``, ``False`` when another checkpoint was already there.
     """
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach() for k, v in model.state_dict().items()}
-    # safetensors refuses shared storage: clone every tensor.
-    _atomic_save({k: v.clone() for k, v in state.items()}, folder / "model.safetensors")
-    if extra:
-        _atomic_save(extra, folder / "ivon_hess.safetensors")
-    tmp = folder / f"meta.json.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True))
-    os.replace(tmp, folder / "meta.json")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(folder)
+    tmp.mkdir()
+    try:
+        # safetensors refuses shared storage: clone every tensor.
+        state = {k: v.detach().clone().contiguous().cpu() for k, v in model.state_dict().items()}
+        save_file(state, str(tmp / "model.safetensors"))
+        if extra:
+            hess = {k: v.detach().contiguous().cpu() for k, v in extra.items()}
+            save_file(hess, str(tmp / "ivon_hess.safetensors"))
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+        try:
+            os.rename(tmp, folder)  # replaces at most an empty directory
+        except OSError as err:
+            if err.errno in (errno.EEXIST, errno.ENOTEMPTY) and folder.is_dir():
+                return False
+            raise
+        return True
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_checkpoint(
     model: nn.Module, folder: Path
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None] | None:
-    """Load a complete checkpoint into ``model``; ``None`` when ``folder`` holds none.
+    """Load the checkpoint published at ``folder`` into ``model``; ``None`` when there is none.
 
     Returns:
         ``(meta, ivon_hessians or None)``.
 
     Raises:
-        ValueError: The checkpoint does not match the model's parameter names or shapes.
+        ValueError: The checkpoint does not match the model's parameter names or shapes, or ``folder`` is
+            a non-empty directory without ``meta.json`` (not written by :func:`save_checkpoint`, e.g. an
+            interrupted write of an older version).
     """
-    if not (folder / "meta.json").is_file():
+    if not folder.is_dir() or not any(folder.iterdir()):
         return None
+    if not (folder / "meta.json").is_file():
+        raise ValueError(
+            f"checkpoint folder {folder} is incomplete (no meta.json); delete it to fine-tune again"
+        )
     meta = json.loads((folder / "meta.json").read_text())
     state = load_file(str(folder / "model.safetensors"))
     own = model.state_dict()
