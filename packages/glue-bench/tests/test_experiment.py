@@ -1,3 +1,6 @@
+import dataclasses
+import json
+
 import pytest
 import torch
 
@@ -19,9 +22,13 @@ FAST = Settings(
 )
 
 
-def _config(**kw):
+# The prior-precision grid 10^-1, 10^-0.5, ..., 10^3 as exact float64 values.
+EXACT_PRIOR_GRID = [10.0 ** (k / 2) for k in range(-2, 7)]
+
+
+def _config(settings=FAST, **kw):
     train = TrainConfig(epochs=2, batch_size=8, max_length=32, patience=1, lr=1e-3)
-    return RunConfig(model="tiny-bert", train=train, settings=FAST, max_train_examples=32, **kw)
+    return RunConfig(model="tiny-bert", train=train, settings=settings, max_train_examples=32, **kw)
 
 
 def _run(tmp_path, mini_glue, factory, methods, task="sst2", timings=None, **kw):
@@ -92,6 +99,39 @@ def test_laplace_methods(tmp_path, mini_glue, tiny_bert_factory):
     assert recs[("last-layer", "-")]["extra"]["modules"] == ["classifier"]
     # dense covariance of the 2 x (16 + 1) head
     assert recs[("last-layer", "-")]["floats"] >= 34
+    for rec in recs.values():
+        assert rec["extra"]["prior_method"] == "val_nll"
+        # the grid value itself (float64), not its float32 rounding 0.10000000149...
+        assert rec["extra"]["prior_precision"] in EXACT_PRIOR_GRID
+
+
+def test_prior_grid_is_float64():
+    from partialbayes.glue_bench import methods, uci
+
+    assert list(methods.PRIOR_GRID) == EXACT_PRIOR_GRID
+    assert list(uci.PRIOR_GRID) == EXACT_PRIOR_GRID
+    assert json.dumps(methods.PRIOR_GRID[0]) == "0.1"
+
+
+def test_laplace_methods_with_marglik_prior(tmp_path, mini_glue, tiny_bert_factory):
+    """``--prior marglik``: the records store the method and a prior on the grid."""
+    pytest.importorskip("partialbayes.curvature")
+    settings = dataclasses.replace(FAST, prior="marglik")
+    recs = _run(tmp_path, mini_glue, tiny_bert_factory, ["kfac-random", "skfac"], settings=settings)
+    assert set(recs) == {
+        ("kfac-random", "1"),
+        ("kfac-random", "2"),
+        ("skfac", "10"),
+        ("skfac", "50"),
+    }
+    config = json.loads((tmp_path / "res" / "config.json").read_text())
+    assert config["config"]["settings"]["prior"] == "marglik"
+    for rec in recs.values():
+        assert rec["extra"]["prior_method"] == "marglik"
+        prior = rec["extra"]["prior_precision"]
+        assert min(EXACT_PRIOR_GRID) <= prior <= max(EXACT_PRIOR_GRID)
+        assert prior in EXACT_PRIOR_GRID
+        assert rec["n_stochastic"] > 0
 
 
 def test_swag_methods(tmp_path, mini_glue, tiny_distilbert_factory):

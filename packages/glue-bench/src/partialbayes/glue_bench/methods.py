@@ -33,7 +33,15 @@ Batch = dict[str, torch.Tensor]
 MODULE_COUNTS = (1, 2, 3, 4, 5, 8, 11, 17, 38)
 SKFAC_PERCENTS = tuple(round(float(p), 1) for p in torch.linspace(1, 30, 6, dtype=torch.float64))
 SWAG_L1_PERCENTS = (1.0, 12.0, 24.0, 36.0, 48.0, 60.0, 100.0)
-PRIOR_GRID = tuple(float(v) for v in torch.logspace(-1, 3, 9))
+# Prior precisions 10^-1, 10^-0.5, ..., 10^3, built in float64 so that records store 0.1, not the float32
+# value 0.10000000149011612. Hand it to the Laplace posteriors as :func:`prior_grid` (a float64 tensor):
+# ``torch.as_tensor`` of a tuple of floats would round it to float32 again.
+PRIOR_GRID = tuple(float(v) for v in torch.logspace(-1, 3, 9, dtype=torch.float64))
+
+
+def prior_grid() -> torch.Tensor:
+    """:data:`PRIOR_GRID` as a float64 tensor (the ``grid`` argument of ``optimize_prior_precision``)."""
+    return torch.tensor(PRIOR_GRID, dtype=torch.float64)
 
 
 @dataclass
@@ -255,9 +263,9 @@ def laplace_prediction(ctx: Context, subset: Any, kind: str = "kron") -> Predict
     la = cls(ctx.model, subset, num_classes=ctx.num_labels)
     la.fit(ctx.train)
     if ctx.settings.prior == "val_nll":
-        prior = la.optimize_prior_precision("val_nll", val_loader=ctx.val, grid=PRIOR_GRID)
+        prior = la.optimize_prior_precision("val_nll", val_loader=ctx.val, grid=prior_grid())
     else:
-        prior = la.optimize_prior_precision("marglik", grid=PRIOR_GRID)
+        prior = la.optimize_prior_precision("marglik", grid=prior_grid())
     fit = time.perf_counter() - t0
     t0 = time.perf_counter()
     probs = []

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from partialbayes.glue_bench.data_uci import UCISplit, load_uci
+from partialbayes.glue_bench.methods import PRIOR_GRID as PRIOR_GRID  # re-exported: the UCI grid
+from partialbayes.glue_bench.methods import prior_grid
 from partialbayes.glue_bench.models import MLP
 from partialbayes.glue_bench.store import Cell, ResultStore, shard_units
 
@@ -33,7 +35,6 @@ UCI_METHODS = (
 # Percent-of-parameters ramp of the norm- vs variance-based subnetwork comparison (the paper's Figs. 9, 10;
 # the authors' UCI code ramps the same percentages).
 SUBNET_PERCENTS = (1.0, 2.0, 5.0, 8.0, 14.0, 23.0, 37.0, 61.0, 100.0)
-PRIOR_GRID = tuple(float(v) for v in torch.logspace(-1, 3, 9))
 
 
 def train_mlp(
@@ -191,7 +192,7 @@ def run_uci_cell(
         cls = curvature.DenseLaplace if dense else curvature.KronLaplace
         la = cls(model, subset, likelihood="regression", sigma_noise=sigma)
         la.fit([(x_tr, y_tr[:, None])])
-        extra["prior_precision"] = la.optimize_prior_precision("marglik", grid=PRIOR_GRID)
+        extra["prior_precision"] = la.optimize_prior_precision("marglik", grid=prior_grid())
         fit = time.perf_counter() - t0
         f, cov = la.logit_mean_cov(x_te)
         mean = f.squeeze(-1).double()
