@@ -167,6 +167,15 @@ def test_ivon_finetuning_and_posterior(tmp_path, mini_glue, tiny_bert_factory):
     assert recs[("ivon", "-")]["n_stochastic"] > 0
     ckpt = next((tmp_path / "res" / "checkpoints").rglob("ivon_hess.safetensors"))
     assert ckpt.stat().st_size > 0
+    # the posterior's cost is the IVON fine-tuning that built it, not 0
+    meta = json.loads((ckpt.parent / "meta.json").read_text())
+    rec = recs[("ivon", "-")]
+    assert meta["seconds"] > 0
+    assert rec["extra"]["finetune_seconds"] == meta["seconds"]
+    assert rec["fit_seconds"] >= meta["seconds"]
+    assert rec["fit_seconds"] == pytest.approx(
+        meta["seconds"] + rec["extra"]["posterior_setup_seconds"]
+    )
 
 
 def test_ivon_method_needs_ivon_checkpoint(tmp_path, mini_glue, tiny_bert_factory):

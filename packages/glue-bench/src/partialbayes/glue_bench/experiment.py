@@ -132,7 +132,7 @@ def prepare_context(
     model.eval()
     ivon = None
     if hess is not None and "ivon" in meta:
-        ivon = {"hess": hess, **meta["ivon"]}
+        ivon = {"hess": hess, **meta["ivon"], "finetune_seconds": float(meta["seconds"])}
     bs, ml = config.curvature_batch_size, tcfg.max_length
     ctx = Context(
         model=model,
