@@ -41,8 +41,12 @@ def test_methods_listing(capsys):
         "swag-random",
         "kfac-max-mlp",
         "ls-skfac",
+        "swag-max-mlp",
+        "swag-min-mlp",
+        "swag-max-attn",
+        "swag-min-attn",
     ):
-        assert name in out
+        assert f"{name} " in out
 
 
 def test_quickstart_without_data_says_where(capsys, tmp_path, monkeypatch):

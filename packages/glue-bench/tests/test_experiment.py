@@ -144,6 +144,29 @@ def test_swag_methods(tmp_path, mini_glue, tiny_distilbert_factory):
     assert recs[("swag-l1", "5")]["extra"]["l1_percent"] == 5.0
 
 
+def test_swag_module_ramps_share_the_kfac_selection(tmp_path, mini_glue, tiny_bert_factory):
+    """swag-max-mlp / swag-min-attn ramp SWAG over the same modules as the KFAC strategies."""
+    pytest.importorskip("partialbayes.swag")
+    pytest.importorskip("partialbayes.curvature")
+    from partialbayes.glue_bench.tables import strategy_ranks
+
+    methods = ["kfac-max-mlp", "kfac-min-attn", "swag-max-mlp", "swag-min-attn", "swag-random"]
+    recs = _run(tmp_path, mini_glue, tiny_bert_factory, methods)
+    assert set(recs) == {(m, k) for m in methods for k in ("1", "2")}
+    for k in ("1", "2"):
+        swag_mlp, kfac_mlp = recs[("swag-max-mlp", k)], recs[("kfac-max-mlp", k)]
+        assert swag_mlp["extra"]["modules"] == kfac_mlp["extra"]["modules"]
+        assert swag_mlp["n_stochastic"] == kfac_mlp["n_stochastic"]
+        assert "swag_lr" in swag_mlp["extra"]
+        swag_attn = recs[("swag-min-attn", k)]
+        assert swag_attn["extra"]["modules"] == recs[("kfac-min-attn", k)]["extra"]["modules"]
+        assert all(".attention." in m for m in swag_attn["extra"]["modules"])
+    # the report ranks the SWAG strategies as a family of their own
+    ranks = strategy_ranks(recs.values())
+    swag = {(r["modules"], r["strategy"]) for r in ranks if r["family"] == "swag"}
+    assert swag == {(k, s) for k in (1, 2) for s in ("max-mlp", "min-attn", "random")}
+
+
 def test_ivon_finetuning_and_posterior(tmp_path, mini_glue, tiny_bert_factory):
     pytest.importorskip("partialbayes.ivon")
     torch.set_num_threads(1)

@@ -314,13 +314,6 @@ def _module_subset(ctx: Context, strategy: str, group: str, k: int) -> Any:
     return selection.min_operator_norm(ctx.model, k, group=group)
 
 
-def _kfac_ramp(strategy: str, group: str) -> Callable[[Context, str], Prediction]:
-    def run(ctx: Context, size: str) -> Prediction:
-        return laplace_prediction(ctx, _module_subset(ctx, strategy, group, int(size)))
-
-    return run
-
-
 def run_last_layer(ctx: Context, size: str) -> Prediction:
     """Dense-GGN Laplace on the classification head."""
     from partialbayes.selection import last_layer
@@ -389,11 +382,6 @@ def swag_prediction(ctx: Context, subset: Any) -> Prediction:
         predict,
         {"swag_lr": lr, "swag_lr_swept": len(s.swag_lrs) > 1, "modules": _modules(subset)},
     )
-
-
-def run_swag_random(ctx: Context, size: str) -> Prediction:
-    """SWAG on ``size`` random linear maps."""
-    return swag_prediction(ctx, _module_subset(ctx, "random", "all", int(size)))
 
 
 def run_swag_l1(ctx: Context, size: str) -> Prediction:
@@ -492,6 +480,37 @@ def run_ls_full(ctx: Context, size: str) -> Prediction:
     return _linear_sampling(ctx, _module_subset(ctx, "max", "all", _n_linear(ctx, "all")))
 
 
+# ------------------------------------------------------------------------------------------ module ramps
+# The module-ramping strategies of the paper (its Figs. 2-4): (strategy, group) pairs, each ramped over
+# ``Settings.module_counts``. Every family (posterior) uses exactly the same module selection
+# (:func:`_module_subset`), so ``kfac-max-mlp`` and ``swag-max-mlp`` put their posterior on the same maps.
+MODULE_STRATEGIES = (
+    ("random", "all"),
+    ("max", "mlp"),
+    ("min", "mlp"),
+    ("max", "attention"),
+    ("min", "attention"),
+)
+# family -> (posterior in words, sibling package it needs)
+RAMP_FAMILIES = {"kfac": ("KFAC Laplace", "curvature"), "swag": ("SWAG", "swag")}
+
+
+def _ramp_name(family: str, strategy: str, group: str) -> str:
+    """``kfac-random``, ``kfac-max-mlp``, ``swag-min-attn``, ..."""
+    if group == "all":
+        return f"{family}-{strategy}"
+    return f"{family}-{strategy}-{'attn' if group == 'attention' else group}"
+
+
+def _module_ramp(family: str, strategy: str, group: str) -> Callable[[Context, str], Prediction]:
+    predict = swag_prediction if family == "swag" else laplace_prediction
+
+    def run(ctx: Context, size: str) -> Prediction:
+        return predict(ctx, _module_subset(ctx, strategy, group, int(size)))
+
+    return run
+
+
 # ------------------------------------------------------------------------------------------ registry
 def _pct_sizes(attr: str) -> Callable[[Context], list[str]]:
     return lambda ctx: [_fmt(p) for p in getattr(ctx.settings, attr)]
@@ -517,13 +536,6 @@ def _registry() -> dict[str, Method]:
             _pct_sizes("skfac_percents"),
             run_skfac,
             "curvature",
-        ),
-        Method(
-            "swag-random",
-            "SWAG on k random linear maps",
-            _count_sizes("all"),
-            run_swag_random,
-            "swag",
         ),
         Method(
             "swag-l1",
@@ -563,25 +575,16 @@ def _registry() -> dict[str, Method]:
             "linear_sampling",
         ),
     ]
-    for strategy, label in (
-        ("random", "random"),
-        ("max", "max operator norm"),
-        ("min", "min operator norm"),
-    ):
-        groups = ("all",) if strategy == "random" else ("mlp", "attention")
-        for group in groups:
-            name = (
-                f"kfac-{strategy}"
-                if group == "all"
-                else f"kfac-{strategy}-{'attn' if group == 'attention' else group}"
-            )
+    for family, (posterior, requires) in RAMP_FAMILIES.items():
+        for strategy, group in MODULE_STRATEGIES:
+            label = "random" if strategy == "random" else f"{strategy} operator norm"
             methods.append(
                 Method(
-                    name,
-                    f"KFAC Laplace on k linear maps ({label}, {group})",
+                    _ramp_name(family, strategy, group),
+                    f"{posterior} on k linear maps ({label}, {group})",
                     _count_sizes(group),
-                    _kfac_ramp(strategy, group),
-                    "curvature",
+                    _module_ramp(family, strategy, group),
+                    requires,
                 )
             )
     return {m.name: m for m in methods}
