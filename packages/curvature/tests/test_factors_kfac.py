@@ -95,11 +95,12 @@ def test_skfac_factors_are_principal_subblocks(seed, n, p, device):
 
 
 @given(seed=st.integers(0, 2**16), split=st.integers(1, 5))
-def test_batch_size_does_not_change_factors(seed, split):
-    model = mlp(3, 4, 2, seed).eval()
+@FIXTURE
+def test_batch_size_does_not_change_factors(seed, split, device):
+    model = mlp(3, 4, 2, seed).eval().to(device)
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(6, 3, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 2, (6,), generator=g)
+    x = torch.randn(6, 3, generator=g, dtype=torch.float64).to(device)
+    y = torch.randint(0, 2, (6,), generator=g).to(device)
     s = modules(model, ["0", "2"])
     one = kfac(model, [(x, y)], s)
     many = kfac(model, [(x[i : i + split], y[i : i + split]) for i in range(0, 6, split)], s)
@@ -109,9 +110,10 @@ def test_batch_size_does_not_change_factors(seed, split):
         assert many[m].n_examples == 6
 
 
-def test_float32_accumulation():
-    model = mlp(3, 4, 2, 0).eval()
-    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+def test_float32_accumulation(device):
+    model = mlp(3, 4, 2, 0).eval().to(device)
+    x = torch.randn(5, 3, dtype=torch.float64, device=device)
+    y = torch.randint(0, 2, (5,), device=device)
     f64 = kfac(model, [(x, y)], modules(model, ["2"]))["2"]
     f32 = kfac(model, [(x, y)], modules(model, ["2"]), dtype=torch.float32)["2"]
     assert f32.G.dtype == torch.float32
@@ -150,6 +152,76 @@ def test_labels_out_of_range_and_num_classes():
         kfac(model, [(x, torch.tensor([0, 1]))], s, num_classes=3)
 
 
+@pytest.mark.parametrize("fisher", ["exact", "mc", "empirical"])
+def test_labels_are_checked_whatever_the_fisher(fisher, device):
+    """Labels present in a batch are validated even when the fisher type does not use them."""
+    model = mlp(3, 4, 2, 0).eval().to(device)
+    s = modules(model, ["0", "2"])
+    x = torch.randn(4, 3, dtype=torch.float64, device=device)
+    good = (x[:2], torch.tensor([0, 1], device=device))
+
+    def run(labels, likelihood="classification"):
+        first = (
+            good if likelihood == "classification" else (x[:2], torch.zeros(2, 2, device=device))
+        )
+        return kfac(
+            model, [first, (x[2:], labels.to(device))], s, fisher=fisher, likelihood=likelihood
+        )
+
+    with pytest.raises(ValueError, match=r"batch 1: labels out of range \[0, 2\): min 0, max 2"):
+        run(torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match=r"batch 1: labels out of range \[0, 2\): min -1"):
+        run(torch.tensor([-1, 1]))
+    with pytest.raises(ValueError, match="batch 1: classification labels must be integer"):
+        run(torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match="batch 1: classification labels must be integer"):
+        run(torch.tensor([True, False]))
+    with pytest.raises(ValueError, match=r"batch 1: classification labels must have shape \[2\]"):
+        run(torch.tensor([[0], [1]]))
+    with pytest.raises(ValueError, match=r"batch 1: regression targets of shape \(2, 3\)"):
+        run(torch.zeros(2, 3), "regression")
+    with pytest.raises(ValueError, match="batch 1: regression targets are not finite"):
+        run(torch.tensor([[0.0, float("inf")], [0.0, 0.0]]), "regression")
+    with pytest.raises(TypeError, match="batch 1: labels must be a tensor"):
+        kfac(model, [good, (x[2:], [0, 1])], s, fisher=fisher)
+    # valid int32 labels give the int64 result
+    a = kfac(
+        model,
+        [good, (x[2:], torch.tensor([1, 0], device=device))],
+        s,
+        fisher=fisher,
+        generator=torch.Generator().manual_seed(0),
+    )
+    b = kfac(
+        model,
+        [good, (x[2:], torch.tensor([1, 0], device=device).int())],
+        s,
+        fisher=fisher,
+        generator=torch.Generator().manual_seed(0),
+    )
+    for m in a:
+        torch.testing.assert_close(a[m].G, b[m].G, rtol=0, atol=0)
+
+
+def test_on_batch_sees_logits_and_validated_labels_in_the_single_pass(device):
+    model = mlp(3, 4, 2, 0).eval().to(device)
+    s = modules(model, ["2"])
+    x = torch.randn(5, 3, dtype=torch.float64, device=device)
+    y = torch.tensor([0, 1, 1, 0, 1], dtype=torch.int32, device=device)
+    seen = []
+    batches = ((x[i : i + 2], y[i : i + 2]) for i in range(0, 5, 2))  # a one-shot generator
+    kfac(model, batches, s, on_batch=lambda i, f, lab: seen.append((i, f, lab)))
+    assert [i for i, _, _ in seen] == [0, 1, 2]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.cat([f for _, f, _ in seen]), model(x))
+    assert all(not f.requires_grad for _, f, _ in seen)
+    assert all(lab.dtype == torch.int64 for _, _, lab in seen)
+    torch.testing.assert_close(torch.cat([lab for _, _, lab in seen]), y.long())
+    seen.clear()
+    kfac(model, [x], s, on_batch=lambda i, f, lab: seen.append(lab))
+    assert seen == [None]
+
+
 def test_non_finite_curvature_names_module_and_batch():
     model = mlp(3, 4, 2, 0).eval()
     x = torch.randn(2, 3, dtype=torch.float64)
@@ -164,8 +236,9 @@ def test_non_finite_curvature_names_module_and_batch():
 def test_training_mode_warns_and_is_restored():
     model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2)).double().train()
     x, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 0, 1])
-    with pytest.warns(UserWarning, match="training mode"):
+    with pytest.warns(UserWarning, match="training mode") as record:
         a = kfac(model, [(x, y)], modules(model, ["0"]))["0"]
+    assert record[0].filename == __file__  # the user's call, not a line inside the package
     assert model.training
     b = kfac(model.eval(), [(x, y)], modules(model, ["0"]))["0"]
     torch.testing.assert_close(a.G, b.G)  # dropout was off

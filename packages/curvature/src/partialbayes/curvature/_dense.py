@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.curvature._distributed import all_reduce_sum
-from partialbayes.curvature._hooks import prepared, stream
+from partialbayes.curvature._distributed import all_reduce_sum, fail_together
+from partialbayes.curvature._hooks import BatchObserver, prepared, stream
 from partialbayes.curvature._jacobians import entry_grads, param_targets
 from partialbayes.curvature._likelihood import check_options
 from partialbayes.selection import Subset
@@ -28,6 +28,7 @@ def dense_curvature(
     generator: torch.Generator | None = None,
     progress: bool = False,
     num_classes: int | None = None,
+    on_batch: BatchObserver | None = None,
 ) -> Tensor:
     r"""Dense summed GGN / Fisher ``H`` ``[P, P]`` of the subset's entries.
 
@@ -48,20 +49,26 @@ def dense_curvature(
         generator: Random generator for ``fisher="mc"``.
         progress: Show a tqdm progress bar.
         num_classes: When given, the number of logits the model must output.
+        on_batch: Called as ``on_batch(index, logits, labels)`` after each batch's forward pass, with the
+            detached logits ``[B, C]`` and the validated labels (``None`` for a batch without labels); e.g.
+            to accumulate the training loss in the same pass (``LaplaceBase.fit`` does). The loader is read
+            once.
 
     Returns:
         ``H`` ``[P, P]``, ``P = subset.num_entries()``, summed over examples (and ranks).
 
     Raises:
-        ValueError: Parameters outside linear maps, bad options, empty loader, bad labels / logits,
-            non-finite curvature (naming the batch).
+        ValueError: Parameters outside linear maps, bad options, empty loader, bad labels (whenever a
+            batch has them) / logits, non-finite curvature (naming the batch).
+        RuntimeError: Under ``torch.distributed``, on every rank whose shard went through when another
+            rank raised (all ranks fail instead of waiting for each other).
     """
     check_options(likelihood, fisher, mc_samples, sigma_noise)
     targets, modules = param_targets(model, subset)
     device = dict(model.named_parameters())[targets[0].name].device
     p = sum(t.index.numel() for t in targets)
     H = torch.zeros(p, p, dtype=dtype, device=device)
-    with prepared(model, modules):
+    with fail_together(device), prepared(model, modules):
         for bp in stream(
             model,
             loader,
@@ -74,6 +81,7 @@ def dense_curvature(
             generator=generator,
             num_classes=num_classes,
             progress=progress,
+            on_batch=on_batch,
         ):
             rows = [
                 torch.cat(

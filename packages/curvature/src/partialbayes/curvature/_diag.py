@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.curvature._distributed import all_reduce_sum
-from partialbayes.curvature._hooks import prepared, stream
+from partialbayes.curvature._distributed import all_reduce_sum, fail_together
+from partialbayes.curvature._hooks import BatchObserver, prepared, stream
 from partialbayes.curvature._jacobians import entry_grads, param_targets
 from partialbayes.curvature._likelihood import check_options
 from partialbayes.selection import Subset
@@ -33,6 +33,7 @@ def diag_curvature(
     generator: torch.Generator | None = None,
     progress: bool = False,
     num_classes: int | None = None,
+    on_batch: BatchObserver | None = None,
 ) -> dict[str, Tensor]:
     r"""Diagonal of the summed GGN / Fisher for every stochastic entry of ``subset``.
 
@@ -54,13 +55,19 @@ def diag_curvature(
         generator: Random generator for ``fisher="mc"``.
         progress: Show a tqdm progress bar.
         num_classes: When given, the number of logits the model must output.
+        on_batch: Called as ``on_batch(index, logits, labels)`` after each batch's forward pass, with the
+            detached logits ``[B, C]`` and the validated labels (``None`` for a batch without labels); e.g.
+            to accumulate the training loss in the same pass (``LaplaceBase.fit`` does). The loader is read
+            once.
 
     Returns:
         ``{param name: h}`` with ``h`` 1-D in ``subset.gather`` order (summed over examples and ranks).
 
     Raises:
-        ValueError: Parameters outside linear maps, bad options, empty loader, bad labels / logits,
-            non-finite curvature (naming the parameter and batch).
+        ValueError: Parameters outside linear maps, bad options, empty loader, bad labels (whenever a
+            batch has them) / logits, non-finite curvature (naming the parameter and batch).
+        RuntimeError: Under ``torch.distributed``, on every rank whose shard went through when another
+            rank raised (all ranks fail instead of waiting for each other).
     """
     check_options(likelihood, fisher, mc_samples, sigma_noise)
     targets, modules = param_targets(model, subset)
@@ -69,7 +76,7 @@ def diag_curvature(
     out = {t.name: torch.zeros(t.index.numel(), dtype=dtype, device=device) for t in targets}
     # weight name -> logical [n_out, n_in] buffer (2-D activations fast path)
     full_2d: dict[str, Tensor] = {}
-    with prepared(model, modules):
+    with fail_together(device), prepared(model, modules):
         for bp in stream(
             model,
             loader,
@@ -82,6 +89,7 @@ def diag_curvature(
             generator=generator,
             num_classes=num_classes,
             progress=progress,
+            on_batch=on_batch,
         ):
             before = {n: v.sum() for n, v in out.items()}
             d2: dict[str, Tensor] = {}

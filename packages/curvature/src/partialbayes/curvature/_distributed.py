@@ -2,9 +2,16 @@
 
 Factors are accumulated as sums (``Σ δδᵀ``, ``Σ xxᵀ``, ``Σ x``, counts), so one ``SUM`` all-reduce of each
 gives exactly the single-process factors: ``G`` summed over all examples, ``A`` averaged by the total count.
+
+A rank that raises while streaming its shard would leave the others waiting forever in the next all-reduce;
+`fail_together` wraps the local part so that every rank takes part in one extra all-reduce of a failure flag
+and all of them raise.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -30,3 +37,41 @@ def all_reduce_int(n: int, device: torch.device) -> int:
     t = torch.tensor(float(n), dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return round(float(t))
+
+
+def all_reduce_max(t: Tensor) -> Tensor:
+    """In-place ``MAX`` all-reduce of ``t`` across ranks (no-op without an initialised process group)."""
+    if is_distributed():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
+@contextmanager
+def fail_together(device: torch.device) -> Iterator[None]:
+    """Run local (collective-free) work so that an error on one rank fails every rank instead of hanging.
+
+    On exit every rank all-reduces one failure flag. A rank whose body raised re-raises its own error; the
+    others raise a ``RuntimeError`` saying that another rank failed. Without an initialised process group
+    this is a no-op.
+
+    Args:
+        device: Device of the flag (the model's: a CUDA device for NCCL, the CPU for gloo).
+
+    Raises:
+        RuntimeError: On a rank whose body succeeded when the body raised on another rank.
+    """
+    if not is_distributed():
+        yield
+        return
+    try:
+        yield
+    except Exception:
+        dist.all_reduce(torch.ones((), device=device), op=dist.ReduceOp.SUM)
+        raise
+    failed = torch.zeros((), device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.SUM)
+    if int(failed) > 0:
+        raise RuntimeError(
+            f"{int(failed)} other rank(s) raised while computing the curvature on their shard; "
+            "see their error"
+        )

@@ -16,7 +16,7 @@ treat the calls exactly like tokens (Eschenhagen et al., 2023, weight sharing ov
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from partialbayes.curvature._caller import user_stacklevel
 from partialbayes.curvature._likelihood import (
+    check_labels,
     check_logits,
     logits_of,
     model_device,
@@ -224,7 +226,7 @@ def prepared(
             "model is in training mode; the curvature is computed in eval mode (dropout would corrupt it) "
             "and the mode is restored afterwards",
             UserWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
     weights: list[Tensor] = [m.weight for m in modules.values()]  # type: ignore[misc]
     flags = [(w, bool(w.requires_grad)) for w in weights]
@@ -239,6 +241,11 @@ def prepared(
         for w, flag in flags:
             w.requires_grad_(flag)
         model.train(was_training)
+
+
+BatchObserver = Callable[[int, Tensor, Tensor | None], None]
+"""``on_batch(index, logits, labels)``: sees each batch's detached logits ``[B, C]`` and validated labels
+(``None`` when the batch has none) right after its forward pass, before the backward passes."""
 
 
 @dataclass
@@ -286,10 +293,14 @@ def stream(
     generator: torch.Generator | None,
     num_classes: int | None,
     progress: bool = False,
+    on_batch: BatchObserver | None = None,
 ) -> Iterator[BatchPasses]:
     """Stream the loader: one forward pass per batch, then the fisher's backward passes, lazily.
 
-    Must run inside :func:`prepared`.
+    Must run inside :func:`prepared`. The loader is iterated exactly once (a generator works). Labels, when
+    a batch has them, are validated by :func:`~partialbayes.curvature._likelihood.check_labels` whatever the
+    fisher type; ``on_batch`` (if given) is called with every batch's index, detached logits and validated
+    labels, e.g. to accumulate the training loss from the same forward pass.
 
     Raises:
         ValueError: Empty loader, a hooked module not reached by the forward pass, bad logits / labels.
@@ -312,6 +323,10 @@ def stream(
             rec.clear()
             logits = logits_of(model, inputs)
             check_logits(logits, num_classes, index)
+            if labels is not None:
+                labels = check_labels(labels, logits, likelihood, index)
+            if on_batch is not None:
+                on_batch(index, logits.detach(), labels)
             missing = [n for n in modules if n not in rec.calls_out]
             if missing:
                 raise ValueError(

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.curvature._distributed import all_reduce_int
+from partialbayes.curvature._distributed import all_reduce_int, fail_together
 from partialbayes.curvature._factors import FactorAccumulator, ModuleFactors
-from partialbayes.curvature._hooks import prepared, stream
+from partialbayes.curvature._hooks import BatchObserver, prepared, stream
 from partialbayes.curvature._likelihood import check_options, model_device
 from partialbayes.selection import Subset
 
@@ -73,6 +73,7 @@ def kfac(
     generator: torch.Generator | None = None,
     progress: bool = False,
     num_classes: int | None = None,
+    on_batch: BatchObserver | None = None,
 ) -> dict[str, ModuleFactors]:
     r"""KFAC (or Sparse-KFAC) factors of every linear map of a Kronecker-structured subset.
 
@@ -115,6 +116,10 @@ def kfac(
         generator: Random generator for ``fisher="mc"``.
         progress: Show a tqdm progress bar.
         num_classes: When given, the number of logits the model must output.
+        on_batch: Called as ``on_batch(index, logits, labels)`` after each batch's forward pass, with the
+            detached logits ``[B, C]`` and the validated labels (``None`` for a batch without labels); e.g.
+            to accumulate the training loss in the same pass (``LaplaceBase.fit`` does). The loader is read
+            once.
 
     Returns:
         ``{module name: ModuleFactors}`` in the subset's model order. Under ``torch.distributed`` the sums
@@ -123,8 +128,11 @@ def kfac(
     Raises:
         TypeError: A subset with elementwise mask blocks (use :func:`diag_curvature` /
             :func:`dense_curvature`), or a batch of unknown kind.
-        ValueError: Bad options, empty loader, labels out of range, logits of the wrong shape, an example
-            without unmasked tokens, non-finite curvature (naming the module and batch).
+        ValueError: Bad options, empty loader, labels (whenever a batch has them, whatever the fisher)
+            of the wrong dtype, shape or out of range, logits of the wrong shape, an example without
+            unmasked tokens, non-finite curvature (naming the module and batch).
+        RuntimeError: Under ``torch.distributed``, on every rank whose shard went through when another
+            rank raised (all ranks fail instead of waiting for each other).
     """
     check_options(likelihood, fisher, mc_samples, sigma_noise, sharing)
     if bias not in ("fold", "separate"):
@@ -138,7 +146,7 @@ def kfac(
     rows = {m: (None if k.rows is None else k.rows.to(device)) for m, k in kmods.items()}
     acc = {m: FactorAccumulator(k.n_rows, k.n_cols, dtype, device) for m, k in kmods.items()}
     n_examples = 0
-    with prepared(model, modules):
+    with fail_together(device), prepared(model, modules):
         for bp in stream(
             model,
             loader,
@@ -151,6 +159,7 @@ def kfac(
             generator=generator,
             num_classes=num_classes,
             progress=progress,
+            on_batch=on_batch,
         ):
             n_examples += bp.n_examples
             masks: dict[str, Tensor | None] = {}

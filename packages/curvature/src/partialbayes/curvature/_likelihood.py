@@ -123,32 +123,72 @@ def check_logits(logits: Tensor, num_classes: int | None, batch_index: int) -> N
         raise ValueError(f"batch {batch_index}: the model's logits are not finite")
 
 
-def _check_labels(
-    labels: Tensor | None, logits: Tensor, likelihood: str, batch_index: int
-) -> Tensor:
+def check_labels(labels: Tensor, logits: Tensor, likelihood: str, batch_index: int) -> Tensor:
+    """Validate one batch's labels against its logits ``[B, C]``; the one check every entry point uses.
+
+    Classification: integer class indices of shape ``[B]`` in ``[0, C)``. Regression: real targets of shape
+    ``[B, C]`` (or ``[B]`` when ``C == 1``).
+
+    Args:
+        labels: The batch's labels (on the device of ``logits``).
+        logits: The model's logits ``[B, C]`` for the batch.
+        likelihood: ``"classification"`` or ``"regression"``.
+        batch_index: Position of the batch in its loader (named in the error).
+
+    Returns:
+        The labels as the likelihood uses them: ``int64 [B]`` (classification) or ``[B, C]`` in their own
+        dtype (regression; no precision is lost before the training loss is computed).
+
+    Raises:
+        TypeError: If ``labels`` is not a tensor.
+        ValueError: Naming the batch and the problem: wrong dtype, wrong shape, labels out of range,
+            non-finite regression targets.
+    """
+    if not isinstance(labels, Tensor):
+        raise TypeError(
+            f"batch {batch_index}: labels must be a tensor, got {type(labels).__name__}"
+        )
+    b, c = logits.shape
+    if likelihood == "classification":
+        if labels.dtype.is_floating_point or labels.is_complex() or labels.dtype == torch.bool:
+            raise ValueError(
+                f"batch {batch_index}: classification labels must be integer class indices, "
+                f"got dtype {labels.dtype}"
+            )
+        if tuple(labels.shape) != (b,):
+            raise ValueError(
+                f"batch {batch_index}: classification labels must have shape [{b}] (one class per "
+                f"example), got {tuple(labels.shape)}"
+            )
+        if b > 0:
+            lo, hi = int(labels.min()), int(labels.max())
+            if lo < 0 or hi >= c:
+                raise ValueError(
+                    f"batch {batch_index}: labels out of range [0, {c}): min {lo}, max {hi}"
+                )
+        return labels.long()
+    if labels.is_complex() or labels.dtype == torch.bool:
+        raise ValueError(
+            f"batch {batch_index}: regression targets must be real numbers, got dtype {labels.dtype}"
+        )
+    y = labels[:, None] if labels.ndim == 1 and c == 1 else labels
+    if tuple(y.shape) != (b, c):
+        expected = f"[{b}, {c}]" + (f" or [{b}]" if c == 1 else "")
+        raise ValueError(
+            f"batch {batch_index}: regression targets of shape {tuple(labels.shape)} do not match the "
+            f"model outputs: expected {expected}"
+        )
+    if not bool(torch.isfinite(y).all()):
+        raise ValueError(f"batch {batch_index}: regression targets are not finite")
+    return y
+
+
+def _require_labels(labels: Tensor | None, batch_index: int) -> Tensor:
     if labels is None:
         raise ValueError(
             f"batch {batch_index}: fisher='empirical' needs labels, the batch has none"
         )
-    b, c = logits.shape
-    if likelihood == "classification":
-        if labels.dtype.is_floating_point or labels.shape != (b,):
-            raise ValueError(
-                f"batch {batch_index}: classification labels must be integers of shape [{b}], "
-                f"got {labels.dtype} {tuple(labels.shape)}"
-            )
-        lo, hi = int(labels.min()), int(labels.max())
-        if lo < 0 or hi >= c:
-            raise ValueError(
-                f"batch {batch_index}: labels out of range [0, {c}): min {lo}, max {hi}"
-            )
-        return labels
-    y = labels.reshape(b, -1) if labels.ndim == 1 else labels
-    if y.shape != (b, c):
-        raise ValueError(
-            f"batch {batch_index}: regression targets {tuple(labels.shape)} do not match outputs {(b, c)}"
-        )
-    return y.to(logits.dtype)
+    return labels
 
 
 def output_vectors(
@@ -165,6 +205,20 @@ def output_vectors(
     """Cotangents ``[S, B, C]`` of the backward passes for one batch (see the module docstring).
 
     The curvature of the batch's summed negative log-likelihood is ``Σ_s J_nᵀ v_s v_sᵀ J_n``.
+
+    Args:
+        logits: ``[B, C]``.
+        labels: The batch's labels as returned by `check_labels`, or ``None``; used by
+            ``fisher="empirical"`` only.
+        likelihood: ``"classification"`` or ``"regression"``.
+        fisher: ``"exact"``, ``"mc"`` or ``"empirical"``.
+        mc_samples: ``k`` for ``fisher="mc"``.
+        sigma_noise: Regression noise ``σ``.
+        generator: Random generator for ``fisher="mc"`` (its device may differ from the logits').
+        batch_index: Position of the batch in its loader (named in errors).
+
+    Raises:
+        ValueError: ``fisher="empirical"`` on a batch without labels.
     """
     f = logits.detach()
     b, c = f.shape
@@ -175,7 +229,7 @@ def output_vectors(
             # m_c = √p_c (e_c - p)  for every example:  [C, B, C]
             return p.sqrt().T[:, :, None] * (eye[:, None, :] - p[None])
         if fisher == "empirical":
-            y = _check_labels(labels, f, likelihood, batch_index)
+            y = _require_labels(labels, batch_index)
             return (p - eye[y])[None]
         dev = generator.device if generator is not None else p.device
         ys = torch.multinomial(p.to(dev), mc_samples, replacement=True, generator=generator)
@@ -185,7 +239,7 @@ def output_vectors(
     if fisher == "exact":
         return eye[:, None, :].expand(c, b, c) / s
     if fisher == "empirical":
-        y = _check_labels(labels, f, likelihood, batch_index)
+        y = _require_labels(labels, batch_index).to(f.dtype)
         return ((f - y) / s**2)[None]
     dev = generator.device if generator is not None else f.device
     eps = torch.randn((mc_samples, b, c), generator=generator, dtype=f.dtype, device=dev)
