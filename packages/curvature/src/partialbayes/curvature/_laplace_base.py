@@ -19,7 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.curvature._laplace_data import eval_mode, map_loss, split_batch
+from partialbayes.curvature._hooks import BatchObserver
+from partialbayes.curvature._laplace_data import MapLoss, eval_mode, split_batch
+from partialbayes.curvature._likelihood import check_labels
 from partialbayes.curvature._prior import (
     PriorSpec,
     check_positive,
@@ -78,7 +80,8 @@ class LaplaceBase:
         temperature: ``T > 0``; the posterior precision is ``H / T + δ``.
         sigma_noise: Observation noise of the regression likelihood.
         fisher: ``"exact"`` (GGN), ``"mc"`` or ``"empirical"``; passed to the curvature routine.
-        mc_samples: Sampled labels per example for ``fisher="mc"``.
+        mc_samples: Sampled labels per example for ``fisher="mc"`` (a positive ``int``; seed the sampling with
+            ``fit(..., generator=...)``).
         num_classes: Expected number of logits (checked during `fit`); ``None`` to skip the check.
         dtype: Floating dtype of the stored curvature (float64 by default).
     """
@@ -109,8 +112,12 @@ class LaplaceBase:
             raise ValueError(f"likelihood must be one of {LIKELIHOODS}, got {likelihood!r}")
         if fisher not in FISHERS:
             raise ValueError(f"fisher must be one of {FISHERS}, got {fisher!r}")
-        if not isinstance(mc_samples, int) or mc_samples < 1:
-            raise ValueError(f"mc_samples must be a positive integer, got {mc_samples!r}")
+        if isinstance(mc_samples, bool) or not isinstance(mc_samples, int):
+            raise TypeError(
+                f"mc_samples must be a positive int, got {type(mc_samples).__name__} {mc_samples!r}"
+            )
+        if mc_samples < 1:
+            raise ValueError(f"mc_samples must be a positive int, got {mc_samples!r}")
         if not dtype.is_floating_point:
             raise TypeError(f"dtype must be floating point, got {dtype}")
         check_positive("temperature", temperature)
@@ -149,7 +156,12 @@ class LaplaceBase:
         """Prior groups, in order (default: the owning modules of the subset's parameters)."""
         return tuple(dict.fromkeys(self._module_of(n) for n in self.subset.names))
 
-    def _curvature_options(self, progress: bool) -> dict[str, Any]:
+    def _curvature_options(
+        self,
+        progress: bool,
+        generator: torch.Generator | None = None,
+        on_batch: BatchObserver | None = None,
+    ) -> dict[str, Any]:
         """Keyword arguments every curvature routine (kfac, diag, dense) takes from the posterior."""
         return {
             "likelihood": self.likelihood,
@@ -157,11 +169,14 @@ class LaplaceBase:
             "mc_samples": self.mc_samples,
             "sigma_noise": self.sigma_noise,
             "dtype": self.dtype,
+            "generator": generator,
             "progress": progress,
             "num_classes": self.num_classes,
+            "on_batch": on_batch,
         }
 
-    def _compute_curvature(self, loader: Iterable[Any], progress: bool) -> Any:
+    def _compute_curvature(self, loader: Iterable[Any], options: Mapping[str, Any]) -> Any:
+        """Subclass: run the matching curvature routine over ``loader`` with ``**options``."""
         raise NotImplementedError
 
     def _set_curvature(self, curvature: Any) -> None:
@@ -230,24 +245,46 @@ class LaplaceBase:
         check_positive("sigma_noise", sigma)
         return self._sigma_fit**2 / sigma**2
 
-    def fit(self, loader: Iterable[Any], *, progress: bool = False) -> LaplaceBase:
-        """Compute the curvature of the subset over ``loader`` and the training loss at the MAP.
+    def fit(
+        self,
+        loader: Iterable[Any],
+        *,
+        progress: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> LaplaceBase:
+        """Compute the curvature of the subset over ``loader`` and the training loss at the MAP, in one pass.
 
-        The model's current weights are taken as the MAP. The model is evaluated in eval mode.
+        The model's current weights are taken as the MAP. The model is evaluated in eval mode. ``loader`` is
+        read exactly once (a generator or any one-shot iterable works): the training loss is accumulated from
+        the logits of the curvature's forward passes. Under ``torch.distributed`` each rank passes its own
+        shard; the curvature, the training loss, ``n_data`` and ``n_outputs`` are reduced over the ranks, so
+        every rank gets the posterior of the union of the shards.
 
         Args:
             loader: Iterable of batches ``(inputs, labels)`` or Hugging Face dicts with ``labels``.
             progress: Show a progress bar while accumulating the curvature.
+            generator: Source of randomness of the sampled labels for ``fisher="mc"`` (on the model's device
+                or the CPU); same seed, same curvature. Unused by the other fisher types.
 
         Returns:
             ``self``.
 
         Raises:
-            ValueError: On an empty loader, labels out of range, non-finite curvature (naming the module).
+            TypeError: If ``generator`` is not a ``torch.Generator``, or a batch is of an unknown kind.
+            ValueError: On an empty loader, a batch without labels, labels of the wrong dtype / shape or out
+                of range (naming the batch), non-finite curvature (naming the module).
+            RuntimeError: Under ``torch.distributed``, when another rank failed on its shard.
         """
-        curvature = self._compute_curvature(loader, progress)
-        loss, n, n_out = map_loss(self.model, loader, self.likelihood, self.num_classes)
-        return self.fit_curvature(curvature, map_loss=loss, n_data=n, n_outputs=n_out)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(
+                f"generator must be a torch.Generator or None, got {type(generator).__name__}"
+            )
+        loss = MapLoss(self.likelihood)
+        curvature = self._compute_curvature(
+            loader, self._curvature_options(progress, generator, loss)
+        )
+        total, n, n_out = loss.result(self.device)
+        return self.fit_curvature(curvature, map_loss=total, n_data=n, n_outputs=n_out)
 
     def fit_curvature(
         self, curvature: Any, *, map_loss: float, n_data: int, n_outputs: int
@@ -360,6 +397,10 @@ class LaplaceBase:
 
         Returns:
             The chosen prior precision (also stored on the posterior).
+
+        Raises:
+            ValueError: On a bad ``method`` / ``grid``, and (``"val_nll"``) an empty ``val_loader`` or labels
+                of the wrong dtype / shape or out of range (naming the batch).
         """
         self._require_fit()
         values = torch.logspace(-1, 3, 21) if grid is None else torch.as_tensor(grid)
@@ -391,6 +432,10 @@ class LaplaceBase:
 
         Returns:
             ``[len(grid)]`` mean NLL per example.
+
+        Raises:
+            ValueError: On an empty ``val_loader``, or labels of the wrong dtype / shape or out of range
+                (naming the batch).
         """
         self._require_fit()
         totals = torch.zeros(len(grid), dtype=torch.float64)
@@ -398,12 +443,14 @@ class LaplaceBase:
         priors = [self._resolve_prior(float(v)) for v in grid]
         scale = self._scale(None)
         with torch.no_grad():
-            for batch in val_loader:
+            for batch_index, batch in enumerate(val_loader):
                 inputs, labels = split_batch(batch)
                 with torch.enable_grad():
                     f, covs = self._mean_covs(inputs, priors, scale)
                 f = f.to(self.dtype)
-                labels = labels.to(f.device)
+                if isinstance(labels, Tensor):
+                    labels = labels.to(f.device)
+                labels = check_labels(labels, f, self.likelihood, batch_index)
                 for i, cov in enumerate(covs):
                     if self.likelihood == "classification":
                         nll = probit_nll(f, cov, labels)

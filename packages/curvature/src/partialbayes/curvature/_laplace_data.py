@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from partialbayes.curvature._caller import user_stacklevel
+from partialbayes.curvature._distributed import all_reduce_max, all_reduce_sum
 from partialbayes.selection import KronModule, Subset
 
 
@@ -57,44 +59,71 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
-def map_loss(
-    model: nn.Module, loader: Iterable[Any], likelihood: str, num_classes: int | None = None
-) -> tuple[float, int, int]:
-    """Training loss at the MAP, summed over the data, in eval mode.
+class MapLoss:
+    """Training loss at the MAP, accumulated from the logits of the curvature pass (a `stream` observer).
 
-    Classification: summed cross-entropy (nats). Regression: summed squared error over all outputs.
+    Classification: summed cross-entropy (nats). Regression: summed squared error over all outputs. Both in
+    float64, kept on the logits' device (no synchronisation per batch). Pass an instance as ``on_batch`` to
+    `kfac` / `diag_curvature` / `dense_curvature`, then read `result`.
 
-    Returns:
-        ``(loss, n_examples, n_outputs)``.
-
-    Raises:
-        ValueError: On an empty loader, out-of-range labels or a wrong number of classes.
+    Args:
+        likelihood: ``"classification"`` or ``"regression"``.
     """
-    total, n, n_out = 0.0, 0, 0
-    with torch.no_grad(), eval_mode(model):
-        for batch in loader:
-            inputs, labels = split_batch(batch)
-            f = model_logits(model, inputs)
-            n_out = f.shape[1]
-            labels = labels.to(f.device)
-            if likelihood == "classification":
-                if num_classes is not None and f.shape[1] != num_classes:
-                    raise ValueError(
-                        f"model returns {f.shape[1]} logits but num_classes={num_classes}"
-                    )
-                if labels.min() < 0 or labels.max() >= f.shape[1]:
-                    raise ValueError(
-                        f"labels out of range [0, {f.shape[1]}): min {int(labels.min())}, max {int(labels.max())}"
-                    )
-                total += float(nn.functional.cross_entropy(f.double(), labels, reduction="sum"))
-            else:
-                total += float(((f.double() - labels.reshape(f.shape).double()) ** 2).sum())
-            n += f.shape[0]
-    if n == 0:
-        raise ValueError("loader is empty: the posterior needs at least one batch")
-    if not math.isfinite(total):
-        raise ValueError(f"the training loss at the MAP is not finite ({total})")
-    return total, n, n_out
+
+    def __init__(self, likelihood: str) -> None:
+        self.likelihood = likelihood
+        self.total: Tensor | None = None
+        self.n_data = 0
+        self.n_outputs = 0
+
+    def __call__(self, index: int, logits: Tensor, labels: Tensor | None) -> None:
+        """Add one batch: ``logits [B, C]`` and its labels as validated by ``check_labels``.
+
+        Raises:
+            ValueError: If the batch has no labels (the training log-likelihood needs them).
+        """
+        if labels is None:
+            raise ValueError(
+                f"batch {index}: fit needs labels (the training log-likelihood at the MAP enters the "
+                "marginal likelihood); the batch has none"
+            )
+        f = logits.detach().double()
+        if self.likelihood == "classification":
+            loss = nn.functional.cross_entropy(f, labels, reduction="sum")
+        else:
+            loss = ((f - labels.double()) ** 2).sum()
+        self.total = loss if self.total is None else self.total + loss
+        self.n_data += int(f.shape[0])
+        self.n_outputs = int(f.shape[1])
+
+    def result(self, device: torch.device) -> tuple[float, int, int]:
+        """``(loss, n_examples, n_outputs)`` over the data seen, summed over ranks under ``torch.distributed``.
+
+        Every rank takes part in the same two all-reduces and gets the same values, so the checks below
+        fail on all ranks together.
+
+        Raises:
+            ValueError: If no example was seen, the ranks disagree on the number of outputs, or the loss is
+                not finite.
+        """
+        total = self.total if self.total is not None else torch.zeros((), dtype=torch.float64)
+        sums = torch.stack(
+            [total.to(device), torch.tensor(float(self.n_data), dtype=torch.float64, device=device)]
+        )
+        all_reduce_sum(sums)
+        # the max of C and of -C: equal on every rank iff the ranks agree
+        outs = all_reduce_max(torch.tensor([self.n_outputs, -self.n_outputs], device=device))
+        loss, n = float(sums[0]), round(float(sums[1]))
+        n_out, neg_min = int(outs[0]), int(outs[1])
+        if n == 0:
+            raise ValueError("the loader holds no example: the posterior needs at least one")
+        if n_out != -neg_min:
+            raise ValueError(
+                f"ranks disagree on the number of model outputs: between {-neg_min} and {n_out}"
+            )
+        if not math.isfinite(loss):
+            raise ValueError(f"the training loss at the MAP is not finite ({loss})")
+        return loss, n, n_out
 
 
 def param_jacobians(
@@ -134,7 +163,9 @@ def param_jacobians(
     jac = {}
     for name, t, g in zip(subset.names, targets, grads, strict=True):
         if g is None:
-            warnings.warn(f"logits do not depend on parameter {name!r}", stacklevel=2)
+            warnings.warn(
+                f"logits do not depend on parameter {name!r}", stacklevel=user_stacklevel()
+            )
             g = torch.zeros((b * c, *t.shape), dtype=f.dtype, device=f.device)
         mask = subset.mask(name).to(g.device)
         jac[name] = g.reshape(b * c, -1)[:, mask.reshape(-1)].reshape(b, c, -1)

@@ -62,14 +62,14 @@ class DenseLaplace(LaplaceBase):
             ]
         )
 
-    def _compute_curvature(self, loader: Iterable[Any], progress: bool) -> Any:
+    def _compute_curvature(self, loader: Iterable[Any], options: Mapping[str, Any]) -> Any:
         from partialbayes.curvature._dense import dense_curvature
 
         return dense_curvature(
             self.model,
             loader,
             self.subset,
-            **self._curvature_options(progress),
+            **options,
         )
 
     def _set_curvature(self, curvature: Tensor) -> None:

@@ -24,14 +24,14 @@ class DiagLaplace(LaplaceBase):
         self._h: dict[str, Tensor] = {}
         super().__init__(model, subset, **kwargs)
 
-    def _compute_curvature(self, loader: Iterable[Any], progress: bool) -> Any:
+    def _compute_curvature(self, loader: Iterable[Any], options: Mapping[str, Any]) -> Any:
         from partialbayes.curvature._diag import diag_curvature
 
         return diag_curvature(
             self.model,
             loader,
             self.subset,
-            **self._curvature_options(progress),
+            **options,
         )
 
     def _set_curvature(self, curvature: Mapping[str, Tensor]) -> None:

@@ -117,7 +117,7 @@ class KronLaplace(LaplaceBase):
         return params_to_block(self._kmods[module], values)
 
     # ------------------------------------------------------------------ curvature
-    def _compute_curvature(self, loader: Iterable[Any], progress: bool) -> Any:
+    def _compute_curvature(self, loader: Iterable[Any], options: Mapping[str, Any]) -> Any:
         from partialbayes.curvature._kfac import kfac
 
         return kfac(
@@ -126,7 +126,7 @@ class KronLaplace(LaplaceBase):
             self.subset,
             sharing=self.sharing,
             bias=self.bias,
-            **self._curvature_options(progress),
+            **options,
         )
 
     def _set_curvature(self, curvature: Mapping[str, Any]) -> None:
