@@ -48,9 +48,10 @@ def test_mc_approaches_exact(k, device):
     assert bool((err <= 5 * sd + 1e-12).all()), (err / sd).max()
 
 
-def test_mc_same_seed_same_result_and_diag_mc():
+def test_mc_same_seed_same_result_and_diag_mc(device):
     model, x = _setup(1)
-    data = [(x, torch.zeros(len(x), dtype=torch.long))]
+    model.to(device)
+    data = [(x.to(device), torch.zeros(len(x), dtype=torch.long, device=device))]
     s = modules(model, ["0"])
     a = kfac(model, data, s, fisher="mc", mc_samples=3, generator=torch.Generator().manual_seed(5))
     b = kfac(model, data, s, fisher="mc", mc_samples=3, generator=torch.Generator().manual_seed(5))
@@ -63,11 +64,11 @@ def test_mc_same_seed_same_result_and_diag_mc():
     torch.testing.assert_close(mc, exact, rtol=0.2, atol=2e-3)  # ~6 sd at k = 4000
 
 
-def test_regression_mc_approaches_exact():
+def test_regression_mc_approaches_exact(device):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 2)).double().eval()
+    model = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 2)).double().eval().to(device)
     x = torch.randn(5, 2, dtype=torch.float64)
-    data = [(x, torch.zeros(5, 2, dtype=torch.float64))]
+    data = [(x.to(device), torch.zeros(5, 2, dtype=torch.float64, device=device))]
     s = modules(model, ["2"])
     exact = kfac(model, data, s, likelihood="regression", sigma_noise=0.5)["2"]
     k = 4096
@@ -83,4 +84,4 @@ def test_regression_mc_approaches_exact():
     )["2"]
     # G = Σ_n ε εᵀ / σ² with ε ~ N(0, I): Var of entry (i, j) = n (1 + [i = j]) / σ⁴ / k
     sd = (5 * (1 + torch.eye(2, dtype=torch.float64)) / 0.5**4 / k).sqrt()
-    assert bool(((mc.G - exact.G).abs() <= 5 * sd).all())
+    assert bool(((mc.G - exact.G).abs().cpu() <= 5 * sd).all())

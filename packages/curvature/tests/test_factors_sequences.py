@@ -76,11 +76,12 @@ def test_padding_does_not_change_factors(b, pad, seed, sharing, fisher, device):
         torch.testing.assert_close(a[m].A, z[m].A)
 
 
+@FIXTURE
 @given(b=st.integers(1, 5), seed=st.integers(0, 2**16), fisher=st.sampled_from(["exact", "mc"]))
-def test_reduce_equals_expand_on_length_one(b, seed, fisher):
+def test_reduce_equals_expand_on_length_one(b, seed, fisher, device):
     torch.manual_seed(seed)
-    model = SeqNet(3, 4, 2).double().eval()
-    batch = seq_batch(b, 1, 3, 2, seed)
+    model = SeqNet(3, 4, 2).double().eval().to(device)
+    batch = _to(seq_batch(b, 1, 3, 2, seed), device)
     s = modules(model, ["lin1", "lin2", "head"])
     r = kfac(
         model,

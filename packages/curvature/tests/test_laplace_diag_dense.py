@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -48,11 +48,11 @@ def entry_prior(la, prior):
 
 
 def flat_map(la):
-    return torch.cat([la._map[n] for n in la.subset.names])
+    return torch.cat([la._map[n] for n in la.subset.names]).cpu()
 
 
-def _fit(cls, seed, prior, temperature):
-    model = TinyNet(seed)
+def _fit(cls, seed, prior, temperature, device="cpu"):
+    model = TinyNet(seed).to(device)
     subset = mask_subset(model, seed)
     la = cls(model, subset, prior_precision=prior, temperature=temperature)
     g = torch.Generator().manual_seed(seed)
@@ -83,42 +83,43 @@ PRIORS = st.sampled_from(
 )
 
 
-@settings(max_examples=8)
+@settings(max_examples=8, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     cls=st.sampled_from([DiagLaplace, DenseLaplace]),
     seed=st.integers(0, 100),
     prior=PRIORS,
     temperature=st.sampled_from([1.0, 0.5]),
 )
-def test_against_dense_reference(cls, seed, prior, temperature):
-    model, subset, la, H = _fit(cls, seed, prior, temperature)
+def test_against_dense_reference(cls, seed, prior, temperature, device):
+    model, subset, la, H = _fit(cls, seed, prior, temperature, device)
     pdict = prior if isinstance(prior, dict) else dict.fromkeys(la.modules, prior)
     delta = entry_prior(la, pdict)
     P = H / temperature + torch.diag(delta)
-    torch.testing.assert_close(la.log_det(), torch.logdet(P))
+    torch.testing.assert_close(la.log_det().cpu(), torch.logdet(P))
     theta = flat_map(la)
     hand = (
         -7.0 / temperature
         - 0.5 * (torch.logdet(P) - delta.log().sum())
         - 0.5 * (delta * theta) @ theta
     )
-    torch.testing.assert_close(la.log_marginal_likelihood(), hand)
+    torch.testing.assert_close(la.log_marginal_likelihood().cpu(), hand)
     x, _ = classification_data(3, seed)
+    f, cov = la.logit_mean_cov(x.to(device))
+    model.cpu()
     J = reference_jacobian(model, x, subset)
-    f, cov = la.logit_mean_cov(x)
-    torch.testing.assert_close(f, model(x).detach())
-    torch.testing.assert_close(cov, J @ torch.linalg.inv(P) @ J.mT)
+    torch.testing.assert_close(f.cpu(), model(x).detach())
+    torch.testing.assert_close(cov.cpu(), J @ torch.linalg.inv(P) @ J.mT)
 
 
 @pytest.mark.parametrize("cls", [DiagLaplace, DenseLaplace])
 @pytest.mark.parametrize("prior", [0.7, {"l0": 0.5, "c1": 3.0, "l2": 1.5}])
-def test_samples_match_dense_covariance(cls, prior):
-    _, subset, la, H = _fit(cls, 3, prior, 1.0)
+def test_samples_match_dense_covariance(cls, prior, device):
+    _, subset, la, H = _fit(cls, 3, prior, 1.0, device)
     pdict = prior if isinstance(prior, dict) else dict.fromkeys(la.modules, prior)
     sigma = torch.linalg.inv(H + torch.diag(entry_prior(la, pdict)))
     n = 20_000
     s = la.sample(n, torch.Generator().manual_seed(0))
-    flat = torch.cat([s[k] for k in subset.names], dim=1) - flat_map(la)
+    flat = torch.cat([s[k] for k in subset.names], dim=1).cpu() - flat_map(la)
     d = torch.diagonal(sigma)
     assert (flat.mean(0).abs() <= 6 * torch.sqrt(d / n)).all()
     emp = flat.T @ flat / n
@@ -126,9 +127,9 @@ def test_samples_match_dense_covariance(cls, prior):
 
 
 @pytest.mark.parametrize("cls", [DiagLaplace, DenseLaplace])
-def test_differentiable_per_module_prior(cls):
-    _, _, la, _ = _fit(cls, 1, 1.0, 1.0)
-    t = torch.tensor([0.5, 2.0, 1.3], dtype=torch.float64, requires_grad=True)
+def test_differentiable_per_module_prior(cls, device):
+    _, _, la, _ = _fit(cls, 1, 1.0, 1.0, device)
+    t = torch.tensor([0.5, 2.0, 1.3], dtype=torch.float64, device=device, requires_grad=True)
     (grad,) = torch.autograd.grad(la.log_marginal_likelihood(t), t)
     for i in range(3):
         d = t.detach().clone()
@@ -137,13 +138,14 @@ def test_differentiable_per_module_prior(cls):
         assert math.isclose(grad[i].item(), num.item(), rel_tol=1e-4, abs_tol=1e-6)
 
 
-def test_prior_grid_matches_dense_optimum():
-    model, subset, la, H = _fit(DenseLaplace, 2, 1.0, 1.0)
+def test_prior_grid_matches_dense_optimum(device):
+    _, subset, la, H = _fit(DenseLaplace, 2, 1.0, 1.0, device)
     grid = torch.logspace(-2, 2, 9)
     theta = flat_map(la)
     x, y = classification_data(5, 2)
-    J = reference_jacobian(model, x, subset)
-    f = model(x).detach()
+    ref_model = TinyNet(2)  # the same weights, on the CPU
+    J = reference_jacobian(ref_model, x, subset)
+    f = ref_model(x).detach()
     lml, nll = [], []
     for v in grid.tolist():
         P = H + v * torch.eye(H.shape[0], dtype=torch.float64)
@@ -156,7 +158,9 @@ def test_prior_grid_matches_dense_optimum():
     assert la.optimize_prior_precision(grid=grid) == pytest.approx(
         grid[int(torch.stack(lml).argmax())].item()
     )
-    best = la.optimize_prior_precision("val_nll", val_loader=[(x, y)], grid=grid)
+    best = la.optimize_prior_precision(
+        "val_nll", val_loader=[(x.to(device), y.to(device))], grid=grid
+    )
     assert best == pytest.approx(grid[int(torch.stack(nll).argmin())].item())
 
 

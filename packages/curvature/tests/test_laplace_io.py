@@ -34,19 +34,21 @@ def _fitted(cls, model):
 
 
 @pytest.mark.parametrize("cls", [KronLaplace, DiagLaplace, DenseLaplace])
-def test_round_trip(cls, tmp_path):
-    model = TinyNet(0)
+def test_round_trip(cls, tmp_path, device):
+    model = TinyNet(0).to(device)
     la = _fitted(cls, model)
     path = tmp_path / "post.safetensors"
     la.save(path)
     assert b"pickle" not in path.read_bytes()[:64]
-    fresh = TinyNet(0)  # same weights, a new instance
+    fresh = TinyNet(0).to(device)  # same weights, a new instance
     back = cls.load(path, fresh)
     assert type(back) is cls
     assert back.modules == la.modules
+    assert back.device.type == la.device.type == torch.device(device).type
     torch.testing.assert_close(back.prior_precision, la.prior_precision)
     torch.testing.assert_close(back.log_marginal_likelihood(), la.log_marginal_likelihood())
     x, _ = classification_data(4, 0)
+    x = x.to(device)
     torch.testing.assert_close(back.logit_mean_cov(x)[1], la.logit_mean_cov(x)[1])
     s1 = la.sample(3, torch.Generator().manual_seed(5))
     s2 = back.sample(3, torch.Generator().manual_seed(5))
