@@ -104,3 +104,134 @@ def test_quickstart_end_to_end_with_a_local_model_folder(
     # rerun: everything is reused, the checkpoint too
     assert main(argv) == 0
     assert "| fine-tuning | cached |" in capsys.readouterr().out
+
+
+def _tiny_uci(root, folder="bostonHousing", n=40, d=3):
+    """A synthetic UCI folder in the standard layout: ``root/<folder>/data/`` with 2 splits."""
+    import torch
+
+    data = root / folder / "data"
+    data.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    y = x.sum(1) + 0.1 * torch.randn(n, generator=gen, dtype=torch.float64)
+    rows = torch.cat([x, y[:, None]], 1)
+    (data / "data.txt").write_text(
+        "\n".join(" ".join(f"{v:.6f}" for v in r) for r in rows.tolist())
+    )
+    (data / "index_features.txt").write_text("\n".join(str(i) for i in range(d)))
+    (data / "index_target.txt").write_text(str(d))
+    (data / "n_splits.txt").write_text("2")
+    for k in range(2):
+        test = list(range(k * 10, k * 10 + 10))
+        train = [i for i in range(n) if i not in test]
+        (data / f"index_train_{k}.txt").write_text("\n".join(map(str, train)))
+        (data / f"index_test_{k}.txt").write_text("\n".join(map(str, test)))
+    return root
+
+
+@pytest.fixture
+def fast_uci(monkeypatch):
+    """Short MLP training, and a GLUE grid that must not run (these tests are about the UCI route)."""
+    from partialbayes.glue_bench import experiment, uci
+
+    real = uci.train_mlp
+    monkeypatch.setattr(uci, "train_mlp", lambda split, seed=0: real(split, steps=50, seed=seed))
+
+    def no_glue(*args, **kwargs):
+        raise AssertionError(f"GLUE grid started with {args[:1]}")
+
+    monkeypatch.setattr(experiment, "run_grid", no_glue)
+
+
+def test_resolve_task_normalises_once():
+    from partialbayes.glue_bench.cli import resolve_task
+
+    assert resolve_task("SST-2") == ("glue", "sst2")
+    assert resolve_task("RTE") == ("glue", "rte")
+    assert resolve_task("Boston") == ("uci", "boston")
+    assert resolve_task("bostonHousing") == ("uci", "boston")
+    assert resolve_task("YACHT") == ("uci", "yacht")
+    with pytest.raises(ValueError, match=r"unknown task\(s\) \['cola'\]"):
+        resolve_task("cola")
+
+
+def test_capitalised_uci_name_runs_the_uci_grid(capsys, tmp_path, fast_uci):
+    """`--tasks Boston` used to pass the name check and then fail as an unknown GLUE task."""
+    from partialbayes.glue_bench.store import iter_records
+
+    uci_dir = _tiny_uci(tmp_path / "uci")
+    argv = ["run", "--tasks", "Boston", "--methods", "map", "--uci-dir", str(uci_dir)]
+    assert main([*argv, "--results", str(tmp_path / "res")]) == 0
+    (rec,) = iter_records(tmp_path / "res" / "uci")
+    assert (rec["task"], rec["method"], rec["size"]) == ("boston", "map", "-")
+    assert rec["n_test"] == 10
+
+
+def test_default_methods_follow_the_task_kind(tmp_path, fast_uci):
+    """Without --methods a UCI dataset gets the UCI defaults (map, last-layer), not temperature."""
+    pytest.importorskip("partialbayes.curvature")
+    from partialbayes.glue_bench.cli import DEFAULT_METHODS, plan_run
+    from partialbayes.glue_bench.store import iter_records
+
+    uci_dir = _tiny_uci(tmp_path / "uci", folder="yacht")
+    argv = ["run", "--tasks", "yacht", "--uci-dir", str(uci_dir), "--results", str(tmp_path / "r")]
+    assert main(argv) == 0
+    methods = {r["method"] for r in iter_records(tmp_path / "r" / "uci")}
+    assert methods == set(DEFAULT_METHODS["uci"]) == {"map", "last-layer"}
+    assert plan_run(["SST-2", "yacht"], None) == {
+        "glue": (["sst2"], ["map", "temperature"]),
+        "uci": (["yacht"], ["map", "last-layer"]),
+    }
+    # UCI-only methods are accepted for UCI tasks
+    assert plan_run(["energy"], ["subnet-norm"]) == {"uci": (["energy"], ["subnet-norm"])}
+
+
+def test_every_task_kind_and_method_is_checked_before_any_work(capsys, tmp_path, fast_uci):
+    """A GLUE+UCI run with a GLUE-only method fails at once, before the GLUE grid starts."""
+    uci_dir = _tiny_uci(tmp_path / "uci", folder="yacht")
+    argv = ["run", "--tasks", "sst2,yacht", "--methods", "map,temperature,subnet-norm"]
+    argv += ["--uci-dir", str(uci_dir), "--results", str(tmp_path / "res")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "method(s) ['subnet-norm'] have no GLUE version (tasks sst2)" in err
+    assert "method(s) ['temperature'] have no UCI version (tasks yacht)" in err
+    assert "valid UCI methods: map, last-layer, kfac-full" in err
+    assert not (tmp_path / "res").exists()
+    # the IVON posterior needs IVON fine-tuning: refused up front too
+    assert main(["run", "--tasks", "sst2", "--methods", "ivon", "--results", str(tmp_path)]) == 2
+    assert "method 'ivon' needs --optimizer ivon" in capsys.readouterr().err
+    # missing UCI data or a split beyond the folder's: refused before the GLUE part
+    argv = ["run", "--tasks", "sst2,yacht", "--methods", "map", "--results", str(tmp_path / "res")]
+    assert main([*argv, "--uci-dir", str(tmp_path / "nowhere")]) == 2
+    assert "UCI data for yacht not found" in capsys.readouterr().err
+    assert main([*argv, "--uci-dir", str(uci_dir), "--splits", "0-2"]) == 2
+    assert "--splits [2] out of range for UCI dataset yacht (2 splits: 0-1)" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "res").exists()
+
+
+def test_uci_grid_keeps_going_past_a_failing_cell(capsys, tmp_path, fast_uci, monkeypatch):
+    from partialbayes.glue_bench import uci
+    from partialbayes.glue_bench.store import iter_records
+
+    real = uci.run_uci_cell
+
+    def broken_last_layer(model, sigma, split, method, size, seed):
+        if method == "last-layer":
+            raise RuntimeError("curvature exploded")
+        return real(model, sigma, split, method, size, seed)
+
+    monkeypatch.setattr(uci, "run_uci_cell", broken_last_layer)
+    uci_dir = _tiny_uci(tmp_path / "uci", folder="yacht")
+    argv = ["run", "--tasks", "yacht", "--methods", "last-layer,map", "--splits", "0-1"]
+    assert main([*argv, "--uci-dir", str(uci_dir), "--results", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err
+    assert "2 cell(s) failed (rerun to retry them)" in err
+    assert "yacht/split1/last-layer/-: RuntimeError: curvature exploded" in err
+    recs = {(r["split"], r["method"]) for r in iter_records(tmp_path / "r" / "uci")}
+    assert recs == {(0, "map"), (1, "map")}
+    # from Python the first failure propagates unless keep_going is set
+    with pytest.raises(RuntimeError, match="curvature exploded"):
+        uci.run_uci(["yacht"], [0], ["last-layer"], tmp_path / "p", uci_dir, log=lambda s: None)

@@ -7,6 +7,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from partialbayes.glue_bench import __version__
@@ -17,6 +18,10 @@ from partialbayes.glue_bench.models import DEFAULT_MODEL
 from partialbayes.glue_bench.train import OPTIMIZERS, TrainConfig
 
 QUICKSTART_METHODS = ("map", "temperature", "last-layer", "skfac", "swag-random")
+# `glue-bench run` without --methods: the two cheap baselines of each task kind (UCI has no temperature
+# scaling, a classification method; last-layer Laplace is its cheapest calibrated alternative).
+DEFAULT_METHODS = {"glue": ("map", "temperature"), "uci": ("map", "last-layer")}
+TASK_KINDS = {"glue": "GLUE", "uci": "UCI"}
 
 
 def parse_splits(text: str) -> list[int]:
@@ -101,13 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--tasks",
         type=_names,
         default=["sst2"],
-        help=f"GLUE tasks {list(TASKS)} and/or UCI datasets {list(UCI_DATASETS)}",
+        help=f"GLUE tasks {list(TASKS)} and/or UCI datasets {list(UCI_DATASETS)} "
+        "(case and hyphens ignored: SST-2, Boston)",
     )
     run.add_argument(
         "--methods",
         type=_names,
-        default=["map", "temperature"],
-        help="methods (see `glue-bench methods`)",
+        default=None,
+        help="methods (see `glue-bench methods`); default: "
+        + "; ".join(f"{','.join(v)} for {TASK_KINDS[k]} tasks" for k, v in DEFAULT_METHODS.items()),
     )
     run.add_argument("--splits", type=parse_splits, default=[0], help="e.g. 0-4 (default 0)")
     run.add_argument(
@@ -190,32 +197,118 @@ def _configs(args: argparse.Namespace, quick: bool = False):
     )
 
 
-def _check_names(tasks: list[str], methods: list[str]) -> None:
-    valid = [*TASKS, *UCI_DATASETS]
-    bad = [t for t in tasks if t.lower().replace("-", "") not in valid]
-    if bad:
-        raise ValueError(f"unknown task(s) {bad}; valid tasks: {', '.join(valid)}")
-    bad = [m for m in methods if m not in METHODS]
-    if bad:
-        raise ValueError(f"unknown method(s) {bad}; valid methods: {', '.join(METHODS)}")
+def resolve_task(name: str) -> tuple[str, str]:
+    """Kind (``"glue"`` or ``"uci"``) and canonical name of a ``--tasks`` entry.
+
+    The one place task names are normalised: case and hyphens are ignored (``SST-2`` -> ``sst2``,
+    ``Boston`` -> ``boston``), and a UCI dataset may also be named by its folder (``bostonHousing``).
+
+    Raises:
+        ValueError: An unknown name (the message lists the valid ones).
+    """
+    key = name.strip().lower().replace("-", "")
+    if key in TASKS:
+        return "glue", key
+    uci = {**{k: k for k in UCI_DATASETS}, **{v.lower(): k for k, v in UCI_DATASETS.items()}}
+    if key in uci:
+        return "uci", uci[key]
+    raise ValueError(
+        f"unknown task(s) [{name!r}]; valid tasks: {', '.join([*TASKS, *UCI_DATASETS])}"
+    )
+
+
+def plan_run(
+    tasks: Sequence[str], methods: Sequence[str] | None, optimizer: str = "adamw"
+) -> dict[str, tuple[list[str], list[str]]]:
+    """Check every (task kind, method) combination of ``glue-bench run`` before any work starts.
+
+    Args:
+        tasks: ``--tasks`` entries (normalised by :func:`resolve_task`).
+        methods: ``--methods``, or ``None`` for the defaults of each task kind (:data:`DEFAULT_METHODS`).
+        optimizer: The fine-tuning optimizer (the ``ivon`` method needs ``ivon``).
+
+    Returns:
+        ``{kind: (canonical tasks, methods)}`` for the kinds present, in the order given.
+
+    Raises:
+        ValueError: Unknown tasks or methods, or methods without a version for a kind of task that was
+            asked for (one line per kind, listing that kind's valid methods).
+    """
+    from partialbayes.glue_bench.uci import UCI_METHODS
+
+    valid = {"glue": list(METHODS), "uci": list(UCI_METHODS)}
+    by_kind: dict[str, list[str]] = {}
+    unknown = []
+    for t in tasks:
+        try:
+            kind, name = resolve_task(t)
+        except ValueError:
+            unknown.append(t)
+            continue
+        if name not in by_kind.setdefault(kind, []):
+            by_kind[kind].append(name)
+    if unknown:
+        raise ValueError(
+            f"unknown task(s) {unknown}; valid tasks: {', '.join([*TASKS, *UCI_DATASETS])}"
+        )
+    if methods is not None:
+        bad = [m for m in methods if m not in METHODS and m not in UCI_METHODS]
+        if bad:
+            raise ValueError(
+                f"unknown method(s) {bad}; valid methods: {', '.join(METHODS)} "
+                f"(UCI: {', '.join(UCI_METHODS)})"
+            )
+    plan: dict[str, tuple[list[str], list[str]]] = {}
+    errors = []
+    for kind, names in by_kind.items():
+        chosen = list(DEFAULT_METHODS[kind]) if methods is None else list(dict.fromkeys(methods))
+        bad = [m for m in chosen if m not in valid[kind]]
+        if bad:
+            errors.append(
+                f"method(s) {bad} have no {TASK_KINDS[kind]} version (tasks {', '.join(names)}); "
+                f"valid {TASK_KINDS[kind]} methods: {', '.join(valid[kind])}"
+            )
+        if kind == "glue" and "ivon" in chosen and optimizer != "ivon":
+            errors.append(
+                "method 'ivon' needs --optimizer ivon (its posterior comes from fine-tuning)"
+            )
+        plan[kind] = (names, chosen)
+    if errors:
+        raise ValueError("; ".join(errors))
+    return plan
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """``glue-bench run``."""
+    """``glue-bench run``: validate the whole request, then the GLUE grid, then the UCI grid."""
     from partialbayes.glue_bench.experiment import run_grid
     from partialbayes.glue_bench.store import parse_shard
 
-    _check_names(args.tasks, args.methods)
+    plan = plan_run(args.tasks, args.methods, args.optimizer)
     shard = parse_shard(args.shard)
-    glue = [t.lower().replace("-", "") for t in args.tasks if t not in UCI_DATASETS]
-    uci = [t for t in args.tasks if t in UCI_DATASETS]
+    if "uci" in plan:
+        from partialbayes.glue_bench.data_uci import num_splits, uci_folder
+
+        for name in plan["uci"][0]:
+            folder = uci_folder(name, args.uci_dir)
+            if not folder.is_dir():
+                raise FileNotFoundError(
+                    f"UCI data for {name} not found: no folder {folder} (pass --uci-dir /path/to/uci, "
+                    f"a folder holding {UCI_DATASETS[name]}/data/)"
+                )
+            n = num_splits(name, args.uci_dir)
+            if any(k >= n for k in args.splits):
+                raise ValueError(
+                    f"--splits {[k for k in args.splits if k >= n]} out of range for UCI dataset "
+                    f"{name} ({n} splits: 0-{n - 1})"
+                )
     config = _configs(args)
     failures: list[str] = []
-    if glue:
+    if "glue" in plan:
+        tasks, methods = plan["glue"]
         store = run_grid(
-            glue,
+            tasks,
             args.splits,
-            args.methods,
+            methods,
             config,
             args.results,
             args.device,
@@ -225,19 +318,22 @@ def cmd_run(args: argparse.Namespace) -> int:
             keep_going=True,
         )
         failures += store.failures
-    if uci:
+    if "uci" in plan:
         from partialbayes.glue_bench.uci import run_uci
 
-        run_uci(
-            uci,
+        tasks, methods = plan["uci"]
+        uci_store = run_uci(
+            tasks,
             args.splits,
-            args.methods,
+            methods,
             args.results / "uci",
             args.uci_dir,
             shard,
             seed=args.seed,
             device=args.device,
+            keep_going=True,
         )
+        failures += uci_store.failures
     print(f"results in {args.results}; summarise with: glue-bench report --results {args.results}")
     return _report_failures(failures)
 

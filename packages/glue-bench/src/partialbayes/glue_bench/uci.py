@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from partialbayes.glue_bench.data_uci import UCISplit, load_uci
+from partialbayes.glue_bench.data_uci import UCI_DATASETS, UCISplit, load_uci
 from partialbayes.glue_bench.methods import PRIOR_GRID as PRIOR_GRID  # re-exported: the UCI grid
 from partialbayes.glue_bench.methods import prior_grid
 from partialbayes.glue_bench.models import MLP
@@ -222,12 +222,21 @@ def run_uci(
     seed: int = 0,
     device: str = "cpu",
     log: Callable[[str], None] = print,
+    keep_going: bool = False,
 ) -> ResultStore:
     """Fill the UCI grid (dataset, split, method, size) of this shard; finished cells are skipped.
 
+    With ``keep_going`` a cell that raises is logged and skipped (no record is written, so a later run
+    retries it); the messages are in ``store.failures``. Otherwise the first failure propagates. Loading a
+    dataset and training its MLP are not cells: their errors always propagate (as GLUE fine-tuning's do).
+
     Raises:
-        ValueError: A method that has no UCI version (the message lists the valid ones).
+        ValueError: An unknown dataset or a method that has no UCI version (the message lists the valid
+            ones), before any work.
     """
+    bad = [d for d in datasets if d not in UCI_DATASETS]
+    if bad:
+        raise ValueError(f"unknown UCI dataset(s) {bad}; valid datasets: {', '.join(UCI_DATASETS)}")
     bad = [m for m in methods if m not in UCI_METHODS]
     if bad:
         raise ValueError(
@@ -250,7 +259,16 @@ def run_uci(
             cell = Cell(name, split_k, method, size)
             if store.has(cell):
                 continue
-            rec = run_uci_cell(model, sigma, data, method, size, seed * 100 + split_k)
+            try:
+                rec = run_uci_cell(model, sigma, data, method, size, seed * 100 + split_k)
+            except Exception as err:  # one broken cell must not stop the grid
+                store.failures.append(
+                    f"{name}/split{split_k}/{method}/{size}: {type(err).__name__}: {err}"
+                )
+                log(f"[{name} split {split_k}] {method} {size}: FAILED ({store.failures[-1]})")
+                if not keep_going:
+                    raise
+                continue
             store.write(cell, rec)
             log(
                 f"[{name} split {split_k}] {method} {size}: rmse {rec['rmse']:.3f} nll {rec['nll']:.3f}"
