@@ -185,6 +185,14 @@ def test_prior_optimisation_finds_dense_grid_optimum(seed):
     assert la.prior_precision[0].item() == pytest.approx(grid[int(lml.argmax())].item())
     chosen = la.optimize_prior_precision("val_nll", val_loader=[(x, y)], grid=grid)
     assert chosen == pytest.approx(grid[int(nll.argmin())].item())
+    floats = [float(v) for v in torch.logspace(-2, 3, 11, dtype=torch.float64)]
+    assert (
+        la.optimize_prior_precision("marglik", grid=floats) in floats
+    )  # exact, not float32-rounded
+    assert (
+        la.optimize_prior_precision("marglik")
+        in torch.logspace(-1, 3, 21, dtype=torch.float64).tolist()
+    )
 
 
 def test_bad_input():

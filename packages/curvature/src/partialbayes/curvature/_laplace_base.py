@@ -403,8 +403,12 @@ class LaplaceBase:
                 of the wrong dtype / shape or out of range (naming the batch).
         """
         self._require_fit()
-        values = torch.logspace(-1, 3, 21) if grid is None else torch.as_tensor(grid)
-        values = values.to(torch.float64).reshape(-1)
+        if grid is None:
+            values = torch.logspace(-1, 3, 21, dtype=torch.float64)
+        elif isinstance(grid, Tensor):
+            values = grid.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
+        else:  # Python floats straight to float64 (as_tensor would round them to float32 first)
+            values = torch.tensor(list(grid), dtype=torch.float64).reshape(-1)
         if values.numel() == 0 or not bool(((values > 0) & torch.isfinite(values)).all()):
             raise ValueError(f"grid must hold positive finite values, got {values.tolist()}")
         if method == "marglik":
