@@ -99,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--package", action="append", help="only this package (repeatable)")
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    parser.add_argument(
+        "--only",
+        action="append",
+        help="only bench_* functions whose name contains this (repeatable)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument(
@@ -132,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(f"{pkg}/{path.name}")
             continue
         for name in sorted(
-            n for n in dir(module) if n.startswith("bench_") and callable(getattr(module, n))
+            n
+            for n in dir(module)
+            if n.startswith("bench_")
+            and callable(getattr(module, n))
+            and (not args.only or any(o in n for o in args.only))
         ):
             print(f"== {pkg}: {path.name}::{name}")
             bench = Bench(package=pkg, device=device, quick=args.quick, repeat=args.repeat)
