@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("methods", help="list the methods")
 
     quick = sub.add_parser(
-        "quickstart", help="a CPU demo on one GLUE task (1.5 min on an idle 2-core machine)"
+        "quickstart", help="a CPU demo on one GLUE task (under 2 min on an idle 2-core machine)"
     )
     quick.add_argument("--task", default="sst2", choices=list(TASKS))
     quick.add_argument("--results", type=Path, default=Path("glue-bench-quickstart"))
