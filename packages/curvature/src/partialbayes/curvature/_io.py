@@ -47,6 +47,8 @@ def save_posterior(posterior: Any, path: str | os.PathLike[str]) -> None:
         options["sharing"] = posterior.sharing
     if hasattr(posterior, "bias"):
         options["bias"] = posterior.bias
+    if hasattr(posterior, "predictive_rtol"):
+        options["predictive_rtol"] = posterior.predictive_rtol
     meta = {
         "format": FORMAT,
         "version": VERSION,

@@ -49,6 +49,12 @@ class KronLaplace(LaplaceBase):
         sharing: Weight sharing over tokens for KFAC, ``"reduce"`` or ``"expand"``.
         bias: ``"fold"`` (bias folded into ``A``) or ``"separate"`` (own Kronecker block ``G ⊗ A_bias``);
             stored by `save` and passed to `kfac`.
+        predictive_rtol: ``0`` (default): the linearised predictive is exact. ``ε > 0``: eigendirection pairs
+            whose curvature is at most ``ε · δ`` count at their prior variance ``1/δ`` instead of
+            ``1/(δ + curvature)``, so only the leading eigenvectors of ``G`` and ``A`` are rotated (the rest
+            enters through ``‖J‖_F²``, which needs no basis). Every such term is off by a factor of at most
+            ``1 + ε`` (variances are overestimated, never underestimated, by at most that relative amount),
+            up to rounding; the approximate path computes in float64. Stored by `save`.
         **kwargs: See `LaplaceBase` (likelihood, prior_precision, temperature, sigma_noise, fisher, ...).
 
     Raises:
@@ -63,14 +69,22 @@ class KronLaplace(LaplaceBase):
         *,
         sharing: str = "reduce",
         bias: str = "fold",
+        predictive_rtol: float = 0.0,
         **kwargs: Any,
     ) -> None:
         if sharing not in ("reduce", "expand"):
             raise ValueError(f"sharing must be 'reduce' or 'expand', got {sharing!r}")
         if bias not in ("fold", "separate"):
             raise ValueError(f"bias must be 'fold' or 'separate', got {bias!r}")
+        if (
+            isinstance(predictive_rtol, bool)
+            or not isinstance(predictive_rtol, (int, float))
+            or not 0 <= predictive_rtol < 1
+        ):
+            raise ValueError(f"predictive_rtol must be a number in [0, 1), got {predictive_rtol!r}")
         self.sharing = sharing
         self.bias = bias
+        self.predictive_rtol = float(predictive_rtol)
         self._eig: dict[str, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
         super().__init__(model, subset, **kwargs)
 
@@ -212,6 +226,8 @@ class KronLaplace(LaplaceBase):
 
         See `kron_predictive`; ``M`` is never stored for all modules (at most one example's at a time).
         """
+        if self.predictive_rtol > 0:
+            return self._mean_covs_truncated(inputs, priors, scale)
         bases = {m: (self._eig[m][1], self._eig[m][3]) for m in self.modules}
         inv = [
             {
@@ -223,6 +239,40 @@ class KronLaplace(LaplaceBase):
         with eval_mode(self.model):
             f, covs = kron_predictive(self.model, inputs, self._kmods, bases, inv, self.dtype)
         return f, covs
+
+    def _mean_covs_truncated(
+        self, inputs: Any, priors: Sequence[Tensor], scale: Tensor | float
+    ) -> tuple[Tensor, list[Tensor]]:
+        """`_mean_covs` with ``predictive_rtol > 0``: only eigendirections with curvature above ``ε · δ``.
+
+        Per module, ``I`` are the eigenvectors of ``G`` and ``J`` those of ``A`` that take part in some pair
+        ``(i, j)`` with curvature ``E_ij − δ > ε δ`` for the smallest prior of ``priors`` (the curvature is an
+        outer product, so every pair outside ``I × J`` is below the threshold for every prior given).
+        """
+        eps = self.predictive_rtol
+        f64 = torch.float64
+        bases: dict[str, tuple[Tensor, Tensor]] = {}
+        weights: list[dict[str, Tensor]] = [{} for _ in priors]
+        residual: list[dict[str, float]] = [{} for _ in priors]
+        for i, m in enumerate(self.modules):
+            _, qg, _, qa = self._eig[m]
+            deltas = [float(prior[i]) for prior in priors]
+            eigs = [self._eigenvalues(i, m, prior, scale).to(f64) for prior in priors]
+            k = min(range(len(priors)), key=deltas.__getitem__)
+            curv = eigs[k] - deltas[k]  # [r, c], the curvature part s·λG·λA (prior-free)
+            big = curv > eps * deltas[k]
+            rows = big.any(dim=1).nonzero().squeeze(1)
+            cols = big.any(dim=0).nonzero().squeeze(1)
+            bases[m] = (qg.index_select(1, rows).to(f64), qa.index_select(1, cols).to(f64))
+            for p, (e, delta) in enumerate(zip(eigs, deltas, strict=True)):
+                kept = e.index_select(0, rows).index_select(1, cols)
+                weights[p][m] = kept.reciprocal() - 1.0 / delta
+                residual[p][m] = 1.0 / delta
+        with eval_mode(self.model):
+            f, covs = kron_predictive(
+                self.model, inputs, self._kmods, bases, weights, f64, residual=residual
+            )
+        return f, [c.to(self.dtype) for c in covs]
 
     def _autograd_jacobians(self, inputs: Any) -> tuple[Tensor, dict[str, Tensor]]:
         """Block Jacobians by generic reverse mode over all logits (reference path)."""

@@ -9,6 +9,11 @@ rotating formed Jacobians (``T = 1`` for unshared layers: ~``min(r, c)`` times c
 `kron_predictive` streams instead: each module's ``Σ_ij M_k M_l / E`` is contracted into the running
 ``[B, C, C]`` covariance as soon as its gradients exist, one example at a time for sequences (tokens with zero
 output gradient dropped, rotation order chosen by cost) and without forming ``M`` at all for unshared layers.
+
+With a residual prior (``residual``, `KronLaplace`'s ``predictive_rtol``), the bases are truncated to the
+eigendirections whose curvature is not negligible next to the prior: ``Σ_ij M_ij² / E_ij`` is split exactly into
+``‖J‖_F² / δ`` (basis-free, from token Gram matrices) plus ``Σ_{i∈I, j∈J} M_ij² (1/E_ij − 1/δ)`` over the kept
+directions, and every pair outside ``I × J`` is counted at its prior value ``1/δ``.
 """
 
 from __future__ import annotations
@@ -72,6 +77,35 @@ def rotate_inputs(x: Tensor, q_a: Tensor, bias: bool) -> Tensor:
     if not bias:
         return x @ q_a
     return torch.addmm(q_a[-1], x, q_a[:-1])
+
+
+def frobenius_products(x: Tensor, d: Tensor, bias: bool) -> Tensor:
+    """``<J_k, J_l>_F`` of one example's block Jacobians ``J_k = Σ_t δ_k,t x̃_tᵀ``, without forming ``J``.
+
+    ``<J_k, J_l>_F = Σ_ts (δ_k,t · δ_l,s)(x̃_t · x̃_s)`` from the token Gram matrices (cost ``(C n)² r + n² c``),
+    or from ``J`` itself when that is cheaper (``C n r c + C² r c``). Basis-free: this is ``Σ_ij M_k M_l`` in
+    any orthonormal bases.
+
+    Args:
+        x: ``[n, c_w]`` inputs of the example's tokens.
+        d: ``[C, n, r]`` output gradients, one slice per class.
+        bias: Whether ``x̃ = (x | 1)``.
+
+    Returns:
+        ``[C, C]``.
+    """
+    n_cls, n, r = d.shape
+    c = x.shape[1] + bias
+    if (n_cls * n) ** 2 * r + n * n * c <= n_cls * n * r * c + n_cls * n_cls * r * c:
+        gx = x @ x.T
+        if bias:
+            gx = gx + 1
+        flat = d.reshape(n_cls * n, r)
+        gd = (flat @ flat.T).reshape(n_cls, n, n_cls, n)
+        return torch.einsum("ktls,ts->kl", gd, gx)
+    xt = torch.cat([x, torch.ones_like(x[:, :1])], dim=1) if bias else x
+    jac = (d.transpose(1, 2) @ xt).reshape(n_cls, -1)  # [C, r c]
+    return jac @ jac.T
 
 
 def unshared_covariances(xq: Tensor, dq: Tensor, inv_eigenvalues: Sequence[Tensor]) -> list[Tensor]:
@@ -161,6 +195,64 @@ def shared_covariances(
     return out
 
 
+def residual_covariances(
+    x: Tensor,
+    d: Tensor,
+    q_g: Tensor,
+    q_a: Tensor,
+    bias: bool,
+    weights: Sequence[Tensor],
+    inv_priors: Sequence[float],
+    dtype: torch.dtype,
+) -> list[Tensor]:
+    """``J Σ Jᵀ`` of one block with truncated eigenbases: ``‖J‖²/δ`` plus the kept directions' correction.
+
+    ``Σ_ij M_k,ij M_l,ij / E_ij = <J_k, J_l>_F / δ + Σ_{i∈I, j∈J} M_k,ij M_l,ij (1/E_ij − 1/δ)`` exactly, when
+    ``E_ij = δ`` outside ``I × J``; `KronLaplace` keeps every direction whose curvature exceeds
+    ``predictive_rtol · δ``, so each dropped term is off by a factor of at most ``1 + predictive_rtol``.
+    Works for token sequences (``x [B, T, c_w]``, ``d [C, B, T, r]``; tokens whose output gradient is zero for
+    every class dropped) and for one position per example (``x [B, c_w]``, ``d [C, B, r]``).
+
+    Args:
+        x: Inputs gathered to the selected columns.
+        d: Output gradients gathered to the selected rows, one slice per class.
+        q_g: ``[r, |I|]`` kept eigenvectors of ``G``.
+        q_a: ``[c, |J|]`` kept eigenvectors of ``A`` (``c = c_w + 1`` with a bias).
+        bias: Whether the block has the bias column.
+        weights: ``1/E − 1/δ`` on ``I × J`` (``≤ 0``) for each prior setting.
+        inv_priors: ``1/δ`` of the block for each prior setting.
+        dtype: Dtype of the computation (float64 recommended: the two terms nearly cancel where the
+            posterior variance is far below the prior's).
+
+    Returns:
+        One ``[B, C, C]`` covariance per prior setting.
+    """
+    n_cls, b = d.shape[0], d.shape[1]
+    if x.ndim == 2:  # one position per example
+        x, d = x[:, None, :], d[:, :, None, :]
+    t, r = x.shape[1], d.shape[-1]
+    active = d.ne(0).any(dim=3).any(dim=0)  # [B, T]
+    counts = active.sum(1).tolist()
+    idx = active.reshape(-1).nonzero().squeeze(1)
+    xp = x.reshape(b * t, -1).index_select(0, idx).to(dtype)  # [N, c_w]
+    dp = d.reshape(n_cls, b * t, r).index_select(1, idx).to(dtype)  # [C, N, r]
+    xq = rotate_inputs(xp, q_a, bias)  # [N, |J|]
+    dq = dp @ q_g  # [C, N, |I|]
+    neg = [(-w).reshape(-1) for w in weights]
+    out = [torch.zeros(b, n_cls, n_cls, dtype=dtype, device=d.device) for _ in weights]
+    start = 0
+    for i, n in enumerate(counts):
+        if n == 0:
+            continue
+        sl = slice(start, start + n)
+        start += n
+        fro = frobenius_products(xp[sl], dp[:, sl], bias)
+        flat = (dq[:, sl].transpose(1, 2) @ xq[sl]).reshape(n_cls, -1)  # M on I × J
+        for cov, w, inv_prior in zip(out, neg, inv_priors, strict=True):
+            cov[i] = fro * inv_prior - (flat * w) @ flat.T
+    return out
+
+
 def kron_predictive(
     model: nn.Module,
     batch: Any,
@@ -168,6 +260,7 @@ def kron_predictive(
     bases: Mapping[str, tuple[Tensor, Tensor]],
     inv_eigenvalues: Sequence[Mapping[str, Tensor]],
     dtype: torch.dtype,
+    residual: Sequence[Mapping[str, float]] | None = None,
 ) -> tuple[Tensor, list[Tensor]]:
     """Logits and the functional covariance ``J Σ Jᵀ`` of a Kronecker posterior, streamed module by module.
 
@@ -183,8 +276,12 @@ def kron_predictive(
         batch: Tensor, pair or Hugging Face dict batch (``"labels"`` ignored).
         kmods: Kronecker modules of the subset.
         bases: ``{module: (Q_G [r, r], Q_A [c, c])}`` in ``dtype``.
-        inv_eigenvalues: For each prior setting, ``{module: 1 / E [r, c]}``.
+        inv_eigenvalues: For each prior setting, ``{module: 1 / E [r, c]}``; with ``residual``,
+            ``{module: 1/E − 1/δ}`` on the kept directions ``[|I|, |J|]`` only.
         dtype: Dtype of the computation and of the result.
+        residual: For each prior setting, ``{module: 1/δ}``: the bases in ``bases`` are then truncated to the
+            kept directions ``I`` / ``J`` (``[r, |I|]``, ``[c, |J|]``) and every other direction counts at its
+            prior value (`residual_covariances`).
 
     Returns:
         ``(logits [B, C], [Σ_f [B, C, C] per prior setting])``.
@@ -227,7 +324,14 @@ def kron_predictive(
                 q_g, q_a = bases[m]
                 inv = [e[m] for e in inv_eigenvalues]
                 bias = kmods[m].bias_name is not None
-                if x.ndim == 2:
+                if residual is not None:
+                    if x.ndim > 2:
+                        x = x.reshape(b, -1, x.shape[-1])
+                        d = d.reshape(n_cls, b, x.shape[1], d.shape[-1])
+                    parts = residual_covariances(
+                        x, d, q_g, q_a, bias, inv, [rs[m] for rs in residual], dtype
+                    )
+                elif x.ndim == 2:
                     parts = unshared_covariances(
                         rotate_inputs(x.to(dtype), q_a, bias), d.to(dtype) @ q_g, inv
                     )
