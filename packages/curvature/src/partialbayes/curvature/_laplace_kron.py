@@ -54,7 +54,8 @@ class KronLaplace(LaplaceBase):
             ``1/(δ + curvature)``, so only the leading eigenvectors of ``G`` and ``A`` are rotated (the rest
             enters through ``‖J‖_F²``, which needs no basis). Every such term is off by a factor of at most
             ``1 + ε`` (variances are overestimated, never underestimated, by at most that relative amount),
-            up to rounding; the approximate path computes in float64. Stored by `save`.
+            up to rounding (products in the posterior's dtype, the final ``‖J‖²/δ − correction`` in
+            float64). Stored by `save`.
         **kwargs: See `LaplaceBase` (likelihood, prior_precision, temperature, sigma_noise, fisher, ...).
 
     Raises:
@@ -241,13 +242,19 @@ class KronLaplace(LaplaceBase):
         return f, covs
 
     def _mean_covs_truncated(
-        self, inputs: Any, priors: Sequence[Tensor], scale: Tensor | float
+        self,
+        inputs: Any,
+        priors: Sequence[Tensor],
+        scale: Tensor | float,
+        products_dtype: torch.dtype | None = None,
     ) -> tuple[Tensor, list[Tensor]]:
         """`_mean_covs` with ``predictive_rtol > 0``: only eigendirections with curvature above ``ε · δ``.
 
         Per module, ``I`` are the eigenvectors of ``G`` and ``J`` those of ``A`` that take part in some pair
         ``(i, j)`` with curvature ``E_ij − δ > ε δ`` for the smallest prior of ``priors`` (the curvature is an
         outer product, so every pair outside ``I × J`` is below the threshold for every prior given).
+        The matrix products run in ``products_dtype`` (default: the posterior's dtype), the final
+        ``‖J‖²/δ − correction`` in float64.
         """
         eps = self.predictive_rtol
         f64 = torch.float64
@@ -263,14 +270,21 @@ class KronLaplace(LaplaceBase):
             big = curv > eps * deltas[k]
             rows = big.any(dim=1).nonzero().squeeze(1)
             cols = big.any(dim=0).nonzero().squeeze(1)
-            bases[m] = (qg.index_select(1, rows).to(f64), qa.index_select(1, cols).to(f64))
+            bases[m] = (qg.index_select(1, rows), qa.index_select(1, cols))
             for p, (e, delta) in enumerate(zip(eigs, deltas, strict=True)):
                 kept = e.index_select(0, rows).index_select(1, cols)
                 weights[p][m] = kept.reciprocal() - 1.0 / delta
                 residual[p][m] = 1.0 / delta
         with eval_mode(self.model):
             f, covs = kron_predictive(
-                self.model, inputs, self._kmods, bases, weights, f64, residual=residual
+                self.model,
+                inputs,
+                self._kmods,
+                bases,
+                weights,
+                products_dtype or self.dtype,
+                residual=residual,
+                combine_dtype=f64,
             )
         return f, [c.to(self.dtype) for c in covs]
 

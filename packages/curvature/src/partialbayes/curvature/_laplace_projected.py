@@ -204,6 +204,7 @@ def residual_covariances(
     weights: Sequence[Tensor],
     inv_priors: Sequence[float],
     dtype: torch.dtype,
+    combine_dtype: torch.dtype = torch.float64,
 ) -> list[Tensor]:
     """``J Σ Jᵀ`` of one block with truncated eigenbases: ``‖J‖²/δ`` plus the kept directions' correction.
 
@@ -219,10 +220,11 @@ def residual_covariances(
         q_g: ``[r, |I|]`` kept eigenvectors of ``G``.
         q_a: ``[c, |J|]`` kept eigenvectors of ``A`` (``c = c_w + 1`` with a bias).
         bias: Whether the block has the bias column.
-        weights: ``1/E − 1/δ`` on ``I × J`` (``≤ 0``) for each prior setting.
+        weights: ``1/E − 1/δ`` on ``I × J`` (``≤ 0``) for each prior setting, in ``combine_dtype``.
         inv_priors: ``1/δ`` of the block for each prior setting.
-        dtype: Dtype of the computation (float64 recommended: the two terms nearly cancel where the
-            posterior variance is far below the prior's).
+        dtype: Dtype of the matrix products (Gram matrices, rotations, ``M`` on ``I × J``).
+        combine_dtype: Dtype of the final ``‖J‖²/δ − correction`` and of the result (float64 recommended:
+            the two terms nearly cancel where the posterior variance is far below the prior's).
 
     Returns:
         One ``[B, C, C]`` covariance per prior setting.
@@ -236,18 +238,19 @@ def residual_covariances(
     idx = active.reshape(-1).nonzero().squeeze(1)
     xp = x.reshape(b * t, -1).index_select(0, idx).to(dtype)  # [N, c_w]
     dp = d.reshape(n_cls, b * t, r).index_select(1, idx).to(dtype)  # [C, N, r]
-    xq = rotate_inputs(xp, q_a, bias)  # [N, |J|]
-    dq = dp @ q_g  # [C, N, |I|]
-    neg = [(-w).reshape(-1) for w in weights]
-    out = [torch.zeros(b, n_cls, n_cls, dtype=dtype, device=d.device) for _ in weights]
+    xq = rotate_inputs(xp, q_a.to(dtype), bias)  # [N, |J|]
+    dq = dp @ q_g.to(dtype)  # [C, N, |I|]
+    neg = [(-w).reshape(-1).to(combine_dtype) for w in weights]
+    out = [torch.zeros(b, n_cls, n_cls, dtype=combine_dtype, device=d.device) for _ in weights]
     start = 0
     for i, n in enumerate(counts):
         if n == 0:
             continue
         sl = slice(start, start + n)
         start += n
-        fro = frobenius_products(xp[sl], dp[:, sl], bias)
-        flat = (dq[:, sl].transpose(1, 2) @ xq[sl]).reshape(n_cls, -1)  # M on I × J
+        fro = frobenius_products(xp[sl], dp[:, sl], bias).to(combine_dtype)
+        # M on I × J
+        flat = (dq[:, sl].transpose(1, 2) @ xq[sl]).reshape(n_cls, -1).to(combine_dtype)
         for cov, w, inv_prior in zip(out, neg, inv_priors, strict=True):
             cov[i] = fro * inv_prior - (flat * w) @ flat.T
     return out
@@ -261,6 +264,7 @@ def kron_predictive(
     inv_eigenvalues: Sequence[Mapping[str, Tensor]],
     dtype: torch.dtype,
     residual: Sequence[Mapping[str, float]] | None = None,
+    combine_dtype: torch.dtype = torch.float64,
 ) -> tuple[Tensor, list[Tensor]]:
     """Logits and the functional covariance ``J Σ Jᵀ`` of a Kronecker posterior, streamed module by module.
 
@@ -281,7 +285,8 @@ def kron_predictive(
         dtype: Dtype of the computation and of the result.
         residual: For each prior setting, ``{module: 1/δ}``: the bases in ``bases`` are then truncated to the
             kept directions ``I`` / ``J`` (``[r, |I|]``, ``[c, |J|]``) and every other direction counts at its
-            prior value (`residual_covariances`).
+            prior value (`residual_covariances`); the result is then in ``combine_dtype``.
+        combine_dtype: With ``residual``, dtype of the final combination and of the result.
 
     Returns:
         ``(logits [B, C], [Σ_f [B, C, C] per prior setting])``.
@@ -316,7 +321,10 @@ def kron_predictive(
             del gs
         inputs_x = rec.inputs
         rec.clear()
-        covs = [torch.zeros(b, n_cls, n_cls, dtype=dtype, device=device) for _ in inv_eigenvalues]
+        out_dtype = dtype if residual is None else combine_dtype
+        covs = [
+            torch.zeros(b, n_cls, n_cls, dtype=out_dtype, device=device) for _ in inv_eigenvalues
+        ]
         with torch.no_grad():
             for m in names:
                 x = inputs_x.pop(m)
@@ -329,7 +337,7 @@ def kron_predictive(
                         x = x.reshape(b, -1, x.shape[-1])
                         d = d.reshape(n_cls, b, x.shape[1], d.shape[-1])
                     parts = residual_covariances(
-                        x, d, q_g, q_a, bias, inv, [rs[m] for rs in residual], dtype
+                        x, d, q_g, q_a, bias, inv, [rs[m] for rs in residual], dtype, combine_dtype
                     )
                 elif x.ndim == 2:
                     parts = unshared_covariances(
