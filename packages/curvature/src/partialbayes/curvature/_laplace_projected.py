@@ -127,6 +127,26 @@ def unshared_covariances(xq: Tensor, dq: Tensor, inv_eigenvalues: Sequence[Tenso
     return [(d * (x2 @ inv_e.T)[:, None, :]) @ d.transpose(1, 2) for inv_e in inv_eigenvalues]
 
 
+def active_tokens(x: Tensor, d: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, list[int]]:
+    """Drop the tokens whose output gradient is zero for every class (padding the logits do not see).
+
+    Args:
+        x: ``[B, T, c_w]`` inputs.
+        d: ``[C, B, T, r]`` output gradients.
+        dtype: Dtype of the gathered copies.
+
+    Returns:
+        ``(x [N, c_w], d [C, N, r], counts)``: the kept tokens of all examples in order, and how many each
+        example kept.
+    """
+    n_cls, b, t, r = d.shape
+    active = d.ne(0).any(dim=3).any(dim=0)  # [B, T]
+    idx = active.reshape(-1).nonzero().squeeze(1)
+    xp = x.reshape(b * t, -1).index_select(0, idx).to(dtype)
+    dp = d.reshape(n_cls, b * t, r).index_select(1, idx).to(dtype)
+    return xp, dp, active.sum(1).tolist()
+
+
 def shared_covariances(
     x: Tensor,
     d: Tensor,
@@ -156,14 +176,10 @@ def shared_covariances(
     Returns:
         One ``[B, C, C]`` covariance per prior setting.
     """
-    n_cls, b, t, r = d.shape
+    n_cls, b, _, r = d.shape
     c = q_a.shape[0]
-    active = d.ne(0).any(dim=3).any(dim=0)  # [B, T]
-    counts = active.sum(1).tolist()
-    idx = active.reshape(-1).nonzero().squeeze(1)
-    n_tok = idx.numel()
-    xp = x.reshape(b * t, -1).index_select(0, idx).to(dtype)  # [N, c_w]
-    dp = d.reshape(n_cls, b * t, r).index_select(1, idx).to(dtype)  # [C, N, r]
+    xp, dp, counts = active_tokens(x, d, dtype)  # [N, c_w], [C, N, r]
+    n_tok = xp.shape[0]
     x_first = n_tok <= b * n_cls * r
     d_first = n_tok <= b * c
     if x_first:
@@ -232,12 +248,7 @@ def residual_covariances(
     n_cls, b = d.shape[0], d.shape[1]
     if x.ndim == 2:  # one position per example
         x, d = x[:, None, :], d[:, :, None, :]
-    t, r = x.shape[1], d.shape[-1]
-    active = d.ne(0).any(dim=3).any(dim=0)  # [B, T]
-    counts = active.sum(1).tolist()
-    idx = active.reshape(-1).nonzero().squeeze(1)
-    xp = x.reshape(b * t, -1).index_select(0, idx).to(dtype)  # [N, c_w]
-    dp = d.reshape(n_cls, b * t, r).index_select(1, idx).to(dtype)  # [C, N, r]
+    xp, dp, counts = active_tokens(x, d, dtype)  # [N, c_w], [C, N, r]
     xq = rotate_inputs(xp, q_a.to(dtype), bias)  # [N, |J|]
     dq = dp @ q_g.to(dtype)  # [C, N, |I|]
     neg = [(-w).reshape(-1).to(combine_dtype) for w in weights]
