@@ -105,8 +105,10 @@ def diag_curvature(
                 if t.name in d2:
                     x = bp.inputs[t.module].to(dtype)
                     w = _weight_diag_2d(x, d2[t.name])
-                    buf = full_2d.setdefault(t.name, torch.zeros_like(w))
-                    buf += w
+                    if t.name in full_2d:
+                        full_2d[t.name] += w
+                    else:
+                        full_2d[t.name] = w
             for n, v in out.items():
                 inc = v.sum() - before[n] if n not in full_2d else full_2d[n].sum()
                 if not bool(torch.isfinite(inc)):
