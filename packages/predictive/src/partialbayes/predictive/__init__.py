@@ -1,10 +1,22 @@
 """Predictive distributions, uncertainty decomposition and calibration metrics.
 
 Takes what a posterior produces — Gaussian logits ``N(mean, cov)`` or logit samples — and turns it
-into predictive distributions and scores. Depends on torch only; never imports a posterior class.
+into predictive distributions and scores. Defines the `Posterior` protocol every posterior family
+implements, and the one way to read a batch (`split_batch`) and call a model (`model_logits`). Depends on
+torch only; never imports a posterior class.
 """
 
 from partialbayes.predictive._auroc import auroc
+from partialbayes.predictive._batch import (
+    IGNORE_INDEX,
+    Batch,
+    batch_size,
+    flatten_outputs,
+    kept_positions,
+    model_logits,
+    output_logits,
+    split_batch,
+)
 from partialbayes.predictive._calibration import ReliabilityData, ece, mce, reliability
 from partialbayes.predictive._decomposition import (
     Uncertainty,
@@ -24,6 +36,13 @@ from partialbayes.predictive._link import (
 )
 from partialbayes.predictive._mc import cholesky_jitter, mc_predictive, sample_logits
 from partialbayes.predictive._metrics import accuracy, brier, gaussian_nll, nll
+from partialbayes.predictive._posterior import (
+    Posterior,
+    check_count,
+    resolve_link,
+    rows,
+    sampled_logits,
+)
 from partialbayes.predictive._stream import (
     MCPrediction,
     MCRegression,
@@ -33,23 +52,30 @@ from partialbayes.predictive._stream import (
 from partialbayes.predictive._temperature import apply_temperature, fit_temperature
 
 __all__ = [
+    "IGNORE_INDEX",
+    "Batch",
     "MCPrediction",
     "MCRegression",
+    "Posterior",
     "ReliabilityData",
     "Uncertainty",
     "accuracy",
     "apply_temperature",
     "auroc",
     "average_softmax",
+    "batch_size",
     "brier",
+    "check_count",
     "cholesky_jitter",
     "decompose_classification",
     "decompose_regression",
     "ece",
     "entropy",
     "fit_temperature",
+    "flatten_outputs",
     "gaussian_nll",
     "gaussian_predictive",
+    "kept_positions",
     "laplace_bridge",
     "laplace_bridge_alpha",
     "log_average_softmax",
@@ -57,10 +83,16 @@ __all__ = [
     "mc_predict_regression",
     "mc_predictive",
     "mce",
+    "model_logits",
     "nll",
+    "output_logits",
     "probit",
     "probit_binary",
     "probit_scale",
     "reliability",
+    "resolve_link",
+    "rows",
     "sample_logits",
+    "sampled_logits",
+    "split_batch",
 ]

@@ -1,0 +1,247 @@
+"""One way to read a batch and call a model, shared by every posterior family.
+
+Accepted batches (the boundary decides the kind once):
+
+* a tensor ``x`` (model inputs, no labels);
+* a pair ``(inputs, labels)`` (tuple or list of length 2) whose inputs are a tensor or a mapping;
+* any ``Mapping`` of model keyword inputs — a ``dict``, or the ``transformers.BatchEncoding`` that
+  ``DataCollatorWithPadding`` yields — with labels under ``"labels"`` or ``"label"`` (optional).
+
+Token-level outputs ``[B, T, C]`` (token classification, causal language models) count one output per kept
+position: positions whose ``attention_mask`` is 0 or whose label is ``ignore_index`` (-100, the Hugging Face
+convention) are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+#: Label value that marks a position to ignore (Hugging Face and ``torch.nn.functional.cross_entropy``).
+IGNORE_INDEX = -100
+#: Keys under which a mapping batch may carry its labels, in the order they are looked up.
+LABEL_KEYS = ("labels", "label")
+
+_ACCEPTED = (
+    "a tensor x, a pair (inputs, labels), or a mapping of model inputs (dict, transformers "
+    "BatchEncoding) with optional 'labels' / 'label'"
+)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A batch split into what the model is called with and what it is scored against.
+
+    Attributes:
+        inputs: A tensor (``model(inputs)``) or a dict of keyword inputs (``model(**inputs)``).
+        labels: Labels, or ``None`` when the batch carries none.
+        attention_mask: ``[B, T]`` mask of the real tokens (mapping batches that have one), else ``None``.
+    """
+
+    inputs: Tensor | dict[str, Any]
+    labels: Tensor | None
+    attention_mask: Tensor | None
+
+    @property
+    def size(self) -> int:
+        """Number of examples ``B`` (leading dimension of the inputs)."""
+        return batch_size(self.inputs)
+
+
+def _to(value: Any, device: torch.device | None) -> Any:
+    return value.to(device) if device is not None and isinstance(value, Tensor) else value
+
+
+def _mapping_inputs(
+    batch: Mapping[str, Any], device: torch.device | None
+) -> tuple[dict[str, Any], Any]:
+    labels = None
+    found = [k for k in LABEL_KEYS if k in batch]
+    if len(found) > 1:
+        raise ValueError(
+            f"batch carries labels under both {found}: keep one of them so the labels are unambiguous"
+        )
+    if found:
+        labels = batch[found[0]]
+    inputs = {str(k): _to(v, device) for k, v in batch.items() if k not in LABEL_KEYS}
+    if not inputs:
+        raise ValueError(f"mapping batch holds no model inputs, only {sorted(map(str, batch))}")
+    return inputs, labels
+
+
+def split_batch(batch: Any, *, device: torch.device | str | None = None) -> Batch:
+    """Split a batch into model inputs, labels and attention mask (optionally moved to ``device``).
+
+    Args:
+        batch: A tensor ``x``; a pair ``(inputs, labels)``; or a ``Mapping`` of model keyword inputs
+            (``dict``, ``transformers.BatchEncoding``) with labels under ``"labels"`` or ``"label"``.
+        device: Move every tensor to this device (``None``: leave them where they are).
+
+    Returns:
+        The `Batch`. Labels that are not tensors (lists of ints, numpy arrays) are converted with
+        ``torch.as_tensor``.
+
+    Raises:
+        TypeError: If the batch is of another kind (the message names its type and the accepted ones).
+        ValueError: If a mapping batch has labels under both keys, or no model inputs.
+    """
+    dev = torch.device(device) if device is not None else None
+    labels: Any = None
+    if isinstance(batch, Tensor):
+        inputs: Tensor | dict[str, Any] = _to(batch, dev)
+    elif isinstance(batch, Mapping):
+        inputs, labels = _mapping_inputs(batch, dev)
+    elif isinstance(batch, (tuple, list)) and len(batch) == 2:
+        first, labels = batch
+        if isinstance(first, Mapping):
+            inputs, inner = _mapping_inputs(first, dev)
+            if inner is not None:
+                raise ValueError(
+                    "batch is a pair (inputs, labels) whose inputs also carry labels: give them once"
+                )
+        elif isinstance(first, Tensor):
+            inputs = _to(first, dev)
+        else:
+            raise TypeError(
+                f"the inputs of a pair batch must be a tensor or a mapping, got {type(first).__name__}"
+            )
+    else:
+        shape = f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""
+        raise TypeError(f"batch must be {_ACCEPTED}; got {type(batch).__name__}{shape}")
+    if labels is not None and not isinstance(labels, Tensor):
+        try:
+            labels = torch.as_tensor(labels)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise TypeError(
+                f"labels must be a tensor (or convertible to one), got {type(labels).__name__}"
+            ) from err
+    labels = _to(labels, dev)
+    mask = inputs.get("attention_mask") if isinstance(inputs, dict) else None
+    if mask is not None and not isinstance(mask, Tensor):
+        raise TypeError(f"attention_mask must be a tensor, got {type(mask).__name__}")
+    return Batch(inputs=inputs, labels=labels, attention_mask=mask)
+
+
+def batch_size(inputs: Tensor | Mapping[str, Any]) -> int:
+    """Number of examples in model inputs: the common leading size of its tensors.
+
+    Raises:
+        ValueError: If the tensors of a mapping disagree on their leading size, or it holds none.
+    """
+    if isinstance(inputs, Tensor):
+        if inputs.ndim == 0:
+            raise ValueError("inputs must have a batch dimension, got a 0-d tensor")
+        return int(inputs.shape[0])
+    sizes = {k: int(v.shape[0]) for k, v in inputs.items() if isinstance(v, Tensor) and v.ndim > 0}
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"cannot tell the batch size of inputs with leading sizes {sizes}")
+    return next(iter(sizes.values()))
+
+
+def output_logits(output: Any) -> Tensor:
+    """The logits in a model's output: ``.logits``, else the first element of a tuple, else the tensor.
+
+    Raises:
+        TypeError: If the output holds no logits tensor.
+    """
+    logits = getattr(output, "logits", output)
+    if isinstance(logits, (tuple, list)) and logits:
+        logits = logits[0]
+    if not isinstance(logits, Tensor):
+        raise TypeError(f"model output has no logits tensor: got {type(output).__name__}")
+    return logits
+
+
+def model_logits(model: nn.Module, inputs: Tensor | Mapping[str, Any]) -> Tensor:
+    """Call ``model`` on inputs (``model(**inputs)`` for a mapping, ``model(inputs)`` else); return its logits.
+
+    Args:
+        model: The network.
+        inputs: The ``inputs`` of a `Batch` (never a batch with labels: split it first with `split_batch`).
+
+    Returns:
+        The logits as the model returns them (``[B, C]``, ``[B, T, C]``, or ``[B]`` for one output).
+    """
+    out = model(**inputs) if isinstance(inputs, Mapping) else model(inputs)
+    return output_logits(out)
+
+
+def kept_positions(
+    logits: Tensor,
+    *,
+    attention_mask: Tensor | None = None,
+    labels: Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> Tensor | None:
+    """Which positions of token-level logits count as outputs.
+
+    Args:
+        logits: ``[B, C]`` (one output per example: returns ``None``) or ``[B, T, C]``.
+        attention_mask: ``[B, T]``; positions where it is 0 are dropped.
+        labels: ``[B, T]`` integer labels; positions labelled ``ignore_index`` are dropped.
+        ignore_index: The label value of an ignored position.
+
+    Returns:
+        ``None`` for ``[B, C]`` logits, else a ``[B, T]`` bool mask of the kept positions.
+
+    Raises:
+        ValueError: For ``[B, T, C]`` logits with neither an attention mask nor labels (nothing tells which
+            positions count), or a mask / labels whose shape is not ``[B, T]``.
+    """
+    if logits.ndim != 3:
+        return None
+    b, t = logits.shape[:2]
+    if attention_mask is None and labels is None:
+        raise ValueError(
+            f"token-level logits of shape {tuple(logits.shape)} need an attention_mask or labels "
+            "(with -100 at ignored positions) to tell which positions count"
+        )
+    keep = torch.ones(b, t, dtype=torch.bool, device=logits.device)
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != (b, t):
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}, logits need [B, T] = {(b, t)}"
+            )
+        keep &= attention_mask.to(logits.device) != 0
+    if labels is not None:
+        if tuple(labels.shape) != (b, t):
+            raise ValueError(
+                f"labels of token-level logits must have shape [B, T] = {(b, t)}, "
+                f"got {tuple(labels.shape)}"
+            )
+        keep &= labels.to(logits.device) != ignore_index
+    return keep
+
+
+def flatten_outputs(
+    logits: Tensor,
+    labels: Tensor | None = None,
+    *,
+    attention_mask: Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[Tensor, Tensor | None]:
+    """Outputs as rows: ``[B, C]`` logits unchanged, ``[B, T, C]`` reduced to the kept positions ``[N, C]``.
+
+    Every kept position of a token-level output is one output (as in the ``expand`` convention), in
+    row-major ``(b, t)`` order.
+
+    Args:
+        logits: ``[B, C]`` or ``[B, T, C]``.
+        labels: ``[B]`` / ``[B, C]`` (regression targets) for ``[B, C]`` logits; ``[B, T]`` for token logits.
+        attention_mask: ``[B, T]`` for token logits.
+        ignore_index: Label value of an ignored position.
+
+    Returns:
+        ``(logits [N, C], labels [N] | None)``.
+    """
+    keep = kept_positions(
+        logits, attention_mask=attention_mask, labels=labels, ignore_index=ignore_index
+    )
+    if keep is None:
+        return logits, labels
+    flat = logits[keep]
+    return flat, (labels.to(logits.device)[keep] if labels is not None else None)
