@@ -1,0 +1,203 @@
+"""Conformance checks for `Posterior` implementations (ours, or a user's own family).
+
+`check_posterior` drives a fitted posterior through the whole protocol and raises ``AssertionError`` with
+a message naming the first rule it breaks. Every family in partialbayes runs it in its tests.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from partialbayes.predictive._batch import model_logits, split_batch
+from partialbayes.predictive._posterior import Posterior, rows
+
+
+class _Boom(Exception):
+    """Raised inside `swapped` to check that the MAP comes back on error."""
+
+
+def _state(model: nn.Module) -> dict[str, Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _assert_state(model: nn.Module, expected: Mapping[str, Tensor], when: str) -> None:
+    for name, p in model.named_parameters():
+        if not torch.equal(p.detach(), expected[name]):
+            raise AssertionError(f"parameter {name!r} differs from the MAP {when}")
+
+
+def _generator(seed: int, model: nn.Module) -> torch.Generator:
+    device = next(model.parameters()).device
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _check_samples(post: Posterior, n: int, seed: int) -> dict[str, Tensor]:
+    subset = post.subset
+    draws = post.sample(n, generator=_generator(seed, post.model))
+    if list(draws) != list(subset.names):
+        raise AssertionError(
+            f"sample() keys {list(draws)} must be the subset's names in order {list(subset.names)}"
+        )
+    params = dict(post.model.named_parameters())
+    for name, values in draws.items():
+        k = subset.num_entries(name)
+        if tuple(values.shape) != (n, k):
+            raise AssertionError(
+                f"sample({n})[{name!r}] has shape {tuple(values.shape)}, expected [n, k] = {(n, k)}"
+            )
+        if not bool(torch.isfinite(values).all()):
+            raise AssertionError(f"sample({n})[{name!r}] holds non-finite values")
+        if values.device != params[name].device:
+            raise AssertionError(
+                f"sample({n})[{name!r}] is on {values.device}, the model on {params[name].device}"
+            )
+    again = post.sample(n, generator=_generator(seed, post.model))
+    for name in draws:
+        if not torch.equal(draws[name], again[name]):
+            raise AssertionError(f"sample() is not reproducible from the generator ({name!r})")
+    return draws
+
+
+def _check_swapping(post: Posterior, draws: Mapping[str, Tensor], seed: int) -> None:
+    model = post.model
+    before = _state(model)
+    one = rows(draws, 0)
+    with post.swapped(one) as swapped_model:
+        if swapped_model is not model:
+            raise AssertionError("swapped() must yield the posterior's model")
+        params = dict(model.named_parameters())
+        for name in post.subset.names:
+            got = post.subset.gather(name, params[name].detach())
+            if not torch.equal(got, one[name].to(device=got.device, dtype=got.dtype)):
+                raise AssertionError(f"swapped() did not write the sample into {name!r}")
+            outside = ~post.subset.mask(name).to(params[name].device)
+            if not torch.equal(params[name].detach()[outside], before[name][outside]):
+                raise AssertionError(f"swapped() changed entries of {name!r} outside the subset")
+    _assert_state(model, before, "after swapped()")
+    try:
+        with post.swapped(one):
+            raise _Boom
+    except _Boom:
+        pass
+    _assert_state(model, before, "after an error inside swapped()")
+    try:
+        with post.sampled(generator=_generator(seed, model)):
+            raise _Boom
+    except _Boom:
+        pass
+    _assert_state(model, before, "after an error inside sampled()")
+
+
+def _check_predict(post: Posterior, batch: Any, regression: bool, seed: int) -> Any:
+    device = next(post.model.parameters()).device
+    with torch.no_grad():
+        logits = model_logits(post.model, split_batch(batch, device=device).inputs)
+    out: dict[str, Any] = {}
+    for link in post.links:
+        pred = post.predict(batch, link=link, n_samples=8, generator=_generator(seed, post.model))
+        if regression:
+            mean, var = pred
+            if mean.shape != logits.shape or var.shape != logits.shape:
+                raise AssertionError(
+                    f"predict(link={link!r}) gave mean {tuple(mean.shape)} and variance "
+                    f"{tuple(var.shape)}; the model's outputs are {tuple(logits.shape)}"
+                )
+            if not bool(torch.isfinite(var).all()) or bool((var < 0).any()):
+                raise AssertionError(f"predict(link={link!r}) variance is negative or non-finite")
+        else:
+            if not isinstance(pred, Tensor) or pred.shape != logits.shape:
+                raise AssertionError(
+                    f"predict(link={link!r}) must return probabilities of the logits' shape "
+                    f"{tuple(logits.shape)}, got {getattr(pred, 'shape', type(pred).__name__)}"
+                )
+            if not bool(torch.isfinite(pred).all()) or bool((pred < 0).any()):
+                raise AssertionError(f"predict(link={link!r}) gave negative or non-finite values")
+            err = float((pred.sum(-1) - 1).abs().max())
+            if err > 1e-5:
+                raise AssertionError(f"predict(link={link!r}) rows sum to 1 ± {err:.2e}")
+        out[link] = pred
+    try:
+        post.predict(batch, link="no-such-link")
+    except ValueError as err:
+        if not all(link in str(err) for link in post.links):
+            raise AssertionError(
+                f"an unknown link's error must list the offered links: {err}"
+            ) from err
+    else:
+        raise AssertionError("predict(link='no-such-link') must raise ValueError")
+    samples = post.predictive_samples(batch, 3, generator=_generator(seed, post.model))
+    if tuple(samples.shape) != (3, *logits.shape):
+        raise AssertionError(
+            f"predictive_samples(batch, 3) has shape {tuple(samples.shape)}, expected "
+            f"{(3, *logits.shape)}"
+        )
+    if not bool(torch.isfinite(samples).all()):
+        raise AssertionError("predictive_samples gave non-finite logits")
+    return out
+
+
+def check_posterior(
+    posterior: Posterior,
+    batch: Any,
+    path: str | os.PathLike[str],
+    *,
+    regression: bool = False,
+    seed: int = 0,
+) -> None:
+    """Drive a fitted posterior through the `Posterior` protocol; raise ``AssertionError`` on a breach.
+
+    Checked: it is a `Posterior`; ``sample(n)`` gives ``{name: [n, k]}`` in subset order, finite, on the
+    model's device, reproducible from a generator; ``swapped`` writes exactly the subset's entries, yields
+    the model and restores every parameter bit for bit, also when the body raises (and so does
+    ``sampled``); ``predict`` with every offered link returns probabilities of the logits' shape that sum
+    to one (regression: a mean and a non-negative variance of that shape); an unknown link is a
+    ``ValueError`` listing the offered ones; ``predictive_samples`` has shape ``[n, *logits]``; and
+    ``save`` → ``load`` onto the same model gives identical predictions.
+
+    Args:
+        posterior: A fitted posterior.
+        batch: One batch in any accepted form (labels are ignored).
+        path: File to save to (a temporary path).
+        regression: The posterior's likelihood is Gaussian regression.
+        seed: Seed of the generators passed to the sampling calls.
+    """
+    if not isinstance(posterior, Posterior):
+        missing = [
+            m
+            for m in (
+                "links",
+                "model",
+                "subset",
+                "num_floats",
+                "sample",
+                "swapped",
+                "sampled",
+                "predict",
+                "predictive_samples",
+                "save",
+                "load",
+            )
+            if not hasattr(posterior, m)
+        ]
+        raise AssertionError(f"{type(posterior).__name__} is not a Posterior: missing {missing}")
+    if not posterior.links:
+        raise AssertionError("links must name at least one link")
+    if isinstance(posterior.num_floats, bool) or not isinstance(posterior.num_floats, int):
+        raise AssertionError(f"num_floats must be an int, got {posterior.num_floats!r}")
+    draws = _check_samples(posterior, 3, seed)
+    _check_swapping(posterior, draws, seed)
+    before = _check_predict(posterior, batch, regression, seed)
+    posterior.save(path)
+    loaded = type(posterior).load(path, posterior.model)
+    after = _check_predict(loaded, batch, regression, seed)
+    for link, pred in before.items():
+        got = after[link]
+        pairs = zip(pred, got, strict=True) if regression else [(pred, got)]
+        for a, b in pairs:
+            if not torch.equal(a, b):
+                raise AssertionError(f"predict(link={link!r}) changed after save -> load")
