@@ -34,6 +34,8 @@ def wide_bert_factory(tiny_tokenizer):
         return BertForSequenceClassification(config), tiny_tokenizer
 
     return make
+
+
 RAMP = ["kfac-full", "skfac", "kfac-random", "kfac-max-mlp", "kfac-min-attn"]
 
 
@@ -61,10 +63,7 @@ def _grid(root, mini_glue, factory, curvature_pass, **kw):
         progress=False,
         log=lambda s: None,
     )
-    return {
-        (r["method"], r["size"]): r
-        for r in iter_records(root)
-    }
+    return {(r["method"], r["size"]): r for r in iter_records(root)}
 
 
 def _comparable(record):
@@ -78,14 +77,20 @@ def _comparable(record):
 @pytest.mark.parametrize(
     ("fisher", "prior"), [("empirical", "val_nll"), ("exact", "marglik"), ("mc", "val_nll")]
 )
-def test_shared_pass_gives_the_per_cell_records(tmp_path, mini_glue, wide_bert_factory, fisher, prior):
+def test_shared_pass_gives_the_per_cell_records(
+    tmp_path, mini_glue, wide_bert_factory, fisher, prior
+):
     """Every KFAC / S-KFAC / module-ramp record of the shared path equals the per-cell one, bit for bit."""
-    shared = _grid(tmp_path / "shared", mini_glue, wide_bert_factory, "shared", fisher=fisher, prior=prior)
+    shared = _grid(
+        tmp_path / "shared", mini_glue, wide_bert_factory, "shared", fisher=fisher, prior=prior
+    )
     per_cell = _grid(
         tmp_path / "per-cell", mini_glue, wide_bert_factory, "per-cell", fisher=fisher, prior=prior
     )
     assert set(shared) == set(per_cell)
-    assert len(shared) == 1 + 1 + 4 + 3 * 2 + 1  # map, full, 4 levels, 3 ramps (1, 2; 14 only random)
+    assert (
+        len(shared) == 1 + 1 + 4 + 3 * 2 + 1
+    )  # map, full, 4 levels, 3 ramps (1, 2; 14 only random)
     for key, rec in shared.items():
         if key[0] == "map":
             continue
@@ -130,11 +135,13 @@ def test_shared_factors_equal_a_fresh_fit(tmp_path, mini_glue, wide_bert_factory
         stored = by_level[kron.skfac_percent] if percents else full
         captured = {}
 
-        def keep(curvature, **info):
+        def keep(curvature, captured=captured, **info):
             captured.update(curvature=curvature, **info)
 
         fresh = KronLaplace(ctx.model, kron.subset, num_classes=2, fisher="empirical")
-        fresh.fit_curvature = keep  # the factors a fresh fit computes, before its eigendecomposition
+        fresh.fit_curvature = (
+            keep  # the factors a fresh fit computes, before its eigendecomposition
+        )
         fresh.fit(ctx.train)
         assert set(captured["curvature"]) == set(stored) == set(modules)
         for m, f in captured["curvature"].items():

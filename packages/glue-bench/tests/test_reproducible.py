@@ -91,5 +91,9 @@ def test_two_fresh_processes_give_identical_results(tmp_path, mini_glue):
     differing = [n for n in names if first[n] != second[n]]
     assert differing == []
     # the timing fields are the only ones left out, and they are there
-    record = json.loads(next((tmp_path / "run0" / "adamw" / "records").rglob("skfac/10.json")).read_text())
-    assert {"fit_seconds", "predict_seconds", "cpu_seconds", "seconds"} <= set(record) & TIMING_FIELDS
+    record = json.loads(
+        next((tmp_path / "run0" / "adamw" / "records").rglob("skfac/10.json")).read_text()
+    )
+    assert {"fit_seconds", "predict_seconds", "cpu_seconds", "seconds"} <= set(
+        record
+    ) & TIMING_FIELDS

@@ -222,7 +222,7 @@ class ResultStore:
 
     def read(self, cell: Cell) -> dict[str, Any]:
         """The record of a finished cell (``ValueError`` naming the file when it is damaged)."""
-        return read_json(self.record_path(cell), "result record")
+        return _record(self.record_path(cell))
 
     def checkpoint_dir(self, task: str, split: int, model: str) -> Path:
         """Folder of the fine-tuned checkpoint of (task, split, model) under this configuration."""
@@ -237,10 +237,14 @@ def iter_records(root: str | Path) -> Iterator[dict[str, Any]]:
         ValueError: A damaged record (the message names the file).
     """
     for path in sorted((Path(root) / "records").rglob("*.json")):
-        record = read_json(path, "result record")
-        if not isinstance(record, dict):
-            raise ValueError(f"result record {path} is damaged (not a JSON object): delete it")
-        yield record
+        yield _record(path)
+
+
+def _record(path: Path) -> dict[str, Any]:
+    record = read_json(path, "result record")
+    if not isinstance(record, dict):
+        raise ValueError(f"result record {path} is damaged (not a JSON object): delete it")
+    return record
 
 
 def _digest(data: Any) -> str:
