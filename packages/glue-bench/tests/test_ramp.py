@@ -204,3 +204,18 @@ def test_ramp_groups_bound_the_memory(tmp_path, mini_glue, wide_bert_factory):
     for key, pred in one.items():
         assert torch.equal(pred.probs, small[key].probs), key
         assert pred.extra["prior_precision"] == small[key].extra["prior_precision"]
+
+
+@pytest.mark.parametrize(
+    ("change", "differs"),
+    [({"curvature_pass": "per-cell"}, "curvature_pass"), ({"fisher": "exact"}, "settings")],
+)
+def test_a_folder_of_the_other_path_or_fisher_is_refused(tmp_path, change, differs):
+    """Cells of the other curvature path or another fisher type never land in the same folder."""
+    ResultStore(tmp_path / "res", _config("shared").to_dict()).claim()
+    other = _config(
+        change.get("curvature_pass", "shared"), fisher=change.get("fisher", "empirical")
+    )
+    with pytest.raises(ValueError, match=rf"another configuration.*differs in \['{differs}'\]"):
+        run_grid(["sst2"], [0], ["skfac"], other, tmp_path / "res", progress=False)
+    assert not (tmp_path / "res" / "records").exists()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -64,6 +65,16 @@ class TrainingLoss:
     map_loss: float
     n_data: int
     n_outputs: int
+
+    def agrees(self, other: TrainingLoss) -> bool:
+        """Same data and the same loss up to rounding.
+
+        Parts written by separate processes on a device whose kernels are not bit-reproducible may differ
+        in the last bits; on one CPU the passes agree exactly.
+        """
+        return (self.n_data, self.n_outputs) == (other.n_data, other.n_outputs) and math.isclose(
+            self.map_loss, other.map_loss, rel_tol=1e-6
+        )
 
 
 class _LossObserver:
@@ -390,7 +401,7 @@ class CurvatureStore:
         """
         from partialbayes.curvature import ModuleFactors
 
-        losses: set[TrainingLoss] = set()
+        losses: list[TrainingLoss] = []
         full: dict[str, Any] = {}
         for m in dict.fromkeys(modules):
             tensors, header = self._read(self.module_path(m), "module")
@@ -401,7 +412,7 @@ class CurvatureStore:
             full[m] = ModuleFactors(
                 m, tensors["G"], tensors["A"], None, None, header["bias"], header["n_examples"]
             )
-            losses.add(TrainingLoss(**header["loss"]))
+            losses.append(TrainingLoss(**header["loss"]))
         by_level: dict[float, dict[str, Any]] = {}
         for p in dict.fromkeys(percents):
             tensors, header = self._read(self.level_path(p), "skfac")
@@ -418,13 +429,15 @@ class CurvatureStore:
                     info["n_examples"],
                 )
             by_level[p] = level
-            losses.add(TrainingLoss(**header["loss"]))
-        if len(losses) != 1:
+            losses.append(TrainingLoss(**header["loss"]))
+        if not losses:
+            raise ValueError("CurvatureStore.load: no module and no level asked for")
+        if not all(loss.agrees(losses[0]) for loss in losses):
             raise ValueError(
-                f"curvature parts under {self.folder} disagree on the training loss ({losses}): they "
+                f"curvature parts under {self.folder} disagree on the training loss ({set(losses)}): they "
                 "come from different passes; delete the folder to recompute them"
             )
-        return full, by_level, losses.pop()
+        return full, by_level, losses[0]
 
 
 def _safe(name: str) -> str:

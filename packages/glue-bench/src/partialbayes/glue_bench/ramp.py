@@ -185,7 +185,7 @@ def shared_factors(
         assert computed is not None
         return (*computed, info)
     full, by_level, loss = store.load(modules, levels)
-    if computed is not None and computed[2] != loss:
+    if computed is not None and not computed[2].agrees(loss):
         raise ValueError(
             f"the stored curvature parts under {store.folder} disagree with this pass's training loss: "
             "delete the folder to recompute them"
