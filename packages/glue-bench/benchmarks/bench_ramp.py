@@ -119,10 +119,17 @@ def bench_ramp(b: Bench) -> None:
             shutil.rmtree(records)
     shutil.rmtree(ckpt / "curvature", ignore_errors=True)
 
+    cpu: dict[str, float] = {}
+
+    def timed_grid(p: str) -> None:
+        c0 = time.process_time()
+        grid(p, METHODS)
+        cpu[p] = time.process_time() - c0
+
     _trim()
     b.time(
         "grid, per-cell passes",
-        lambda: grid("per-cell", METHODS),
+        lambda: timed_grid("per-cell"),
         group=group,
         repeat=1,
         warmup=0,
@@ -131,7 +138,7 @@ def bench_ramp(b: Bench) -> None:
     _trim()
     b.time(
         "grid, shared pass",
-        lambda: grid("shared", METHODS),
+        lambda: timed_grid("shared"),
         group=group,
         reference="grid, per-cell passes",
         repeat=1,
@@ -156,11 +163,14 @@ def bench_ramp(b: Bench) -> None:
         per_cell_time = rows[0].median_s
         ratio = per_cell_time / rows[1].median_s
         b.metric("speed-up (per-cell / shared)", ratio, unit="x", group=group)
+    for p, seconds in cpu.items():
+        b.metric(f"process CPU time, {p}", seconds, unit="s", group=group, note="all threads")
     summary = {
         "group": group,
         "cells": len(shared),
         "identical": len(same),
         "speedup": ratio,
+        "cpu_seconds": cpu,
         "differing": [list(k) for k in shared if k not in same],
     }
     (root / "bench_ramp.json").write_text(json.dumps(summary, indent=2))
