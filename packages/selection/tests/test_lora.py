@@ -13,6 +13,7 @@ from partialbayes.selection import (
     lora_modules,
     lora_subset,
     max_operator_norm,
+    module_group,
     module_groups,
     modules,
     operator_norms,
@@ -144,7 +145,9 @@ def test_causal_lm_adapters_skfac_and_operator_norm(build):
         sparse_kfac(model, 10)  # every untied map, without tripping on lm_head
 
 
-@pytest.mark.filterwarnings("ignore:Already unmerged")  # peft, for the never-merged adapter "second"
+@pytest.mark.filterwarnings(
+    "ignore:Already unmerged"
+)  # peft, for the never-merged adapter "second"
 def test_lora_adapter_choice_and_errors():
     model = _lora(_bert(), ["query"])
     model.add_adapter("second", peft.LoraConfig(r=3, target_modules=["value"]))
@@ -183,6 +186,8 @@ def test_peft_wrappers_are_grouped_and_original_module_is_idle(peft_bert):
     wrapped = "base_model.model.bert.encoder.layer.0.attention.self.query"
     for part in ("base_layer", "lora_A.default", "lora_B.default"):
         assert groups[f"{wrapped}.{part}"] == "attention"
+        assert module_group(f"{wrapped}.{part}.weight") == "attention"  # by name alone too
+    assert module_group("base_model.model.classifier.modules_to_save.default.bias") == "mlp"
     head = "base_model.model.classifier"
     assert groups[f"{head}.original_module"] == groups[f"{head}.modules_to_save.default"] == "mlp"
     # the frozen original head takes no part in the forward pass: never a default candidate

@@ -122,27 +122,22 @@ def _module_name(name: str) -> str:
     return name
 
 
-def peft_wrapped_name(name: str) -> str:
-    """Name of the module a PEFT wrapper stands for: the path without PEFT's own segments.
+def _peft_kept(parts: list[str]) -> list[int]:
+    """Indices of the path segments that are not PEFT's own (wrapped layer, adapter dicts and names).
 
-    ``"...query.base_layer"``, ``"...query.lora_A.default"`` and ``"...query.lora_B.default"`` all give
-    ``"...query"``; ``"classifier.modules_to_save.default"`` and ``"classifier.original_module"`` give
-    ``"classifier"``. Names without PEFT segments pass unchanged.
+    ``...query.base_layer``, ``...query.lora_A.default`` and ``...query.lora_B.default`` keep ``...query``;
+    ``classifier.modules_to_save.default`` and ``classifier.original_module`` keep ``classifier``.
     """
-    parts = name.split(".")
-    kept: list[str] = []
+    kept: list[int] = []
     skip_next = False
     for i, seg in enumerate(parts):
-        if skip_next:
+        if skip_next:  # the adapter name below lora_A / lora_B / modules_to_save
             skip_next = False
-            continue
-        if seg in _PEFT_LEAVES and i > 0:
-            continue
-        if seg in _PEFT_DICTS and 0 < i < len(parts) - 1:
+        elif seg in _PEFT_DICTS and 0 < i < len(parts) - 1:
             skip_next = True
-            continue
-        kept.append(seg)
-    return ".".join(kept)
+        elif not (seg in _PEFT_LEAVES and i > 0):
+            kept.append(i)
+    return kept
 
 
 @dataclass(frozen=True)
@@ -176,26 +171,18 @@ def _default_group(path: Iterable[_Node]) -> str:
 
 
 def _name_path(name: str) -> list[_Node]:
-    return [_Node(seg, None) for seg in peft_wrapped_name(name).split(".") if seg]
+    """Nodes of a bare name (no classes known)."""
+    parts = name.split(".")
+    return [_Node(parts[i], None) for i in _peft_kept(parts) if parts[i]]
 
 
 def _model_path(name: str, modules: Mapping[str, nn.Module]) -> list[_Node]:
     """Nodes from the model down to ``name`` (PEFT segments dropped, whole-model containers unnamed)."""
     parts = name.split(".")
-    nodes: list[_Node] = []
-    skip_next = False
-    for i, seg in enumerate(parts):
+    nodes = []
+    for i in _peft_kept(parts):
         mod = modules[".".join(parts[: i + 1])]
-        cls = None if _is_container(mod) else type(mod).__name__
-        if skip_next:  # the adapter name below lora_A / lora_B / modules_to_save
-            skip_next = False
-            continue
-        if seg in _PEFT_DICTS and 0 < i < len(parts) - 1:
-            skip_next = True
-            continue
-        if seg in _PEFT_LEAVES and i > 0:
-            continue
-        nodes.append(_Node(seg, cls))
+        nodes.append(_Node(parts[i], None if _is_container(mod) else type(mod).__name__))
     return nodes
 
 
