@@ -404,6 +404,22 @@ class LaplaceBase:
         tol: float | None = ...,
     ) -> MarglikFit: ...
 
+    @overload
+    def optimize_prior_precision(
+        self,
+        method: str = ...,
+        *,
+        optimizer: str,
+        val_loader: Iterable[Any] | None = ...,
+        grid: Tensor | Sequence[float] | None = ...,
+        init_prior_precision: PriorSpec | None = ...,
+        fit_sigma_noise: bool | None = ...,
+        per_module: bool | None = ...,
+        lr: float | None = ...,
+        max_steps: int | None = ...,
+        tol: float | None = ...,
+    ) -> float | MarglikFit: ...
+
     def optimize_prior_precision(
         self,
         method: str = "marglik",
