@@ -213,3 +213,27 @@ def test_tied_head_is_refused_with_a_clear_message():
         last_layer(model)
     with pytest.raises(ValueError, match=r"same tensor as 'transformer\.wte\.weight'"):
         modules(model, ["lm_head"])
+
+
+def test_original_head_with_several_maps_is_idle():
+    torch.manual_seed(0)
+    cfg = transformers.RobertaConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=40,
+    )
+    model = _lora(
+        transformers.RobertaForSequenceClassification(cfg), ["query"], task_type="SEQ_CLS"
+    )
+    names = set(grouped_linear_modules(model))
+    head = "base_model.model.classifier"
+    assert {
+        f"{head}.modules_to_save.default.dense",
+        f"{head}.modules_to_save.default.out_proj",
+    } <= names
+    assert not any(".original_module." in n for n in names)
+    s = lora_subset(model, modules_to_save=True)
+    assert f"{head}.modules_to_save.default.out_proj.weight" in s.names

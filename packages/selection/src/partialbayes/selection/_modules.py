@@ -282,15 +282,14 @@ def module_group(
     return None if group == OTHER else group
 
 
-def _peft_originals(model: nn.Module) -> set[str]:
-    """Linear maps that are PEFT's frozen ``original_module`` beside a ``modules_to_save`` copy."""
-    out = set()
-    for name, mod in model.named_modules():
-        if isinstance(getattr(mod, "modules_to_save", None), nn.ModuleDict):
-            original = getattr(mod, "original_module", None)
-            if isinstance(original, nn.Linear) or (original is not None and is_conv1d(original)):
-                out.add(f"{name}.original_module" if name else "original_module")
-    return out
+def _peft_originals(model: nn.Module) -> list[str]:
+    """Names of PEFT's frozen ``original_module`` copies beside a ``modules_to_save`` copy."""
+    return [
+        f"{name}.original_module" if name else "original_module"
+        for name, mod in model.named_modules()
+        if isinstance(getattr(mod, "modules_to_save", None), nn.ModuleDict)
+        and isinstance(getattr(mod, "original_module", None), nn.Module)
+    ]
 
 
 def candidate_modules(
@@ -316,7 +315,11 @@ def candidate_modules(
     tied = tied_linear_modules(model)
     if modules is None:
         idle = _peft_originals(model)
-        return {n: m for n, m in mods.items() if n not in tied and n not in idle}
+        return {
+            n: m
+            for n, m in mods.items()
+            if n not in tied and not any(n == p or n.startswith(f"{p}.") for p in idle)
+        }
     names = set(check_names(modules, mods, "linear module"))
     if not names:
         raise ValueError("modules is empty; pass None for every linear map")
