@@ -11,9 +11,10 @@ from partialbayes.curvature._laplace_dense import DenseLaplace
 from partialbayes.curvature._laplace_diag import DiagLaplace
 from partialbayes.curvature._laplace_kron import KronLaplace
 from partialbayes.curvature._likelihood import forward_logits
+from partialbayes.curvature._marglik import MarglikFit
 
 __all__ = ["kfac_factors"]
-__all__ += ["DenseLaplace", "DiagLaplace", "KronLaplace", "LaplaceBase"]
+__all__ += ["DenseLaplace", "DiagLaplace", "KronLaplace", "LaplaceBase", "MarglikFit"]
 __all__ += [
     "ModuleFactors",
     "dense_curvature",

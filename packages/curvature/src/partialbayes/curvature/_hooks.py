@@ -186,6 +186,8 @@ def check_untied(model: nn.Module, modules: Mapping[str, nn.Module]) -> None:
     The hooks see only the target module's calls, so the curvature of a weight that another module also
     uses (e.g. a classifier tied to an embedding, or two ``nn.Linear`` sharing one ``weight``) would
     silently miss that module's contribution. Calling the same module several times is supported instead.
+    Only weights registered on a module itself count, so a wrapper exposing its child's weight (PEFT's
+    ``query`` wrapping ``query.base_layer``) is not mistaken for a tie.
 
     Raises:
         ValueError: Naming the target module and the modules it shares its weight with.
@@ -193,7 +195,9 @@ def check_untied(model: nn.Module, modules: Mapping[str, nn.Module]) -> None:
     owner = {id(m.weight): name for name, m in modules.items()}
     tied: dict[str, list[str]] = {}
     for name, mod in model.named_modules(remove_duplicate=False):
-        w = getattr(mod, "weight", None)
+        # Only a weight registered on the module itself counts: wrappers that expose a child's weight as a
+        # property (PEFT's LoRA layer ``q`` returning ``q.base_layer.weight``) do not use it a second time.
+        w = dict(mod.named_parameters(recurse=False)).get("weight")
         if isinstance(w, Tensor) and id(w) in owner:
             target = owner[id(w)]
             if mod is not modules[target]:

@@ -14,7 +14,7 @@ import math
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor, nn
@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from partialbayes.curvature._hooks import BatchObserver
 from partialbayes.curvature._laplace_data import MapLoss, eval_mode, split_batch
 from partialbayes.curvature._likelihood import check_labels
+from partialbayes.curvature._marglik import MarglikFit, gradient_marglik
 from partialbayes.curvature._prior import (
     PriorSpec,
     check_positive,
@@ -379,30 +380,139 @@ class LaplaceBase:
             self.log_likelihood(sigma_noise), self._log_det(prior, scale), log_det_prior, scatter
         )
 
+    @overload
+    def optimize_prior_precision(
+        self,
+        method: str = ...,
+        *,
+        optimizer: Literal["grid"] = ...,
+        val_loader: Iterable[Any] | None = ...,
+        grid: Tensor | Sequence[float] | None = ...,
+    ) -> float: ...
+
+    @overload
+    def optimize_prior_precision(
+        self,
+        method: Literal["marglik"] = ...,
+        *,
+        optimizer: Literal["gradient"],
+        init_prior_precision: PriorSpec | None = ...,
+        fit_sigma_noise: bool | None = ...,
+        per_module: bool | None = ...,
+        lr: float | None = ...,
+        max_steps: int | None = ...,
+        tol: float | None = ...,
+    ) -> MarglikFit: ...
+
+    @overload
+    def optimize_prior_precision(
+        self,
+        method: str = ...,
+        *,
+        optimizer: str,
+        val_loader: Iterable[Any] | None = ...,
+        grid: Tensor | Sequence[float] | None = ...,
+        init_prior_precision: PriorSpec | None = ...,
+        fit_sigma_noise: bool | None = ...,
+        per_module: bool | None = ...,
+        lr: float | None = ...,
+        max_steps: int | None = ...,
+        tol: float | None = ...,
+    ) -> float | MarglikFit: ...
+
     def optimize_prior_precision(
         self,
         method: str = "marglik",
         *,
+        optimizer: str = "grid",
         val_loader: Iterable[Any] | None = None,
         grid: Tensor | Sequence[float] | None = None,
-    ) -> float:
-        """Choose a scalar prior precision on a grid and set it.
+        init_prior_precision: PriorSpec | None = None,
+        fit_sigma_noise: bool | None = None,
+        per_module: bool | None = None,
+        lr: float | None = None,
+        max_steps: int | None = None,
+        tol: float | None = None,
+    ) -> float | MarglikFit:
+        """Choose the prior precision (a scalar on a grid, or one per module by gradient ascent) and set it.
+
+        Two optimizers:
+
+        * ``"grid"`` (default): one scalar prior for every module, the best of ``grid``. Each candidate
+          costs one evidence evaluation (``method="marglik"``) or one linearised predictive per validation
+          batch and candidate, with the Jacobians shared (``method="val_nll"``).
+        * ``"gradient"`` (``method="marglik"`` only): Adam on ``log δ_m``, one prior per module (or one
+          shared value with ``per_module=False``), and on ``log σ`` for regression, until the evidence is
+          stationary: every scaled gradient (``|∂L/∂log δ_m| / d_m`` with ``d_m`` the module's entries,
+          ``|∂L/∂log σ| / (N C)``) is at most ``tol``. Each step is one evidence evaluation and its
+          gradient (no data pass). Not converging within ``max_steps`` warns and returns
+          ``converged=False``; the last values are set anyway.
 
         Args:
             method: ``"marglik"`` (maximise `log_marginal_likelihood`) or ``"val_nll"`` (minimise the NLL of
                 the linearised probit predictive, or of the Gaussian predictive for regression, on
                 ``val_loader``).
+            optimizer: ``"grid"`` or ``"gradient"``.
             val_loader: Validation batches (``method="val_nll"`` only).
-            grid: Candidate values, default ``torch.logspace(-1, 3, 21)``.
+            grid: Candidate values of the grid, default ``torch.logspace(-1, 3, 21)``.
+            init_prior_precision: Gradient start (scalar, per module tensor or dict); default the current
+                prior precision.
+            fit_sigma_noise: Also fit ``σ`` (gradient; default: for regression). The fitted value becomes
+                ``sigma_noise``; the curvature is rescaled by ``σ_fit² / σ²``.
+            per_module: One prior precision per module (gradient; default ``True``) or one shared value.
+            lr: Adam step size on the log scale (gradient; default 0.1).
+            max_steps: Most Adam steps (gradient; default 1000).
+            tol: Stationarity tolerance on the scaled gradients (gradient; default 1e-4).
 
         Returns:
-            The chosen prior precision (also stored on the posterior).
+            ``"grid"``: the chosen scalar prior precision. ``"gradient"``: a `MarglikFit` with the prior
+            precision per module, the fitted ``σ`` (or ``None``), the evidence, the steps taken, whether it
+            converged and the evidence history. Either way the values are also stored on the posterior.
 
         Raises:
-            ValueError: On a bad ``method`` / ``grid``, and (``"val_nll"``) an empty ``val_loader`` or labels
-                of the wrong dtype / shape or out of range (naming the batch).
+            ValueError: On a bad ``method`` / ``optimizer`` / ``grid``, gradient options (non-positive
+                start, ``lr``, ``tol`` or ``max_steps``; ``fit_sigma_noise`` for classification; a
+                non-finite evidence), and (``"val_nll"``) an empty ``val_loader`` or labels of the wrong
+                dtype / shape or out of range (naming the batch).
         """
         self._require_fit()
+        if optimizer not in ("grid", "gradient"):
+            raise ValueError(f"optimizer must be 'grid' or 'gradient', got {optimizer!r}")
+        if optimizer == "gradient":
+            if method != "marglik":
+                raise ValueError(
+                    f"optimizer='gradient' needs method='marglik' (got {method!r}); "
+                    "method='val_nll' is offered on a grid"
+                )
+            if val_loader is not None or grid is not None:
+                raise ValueError("val_loader and grid are not used with optimizer='gradient'")
+            options = {"per_module": per_module, "lr": lr, "max_steps": max_steps, "tol": tol}
+            return gradient_marglik(
+                self,
+                init_prior_precision=init_prior_precision,
+                fit_sigma_noise=fit_sigma_noise,
+                **{k: v for k, v in options.items() if v is not None},
+            )
+        gradient_only = {
+            "init_prior_precision": init_prior_precision,
+            "fit_sigma_noise": fit_sigma_noise,
+            "per_module": per_module,
+            "lr": lr,
+            "max_steps": max_steps,
+            "tol": tol,
+        }
+        given = [k for k, v in gradient_only.items() if v is not None]
+        if given:
+            raise ValueError(f"{given} are options of optimizer='gradient', not of the grid")
+        return self._grid_prior_precision(method, val_loader, grid)
+
+    def _grid_prior_precision(
+        self,
+        method: str,
+        val_loader: Iterable[Any] | None,
+        grid: Tensor | Sequence[float] | None,
+    ) -> float:
+        """The grid search of `optimize_prior_precision` (one scalar prior for every module)."""
         if grid is None:
             values = torch.logspace(-1, 3, 21, dtype=torch.float64)
         elif isinstance(grid, Tensor):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -106,6 +107,7 @@ def operator_norms(
     grouping: Grouping | None = None,
     n_iter: int = 300,
     tol: float = 1e-6,
+    modules: Iterable[str] | None = None,
 ) -> dict[str, float]:
     """Operator norm (largest singular value) of every linear map in ``group``, in model order.
 
@@ -113,22 +115,25 @@ def operator_norms(
 
     Args:
         model: The model.
-        group: ``"attention"``, ``"mlp"``, ``"all"`` or a group of the user ``grouping``.
+        group: ``"attention"``, ``"mlp"``, ``"other"``, ``"all"`` or a group of the user ``grouping``.
         method: ``"svd"`` (exact, ``svdvals``), ``"gram"`` (exact, ``eigvalsh`` of the smaller Gram
             matrix; faster) or ``"power"`` (power iteration).
         grouping: Optional user grouping (see :func:`module_group`).
         n_iter: Maximum power iterations (``method="power"``).
         tol: Relative tolerance of power iteration.
+        modules: Only these linear maps are candidates (e.g. ``lora_modules(model)`` for the LoRA
+            adapters); default every linear map not tied to another module.
 
     Returns:
         Module name -> operator norm.
 
     Raises:
-        ValueError: Unknown ``method``, no linear map in ``group``, non-finite weights (naming the module).
+        ValueError: Unknown ``method``, no linear map in ``group``, non-finite weights (naming the module),
+            unknown or tied names in ``modules``.
     """
     if method not in ("svd", "gram", "power"):
         raise ValueError(f"method must be 'svd', 'gram' or 'power', got {method!r}")
-    mods = grouped_linear_modules(model, group, grouping)
+    mods = grouped_linear_modules(model, group, grouping, modules)
     by_shape: dict[tuple, list[str]] = defaultdict(list)
     weights = {}
     for name, mod in mods.items():

@@ -46,7 +46,8 @@ def _model_structure(model: nn.Module) -> dict[str, _ParamInfo]:
         lin = {}
     for mname, mod in lin.items():
         conv = is_conv1d(mod)
-        w: Tensor = mod.weight  # type: ignore[assignment]
+        w = mod.weight
+        assert isinstance(w, Tensor)
         n_out, n_in = (
             (int(w.shape[1]), int(w.shape[0])) if conv else (int(w.shape[0]), int(w.shape[1]))
         )
