@@ -8,14 +8,15 @@ family by changing the line that builds the posterior.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from partialbayes.predictive._batch import model_logits, split_batch
+from partialbayes.predictive._stream import mc_predict, mc_predict_regression
 
 
 @runtime_checkable
@@ -113,24 +114,99 @@ def rows(sample: Mapping[str, Tensor], i: int) -> dict[str, Tensor]:
     return {name: values[i] for name, values in sample.items()}
 
 
+def check_sample(subset: Any, sample: Any) -> dict[str, Tensor]:
+    """Validate one weight sample for ``swapped``: ``{param name: [k]}`` (or ``[1, k]``) per subset name.
+
+    Args:
+        subset: The posterior's subset (``names`` and ``num_entries(name)`` are used).
+        sample: The sample given to ``swapped``.
+
+    Returns:
+        ``{name: [k]}`` in ``subset.names`` order.
+
+    Raises:
+        TypeError: If ``sample`` is not a mapping of tensors.
+        ValueError: If it misses a subset parameter, names another one, or a value has the wrong number of
+            entries (the message names the parameter).
+    """
+    if not isinstance(sample, Mapping):
+        raise TypeError(
+            f"sample must be a mapping {{param name: [k] tensor}} (one row of sample(n)), "
+            f"got {type(sample).__name__}"
+        )
+    names = tuple(subset.names)
+    missing = [n for n in names if n not in sample]
+    extra = [n for n in sample if n not in names]
+    if missing or extra:
+        raise ValueError(
+            f"sample must cover the subset exactly: missing {missing[:5]}, unknown {extra[:5]}"
+        )
+    out: dict[str, Tensor] = {}
+    for name in names:
+        values = sample[name]
+        k = subset.num_entries(name)
+        if not isinstance(values, Tensor):
+            raise TypeError(f"sample[{name!r}] must be a tensor, got {type(values).__name__}")
+        if values.ndim == 2 and values.shape[0] == 1:
+            values = values[0]
+        if values.ndim != 1 or values.shape[0] != k:
+            raise ValueError(
+                f"sample[{name!r}] has shape {tuple(values.shape)}, expected [k] = [{k}] "
+                "(one row of sample(n))"
+            )
+        out[name] = values
+    return out
+
+
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """Put every module of ``model`` in eval mode (dropout off); restore each module's mode on exit."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _draws(
+    posterior: Posterior,
+    n: int,
+    generator: torch.Generator | None,
+    draws: Mapping[str, Tensor] | None,
+) -> Mapping[str, Tensor]:
+    if draws is None:
+        return posterior.sample(n, generator=generator)
+    for name, values in draws.items():
+        if values.ndim != 2 or values.shape[0] != n:
+            raise ValueError(
+                f"draws[{name!r}] has shape {tuple(values.shape)}, expected [n, k] with n = {n}"
+            )
+    return draws
+
+
 def sampled_logits(
     posterior: Posterior,
     batch: Any,
     n: int,
     *,
     generator: torch.Generator | None = None,
+    draws: Mapping[str, Tensor] | None = None,
 ) -> Tensor:
     """Logits of the model under ``n`` weight samples of ``posterior``, stacked: ``[n, *logits shape]``.
 
-    The samples are drawn with one ``posterior.sample(n, generator=...)`` call and swapped in one at a time
-    (the MAP is restored afterwards). Runs without gradients, with the model's mode left as it is (put the
-    model in eval mode to switch dropout off).
+    The samples are drawn with one ``posterior.sample(n, generator=...)`` call (or taken from ``draws``)
+    and swapped in one at a time (the MAP is restored afterwards). Runs without gradients and in eval mode
+    (dropout off); every module's mode is restored afterwards.
 
     Args:
         posterior: Any `Posterior`.
         batch: A batch in any accepted form (labels are ignored).
         n: Number of weight samples.
         generator: Source of randomness (same seed, same logits).
+        draws: Samples ``{name: [n, k]}`` to use instead of drawing (e.g. drawn with a family's own
+            options, such as SWAG's ``scale``).
 
     Returns:
         ``[n, B, C]`` (or ``[n, B, T, C]``) logits.
@@ -138,10 +214,57 @@ def sampled_logits(
     check_count("n", n)
     device = next(posterior.model.parameters()).device
     inputs = split_batch(batch, device=device).inputs
-    draws = posterior.sample(n, generator=generator)
+    chosen = _draws(posterior, n, generator, draws)
     outs = []
-    with torch.no_grad():
+    with torch.no_grad(), eval_mode(posterior.model):
         for i in range(n):
-            with posterior.swapped(rows(draws, i)) as model:
+            with posterior.swapped(rows(chosen, i)) as model:
                 outs.append(model_logits(model, inputs))
     return torch.stack(outs)
+
+
+def sampled_predict(
+    posterior: Posterior,
+    batch: Any,
+    n: int,
+    *,
+    generator: torch.Generator | None = None,
+    draws: Mapping[str, Tensor] | None = None,
+    regression: bool = False,
+    noise_var: float | Tensor = 0.0,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Monte Carlo predictive over ``n`` weight samples, streaming (the ``n`` logits are never stacked).
+
+    Classification: the average softmax ``(1/n) Σ_s softmax(f(x; w_s))``. Regression: the mean of the
+    outputs and their variance (``1/n`` normaliser) plus the observation noise ``noise_var``. Runs without
+    gradients and in eval mode (restored afterwards); accumulates in at least float32.
+
+    Args:
+        posterior: Any `Posterior`.
+        batch: A batch in any accepted form (labels are ignored).
+        n: Number of weight samples.
+        generator: Source of randomness.
+        draws: Samples ``{name: [n, k]}`` to use instead of drawing.
+        regression: Gaussian-likelihood outputs instead of class logits.
+        noise_var: Observation noise variance σ² added to the regression variance.
+
+    Returns:
+        Probabilities of the logits' shape, or ``(mean, variance)`` for regression.
+    """
+    check_count("n", n)
+    model = posterior.model
+    device = next(model.parameters()).device
+    inputs = split_batch(batch, device=device).inputs
+    chosen = _draws(posterior, n, generator, draws)
+
+    def sample_ctx(s: int) -> AbstractContextManager[Any]:
+        return posterior.swapped(rows(chosen, s))
+
+    def forward() -> Tensor:
+        return model_logits(model, inputs)
+
+    with eval_mode(model):
+        if regression:
+            out = mc_predict_regression(sample_ctx, forward, n, noise_var=noise_var)
+            return out.mean, out.var
+        return mc_predict(sample_ctx, forward, n).probs
