@@ -8,7 +8,7 @@ family by changing the line that builds the posterior.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -170,20 +170,19 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
             m.training = mode
 
 
-def _draws(
-    posterior: Posterior,
-    n: int,
-    generator: torch.Generator | None,
-    draws: Mapping[str, Tensor] | None,
-) -> Mapping[str, Tensor]:
-    if draws is None:
-        return posterior.sample(n, generator=generator)
-    for name, values in draws.items():
-        if values.ndim != 2 or values.shape[0] != n:
-            raise ValueError(
-                f"draws[{name!r}] has shape {tuple(values.shape)}, expected [n, k] with n = {n}"
+SampleContext = Callable[[int], AbstractContextManager[Any]]
+
+
+def _contexts(
+    posterior: Posterior, generator: torch.Generator | None, sample_ctx: SampleContext | None
+) -> SampleContext:
+    if sample_ctx is not None:
+        if not callable(sample_ctx):
+            raise TypeError(
+                f"sample_ctx must be callable (s -> context manager), got {sample_ctx!r}"
             )
-    return draws
+        return sample_ctx
+    return lambda s: posterior.sampled(generator=generator)
 
 
 def sampled_logits(
@@ -192,33 +191,35 @@ def sampled_logits(
     n: int,
     *,
     generator: torch.Generator | None = None,
-    draws: Mapping[str, Tensor] | None = None,
+    sample_ctx: SampleContext | None = None,
 ) -> Tensor:
     """Logits of the model under ``n`` weight samples of ``posterior``, stacked: ``[n, *logits shape]``.
 
-    The samples are drawn with one ``posterior.sample(n, generator=...)`` call (or taken from ``draws``)
-    and swapped in one at a time (the MAP is restored afterwards). Runs without gradients and in eval mode
-    (dropout off); every module's mode is restored afterwards.
+    Each sample is drawn and swapped in with ``posterior.sampled(generator=generator)``, one at a time, so
+    only one weight sample is held at once (the MAP is restored after each). Runs without gradients and in
+    eval mode (dropout off); every module's mode is restored afterwards.
 
     Args:
         posterior: Any `Posterior`.
         batch: A batch in any accepted form (labels are ignored).
         n: Number of weight samples.
         generator: Source of randomness (same seed, same logits).
-        draws: Samples ``{name: [n, k]}`` to use instead of drawing (e.g. drawn with a family's own
-            options, such as SWAG's ``scale``).
+        sample_ctx: ``s -> context manager`` that swaps sample ``s`` in, used instead of
+            ``posterior.sampled`` (for a family's own options, e.g. SWAG's ``scale``, or stratified
+            mixtures); it must restore the weights on exit.
 
     Returns:
         ``[n, B, C]`` (or ``[n, B, T, C]``) logits.
     """
     check_count("n", n)
-    device = next(posterior.model.parameters()).device
+    model = posterior.model
+    device = next(model.parameters()).device
     inputs = split_batch(batch, device=device).inputs
-    chosen = _draws(posterior, n, generator, draws)
+    ctx = _contexts(posterior, generator, sample_ctx)
     outs = []
-    with torch.no_grad(), eval_mode(posterior.model):
-        for i in range(n):
-            with posterior.swapped(rows(chosen, i)) as model:
+    with torch.no_grad(), eval_mode(model):
+        for s in range(n):
+            with ctx(s):
                 outs.append(model_logits(model, inputs))
     return torch.stack(outs)
 
@@ -229,22 +230,23 @@ def sampled_predict(
     n: int,
     *,
     generator: torch.Generator | None = None,
-    draws: Mapping[str, Tensor] | None = None,
+    sample_ctx: SampleContext | None = None,
     regression: bool = False,
     noise_var: float | Tensor = 0.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Monte Carlo predictive over ``n`` weight samples, streaming (the ``n`` logits are never stacked).
+    """Monte Carlo predictive over ``n`` weight samples, streaming (one sample and one logit tensor at a time).
 
     Classification: the average softmax ``(1/n) Σ_s softmax(f(x; w_s))``. Regression: the mean of the
-    outputs and their variance (``1/n`` normaliser) plus the observation noise ``noise_var``. Runs without
-    gradients and in eval mode (restored afterwards); accumulates in at least float32.
+    outputs and their variance (``1/n`` normaliser) plus the observation noise ``noise_var``. Samples come
+    from ``posterior.sampled(generator=generator)`` (or ``sample_ctx``). Runs without gradients and in eval
+    mode (restored afterwards); accumulates in at least float32.
 
     Args:
         posterior: Any `Posterior`.
         batch: A batch in any accepted form (labels are ignored).
         n: Number of weight samples.
         generator: Source of randomness.
-        draws: Samples ``{name: [n, k]}`` to use instead of drawing.
+        sample_ctx: ``s -> context manager`` swapping sample ``s`` in (see `sampled_logits`).
         regression: Gaussian-likelihood outputs instead of class logits.
         noise_var: Observation noise variance σ² added to the regression variance.
 
@@ -255,16 +257,13 @@ def sampled_predict(
     model = posterior.model
     device = next(model.parameters()).device
     inputs = split_batch(batch, device=device).inputs
-    chosen = _draws(posterior, n, generator, draws)
-
-    def sample_ctx(s: int) -> AbstractContextManager[Any]:
-        return posterior.swapped(rows(chosen, s))
+    ctx = _contexts(posterior, generator, sample_ctx)
 
     def forward() -> Tensor:
         return model_logits(model, inputs)
 
     with eval_mode(model):
         if regression:
-            out = mc_predict_regression(sample_ctx, forward, n, noise_var=noise_var)
+            out = mc_predict_regression(ctx, forward, n, noise_var=noise_var)
             return out.mean, out.var
-        return mc_predict(sample_ctx, forward, n).probs
+        return mc_predict(ctx, forward, n).probs
