@@ -227,7 +227,7 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="not fitted"):
         post.sample()
     with pytest.raises(ValueError, match="not fitted"):
-        post.save("/tmp/never.safetensors")
+        post.save("never.safetensors")
     with pytest.raises(TypeError, match=r"partialbayes\.selection\.Subset"):
         SampledLaplace(model, ["0.weight"])
     with pytest.raises(ValueError, match=r"'0.weight' has shape \(5, 3\) in the subset"):
@@ -244,3 +244,6 @@ def test_bad_input_is_named():
     model.train()
     post.fit(pairs(), n_samples=2, tol=1e-8)  # fit runs in eval mode and restores the mode
     assert model.training
+    with pytest.warns(RuntimeWarning, match="cg solver stopped after 1 steps"):
+        post.fit(pairs(), n_samples=2, tol=1e-12, max_iter=1)
+    assert not post.info.converged

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, ClassVar
@@ -186,13 +187,17 @@ class SampledLaplace:
                 ``"sgd"`` (minibatch SGD, the paper's choice for very large ``n``).
             objective: ``"low_variance"`` or ``"standard"`` (see `posterior_samples`).
             tol: CG relative residual tolerance.
-            max_iter: CG iteration cap (default ``d``).
+            max_iter: CG iteration cap (default ``2d + 10``: in floating point CG may need somewhat more
+                than the ``d`` iterations of exact arithmetic).
             sgd: SGD settings.
             batch_size: Observations per operator call (CG) / SGD batch size.
             generator: CPU generator for the sample-then-optimise noise.
 
         Returns:
             ``self``.
+
+        Warns:
+            RuntimeWarning: If the solver stops before its tolerance (the samples are then approximate).
         """
         k = check_count("n_samples", n_samples)
         data = list(batches)
@@ -220,13 +225,22 @@ class SampledLaplace:
                 method=method,
                 objective=objective,
                 tol=tol,
-                max_iter=max_iter,
+                max_iter=2 * features.d + 10 if max_iter is None else max_iter,
                 sgd=sgd,
                 batch_size=batch_size,
                 generator=generator,
             )
         self.samples = result.samples.detach()
         self.info = result.info
+        if not result.info.converged:
+            last = result.info.history[-1] if result.info.history else {}
+            warnings.warn(
+                f"SampledLaplace.fit: the {result.info.method} solver stopped after "
+                f"{result.info.steps} steps without reaching its tolerance ({last}); the samples are "
+                "approximate (raise max_iter, loosen tol, or check sgd settings)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self._map = network_parameters(self.model, self.subset)
         return self
 
