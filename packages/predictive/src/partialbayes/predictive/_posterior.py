@@ -64,10 +64,12 @@ class Posterior(Protocol):
         n_samples: int = 100,
         generator: torch.Generator | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Predictive for a batch (labels in it are ignored).
+        """Predictive for a batch of any kind (labels in it are ignored), in eval mode, without gradients.
 
         Classification: probabilities with the logits' shape, ``[B, C]`` or ``[B, T, C]``. Regression:
-        ``(mean, variance)`` of the predictive, each ``[B, C]``.
+        ``(mean, variance)`` of the predictive, each of the outputs' shape, the variance including the
+        observation noise σ². ``n_samples`` counts Monte Carlo samples where the link uses them; an unknown
+        ``link`` is a ``ValueError`` listing `links`.
         """
         ...
 
