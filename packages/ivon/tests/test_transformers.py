@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from partialbayes.ivon import IVON, ivon_posterior, predict_mc
+from partialbayes.ivon import IVON, ivon_posterior
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,8 +34,9 @@ def test_tiny_gpt2_trains(device):
     # tied embeddings (lm_head.weight is wte.weight) are one parameter with one state
     assert model.lm_head.weight is model.transformer.wte.weight
     post = ivon_posterior(opt, model)
-    logits = predict_mc(
-        model, post, lambda m: m(input_ids=ids).logits, 2, torch.Generator(device).manual_seed(0)
-    )
+    batch = {"input_ids": ids, "labels": ids}  # a causal-LM batch: labels are ignored by predict
+    logits = post.predictive_samples(batch, 2, generator=torch.Generator(device).manual_seed(0))
     assert logits.shape == (2, 4, 12, 50)
     assert torch.isfinite(logits).all()
+    probs = post.predict(batch, n_samples=2, generator=torch.Generator(device).manual_seed(0))
+    torch.testing.assert_close(probs, logits.softmax(-1).mean(0))

@@ -23,7 +23,8 @@ def save_posterior(posterior: GaussianPosterior | MultiIVON, path: str | os.Path
     """Write a :class:`GaussianPosterior` or :class:`MultiIVON` to ``path`` (one ``.safetensors`` file).
 
     Tensors ``"<component>/mean/<name>"`` and ``"<component>/std/<name>"`` (moved to the CPU), plus JSON
-    metadata naming the format, the kind, the number of components and every parameter's shape and dtype.
+    metadata naming the format, the kind, the number of components, every parameter's shape and dtype, the
+    likelihood and ``sigma_noise``.
     The file is written to a temporary sibling and renamed into place, so an interrupted save never leaves
     a truncated file behind.
 
@@ -42,11 +43,23 @@ def save_posterior(posterior: GaussianPosterior | MultiIVON, path: str | os.Path
         raise TypeError(
             f"save_posterior: expected a GaussianPosterior or MultiIVON, got {type(posterior).__name__}"
         )
-    tensors = {}
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        # safetensors refuses tensors that share memory (components may share their tensors)
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            t = t.clone()
+            ptr = t.untyped_storage().data_ptr()
+        seen.add(ptr)
+        return t
+
     for k, comp in enumerate(components):
         for name, m in comp.mean.items():
-            tensors[f"{k}/mean/{name}"] = m.detach().to("cpu").contiguous()
-            tensors[f"{k}/std/{name}"] = comp.std[name].detach().to("cpu").contiguous()
+            tensors[f"{k}/mean/{name}"] = own(m)
+            tensors[f"{k}/std/{name}"] = own(comp.std[name])
     first = components[0]
     meta = {
         "format": FORMAT,
@@ -54,6 +67,8 @@ def save_posterior(posterior: GaussianPosterior | MultiIVON, path: str | os.Path
         "kind": type(posterior).__name__,
         "components": len(components),
         "parameters": [[n, list(m.shape), str(m.dtype)] for n, m in first.mean.items()],
+        "likelihood": posterior.likelihood,
+        "sigma_noise": posterior.sigma_noise,
     }
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
@@ -80,7 +95,8 @@ def load_posterior(
         device: Device for the loaded tensors; default: the model's parameters' devices, else the CPU.
 
     Returns:
-        A :class:`GaussianPosterior`, or a :class:`MultiIVON` if a mixture was saved.
+        A :class:`GaussianPosterior`, or a :class:`MultiIVON` if a mixture was saved; bound to ``model``
+        when one is given (a ready ``partialbayes.predictive.Posterior``).
 
     Raises:
         ValueError: If the file is not an IVON posterior of a known version, or does not fit ``model``
@@ -114,13 +130,18 @@ def load_posterior(
             targets[name] = (
                 device if device is not None else (params[name].device if name in params else "cpu")
             )
+        likelihood = meta.get("likelihood", "classification")  # files of 0.2 have none
+        sigma_noise = meta.get("sigma_noise", 1.0)
         components = [
             GaussianPosterior(
                 {n: f.get_tensor(f"{k}/mean/{n}").to(targets[n]) for n in targets},
                 {n: f.get_tensor(f"{k}/std/{n}").to(targets[n]) for n in targets},
+                model,
+                likelihood=likelihood,
+                sigma_noise=sigma_noise,
             )
             for k in range(int(meta["components"]))
         ]
     if meta["kind"] == "MultiIVON":
-        return MultiIVON(components)
+        return MultiIVON(components, model)
     return components[0]

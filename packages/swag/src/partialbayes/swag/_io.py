@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import os
 from typing import Any
 
 import torch
@@ -18,12 +18,12 @@ _FORMAT = "partialbayes-swag"
 _VERSION = 1
 
 
-def save_swag(swag: SWAG, path: str | Path) -> None:
+def save_swag(swag: SWAG, path: str | os.PathLike[str]) -> None:
     """Save ``swag`` to ``path`` (one safetensors file; JSON metadata in its header).
 
     The tensors are ``mean``, ``sq_mean`` and, for the low-rank variant, ``deviations`` (``(d, k)``, oldest
     column first). The metadata records the subset (``Subset.to_json``), parameter names and shapes,
-    ``max_rank``, ``diagonal_only``, ``n_snapshots`` and the dtype.
+    ``max_rank``, ``diagonal_only``, ``n_snapshots``, the dtype, the likelihood and ``sigma_noise``.
 
     Raises:
         ValueError: If no snapshot has been collected.
@@ -47,11 +47,13 @@ def save_swag(swag: SWAG, path: str | Path) -> None:
         "diagonal_only": swag.diagonal_only,
         "n_snapshots": swag.n_snapshots,
         "dtype": str(swag.dtype).removeprefix("torch."),
+        "likelihood": swag.likelihood,
+        "sigma_noise": swag.sigma_noise,
     }
-    save_file(tensors, str(path), metadata={"partialbayes_swag": json.dumps(meta)})
+    save_file(tensors, os.fspath(path), metadata={"partialbayes_swag": json.dumps(meta)})
 
 
-def load_swag(path: str | Path, model: nn.Module, subset: Any | None = None) -> SWAG:
+def load_swag(path: str | os.PathLike[str], model: nn.Module, subset: Any | None = None) -> SWAG:
     """Load a SWAG saved by `save_swag` onto ``model``.
 
     Args:
@@ -66,7 +68,7 @@ def load_swag(path: str | Path, model: nn.Module, subset: Any | None = None) -> 
     Raises:
         ValueError: If the file is not a partialbayes SWAG, or the model or subset does not match it.
     """
-    with safe_open(str(path), framework="pt") as f:
+    with safe_open(os.fspath(path), framework="pt") as f:
         header = f.metadata() or {}
         if "partialbayes_swag" not in header:
             raise ValueError(
@@ -99,6 +101,8 @@ def load_swag(path: str | Path, model: nn.Module, subset: Any | None = None) -> 
         max_rank=meta["max_rank"],
         diagonal_only=meta["diagonal_only"],
         dtype=getattr(torch, meta["dtype"]),
+        likelihood=meta.get("likelihood", "classification"),  # files of 0.1 have no likelihood
+        sigma_noise=meta.get("sigma_noise", 1.0),
     )
     if swag.num_entries != meta["num_entries"] or tensors["mean"].shape != (swag.num_entries,):
         raise ValueError(

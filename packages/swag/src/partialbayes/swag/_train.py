@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -11,9 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from partialbayes.predictive import flatten_outputs, model_logits, move_batch, split_batch
 from partialbayes.swag._posterior import SWAG
 
-Batch = Mapping[str, Any]
+Batch = Any
+"""A batch of any kind ``partialbayes.predictive.split_batch`` reads: a tensor, an ``(inputs, labels)`` pair,
+or a mapping (``dict``, ``transformers.BatchEncoding``) with labels under ``labels`` or ``label``."""
 LossFn = Callable[[nn.Module, Batch], Tensor]
 
 
@@ -31,28 +35,65 @@ class NonFiniteLossError(ValueError):
         self.lr = lr
 
 
-def to_device(batch: Batch, device: torch.device) -> dict[str, Any]:
-    """Move the tensors of a dict batch to ``device`` (other values pass through)."""
-    if not isinstance(batch, Mapping):
-        raise TypeError(
-            f"batches must yield dicts of tensors (Hugging Face style), got {type(batch).__name__}"
-        )
-    return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
+def to_device(batch: Batch, device: torch.device) -> Any:
+    """Move the tensors of a batch of any kind to ``device``, keeping its kind (see ``move_batch``)."""
+    return move_batch(batch, device)
+
+
+def batch_logits(model: nn.Module, batch: Batch) -> Tensor:
+    """Logits of ``model`` on a batch of any kind (labels left out of the inputs)."""
+    return model_logits(model, split_batch(batch).inputs)
 
 
 def hf_logits(model: nn.Module, batch: Batch) -> Tensor:
-    """Logits of a Hugging Face model: ``model(**inputs).logits`` with ``labels`` left out of the inputs."""
-    out = model(**{k: v for k, v in batch.items() if k != "labels"})
-    return out.logits if hasattr(out, "logits") else out
+    """Deprecated: ``partialbayes.predictive.model_logits(model, split_batch(batch).inputs)``.
+
+    Logits of a model on a batch of any kind, with the labels left out of the inputs.
+    """
+    warnings.warn(
+        "partialbayes.swag.hf_logits is deprecated and will be removed in partialbayes-swag 0.3; use "
+        "partialbayes.predictive.model_logits(model, split_batch(batch).inputs)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return batch_logits(model, batch)
+
+
+def _labelled(batch: Batch) -> Any:
+    b = split_batch(batch)
+    if b.labels is None:
+        keys = f" (keys: {sorted(map(str, batch))})" if isinstance(batch, Mapping) else ""
+        raise ValueError(f"batch has no labels under 'labels' or 'label'{keys}")
+    return b
 
 
 def classification_loss(model: nn.Module, batch: Batch) -> Tensor:
-    """Mean cross-entropy of ``hf_logits(model, batch)`` against ``batch["labels"]`` (-100 ignored)."""
-    if "labels" not in batch:
-        raise ValueError(f"batch has no 'labels' entry (keys: {sorted(batch)})")
-    logits = hf_logits(model, batch)
-    labels = batch["labels"]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    """Mean cross-entropy of the model's logits against the batch's labels, over the kept outputs.
+
+    Any batch kind (tensor pairs, dicts, ``BatchEncoding``; labels under ``labels`` or ``label``).
+    Sequence-level logits ``[B, C]`` take labels ``[B]``; token-level logits ``[B, T, C]`` take labels
+    ``[B, T]``, and positions whose label is -100 or whose attention mask is 0 are left out.
+    """
+    b = _labelled(batch)
+    logits = model_logits(model, b.inputs)
+    flat, labels = flatten_outputs(logits, b.labels, attention_mask=b.attention_mask)
+    assert labels is not None
+    return F.cross_entropy(
+        flat.reshape(-1, flat.shape[-1]), labels.reshape(-1).to(flat.device).long()
+    )
+
+
+def regression_loss(model: nn.Module, batch: Batch) -> Tensor:
+    """Mean squared error of the model's outputs against the batch's targets (any batch kind).
+
+    Targets are reshaped to the outputs' shape when they have as many entries (``[B]`` for ``[B, 1]``).
+    """
+    b = _labelled(batch)
+    out = model_logits(model, b.inputs)
+    target = b.labels.to(out.device, out.dtype)
+    if target.shape != out.shape and target.numel() == out.numel():
+        target = target.reshape(out.shape)
+    return F.mse_loss(out, target)
 
 
 def cycle(batches: Iterable[Batch]) -> Iterator[Batch]:
@@ -120,6 +161,8 @@ def collect_swag(
     loss_fn: LossFn | None = None,
     dtype: torch.dtype | None = None,
     progress: bool = True,
+    likelihood: str = "classification",
+    sigma_noise: float = 1.0,
 ) -> SWAG:
     """Run SWAG from the MAP: SGD with momentum on the stochastic entries only, snapshotting as it goes.
 
@@ -133,7 +176,8 @@ def collect_swag(
     Args:
         model: The fine-tuned model.
         subset: ``partialbayes.selection.Subset`` of the model.
-        batches: Re-iterable of dict batches (e.g. a ``DataLoader``), cycled as often as needed.
+        batches: Re-iterable of batches of any kind (e.g. a ``DataLoader`` with Hugging Face's
+            ``DataCollatorWithPadding``, or ``(inputs, labels)`` pairs), cycled as often as needed.
         lr: Constant learning rate (> 0).
         n_steps: Number of SGD steps (the paper: 2000).
         snapshot_every: Steps between snapshots (the paper: 5).
@@ -141,10 +185,14 @@ def collect_swag(
         diagonal_only: SWAG-Diag.
         momentum: Momentum (0.9).
         weight_decay: L2 coefficient added to the gradient of the stochastic entries.
-        loss_fn: ``loss_fn(model, batch) -> scalar``; default `classification_loss`
-            (``model(**batch).logits`` against ``batch["labels"]``).
+        loss_fn: ``loss_fn(model, batch) -> scalar``, given the batch in its own kind with its tensors
+            on the model's device; default `classification_loss` (cross-entropy, padded and -100
+            positions of token-level outputs left out), or `regression_loss` (mean squared error) for
+            ``likelihood="regression"``.
         dtype: dtype of the SWAG moments.
         progress: Show a tqdm progress bar (when tqdm is installed).
+        likelihood: ``"classification"`` or ``"regression"``: what `SWAG.predict` returns.
+        sigma_noise: Observation noise standard deviation of the regression likelihood.
 
     Returns:
         The collected `SWAG` posterior.
@@ -165,8 +213,17 @@ def collect_swag(
         raise ValueError(f"momentum must be in [0, 1), got {momentum}")
     if weight_decay < 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-    loss_fn = classification_loss if loss_fn is None else loss_fn
-    swag = SWAG(model, subset, max_rank=max_rank, diagonal_only=diagonal_only, dtype=dtype)
+    swag = SWAG(
+        model,
+        subset,
+        max_rank=max_rank,
+        diagonal_only=diagonal_only,
+        dtype=dtype,
+        likelihood=likelihood,
+        sigma_noise=sigma_noise,
+    )
+    if loss_fn is None:
+        loss_fn = regression_loss if likelihood == "regression" else classification_loss
     layout = swag.layout
     params = layout.parameters(model)
     device = params[layout.names[0]].device
