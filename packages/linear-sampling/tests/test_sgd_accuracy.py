@@ -33,11 +33,19 @@ def regression(device, n=N, d=D, seed=0):
     return Features.dense(phi.to(dev)), y.to(dev), h.to(dev), phi.to(dev)
 
 
-def test_default_sgd_samples_have_the_closed_form_covariance(device):
+@pytest.mark.parametrize("batch_size", [None, 100, 200])
+def test_default_sgd_samples_have_the_closed_form_covariance(device, batch_size):
+    # None: the default 256, a short last batch of 144; 100 and 200 divide n, where reshuffled
+    # constant-step SGD used to settle 18 % and 7 % low in variance.
     feats, _, h, _ = regression(device)
     k = 2000
     out = posterior_samples(
-        feats, NoisePrecision(BETA), Prior(ALPHA), k, generator=torch.Generator().manual_seed(1)
+        feats,
+        NoisePrecision(BETA),
+        Prior(ALPHA),
+        k,
+        sgd=None if batch_size is None else SGDConfig(batch_size=batch_size),
+        generator=torch.Generator().manual_seed(1),
     )
     assert out.info.method == "sgd"
     assert out.info.converged
