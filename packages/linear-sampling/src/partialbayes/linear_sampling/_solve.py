@@ -108,20 +108,28 @@ def _check_solver_options(tol: float, max_iter: int | None) -> None:
         raise ValueError(f"max_iter must be a positive int or None, got {max_iter!r}")
 
 
+@dataclass(frozen=True)
 class _Problem:
-    """``H x = c`` with ``H = ΦᵀBΦ + A``: the products every solver needs."""
+    """``H x = c`` with ``H = ΦᵀBΦ + A``: the products every solver needs.
 
-    def __init__(
-        self, features: Features, noise: NoisePrecision, a: Tensor, c: Tensor, batch_size: int
-    ) -> None:
-        self.features, self.noise, self.a, self.c, self.batch_size = (
-            features,
-            noise,
-            a,
-            c,
-            batch_size,
-        )
-        self.a1 = a.unsqueeze(1)
+    Attributes:
+        features: ``Φ``.
+        noise: ``B`` on the features' device.
+        a: ``[d]`` diagonal of ``A``.
+        c: ``[d, k]`` right-hand sides.
+        batch_size: Observations per operator call of the full-data products.
+    """
+
+    features: Features
+    noise: NoisePrecision
+    a: Tensor
+    c: Tensor
+    batch_size: int
+
+    @property
+    def a1(self) -> Tensor:
+        """``diag(A)`` as a ``[d, 1]`` column."""
+        return self.a.unsqueeze(1)
 
     def data_batch(self, idx: Tensor, v: Tensor) -> Tensor:
         """``(n/b) Φ_idxᵀ B Φ_idx v``: the data curvature of a minibatch, scaled to the full sum."""
