@@ -84,7 +84,7 @@ class LaplaceBase:
         mc_samples: Sampled labels per example for ``fisher="mc"`` (a positive ``int``; seed the sampling with
             ``fit(..., generator=...)``).
         num_classes: Expected number of logits (checked during `fit`); ``None`` to skip the check.
-        dtype: Floating dtype of the stored curvature (float64 by default).
+        dtype: dtype of the stored curvature: ``torch.float64`` (default) or ``torch.float32``.
     """
 
     def __init__(
@@ -119,8 +119,8 @@ class LaplaceBase:
             )
         if mc_samples < 1:
             raise ValueError(f"mc_samples must be a positive int, got {mc_samples!r}")
-        if not dtype.is_floating_point:
-            raise TypeError(f"dtype must be floating point, got {dtype}")
+        if dtype not in (torch.float32, torch.float64):  # what the factors and eigh support
+            raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype!r}")
         check_positive("temperature", temperature)
         check_positive("sigma_noise", sigma_noise)
         params = dict(model.named_parameters())

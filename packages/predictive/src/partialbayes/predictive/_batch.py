@@ -161,8 +161,13 @@ def batch_size(inputs: Tensor | Mapping[str, Any]) -> int:
     """Number of examples in model inputs: the common leading size of its tensors.
 
     Raises:
+        TypeError: If ``inputs`` is neither a tensor nor a mapping.
         ValueError: If the tensors of a mapping disagree on their leading size, or it holds none.
     """
+    if not isinstance(inputs, (Tensor, Mapping)):
+        raise TypeError(
+            f"inputs must be a tensor or a mapping of tensors, got {type(inputs).__name__}"
+        )
     if isinstance(inputs, Tensor):
         if inputs.ndim == 0:
             raise ValueError("inputs must have a batch dimension, got a 0-d tensor")

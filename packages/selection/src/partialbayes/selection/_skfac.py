@@ -47,8 +47,14 @@ def skfac_rows_cols(
         (rows, cols): sorted int64 index tensors of sizes ceil(p·n_out/100), ceil(p·n_in/100).
 
     Raises:
-        ValueError: If the weight has non-finite entries.
+        TypeError: If ``weight`` is not a floating tensor.
+        ValueError: If the weight is not 2-D or has non-finite entries.
     """
+    if not isinstance(weight, Tensor) or not weight.is_floating_point():
+        raise TypeError(f"weight must be a floating tensor, got {type(weight).__name__}")
+    if weight.ndim != 2:
+        raise ValueError(f"weight must have shape (n_out, n_in), got {tuple(weight.shape)}")
+    percent = check_percent(percent)
     if not bool(torch.isfinite(weight).all()):
         raise ValueError("weight has non-finite entries")
     a = weight.detach().abs()
@@ -157,6 +163,8 @@ def skfac_percent_for_target(
             gives the maximum).
     """
     t = check_percent(target, "target")
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < math.inf:
+        raise ValueError(f"tol must be a positive number, got {tol!r}")
     modules = None if modules is None else list(modules)  # read many times below
     best = skfac_percent_of_params(model, 100.0, modules, exclude)
     if t > best + 1e-12:

@@ -6,11 +6,10 @@ import json
 import os
 from typing import Any
 
-import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from partialbayes.swag._file import read_swag_file, saved_dtype
 from partialbayes.swag._layout import FlatLayout
 from partialbayes.swag._posterior import SWAG
 
@@ -66,21 +65,22 @@ def load_swag(path: str | os.PathLike[str], model: nn.Module, subset: Any | None
         The SWAG posterior, on the model's device.
 
     Raises:
-        ValueError: If the file is not a partialbayes SWAG, or the model or subset does not match it.
+        FileNotFoundError: If there is no file at ``path``.
+        ValueError: If the file is not a partialbayes SWAG (garbage, truncated, metadata that is not JSON
+            or lacks a field, a missing tensor, a tensor of the wrong shape or with NaN / inf entries:
+            the file is named), or the model or subset does not match it.
     """
-    with safe_open(os.fspath(path), framework="pt") as f:
-        header = f.metadata() or {}
-        if "partialbayes_swag" not in header:
-            raise ValueError(
-                f"{path} is not a partialbayes SWAG file (no partialbayes_swag metadata)"
-            )
-        meta = json.loads(header["partialbayes_swag"])
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    meta, tensors = read_swag_file(str(path), "partialbayes_swag")
     if meta.get("format") != _FORMAT or meta.get("version") != _VERSION:
         raise ValueError(
             f"{path}: unsupported format {meta.get('format')!r} version {meta.get('version')!r}"
         )
     params = dict(model.named_parameters())
+    if len(meta["names"]) != len(meta["shapes"]):
+        raise ValueError(
+            f"{path}: SWAG metadata has {len(meta['names'])} names but shapes for "
+            f"{len(meta['shapes'])}"
+        )
     for name, shape in zip(meta["names"], meta["shapes"], strict=True):
         if name not in params or list(params[name].shape) != shape:
             got = tuple(params[name].shape) if name in params else "missing"
@@ -90,7 +90,10 @@ def load_swag(path: str | os.PathLike[str], model: nn.Module, subset: Any | None
             )
     from partialbayes.selection import Subset
 
-    saved_subset = Subset.from_json(meta["subset"], model)
+    try:
+        saved_subset = Subset.from_json(meta["subset"], model)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path}: the saved subset does not fit the model: {err}") from err
     if subset is None:
         subset = saved_subset
     elif not FlatLayout.from_subset(subset).same_entries(FlatLayout.from_subset(saved_subset)):
@@ -100,7 +103,7 @@ def load_swag(path: str | os.PathLike[str], model: nn.Module, subset: Any | None
         subset,
         max_rank=meta["max_rank"],
         diagonal_only=meta["diagonal_only"],
-        dtype=getattr(torch, meta["dtype"]),
+        dtype=saved_dtype(meta),
         likelihood=meta.get("likelihood", "classification"),  # files of 0.1 have no likelihood
         sigma_noise=meta.get("sigma_noise", 1.0),
     )

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from partialbayes.predictive import flatten_outputs, model_logits, move_batch, split_batch
+from partialbayes.swag._labels import check_class_labels
+from partialbayes.swag._options import check_collect_options
 from partialbayes.swag._posterior import SWAG
 
 Batch = Any
@@ -76,6 +78,7 @@ def classification_loss(model: nn.Module, batch: Batch) -> Tensor:
     """
     b = _labelled(batch)
     logits = model_logits(model, b.inputs)
+    check_class_labels(logits, b.labels.to(logits.device))
     flat, labels = flatten_outputs(logits, b.labels, attention_mask=b.attention_mask)
     assert labels is not None
     return F.cross_entropy(
@@ -103,12 +106,18 @@ def cycle(batches: Iterable[Batch]) -> Iterator[Batch]:
         ValueError: If ``batches`` is empty, or yields nothing on a later pass (a generator, not a
             re-iterable).
     """
+    for _, _, b in numbered_cycle(batches):
+        yield b
+
+
+def numbered_cycle(batches: Iterable[Batch]) -> Iterator[tuple[int, int, Batch]]:
+    """`cycle` yielding ``(pass, index within the pass, batch)``, both counted from 0."""
     passes = 0
     while True:
         empty = True
-        for b in batches:
+        for i, b in enumerate(batches):
             empty = False
-            yield b
+            yield passes, i, b
         if empty:
             if passes == 0:
                 raise ValueError("batches is empty")
@@ -198,21 +207,13 @@ def collect_swag(
         The collected `SWAG` posterior.
 
     Raises:
-        NonFiniteLossError: (a ``ValueError``) when the loss or gradient becomes NaN/inf; names the step.
-        ValueError: On bad hyper-parameters, empty ``batches`` or a subset that does not match the model.
+        NonFiniteLossError: (a ``ValueError``) when the loss, the gradient or the weights become NaN/inf,
+            or a snapshot's squares would overflow the moments' dtype; names the step.
+        ValueError: On bad hyper-parameters, empty ``batches``, a subset that does not match the model,
+            or a loss that fails on a batch (labels out of range, missing labels: the message names the
+            step and the batch).
     """
-    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
-    if snapshot_every < 1:
-        raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
-    if n_steps < snapshot_every:
-        raise ValueError(
-            f"n_steps={n_steps} < snapshot_every={snapshot_every}: no snapshot would be taken"
-        )
-    if not 0 <= momentum < 1:
-        raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-    if weight_decay < 0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    check_collect_options(lr, n_steps, snapshot_every, momentum, weight_decay)
     swag = SWAG(
         model,
         subset,
@@ -236,9 +237,15 @@ def collect_swag(
         with _training_state(model, set(layout.names)):
             for p in params.values():
                 p.grad = None
-            data = cycle(batches)
+            data = numbered_cycle(batches)
             for step in range(1, n_steps + 1):
-                loss = loss_fn(model, to_device(next(data), device))
+                n_pass, index, batch = next(data)
+                try:
+                    loss = loss_fn(model, to_device(batch, device))
+                except (ValueError, IndexError) as err:
+                    raise ValueError(
+                        f"loss at SGD step {step} (batch {index} of pass {n_pass}): {err}"
+                    ) from err
                 loss_value = float(loss.detach())  # the one host sync per step
                 if not math.isfinite(loss_value):
                     raise NonFiniteLossError(step, lr, f"loss {loss_value}")
@@ -257,7 +264,10 @@ def collect_swag(
                 if step % snapshot_every == 0:
                     if not bool(torch.isfinite(w).all()):
                         raise NonFiniteLossError(step, lr, "weights (gradient overflow)")
-                    swag.collect(model)
+                    try:
+                        swag.collect(model)
+                    except ValueError as err:
+                        raise NonFiniteLossError(step, lr, f"second moment ({err})") from err
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss_value:.4f}", snapshots=swag.n_snapshots)
