@@ -10,6 +10,7 @@ from torch import Tensor
 
 from partialbayes.curvature._laplace_base import LaplaceBase
 from partialbayes.curvature._laplace_data import subset_jacobians
+from partialbayes.curvature._outputs import Outputs
 
 
 class DiagLaplace(LaplaceBase):
@@ -71,8 +72,10 @@ class DiagLaplace(LaplaceBase):
             for name in self.subset.names
         }
 
-    def _jacobians(self, inputs: Any) -> tuple[Tensor, dict[str, Tensor]]:
-        return subset_jacobians(self.model, inputs, self.subset)
+    def _jacobians(
+        self, inputs: Tensor | Mapping[str, Any], outputs: Outputs
+    ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
+        return subset_jacobians(self.model, inputs, outputs, self.subset)
 
     def _prepare(self, jac: Mapping[str, Tensor]) -> dict[str, Tensor]:
         return {n: j.to(device=self.device, dtype=self.dtype) for n, j in jac.items()}
