@@ -439,3 +439,39 @@ def test_shift_labels_needs_token_level_classification():
     seq = torch.nn.Sequential(torch.nn.Linear(3, 2)).eval()
     with pytest.raises(ValueError, match=r"shift_labels=True is for token-level logits"):
         kfac(seq, [(x[:, 0], torch.tensor([0, 1]))], modules(seq, ["0"]), shift_labels=True)
+
+
+@pytest.mark.parametrize("fisher", ["exact", "empirical"])
+@pytest.mark.parametrize("fn", ["kfac", "diag", "dense"])
+def test_a_batch_without_kept_positions_contributes_nothing(fn, fisher):
+    model = bert_tagger(6)
+    good = tagged_batch(2, 4, 6)
+    empty = tagged_batch(2, 4, 7)
+    empty["labels"] = torch.full_like(empty["labels"], -100)
+    subset = sparse_kfac(model, 40)
+    if fn == "kfac":
+        a, b = (
+            kfac(model, data, subset, sharing="expand", fisher=fisher)
+            for data in ([good, empty], [good])
+        )
+        for m in a:
+            torch.testing.assert_close(a[m].G, b[m].G)
+            torch.testing.assert_close(a[m].A, b[m].A)
+    elif fn == "diag":
+        a, b = (
+            diag_curvature(model, data, subset, fisher=fisher) for data in ([good, empty], [good])
+        )
+        for n in a:
+            torch.testing.assert_close(a[n], b[n])
+    else:
+        a, b = (
+            dense_curvature(model, data, subset, fisher=fisher) for data in ([good, empty], [good])
+        )
+        torch.testing.assert_close(a, b)
+    la = DenseLaplace(model, subset).fit([good, empty])
+    assert la.n_data == int(kept(good, False).sum())
+    f, cov = la.logit_mean_cov(empty)
+    assert f.shape == (0, 3)
+    assert cov.shape == (0, 3, 3)
+    logits = model(**inputs(empty)).logits.detach()
+    torch.testing.assert_close(la.predict(empty), torch.softmax(logits, -1))

@@ -102,6 +102,8 @@ def dense_curvature(
                 )
                 for grads in bp.passes
             ]
+            if not rows:  # token-level batch without a kept position: no backward pass
+                continue
             g = torch.cat(rows).to(dtype)
             inc = g.T @ g
             if not bool(torch.isfinite(inc).all()):

@@ -40,7 +40,8 @@ class MapLoss:
 
     Classification: summed cross-entropy (nats). Regression: summed squared error over all outputs. Both in
     float64, kept on the logits' device (no synchronisation per batch). Pass an instance as ``on_batch`` to
-    `kfac` / `diag_curvature` / `dense_curvature`, then read `result`.
+    `kfac` / `diag_curvature` / `dense_curvature`, then read `result`. It sees output rows: for token-level
+    logits the kept positions, so the loss, ``n_data`` and ``n_outputs`` count positions as examples.
 
     Args:
         likelihood: ``"classification"`` or ``"regression"``.
@@ -53,7 +54,7 @@ class MapLoss:
         self.n_outputs = 0
 
     def __call__(self, index: int, logits: Tensor, labels: Tensor | None) -> None:
-        """Add one batch: ``logits [B, C]`` and its labels as validated by ``check_labels``.
+        """Add one batch: output rows ``logits [N, C]`` and their labels as validated by ``check_labels``.
 
         Raises:
             ValueError: If the batch has no labels (the training log-likelihood needs them).

@@ -21,7 +21,7 @@ class DenseLaplace(LaplaceBase):
     summed GGN / Fisher (``dense_curvature``). Only its eigendecomposition ``H = Q diag(λ) Qᵀ`` (λ clamped at
     0) is stored: with one scalar prior everything is diagonal in ``Q`` (prior added exactly); with
     per-module priors a Cholesky factor of ``P`` is used. Use ``selection.last_layer(model)`` for
-    last-layer Laplace.
+    last-layer Laplace. Token-level outputs are exact per position (see ``dense_curvature``).
 
     Args:
         model: The fine-tuned model.

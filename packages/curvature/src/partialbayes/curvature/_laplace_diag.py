@@ -18,7 +18,9 @@ class DiagLaplace(LaplaceBase):
 
     ``h`` is the diagonal of the summed GGN / Fisher of the subset's entries (``diag_curvature``). Works for
     any subset, elementwise ``MaskBlock`` ones included. Prior precision: scalar or one per module (the
-    module owning each parameter, e.g. ``"encoder.layer.0.output.dense"``).
+    module owning each parameter, e.g. ``"encoder.layer.0.output.dense"``). Token-level outputs are exact
+    per position: ``fisher="exact"`` costs ``C`` backward passes per kept position and batch (see
+    ``diag_curvature``).
     """
 
     def __init__(self, model: Any, subset: Any, **kwargs: Any) -> None:

@@ -47,7 +47,9 @@ class KronLaplace(LaplaceBase):
     Args:
         model: The fine-tuned model.
         subset: A Kronecker-structured subset (``KronBlock`` blocks on linear maps).
-        sharing: Weight sharing over tokens for KFAC, ``"reduce"`` or ``"expand"``.
+        sharing: Weight sharing over tokens for KFAC, ``"reduce"`` or ``"expand"``. Token-level outputs
+            (``[B, T, C]`` logits: token classification, causal LMs) need ``"expand"``: every kept position
+            is its own output, and ``"reduce"`` (one loss per sequence) is refused with a pointer.
         bias: ``"fold"`` (bias folded into ``A``) or ``"separate"`` (own Kronecker block ``G ⊗ A_bias``);
             stored by `save` and passed to `kfac`.
         predictive_rtol: ``0`` (default): the linearised predictive is exact. ``ε > 0``: eigendirection pairs
