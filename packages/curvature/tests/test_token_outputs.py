@@ -475,3 +475,24 @@ def test_a_batch_without_kept_positions_contributes_nothing(fn, fisher):
     assert cov.shape == (0, 3, 3)
     logits = model(**inputs(empty)).logits.detach()
     torch.testing.assert_close(la.predict(empty), torch.softmax(logits, -1))
+
+
+def test_next_token_after_a_prompt_by_appending_a_labelled_token():
+    """The how-to's recipe: append any token, label only it; the prediction after the prompt is kept alone."""
+    model = llama_lm(8)
+    la = KronLaplace(model, sparse_kfac(model, 50), sharing="expand").fit([lm_batch(2, 5, 8)])
+    prompt = torch.randint(1, 11, (2, 4), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(prompt)
+    every = la.predict({"input_ids": prompt, "attention_mask": mask})  # no labels: all real tokens
+    longer = torch.cat([prompt, torch.ones_like(prompt[:, :1])], 1)
+    labels = torch.full_like(longer, -100)
+    labels[:, -1] = 1
+    only = la.predict(
+        {"input_ids": longer, "attention_mask": torch.ones_like(longer), "labels": labels}
+    )
+    torch.testing.assert_close(only[:, 3], every[:, 3])
+    f, cov = la.logit_mean_cov(
+        {"input_ids": longer, "attention_mask": torch.ones_like(longer), "labels": labels}
+    )
+    assert f.shape == (2, 11)
+    assert cov.shape == (2, 11, 11)
