@@ -496,3 +496,27 @@ def test_next_token_after_a_prompt_by_appending_a_labelled_token():
     )
     assert f.shape == (2, 11)
     assert cov.shape == (2, 11, 11)
+
+
+def test_generic_jacobians_of_token_outputs_for_parameters_outside_linear_maps():
+    """A LayerNorm in the subset: the predictive falls back to batched autograd, per kept position."""
+    model = bert_tagger(9)
+    batch = tagged_batch(3, 5, 9)
+    keep = kept(batch, False)
+    names = ["bert.encoder.layer.0.output.LayerNorm.weight", "classifier.bias"]
+    subset = Subset.from_model(
+        model,
+        {
+            n: MaskBlock(torch.ones_like(dict(model.named_parameters())[n], dtype=torch.bool))
+            for n in names
+        },
+    )
+    la = DiagLaplace(model, subset, prior_precision=0.7)
+    g = torch.Generator().manual_seed(9)
+    h = {n: torch.rand(subset.num_entries(n), generator=g, dtype=torch.float64) for n in names}
+    la.fit_curvature(h, map_loss=1.0, n_data=3, n_outputs=3)
+    logits, J = output_jacobian(model, batch, keep, subset)
+    sigma = 1 / (torch.cat([h[n] for n in names]) + 0.7)
+    f, cov = la.logit_mean_cov(batch)
+    torch.testing.assert_close(f, logits)
+    torch.testing.assert_close(cov, (J * sigma) @ J.mT)

@@ -66,6 +66,14 @@ def owner_module(param_name: str) -> str:
 class LaplaceBase:
     """Shared machinery of `KronLaplace`, `DiagLaplace` and `DenseLaplace` (not used directly).
 
+    Batches, everywhere (``fit``, ``logit_mean_cov``, ``predict``, ``optimize_prior_precision``): a tensor
+    ``x``, a pair ``(inputs, labels)``, or any mapping of keyword inputs (``dict``, the ``BatchEncoding``
+    of ``DataCollatorWithPadding``) with labels under ``"labels"`` or ``"label"``.
+
+    Outputs: logits ``[B, C]`` give one output per example; token-level logits ``[B, T, C]`` (token
+    classification, causal LMs) one per kept position — positions where the attention mask is 0 or the
+    label is -100 are dropped, in the curvature, the training loss, ``n_data`` and the predictive alike.
+
     Args:
         model: The fine-tuned model (its current weights are the MAP).
         subset: Which entries get a posterior; the rest stay at their MAP values.
@@ -83,14 +91,6 @@ class LaplaceBase:
             the same convention explicit) and is kept when the tokens ``t`` and ``t + 1`` are real and that
             label is not -100. ``None`` (default): ``True`` exactly when the model's class name ends with
             ``ForCausalLM`` or ``LMHeadModel``. Stored by `save`.
-
-    Batches, everywhere (``fit``, ``logit_mean_cov``, ``predict``, ``optimize_prior_precision``): a tensor
-    ``x``, a pair ``(inputs, labels)``, or any mapping of keyword inputs (``dict``, the ``BatchEncoding``
-    of ``DataCollatorWithPadding``) with labels under ``"labels"`` or ``"label"``.
-
-    Outputs: logits ``[B, C]`` give one output per example; token-level logits ``[B, T, C]`` (token
-    classification, causal LMs) one per kept position — positions where the attention mask is 0 or the
-    label is -100 are dropped, in the curvature, the training loss, ``n_data`` and the predictive alike.
     """
 
     #: Links `predict` accepts: the linearised probit (default), Monte Carlo over the linearised
