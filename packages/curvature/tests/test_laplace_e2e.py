@@ -102,7 +102,7 @@ def test_kron_end_to_end(make, tmp_path):
     torch.testing.assert_close(cov.double(), ref, rtol=1e-4, atol=1e-7)
 
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    with la.sampled(torch.Generator().manual_seed(0)) as m:
+    with la.sampled(generator=torch.Generator().manual_seed(0)) as m:
         sampled_logits = m(**_inputs(test)).logits
     assert not torch.allclose(sampled_logits, f)
     for k, v in model.named_parameters():

@@ -97,7 +97,7 @@ def test_samples_mean_and_covariance_match_dense(device):
     P = dense_precision(la, factors, _prior_vec(la, 1.5), 2.0)
     sigma = torch.linalg.inv(P)
     n = 20_000
-    s = la.sample(n, torch.Generator(device=device).manual_seed(0))
+    s = la.sample(n, generator=torch.Generator(device=device).manual_seed(0))
     s = {k: v.cpu() for k, v in s.items()}
     assert set(s) == set(subset.names)
     for name in subset.names:
@@ -110,7 +110,7 @@ def test_samples_mean_and_covariance_match_dense(device):
     emp = centered.T @ centered / n
     tol = 6 * torch.sqrt((torch.outer(d, d) + sigma**2) / n)
     assert ((emp - sigma).abs() <= tol).all()
-    s2 = la.sample(n, torch.Generator(device=device).manual_seed(0))
+    s2 = la.sample(n, generator=torch.Generator(device=device).manual_seed(0))
     torch.testing.assert_close(s2["c1.weight"].cpu(), s["c1.weight"])
 
 
@@ -132,7 +132,7 @@ def test_swapped_restores_map_on_exception(device):
     model, subset, la, _ = _fitted(4, device=device)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     gen = torch.Generator(device=device)
-    sample = {k: v[0] for k, v in la.sample(1, gen.manual_seed(1)).items()}
+    sample = {k: v[0] for k, v in la.sample(1, generator=gen.manual_seed(1)).items()}
     seen = {}
 
     def run():
@@ -152,7 +152,7 @@ def test_swapped_restores_map_on_exception(device):
         assert torch.equal(v.detach(), before[k]), k
     x, _ = classification_data(2, 0)
     x = x.to(device)
-    with la.sampled(gen.manual_seed(3)):
+    with la.sampled(generator=gen.manual_seed(3)):
         changed = model(x)
     assert not torch.allclose(changed, model(x))
 

@@ -28,11 +28,11 @@ from partialbayes.curvature._caller import user_stacklevel
 from partialbayes.curvature._likelihood import (
     check_labels,
     check_logits,
-    logits_of,
     model_device,
     output_vectors,
-    split_batch,
 )
+from partialbayes.curvature._outputs import output_rows, read_batch
+from partialbayes.predictive import model_logits
 
 
 def merge_calls(name: str, tensors: list[Tensor]) -> Tensor:
@@ -248,8 +248,12 @@ def prepared(
 
 
 BatchObserver = Callable[[int, Tensor, Tensor | None], None]
-"""``on_batch(index, logits, labels)``: sees each batch's detached logits ``[B, C]`` and validated labels
-(``None`` when the batch has none) right after its forward pass, before the backward passes."""
+"""``on_batch(index, logits, labels)``: sees each batch's detached output rows ``[N, C]`` (``[B, C]`` logits,
+or the kept positions of token-level ones) and their validated labels (``None`` when the batch has none)
+right after its forward pass, before the backward passes."""
+
+#: How token-level outputs are backpropagated: all kept positions in one pass, or one position per pass.
+POSITIONS = ("joint", "each")
 
 
 @dataclass
@@ -261,9 +265,11 @@ class BatchPasses:
         n_examples: Examples (sequences) in the batch, ``B``.
         inputs: Module -> gathered input ``x`` (``[B, c]`` or ``[B, T, c]``; the calls of a module called
             several times merged as extra positions).
-        mask: Attention mask ``[B, T]`` (bool) or ``None``.
+        keep: ``[B, T]`` bool mask of the kept output positions of token-level logits, ``None`` for
+            ``[B, C]`` logits.
         token_masks: Module -> float mask ``[B, T]`` of the positions of ``inputs`` that count (``None``
-            for ``[B, c]`` inputs).
+            for ``[B, c]`` inputs): the kept output positions for token-level logits, else the attention
+            mask (all ones without one).
         passes: Iterator of ``{module: δ}`` (``[B, n_out]`` or ``[B, T, n_out]``, full rows), one per cotangent;
             exhaust it before advancing to the next batch.
     """
@@ -271,17 +277,50 @@ class BatchPasses:
     index: int
     n_examples: int
     inputs: dict[str, Tensor]
-    mask: Tensor | None
+    keep: Tensor | None
     token_masks: dict[str, Tensor | None]
     passes: Iterator[dict[str, Tensor]]
 
 
+def cotangents(
+    logits: Tensor, vectors: Tensor, keep: Tensor | None, positions: str
+) -> Iterator[Tensor]:
+    """The cotangents of the backward passes, shaped like ``logits``, one at a time.
+
+    Args:
+        logits: ``[B, C]`` or ``[B, T, C]``.
+        vectors: ``[S, N, C]`` output-space vectors of the ``N`` output rows (see ``output_vectors``).
+        keep: ``[B, T]`` kept positions of token-level logits (``None`` for ``[B, C]``).
+        positions: ``"joint"``: ``S`` passes, each carrying every kept position's vector (cross-position
+            terms ``J_tᵀ v_t v_uᵀ J_u`` enter the outer products, except where positions do not interact);
+            ``"each"``: ``S`` passes per kept position ``t`` (every other position zero), which gives the
+            exact per-output gradients ``J_tᵀ v_t``.
+
+    Yields:
+        Cotangents ``[B, C]`` / ``[B, T, C]``.
+    """
+    if keep is None:
+        yield from vectors
+        return
+    full = vectors.new_zeros((vectors.shape[0], *logits.shape))
+    full[:, keep] = vectors
+    if positions == "joint":
+        yield from full
+        return
+    for t in keep.any(0).nonzero().flatten().tolist():
+        for v in full:
+            one = torch.zeros_like(v)
+            one[:, t] = v[:, t]
+            yield one
+
+
 def _backward_passes(
-    logits: Tensor, calls: dict[str, list[Tensor]], vectors: Tensor
+    logits: Tensor, calls: dict[str, list[Tensor]], cots: Iterator[Tensor]
 ) -> Iterator[dict[str, Tensor]]:
-    s = vectors.shape[0]
-    for i in range(s):
-        yield call_grads(logits, calls, vectors[i], retain_graph=i < s - 1)
+    nxt = next(cots, None)
+    while nxt is not None:
+        cot, nxt = nxt, next(cots, None)
+        yield call_grads(logits, calls, cot, retain_graph=nxt is not None)
 
 
 def stream(
@@ -296,15 +335,35 @@ def stream(
     sigma_noise: float,
     generator: torch.Generator | None,
     num_classes: int | None,
+    shift_labels: bool,
+    positions: str = "joint",
     progress: bool = False,
     on_batch: BatchObserver | None = None,
 ) -> Iterator[BatchPasses]:
     """Stream the loader: one forward pass per batch, then the fisher's backward passes, lazily.
 
-    Must run inside :func:`prepared`. The loader is iterated exactly once (a generator works). Labels, when
-    a batch has them, are validated by :func:`~partialbayes.curvature._likelihood.check_labels` whatever the
-    fisher type; ``on_batch`` (if given) is called with every batch's index, detached logits and validated
-    labels, e.g. to accumulate the training loss from the same forward pass.
+    Must run inside :func:`prepared`. The loader is iterated exactly once (a generator works). Batches are
+    read by ``partialbayes.predictive.split_batch`` (tensors, pairs, any mapping). Token-level logits
+    ``[B, T, C]`` count one output per kept position (see `partialbayes.curvature._outputs`). Labels, when a
+    batch has them, are validated by :func:`~partialbayes.curvature._likelihood.check_labels` whatever the
+    fisher type; ``on_batch`` (if given) is called with every batch's index, detached output rows and
+    validated labels, e.g. to accumulate the training loss from the same forward pass.
+
+    Args:
+        model: The network (inside :func:`prepared`).
+        loader: Iterable of batches (read once).
+        modules: Module name -> hooked linear map.
+        cols: Module -> selected input indices (``None``: all).
+        likelihood: ``"classification"`` or ``"regression"``.
+        fisher: ``"exact"``, ``"mc"`` or ``"empirical"``.
+        mc_samples: Sampled labels per output (``fisher="mc"``).
+        sigma_noise: Regression noise.
+        generator: Random generator of ``fisher="mc"``.
+        num_classes: When given, the number of logits the model must output.
+        shift_labels: Causal-LM convention for token-level outputs (resolved, a bool).
+        positions: For token-level logits, ``"joint"`` or ``"each"`` (see `cotangents`).
+        progress: Show a tqdm progress bar.
+        on_batch: Observer of each batch's output rows and labels.
 
     Raises:
         ValueError: Empty loader, a hooked module not reached by the forward pass, bad logits / labels.
@@ -323,21 +382,32 @@ def stream(
         rec = stack.enter_context(Recorder(modules, cols))
         for index, batch in enumerate(it):
             seen += 1
-            inputs, labels, mask = split_batch(batch, device)
+            try:
+                inputs, outputs = read_batch(
+                    batch, device, likelihood=likelihood, shift=shift_labels
+                )
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"batch {index}: {err}") from err
             rec.clear()
-            logits = logits_of(model, inputs)
-            check_logits(logits, num_classes, index)
+            logits = model_logits(model, inputs)
+            try:
+                keep = outputs.keep(logits)
+                rows = output_rows(logits, keep)
+                labels = outputs.targets(logits, keep)
+            except ValueError as err:
+                raise ValueError(f"batch {index}: {err}") from err
+            check_logits(rows, num_classes, index)
             if labels is not None:
-                labels = check_labels(labels, logits, likelihood, index)
+                labels = check_labels(labels, rows, likelihood, index)
             if on_batch is not None:
-                on_batch(index, logits.detach(), labels)
+                on_batch(index, rows.detach(), labels)
             missing = [n for n in modules if n not in rec.calls_out]
             if missing:
                 raise ValueError(
                     f"batch {index}: modules {missing} were not called by the model's forward pass"
                 )
             vectors = output_vectors(
-                logits,
+                rows,
                 labels,
                 likelihood=likelihood,
                 fisher=fisher,
@@ -346,15 +416,19 @@ def stream(
                 generator=generator,
                 batch_index=index,
             )
+            recorded = dict(rec.inputs)  # merges repeated calls first (clear error if they differ)
+            masks = rec.token_masks(outputs.attention_mask if keep is None else keep)
             yield BatchPasses(
                 index=index,
                 n_examples=int(logits.shape[0]),
-                inputs=dict(rec.inputs),
-                mask=None if mask is None else mask.bool(),
-                token_masks=rec.token_masks(mask),
-                passes=_backward_passes(logits, rec.snapshot(), vectors),
+                inputs=recorded,
+                keep=keep,
+                token_masks=masks,
+                passes=_backward_passes(
+                    logits, rec.snapshot(), cotangents(logits, vectors, keep, positions)
+                ),
             )
-            del logits
+            del logits, rows
     if seen == 0:
         raise ValueError("loader is empty: no batch to compute the curvature from")
 

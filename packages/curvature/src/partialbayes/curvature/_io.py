@@ -49,6 +49,7 @@ def save_posterior(posterior: Any, path: str | os.PathLike[str]) -> None:
         options["bias"] = posterior.bias
     if hasattr(posterior, "predictive_rtol"):
         options["predictive_rtol"] = posterior.predictive_rtol
+    options["shift_labels"] = posterior.shift_labels
     meta = {
         "format": FORMAT,
         "version": VERSION,

@@ -12,6 +12,7 @@ from partialbayes.curvature._distributed import all_reduce_int, fail_together
 from partialbayes.curvature._factors import FactorAccumulator, ModuleFactors
 from partialbayes.curvature._hooks import BatchObserver, prepared, stream
 from partialbayes.curvature._likelihood import check_options, model_device
+from partialbayes.curvature._outputs import resolve_shift_labels
 from partialbayes.selection import Subset
 
 
@@ -74,6 +75,7 @@ def kfac(
     progress: bool = False,
     num_classes: int | None = None,
     on_batch: BatchObserver | None = None,
+    shift_labels: bool | None = None,
 ) -> dict[str, ModuleFactors]:
     r"""KFAC (or Sparse-KFAC) factors of every linear map of a Kronecker-structured subset.
 
@@ -99,11 +101,22 @@ def kfac(
     call's positions as examples (exact for deep linear networks with MSE when each call feeds its own
     outputs through the same linear path).
 
+    Token-level outputs (logits ``[B, T, C]``: token classification, causal language models) count one
+    output per kept position — positions where the attention mask is 0 or the label is -100 are dropped —
+    and need ``sharing="expand"`` (``"reduce"`` assumes one loss per sequence and is refused): ``G`` sums
+    ``δ`` over the kept positions, ``A`` averages ``x`` over them. The ``S`` backward passes carry every
+    kept position's output vector at once (as curvlinops does), so the factors are exact in KFAC-expand's
+    exact cases (positions that do not interact, e.g. deep linear per-token networks) and otherwise also
+    hold cross-position terms, like any KFAC of a transformer. Causal LMs shift their labels (the output at
+    ``t`` predicts token ``t + 1``): see ``shift_labels``.
+
     Args:
-        model: Network; its forward takes a tensor or a Hugging Face dict batch and returns logits
-            ``[B, C]`` (or an output with ``.logits``). Run in eval mode (a training-mode model is switched
-            with a warning and restored).
-        loader: Iterable of batches ``(x, y)`` or dicts (``"labels"``, ``"attention_mask"``).
+        model: Network; its forward takes a tensor or keyword inputs and returns logits ``[B, C]`` or
+            ``[B, T, C]`` (or an output with ``.logits``). Run in eval mode (a training-mode model is
+            switched with a warning and restored).
+        loader: Iterable of batches: tensors, pairs ``(inputs, labels)``, or mappings (``dict``, the
+            ``BatchEncoding`` of ``DataCollatorWithPadding``) with ``"labels"`` / ``"label"`` and an
+            ``"attention_mask"``.
         subset: Kronecker-structured :class:`~partialbayes.selection.Subset`.
         likelihood: ``"classification"`` (softmax cross-entropy) or ``"regression"`` (Gaussian).
         fisher: ``"exact"`` (GGN, one backward pass per class), ``"mc"`` (``mc_samples`` sampled labels) or
@@ -117,9 +130,13 @@ def kfac(
         progress: Show a tqdm progress bar.
         num_classes: When given, the number of logits the model must output.
         on_batch: Called as ``on_batch(index, logits, labels)`` after each batch's forward pass, with the
-            detached logits ``[B, C]`` and the validated labels (``None`` for a batch without labels); e.g.
-            to accumulate the training loss in the same pass (``LaplaceBase.fit`` does). The loader is read
-            once.
+            detached output rows ``[N, C]`` (``[B, C]`` logits, or the kept positions of token-level ones)
+            and their validated labels (``None`` for a batch without labels); e.g. to accumulate the
+            training loss in the same pass (``LaplaceBase.fit`` does). The loader is read once.
+        shift_labels: Token-level outputs of a causal LM: the output at ``t`` is scored against
+            ``labels[t + 1]`` and kept when tokens ``t`` and ``t + 1`` are real and that label is not
+            -100. ``None`` (default): ``True`` exactly when the model's class name ends with
+            ``ForCausalLM`` or ``LMHeadModel``.
 
     Returns:
         ``{module name: ModuleFactors}`` in the subset's model order. Under ``torch.distributed`` the sums
@@ -130,7 +147,8 @@ def kfac(
             :func:`dense_curvature`), or a batch of unknown kind.
         ValueError: Bad options, empty loader, labels (whenever a batch has them, whatever the fisher)
             of the wrong dtype, shape or out of range, logits of the wrong shape, an example without
-            unmasked tokens, non-finite curvature (naming the module and batch).
+            unmasked tokens, token-level logits with ``sharing="reduce"`` or without an attention mask or
+            labels, non-finite curvature (naming the module and batch).
         RuntimeError: Under ``torch.distributed``, on every rank whose shard went through when another
             rank raised (all ranks fail instead of waiting for each other).
     """
@@ -140,6 +158,7 @@ def kfac(
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     kmods = kron_targets(model, subset, "kfac")
+    shift = resolve_shift_labels(model, shift_labels)
     named = dict(model.named_modules())
     modules = {m: named[m] for m in kmods}
     device = model_device(model)
@@ -158,9 +177,18 @@ def kfac(
             sigma_noise=sigma_noise,
             generator=generator,
             num_classes=num_classes,
+            shift_labels=shift,
+            positions="joint",
             progress=progress,
             on_batch=on_batch,
         ):
+            if bp.keep is not None and sharing == "reduce":
+                raise ValueError(
+                    f"batch {bp.index}: the model returns token-level logits (one output per kept "
+                    "position), which is KFAC's 'expand' setting; sharing='reduce' sums the output "
+                    "gradients over a sequence before the outer product and so assumes one loss per "
+                    "sequence. Pass sharing='expand'"
+                )
             n_examples += bp.n_examples
             masks: dict[str, Tensor | None] = {}
             checks: dict[str, Tensor] = {}

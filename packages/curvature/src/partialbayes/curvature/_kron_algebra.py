@@ -42,7 +42,8 @@ def clamped_eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
         raise ValueError("factor holds non-finite values (NaN or inf)")
     sym = 0.5 * (matrix + matrix.T)
     eigenvalues, eigenvectors = torch.linalg.eigh(sym)
-    return eigenvalues.clamp(min=0.0), eigenvectors
+    # row-major like a loaded posterior's tensors: matmuls then round identically before and after load
+    return eigenvalues.clamp(min=0.0), eigenvectors.contiguous()
 
 
 def precision_eigenvalues(

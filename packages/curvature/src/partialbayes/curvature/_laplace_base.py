@@ -12,57 +12,51 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal, overload
+from typing import Any, ClassVar, Literal, overload
 
 import torch
 from torch import Tensor, nn
 
+from partialbayes.curvature._caller import user_stacklevel
 from partialbayes.curvature._hooks import BatchObserver
-from partialbayes.curvature._laplace_data import MapLoss, eval_mode, split_batch
+from partialbayes.curvature._laplace_data import MapLoss, eval_mode
+from partialbayes.curvature._laplace_predict import (
+    LINKS,
+    classification_predictive,
+    linearised_logit_samples,
+    regression_predictive,
+)
 from partialbayes.curvature._likelihood import check_labels
 from partialbayes.curvature._marglik import MarglikFit, gradient_marglik
+from partialbayes.curvature._outputs import (
+    Outputs,
+    output_rows,
+    read_batch,
+    resolve_shift_labels,
+    split_chunks,
+)
 from partialbayes.curvature._prior import (
     PriorSpec,
     check_positive,
     gaussian_log_marglik,
-    gaussian_nll,
     prior_vector,
-    probit_nll,
+)
+from partialbayes.predictive import (
+    check_count,
+    gaussian_nll,
+    gaussian_predictive,
+    nll,
+    probit,
+    resolve_link,
 )
 from partialbayes.selection import Subset
 
 LIKELIHOODS = ("classification", "regression")
 FISHERS = ("exact", "mc", "empirical")
 SHARINGS = ("reduce", "expand")
-
-
-def split_inputs(inputs: Any, chunk_size: int | None) -> list[Any]:
-    """Split model inputs (a tensor, or a dict of tensors) into chunks of at most ``chunk_size`` examples.
-
-    Tensors whose first dimension is the batch size are split along it; other values are passed to every
-    chunk unchanged.
-    """
-    if chunk_size is None:
-        return [inputs]
-    if isinstance(inputs, Tensor):
-        return list(inputs.split(chunk_size))
-    if not isinstance(inputs, dict):
-        raise TypeError(f"chunk_size needs a tensor or dict batch, got {type(inputs).__name__}")
-    sizes = {v.shape[0] for v in inputs.values() if isinstance(v, Tensor) and v.ndim > 0}
-    if len(sizes) != 1:
-        raise ValueError(
-            f"chunk_size: cannot find the batch size of a dict batch with leading sizes {sorted(sizes)}"
-        )
-    (n,) = sizes
-    return [
-        {
-            k: (v[i : i + chunk_size] if isinstance(v, Tensor) and v.ndim > 0 else v)
-            for k, v in inputs.items()
-        }
-        for i in range(0, n, chunk_size)
-    ]
 
 
 def owner_module(param_name: str) -> str:
@@ -72,6 +66,14 @@ def owner_module(param_name: str) -> str:
 
 class LaplaceBase:
     """Shared machinery of `KronLaplace`, `DiagLaplace` and `DenseLaplace` (not used directly).
+
+    Batches, everywhere (``fit``, ``logit_mean_cov``, ``predict``, ``optimize_prior_precision``): a tensor
+    ``x``, a pair ``(inputs, labels)``, or any mapping of keyword inputs (``dict``, the ``BatchEncoding``
+    of ``DataCollatorWithPadding``) with labels under ``"labels"`` or ``"label"``.
+
+    Outputs: logits ``[B, C]`` give one output per example; token-level logits ``[B, T, C]`` (token
+    classification, causal LMs) one per kept position — positions where the attention mask is 0 or the
+    label is -100 are dropped, in the curvature, the training loss, ``n_data`` and the predictive alike.
 
     Args:
         model: The fine-tuned model (its current weights are the MAP).
@@ -85,7 +87,16 @@ class LaplaceBase:
             ``fit(..., generator=...)``).
         num_classes: Expected number of logits (checked during `fit`); ``None`` to skip the check.
         dtype: dtype of the stored curvature: ``torch.float64`` (default) or ``torch.float32``.
+        shift_labels: Token-level outputs of a causal language model: the output at position ``t`` is
+            scored against ``labels[t + 1]`` (Hugging Face shifts the labels inside the model; this makes
+            the same convention explicit) and is kept when the tokens ``t`` and ``t + 1`` are real and that
+            label is not -100. ``None`` (default): ``True`` exactly when the model's class name ends with
+            ``ForCausalLM`` or ``LMHeadModel``. Stored by `save`.
     """
+
+    #: Links `predict` accepts: the linearised probit (default), Monte Carlo over the linearised
+    #: Gaussian logits, and the Laplace bridge.
+    links: ClassVar[tuple[str, ...]] = LINKS
 
     def __init__(
         self,
@@ -100,6 +111,7 @@ class LaplaceBase:
         mc_samples: int = 1,
         num_classes: int | None = None,
         dtype: torch.dtype = torch.float64,
+        shift_labels: bool | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -133,6 +145,7 @@ class LaplaceBase:
         self.mc_samples = mc_samples
         self.num_classes = num_classes
         self.dtype = dtype
+        self.shift_labels = resolve_shift_labels(model, shift_labels)
         self.device = next(iter(params.values())).device
         self._check_subset()
         self.modules: tuple[str, ...] = self._module_names()
@@ -174,6 +187,7 @@ class LaplaceBase:
             "progress": progress,
             "num_classes": self.num_classes,
             "on_batch": on_batch,
+            "shift_labels": self.shift_labels,
         }
 
     def _compute_curvature(self, loader: Iterable[Any], options: Mapping[str, Any]) -> Any:
@@ -189,7 +203,10 @@ class LaplaceBase:
     def _sample_centered(self, n: int, generator: torch.Generator | None) -> dict[str, Tensor]:
         raise NotImplementedError
 
-    def _jacobians(self, inputs: Any) -> tuple[Tensor, Any]:
+    def _jacobians(
+        self, inputs: Tensor | Mapping[str, Any], outputs: Outputs
+    ) -> tuple[Tensor, Tensor | None, Any]:
+        """Subclass: ``(logits, keep, Jacobians of the N output rows)`` (see ``subset_jacobians``)."""
         raise NotImplementedError
 
     def _prepare(self, jac: Any) -> Any:
@@ -200,17 +217,28 @@ class LaplaceBase:
         raise NotImplementedError
 
     def _mean_covs(
-        self, inputs: Any, priors: Sequence[Tensor], scale: Tensor | float
-    ) -> tuple[Tensor, list[Tensor]]:
-        """Logits and one functional covariance per prior setting (subclass may stream instead).
+        self,
+        inputs: Tensor | Mapping[str, Any],
+        outputs: Outputs,
+        priors: Sequence[Tensor],
+        scale: Tensor | float,
+    ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
+        """Logits, kept positions and one functional covariance per prior setting (subclass may stream).
 
         Default: Jacobians once (`_jacobians`, `_prepare`), then `_functional_cov` per prior.
+
+        Returns:
+            ``(logits [B, C] | [B, T, C], keep [B, T] | None, [Σ_f [N, C, C] per prior])``.
         """
         with eval_mode(self.model):
-            f, jac = self._jacobians(inputs)
+            logits, keep, jac = self._jacobians(inputs, outputs)
         with torch.no_grad():
             prepared = self._prepare(jac)
-            return f.detach(), [self._functional_cov(prepared, p, scale) for p in priors]
+            return logits.detach(), keep, [self._functional_cov(prepared, p, scale) for p in priors]
+
+    def _read(self, batch: Any) -> tuple[Tensor | dict[str, Any], Outputs]:
+        """The one place a batch is read: model inputs on the posterior's device and its `Outputs`."""
+        return read_batch(batch, self.device, likelihood=self.likelihood, shift=self.shift_labels)
 
     def _curvature_state(self) -> dict[str, Tensor]:
         """Subclass: the stored curvature tensors (saved; counted by `num_floats`)."""
@@ -262,7 +290,9 @@ class LaplaceBase:
         every rank gets the posterior of the union of the shards.
 
         Args:
-            loader: Iterable of batches ``(inputs, labels)`` or Hugging Face dicts with ``labels``.
+            loader: Iterable of labelled batches: pairs ``(inputs, labels)`` or mappings (``dict``,
+                ``BatchEncoding``) with ``"labels"`` / ``"label"``. Token-level outputs count one example
+                per kept position (``n_data`` is their number).
             progress: Show a progress bar while accumulating the curvature.
             generator: Source of randomness of the sampled labels for ``fisher="mc"`` (on the model's device
                 or the CPU); same seed, same curvature. Unused by the other fisher types.
@@ -542,14 +572,17 @@ class LaplaceBase:
     def grid_val_nll(self, val_loader: Iterable[Any], grid: Tensor) -> Tensor:
         """Mean validation NLL of the linearised predictive for each scalar prior precision in ``grid``.
 
-        Jacobians are computed once per batch and reused for every grid value.
+        Classification scores the probit predictive (``partialbayes.predictive.probit``), regression the
+        Gaussian predictive with the observation noise (``gaussian_predictive``). Jacobians are computed
+        once per batch and reused for every grid value. Token-level outputs count one example per kept
+        position.
 
         Returns:
             ``[len(grid)]`` mean NLL per example.
 
         Raises:
-            ValueError: On an empty ``val_loader``, or labels of the wrong dtype / shape or out of range
-                (naming the batch).
+            ValueError: On an empty ``val_loader``, a batch without labels, or labels of the wrong dtype /
+                shape or out of range (naming the batch).
         """
         self._require_fit()
         totals = torch.zeros(len(grid), dtype=torch.float64)
@@ -558,38 +591,58 @@ class LaplaceBase:
         scale = self._scale(None)
         with torch.no_grad():
             for batch_index, batch in enumerate(val_loader):
-                inputs, labels = split_batch(batch)
+                inputs, outputs = self._read(batch)
                 with torch.enable_grad():
-                    f, covs = self._mean_covs(inputs, priors, scale)
-                f = f.to(self.dtype)
-                if isinstance(labels, Tensor):
-                    labels = labels.to(f.device)
+                    logits, keep, covs = self._mean_covs(inputs, outputs, priors, scale)
+                f = output_rows(logits, keep).to(self.dtype)
+                labels = outputs.targets(logits, keep)
+                if labels is None:
+                    raise ValueError(
+                        f"batch {batch_index}: val_loader batches need labels to score the predictive"
+                    )
                 labels = check_labels(labels, f, self.likelihood, batch_index)
                 for i, cov in enumerate(covs):
+                    cov = cov.to(self.dtype)
                     if self.likelihood == "classification":
-                        nll = probit_nll(f, cov, labels)
+                        score = nll(probit(f, cov), labels, reduction="sum")
                     else:
-                        nll = gaussian_nll(f, cov, labels, self.sigma_noise)
-                    totals[i] += float(nll)
+                        mean, var = gaussian_predictive(
+                            f, cov.diagonal(dim1=-2, dim2=-1), self.sigma_noise**2
+                        )
+                        score = gaussian_nll(mean, var, labels.to(f.dtype), reduction="sum")
+                    totals[i] += float(score)
                 count += f.shape[0]
         if count == 0:
             raise ValueError("val_loader is empty")
         return totals / count
 
     # ------------------------------------------------------------------ samples
-    def sample(self, n: int = 1, generator: torch.Generator | None = None) -> dict[str, Tensor]:
+    def sample(
+        self,
+        n: int = 1,
+        *args: torch.Generator | None,
+        generator: torch.Generator | None = None,
+    ) -> dict[str, Tensor]:
         """Draw weight samples ``θ ~ N(θ*, P⁻¹)`` of the subset.
 
         Args:
             n: Number of samples.
-            generator: Source of randomness (on the model's device); same seed, same samples.
+            *args: Deprecated: the generator given positionally (``sample(n, gen)``); pass
+                ``generator=gen`` instead. Still accepted, with a ``DeprecationWarning``, for one minor
+                version.
+            generator: Source of randomness (on the model's device or the CPU); same seed, same samples.
 
         Returns:
-            ``{param name: [n, k]}`` with the ``k`` entries of each parameter in ``subset.gather`` order.
+            ``{param name: [n, k]}`` with the ``k`` entries of each parameter in ``subset.gather`` order,
+            parameters in ``subset.names`` order.
+
+        Raises:
+            ValueError: If ``n`` is not a positive int.
+            TypeError: If the generator is given twice or more than one extra positional argument.
         """
+        generator = _generator_argument("sample", args, generator)
         self._require_fit()
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"n must be a positive integer, got {n!r}")
+        n = check_count("n", n)
         centered = self._sample_centered(n, generator)
         return {name: self._map[name] + centered[name] for name in self.subset.names}
 
@@ -631,38 +684,136 @@ class LaplaceBase:
                     p.copy_(self.subset.scatter(name, self._map[name], p.detach()))
 
     @contextmanager
-    def sampled(self, generator: torch.Generator | None = None) -> Iterator[nn.Module]:
-        """Draw one sample and swap it into the model (see `swapped`); the MAP is restored on exit."""
-        one = {k: v[0] for k, v in self.sample(1, generator).items()}
+    def sampled(
+        self, *args: torch.Generator | None, generator: torch.Generator | None = None
+    ) -> Iterator[nn.Module]:
+        """Draw one sample and swap it into the model (see `swapped`); the MAP is restored on exit.
+
+        Args:
+            *args: Deprecated: the generator given positionally; pass ``generator=`` (a
+                ``DeprecationWarning`` for one minor version).
+            generator: Source of randomness.
+
+        Yields:
+            The model, carrying the sample.
+        """
+        generator = _generator_argument("sampled", args, generator)
+        one = {k: v[0] for k, v in self.sample(1, generator=generator).items()}
         with self.swapped(one) as model:
             yield model
 
     # ------------------------------------------------------------------ predictive
-    def logit_mean_cov(self, batch: Any, chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
-        """Linearised predictive: ``f_MAP`` and the functional covariance ``J Σ Jᵀ`` per example.
-
-        Args:
-            batch: Model inputs (a tensor or dict), or a batch with labels (labels are ignored).
-            chunk_size: Process at most this many examples at a time (bounds the memory of the recorded
-                activations and output gradients); ``None`` = the whole batch at once.
-
-        Returns:
-            ``(f [B, C], Σ_f [B, C, C])`` in the dtype of the logits.
-        """
+    def _linearised(
+        self, batch: Any, chunk_size: int | None = None
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        """``(logits [B, C] | [B, T, C], keep [B, T] | None, Σ_f [N, C, C])`` of one batch at the prior."""
         self._require_fit()
         if chunk_size is not None and (
             isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
         ):
             raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-        inputs = batch
-        if (isinstance(batch, dict) and "labels" in batch) or isinstance(batch, (tuple, list)):
-            inputs, _ = split_batch(batch)
-        fs, covs = [], []
-        for part in split_inputs(inputs, chunk_size):
-            f, (cov,) = self._mean_covs(part, [self._prior], self._scale(None))
-            fs.append(f.detach())
-            covs.append(cov.to(f.dtype))
-        return torch.cat(fs), torch.cat(covs)
+        inputs, outputs = self._read(batch)
+        logits, keeps, covs = [], [], []
+        for part, part_outputs in split_chunks(inputs, outputs, chunk_size):
+            f, keep, (cov,) = self._mean_covs(part, part_outputs, [self._prior], self._scale(None))
+            logits.append(f.detach())
+            keeps.append(keep)
+            covs.append(cov.to(self.dtype))
+        keep_all = None if keeps[0] is None else torch.cat([k for k in keeps if k is not None])
+        return torch.cat(logits), keep_all, torch.cat(covs)
+
+    def logit_mean_cov(self, batch: Any, chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
+        """Linearised predictive: ``f_MAP`` and the functional covariance ``J Σ Jᵀ`` per output.
+
+        Args:
+            batch: A tensor ``x``, a pair ``(inputs, labels)`` or a mapping batch (``dict``,
+                ``BatchEncoding``). Label values are ignored; for token-level outputs labels of -100 (and
+                an attention mask of 0) mark the positions that are skipped.
+            chunk_size: Process at most this many examples at a time (bounds the memory of the recorded
+                activations and output gradients); ``None`` = the whole batch at once.
+
+        Returns:
+            ``(f [N, C], Σ_f [N, C, C])`` in the dtype of the logits: ``N = B`` for ``[B, C]`` logits; for
+            token-level logits ``[B, T, C]`` the ``N`` kept positions in row-major ``(b, t)`` order (as
+            ``partialbayes.predictive.flatten_outputs`` orders them). Each kept position costs ``C``
+            backward passes and a ``[C, C]`` covariance: with a large vocabulary, keep only the positions
+            you need (labels -100 elsewhere) or use `predictive_samples` on few positions.
+
+        Raises:
+            TypeError: A batch of an unknown kind (the message names its type and the accepted ones).
+            ValueError: Token-level logits with neither an attention mask nor labels.
+        """
+        logits, keep, cov = self._linearised(batch, chunk_size)
+        f = output_rows(logits, keep)
+        return f, cov.to(f.dtype)
+
+    def predict(
+        self,
+        batch: Any,
+        *,
+        link: str | None = None,
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The linearised predictive of a batch, at the model's output shape.
+
+        The logits are linearised around the MAP, ``f ~ N(f_MAP, Σ_f)`` with ``Σ_f = J Σ Jᵀ`` (see
+        `logit_mean_cov`), and integrated against the likelihood with
+        ``partialbayes.predictive``'s approximations.
+
+        Args:
+            batch: A tensor ``x``, a pair ``(inputs, labels)`` or a mapping batch (``dict``,
+                ``BatchEncoding``); label values are ignored (for token-level outputs, -100 marks a
+                position to skip).
+            link: Classification: ``"probit"`` (default; ``softmax(κ ⊙ f_MAP)`` with
+                ``κ_c = (1 + π/8 Σ_f,cc)^(-1/2)``), ``"mc"`` (``n_samples`` draws of ``f``, averaged
+                softmax) or ``"bridge"`` (the Laplace bridge). Regression: every link gives the closed-form
+                Gaussian predictive.
+            n_samples: Draws for ``link="mc"``.
+            generator: Source of randomness for ``link="mc"`` (on the model's device); same seed, same
+                result.
+
+        Returns:
+            Classification: probabilities with the logits' shape and dtype, ``[B, C]`` or ``[B, T, C]``.
+            Regression: ``(mean, variance)`` of a new target, each ``[B, C]`` (or ``[B, T, C]``); the
+            variance is ``diag Σ_f + σ²``, the observation noise included. Token-level positions that are
+            skipped (attention mask 0, label -100) hold the MAP prediction: ``softmax(f_MAP)``, or
+            ``(f_MAP, σ²)``; never NaN.
+
+        Raises:
+            ValueError: A link the posterior does not offer (the message lists `links`), a bad
+                ``n_samples``, token-level logits with neither an attention mask nor labels.
+            TypeError: A batch of an unknown kind.
+        """
+        link = resolve_link(link, self.links, type(self).__name__)
+        n_samples = check_count("n_samples", n_samples)
+        logits, keep, cov = self._linearised(batch)
+        if self.likelihood == "regression":
+            return regression_predictive(logits, keep, cov, self.sigma_noise**2)
+        return classification_predictive(
+            logits, keep, cov, link=link, n_samples=n_samples, generator=generator
+        )
+
+    def predictive_samples(
+        self, batch: Any, n: int, *, generator: torch.Generator | None = None
+    ) -> Tensor:
+        """``n`` draws of the linearised logits ``f ~ N(f_MAP, Σ_f)`` for a batch.
+
+        The input of ``partialbayes.predictive``'s uncertainty decomposition. Outputs are drawn
+        independently of each other (``Σ_f`` is per output); regression draws the function, without the
+        observation noise. Token-level positions that are skipped hold ``f_MAP``.
+
+        Args:
+            batch: Any accepted batch (label values are ignored).
+            n: Number of draws.
+            generator: Source of randomness (on the model's device).
+
+        Returns:
+            ``[n, B, C]`` (or ``[n, B, T, C]``) in the logits' dtype.
+        """
+        n = check_count("n", n)
+        logits, keep, cov = self._linearised(batch)
+        return linearised_logit_samples(logits, keep, cov, n, generator=generator)
 
     # ------------------------------------------------------------------ size, summary, io
     @property
@@ -711,3 +862,23 @@ class LaplaceBase:
     def __repr__(self) -> str:
         state = f"{self.num_floats} floats" if self._fitted else "not fitted"
         return f"{type(self).__name__}({len(self.modules)} modules, {state})"
+
+
+def _generator_argument(
+    method: str, args: tuple[Any, ...], generator: torch.Generator | None
+) -> torch.Generator | None:
+    """The generator of `sample` / `sampled`, accepting the deprecated positional form with a warning."""
+    if not args:
+        return generator
+    if len(args) > 1 or generator is not None:
+        raise TypeError(
+            f"{method}() takes the generator once, as the keyword generator=; got {len(args)} extra "
+            f"positional argument(s){' and generator=' if generator is not None else ''}"
+        )
+    warnings.warn(
+        f"passing the generator to {method}() positionally is deprecated and will be removed in the "
+        f"next minor version; use {method}(..., generator=...)",
+        DeprecationWarning,
+        stacklevel=user_stacklevel(),
+    )
+    return args[0]

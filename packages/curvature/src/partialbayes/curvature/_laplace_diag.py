@@ -10,6 +10,7 @@ from torch import Tensor
 
 from partialbayes.curvature._laplace_base import LaplaceBase
 from partialbayes.curvature._laplace_data import subset_jacobians
+from partialbayes.curvature._outputs import Outputs
 
 
 class DiagLaplace(LaplaceBase):
@@ -17,7 +18,9 @@ class DiagLaplace(LaplaceBase):
 
     ``h`` is the diagonal of the summed GGN / Fisher of the subset's entries (``diag_curvature``). Works for
     any subset, elementwise ``MaskBlock`` ones included. Prior precision: scalar or one per module (the
-    module owning each parameter, e.g. ``"encoder.layer.0.output.dense"``).
+    module owning each parameter, e.g. ``"encoder.layer.0.output.dense"``). Token-level outputs are exact
+    per position: ``fisher="exact"`` costs ``C`` backward passes per kept position and batch (see
+    ``diag_curvature``).
     """
 
     def __init__(self, model: Any, subset: Any, **kwargs: Any) -> None:
@@ -71,8 +74,10 @@ class DiagLaplace(LaplaceBase):
             for name in self.subset.names
         }
 
-    def _jacobians(self, inputs: Any) -> tuple[Tensor, dict[str, Tensor]]:
-        return subset_jacobians(self.model, inputs, self.subset)
+    def _jacobians(
+        self, inputs: Tensor | Mapping[str, Any], outputs: Outputs
+    ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
+        return subset_jacobians(self.model, inputs, outputs, self.subset)
 
     def _prepare(self, jac: Mapping[str, Tensor]) -> dict[str, Tensor]:
         return {n: j.to(device=self.device, dtype=self.dtype) for n, j in jac.items()}

@@ -24,6 +24,7 @@ from partialbayes.curvature._laplace_data import (
     params_to_block,
 )
 from partialbayes.curvature._laplace_projected import kron_predictive, projected_jacobians
+from partialbayes.curvature._outputs import Outputs, output_rows
 
 
 class _Projected(dict):
@@ -46,7 +47,9 @@ class KronLaplace(LaplaceBase):
     Args:
         model: The fine-tuned model.
         subset: A Kronecker-structured subset (``KronBlock`` blocks on linear maps).
-        sharing: Weight sharing over tokens for KFAC, ``"reduce"`` or ``"expand"``.
+        sharing: Weight sharing over tokens for KFAC, ``"reduce"`` or ``"expand"``. Token-level outputs
+            (``[B, T, C]`` logits: token classification, causal LMs) need ``"expand"``: every kept position
+            is its own output, and ``"reduce"`` (one loss per sequence) is refused with a pointer.
         bias: ``"fold"`` (bias folded into ``A``) or ``"separate"`` (own Kronecker block ``G ⊗ A_bias``);
             stored by `save` and passed to `kfac`.
         predictive_rtol: ``0`` (default): the linearised predictive is exact. ``ε > 0``: eigendirection pairs
@@ -211,24 +214,33 @@ class KronLaplace(LaplaceBase):
         return out
 
     # ------------------------------------------------------------------ predictive
-    def _jacobians(self, inputs: Any) -> tuple[Tensor, _Projected]:
-        """Per-example logit Jacobians of each block, already in the eigenbases: ``M = Q_Gᵀ J Q_A``.
+    def _jacobians(
+        self, inputs: Tensor | Mapping[str, Any], outputs: Outputs
+    ) -> tuple[Tensor, Tensor | None, _Projected]:
+        """Per-output logit Jacobians of each block, already in the eigenbases: ``M = Q_Gᵀ J Q_A``.
 
-        Hooks and ``C`` backward passes; ``J`` itself is never formed (see `projected_jacobians`).
+        Hooks and ``C`` backward passes per output position; ``J`` itself is never formed (see
+        `projected_jacobians`).
         """
         bases = {m: (self._eig[m][1], self._eig[m][3]) for m in self.modules}
-        f, projected = projected_jacobians(self.model, inputs, self._kmods, bases, self.dtype)
-        return f, _Projected(projected)
+        logits, keep, projected = projected_jacobians(
+            self.model, inputs, outputs, self._kmods, bases, self.dtype
+        )
+        return logits, keep, _Projected(projected)
 
     def _mean_covs(
-        self, inputs: Any, priors: Sequence[Tensor], scale: Tensor | float
-    ) -> tuple[Tensor, list[Tensor]]:
+        self,
+        inputs: Tensor | Mapping[str, Any],
+        outputs: Outputs,
+        priors: Sequence[Tensor],
+        scale: Tensor | float,
+    ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
         """Streamed predictive: each module's ``Σ_ij M_k M_l / E`` is added as soon as its gradients exist.
 
         See `kron_predictive`; ``M`` is never stored for all modules (at most one example's at a time).
         """
         if self.predictive_rtol > 0:
-            return self._mean_covs_truncated(inputs, priors, scale)
+            return self._mean_covs_truncated(inputs, outputs, priors, scale)
         bases = {m: (self._eig[m][1], self._eig[m][3]) for m in self.modules}
         inv = [
             {
@@ -238,16 +250,16 @@ class KronLaplace(LaplaceBase):
             for prior in priors
         ]
         with eval_mode(self.model):
-            f, covs = kron_predictive(self.model, inputs, self._kmods, bases, inv, self.dtype)
-        return f, covs
+            return kron_predictive(self.model, inputs, outputs, self._kmods, bases, inv, self.dtype)
 
     def _mean_covs_truncated(
         self,
-        inputs: Any,
+        inputs: Tensor | Mapping[str, Any],
+        outputs: Outputs,
         priors: Sequence[Tensor],
         scale: Tensor | float,
         products_dtype: torch.dtype | None = None,
-    ) -> tuple[Tensor, list[Tensor]]:
+    ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
         """`_mean_covs` with ``predictive_rtol > 0``: only eigendirections with curvature above ``ε · δ``.
 
         Per module, ``I`` are the eigenvectors of ``G`` and ``J`` those of ``A`` that take part in some pair
@@ -276,9 +288,10 @@ class KronLaplace(LaplaceBase):
                 weights[p][m] = kept.reciprocal() - 1.0 / delta
                 residual[p][m] = 1.0 / delta
         with eval_mode(self.model):
-            f, covs = kron_predictive(
+            logits, keep, covs = kron_predictive(
                 self.model,
                 inputs,
+                outputs,
                 self._kmods,
                 bases,
                 weights,
@@ -286,13 +299,14 @@ class KronLaplace(LaplaceBase):
                 residual=residual,
                 combine_dtype=f64,
             )
-        return f, [c.to(self.dtype) for c in covs]
+        return logits, keep, [c.to(self.dtype) for c in covs]
 
-    def _autograd_jacobians(self, inputs: Any) -> tuple[Tensor, dict[str, Tensor]]:
-        """Block Jacobians by generic reverse mode over all logits (reference path)."""
-        f, jac = param_jacobians(self.model, inputs, self.subset)
+    def _autograd_jacobians(self, batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        """Block Jacobians ``(rows [N, C], {module: [N, C, r, c]})`` by generic reverse mode (reference)."""
+        inputs, outputs = self._read(batch)
+        logits, keep, jac = param_jacobians(self.model, inputs, outputs, self.subset)
         blocks = {m: self.params_to_block(m, jac) for m in self.modules}
-        return f, blocks
+        return output_rows(logits, keep), blocks
 
     def _prepare(self, jac: Mapping[str, Tensor]) -> dict[str, Tensor]:
         if isinstance(jac, _Projected):
