@@ -267,9 +267,10 @@ class BatchPasses:
             several times merged as extra positions).
         keep: ``[B, T]`` bool mask of the kept output positions of token-level logits, ``None`` for
             ``[B, C]`` logits.
-        token_masks: Module -> float mask ``[B, T]`` of the positions of ``inputs`` that count (``None``
-            for ``[B, c]`` inputs): the kept output positions for token-level logits, else the attention
-            mask (all ones without one).
+        token_masks: Module -> float mask ``[B, T]`` of the real positions of ``inputs`` (``None`` for
+            ``[B, c]`` inputs): the attention mask, all ones without one. For token-level logits this is
+            not the kept *output* positions: a position whose output is not kept (a prompt token labelled
+            -100) still feeds the kept ones through attention.
         passes: Iterator of ``{module: δ}`` (``[B, n_out]`` or ``[B, T, n_out]``, full rows), one per cotangent;
             exhaust it before advancing to the next batch.
     """
@@ -417,7 +418,7 @@ def stream(
                 batch_index=index,
             )
             recorded = dict(rec.inputs)  # merges repeated calls first (clear error if they differ)
-            masks = rec.token_masks(outputs.attention_mask if keep is None else keep)
+            masks = rec.token_masks(outputs.attention_mask)
             yield BatchPasses(
                 index=index,
                 n_examples=int(logits.shape[0]),
