@@ -8,8 +8,10 @@ answer vocabulary; then end to end (fine-tune, fit, prior, predict, save / load,
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +25,9 @@ peft = pytest.importorskip("peft")
 sys.path.insert(0, str(Path(__file__).parent))
 from _token_refs import LM_VOCAB, ggn, inputs, kept, llama_lm, output_jacobian, targets  # noqa: E402
 
-from partialbayes.curvature import kfac  # noqa: E402
+from partialbayes.curvature import DenseLaplace, KronLaplace, dense_curvature, kfac  # noqa: E402
+from partialbayes.predictive import Posterior, probit  # noqa: E402
+from partialbayes.predictive.testing import check_posterior  # noqa: E402
 from partialbayes.selection import lora_modules, lora_subset, sparse_kfac  # noqa: E402
 
 # peft calls a transformers method that transformers 5 deprecates; not ours to fix
@@ -208,3 +212,227 @@ def test_output_layer_adapters_exact_with_one_answer(device, seed, t, rank, fish
         block = H[start : start + k, start : start + k]
         start += k
         torch.testing.assert_close(torch.kron(f.G, f.A), block, rtol=1e-9, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- the linearised predictive
+def random_factors(la: KronLaplace, seed: int) -> dict[str, SimpleNamespace]:
+    """Positive definite ``G`` (summed scale) and ``A`` for every block of ``la``."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for m in la.modules:
+        r, _, c = la._dims(m)
+        xg = torch.randn(r, r, generator=g, dtype=torch.float64)
+        xa = torch.randn(c, c, generator=g, dtype=torch.float64)
+        out[m] = SimpleNamespace(G=xg @ xg.T, A=xa @ xa.T / c)
+    return out
+
+
+def jacobian_by_module(J: Tensor, subset, modules: tuple[str, ...]) -> Tensor:
+    """``J [N, C, P]`` (subset order) with its columns in ``modules`` order (one weight per adapter)."""
+    start, per = 0, {}
+    for n in subset.names:
+        k = subset.num_entries(n)
+        per[n.removesuffix(".weight")] = J[..., start : start + k]
+        start += k
+    return torch.cat([per[m] for m in modules], -1)
+
+
+@FIXTURE
+@given(
+    seed=st.integers(0, 2**10),
+    b=st.integers(1, 3),
+    t=st.integers(3, 6),
+    rank=st.integers(1, 3),
+    prior=st.floats(0.2, 5.0),
+    family=st.sampled_from(["kron", "dense"]),
+    chunk=st.sampled_from([None, 1]),
+)
+def test_answer_token_covariance_equals_dense_reference(
+    device, seed, b, t, rank, prior, family, chunk
+):
+    """``logit_mean_cov`` of the answer tokens is ``J P⁻¹ Jᵀ`` with ``J`` by plain autograd on the adapters.
+
+    Kron: any Kronecker factors, ``P = blockdiag(G ⊗ A + δI)``. Dense: the fitted curvature is the exact
+    GGN of the training answers, by the same autograd (an exactness case), and ``P = GGN + δI``.
+    """
+    model = peft_llama(seed, rank).to(device)
+    subset = lora_subset(model)
+    test = _on(answer_batch(b, t, seed + 1), device)
+    keep = kept(test, True)
+    if family == "kron":
+        la = KronLaplace(model, subset, prior_precision=prior, sharing="expand")
+        factors = random_factors(la, seed)
+        la.fit_curvature(factors, map_loss=1.0, n_data=5, n_outputs=LM_VOCAB)
+        P = torch.block_diag(
+            *[
+                torch.kron(factors[m].G, factors[m].A)
+                + prior * torch.eye(factors[m].G.shape[0] * factors[m].A.shape[0]).double()
+                for m in la.modules
+            ]
+        )
+        logits, J = output_jacobian(model, test, keep, subset)
+        J = jacobian_by_module(J.cpu(), subset, la.modules)
+    else:
+        train = _on(answer_batch(3, t, seed), device)
+        la = DenseLaplace(model, subset, prior_precision=prior).fit([train])
+        train_logits, J_train = output_jacobian(model, train, kept(train, True), subset)
+        H = ggn(J_train, train_logits).cpu()
+        torch.testing.assert_close(dense_curvature(model, [train], subset).cpu(), H)
+        P = H + prior * torch.eye(H.shape[0]).double()
+        logits, J = output_jacobian(model, test, keep, subset)
+        J = J.cpu()
+    ref = J @ torch.linalg.solve(P, J.mT)
+    f, cov = la.logit_mean_cov(test, chunk_size=chunk)
+    assert f.shape == (b, LM_VOCAB)
+    assert cov.shape == (b, LM_VOCAB, LM_VOCAB)
+    torch.testing.assert_close(f, logits)
+    torch.testing.assert_close(cov.cpu(), ref, rtol=1e-7, atol=1e-10)
+    probs = la.predict(test)  # [B, T, V]: the answer positions by the probit, the rest at the MAP
+    torch.testing.assert_close(probs[keep].cpu(), probit(logits.cpu(), ref))
+    full = model(**inputs(test)).logits.detach()
+    torch.testing.assert_close(probs[~keep], torch.softmax(full, -1)[~keep])
+
+
+class AnswerHead(nn.Module):
+    """A causal LM's logits of a few answer tokens at the last real token: ``[B, K]`` (Laplace-LoRA)."""
+
+    def __init__(self, lm: nn.Module, answer_ids: list[int]) -> None:
+        super().__init__()
+        self.lm = lm
+        self.register_buffer("answer_ids", torch.tensor(answer_ids))
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        logits = self.lm(input_ids=input_ids, attention_mask=attention_mask).logits
+        last = attention_mask.sum(1) - 1
+        return logits[torch.arange(len(last), device=last.device), last][:, self.answer_ids]
+
+
+@FIXTURE
+@given(seed=st.integers(0, 2**10), b=st.integers(1, 3), t=st.integers(3, 6))
+def test_answer_vocabulary_is_the_marginal_of_the_linearised_logits(device, seed, b, t):
+    """Restricting ``N(f, J Σ Jᵀ)`` to the answer tokens is predicting through an answer-only head.
+
+    The same curvature, moved onto an ``AnswerHead`` around the same model, predicts ``probit`` of the
+    sub-block ``(f[ids], Σ_f[ids, ids])`` of the full-vocabulary posterior at the answer position.
+    """
+    model = peft_llama(seed, 2).to(device)
+    ids = [1, 4, 7]
+    la = KronLaplace(model, lora_subset(model), prior_precision=0.7, sharing="expand")
+    factors = random_factors(la, seed)
+    la.fit_curvature(factors, map_loss=1.0, n_data=5, n_outputs=LM_VOCAB)
+    head = AnswerHead(model, ids)
+    on_head = KronLaplace(head, lora_subset(head), prior_precision=0.7, sharing="expand")
+    on_head.fit_curvature(
+        {f"lm.{m}": v for m, v in factors.items()}, map_loss=1.0, n_data=5, n_outputs=len(ids)
+    )
+    batch = _on(answer_batch(b, t, seed), device)
+    prompt_len = batch["labels"].ne(-100).int().argmax(1)  # the answer's position
+    prompts = {  # the prompt alone: the head reads its last real token
+        "input_ids": batch["input_ids"],
+        "attention_mask": (torch.arange(t, device=device)[None] < prompt_len[:, None]).long(),
+    }
+    f, cov = la.logit_mean_cov(batch)
+    sub = torch.tensor(ids, device=f.device)
+    want = probit(f[:, sub], cov[:, sub][:, :, sub])
+    torch.testing.assert_close(on_head.predict(prompts), want)
+
+
+# ----------------------------------------------------------------------------- end to end
+WORDS = [f"w{i}" for i in range(LM_VOCAB - 1)]
+
+
+def tokenizer():
+    """A word-level tokenizer over ``LM_VOCAB`` tokens (``[PAD]`` = 0), as a Hugging Face fast tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["[PAD]", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[PAD]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]")
+
+
+def features(n: int, seed: int) -> list[dict[str, list[int]]]:
+    """Prompts of 2-4 tokens; the answer (one of three tokens) is a function of the last prompt token."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        prompt = torch.randint(
+            1, LM_VOCAB, (int(torch.randint(2, 5, (1,), generator=g)),), generator=g
+        )
+        answer = 1 + int(prompt[-1]) % 3
+        ids = [*prompt.tolist(), answer]
+        out.append(
+            {
+                "input_ids": ids,
+                "attention_mask": [1] * len(ids),
+                "labels": [-100] * len(prompt) + [answer],
+            }
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def fine_tuned():
+    """A LoRA fine-tuned tiny Llama (30 AdamW steps on the adapters) and collator-built loaders."""
+    base = llama_lm(0, layers=2)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a random base with features rich enough to learn from
+        for p in base.parameters():
+            p.normal_(0.0, 0.3, generator=g)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(
+        base,
+        peft.LoraConfig(
+            r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj", "lm_head"]
+        ),
+    ).double()
+    collator = transformers.DataCollatorForSeq2Seq(tokenizer(), padding=True)
+    train = features(24, 0)
+    loader = torch.utils.data.DataLoader(train, batch_size=8, collate_fn=collator)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    model.train()
+    for _ in range(10):
+        for batch in loader:
+            opt.zero_grad()
+            model(**batch).loss.backward()
+            opt.step()
+    model.eval()
+    assert loss_of(model, loader) < 0.5 * math.log(3) * 24  # it learned the answers
+    return model, loader, collator(features(6, 1))
+
+
+def loss_of(model: nn.Module, loader) -> float:
+    with torch.no_grad():
+        return sum(float(model(**b).loss) * int(b["labels"].ne(-100).sum()) for b in loader)
+
+
+def test_fit_and_predict_the_answer_token(fine_tuned, tmp_path):
+    """Fit, prior by gradient marginal likelihood, predict, save / load, the protocol; and S-KFAC inside."""
+    model, loader, test = fine_tuned
+    la = KronLaplace(model, lora_subset(model), sharing="expand").fit(loader)
+    assert la.shift_labels  # a PeftModelForCausalLM is a causal LM
+    assert la.n_data == 24  # one scored answer per prompt
+    result = la.optimize_prior_precision("marglik", optimizer="gradient")
+    assert result.converged
+    assert math.isfinite(result.log_marginal_likelihood)
+    probs = la.predict(test)
+    assert probs.shape == (*test["input_ids"].shape, LM_VOCAB)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(probs.shape[:2], dtype=probs.dtype))
+    keep = kept(dict(test), True)
+    map_probs = torch.softmax(model(**inputs(dict(test))).logits.detach(), -1)
+    assert not torch.allclose(probs[keep], map_probs[keep], atol=1e-4)  # the posterior widens them
+    torch.testing.assert_close(probs[~keep], map_probs[~keep])
+    la.save(tmp_path / "lora.safetensors")
+    again = KronLaplace.load(tmp_path / "lora.safetensors", model)
+    assert torch.equal(again.predict(test), probs)
+    assert isinstance(la, Posterior)
+    check_posterior(la, test, tmp_path / "check.safetensors")
+    # S-KFAC inside the adapters: a quarter of every factor's rows and columns
+    inside = sparse_kfac(model, 50, modules=lora_modules(model))
+    sk = KronLaplace(model, inside, sharing="expand").fit(loader)
+    sk.optimize_prior_precision("marglik")
+    assert sk.num_floats < la.num_floats
+    sk_probs = sk.predict(test)
+    torch.testing.assert_close(sk_probs.sum(-1), torch.ones(probs.shape[:2], dtype=probs.dtype))
+    assert not torch.allclose(sk_probs[keep], map_probs[keep], atol=1e-4)
+    check_posterior(sk, test, tmp_path / "check-skfac.safetensors")
