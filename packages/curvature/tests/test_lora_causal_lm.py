@@ -337,6 +337,32 @@ def test_answer_vocabulary_is_the_marginal_of_the_linearised_logits(device, seed
     torch.testing.assert_close(on_head.predict(prompts), want)
 
 
+def test_a_head_in_training_mode_leaves_the_wrapped_model_as_it_was():
+    """Fitting and predicting through a wrapper restore every module's own mode, not the wrapper's.
+
+    ``AnswerHead(model)`` is in training mode as built, the language model inside it in eval mode; the
+    curvature pass and the predictive used to restore with ``head.train(True)``, which switched the whole
+    language model (its dropout included) to training mode.
+    """
+    model = peft_llama(0, 2)
+    head = AnswerHead(model, [1, 4, 7])
+    assert head.training
+    assert not model.training
+    modes = {n: m.training for n, m in head.named_modules()}
+    batch = answer_batch(3, 5, 0)
+    prompts = {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        "labels": torch.tensor([0, 2, 1]),
+    }
+    with pytest.warns(UserWarning, match="training mode"):
+        la = KronLaplace(head, lora_subset(head), sharing="expand").fit([prompts])
+    assert {n: m.training for n, m in head.named_modules()} == modes
+    la.predict(prompts)
+    la.logit_mean_cov(prompts)
+    assert {n: m.training for n, m in head.named_modules()} == modes
+
+
 # ----------------------------------------------------------------------------- end to end
 WORDS = [f"w{i}" for i in range(LM_VOCAB - 1)]
 

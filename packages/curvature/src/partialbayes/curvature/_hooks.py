@@ -217,15 +217,15 @@ def prepared(
 ) -> Iterator[None]:
     """Eval mode (warning if the model was training), gradients enabled, target weights differentiable.
 
-    Restores the model's mode and the weights' ``requires_grad`` afterwards, even on error. With
+    Restores every module's own mode and the weights' ``requires_grad`` afterwards, even on error. With
     ``switch=False`` the model's mode is left alone.
 
     Raises:
         ValueError: If a target weight is tied to another module (see `check_untied`).
     """
     check_untied(model, modules)
-    was_training = model.training
-    if was_training and switch:
+    modes = [(m, m.training) for m in model.modules()]
+    if model.training and switch:
         warnings.warn(
             "model is in training mode; the curvature is computed in eval mode (dropout would corrupt it) "
             "and the mode is restored afterwards",
@@ -244,7 +244,8 @@ def prepared(
     finally:
         for w, flag in flags:
             w.requires_grad_(flag)
-        model.train(was_training)
+        for m, mode in modes:  # each module its own (model.train() would impose the root's on all)
+            m.training = mode
 
 
 BatchObserver = Callable[[int, Tensor, Tensor | None], None]
