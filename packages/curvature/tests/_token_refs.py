@@ -55,14 +55,14 @@ def _rms_norm_in_own_dtype(self: nn.Module, hidden_states: Tensor) -> Tensor:
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
-def llama_lm(seed: int = 0) -> LlamaForCausalLM:
+def llama_lm(seed: int = 0, layers: int = 1) -> LlamaForCausalLM:
     """A tiny Llama causal LM in float64 (its RMSNorms kept in float64 too)."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=LM_VOCAB,
         hidden_size=8,
         intermediate_size=12,
-        num_hidden_layers=1,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=16,

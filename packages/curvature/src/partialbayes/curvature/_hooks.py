@@ -217,15 +217,15 @@ def prepared(
 ) -> Iterator[None]:
     """Eval mode (warning if the model was training), gradients enabled, target weights differentiable.
 
-    Restores the model's mode and the weights' ``requires_grad`` afterwards, even on error. With
+    Restores every module's own mode and the weights' ``requires_grad`` afterwards, even on error. With
     ``switch=False`` the model's mode is left alone.
 
     Raises:
         ValueError: If a target weight is tied to another module (see `check_untied`).
     """
     check_untied(model, modules)
-    was_training = model.training
-    if was_training and switch:
+    modes = [(m, m.training) for m in model.modules()]
+    if model.training and switch:
         warnings.warn(
             "model is in training mode; the curvature is computed in eval mode (dropout would corrupt it) "
             "and the mode is restored afterwards",
@@ -244,7 +244,8 @@ def prepared(
     finally:
         for w, flag in flags:
             w.requires_grad_(flag)
-        model.train(was_training)
+        for m, mode in modes:  # each module its own (model.train() would impose the root's on all)
+            m.training = mode
 
 
 BatchObserver = Callable[[int, Tensor, Tensor | None], None]
@@ -267,9 +268,10 @@ class BatchPasses:
             several times merged as extra positions).
         keep: ``[B, T]`` bool mask of the kept output positions of token-level logits, ``None`` for
             ``[B, C]`` logits.
-        token_masks: Module -> float mask ``[B, T]`` of the positions of ``inputs`` that count (``None``
-            for ``[B, c]`` inputs): the kept output positions for token-level logits, else the attention
-            mask (all ones without one).
+        token_masks: Module -> float mask ``[B, T]`` of the real positions of ``inputs`` (``None`` for
+            ``[B, c]`` inputs): the attention mask, all ones without one. For token-level logits this is
+            not the kept *output* positions: a position whose output is not kept (a prompt token labelled
+            -100) still feeds the kept ones through attention.
         passes: Iterator of ``{module: δ}`` (``[B, n_out]`` or ``[B, T, n_out]``, full rows), one per cotangent;
             exhaust it before advancing to the next batch.
     """
@@ -417,7 +419,7 @@ def stream(
                 batch_index=index,
             )
             recorded = dict(rec.inputs)  # merges repeated calls first (clear error if they differ)
-            masks = rec.token_masks(outputs.attention_mask if keep is None else keep)
+            masks = rec.token_masks(outputs.attention_mask)
             yield BatchPasses(
                 index=index,
                 n_examples=int(logits.shape[0]),

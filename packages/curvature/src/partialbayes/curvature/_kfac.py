@@ -59,6 +59,22 @@ def _expand_rows(t: Tensor, m: Tensor | None) -> Tensor:
     return (t * m[..., None]).reshape(-1, t.shape[-1])
 
 
+def carries_gradient(energy: Tensor, eps: float) -> Tensor:
+    """``[B, T]`` bool: the positions whose output gradient ``δ`` is not zero, up to rounding.
+
+    A position whose ``δ`` is zero in every backward pass (it feeds no kept output) does not count, nor one
+    whose ``δ`` is rounding noise: attention kernels leave gradients of order ``1e-22`` where the exact value
+    is zero (the query of a token with a single unmasked key). The test is ``‖δ_t‖² > eps · max_u ‖δ_u‖²``
+    over the batch's positions ``u``: a dropped position's ``δ_t δ_tᵀ`` is below the rounding level of the
+    largest term of ``G``'s sum.
+
+    Args:
+        energy: ``[B, T]`` the largest ``‖δ_t‖²`` of each position over the backward passes.
+        eps: The machine epsilon of ``δ``'s dtype.
+    """
+    return energy > eps * energy.max()
+
+
 def kfac(
     model: nn.Module,
     loader: Iterable[Any],
@@ -103,12 +119,17 @@ def kfac(
 
     Token-level outputs (logits ``[B, T, C]``: token classification, causal language models) count one
     output per kept position — positions where the attention mask is 0 or the label is -100 are dropped —
-    and need ``sharing="expand"`` (``"reduce"`` assumes one loss per sequence and is refused): ``G`` sums
-    ``δ`` over the kept positions, ``A`` averages ``x`` over them. The ``S`` backward passes carry every
-    kept position's output vector at once (as curvlinops does), so the factors are exact in KFAC-expand's
-    exact cases (positions that do not interact, e.g. deep linear per-token networks) and otherwise also
-    hold cross-position terms, like any KFAC of a transformer. Causal LMs shift their labels (the output at
-    ``t`` predicts token ``t + 1``): see ``shift_labels``.
+    and need ``sharing="expand"`` (``"reduce"`` assumes one loss per sequence and is refused). The ``S``
+    backward passes carry every kept position's output vector at once (as curvlinops does). Each module's
+    examples are its real positions (attention mask 1) whose output gradient ``δ`` is not zero in some
+    pass (above rounding level, see `carries_gradient`): ``G`` sums ``δδᵀ`` and ``A`` averages ``x̃x̃ᵀ``
+    over them. A position whose own output is not kept
+    still counts where it feeds a kept one — a prompt token labelled -100, seen through attention by the
+    answer — and a position that feeds none (the output layer away from the kept positions, tokens after
+    the last kept output of a causal model) does not. So the factors are exact in KFAC-expand's exact cases
+    (positions that do not interact, e.g. deep linear per-token networks, or one kept position) and
+    otherwise also hold cross-position terms, like any KFAC of a transformer. Causal LMs shift their labels
+    (the output at ``t`` predicts token ``t + 1``): see ``shift_labels``.
 
     Args:
         model: Network; its forward takes a tensor or keyword inputs and returns logits ``[B, C]`` or
@@ -190,11 +211,30 @@ def kfac(
                     "sequence. Pass sharing='expand'"
                 )
             n_examples += bp.n_examples
-            masks: dict[str, Tensor | None] = {}
+            token_level = bp.keep is not None
+            deltas: dict[str, list[Tensor]] = {m: [] for m in kmods}
+            energy: dict[str, Tensor] = {}  # token-level: the largest ‖δ_t‖² over the passes
+            eps: dict[str, float] = {}
+            for grads in bp.passes:
+                for m, d in grads.items():
+                    tm = bp.token_masks[m]
+                    if token_level and tm is not None:
+                        e = d.square().sum(-1)  # full rows, before an S-KFAC gather
+                        energy[m] = torch.maximum(energy[m], e) if m in energy else e
+                        eps[m] = torch.finfo(d.dtype).eps
+                    r = rows[m]
+                    if r is not None:
+                        d = d.index_select(-1, r)
+                    deltas[m].append(
+                        _reduce_rows(d, tm, mean=False)
+                        if sharing == "reduce"
+                        else _expand_rows(d, tm)
+                    )
             checks: dict[str, Tensor] = {}
             for m, x in bp.inputs.items():
                 tm = bp.token_masks[m]
-                masks[m] = tm
+                if m in energy and tm is not None:  # G is unchanged: δ ≈ 0 where this drops
+                    tm = tm * carries_gradient(energy[m], eps[m]).to(tm.dtype)
                 if tm is not None and sharing == "reduce" and bool((tm.sum(1) == 0).any()):
                     raise ValueError(f"batch {bp.index}: an example has no unmasked token")
                 cnt: Tensor | int
@@ -205,18 +245,6 @@ def kfac(
                     cnt = x.shape[0] if tm is None else tm.sum()
                 acc[m].add_inputs(xr, cnt)
                 checks[m] = xr.sum()
-            deltas: dict[str, list[Tensor]] = {m: [] for m in kmods}
-            for grads in bp.passes:
-                for m, d in grads.items():
-                    r = rows[m]
-                    if r is not None:
-                        d = d.index_select(-1, r)
-                    tm = masks[m]
-                    deltas[m].append(
-                        _reduce_rows(d, tm, mean=False)
-                        if sharing == "reduce"
-                        else _expand_rows(d, tm)
-                    )
             for m, ds in deltas.items():
                 dd = torch.cat(ds) if len(ds) > 1 else ds[0]
                 acc[m].add_grads(dd)

@@ -26,13 +26,18 @@ from partialbayes.selection import KronModule, Subset
 
 @contextmanager
 def eval_mode(model: nn.Module) -> Iterator[None]:
-    """Run ``model`` in eval mode (dropout off), restoring its mode afterwards."""
-    was_training = model.training
+    """Run ``model`` in eval mode (dropout off), restoring every module's own mode afterwards.
+
+    Not ``model.train(was_training)``, which would set every submodule to the root's mode: a wrapper in
+    training mode around a model in eval mode would leave the model training.
+    """
+    modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
         yield
     finally:
-        model.train(was_training)
+        for m, mode in modes:
+            m.training = mode
 
 
 class MapLoss:
