@@ -10,9 +10,6 @@ from transformers.pytorch_utils import Conv1D
 
 from partialbayes.selection import KronBlock, Subset
 
-# Small tensors: one thread avoids oversubscription on the shared 2-core CI machine (30x faster here).
-torch.set_num_threads(1)
-
 
 class TinyNet(nn.Module):
     """Linear(3, 5) -> tanh -> HF Conv1D(5 -> 4) -> tanh -> Linear(4, 3): covers both storage layouts."""

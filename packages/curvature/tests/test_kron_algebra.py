@@ -17,9 +17,6 @@ from partialbayes.curvature._kron_algebra import (
     precision_eigenvalues,
 )
 
-# Small tensors: one thread avoids oversubscription on the shared 2-core CI machine (30x faster here).
-torch.set_num_threads(1)
-
 
 def _psd(n: int, rank: int, g: torch.Generator, device) -> torch.Tensor:
     x = torch.randn(n, rank, generator=g, dtype=torch.float64)

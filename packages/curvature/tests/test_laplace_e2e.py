@@ -1,61 +1,27 @@
 """End to end on tiny Hugging Face classifiers: fit, tune the prior, predict, sample, save, load."""
 
-import importlib.util
 import math
 
 import pytest
 import torch
-from transformers import (
-    BertConfig,
-    BertForSequenceClassification,
-    DistilBertConfig,
-    DistilBertForSequenceClassification,
-    GPT2Config,
-    GPT2ForSequenceClassification,
-)
 
 from partialbayes.curvature import DenseLaplace, DiagLaplace, KronLaplace
 from partialbayes.selection import last_layer, random_parameters, sparse_kfac
-
-# Small tensors: one thread avoids oversubscription on the shared 2-core CI machine (30x faster here).
-torch.set_num_threads(1)
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("partialbayes.curvature._kfac") is None,
-    reason="the curvature factors (engineer A's kfac) are not in this checkout yet",
-)
+from tiny_models import tiny_model
 
 VOCAB, CLASSES = 50, 3
 
 
 def distilbert():
-    torch.manual_seed(0)
-    cfg = DistilBertConfig(
-        vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, hidden_dim=32, max_position_embeddings=32
-    )
-    cfg.num_labels = CLASSES
-    return DistilBertForSequenceClassification(cfg).eval()
+    return tiny_model("distilbert", seed=0, size="s", num_labels=CLASSES).eval()
 
 
 def bert():
-    torch.manual_seed(0)
-    cfg = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=32,
-        num_labels=CLASSES,
-    )
-    return BertForSequenceClassification(cfg).eval()
+    return tiny_model("bert", seed=0, size="s", num_labels=CLASSES).eval()
 
 
 def gpt2():
-    torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=32)
-    cfg.num_labels, cfg.pad_token_id = CLASSES, 0
-    return GPT2ForSequenceClassification(cfg).eval()
+    return tiny_model("gpt2", seed=0, size="s", num_labels=CLASSES, pad_token_id=0).eval()
 
 
 def batches(n_batches, size, seed, length=10):

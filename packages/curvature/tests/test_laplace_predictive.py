@@ -7,14 +7,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import (
-    BertConfig,
-    BertForSequenceClassification,
-    DistilBertConfig,
-    DistilBertForSequenceClassification,
-    GPT2Config,
-    GPT2ForSequenceClassification,
-)
+
+from tiny_models import tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _laplace_helpers import dense_precision, random_factors
@@ -28,7 +22,6 @@ from partialbayes.curvature._kron_algebra import (
 from partialbayes.curvature._laplace_projected import shared_covariances, unshared_covariances
 from partialbayes.selection import linear_modules, modules, sparse_kfac
 
-torch.set_num_threads(1)
 FIXTURE_OK = settings(suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
 VOCAB, CLASSES = 40, 3
 
@@ -96,34 +89,12 @@ def test_unshared_covariances_equal_dense(device, b, r, c, n_cls, seed):
     torch.testing.assert_close(cov.cpu(), ref)
 
 
-def _distilbert():
-    cfg = DistilBertConfig(
-        vocab_size=VOCAB, dim=8, n_layers=1, n_heads=2, hidden_dim=12, max_position_embeddings=16
+MODELS = {
+    arch: lambda arch=arch: tiny_model(
+        arch, vocab=VOCAB, num_labels=CLASSES, **({"pad_token_id": 0} if arch == "gpt2" else {})
     )
-    cfg.num_labels = CLASSES
-    return DistilBertForSequenceClassification(cfg)
-
-
-def _bert():
-    cfg = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=12,
-        max_position_embeddings=16,
-        num_labels=CLASSES,
-    )
-    return BertForSequenceClassification(cfg)
-
-
-def _gpt2():
-    cfg = GPT2Config(vocab_size=VOCAB, n_embd=8, n_layer=1, n_head=2, n_positions=16)
-    cfg.num_labels, cfg.pad_token_id = CLASSES, 0
-    return GPT2ForSequenceClassification(cfg)
-
-
-MODELS = {"distilbert": _distilbert, "bert": _bert, "gpt2": _gpt2}
+    for arch in ("distilbert", "bert", "gpt2")
+}
 
 
 def _batch(b, length, seed):

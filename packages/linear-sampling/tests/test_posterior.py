@@ -112,12 +112,10 @@ def test_predictive_covariance_matches_dense_ggn_laplace(device):
 def test_sampled_laplace_conforms(device, tmp_path, kind):
     if kind == "tokens":
         transformers = pytest.importorskip("transformers")
-        torch.manual_seed(0)
-        config = transformers.BertConfig(
-            vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-            intermediate_size=16, max_position_embeddings=16, num_labels=3,
-        )  # fmt: skip
-        model = transformers.BertForTokenClassification(config).to(device).eval()
+        from tiny_models import tiny_model
+
+        model = tiny_model("bert", "token", seed=0, intermediate=16, num_labels=3)
+        model = model.to(device).eval()
         q = "bert.encoder.layer.0.attention.self.query"
         subset = Subset.from_model(model, {
             f"{q}.weight": KronBlock(rows=torch.tensor([1, 4]), cols=torch.tensor([0, 2, 7])),
