@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from partialbayes.curvature._distributed import all_reduce_int, fail_together
 from partialbayes.curvature._factors import FactorAccumulator, ModuleFactors
 from partialbayes.curvature._hooks import BatchObserver, prepared, stream
+from partialbayes.curvature._kfac_math import row_count, shared_rows
 from partialbayes.curvature._likelihood import check_options, model_device
 from partialbayes.curvature._outputs import resolve_shift_labels
 from partialbayes.selection import Subset
@@ -42,21 +43,6 @@ def kron_targets(model: nn.Module, subset: Subset, what: str) -> dict[str, Any]:
     if missing:
         raise ValueError(f"modules {missing} of the subset are not in the model")
     return kmods
-
-
-def _reduce_rows(t: Tensor, m: Tensor | None, mean: bool) -> Tensor:
-    """``[B, T, d] -> [B, d]``: masked sum (or mean) over tokens; ``[B, d]`` unchanged."""
-    if m is None:
-        return t
-    s = torch.einsum("btd,bt->bd", t, m)
-    return s / m.sum(1, keepdim=True) if mean else s
-
-
-def _expand_rows(t: Tensor, m: Tensor | None) -> Tensor:
-    """``[B, T, d] -> [B·T, d]`` with masked tokens zeroed; ``[B, d]`` unchanged."""
-    if m is None:
-        return t
-    return (t * m[..., None]).reshape(-1, t.shape[-1])
 
 
 def kfac(
@@ -197,13 +183,8 @@ def kfac(
                 masks[m] = tm
                 if tm is not None and sharing == "reduce" and bool((tm.sum(1) == 0).any()):
                     raise ValueError(f"batch {bp.index}: an example has no unmasked token")
-                cnt: Tensor | int
-                if sharing == "reduce":
-                    xr, cnt = _reduce_rows(x, tm, mean=True), x.shape[0]
-                else:
-                    xr = _expand_rows(x, tm)
-                    cnt = x.shape[0] if tm is None else tm.sum()
-                acc[m].add_inputs(xr, cnt)
+                xr = shared_rows(x, tm, sharing, mean=True)
+                acc[m].add_inputs(xr, row_count(x, tm, sharing))
                 checks[m] = xr.sum()
             deltas: dict[str, list[Tensor]] = {m: [] for m in kmods}
             for grads in bp.passes:
@@ -211,12 +192,7 @@ def kfac(
                     r = rows[m]
                     if r is not None:
                         d = d.index_select(-1, r)
-                    tm = masks[m]
-                    deltas[m].append(
-                        _reduce_rows(d, tm, mean=False)
-                        if sharing == "reduce"
-                        else _expand_rows(d, tm)
-                    )
+                    deltas[m].append(shared_rows(d, masks[m], sharing, mean=False))
             for m, ds in deltas.items():
                 dd = torch.cat(ds) if len(ds) > 1 else ds[0]
                 acc[m].add_grads(dd)
