@@ -31,7 +31,7 @@ from partialbayes.curvature._likelihood import (
     model_device,
     output_vectors,
 )
-from partialbayes.curvature._outputs import output_rows, read_batch
+from partialbayes.curvature._outputs import output_rows, position_plan, read_batch
 from partialbayes.predictive import model_logits
 
 
@@ -285,16 +285,20 @@ class BatchPasses:
 def cotangents(
     logits: Tensor, vectors: Tensor, keep: Tensor | None, positions: str
 ) -> Iterator[Tensor]:
-    """The cotangents of the backward passes, shaped like ``logits``, one at a time.
+    """The cotangents of the backward passes, shaped like ``logits``, built one at a time.
+
+    The one statement of which backward passes run: `stream` (curvature, ``vectors`` from
+    ``output_vectors``) and `output_passes` (Jacobians and the predictive, ``vectors`` the unit vectors
+    ``e_k``) both iterate it.
 
     Args:
         logits: ``[B, C]`` or ``[B, T, C]``.
-        vectors: ``[S, N, C]`` output-space vectors of the ``N`` output rows (see ``output_vectors``).
+        vectors: ``[S, N, C]`` output-space vectors of the ``N`` output rows (row-major kept positions).
         keep: ``[B, T]`` kept positions of token-level logits (``None`` for ``[B, C]``).
         positions: ``"joint"``: ``S`` passes, each carrying every kept position's vector (cross-position
             terms ``J_tᵀ v_t v_uᵀ J_u`` enter the outer products, except where positions do not interact);
-            ``"each"``: ``S`` passes per kept position ``t`` (every other position zero), which gives the
-            exact per-output gradients ``J_tᵀ v_t``.
+            ``"each"``: ``S`` passes per kept position ``t`` in `position_plan` order (every other position
+            zero), which gives the exact per-output gradients ``J_tᵀ v_t``.
 
     Yields:
         Cotangents ``[B, C]`` / ``[B, T, C]``.
@@ -302,21 +306,26 @@ def cotangents(
     if keep is None:
         yield from vectors
         return
-    full = vectors.new_zeros((vectors.shape[0], *logits.shape))
-    full[:, keep] = vectors
     if positions == "joint":
-        yield from full
+        for v in vectors:
+            one = vectors.new_zeros(logits.shape)
+            one[keep] = v
+            yield one
         return
-    for t in keep.any(0).nonzero().flatten().tolist():
-        for v in full:
-            one = torch.zeros_like(v)
-            one[:, t] = v[:, t]
+    row = torch.full(keep.shape, -1, dtype=torch.long, device=keep.device)
+    row[keep] = torch.arange(int(keep.sum()), device=keep.device)
+    for t, examples in position_plan(keep, keep.shape[0], keep.device):
+        rows_t = row[examples, t]
+        for v in vectors:
+            one = vectors.new_zeros(logits.shape)
+            one[examples, t] = v[rows_t]
             yield one
 
 
-def _backward_passes(
+def backward_passes(
     logits: Tensor, calls: dict[str, list[Tensor]], cots: Iterator[Tensor]
 ) -> Iterator[dict[str, Tensor]]:
+    """``{module: δ}`` for each cotangent in turn (`call_grads`), keeping the graph until the last one."""
     nxt = next(cots, None)
     while nxt is not None:
         cot, nxt = nxt, next(cots, None)
@@ -424,7 +433,7 @@ def stream(
                 inputs=recorded,
                 keep=keep,
                 token_masks=masks,
-                passes=_backward_passes(
+                passes=backward_passes(
                     logits, rec.snapshot(), cotangents(logits, vectors, keep, positions)
                 ),
             )

@@ -14,10 +14,10 @@ from partialbayes.curvature._hooks import BatchObserver, prepared, stream
 from partialbayes.curvature._kfac_math import row_count, shared_rows
 from partialbayes.curvature._likelihood import check_options, model_device
 from partialbayes.curvature._outputs import resolve_shift_labels
-from partialbayes.selection import Subset
+from partialbayes.selection import KronModule, Subset
 
 
-def kron_targets(model: nn.Module, subset: Subset, what: str) -> dict[str, Any]:
+def kron_targets(model: nn.Module, subset: Subset, what: str) -> dict[str, KronModule]:
     """``subset.kron_modules()`` checked against ``model``; a mask subset raises a TypeError with a pointer.
 
     Raises:
@@ -143,8 +143,50 @@ def kfac(
         raise ValueError(f"bias must be 'fold' or 'separate', got {bias!r}")
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
-    kmods = kron_targets(model, subset, "kfac")
-    shift = resolve_shift_labels(model, shift_labels)
+    return kron_factors(
+        model,
+        loader,
+        kron_targets(model, subset, "kfac"),
+        sharing=sharing,
+        bias=bias,
+        dtype=dtype,
+        likelihood=likelihood,
+        fisher=fisher,
+        mc_samples=mc_samples,
+        sigma_noise=sigma_noise,
+        generator=generator,
+        num_classes=num_classes,
+        shift_labels=resolve_shift_labels(model, shift_labels),
+        progress=progress,
+        on_batch=on_batch,
+    )
+
+
+def kron_factors(
+    model: nn.Module,
+    loader: Iterable[Any],
+    kmods: dict[str, KronModule],
+    *,
+    sharing: str,
+    bias: str,
+    dtype: torch.dtype,
+    **options: Any,
+) -> dict[str, ModuleFactors]:
+    """`kfac`'s pass over ``loader`` for Kronecker modules already resolved and options already checked.
+
+    Args:
+        model: The network.
+        loader: Batches (read once).
+        kmods: ``subset.kron_modules()`` (see `kron_targets`).
+        sharing: ``"reduce"`` or ``"expand"``.
+        bias: ``"fold"`` or ``"separate"``.
+        dtype: Accumulation dtype.
+        **options: `stream`'s keywords (likelihood, fisher, mc_samples, sigma_noise, generator,
+            num_classes, shift_labels as a bool, progress, on_batch).
+
+    Returns:
+        ``{module name: ModuleFactors}`` (see `kfac`).
+    """
     named = dict(model.named_modules())
     modules = {m: named[m] for m in kmods}
     device = model_device(model)
@@ -157,16 +199,8 @@ def kfac(
             loader,
             modules,
             {m: k.cols for m, k in kmods.items()},
-            likelihood=likelihood,
-            fisher=fisher,
-            mc_samples=mc_samples,
-            sigma_noise=sigma_noise,
-            generator=generator,
-            num_classes=num_classes,
-            shift_labels=shift,
             positions="joint",
-            progress=progress,
-            on_batch=on_batch,
+            **options,
         ):
             if bp.keep is not None and sharing == "reduce":
                 raise ValueError(

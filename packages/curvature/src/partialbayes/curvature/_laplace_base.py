@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from partialbayes.curvature._caller import user_stacklevel
 from partialbayes.curvature._hooks import BatchObserver
+from partialbayes.curvature._io import load_posterior, save_posterior
 from partialbayes.curvature._laplace_data import MapLoss, eval_mode
 from partialbayes.curvature._laplace_predict import (
     LINKS,
@@ -838,25 +839,19 @@ class LaplaceBase:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Save to one ``.safetensors`` file (tensors) with JSON metadata (options, subset, model structure)."""
-        from partialbayes.curvature._io import save_posterior
-
         save_posterior(self, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: nn.Module) -> LaplaceBase:
         """Load a posterior saved with `save` onto ``model``.
 
+        ``LaplaceBase.load`` loads whichever posterior class the file holds.
+
         Raises:
             ValueError: If ``model``'s parameter names / shapes or the saved subset do not match, or the file
                 holds another posterior type than ``cls``.
         """
-        from partialbayes.curvature._io import load_posterior
-
-        post = load_posterior(path, model)
-        if cls is not LaplaceBase and not isinstance(post, cls):
-            raise ValueError(
-                f"{os.fspath(path)!r} holds a {type(post).__name__}, not a {cls.__name__}"
-            )
+        post: LaplaceBase = load_posterior(path, model, cls)
         return post
 
     def __repr__(self) -> str:

@@ -19,7 +19,7 @@ from partialbayes.curvature._jacobians import (
     output_jacobians,
     param_targets,
 )
-from partialbayes.curvature._outputs import Outputs
+from partialbayes.curvature._outputs import Outputs, position_plan
 from partialbayes.predictive import model_logits
 from partialbayes.selection import KronModule, Subset
 
@@ -124,13 +124,7 @@ def param_jacobians(
         keep = outputs.keep(f)
         b, c = f.shape[0], f.shape[-1]
         eye = torch.eye(b * c, dtype=f.dtype, device=f.device).reshape(b * c, b, c)
-        if keep is None:
-            plan: list[tuple[int | None, Tensor]] = [(None, torch.arange(b, device=f.device))]
-        else:
-            plan = [
-                (t, keep[:, t].nonzero().flatten())
-                for t in keep.any(0).nonzero().flatten().tolist()
-            ]
+        plan = position_plan(keep, b, f.device)
         parts: dict[str, list[Tensor]] = {n: [] for n in subset.names}
         keys: list[Tensor] = []
         for t, examples in plan:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from partialbayes.curvature._kfac import kron_factors, kron_targets
 from partialbayes.curvature._kron_algebra import (
     clamped_eigh,
     kron_log_det,
@@ -83,13 +84,8 @@ class KronLaplace(LaplaceBase):
 
     # ------------------------------------------------------------------ structure
     def _check_subset(self) -> None:
-        try:
-            self._kmods = self.subset.kron_modules()
-        except TypeError as err:
-            raise TypeError(
-                f"KronLaplace needs a Kronecker-structured subset: {err}. For elementwise subsets use "
-                "DiagLaplace (diagonal GGN) or DenseLaplace (full GGN, small subsets)"
-            ) from err
+        """Resolve the Kronecker modules once (`fit` and the predictive reuse them)."""
+        self._kmods = kron_targets(self.model, self.subset, "KronLaplace")
 
     def _module_names(self) -> tuple[str, ...]:
         return tuple(self._kmods)
@@ -125,15 +121,8 @@ class KronLaplace(LaplaceBase):
 
     # ------------------------------------------------------------------ curvature
     def _compute_curvature(self, loader: Iterable[Any], options: Mapping[str, Any]) -> Any:
-        from partialbayes.curvature._kfac import kfac
-
-        return kfac(
-            self.model,
-            loader,
-            self.subset,
-            sharing=self.sharing,
-            bias=self.bias,
-            **options,
+        return kron_factors(
+            self.model, loader, self._kmods, sharing=self.sharing, bias=self.bias, **options
         )
 
     def _set_curvature(self, curvature: Mapping[str, Any]) -> None:
