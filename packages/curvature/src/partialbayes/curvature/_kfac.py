@@ -138,11 +138,18 @@ def kfac(
         RuntimeError: Under ``torch.distributed``, on every rank whose shard went through when another
             rank raised (all ranks fail instead of waiting for each other).
     """
-    check_options(likelihood, fisher, mc_samples, sigma_noise, sharing)
+    check_options(
+        likelihood,
+        fisher,
+        mc_samples,
+        sigma_noise,
+        sharing,
+        dtype=dtype,
+        generator=generator,
+        num_classes=num_classes,
+    )
     if bias not in ("fold", "separate"):
         raise ValueError(f"bias must be 'fold' or 'separate', got {bias!r}")
-    if dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     return kron_factors(
         model,
         loader,

@@ -21,9 +21,15 @@ from torch import Tensor, nn
 
 from partialbayes.curvature._hooks import BatchObserver
 from partialbayes.curvature._laplace_data import MapLoss, eval_mode
-from partialbayes.curvature._likelihood import FISHERS, LIKELIHOODS
+from partialbayes.curvature._likelihood import (
+    FISHERS,
+    LIKELIHOODS,
+    check_dtype,
+    check_num_classes,
+)
 from partialbayes.curvature._outputs import Outputs, read_batch, resolve_shift_labels
 from partialbayes.curvature._prior import PriorSpec, check_positive, prior_vector
+from partialbayes.predictive import check_generator
 from partialbayes.selection import Subset
 
 _Posterior = TypeVar("_Posterior", bound="LaplaceCore")
@@ -90,8 +96,8 @@ class LaplaceCore:
             )
         if mc_samples < 1:
             raise ValueError(f"mc_samples must be a positive int, got {mc_samples!r}")
-        if dtype not in (torch.float32, torch.float64):  # what the factors and eigh support
-            raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype!r}")
+        check_dtype(dtype)
+        check_num_classes(num_classes)
         check_positive("temperature", temperature)
         check_positive("sigma_noise", sigma_noise)
         params = dict(model.named_parameters())
@@ -265,10 +271,7 @@ class LaplaceCore:
                 of range (naming the batch), non-finite curvature (naming the module).
             RuntimeError: Under ``torch.distributed``, when another rank failed on its shard.
         """
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(
-                f"generator must be a torch.Generator or None, got {type(generator).__name__}"
-            )
+        check_generator(generator)
         loss = MapLoss(self.likelihood)
         curvature = self._compute_curvature(
             loader, self._curvature_options(progress, generator, loss)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from partialbayes.curvature._laplace_core import LaplaceCore
-from partialbayes.curvature._likelihood import check_labels
+from partialbayes.curvature._likelihood import check_labels, check_logits
 from partialbayes.curvature._marglik import MarglikFit, maximize_evidence
 from partialbayes.curvature._outputs import output_rows
 from partialbayes.curvature._prior import PriorSpec, gaussian_log_marglik, prior_vector
@@ -322,6 +322,7 @@ class LaplaceEvidence(LaplaceCore):
                 with torch.enable_grad():
                     logits, keep, covs = self._mean_covs(inputs, outputs, priors, scale)
                 f = output_rows(logits, keep).to(self.dtype)
+                check_logits(f, None, batch_index)
                 labels = outputs.targets(logits, keep)
                 if labels is None:
                     raise ValueError(

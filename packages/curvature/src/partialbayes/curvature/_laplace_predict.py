@@ -19,6 +19,7 @@ from partialbayes.curvature._laplace_core import LaplaceCore
 from partialbayes.curvature._outputs import output_rows, split_chunks
 from partialbayes.predictive import (
     check_count,
+    check_generator,
     gaussian_predictive,
     laplace_bridge,
     mc_predictive,
@@ -164,7 +165,13 @@ class LaplacePredictive(LaplaceCore):
             keeps.append(keep)
             covs.append(cov.to(self.dtype))
         keep_all = None if keeps[0] is None else torch.cat([k for k in keeps if k is not None])
-        return torch.cat(logits), keep_all, torch.cat(covs)
+        logits_all = torch.cat(logits)
+        if not bool(torch.isfinite(output_rows(logits_all, keep_all)).all()):
+            raise ValueError(
+                "the model's logits for this batch are not finite (NaN or inf in the inputs?): "
+                "no predictive is computed from them"
+            )
+        return logits_all, keep_all, torch.cat(covs)
 
     def logit_mean_cov(self, batch: Any, chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
         """Linearised predictive: ``f_MAP`` and the functional covariance ``J Σ Jᵀ`` per output.
@@ -185,7 +192,8 @@ class LaplacePredictive(LaplaceCore):
 
         Raises:
             TypeError: A batch of an unknown kind (the message names its type and the accepted ones).
-            ValueError: Token-level logits with neither an attention mask nor labels.
+            ValueError: Token-level logits with neither an attention mask nor labels; logits that are not
+                finite.
         """
         logits, keep, cov = self._linearised(batch, chunk_size)
         f = output_rows(logits, keep)
@@ -226,11 +234,13 @@ class LaplacePredictive(LaplaceCore):
 
         Raises:
             ValueError: A link the posterior does not offer (the message lists `links`), a bad
-                ``n_samples``, token-level logits with neither an attention mask nor labels.
-            TypeError: A batch of an unknown kind.
+                ``n_samples``, token-level logits with neither an attention mask nor labels, logits that
+                are not finite.
+            TypeError: A batch of an unknown kind, a ``generator`` that is not a ``torch.Generator``.
         """
         link = resolve_link(link, self.links, type(self).__name__)
         n_samples = check_count("n_samples", n_samples)
+        check_generator(generator)
         logits, keep, cov = self._linearised(batch)
         if self.likelihood == "regression":
             return regression_predictive(logits, keep, cov, self.sigma_noise**2)
@@ -256,5 +266,6 @@ class LaplacePredictive(LaplaceCore):
             ``[n, B, C]`` (or ``[n, B, T, C]``) in the logits' dtype.
         """
         n = check_count("n", n)
+        check_generator(generator)
         logits, keep, cov = self._linearised(batch)
         return linearised_logit_samples(logits, keep, cov, n, generator=generator)

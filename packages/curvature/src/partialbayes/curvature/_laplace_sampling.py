@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from partialbayes.curvature._caller import user_stacklevel
 from partialbayes.curvature._laplace_core import LaplaceCore
-from partialbayes.predictive import check_count
+from partialbayes.predictive import check_count, check_generator, check_sample
 
 
 class LaplaceSampling(LaplaceCore):
@@ -39,9 +39,10 @@ class LaplaceSampling(LaplaceCore):
 
         Raises:
             ValueError: If ``n`` is not a positive int.
-            TypeError: If the generator is given twice or more than one extra positional argument.
+            TypeError: If the generator is not a ``torch.Generator``, is given twice, or with more than
+                one extra positional argument.
         """
-        generator = _generator_argument("sample", args, generator)
+        generator = check_generator(_generator_argument("sample", args, generator))
         self._require_fit()
         n = check_count("n", n)
         centered = self._sample_centered(n, generator)
@@ -62,19 +63,18 @@ class LaplaceSampling(LaplaceCore):
 
         Yields:
             The model, carrying the sample.
+
+        Raises:
+            TypeError: If ``sample`` is not a mapping of tensors.
+            ValueError: If it does not cover the subset exactly, a value has the wrong size, or holds
+                NaN or inf (the parameter is named; the model is left untouched).
         """
         self._require_fit()
-        missing = [n for n in self.subset.names if n not in sample]
-        extra = [n for n in sample if n not in self.subset.names]
-        if missing or extra:
-            raise ValueError(
-                f"sample must cover the subset exactly; missing {missing}, unknown {extra}"
-            )
+        one = check_sample(self.subset, sample)
         params = dict(self.model.named_parameters())
         try:
             with torch.no_grad():
-                for name in self.subset.names:
-                    values = sample[name].reshape(-1)
+                for name, values in one.items():
                     p = params[name]
                     p.copy_(self.subset.scatter(name, values, p.detach()))
             yield self.model
