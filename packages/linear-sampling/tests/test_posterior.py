@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from partialbayes.linear_sampling import Prior, SampledLaplace
+from partialbayes.linear_sampling import Prior, SampledLaplace, load_sampled_laplace
 from partialbayes.predictive import Posterior, average_softmax, probit
 from partialbayes.predictive.testing import check_posterior
 from partialbayes.selection import KronBlock, MaskBlock, Subset
@@ -205,8 +205,10 @@ def test_save_load_refuses_other_models_and_files(tmp_path):
     with pytest.raises(ValueError, match="not a saved SampledLaplace"):
         SampledLaplace.load(tmp_path / "other.safetensors", model)
     moved = mlp(seed=1)
-    with pytest.warns(UserWarning, match="differ from the saved MAP"):
-        SampledLaplace.load(path, moved)
+    for load in (SampledLaplace.load, load_sampled_laplace):
+        with pytest.warns(UserWarning, match="differ from the saved MAP") as caught:
+            load(path, moved)
+        assert caught[0].filename == __file__  # the warning names the caller's line
     grouped = SampledLaplace(
         model,
         subset,
