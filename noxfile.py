@@ -4,6 +4,8 @@
 * ``isolated(package='<pkg>')``: build the package's wheel (and its sibling wheels), install it ALONE with only its
   declared dependencies into a fresh venv, run its tests there: proof that one sub-package installs by itself.
 * ``slow``: the tests marked ``slow`` (excluded from the default suite).
+* ``graph``: the workspace-wide tests of ``tests/`` (the import graph: no cycles, no private imports across
+  packages, the package DAG of ``docs/pages/architecture.md``, every module importable in a fresh process).
 * ``torch_matrix(torch='oldest'|'newest')``: the whole suite against the oldest torch we support and the newest on PyPI.
 * ``cuda(variant='cu126'|'cu128'|'cu130')``: the suite against torch from PyTorch's per-CUDA wheel index; skips, saying why, on a
   machine without an NVIDIA GPU or without access to that index.
@@ -21,7 +23,7 @@ import nox
 import tomllib
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "tests", "docs"]
+nox.options.sessions = ["lint", "tests", "graph", "docs"]
 
 ROOT = Path(__file__).parent
 PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists())
@@ -112,6 +114,13 @@ def tests(session: nox.Session, package: str) -> None:
     """One package's default test suite in the workspace environment."""
     _sync_workspace(session)
     session.run("pytest", f"packages/{package}", *session.posargs)
+
+
+@nox.session
+def graph(session: nox.Session) -> None:
+    """The workspace-wide tests of ``tests/``: the import graph of every package."""
+    _sync_workspace(session)
+    session.run("pytest", "tests", *session.posargs)
 
 
 @nox.session
