@@ -252,9 +252,6 @@ BatchObserver = Callable[[int, Tensor, Tensor | None], None]
 or the kept positions of token-level ones) and their validated labels (``None`` when the batch has none)
 right after its forward pass, before the backward passes."""
 
-#: How token-level outputs are backpropagated: all kept positions in one pass, or one position per pass.
-POSITIONS = ("joint", "each")
-
 
 @dataclass
 class BatchPasses:

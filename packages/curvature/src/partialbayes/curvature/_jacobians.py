@@ -23,7 +23,7 @@ from partialbayes.curvature._hooks import (
     merge_calls,
     prepared,
 )
-from partialbayes.curvature._kfac import kron_targets
+from partialbayes.curvature._kfac import hook_targets, kron_targets
 from partialbayes.curvature._likelihood import model_device
 from partialbayes.curvature._outputs import (
     Outputs,
@@ -33,7 +33,7 @@ from partialbayes.curvature._outputs import (
     resolve_shift_labels,
 )
 from partialbayes.predictive import model_logits
-from partialbayes.selection import KronBlock, KronModule, Subset, linear_modules
+from partialbayes.selection import KronBlock, Subset, linear_modules
 
 
 def example_weight_grads(x: Tensor, d: Tensor) -> Tensor:
@@ -94,12 +94,15 @@ def logit_jacobians(
         likelihood="classification",
         shift=resolve_shift_labels(model, shift_labels),
     )
-    logits, keep, blocks = class_block_grads(
+    modules, cols, rows = hook_targets(model, kmods)
+    logits, keep, blocks = output_jacobians(
         model,
         inputs,
         outputs,
-        kmods,
-        lambda m, x, d: block_grads(x, d, kmods[m].bias_name is not None),
+        modules,
+        cols,
+        rows,
+        lambda x, d: {m: block_grads(x[m], d[m], kmods[m].bias_name is not None) for m in kmods},
     )
     return output_rows(logits, keep), blocks
 
@@ -264,40 +267,6 @@ def output_jacobians(
             keys.append(pg.keys)
         logits, keep = ps.logits, ps.keep
     return logits, keep, {key: in_row_order(keys, v) for key, v in parts.items()}
-
-
-def class_block_grads(
-    model: nn.Module,
-    inputs: Tensor | Mapping[str, Any],
-    outputs: Outputs,
-    kmods: Mapping[str, KronModule],
-    combine: Callable[[str, Tensor, Tensor], Tensor],
-) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
-    """One forward pass with hooks and ``C`` backward passes per kept output, combining inputs and gradients.
-
-    Args:
-        model: Network returning logits ``[B, C]`` or ``[B, T, C]``.
-        inputs: Model inputs (tensor or keyword mapping).
-        outputs: Which positions of token-level logits count.
-        kmods: Kronecker modules to differentiate.
-        combine: ``(module, x [B, (T,) |C|], δ_k [B, (T,) r]) -> [B, ...]`` per class ``k``; ``x`` is gathered
-            to the selected columns, ``δ_k`` (the gradient of logit ``k``) to the selected rows.
-
-    Returns:
-        ``(logits, keep, {module: [N, C, ...]})`` (see `output_jacobians`): the per-class results stacked
-        along dim 1, one row per output (example, or kept position in row-major order).
-    """
-    named = dict(model.named_modules())
-    device = model_device(model)
-    return output_jacobians(
-        model,
-        inputs,
-        outputs,
-        {m: named[m] for m in kmods},
-        {m: k.cols for m, k in kmods.items()},
-        {m: (None if k.rows is None else k.rows.to(device)) for m, k in kmods.items()},
-        lambda x, d: {m: combine(m, x[m], d[m]) for m in kmods},
-    )
 
 
 # ----------------------------------------------------------------------------- elementwise subsets

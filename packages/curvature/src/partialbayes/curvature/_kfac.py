@@ -169,6 +169,21 @@ def kfac(
     )
 
 
+def hook_targets(
+    model: nn.Module, kmods: dict[str, KronModule]
+) -> tuple[dict[str, nn.Module], dict[str, Tensor | None], dict[str, Tensor | None]]:
+    """What the hooks need for Kronecker modules: ``(modules, cols, rows)``, the indices on the model's device.
+
+    ``cols`` gather the inputs ``x[:, C]`` (``None``: all), ``rows`` the output gradients ``δ[:, R]``.
+    """
+    named = dict(model.named_modules())
+    device = model_device(model)
+    modules = {m: named[m] for m in kmods}
+    cols = {m: None if k.cols is None else k.cols.to(device) for m, k in kmods.items()}
+    rows = {m: None if k.rows is None else k.rows.to(device) for m, k in kmods.items()}
+    return modules, cols, rows
+
+
 def kron_factors(
     model: nn.Module,
     loader: Iterable[Any],
@@ -194,21 +209,12 @@ def kron_factors(
     Returns:
         ``{module name: ModuleFactors}`` (see `kfac`).
     """
-    named = dict(model.named_modules())
-    modules = {m: named[m] for m in kmods}
+    modules, cols, rows = hook_targets(model, kmods)
     device = model_device(model)
-    rows = {m: (None if k.rows is None else k.rows.to(device)) for m, k in kmods.items()}
     acc = {m: FactorAccumulator(k.n_rows, k.n_cols, dtype, device) for m, k in kmods.items()}
     n_examples = 0
     with fail_together(device), prepared(model, modules):
-        for bp in stream(
-            model,
-            loader,
-            modules,
-            {m: k.cols for m, k in kmods.items()},
-            positions="joint",
-            **options,
-        ):
+        for bp in stream(model, loader, modules, cols, positions="joint", **options):
             if bp.keep is not None and sharing == "reduce":
                 raise ValueError(
                     f"batch {bp.index}: the model returns token-level logits (one output per kept "

@@ -18,8 +18,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-SHARINGS = ("reduce", "expand")
-
 
 def shared_rows(t: Tensor, mask: Tensor | None, sharing: str, *, mean: bool) -> Tensor:
     """The rows a token tensor contributes to a factor under weight sharing.

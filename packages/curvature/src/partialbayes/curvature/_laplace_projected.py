@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from partialbayes.curvature._jacobians import in_row_order, output_passes
+from partialbayes.curvature._kfac import hook_targets
 from partialbayes.curvature._likelihood import model_device
 from partialbayes.curvature._outputs import Outputs
 from partialbayes.selection import KronModule
@@ -274,14 +275,10 @@ def kron_predictive(
         (``None`` for ``[B, C]``), and one covariance per output row (``N = B``, or the kept positions in
         row-major ``(b, t)`` order).
     """
-    named = dict(model.named_modules())
-    modules = {m: named[m] for m in kmods}
+    modules, cols, rows = hook_targets(model, kmods)
     device = model_device(model)
-    rows = {m: (None if k.rows is None else k.rows.to(device)) for m, k in kmods.items()}
     out_dtype = dtype if residual is None else combine_dtype
-    with output_passes(
-        model, inputs, outputs, modules, {m: k.cols for m, k in kmods.items()}, rows
-    ) as ps:
+    with output_passes(model, inputs, outputs, modules, cols, rows) as ps:
         b, n_cls = ps.logits.shape[0], ps.logits.shape[-1]
         keys: list[Tensor] = []
         parts: list[list[Tensor]] = [[] for _ in inv_eigenvalues]
