@@ -93,7 +93,7 @@ class Recorder:
     """Context manager hooking linear maps: records gathered inputs and raw outputs of one forward pass.
 
     A module called several times in one forward pass (weight tying, a layer reused in a loop) records
-    every call; `inputs`, `token_masks` and `output_grads` merge the calls as extra token positions
+    every call; `inputs` and `token_masks` merge the calls as extra token positions
     (see `merge_calls`).
 
     Args:
@@ -155,12 +155,6 @@ class Recorder:
     def snapshot(self) -> dict[str, list[Tensor]]:
         """The recorded call outputs (a copy that survives `clear`), for `call_grads`."""
         return {n: list(v) for n, v in self.calls_out.items()}
-
-    def output_grads(
-        self, logits: Tensor, cotangent: Tensor, retain_graph: bool = False
-    ) -> dict[str, Tensor]:
-        """``{module: δ}`` of one backward pass, calls merged like `inputs` (see `call_grads`)."""
-        return call_grads(logits, self.calls_out, cotangent, retain_graph)
 
     def clear(self) -> None:
         """Forget the last forward pass."""

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from partialbayes.curvature._hooks import BatchObserver
-from partialbayes.curvature._laplace_data import MapLoss, eval_mode
+from partialbayes.curvature._laplace_data import MapLoss
 from partialbayes.curvature._likelihood import (
     FISHERS,
     LIKELIHOODS,
@@ -29,7 +29,7 @@ from partialbayes.curvature._likelihood import (
 )
 from partialbayes.curvature._outputs import Outputs, read_batch, resolve_shift_labels
 from partialbayes.curvature._prior import PriorSpec, check_positive, prior_vector
-from partialbayes.predictive import check_generator
+from partialbayes.predictive import check_generator, eval_mode
 from partialbayes.selection import Subset
 
 _Posterior = TypeVar("_Posterior", bound="LaplaceCore")

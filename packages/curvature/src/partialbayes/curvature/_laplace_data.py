@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,17 +21,6 @@ from partialbayes.curvature._jacobians import (
 from partialbayes.curvature._outputs import Outputs, position_plan
 from partialbayes.predictive import model_logits
 from partialbayes.selection import KronModule, Subset
-
-
-@contextmanager
-def eval_mode(model: nn.Module) -> Iterator[None]:
-    """Run ``model`` in eval mode (dropout off), restoring its mode afterwards."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 class MapLoss:

@@ -16,9 +16,10 @@ from partialbayes.curvature._kron_algebra import (
     precision_eigenvalues,
 )
 from partialbayes.curvature._laplace_base import LaplaceBase
-from partialbayes.curvature._laplace_data import block_to_params, eval_mode, params_to_block
+from partialbayes.curvature._laplace_data import block_to_params, params_to_block
 from partialbayes.curvature._laplace_projected import kron_predictive
 from partialbayes.curvature._outputs import Outputs
+from partialbayes.predictive import eval_mode
 
 
 class KronLaplace(LaplaceBase):
