@@ -96,6 +96,15 @@ def _build_wheels(session: nox.Session, packages: list[str]) -> Path:
     return dist
 
 
+def _fresh(packages: list[str]) -> list[str]:
+    """uv flags that install our freshly built wheels, not cached ones of the same name.
+
+    The wheels keep their version between releases, and uv caches a local wheel by its name: without a
+    refresh, a second run of a session installs the code of the first.
+    """
+    return [f"--refresh-package={_dist_name(p)}" for p in packages]
+
+
 def _wheel(dist: Path, pkg: str) -> str:
     (wheel,) = dist.glob(f"partialbayes_{pkg.replace('-', '_')}-*.whl")
     return str(wheel)
@@ -137,7 +146,14 @@ def isolated(session: nox.Session, package: str) -> None:
     dist = _build_wheels(session, _closure(package))
     extras = _pyproject(package)["project"].get("optional-dependencies", {})
     target = _wheel(dist, package) + (f"[{','.join(sorted(extras))}]" if extras else "")
-    session.install("--find-links", str(dist), target, *TEST_TOOLS, *_test_group(package))
+    session.install(
+        "--find-links",
+        str(dist),
+        *_fresh(_closure(package)),
+        target,
+        *TEST_TOOLS,
+        *_test_group(package),
+    )
     # pytest runs with --import-mode=importlib, so packages/*/src is never put on sys.path: the tests import the
     # installed wheel (printed below as proof).
     session.run(
@@ -150,7 +166,14 @@ def _matrix_env(session: nox.Session, torch_req: list[str]) -> None:
     dist = _build_wheels(session, PACKAGES)
     wheels = [_wheel(dist, p) for p in PACKAGES]
     session.install(
-        "--find-links", str(dist), *torch_req, *wheels, *TEST_TOOLS, "safetensors", "matplotlib"
+        "--find-links",
+        str(dist),
+        *_fresh(PACKAGES),
+        *torch_req,
+        *wheels,
+        *TEST_TOOLS,
+        "safetensors",
+        "matplotlib",
     )
 
 
