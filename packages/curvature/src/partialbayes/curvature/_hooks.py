@@ -295,7 +295,8 @@ def cotangents(
         Cotangents ``[B, C]`` / ``[B, T, C]``.
     """
     if keep is None:
-        yield from vectors
+        for v in vectors:
+            yield v.contiguous()
         return
     if positions == "joint":
         for v in vectors:
