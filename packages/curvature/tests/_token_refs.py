@@ -10,9 +10,9 @@ import types
 
 import torch
 from torch import Tensor, nn
-from transformers import BertConfig, BertForTokenClassification, LlamaConfig, LlamaForCausalLM
 
 from partialbayes.selection import Subset
+from tiny_models import tiny_model
 
 VOCAB, TAGS = 30, 3
 LM_VOCAB = 11
@@ -35,18 +35,8 @@ class TokenNet(nn.Module):
         return self.head(self.act(self.lin1(x)))
 
 
-def bert_tagger(seed: int = 0) -> BertForTokenClassification:
-    torch.manual_seed(seed)
-    cfg = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=12,
-        max_position_embeddings=16,
-        num_labels=TAGS,
-    )
-    return BertForTokenClassification(cfg).double().eval()
+def bert_tagger(seed: int = 0) -> nn.Module:
+    return tiny_model("bert", "token", seed=seed, vocab=VOCAB, num_labels=TAGS).double().eval()
 
 
 def _rms_norm_in_own_dtype(self: nn.Module, hidden_states: Tensor) -> Tensor:
@@ -55,19 +45,12 @@ def _rms_norm_in_own_dtype(self: nn.Module, hidden_states: Tensor) -> Tensor:
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
-def llama_lm(seed: int = 0, layers: int = 1) -> LlamaForCausalLM:
+def llama_lm(seed: int = 0, layers: int = 1) -> nn.Module:
     """A tiny Llama causal LM in float64 (its RMSNorms kept in float64 too)."""
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=LM_VOCAB,
-        hidden_size=8,
-        intermediate_size=12,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
+    model = tiny_model(
+        "llama", "causal-lm", seed=seed, vocab=LM_VOCAB, num_key_value_heads=1, layers=layers
     )
-    model = LlamaForCausalLM(cfg).double().eval()
+    model = model.double().eval()
     for module in model.modules():
         if type(module).__name__ == "LlamaRMSNorm":
             module.forward = types.MethodType(_rms_norm_in_own_dtype, module)  # type: ignore[method-assign]

@@ -1,4 +1,4 @@
-"""Bad input: unsupported dtypes at construction, and every way a saved posterior file can be broken.
+"""Bad input: unsupported dtypes and options, generators, non-finite inputs and samples, broken files.
 
 Issue #16: a file with NaN eigenvalues loaded silently (and `logit_mean_cov` returned NaN); garbage or
 truncated files gave raw `SafetensorError` / `JSONDecodeError`, a missing tensor `KeyError '0:eig_a'`, none
@@ -7,6 +7,7 @@ naming the file; `KronLaplace(dtype=torch.float16)` was accepted and refused onl
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from partialbayes.curvature import (
     LaplaceBase,
     dense_curvature,
     diag_curvature,
+    kfac,
 )
 
 CLASSES = [KronLaplace, DiagLaplace, DenseLaplace]
@@ -195,14 +197,9 @@ def test_a_good_file_still_loads(tmp_path):
     torch.testing.assert_close(back.logit_mean_cov(x)[1], la.logit_mean_cov(x)[1])
 
 
-# --- found by these tests, in code another helper is reworking (laplace): kept visible ------------
-
-_OWNED = (
-    "issue #16 follow-up in the LaplaceBase / curvature-routine code the 'laplace' helper reworks"
-)
+# --- issue #16 leftovers (fixed with issue #17) ----------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=_OWNED)
 @pytest.mark.parametrize("num_classes", [0, True, 2.5])
 def test_bad_num_classes_refused_at_construction(num_classes):
     model = TinyNet(0)
@@ -210,7 +207,6 @@ def test_bad_num_classes_refused_at_construction(num_classes):
         KronLaplace(model, kron_subset(model), num_classes=num_classes)
 
 
-@pytest.mark.xfail(strict=True, reason=_OWNED)
 def test_sample_count_and_generator_are_checked():
     la = fitted(KronLaplace)
     with pytest.raises(ValueError, match="n must be"):
@@ -219,7 +215,6 @@ def test_sample_count_and_generator_are_checked():
         la.sample(2, generator=5)
 
 
-@pytest.mark.xfail(strict=True, reason=_OWNED)
 def test_logit_mean_cov_of_non_finite_inputs_raises():
     la = fitted(KronLaplace)
     x, _ = classification_data(3, 0)
@@ -228,7 +223,6 @@ def test_logit_mean_cov_of_non_finite_inputs_raises():
         la.logit_mean_cov(x)
 
 
-@pytest.mark.xfail(strict=True, reason=_OWNED)
 @pytest.mark.parametrize("fn", [diag_curvature, dense_curvature])
 def test_curvature_routines_refuse_integer_dtypes_and_bad_generators(fn):
     model = TinyNet(0).eval()
@@ -237,3 +231,71 @@ def test_curvature_routines_refuse_integer_dtypes_and_bad_generators(fn):
         fn(model, [(x, y)], kron_subset(model), dtype=torch.int64)
     with pytest.raises(TypeError, match="generator"):
         fn(model, [(x, y)], kron_subset(model), fisher="mc", generator=5)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_every_generator_argument_is_checked(cls):
+    la = fitted(cls)
+    x, y = classification_data(3, 0)
+    for call in (
+        lambda: la.sample(2, generator=5),
+        lambda: la.sampled(generator=5).__enter__(),
+        lambda: la.predict(x, link="mc", generator=5),
+        lambda: la.predictive_samples(x, 2, generator=5),
+        lambda: la.fit([(x, y)], generator=5),
+    ):
+        with pytest.raises(
+            TypeError, match=r"generator must be a torch\.Generator or None, got int"
+        ):
+            call()
+    for bad in (True, 2.5, 0):
+        with pytest.raises(ValueError, match="n must be a positive int"):
+            la.sample(bad)
+
+
+@pytest.mark.parametrize("fn", [kfac, diag_curvature, dense_curvature])
+@pytest.mark.parametrize("num_classes", [0, True, 2.5])
+def test_curvature_routines_refuse_bad_num_classes(fn, num_classes):
+    model = TinyNet(0).eval()
+    x, y = classification_data(4, 0)
+    with pytest.raises(ValueError, match="num_classes must be a positive int or None"):
+        fn(model, [(x, y)], kron_subset(model), num_classes=num_classes)
+
+
+def test_kfac_refuses_integer_dtypes_like_the_other_routines():
+    model = TinyNet(0).eval()
+    x, y = classification_data(4, 0)
+    with pytest.raises(TypeError, match=r"dtype must be torch\.float32 or torch\.float64"):
+        kfac(model, [(x, y)], kron_subset(model), dtype=torch.int64)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_non_finite_inputs_raise_in_every_predictive(cls):
+    la = fitted(cls)
+    x, y = classification_data(3, 0)
+    x[1, 2] = math.nan
+    for call in (
+        lambda: la.logit_mean_cov(x),
+        lambda: la.predict(x),
+        lambda: la.predictive_samples(x, 2),
+        lambda: la.optimize_prior_precision("val_nll", val_loader=[(x, y)], grid=[0.5, 1.0]),
+    ):
+        with pytest.raises(ValueError, match="not finite"):
+            call()
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_swapped_refuses_a_non_finite_sample_and_leaves_the_model_alone(cls):
+    la = fitted(cls)
+    before = {n: p.detach().clone() for n, p in la.model.named_parameters()}
+    one = {n: v[0] for n, v in la.sample(1, generator=torch.Generator().manual_seed(0)).items()}
+    name = la.subset.names[1]
+    one[name] = one[name].clone()
+    one[name][0] = math.nan
+    with (
+        pytest.raises(ValueError, match=rf"NaN or inf entries in \['{re.escape(name)}'\]"),
+        la.swapped(one),
+    ):
+        pass
+    for n, p in la.model.named_parameters():
+        assert torch.equal(p, before[n])

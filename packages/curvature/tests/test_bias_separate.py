@@ -22,7 +22,6 @@ from _laplace_helpers import TinyNet, classification_data, kron_subset, referenc
 from partialbayes.curvature import KronLaplace, kfac
 from partialbayes.selection import modules
 
-torch.set_num_threads(1)
 FIXTURE = settings(
     max_examples=10,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],

@@ -21,7 +21,6 @@ def test_howto_example_runs(tmp_path, monkeypatch, capsys):
     assert "torch.pi" not in ten
     code = blocks[1].replace("/tmp/skfac-posterior.safetensors", str(tmp_path / "p.safetensors"))
     monkeypatch.chdir(tmp_path)
-    torch.set_num_threads(1)
     scope: dict = {}
     exec(compile(code, str(PAGE), "exec"), scope)
     assert "KronLaplace" in capsys.readouterr().out

@@ -292,3 +292,24 @@ def test_fit_from_loader_records_map_loss_and_rejects_bad_data():
         again = KronLaplace(model, subset).fit(loader)
     assert model.training
     torch.testing.assert_close(again.log_det(), la.log_det())
+
+
+def test_kron_modules_are_resolved_once_per_posterior(monkeypatch):
+    """Construction resolves the Kronecker modules; fit and the predictive reuse them (issue #17)."""
+    model = TinyNet(0).eval()
+    subset = kron_subset(model)
+    calls = []
+    resolve = Subset.kron_modules
+    monkeypatch.setattr(Subset, "kron_modules", lambda self: calls.append(1) or resolve(self))
+    x, y = classification_data(6, 0)
+    la = KronLaplace(model, subset).fit([(x[:3], y[:3]), (x[3:], y[3:])])
+    la.logit_mean_cov(x)
+    la.sample(2, generator=torch.Generator().manual_seed(0))
+    assert len(calls) == 1
+
+
+def test_subset_of_another_model_is_refused_at_construction():
+    subset = kron_subset(TinyNet(0))
+    other = torch.nn.Sequential(torch.nn.Linear(3, 3)).double()
+    with pytest.raises(ValueError, match=r"modules \['l0', 'c1', 'l2'\] of the subset are not in"):
+        KronLaplace(other, subset)

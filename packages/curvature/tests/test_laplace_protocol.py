@@ -11,7 +11,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import BatchEncoding, BertConfig, BertForSequenceClassification
+from transformers import BatchEncoding
+
+from tiny_models import tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _laplace_helpers import TinyNet, classification_data
@@ -22,22 +24,11 @@ from partialbayes.predictive import Posterior, mc_predictive
 from partialbayes.predictive.testing import check_posterior
 from partialbayes.selection import MaskBlock, Subset, last_layer, linear_modules, sparse_kfac
 
-torch.set_num_threads(1)
 CLASSES = 3
 
 
 def _bert_classifier():
-    torch.manual_seed(0)
-    cfg = BertConfig(
-        vocab_size=30,
-        hidden_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=12,
-        max_position_embeddings=16,
-        num_labels=CLASSES,
-    )
-    return BertForSequenceClassification(cfg).double().eval()
+    return tiny_model("bert", seed=0, num_labels=CLASSES).double().eval()
 
 
 def _sequence_batch(seed, b=4, t=6):

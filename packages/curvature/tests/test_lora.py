@@ -7,11 +7,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from partialbayes.curvature import KronLaplace, kfac  # noqa: E402
 from partialbayes.selection import lora_modules, lora_subset, sparse_kfac  # noqa: E402
+from tiny_models import tiny_model  # noqa: E402
 
 # peft calls a transformers method that transformers 5 deprecates; not ours to fix
 pytestmark = pytest.mark.filterwarnings(
@@ -24,17 +25,7 @@ FIXTURE = settings(
 
 
 def peft_bert(seed: int, rank: int, classes: int, targets=("query", "value", "output.dense")):
-    torch.manual_seed(seed)
-    cfg = transformers.BertConfig(
-        vocab_size=30,
-        hidden_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=12,
-        max_position_embeddings=16,
-        num_labels=classes,
-    )
-    model = transformers.BertForSequenceClassification(cfg).double()
+    model = tiny_model("bert", seed=seed, num_labels=classes).double()
     lora = peft.LoraConfig(r=rank, target_modules=list(targets), init_lora_weights=False)
     return peft.get_peft_model(model, lora).eval()
 

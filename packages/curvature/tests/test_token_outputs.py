@@ -15,6 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tiny_models import tiny_model
+
 sys.path.insert(0, str(Path(__file__).parent))
 from _token_refs import (
     TokenNet,
@@ -48,7 +50,6 @@ from partialbayes.selection import (
     sparse_kfac,
 )
 
-torch.set_num_threads(1)
 FIXTURE = settings(
     max_examples=6,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
@@ -389,10 +390,8 @@ def test_causal_lm_shift_matches_hugging_face_loss():
 
 
 def test_causal_lm_detection():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     assert is_causal_lm(llama_lm())
-    assert is_causal_lm(GPT2LMHeadModel(GPT2Config(n_embd=8, n_layer=1, n_head=2, vocab_size=10)))
+    assert is_causal_lm(tiny_model("gpt2", "causal-lm", vocab=10))
     assert not is_causal_lm(bert_tagger())
     assert not is_causal_lm(TokenNet(2, 2, 2))
     assert not KronLaplace(bert_tagger(), sparse_kfac(bert_tagger(), 50)).shift_labels

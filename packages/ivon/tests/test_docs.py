@@ -14,7 +14,6 @@ CONCEPT = ROOT / "docs" / "pages" / "concepts" / "ivon.md"
 def run(path, index, tmp_path, monkeypatch):
     code = re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)[index]
     monkeypatch.chdir(tmp_path)
-    torch.set_num_threads(1)
     scope: dict = {}
     exec(compile(code, str(path), "exec"), scope)
     return scope

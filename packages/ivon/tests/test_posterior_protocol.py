@@ -10,6 +10,8 @@ from partialbayes.selection import KronBlock, MaskBlock, Subset
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_models import tiny_model  # noqa: E402
+
 
 def _mlp(device, seed=0, n_out=3):
     torch.manual_seed(seed)
@@ -54,17 +56,8 @@ def _hf_loss(model, batch):
 
 
 def _tiny_token_bert(device, seed=0):
-    torch.manual_seed(seed)
-    config = transformers.BertConfig(
-        vocab_size=30,
-        hidden_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=16,
-        max_position_embeddings=16,
-        num_labels=3,
-    )
-    return transformers.BertForTokenClassification(config).to(device).eval()
+    model = tiny_model("bert", "token", seed=seed, intermediate=16, num_labels=3)
+    return model.to(device).eval()
 
 
 def _token_batches(device, n_batches=2, seed=0):

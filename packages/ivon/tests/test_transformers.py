@@ -3,13 +3,13 @@ import torch
 
 from partialbayes.ivon import IVON, ivon_posterior
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
+
+from tiny_models import tiny_model
 
 
 def test_tiny_gpt2_trains(device):
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=2, n_head=2, n_positions=32)
-    model = transformers.GPT2LMHeadModel(config).to(device)
+    model = tiny_model("gpt2", "causal-lm", seed=0, size="s").to(device)
     ids = torch.randint(50, (4, 12), generator=torch.Generator().manual_seed(1)).to(device)
 
     def mean_loss():

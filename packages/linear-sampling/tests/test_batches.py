@@ -16,14 +16,12 @@ from partialbayes.linear_sampling import (
 F64 = torch.float64
 transformers = pytest.importorskip("transformers")
 
+from tiny_models import tiny_model  # noqa: E402
+
 
 def tiny_token_bert(device):
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=16, max_position_embeddings=16, num_labels=3,
-    )  # fmt: skip
-    return transformers.BertForTokenClassification(config).to(device, F64).eval()
+    model = tiny_model("bert", "token", seed=0, intermediate=16, num_labels=3)
+    return model.to(device, F64).eval()
 
 
 def token_params(model):

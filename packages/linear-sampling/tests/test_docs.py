@@ -17,7 +17,6 @@ def blocks(path):
 
 def test_readme_runs_in_order(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    torch.set_num_threads(1)
     scope: dict = {}
     for code in blocks(README):  # the blocks build on each other, as a reader runs them
         exec(compile(code, str(README), "exec"), scope)
@@ -28,7 +27,6 @@ def test_readme_runs_in_order(tmp_path, monkeypatch):
 @pytest.mark.skipif(not CONCEPT.exists(), reason="docs are not in this checkout")
 def test_concept_page_block_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    torch.set_num_threads(1)
     (code,) = blocks(CONCEPT)
     scope: dict = {}
     exec(compile(code, str(CONCEPT), "exec"), scope)

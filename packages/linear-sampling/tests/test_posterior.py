@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from partialbayes.linear_sampling import Prior, SampledLaplace
+from partialbayes.linear_sampling import Prior, SampledLaplace, load_sampled_laplace
 from partialbayes.predictive import Posterior, average_softmax, probit
 from partialbayes.predictive.testing import check_posterior
 from partialbayes.selection import KronBlock, MaskBlock, Subset
@@ -112,12 +112,10 @@ def test_predictive_covariance_matches_dense_ggn_laplace(device):
 def test_sampled_laplace_conforms(device, tmp_path, kind):
     if kind == "tokens":
         transformers = pytest.importorskip("transformers")
-        torch.manual_seed(0)
-        config = transformers.BertConfig(
-            vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-            intermediate_size=16, max_position_embeddings=16, num_labels=3,
-        )  # fmt: skip
-        model = transformers.BertForTokenClassification(config).to(device).eval()
+        from tiny_models import tiny_model
+
+        model = tiny_model("bert", "token", seed=0, intermediate=16, num_labels=3)
+        model = model.to(device).eval()
         q = "bert.encoder.layer.0.attention.self.query"
         subset = Subset.from_model(model, {
             f"{q}.weight": KronBlock(rows=torch.tensor([1, 4]), cols=torch.tensor([0, 2, 7])),
@@ -207,8 +205,10 @@ def test_save_load_refuses_other_models_and_files(tmp_path):
     with pytest.raises(ValueError, match="not a saved SampledLaplace"):
         SampledLaplace.load(tmp_path / "other.safetensors", model)
     moved = mlp(seed=1)
-    with pytest.warns(UserWarning, match="differ from the saved MAP"):
-        SampledLaplace.load(path, moved)
+    for load in (SampledLaplace.load, load_sampled_laplace):
+        with pytest.warns(UserWarning, match="differ from the saved MAP") as caught:
+            load(path, moved)
+        assert caught[0].filename == __file__  # the warning names the caller's line
     grouped = SampledLaplace(
         model,
         subset,

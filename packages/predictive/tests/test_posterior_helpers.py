@@ -1,5 +1,6 @@
 """Helpers the sample-based families share: sampled_predict, check_sample, eval_mode, move_batch."""
 
+import math
 from contextlib import contextmanager
 
 import pytest
@@ -8,6 +9,7 @@ from torch import nn
 
 from partialbayes.predictive import (
     average_softmax,
+    check_generator,
     check_sample,
     eval_mode,
     move_batch,
@@ -112,6 +114,20 @@ def test_check_sample_accepts_rows_and_names_what_is_wrong():
         check_sample(subset, torch.zeros(4))
     with pytest.raises(TypeError, match="must be a tensor"):
         check_sample(subset, {"2.bias": [0.0] * 4})
+    for bad in (math.nan, math.inf, -math.inf):
+        values = torch.zeros(4)
+        values[2] = bad
+        with pytest.raises(ValueError, match=r"NaN or inf entries in \['2.bias'\]"):
+            check_sample(subset, {"2.bias": values})
+
+
+def test_check_generator_names_the_parameter():
+    g = torch.Generator()
+    assert check_generator(g) is g
+    assert check_generator(None) is None
+    for bad in (5, "seed", torch.zeros(1)):
+        with pytest.raises(TypeError, match=r"rng must be a torch\.Generator or None"):
+            check_generator(bad, "rng")
 
 
 def test_eval_mode_restores_modes_even_on_error():

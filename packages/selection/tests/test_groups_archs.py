@@ -19,41 +19,13 @@ from partialbayes.selection import (
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_models import tiny_model  # noqa: E402
+
 L = 2  # layers (encoder and decoder each for T5 / BART)
 
 
-def _bert(T):
-    return T.BertForSequenceClassification(
-        T.BertConfig(
-            vocab_size=50,
-            hidden_size=16,
-            num_hidden_layers=L,
-            num_attention_heads=2,
-            intermediate_size=32,
-            max_position_embeddings=32,
-        )
-    )
-
-
-def _distilbert(T):
-    return T.DistilBertForSequenceClassification(
-        T.DistilBertConfig(
-            vocab_size=50, dim=16, n_layers=L, n_heads=2, hidden_dim=32, max_position_embeddings=32
-        )
-    )
-
-
-def _roberta(T):
-    return T.RobertaForSequenceClassification(
-        T.RobertaConfig(
-            vocab_size=50,
-            hidden_size=16,
-            num_hidden_layers=L,
-            num_attention_heads=2,
-            intermediate_size=32,
-            max_position_embeddings=40,
-        )
-    )
+def _tiny(arch, **config):
+    return lambda T: tiny_model(arch, size="s", layers=L, **config)
 
 
 def _deberta_v2(T):
@@ -90,12 +62,6 @@ def _electra(T):
     )
 
 
-def _gpt2(T):
-    return T.GPT2ForSequenceClassification(
-        T.GPT2Config(vocab_size=50, n_embd=16, n_layer=L, n_head=2, n_positions=32, pad_token_id=0)
-    )
-
-
 def _decoder_kwargs():
     return {
         "vocab_size": 50,
@@ -107,10 +73,6 @@ def _decoder_kwargs():
         "max_position_embeddings": 32,
         "pad_token_id": 0,
     }
-
-
-def _llama(T):
-    return T.LlamaForSequenceClassification(T.LlamaConfig(**_decoder_kwargs()))
 
 
 def _qwen2(T):
@@ -170,13 +132,25 @@ def _bart(T):
 # DistilBERT pre_classifier + classifier, RoBERTa / ELECTRA / T5 / BART dense + out_proj, DeBERTa pooler +
 # classifier, GPT-2 / Llama / Qwen2 score, ModernBERT head.dense + classifier.
 ARCHS = {
-    "bert": (_bert, "BertForSequenceClassification", 4 * L, 2 * L + 2, 0),
-    "distilbert": (_distilbert, "DistilBertForSequenceClassification", 4 * L, 2 * L + 2, 0),
-    "roberta": (_roberta, "RobertaForSequenceClassification", 4 * L, 2 * L + 2, 0),
+    "bert": (_tiny("bert"), "BertForSequenceClassification", 4 * L, 2 * L + 2, 0),
+    "distilbert": (_tiny("distilbert"), "DistilBertForSequenceClassification", 4 * L, 2 * L + 2, 0),
+    "roberta": (
+        _tiny("roberta", positions=40),
+        "RobertaForSequenceClassification",
+        4 * L,
+        2 * L + 2,
+        0,
+    ),
     "deberta-v2": (_deberta_v2, "DebertaV2ForSequenceClassification", 6 * L, 2 * L + 2, 0),
     "electra": (_electra, "ElectraForSequenceClassification", 4 * L, 2 * L + 2, 1),
-    "gpt2": (_gpt2, "GPT2ForSequenceClassification", 2 * L, 2 * L + 1, 0),
-    "llama": (_llama, "LlamaForSequenceClassification", 4 * L, 3 * L + 1, 0),
+    "gpt2": (_tiny("gpt2", pad_token_id=0), "GPT2ForSequenceClassification", 2 * L, 2 * L + 1, 0),
+    "llama": (
+        _tiny("llama", num_key_value_heads=1, pad_token_id=0),
+        "LlamaForSequenceClassification",
+        4 * L,
+        3 * L + 1,
+        0,
+    ),
     "qwen2": (_qwen2, "Qwen2ForSequenceClassification", 4 * L, 3 * L + 1, 0),
     "modernbert": (_modernbert, "ModernBertForSequenceClassification", 2 * L, 2 * L + 2, 0),
     "t5": (_t5, "T5ForSequenceClassification", 4 * L + 8 * L, 2 * L + 2 * L + 2, 0),
@@ -270,9 +244,7 @@ def test_bert_cross_attention_is_attention():
 
 
 def test_tied_lm_head_is_grouped_but_never_a_candidate():
-    model = transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=32)
-    )
+    model = tiny_model("gpt2", "causal-lm", size="s", layers=1)
     assert module_groups(model)["lm_head"] == "mlp"
     assert "lm_head" not in grouped_linear_modules(model, "mlp")
     assert len(grouped_linear_modules(model, "all")) == 4

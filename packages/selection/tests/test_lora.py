@@ -26,6 +26,8 @@ from partialbayes.selection import (
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+from tiny_models import tiny_model  # noqa: E402
+
 # peft calls a transformers method that transformers 5 deprecates; not ours to fix
 pytestmark = pytest.mark.filterwarnings(
     "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
@@ -33,16 +35,7 @@ pytestmark = pytest.mark.filterwarnings(
 
 
 def _bert():
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(
-        vocab_size=50,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=32,
-    )
-    return transformers.BertForSequenceClassification(cfg).eval()
+    return tiny_model("bert", seed=0, size="s").eval()
 
 
 def _lora(model, targets, r=2, task_type=None, **kw):
@@ -63,23 +56,13 @@ def peft_bert():
 
 
 def _llama_lm():
-    torch.manual_seed(1)
-    cfg = transformers.LlamaConfig(
-        vocab_size=40,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return tiny_model(
+        "llama", "causal-lm", seed=1, size="s", vocab=40, num_key_value_heads=1
+    ).eval()
 
 
 def _gpt2_lm():
-    torch.manual_seed(2)
-    cfg = transformers.GPT2Config(vocab_size=40, n_embd=16, n_layer=2, n_head=2, n_positions=32)
-    return transformers.GPT2LMHeadModel(cfg).eval()
+    return tiny_model("gpt2", "causal-lm", seed=2, size="s", vocab=40).eval()
 
 
 def test_lora_subset_holds_exactly_the_adapters(peft_bert):
@@ -216,18 +199,8 @@ def test_tied_head_is_refused_with_a_clear_message():
 
 
 def test_original_head_with_several_maps_is_idle():
-    torch.manual_seed(0)
-    cfg = transformers.RobertaConfig(
-        vocab_size=50,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=40,
-    )
-    model = _lora(
-        transformers.RobertaForSequenceClassification(cfg), ["query"], task_type="SEQ_CLS"
-    )
+    roberta = tiny_model("roberta", seed=0, size="s", layers=1, positions=40)
+    model = _lora(roberta, ["query"], task_type="SEQ_CLS")
     names = set(grouped_linear_modules(model))
     head = "base_model.model.classifier"
     assert {

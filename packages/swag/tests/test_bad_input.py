@@ -242,3 +242,75 @@ def test_a_good_file_still_loads(helpers, tmp_path):
     model, path = saved(helpers, tmp_path)
     back = load_swag(path, model)
     assert back.n_snapshots == 4
+
+
+def test_half_precision_moments_in_an_old_file_load_as_float32(helpers, tmp_path):
+    model, path = saved(helpers, tmp_path)
+    meta, tensors = read(path)
+    fields = json.loads(meta["partialbayes_swag"])
+    fields["dtype"] = "float16"
+    half = {k: v.half() for k, v in tensors.items()}
+    back = load_swag(rewrite(path, half, {"partialbayes_swag": json.dumps(fields)}), model)
+    assert back.dtype == torch.float32
+    torch.testing.assert_close(back.mean, tensors["mean"].half().float())
+
+
+# --- issue #16 leftovers (fixed with issue #17) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [True, 2.5, 0, -1])
+def test_sample_counts_are_checked(helpers, bad):
+    _, _, swag = collected(helpers)
+    with pytest.raises(ValueError, match="n must be a positive int"):
+        swag.sample(bad)
+
+
+def test_every_generator_argument_is_checked(helpers):
+    _, _, swag = collected(helpers)
+    x = helpers.x_batches(swag.model, 1)[0]["x"]
+    for call in (
+        lambda: swag.sample(2, generator=5),
+        lambda: swag.sample_flat(2, generator=5),
+        lambda: swag.sampled(generator=5),
+        lambda: swag.predict(x, n_samples=2, generator=5),
+        lambda: swag.predictive_samples(x, 2, generator=5),
+    ):
+        with pytest.raises(
+            TypeError, match=r"generator must be a torch\.Generator or None, got int"
+        ):
+            call()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int64])
+def test_moment_dtypes_other_than_float32_and_float64_are_refused(helpers, dtype):
+    model = helpers.tiny_net(0)
+    with pytest.raises(TypeError, match=r"dtype must be torch\.float32 or torch\.float64"):
+        SWAG(model, helpers.partial_subset(model), dtype=dtype)
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_models_keep_float32_moments_by_default(helpers, model_dtype):
+    model = helpers.tiny_net(0, dtype=model_dtype)
+    assert SWAG(model, helpers.partial_subset(model)).dtype == torch.float32
+
+
+def test_swapped_refuses_non_finite_samples_and_leaves_the_model_alone(helpers):
+    model, _, swag = collected(helpers)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    one = {n: v[0].clone() for n, v in swag.sample(1).items()}
+    one["fc2.weight"][0] = math.nan
+    with (
+        pytest.raises(ValueError, match=r"NaN or inf entries in \['fc2.weight'\]"),
+        swag.swapped(one),
+    ):
+        pass
+    flat = swag.sample_flat()
+    flat[3] = math.inf
+    with (
+        pytest.warns(DeprecationWarning, match=r"swapped\(model, weights\)"),
+        pytest.raises(ValueError, match="NaN or inf"),
+        swag.swapped(model, flat),
+    ):
+        pass
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])

@@ -18,7 +18,6 @@ def blocks(path):
 
 def run(code, path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    torch.set_num_threads(1)
     scope: dict = {}
     exec(compile(code, str(path), "exec"), scope)
     return scope

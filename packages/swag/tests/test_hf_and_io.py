@@ -17,6 +17,8 @@ from partialbayes.swag import (
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_models import tiny_model  # noqa: E402
+
 
 def assert_close(actual, expected, rtol=1e-7, atol=1e-12):
     """numpy's assert_allclose on tensors (torch.testing imports torch.distributed: slow to import)."""
@@ -26,17 +28,7 @@ def assert_close(actual, expected, rtol=1e-7, atol=1e-12):
 
 
 def tiny_distilbert(seed=0, device="cpu"):
-    torch.manual_seed(seed)
-    config = transformers.DistilBertConfig(
-        vocab_size=50,
-        dim=16,
-        n_layers=2,
-        n_heads=2,
-        hidden_dim=32,
-        max_position_embeddings=32,
-        num_labels=3,
-    )
-    return transformers.DistilBertForSequenceClassification(config).to(device).eval()
+    return tiny_model("distilbert", seed=seed, size="s", num_labels=3).to(device).eval()
 
 
 def hf_batches(n_batches=3, batch=4, length=6, seed=0, device="cpu"):
@@ -291,11 +283,7 @@ def test_sweep_skips_diverging_rates_and_fails_when_all_diverge(helpers):
 
 
 def test_gpt2_conv1d_partial_tensor_only_selected_entries_move():
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16, num_labels=2, pad_token_id=0
-    )
-    model = transformers.GPT2ForSequenceClassification(config).eval()
+    model = tiny_model("gpt2", seed=0, vocab=50, hidden=16, pad_token_id=0).eval()
     # c_attn is a Conv1D: logical (48 x 16) map stored as (16 x 48); rows/cols are logical.
     subset = Subset.from_model(
         model,

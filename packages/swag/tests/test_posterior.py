@@ -17,6 +17,8 @@ from partialbayes.swag import (
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_models import tiny_model  # noqa: E402
+
 
 def pair_batches(model, n_batches=3, batch=6, seed=0, n_in=4, n_out=3, regression=False):
     g = torch.Generator().manual_seed(seed)
@@ -33,17 +35,8 @@ def pair_batches(model, n_batches=3, batch=6, seed=0, n_in=4, n_out=3, regressio
 
 
 def tiny_token_bert(seed=0, device="cpu", num_labels=3):
-    torch.manual_seed(seed)
-    config = transformers.BertConfig(
-        vocab_size=30,
-        hidden_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=16,
-        max_position_embeddings=16,
-        num_labels=num_labels,
-    )
-    return transformers.BertForTokenClassification(config).to(device).eval()
+    model = tiny_model("bert", "token", seed=seed, intermediate=16, num_labels=num_labels)
+    return model.to(device).eval()
 
 
 def token_batches(n_batches=3, batch=4, length=7, seed=0, device="cpu", num_labels=3):

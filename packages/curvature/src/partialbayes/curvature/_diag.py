@@ -79,7 +79,15 @@ def diag_curvature(
         RuntimeError: Under ``torch.distributed``, on every rank whose shard went through when another
             rank raised (all ranks fail instead of waiting for each other).
     """
-    check_options(likelihood, fisher, mc_samples, sigma_noise)
+    check_options(
+        likelihood,
+        fisher,
+        mc_samples,
+        sigma_noise,
+        dtype=dtype,
+        generator=generator,
+        num_classes=num_classes,
+    )
     targets, modules = param_targets(model, subset)
     shift = resolve_shift_labels(model, shift_labels)
     params = dict(model.named_parameters())

@@ -31,7 +31,7 @@ from partialbayes.curvature._likelihood import (
     model_device,
     output_vectors,
 )
-from partialbayes.curvature._outputs import output_rows, read_batch
+from partialbayes.curvature._outputs import output_rows, position_plan, read_batch
 from partialbayes.predictive import model_logits
 
 
@@ -93,7 +93,7 @@ class Recorder:
     """Context manager hooking linear maps: records gathered inputs and raw outputs of one forward pass.
 
     A module called several times in one forward pass (weight tying, a layer reused in a loop) records
-    every call; `inputs`, `token_masks` and `output_grads` merge the calls as extra token positions
+    every call; `inputs` and `token_masks` merge the calls as extra token positions
     (see `merge_calls`).
 
     Args:
@@ -155,12 +155,6 @@ class Recorder:
     def snapshot(self) -> dict[str, list[Tensor]]:
         """The recorded call outputs (a copy that survives `clear`), for `call_grads`."""
         return {n: list(v) for n, v in self.calls_out.items()}
-
-    def output_grads(
-        self, logits: Tensor, cotangent: Tensor, retain_graph: bool = False
-    ) -> dict[str, Tensor]:
-        """``{module: δ}`` of one backward pass, calls merged like `inputs` (see `call_grads`)."""
-        return call_grads(logits, self.calls_out, cotangent, retain_graph)
 
     def clear(self) -> None:
         """Forget the last forward pass."""
@@ -253,9 +247,6 @@ BatchObserver = Callable[[int, Tensor, Tensor | None], None]
 or the kept positions of token-level ones) and their validated labels (``None`` when the batch has none)
 right after its forward pass, before the backward passes."""
 
-#: How token-level outputs are backpropagated: all kept positions in one pass, or one position per pass.
-POSITIONS = ("joint", "each")
-
 
 @dataclass
 class BatchPasses:
@@ -287,38 +278,48 @@ class BatchPasses:
 def cotangents(
     logits: Tensor, vectors: Tensor, keep: Tensor | None, positions: str
 ) -> Iterator[Tensor]:
-    """The cotangents of the backward passes, shaped like ``logits``, one at a time.
+    """The cotangents of the backward passes, shaped like ``logits``, built one at a time.
+
+    The one statement of which backward passes run: `stream` (curvature, ``vectors`` from
+    ``output_vectors``) and `output_passes` (Jacobians and the predictive, ``vectors`` the unit vectors
+    ``e_k``) both iterate it.
 
     Args:
         logits: ``[B, C]`` or ``[B, T, C]``.
-        vectors: ``[S, N, C]`` output-space vectors of the ``N`` output rows (see ``output_vectors``).
+        vectors: ``[S, N, C]`` output-space vectors of the ``N`` output rows (row-major kept positions).
         keep: ``[B, T]`` kept positions of token-level logits (``None`` for ``[B, C]``).
         positions: ``"joint"``: ``S`` passes, each carrying every kept position's vector (cross-position
             terms ``J_tᵀ v_t v_uᵀ J_u`` enter the outer products, except where positions do not interact);
-            ``"each"``: ``S`` passes per kept position ``t`` (every other position zero), which gives the
-            exact per-output gradients ``J_tᵀ v_t``.
+            ``"each"``: ``S`` passes per kept position ``t`` in `position_plan` order (every other position
+            zero), which gives the exact per-output gradients ``J_tᵀ v_t``.
 
     Yields:
         Cotangents ``[B, C]`` / ``[B, T, C]``.
     """
     if keep is None:
-        yield from vectors
+        for v in vectors:
+            yield v.contiguous()
         return
-    full = vectors.new_zeros((vectors.shape[0], *logits.shape))
-    full[:, keep] = vectors
     if positions == "joint":
-        yield from full
+        for v in vectors:
+            one = vectors.new_zeros(logits.shape)
+            one[keep] = v
+            yield one
         return
-    for t in keep.any(0).nonzero().flatten().tolist():
-        for v in full:
-            one = torch.zeros_like(v)
-            one[:, t] = v[:, t]
+    row = torch.full(keep.shape, -1, dtype=torch.long, device=keep.device)
+    row[keep] = torch.arange(int(keep.sum()), device=keep.device)
+    for t, examples in position_plan(keep, keep.shape[0], keep.device):
+        rows_t = row[examples, t]
+        for v in vectors:
+            one = vectors.new_zeros(logits.shape)
+            one[examples, t] = v[rows_t]
             yield one
 
 
-def _backward_passes(
+def backward_passes(
     logits: Tensor, calls: dict[str, list[Tensor]], cots: Iterator[Tensor]
 ) -> Iterator[dict[str, Tensor]]:
+    """``{module: δ}`` for each cotangent in turn (`call_grads`), keeping the graph until the last one."""
     nxt = next(cots, None)
     while nxt is not None:
         cot, nxt = nxt, next(cots, None)
@@ -426,7 +427,7 @@ def stream(
                 inputs=recorded,
                 keep=keep,
                 token_masks=masks,
-                passes=_backward_passes(
+                passes=backward_passes(
                     logits, rec.snapshot(), cotangents(logits, vectors, keep, positions)
                 ),
             )

@@ -1,4 +1,9 @@
-"""Save / load Laplace posteriors: safetensors for the tensors, JSON metadata, never pickle."""
+"""Save / load Laplace posteriors: safetensors for the tensors, JSON metadata, never pickle.
+
+This module knows the file format, not the posterior classes: `save_posterior` reads a posterior's state
+through its attributes, and `load_posterior` builds the class it is given (``LaplaceBase.load`` passes
+``cls``), so the classes import this module and never the other way round.
+"""
 
 from __future__ import annotations
 
@@ -23,12 +28,18 @@ def _structure(model: nn.Module) -> list[list[Any]]:
     return [[n, list(p.shape)] for n, p in model.named_parameters()]
 
 
-def _classes() -> dict[str, type]:
-    from partialbayes.curvature._laplace_dense import DenseLaplace
-    from partialbayes.curvature._laplace_diag import DiagLaplace
-    from partialbayes.curvature._laplace_kron import KronLaplace
+#: The posterior classes a file may hold (``meta["class"]``).
+CLASS_NAMES = ("KronLaplace", "DiagLaplace", "DenseLaplace")
 
-    return {c.__name__: c for c in (KronLaplace, DiagLaplace, DenseLaplace)}
+
+def _saved_class(requested: type[Any], saved: str, where: str) -> type[Any]:
+    """The class to build: ``requested`` itself, or (``LaplaceBase.load``) its subclass named ``saved``."""
+    if requested.__name__ == saved:
+        return requested
+    for sub in requested.__subclasses__():
+        if sub.__name__ == saved:
+            return sub
+    raise ValueError(f"{where!r} holds a {saved}, not a {requested.__name__}")
 
 
 def save_posterior(posterior: Any, path: str | os.PathLike[str]) -> None:
@@ -151,9 +162,9 @@ def _check_meta(meta: dict[str, Any], path: str) -> None:
             raise ValueError(
                 f"{path!r}: metadata field {key!r} has the wrong type ({type(value).__name__})"
             )
-    if meta["class"] not in _classes():
+    if meta["class"] not in CLASS_NAMES:
         raise ValueError(
-            f"{path!r}: unknown posterior class {meta['class']!r} (known: {sorted(_classes())})"
+            f"{path!r}: unknown posterior class {meta['class']!r} (known: {sorted(CLASS_NAMES)})"
         )
     if meta["dtype"] not in _DTYPES:
         raise ValueError(f"{path!r}: unsupported dtype {meta['dtype']!r}")
@@ -188,15 +199,18 @@ def _expected_shapes(post: Any) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def load_posterior(path: str | os.PathLike[str], model: nn.Module) -> Any:
-    """Load a posterior saved by `save_posterior` onto ``model``.
+def load_posterior(path: str | os.PathLike[str], model: nn.Module, cls: type[Any]) -> Any:
+    """Load a posterior saved by `save_posterior` onto ``model`` as a ``cls``.
+
+    For a base class (``LaplaceBase``) the posterior is built as the subclass the file names.
 
     Raises:
         FileNotFoundError: If there is no file at ``path``.
         ValueError: If the file is not a readable saved posterior (garbage, truncated, metadata that is
             not JSON or misses a field, a missing tensor, a tensor of the wrong shape, NaN or inf in any
-            tensor: the file and the field or tensor are named), or ``model``'s parameter structure
-            (names and shapes) or the saved subset do not match ``model``.
+            tensor: the file and the field or tensor are named), ``model``'s parameter structure
+            (names and shapes) or the saved subset do not match ``model``, or the file holds another
+            posterior class than ``cls``.
     """
     where = os.fspath(path)
     meta, tensors = _read(where)
@@ -209,9 +223,9 @@ def load_posterior(path: str | os.PathLike[str], model: nn.Module) -> Any:
             )
     _check_structure(meta, model)
     subset = Subset.from_json(meta["subset"], model)
-    cls = _classes()[meta["class"]]
+    target = _saved_class(cls, meta["class"], where)
     try:
-        post = cls(
+        post = target(
             model,
             subset,
             likelihood=meta["likelihood"],

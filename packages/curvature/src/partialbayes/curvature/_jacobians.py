@@ -16,11 +16,24 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.curvature._hooks import Recorder, call_grads, merge_calls, prepared
+from partialbayes.curvature._hooks import (
+    Recorder,
+    backward_passes,
+    cotangents,
+    merge_calls,
+    prepared,
+)
+from partialbayes.curvature._kfac import hook_targets, kron_targets
 from partialbayes.curvature._likelihood import model_device
-from partialbayes.curvature._outputs import Outputs, output_rows, read_batch, resolve_shift_labels
+from partialbayes.curvature._outputs import (
+    Outputs,
+    output_rows,
+    position_plan,
+    read_batch,
+    resolve_shift_labels,
+)
 from partialbayes.predictive import model_logits
-from partialbayes.selection import KronBlock, KronModule, Subset, linear_modules
+from partialbayes.selection import KronBlock, Subset, linear_modules
 
 
 def example_weight_grads(x: Tensor, d: Tensor) -> Tensor:
@@ -74,8 +87,6 @@ def logit_jacobians(
         TypeError: For a subset with mask blocks, or a batch of an unknown kind.
         ValueError: Token-level logits without an attention mask or labels.
     """
-    from partialbayes.curvature._kfac import kron_targets
-
     kmods = kron_targets(model, subset, "logit_jacobians")
     inputs, outputs = read_batch(
         batch,
@@ -83,12 +94,15 @@ def logit_jacobians(
         likelihood="classification",
         shift=resolve_shift_labels(model, shift_labels),
     )
-    logits, keep, blocks = class_block_grads(
+    modules, cols, rows = hook_targets(model, kmods)
+    logits, keep, blocks = output_jacobians(
         model,
         inputs,
         outputs,
-        kmods,
-        lambda m, x, d: block_grads(x, d, kmods[m].bias_name is not None),
+        modules,
+        cols,
+        rows,
+        lambda x, d: {m: block_grads(x[m], d[m], kmods[m].bias_name is not None) for m in kmods},
     )
     return output_rows(logits, keep), blocks
 
@@ -135,14 +149,10 @@ def _position_grads(
     rec: Recorder,
     rows: Mapping[str, Tensor | None],
 ) -> Iterator[PositionGrads]:
+    """The ``C`` backward passes with cotangents ``e_k`` of every kept position (`cotangents`, ``"each"``)."""
     b, n_cls = logits.shape[0], logits.shape[-1]
     calls = rec.snapshot()
-    if keep is None:
-        plan = [(None, torch.arange(b, device=logits.device))]
-    else:
-        plan = [
-            (t, keep[:, t].nonzero().flatten()) for t in keep.any(0).nonzero().flatten().tolist()
-        ]
+    plan = position_plan(keep, b, logits.device)
     if not plan:  # no kept output: zero gradients of the right shapes, no backward pass
         empty = torch.zeros(0, dtype=torch.long, device=logits.device)
         zeros = {}
@@ -151,22 +161,17 @@ def _position_grads(
             zeros[m] = [z if r is None else z.index_select(-1, r)] * n_cls
         yield PositionGrads(examples=empty, keys=empty, grads=zeros)
         return
-    total = len(plan) * n_cls
-    done = 0
+    n_rows = b if keep is None else int(keep.sum())
+    units = torch.eye(n_cls, dtype=logits.dtype, device=logits.device)[:, None]
+    passes = backward_passes(
+        logits, calls, cotangents(logits, units.expand(n_cls, n_rows, n_cls), keep, "each")
+    )
     for t, examples in plan:
         grads: dict[str, list[Tensor]] = {m: [] for m in calls}
-        for k in range(n_cls):
-            cot = torch.zeros_like(logits)
-            if t is None:
-                cot[:, k] = 1
-            else:
-                cot[examples, t, k] = 1
-            done += 1
-            gs = call_grads(logits, calls, cot, retain_graph=done < total)
-            for m, g in gs.items():
+        for _ in range(n_cls):
+            for m, g in next(passes).items():
                 r = rows.get(m)
                 grads[m].append((g if r is None else g.index_select(-1, r)).detach())
-            del gs
         keys = examples if t is None else examples * logits.shape[1] + t
         yield PositionGrads(examples=examples, keys=keys, grads=grads)
 
@@ -262,40 +267,6 @@ def output_jacobians(
             keys.append(pg.keys)
         logits, keep = ps.logits, ps.keep
     return logits, keep, {key: in_row_order(keys, v) for key, v in parts.items()}
-
-
-def class_block_grads(
-    model: nn.Module,
-    inputs: Tensor | Mapping[str, Any],
-    outputs: Outputs,
-    kmods: Mapping[str, KronModule],
-    combine: Callable[[str, Tensor, Tensor], Tensor],
-) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
-    """One forward pass with hooks and ``C`` backward passes per kept output, combining inputs and gradients.
-
-    Args:
-        model: Network returning logits ``[B, C]`` or ``[B, T, C]``.
-        inputs: Model inputs (tensor or keyword mapping).
-        outputs: Which positions of token-level logits count.
-        kmods: Kronecker modules to differentiate.
-        combine: ``(module, x [B, (T,) |C|], δ_k [B, (T,) r]) -> [B, ...]`` per class ``k``; ``x`` is gathered
-            to the selected columns, ``δ_k`` (the gradient of logit ``k``) to the selected rows.
-
-    Returns:
-        ``(logits, keep, {module: [N, C, ...]})`` (see `output_jacobians`): the per-class results stacked
-        along dim 1, one row per output (example, or kept position in row-major order).
-    """
-    named = dict(model.named_modules())
-    device = model_device(model)
-    return output_jacobians(
-        model,
-        inputs,
-        outputs,
-        {m: named[m] for m in kmods},
-        {m: k.cols for m, k in kmods.items()},
-        {m: (None if k.rows is None else k.rows.to(device)) for m, k in kmods.items()},
-        lambda x, d: {m: combine(m, x[m], d[m]) for m in kmods},
-    )
 
 
 # ----------------------------------------------------------------------------- elementwise subsets

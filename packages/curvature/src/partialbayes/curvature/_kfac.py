@@ -11,12 +11,13 @@ from torch import Tensor, nn
 from partialbayes.curvature._distributed import all_reduce_int, fail_together
 from partialbayes.curvature._factors import FactorAccumulator, ModuleFactors
 from partialbayes.curvature._hooks import BatchObserver, prepared, stream
+from partialbayes.curvature._kfac_math import row_count, shared_rows
 from partialbayes.curvature._likelihood import check_options, model_device
 from partialbayes.curvature._outputs import resolve_shift_labels
-from partialbayes.selection import Subset
+from partialbayes.selection import KronModule, Subset
 
 
-def kron_targets(model: nn.Module, subset: Subset, what: str) -> dict[str, Any]:
+def kron_targets(model: nn.Module, subset: Subset, what: str) -> dict[str, KronModule]:
     """``subset.kron_modules()`` checked against ``model``; a mask subset raises a TypeError with a pointer.
 
     Raises:
@@ -42,21 +43,6 @@ def kron_targets(model: nn.Module, subset: Subset, what: str) -> dict[str, Any]:
     if missing:
         raise ValueError(f"modules {missing} of the subset are not in the model")
     return kmods
-
-
-def _reduce_rows(t: Tensor, m: Tensor | None, mean: bool) -> Tensor:
-    """``[B, T, d] -> [B, d]``: masked sum (or mean) over tokens; ``[B, d]`` unchanged."""
-    if m is None:
-        return t
-    s = torch.einsum("btd,bt->bd", t, m)
-    return s / m.sum(1, keepdim=True) if mean else s
-
-
-def _expand_rows(t: Tensor, m: Tensor | None) -> Tensor:
-    """``[B, T, d] -> [B·T, d]`` with masked tokens zeroed; ``[B, d]`` unchanged."""
-    if m is None:
-        return t
-    return (t * m[..., None]).reshape(-1, t.shape[-1])
 
 
 def carries_gradient(energy: Tensor, eps: float) -> Tensor:
@@ -173,36 +159,83 @@ def kfac(
         RuntimeError: Under ``torch.distributed``, on every rank whose shard went through when another
             rank raised (all ranks fail instead of waiting for each other).
     """
-    check_options(likelihood, fisher, mc_samples, sigma_noise, sharing)
+    check_options(
+        likelihood,
+        fisher,
+        mc_samples,
+        sigma_noise,
+        sharing,
+        dtype=dtype,
+        generator=generator,
+        num_classes=num_classes,
+    )
     if bias not in ("fold", "separate"):
         raise ValueError(f"bias must be 'fold' or 'separate', got {bias!r}")
-    if dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
-    kmods = kron_targets(model, subset, "kfac")
-    shift = resolve_shift_labels(model, shift_labels)
+    return kron_factors(
+        model,
+        loader,
+        kron_targets(model, subset, "kfac"),
+        sharing=sharing,
+        bias=bias,
+        dtype=dtype,
+        likelihood=likelihood,
+        fisher=fisher,
+        mc_samples=mc_samples,
+        sigma_noise=sigma_noise,
+        generator=generator,
+        num_classes=num_classes,
+        shift_labels=resolve_shift_labels(model, shift_labels),
+        progress=progress,
+        on_batch=on_batch,
+    )
+
+
+def hook_targets(
+    model: nn.Module, kmods: dict[str, KronModule]
+) -> tuple[dict[str, nn.Module], dict[str, Tensor | None], dict[str, Tensor | None]]:
+    """What the hooks need for Kronecker modules: ``(modules, cols, rows)``, the indices on the model's device.
+
+    ``cols`` gather the inputs ``x[:, C]`` (``None``: all), ``rows`` the output gradients ``δ[:, R]``.
+    """
     named = dict(model.named_modules())
-    modules = {m: named[m] for m in kmods}
     device = model_device(model)
-    rows = {m: (None if k.rows is None else k.rows.to(device)) for m, k in kmods.items()}
+    modules = {m: named[m] for m in kmods}
+    cols = {m: None if k.cols is None else k.cols.to(device) for m, k in kmods.items()}
+    rows = {m: None if k.rows is None else k.rows.to(device) for m, k in kmods.items()}
+    return modules, cols, rows
+
+
+def kron_factors(
+    model: nn.Module,
+    loader: Iterable[Any],
+    kmods: dict[str, KronModule],
+    *,
+    sharing: str,
+    bias: str,
+    dtype: torch.dtype,
+    **options: Any,
+) -> dict[str, ModuleFactors]:
+    """`kfac`'s pass over ``loader`` for Kronecker modules already resolved and options already checked.
+
+    Args:
+        model: The network.
+        loader: Batches (read once).
+        kmods: ``subset.kron_modules()`` (see `kron_targets`).
+        sharing: ``"reduce"`` or ``"expand"``.
+        bias: ``"fold"`` or ``"separate"``.
+        dtype: Accumulation dtype.
+        **options: `stream`'s keywords (likelihood, fisher, mc_samples, sigma_noise, generator,
+            num_classes, shift_labels as a bool, progress, on_batch).
+
+    Returns:
+        ``{module name: ModuleFactors}`` (see `kfac`).
+    """
+    modules, cols, rows = hook_targets(model, kmods)
+    device = model_device(model)
     acc = {m: FactorAccumulator(k.n_rows, k.n_cols, dtype, device) for m, k in kmods.items()}
     n_examples = 0
     with fail_together(device), prepared(model, modules):
-        for bp in stream(
-            model,
-            loader,
-            modules,
-            {m: k.cols for m, k in kmods.items()},
-            likelihood=likelihood,
-            fisher=fisher,
-            mc_samples=mc_samples,
-            sigma_noise=sigma_noise,
-            generator=generator,
-            num_classes=num_classes,
-            shift_labels=shift,
-            positions="joint",
-            progress=progress,
-            on_batch=on_batch,
-        ):
+        for bp in stream(model, loader, modules, cols, positions="joint", **options):
             if bp.keep is not None and sharing == "reduce":
                 raise ValueError(
                     f"batch {bp.index}: the model returns token-level logits (one output per kept "
@@ -225,11 +258,7 @@ def kfac(
                     r = rows[m]
                     if r is not None:
                         d = d.index_select(-1, r)
-                    deltas[m].append(
-                        _reduce_rows(d, tm, mean=False)
-                        if sharing == "reduce"
-                        else _expand_rows(d, tm)
-                    )
+                    deltas[m].append(shared_rows(d, tm, sharing, mean=False))
             checks: dict[str, Tensor] = {}
             for m, x in bp.inputs.items():
                 tm = bp.token_masks[m]
@@ -237,13 +266,8 @@ def kfac(
                     tm = tm * carries_gradient(energy[m], eps[m]).to(tm.dtype)
                 if tm is not None and sharing == "reduce" and bool((tm.sum(1) == 0).any()):
                     raise ValueError(f"batch {bp.index}: an example has no unmasked token")
-                cnt: Tensor | int
-                if sharing == "reduce":
-                    xr, cnt = _reduce_rows(x, tm, mean=True), x.shape[0]
-                else:
-                    xr = _expand_rows(x, tm)
-                    cnt = x.shape[0] if tm is None else tm.sum()
-                acc[m].add_inputs(xr, cnt)
+                xr = shared_rows(x, tm, sharing, mean=True)
+                acc[m].add_inputs(xr, row_count(x, tm, sharing))
                 checks[m] = xr.sum()
             for m, ds in deltas.items():
                 dd = torch.cat(ds) if len(ds) > 1 else ds[0]

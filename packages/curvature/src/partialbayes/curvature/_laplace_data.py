@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,25 +18,9 @@ from partialbayes.curvature._jacobians import (
     output_jacobians,
     param_targets,
 )
-from partialbayes.curvature._outputs import Outputs
+from partialbayes.curvature._outputs import Outputs, position_plan
 from partialbayes.predictive import model_logits
 from partialbayes.selection import KronModule, Subset
-
-
-@contextmanager
-def eval_mode(model: nn.Module) -> Iterator[None]:
-    """Run ``model`` in eval mode (dropout off), restoring every module's own mode afterwards.
-
-    Not ``model.train(was_training)``, which would set every submodule to the root's mode: a wrapper in
-    training mode around a model in eval mode would leave the model training.
-    """
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, mode in modes:
-            m.training = mode
 
 
 class MapLoss:
@@ -129,13 +112,7 @@ def param_jacobians(
         keep = outputs.keep(f)
         b, c = f.shape[0], f.shape[-1]
         eye = torch.eye(b * c, dtype=f.dtype, device=f.device).reshape(b * c, b, c)
-        if keep is None:
-            plan: list[tuple[int | None, Tensor]] = [(None, torch.arange(b, device=f.device))]
-        else:
-            plan = [
-                (t, keep[:, t].nonzero().flatten())
-                for t in keep.any(0).nonzero().flatten().tolist()
-            ]
+        plan = position_plan(keep, b, f.device)
         parts: dict[str, list[Tensor]] = {n: [] for n in subset.names}
         keys: list[Tensor] = []
         for t, examples in plan:

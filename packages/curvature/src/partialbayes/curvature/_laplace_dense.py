@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from partialbayes.curvature._dense import dense_curvature
 from partialbayes.curvature._kron_algebra import clamped_eigh
 from partialbayes.curvature._laplace_base import LaplaceBase
 from partialbayes.curvature._laplace_data import subset_jacobians
@@ -64,8 +65,6 @@ class DenseLaplace(LaplaceBase):
         )
 
     def _compute_curvature(self, loader: Iterable[Any], options: Mapping[str, Any]) -> Any:
-        from partialbayes.curvature._dense import dense_curvature
-
         return dense_curvature(
             self.model,
             loader,

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from partialbayes.curvature._diag import diag_curvature
 from partialbayes.curvature._laplace_base import LaplaceBase
 from partialbayes.curvature._laplace_data import subset_jacobians
 from partialbayes.curvature._outputs import Outputs
@@ -28,8 +29,6 @@ class DiagLaplace(LaplaceBase):
         super().__init__(model, subset, **kwargs)
 
     def _compute_curvature(self, loader: Iterable[Any], options: Mapping[str, Any]) -> Any:
-        from partialbayes.curvature._diag import diag_curvature
-
         return diag_curvature(
             self.model,
             loader,

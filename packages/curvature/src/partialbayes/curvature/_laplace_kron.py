@@ -8,27 +8,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from partialbayes.curvature._kfac import kron_factors, kron_targets
 from partialbayes.curvature._kron_algebra import (
     clamped_eigh,
-    kron_functional_covariance_projected,
     kron_log_det,
-    kron_project_jacobian,
     kron_sample,
     precision_eigenvalues,
 )
 from partialbayes.curvature._laplace_base import LaplaceBase
-from partialbayes.curvature._laplace_data import (
-    block_to_params,
-    eval_mode,
-    param_jacobians,
-    params_to_block,
-)
-from partialbayes.curvature._laplace_projected import kron_predictive, projected_jacobians
-from partialbayes.curvature._outputs import Outputs, output_rows
-
-
-class _Projected(dict):
-    """Block Jacobians already rotated into the eigenbases (``{module: M [B, C, r, c]}``)."""
+from partialbayes.curvature._laplace_data import block_to_params, params_to_block
+from partialbayes.curvature._laplace_projected import kron_predictive
+from partialbayes.curvature._outputs import Outputs
+from partialbayes.predictive import eval_mode
 
 
 class KronLaplace(LaplaceBase):
@@ -94,13 +85,8 @@ class KronLaplace(LaplaceBase):
 
     # ------------------------------------------------------------------ structure
     def _check_subset(self) -> None:
-        try:
-            self._kmods = self.subset.kron_modules()
-        except TypeError as err:
-            raise TypeError(
-                f"KronLaplace needs a Kronecker-structured subset: {err}. For elementwise subsets use "
-                "DiagLaplace (diagonal GGN) or DenseLaplace (full GGN, small subsets)"
-            ) from err
+        """Resolve the Kronecker modules once (`fit` and the predictive reuse them)."""
+        self._kmods = kron_targets(self.model, self.subset, "KronLaplace")
 
     def _module_names(self) -> tuple[str, ...]:
         return tuple(self._kmods)
@@ -136,15 +122,8 @@ class KronLaplace(LaplaceBase):
 
     # ------------------------------------------------------------------ curvature
     def _compute_curvature(self, loader: Iterable[Any], options: Mapping[str, Any]) -> Any:
-        from partialbayes.curvature._kfac import kfac
-
-        return kfac(
-            self.model,
-            loader,
-            self.subset,
-            sharing=self.sharing,
-            bias=self.bias,
-            **options,
+        return kron_factors(
+            self.model, loader, self._kmods, sharing=self.sharing, bias=self.bias, **options
         )
 
     def _set_curvature(self, curvature: Mapping[str, Any]) -> None:
@@ -214,20 +193,6 @@ class KronLaplace(LaplaceBase):
         return out
 
     # ------------------------------------------------------------------ predictive
-    def _jacobians(
-        self, inputs: Tensor | Mapping[str, Any], outputs: Outputs
-    ) -> tuple[Tensor, Tensor | None, _Projected]:
-        """Per-output logit Jacobians of each block, already in the eigenbases: ``M = Q_Gᵀ J Q_A``.
-
-        Hooks and ``C`` backward passes per output position; ``J`` itself is never formed (see
-        `projected_jacobians`).
-        """
-        bases = {m: (self._eig[m][1], self._eig[m][3]) for m in self.modules}
-        logits, keep, projected = projected_jacobians(
-            self.model, inputs, outputs, self._kmods, bases, self.dtype
-        )
-        return logits, keep, _Projected(projected)
-
     def _mean_covs(
         self,
         inputs: Tensor | Mapping[str, Any],
@@ -300,35 +265,6 @@ class KronLaplace(LaplaceBase):
                 combine_dtype=f64,
             )
         return logits, keep, [c.to(self.dtype) for c in covs]
-
-    def _autograd_jacobians(self, batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
-        """Block Jacobians ``(rows [N, C], {module: [N, C, r, c]})`` by generic reverse mode (reference)."""
-        inputs, outputs = self._read(batch)
-        logits, keep, jac = param_jacobians(self.model, inputs, outputs, self.subset)
-        blocks = {m: self.params_to_block(m, jac) for m in self.modules}
-        return output_rows(logits, keep), blocks
-
-    def _prepare(self, jac: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        if isinstance(jac, _Projected):
-            return jac
-        out = {}
-        for m in self.modules:
-            _, qg, _, qa = self._eig[m]
-            out[m] = kron_project_jacobian(qg, qa, jac[m].to(device=self.device, dtype=self.dtype))
-        return out
-
-    def _functional_cov(
-        self, prepared: Mapping[str, Tensor], prior: Tensor, scale: Tensor | float
-    ) -> Tensor:
-        out: Tensor | None = None
-        for i, m in enumerate(self.modules):
-            cov = kron_functional_covariance_projected(
-                prepared[m], self._eigenvalues(i, m, prior, scale)
-            )
-            out = cov if out is None else out + cov
-        if out is None:
-            raise ValueError("KronLaplace: the subset has no modules")
-        return out
 
     # ------------------------------------------------------------------ state
     def _curvature_state(self) -> dict[str, Tensor]:

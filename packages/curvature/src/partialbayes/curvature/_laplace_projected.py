@@ -5,10 +5,10 @@ block), so ``M_k = Σ_t (Q_Gᵀ δ_{k,t}) (Q_Aᵀ x̃_t)ᵀ``: the inputs are ro
 once per class. Cost per module ``B T (c² + C r² + C r c)`` instead of ``B C (T r c + r² c + r c²)`` for
 rotating formed Jacobians (``T = 1`` for unshared layers: ~``min(r, c)`` times cheaper).
 
-`projected_jacobians` returns ``M`` for every module at once (reference path, ``B C Σ r c`` floats);
-`kron_predictive` streams instead: each module's ``Σ_ij M_k M_l / E`` is contracted into the running
-``[B, C, C]`` covariance as soon as its gradients exist, one example at a time for sequences (tokens with zero
-output gradient dropped, rotation order chosen by cost) and without forming ``M`` at all for unshared layers.
+`kron_predictive` streams: each module's ``Σ_ij M_k M_l / E`` is contracted into the running ``[B, C, C]``
+covariance as soon as its gradients exist, one example at a time for sequences (tokens with zero output
+gradient dropped, rotation order chosen by cost) and without forming ``M`` at all for unshared layers (``M`` is
+never stored for all modules at once: that would be ``B C Σ r c`` floats).
 
 With a residual prior (``residual``, `KronLaplace`'s ``predictive_rtol``), the bases are truncated to the
 eigendirections whose curvature is not negligible next to the prior: ``Σ_ij M_ij² / E_ij`` is split exactly into
@@ -24,47 +24,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.curvature._jacobians import class_block_grads, in_row_order, output_passes
+from partialbayes.curvature._jacobians import in_row_order, output_passes
+from partialbayes.curvature._kfac import hook_targets
 from partialbayes.curvature._likelihood import model_device
 from partialbayes.curvature._outputs import Outputs
 from partialbayes.selection import KronModule
 
 
-def projected_jacobians(
-    model: nn.Module,
-    inputs: Tensor | Mapping[str, Any],
-    outputs: Outputs,
-    kmods: Mapping[str, KronModule],
-    bases: Mapping[str, tuple[Tensor, Tensor]],
-    dtype: torch.dtype,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """``(rows [N, C], {module: M [N, C, r, c]})`` with ``M = Q_Gᵀ J Q_A`` per output and class.
-
-    Args:
-        model: Network returning logits ``[B, C]`` or ``[B, T, C]`` (call in eval mode).
-        inputs: Model inputs.
-        outputs: Which positions of token-level logits count (one row per kept position).
-        kmods: Kronecker modules of the subset.
-        bases: ``{module: (Q_G [r, r], Q_A [c, c])}``.
-        dtype: Dtype of the projection.
-    """
-    xq: dict[str, Tensor] = {}
-
-    def combine(m: str, x: Tensor, d: Tensor) -> Tensor:
-        if m not in xq:  # inputs are rotated once, output gradients once per class
-            x = x.to(dtype)
-            if kmods[m].bias_name is not None:
-                x = torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)
-            xq[m] = x @ bases[m][1]  # rows (Q_Aᵀ x̃)ᵀ
-        dq = d.to(dtype) @ bases[m][0]  # rows (Q_Gᵀ δ)ᵀ
-        if dq.ndim == 2:
-            return dq[:, :, None] * xq[m][:, None, :]
-        return torch.einsum("btr,btc->brc", dq, xq[m])
-
-    return class_block_grads(model, inputs, outputs, kmods, combine)
-
-
-# ----------------------------------------------------------------------------- streamed functional covariance
 def rotate_inputs(x: Tensor, q_a: Tensor, bias: bool) -> Tensor:
     """Rows ``(Q_Aᵀ x̃)ᵀ = x̃ Q_A`` with ``x̃ = (x | 1)`` when the bias is in the block (no concatenation).
 
@@ -309,14 +275,10 @@ def kron_predictive(
         (``None`` for ``[B, C]``), and one covariance per output row (``N = B``, or the kept positions in
         row-major ``(b, t)`` order).
     """
-    named = dict(model.named_modules())
-    modules = {m: named[m] for m in kmods}
+    modules, cols, rows = hook_targets(model, kmods)
     device = model_device(model)
-    rows = {m: (None if k.rows is None else k.rows.to(device)) for m, k in kmods.items()}
     out_dtype = dtype if residual is None else combine_dtype
-    with output_passes(
-        model, inputs, outputs, modules, {m: k.cols for m, k in kmods.items()}, rows
-    ) as ps:
+    with output_passes(model, inputs, outputs, modules, cols, rows) as ps:
         b, n_cls = ps.logits.shape[0], ps.logits.shape[-1]
         keys: list[Tensor] = []
         parts: list[list[Tensor]] = [[] for _ in inv_eigenvalues]

@@ -20,20 +20,51 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.predictive import model_logits, split_batch
+from partialbayes.predictive import check_generator, model_logits, split_batch
 
 LIKELIHOODS = ("classification", "regression")
 FISHERS = ("exact", "mc", "empirical")
 
 
+#: The dtypes curvature is accumulated and stored in (what the factors and ``eigh`` support).
+DTYPES = (torch.float32, torch.float64)
+
+
+def check_dtype(dtype: object) -> None:
+    """``dtype`` must be float32 or float64, else a ``TypeError`` naming it."""
+    if dtype not in DTYPES:
+        raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype!r}")
+
+
+def check_num_classes(num_classes: object) -> None:
+    """``num_classes`` must be ``None`` or a positive ``int`` (bools refused), else a ``ValueError``."""
+    if num_classes is not None and (
+        isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1
+    ):
+        raise ValueError(f"num_classes must be a positive int or None, got {num_classes!r}")
+
+
 def check_options(
-    likelihood: str, fisher: str, mc_samples: int, sigma_noise: float, sharing: str = "reduce"
+    likelihood: str,
+    fisher: str,
+    mc_samples: int,
+    sigma_noise: float,
+    sharing: str = "reduce",
+    *,
+    dtype: object = torch.float64,
+    generator: object = None,
+    num_classes: object = None,
 ) -> None:
-    """Validate the shared keyword options of the curvature functions.
+    """Validate the shared keyword options of the curvature functions (`kfac`, `diag_curvature`, ...).
 
     Raises:
         ValueError: Naming the option at fault.
+        TypeError: A ``dtype`` other than float32 / float64, a ``generator`` that is not a
+            ``torch.Generator``.
     """
+    check_dtype(dtype)
+    check_generator(generator)
+    check_num_classes(num_classes)
     if likelihood not in LIKELIHOODS:
         raise ValueError(f"likelihood must be one of {LIKELIHOODS}, got {likelihood!r}")
     if fisher not in FISHERS:

@@ -20,16 +20,12 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from partialbayes.curvature._caller import user_stacklevel
-from partialbayes.curvature._prior import PriorSpec, check_positive, prior_vector
-
-if TYPE_CHECKING:
-    from partialbayes.curvature._laplace_base import LaplaceBase
+from partialbayes.curvature._prior import check_positive
 
 
 @dataclass(frozen=True)
@@ -167,56 +163,3 @@ def maximize_evidence(
         max_scaled_gradient=worst,
         history=tuple(history),
     )
-
-
-def gradient_marglik(
-    posterior: LaplaceBase,
-    *,
-    init_prior_precision: PriorSpec | None = None,
-    fit_sigma_noise: bool | None = None,
-    per_module: bool = True,
-    lr: float = 0.1,
-    max_steps: int = 1000,
-    tol: float = 1e-4,
-) -> MarglikFit:
-    """Fit the prior precision per module (and ``σ`` for regression) of a fitted posterior by evidence ascent.
-
-    Sets the fitted values on ``posterior`` (``prior_precision``, and ``sigma_noise`` when fitted) and returns
-    the fit. See `LaplaceBase.optimize_prior_precision` (``optimizer="gradient"``).
-    """
-    posterior._require_fit()
-    if not isinstance(per_module, bool):
-        raise TypeError(f"per_module must be a bool, got {type(per_module).__name__}")
-    if fit_sigma_noise is None:
-        fit_sigma_noise = posterior.likelihood == "regression"
-    elif not isinstance(fit_sigma_noise, bool):
-        raise TypeError(
-            f"fit_sigma_noise must be a bool or None, got {type(fit_sigma_noise).__name__}"
-        )
-    elif fit_sigma_noise and posterior.likelihood != "regression":
-        raise ValueError(
-            "fit_sigma_noise=True needs likelihood='regression' (classification has no noise)"
-        )
-    init = posterior.prior_precision if init_prior_precision is None else init_prior_precision
-    start = prior_vector(init, posterior.modules, dtype=posterior.dtype, device=posterior.device)
-
-    def evidence(prior: Tensor, sigma: Tensor | None) -> Tensor:
-        return posterior.log_marginal_likelihood(prior_precision=prior, sigma_noise=sigma)
-
-    with torch.enable_grad():
-        fit = maximize_evidence(
-            evidence,
-            start.detach(),
-            posterior._module_sizes(),
-            posterior.modules,
-            init_sigma=posterior.sigma_noise if fit_sigma_noise else None,
-            sigma_scale=float(posterior.n_data * max(posterior.n_outputs, 1)),
-            per_module=per_module,
-            lr=lr,
-            max_steps=max_steps,
-            tol=tol,
-        )
-    posterior.prior_precision = fit.prior_precision
-    if fit.sigma_noise is not None:
-        posterior.sigma_noise = fit.sigma_noise
-    return fit

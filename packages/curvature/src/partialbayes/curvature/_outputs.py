@@ -176,6 +176,20 @@ def output_rows(logits: Tensor, keep: Tensor | None) -> Tensor:
     return logits if keep is None else logits[keep]
 
 
+def position_plan(
+    keep: Tensor | None, batch: int, device: torch.device
+) -> list[tuple[int | None, Tensor]]:
+    """The output positions backpropagated one at a time, with the examples whose output there counts.
+
+    Returns:
+        ``[(None, arange(B))]`` for ``[B, C]`` logits (``keep=None``); else ``(t, examples kept at t)`` for
+        every column ``t`` holding a kept position, in increasing ``t``.
+    """
+    if keep is None:
+        return [(None, torch.arange(batch, device=device))]
+    return [(t, keep[:, t].nonzero().flatten()) for t in keep.any(0).nonzero().flatten().tolist()]
+
+
 def token_positions(fisher: str) -> str:
     """How `diag_curvature` / `dense_curvature` backpropagate token-level outputs for a fisher type.
 

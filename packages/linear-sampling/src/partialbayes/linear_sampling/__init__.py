@@ -20,7 +20,6 @@ from partialbayes.linear_sampling._em import (
     mackay_update,
 )
 from partialbayes.linear_sampling._features import Features, scale_features
-from partialbayes.linear_sampling._io import load_sampled_laplace, save_sampled_laplace
 from partialbayes.linear_sampling._linearised import (
     linearised_logit_moments,
     linearised_logit_samples,
@@ -32,7 +31,11 @@ from partialbayes.linear_sampling._network import (
     network_logits,
     network_parameters,
 )
-from partialbayes.linear_sampling._posterior import SampledLaplace
+from partialbayes.linear_sampling._posterior import (
+    SampledLaplace,
+    load_sampled_laplace,
+    save_sampled_laplace,
+)
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior, softmax_hessian
 from partialbayes.linear_sampling._sgd import DivergenceError, SGDConfig, SolveInfo
 from partialbayes.linear_sampling._solve import (

@@ -1,21 +1,28 @@
-"""Saving and loading `SampledLaplace`: safetensors for the tensors, JSON metadata for the rest (no pickle)."""
+"""Saving and loading `SampledLaplace`: safetensors for the tensors, JSON metadata for the rest (no pickle).
+
+`write_posterior` reads a posterior through its attributes and `read_posterior` builds the class it is
+given, so ``_posterior`` imports this module and not the other way round (the class is imported for type
+annotations only).
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from partialbayes.linear_sampling._posterior import SampledLaplace
 from partialbayes.linear_sampling._precision import Prior
 from partialbayes.linear_sampling._sgd import SolveInfo
 from partialbayes.selection import Subset
+
+if TYPE_CHECKING:
+    from partialbayes.linear_sampling._posterior import SampledLaplace
 
 FORMAT = "partialbayes.linear_sampling.SampledLaplace"
 VERSION = 1
@@ -26,17 +33,8 @@ def _structure(model: nn.Module) -> list[list[Any]]:
     return [[n, list(p.shape)] for n, p in model.named_parameters()]
 
 
-def save_sampled_laplace(posterior: SampledLaplace, path: str | os.PathLike[str]) -> None:
-    """Save a fitted `SampledLaplace` to ``path`` (one safetensors file, JSON metadata in its header).
-
-    Tensors: ``samples`` ``[d, k]``, ``map`` ``[d]`` (the MAP values of the entries), ``prior_alpha`` and,
-    for grouped priors, ``prior_groups``. Metadata: the subset (``Subset.to_json``), every parameter's
-    name and shape (the structure a loading model must have), the likelihood, ``sigma_noise``, ``jitter``
-    and what the solver did.
-
-    Raises:
-        ValueError: If the posterior is not fitted.
-    """
+def write_posterior(posterior: SampledLaplace, path: str | os.PathLike[str]) -> None:
+    """The work of `save_sampled_laplace`."""
     samples = posterior._require_fit()
     assert posterior._map is not None
     tensors = {
@@ -63,16 +61,10 @@ def save_sampled_laplace(posterior: SampledLaplace, path: str | os.PathLike[str]
     save_file(tensors, os.fspath(path), metadata={_KEY: json.dumps(meta)})
 
 
-def load_sampled_laplace(path: str | os.PathLike[str], model: nn.Module) -> SampledLaplace:
-    """Load a `SampledLaplace` saved by `save_sampled_laplace` onto ``model``.
-
-    The tensors go to the model's device and dtype. A model whose current values of the subset differ from
-    the saved MAP gets a warning (the predictive linearises at the model's current weights).
-
-    Raises:
-        ValueError: If the file is not a saved `SampledLaplace`, or ``model``'s parameters (names and
-            shapes) do not match the saved structure.
-    """
+def read_posterior(
+    path: str | os.PathLike[str], model: nn.Module, cls: type[SampledLaplace]
+) -> SampledLaplace:
+    """The work of `load_sampled_laplace`: the saved posterior built as a ``cls``."""
     with safe_open(os.fspath(path), framework="pt") as f:
         raw = (f.metadata() or {}).get(_KEY)
         meta = json.loads(raw) if raw else {}
@@ -102,7 +94,7 @@ def load_sampled_laplace(path: str | os.PathLike[str], model: nn.Module) -> Samp
     p = next(model.parameters())
     groups = tensors.get("prior_groups")
     prior = Prior(tensors["prior_alpha"], groups)
-    post = SampledLaplace(
+    post = cls(
         model,
         subset,
         likelihood=meta["likelihood"],
@@ -131,6 +123,6 @@ def load_sampled_laplace(path: str | os.PathLike[str], model: nn.Module) -> Samp
         warnings.warn(
             "the model's current values of the subset differ from the saved MAP; the linearised "
             "predictive uses the model's current weights",
-            stacklevel=2,
+            stacklevel=3,
         )
     return post

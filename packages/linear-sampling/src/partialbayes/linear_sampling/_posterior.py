@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from partialbayes.linear_sampling._io import read_posterior, write_posterior
 from partialbayes.linear_sampling._network import (
     _Chosen,
     _Operators,
@@ -375,13 +376,36 @@ class SampledLaplace:
     # ------------------------------------------------------------------ io
     def save(self, path: str | os.PathLike[str]) -> None:
         """Save as one safetensors file with JSON metadata (see `save_sampled_laplace`)."""
-        from partialbayes.linear_sampling._io import save_sampled_laplace
-
-        save_sampled_laplace(self, path)
+        write_posterior(self, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: nn.Module) -> SampledLaplace:
         """Load a saved posterior onto ``model`` (see `load_sampled_laplace`)."""
-        from partialbayes.linear_sampling._io import load_sampled_laplace
+        return read_posterior(path, model, cls)
 
-        return load_sampled_laplace(path, model)
+
+def save_sampled_laplace(posterior: SampledLaplace, path: str | os.PathLike[str]) -> None:
+    """Save a fitted `SampledLaplace` to ``path`` (one safetensors file, JSON metadata in its header).
+
+    Tensors: ``samples`` ``[d, k]``, ``map`` ``[d]`` (the MAP values of the entries), ``prior_alpha`` and,
+    for grouped priors, ``prior_groups``. Metadata: the subset (``Subset.to_json``), every parameter's
+    name and shape (the structure a loading model must have), the likelihood, ``sigma_noise``, ``jitter``
+    and what the solver did.
+
+    Raises:
+        ValueError: If the posterior is not fitted.
+    """
+    write_posterior(posterior, path)
+
+
+def load_sampled_laplace(path: str | os.PathLike[str], model: nn.Module) -> SampledLaplace:
+    """Load a `SampledLaplace` saved by `save_sampled_laplace` onto ``model``.
+
+    The tensors go to the model's device and dtype. A model whose current values of the subset differ from
+    the saved MAP gets a warning (the predictive linearises at the model's current weights).
+
+    Raises:
+        ValueError: If the file is not a saved `SampledLaplace`, or ``model``'s parameters (names and
+            shapes) do not match the saved structure.
+    """
+    return read_posterior(path, model, SampledLaplace)

@@ -40,6 +40,7 @@ from partialbayes.predictive._metrics import accuracy, brier, gaussian_nll, nll
 from partialbayes.predictive._posterior import (
     Posterior,
     check_count,
+    check_generator,
     check_sample,
     eval_mode,
     resolve_link,
@@ -70,6 +71,7 @@ __all__ = [
     "batch_size",
     "brier",
     "check_count",
+    "check_generator",
     "check_sample",
     "cholesky_jitter",
     "decompose_classification",

@@ -111,6 +111,16 @@ def check_count(name: str, n: object) -> int:
     return n
 
 
+def check_generator(generator: object, name: str = "generator") -> torch.Generator | None:
+    """``None`` or a ``torch.Generator``, else a ``TypeError`` naming ``name`` (a seed is not a generator)."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"{name} must be a torch.Generator or None, got {type(generator).__name__} "
+            f"{generator!r} (for a seed s pass torch.Generator().manual_seed(s))"
+        )
+    return generator
+
+
 def rows(sample: Mapping[str, Tensor], i: int) -> dict[str, Tensor]:
     """Sample ``i`` of a batch of samples ``{name: [n, k]}``, as ``{name: [k]}``."""
     return {name: values[i] for name, values in sample.items()}
@@ -128,8 +138,9 @@ def check_sample(subset: Any, sample: Any) -> dict[str, Tensor]:
 
     Raises:
         TypeError: If ``sample`` is not a mapping of tensors.
-        ValueError: If it misses a subset parameter, names another one, or a value has the wrong number of
-            entries (the message names the parameter).
+        ValueError: If it misses a subset parameter, names another one, a value has the wrong number of
+            entries, or holds NaN or inf (which would be written into the model; the message names the
+            parameter).
     """
     if not isinstance(sample, Mapping):
         raise TypeError(
@@ -157,6 +168,12 @@ def check_sample(subset: Any, sample: Any) -> dict[str, Tensor]:
                 "(one row of sample(n))"
             )
         out[name] = values
+    finite = torch.stack([torch.isfinite(v).all() for v in out.values()])
+    if not bool(finite.all()):  # one synchronisation for the whole sample
+        bad = [n for n, ok in zip(out, finite.tolist(), strict=True) if not ok]
+        raise ValueError(
+            f"sample has NaN or inf entries in {bad[:5]}: refusing to write them into the model"
+        )
     return out
 
 

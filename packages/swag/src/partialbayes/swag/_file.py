@@ -1,13 +1,26 @@
-"""Reading a saved SWAG file so that every way it can be broken is a ValueError naming the file."""
+"""The SWAG file format: one safetensors file, JSON metadata in its header; no pickle.
+
+Written from and read into plain tensors and settings, so that the `SWAG` class uses this module and not the
+other way round. Reading checks every way a file can be broken and raises a ValueError naming the file.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from torch import Tensor
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from partialbayes.selection import Subset
+from partialbayes.swag._layout import FlatLayout
+
+FORMAT = "partialbayes-swag"
+VERSION = 1
+KEY = "partialbayes_swag"
 
 _FIELDS: dict[str, tuple[type, ...]] = {
     "subset": (str,),
@@ -102,5 +115,65 @@ def read_swag_file(path: str, key: str) -> tuple[dict[str, Any], dict[str, Tenso
 
 
 def saved_dtype(meta: dict[str, Any]) -> torch.dtype:
-    """The moments' dtype recorded by `read_swag_file`'s metadata."""
-    return _DTYPES[meta["dtype"]]
+    """The moments' dtype of a loaded SWAG: the saved one, float32 for files of half-precision moments."""
+    return torch.promote_types(_DTYPES[meta["dtype"]], torch.float32)
+
+
+def write_swag_file(
+    path: str | os.PathLike[str], tensors: dict[str, Tensor], meta: dict[str, Any]
+) -> None:
+    """Write ``tensors`` (moved to the cpu) and ``meta`` (with the format and version) to ``path``."""
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    meta = {"format": FORMAT, "version": VERSION, **meta}
+    save_file(tensors, os.fspath(path), metadata={KEY: json.dumps(meta)})
+
+
+def read_saved_swag(
+    path: str | os.PathLike[str], model: nn.Module, subset: Any | None
+) -> tuple[Any, dict[str, Any], dict[str, Tensor], int]:
+    """A saved SWAG checked against ``model`` (and ``subset``), ready to build.
+
+    Returns:
+        ``(subset, settings, tensors, n_snapshots)``: the subset to use (``subset`` or the saved one rebuilt
+        on ``model``), the constructor's keyword settings, the checked tensors (``mean``, ``sq_mean``,
+        ``deviations`` when low-rank) and the number of snapshots.
+
+    Raises:
+        FileNotFoundError: If there is no file at ``path``.
+        ValueError: See `read_swag_file`; also an unsupported format, a model whose parameters differ from
+            the saved names and shapes, or a ``subset`` that selects other entries (the file is named).
+    """
+    meta, tensors = read_swag_file(os.fspath(path), KEY)
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ValueError(
+            f"{path}: unsupported format {meta.get('format')!r} version {meta.get('version')!r}"
+        )
+    params = dict(model.named_parameters())
+    if len(meta["names"]) != len(meta["shapes"]):
+        raise ValueError(
+            f"{path}: SWAG metadata has {len(meta['names'])} names but shapes for "
+            f"{len(meta['shapes'])}"
+        )
+    for name, shape in zip(meta["names"], meta["shapes"], strict=True):
+        if name not in params or list(params[name].shape) != shape:
+            got = tuple(params[name].shape) if name in params else "missing"
+            raise ValueError(
+                f"model does not match the saved SWAG: parameter {name!r} was saved with shape "
+                f"{tuple(shape)}, the model has {got}"
+            )
+    try:
+        saved_subset = Subset.from_json(meta["subset"], model)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path}: the saved subset does not fit the model: {err}") from err
+    if subset is None:
+        subset = saved_subset
+    elif not FlatLayout.from_subset(subset).same_entries(FlatLayout.from_subset(saved_subset)):
+        raise ValueError("subset does not match the saved SWAG: it selects different entries")
+    settings = {
+        "max_rank": meta["max_rank"],
+        "diagonal_only": meta["diagonal_only"],
+        "dtype": saved_dtype(meta),
+        "likelihood": meta.get("likelihood", "classification"),  # files of 0.1 have no likelihood
+        "sigma_noise": meta.get("sigma_noise", 1.0),
+    }
+    return subset, settings, tensors, meta["n_snapshots"]

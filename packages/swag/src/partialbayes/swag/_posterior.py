@@ -14,11 +14,13 @@ from torch import Tensor, nn
 
 from partialbayes.predictive import (
     check_count,
+    check_generator,
     check_sample,
     resolve_link,
     sampled_logits,
     sampled_predict,
 )
+from partialbayes.swag._file import read_saved_swag, write_swag_file
 from partialbayes.swag._layout import FlatLayout
 from partialbayes.swag._moments import (
     diagonal_variance,
@@ -60,14 +62,16 @@ class SWAG:
         max_rank: ``K``, the number of deviation columns kept (the paper: 20). Must be ``>= 2`` unless
             ``diagonal_only``.
         diagonal_only: Keep only the diagonal (SWAG-Diag).
-        dtype: dtype of the stored moments (default: dtype of the first stochastic parameter). float64
-            reduces cancellation in ``sq_mean − mean²``.
+        dtype: dtype of the stored moments, ``torch.float32`` or ``torch.float64`` (default: the dtype of
+            the first stochastic parameter, float32 for a float16 / bfloat16 model). float64 reduces
+            cancellation in ``sq_mean − mean²``.
         likelihood: ``"classification"`` (`predict` returns probabilities) or ``"regression"`` (`predict`
             returns the mean and variance of the outputs, plus ``sigma_noise²``).
         sigma_noise: Observation noise standard deviation σ of the regression likelihood.
 
     Raises:
-        TypeError: If ``subset`` is not a ``Subset`` or ``model`` not a module.
+        TypeError: If ``subset`` is not a ``Subset``, ``model`` not a module, or ``dtype`` not float32 /
+            float64.
         ValueError: If the subset does not match the model, is empty, ``max_rank < 2`` with the low-rank
             part, or the likelihood or noise is invalid.
     """
@@ -106,9 +110,13 @@ class SWAG:
         params = self.layout.parameters(model)
         self.model = model
         first = params[self.layout.names[0]]
-        self.dtype = first.dtype if dtype is None else dtype
-        if not self.dtype.is_floating_point:
-            raise TypeError(f"dtype must be a floating point dtype, got {self.dtype}")
+        if dtype is None:  # half-precision models keep float32 moments (squares overflow float16)
+            dtype = torch.promote_types(first.dtype, torch.float32)
+        if dtype not in (torch.float32, torch.float64):
+            raise TypeError(
+                f"dtype must be torch.float32 or torch.float64 (the moments' dtype), got {dtype!r}"
+            )
+        self.dtype = dtype
         self.device = first.device
         self.layout = self.layout.to(self.device)
         self.max_rank = max_rank
@@ -221,7 +229,9 @@ class SWAG:
 
         Raises:
             ValueError: Before any snapshot, or with fewer than two snapshots and the low-rank part.
+            TypeError: If ``generator`` is not a ``torch.Generator``.
         """
+        check_generator(generator)
         self._require_snapshots(1 if self.diagonal_only else 2)
         return swag_sample(
             self._mean,
@@ -299,6 +309,10 @@ class SWAG:
 
     @contextmanager
     def _swap(self, model: nn.Module, flat: Tensor, yielded: Any) -> Iterator[Any]:
+        if not bool(torch.isfinite(flat).all()):
+            raise ValueError(
+                "the weights to swap in have NaN or inf entries: refusing to write them into the model"
+            )
         params = self.layout.parameters(model)
         saved = self.layout.gather(params)
         self.layout.scatter_(params, flat)
@@ -324,7 +338,8 @@ class SWAG:
 
         Raises:
             TypeError: If ``sample`` is a flat tensor (say ``swapped(unflatten(w))``) or not a mapping.
-            ValueError: If the sample does not cover the subset exactly or has the wrong sizes.
+            ValueError: If the sample does not cover the subset exactly, has the wrong sizes or NaN / inf
+                entries (the model is left untouched).
         """
         if isinstance(sample, nn.Module):
             if not isinstance(weights, Tensor):
@@ -428,19 +443,43 @@ class SWAG:
 
     # ------------------------------------------------------------------ io
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Save to a safetensors file with JSON metadata (see `save_swag`)."""
-        from partialbayes.swag._io import save_swag
+        """Save to one safetensors file with JSON metadata (see `save_swag`).
 
-        save_swag(self, path)
+        Raises:
+            ValueError: If no snapshot has been collected.
+        """
+        self._require_snapshots(1)
+        tensors = {"mean": self.mean, "sq_mean": self.sq_mean}
+        if self.deviations is not None:
+            tensors["deviations"] = self.deviations
+        meta = {
+            "subset": self.subset.to_json(),
+            "names": list(self.layout.names),
+            "shapes": [list(s) for s in self.layout.shapes],
+            "num_entries": self.num_entries,
+            "max_rank": self.max_rank,
+            "diagonal_only": self.diagonal_only,
+            "n_snapshots": self.n_snapshots,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "likelihood": self.likelihood,
+            "sigma_noise": self.sigma_noise,
+        }
+        write_swag_file(path, tensors, meta)
 
     @classmethod
     def load(
         cls, path: str | os.PathLike[str], model: nn.Module, subset: Any | None = None
     ) -> SWAG:
         """Load a saved SWAG onto ``model`` (see `load_swag`)."""
-        from partialbayes.swag._io import load_swag
-
-        return load_swag(path, model, subset)
+        subset, settings, tensors, n_snapshots = read_saved_swag(path, model, subset)
+        swag = cls(model, subset, **settings)
+        if swag.num_entries != tensors["mean"].shape[0]:
+            raise ValueError(
+                f"subset does not match the saved SWAG: {swag.num_entries} entries, saved "
+                f"{tensors['mean'].shape[0]}"
+            )
+        swag._set_state(tensors["mean"], tensors["sq_mean"], tensors.get("deviations"), n_snapshots)
+        return swag
 
     def _set_state(
         self, mean: Tensor, sq_mean: Tensor, deviations: Tensor | None, n_snapshots: int
