@@ -1,11 +1,16 @@
-"""Apply an in-place kernel to every parameter: small ones packed into one call, large ones in chunks.
+"""Apply an in-place kernel to every parameter: large ones directly, the others packed into one call.
 
-Run eagerly, a kernel of :mod:`partialbayes.ivon._kernels` makes one pass per torch operation. On chunks of
-:data:`CHUNK` entries the intermediates stay in the CPU's caches between those passes (and the temporaries are
-small); on a GPU a chunk is one kernel launch per operation. Parameters of at most :data:`SMALL` entries
-(biases, LayerNorm) are concatenated into one call and copied back, which removes the per-tensor overhead.
-Large contiguous parameters can instead go to the compiled kernel whole (see
-:mod:`partialbayes.ivon._compiled`). Every entry gets the same arithmetic whichever way it is cut.
+Run eagerly, a kernel of :mod:`partialbayes.ivon._kernels` makes one pass (and, on a GPU, one kernel launch)
+per torch operation. So:
+
+* a large contiguous parameter (more than :data:`SMALL` entries) on a CPU goes directly, in chunks of
+  :data:`CHUNK` entries, so that the intermediates stay in the caches between the passes and the
+  temporaries stay small; compiled, it goes whole;
+* every other parameter (small ones, strided ones, and on a GPU without compilation all of them) is
+  concatenated with the others into one flat tensor per argument, the kernel runs once on those, and the
+  results are copied back: one call instead of one per tensor.
+
+Every entry gets the same arithmetic whichever way it is cut.
 """
 
 from __future__ import annotations
@@ -18,10 +23,10 @@ from torch import Tensor
 
 from partialbayes.ivon import _compiled
 
-#: Entries per eager chunk.
+#: Entries per eager chunk on a CPU.
 CHUNK = 1 << 18
 
-#: Tensors of at most this many entries are packed into one call (never compiled).
+#: Parameters of at most this many entries are packed together.
 SMALL = 1 << 16
 
 Item = Sequence[Tensor | None]  # one parameter's tensors, in the kernel's argument order
@@ -36,13 +41,14 @@ def apply(
     warn: bool = False,
     **kwargs: Any,
 ) -> None:
-    """Call ``kernel(*item, **kwargs)`` for every item, packed (small), chunked (eager) or whole (compiled).
+    """Call ``kernel(*item, **kwargs)`` for every item, directly or packed (see the module docstring).
 
     Args:
         kernel: Element-wise in-place kernel; its first ``writes`` arguments are written.
-        items: Per parameter, the kernel's tensor arguments (same number of entries each, or ``None``).
+        items: Per parameter, the kernel's tensor arguments (same number of entries each, or ``None``), all
+            on one device.
         writes: How many leading arguments the kernel writes.
-        compiled: Run the compiled kernel on large contiguous items (falls back to eager if unavailable).
+        compiled: Run the compiled kernel (falls back to eager where it is unavailable).
         warn: Warn when compilation fails (see :func:`partialbayes.ivon._compiled.call`).
         **kwargs: The kernel's keyword arguments.
     """
@@ -50,29 +56,48 @@ def apply(
     for item in items:
         by_pattern.setdefault(tuple(t is None for t in item), []).append(item)
     for group in by_pattern.values():
-        small = [it for it in group if _numel(it) <= SMALL]
-        if small:
-            _packed(kernel, small, writes, kwargs)
+        packed = []
         for item in group:
-            if _numel(item) > SMALL:
-                _large(kernel, item, compiled, warn, kwargs)
+            if _direct(item, compiled):
+                _flat(
+                    kernel,
+                    [None if t is None else t.view(-1) for t in item],
+                    compiled,
+                    warn,
+                    kwargs,
+                )
+            else:
+                packed.append(item)
+        if packed:
+            _packed(kernel, packed, writes, compiled, warn, kwargs)
 
 
-def _numel(item: Item) -> int:
-    return next(t for t in item if t is not None).numel()
+def _direct(item: Item, compiled: bool) -> bool:
+    present = [t for t in item if t is not None]
+    large = present[0].numel() > SMALL
+    return (
+        large
+        and (compiled or present[0].device.type == "cpu")
+        and all(t.is_contiguous() for t in present)
+    )
 
 
 def _packed(
-    kernel: Callable[..., None], items: list[Item], writes: int, kwargs: dict[str, Any]
+    kernel: Callable[..., None],
+    items: list[Item],
+    writes: int,
+    compiled: bool,
+    warn: bool,
+    kwargs: dict[str, Any],
 ) -> None:
     """One call on the concatenation of the items, written back into each."""
-    if len(items) == 1:
-        kernel(*items[0], **kwargs)
+    if len(items) == 1 and all(t is None or t.is_contiguous() for t in items[0]):
+        _flat(kernel, [None if t is None else t.view(-1) for t in items[0]], compiled, warn, kwargs)
         return
     columns = list(zip(*items, strict=True))
     flat = [None if col[0] is None else torch.cat([t.reshape(-1) for t in col]) for col in columns]
-    kernel(*flat, **kwargs)
-    sizes = [_numel(it) for it in items]
+    _flat(kernel, flat, compiled, warn, kwargs)
+    sizes = [next(t for t in it if t is not None).numel() for it in items]
     for col, packed in zip(columns[:writes], flat[:writes], strict=True):
         assert packed is not None
         dst = [t for t in col if t is not None]
@@ -81,15 +106,20 @@ def _packed(
         )
 
 
-def _large(
-    kernel: Callable[..., None], item: Item, compiled: bool, warn: bool, kwargs: dict[str, Any]
+def _flat(
+    kernel: Callable[..., None],
+    flat: list[Tensor | None],
+    compiled: bool,
+    warn: bool,
+    kwargs: dict[str, Any],
 ) -> None:
-    if not all(t is None or t.is_contiguous() for t in item):
-        kernel(*item, **kwargs)  # rare (a strided parameter): one whole-tensor call
+    """The kernel on flat tensors: compiled whole, or eagerly (in chunks on a CPU)."""
+    first = next(t for t in flat if t is not None)
+    n = first.numel()
+    if n == 0:
         return
-    flat = [None if t is None else t.view(-1) for t in item]
     if compiled and _compiled.call(kernel, flat, kwargs, warn=warn):
         return
-    n = _numel(item)
-    for start in range(0, n, CHUNK):
-        kernel(*[None if t is None else t[start : start + CHUNK] for t in flat], **kwargs)
+    step = CHUNK if first.device.type == "cpu" else n
+    for start in range(0, n, step):
+        kernel(*[None if t is None else t[start : start + step] for t in flat], **kwargs)
