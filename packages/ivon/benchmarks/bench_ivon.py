@@ -4,8 +4,10 @@ Groups: a full step (forward, backward, update) and the update alone (gradients 
 DistilBERT-size config (``b.quick``: a tiny one) and on the real all-MiniLM-L6-v2 classifier when its weights
 are installed. Contenders run **interleaved**: every round times each of them once, in turn, on one shared
 model, so that load from other processes on a shared machine hits them alike; the rows give the median over
-the rounds, the interquartile range as the spread, and the ratio of medians to ``AdamW foreach``. The first
-step of the default IVON is reported separately (it compiles its kernels on a large model).
+the rounds, the interquartile range as the spread, and the ratio of medians to ``AdamW foreach``. The
+``CPU time per step`` rows give the process's CPU time (all threads): with ``--threads 1`` it is the cost
+independent of other processes (with more threads it includes OpenMP's spin-waiting, which load inflates).
+The first step of the default IVON is reported separately (it compiles its kernels on a large model).
 
 Memory: the ``memory kept between steps`` rows count, after two steps, the tensors the optimizer holds (state,
 sample and statistic buffers; for ivon-opt also its per-group tensors), in copies of the parameters (``× P``).
@@ -16,6 +18,7 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -104,6 +107,12 @@ def _make_fn(
     return fn
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process (all threads): with one torch thread, the cost independent of other load."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _compile_note() -> str:
     state = _compiled._STATE["ok"]
     if state is None:
@@ -144,12 +153,14 @@ def _interleaved(b: Bench, base: torch.nn.Module, batch: Batch, label: str, roun
                 b.metric(f"{name}: first step", time.perf_counter() - t0, unit="s", group=group,
                          note=_compile_note())  # fmt: skip
         times: dict[str, list[float]] = {name: [] for name in fns}
+        cpu: dict[str, list[float]] = {name: [] for name in fns}
         for r in range(rounds):
             for name, fn in fns.items():
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), _cpu_seconds()
                 fn()
                 b._sync()
                 times[name].append(time.perf_counter() - t0)
+                cpu[name].append(_cpu_seconds() - c0)
             print(
                 f"    round {r + 1}: " + ", ".join(f"{n} {t[-1]:.3f}s" for n, t in times.items()),
                 flush=True,
@@ -157,6 +168,10 @@ def _interleaved(b: Bench, base: torch.nn.Module, batch: Batch, label: str, roun
         ref = statistics.median(times[REFERENCE])
         for name, ts in times.items():
             _row(b, group, name, ts, None if name == REFERENCE else ref)
+        cpu_ref = statistics.median(cpu[REFERENCE])
+        for name, cs in cpu.items():
+            b.metric(f"{name}: CPU time per step", statistics.median(cs), unit="s", group=group,
+                     note="" if name == REFERENCE else f"{statistics.median(cs) / cpu_ref:.3f}x {REFERENCE}")  # fmt: skip
         if "ivon-opt" in times:
             for name in ("IVON (default)", "IVON compiled=False"):
                 ratio = statistics.median(times[name]) / statistics.median(times["ivon-opt"])

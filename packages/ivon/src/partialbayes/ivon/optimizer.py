@@ -454,8 +454,12 @@ class IVON(torch.optim.Optimizer):
         """Raise, naming the parameters, if a collected gradient holds NaN or inf; the samples are dropped."""
         bad: list[str] = []
         for _group, params in self._buckets():
-            norms = torch._foreach_norm([self._avg_grad[p] for p in params], math.inf)
-            finite = torch.isfinite(torch.stack(norms))
+            params = [p for p in params if p.numel()]
+            if not params:
+                continue
+            # min and max propagate NaN and show ±inf, and cannot overflow (a sum or a norm can)
+            extremes = torch.stack([torch.stack(torch.aminmax(self._avg_grad[p])) for p in params])
+            finite = torch.isfinite(extremes).all(dim=1)
             if not bool(finite.all()):
                 bad += [
                     self._label(p) for p, ok in zip(params, finite.tolist(), strict=True) if not ok
