@@ -9,6 +9,9 @@ the rounds, the interquartile range as the spread, and the ratio of medians to `
 independent of other processes (with more threads it includes OpenMP's spin-waiting, which load inflates).
 The first step of the default IVON is reported separately (it compiles its kernels on a large model).
 
+``IVON_BENCH_SKIP="IVON compiled=False,ivon-opt"`` leaves contenders out (the eager IVON collapses on an
+oversubscribed CPU: thousands of short OpenMP parallel regions, each waiting for a descheduled thread).
+
 Memory: the ``memory kept between steps`` rows count, after two steps, the tensors the optimizer holds (state,
 sample and statistic buffers; for ivon-opt also its per-group tensors), in copies of the parameters (``× P``).
 """
@@ -50,7 +53,8 @@ def _optimizers() -> dict[str, MakeOpt | None]:
         import ivon
 
         out["ivon-opt"] = lambda m: ivon.IVON(m.parameters(), **IVON_KW)
-    return out
+    skip = {s.strip() for s in os.environ.get("IVON_BENCH_SKIP", "").split(",") if s.strip()}
+    return {name: (None if name in skip else make) for name, make in out.items()}
 
 
 def _distilbert(b: Bench) -> tuple[torch.nn.Module, Batch, str]:
@@ -143,7 +147,11 @@ def _interleaved(b: Bench, base: torch.nn.Module, batch: Batch, label: str, roun
         fns = {}
         for name, make_opt in _optimizers().items():
             if make_opt is None:
-                b.skip(name, group=group, reason="ivon-opt not installed (uv sync --group peers)")
+                b.skip(
+                    name,
+                    group=group,
+                    reason="not installed (uv sync --group peers) or in IVON_BENCH_SKIP",
+                )
                 continue
             fns[name] = _make_fn(kind, model, make_opt(model), batch)
             t0 = time.perf_counter()

@@ -52,6 +52,9 @@ def apply(
         warn: Warn when compilation fails (see :func:`partialbayes.ivon._compiled.call`).
         **kwargs: The kernel's keyword arguments.
     """
+    if not items:
+        return
+    prepared = _compiled.prepare(kwargs, _first(items[0])) if compiled else None
     by_pattern: dict[tuple[bool, ...], list[Item]] = {}
     for item in items:
         by_pattern.setdefault(tuple(t is None for t in item), []).append(item)
@@ -59,17 +62,16 @@ def apply(
         packed = []
         for item in group:
             if _direct(item, compiled):
-                _flat(
-                    kernel,
-                    [None if t is None else t.view(-1) for t in item],
-                    compiled,
-                    warn,
-                    kwargs,
-                )
+                flat = [None if t is None else t.view(-1) for t in item]
+                _flat(kernel, flat, prepared, warn, kwargs)
             else:
                 packed.append(item)
         if packed:
-            _packed(kernel, packed, writes, compiled, warn, kwargs)
+            _packed(kernel, packed, writes, prepared, warn, kwargs)
+
+
+def _first(item: Item) -> Tensor:
+    return next(t for t in item if t is not None)
 
 
 def _direct(item: Item, compiled: bool) -> bool:
@@ -86,18 +88,18 @@ def _packed(
     kernel: Callable[..., None],
     items: list[Item],
     writes: int,
-    compiled: bool,
+    prepared: _compiled.Prepared | None,
     warn: bool,
     kwargs: dict[str, Any],
 ) -> None:
     """One call on the concatenation of the items, written back into each."""
     if len(items) == 1 and all(t is None or t.is_contiguous() for t in items[0]):
-        _flat(kernel, [None if t is None else t.view(-1) for t in items[0]], compiled, warn, kwargs)
+        _flat(kernel, [None if t is None else t.view(-1) for t in items[0]], prepared, warn, kwargs)
         return
     columns = list(zip(*items, strict=True))
     flat = [None if col[0] is None else torch.cat([t.reshape(-1) for t in col]) for col in columns]
-    _flat(kernel, flat, compiled, warn, kwargs)
-    sizes = [next(t for t in it if t is not None).numel() for it in items]
+    _flat(kernel, flat, prepared, warn, kwargs)
+    sizes = [_first(it).numel() for it in items]
     for col, packed in zip(columns[:writes], flat[:writes], strict=True):
         assert packed is not None
         dst = [t for t in col if t is not None]
@@ -109,16 +111,16 @@ def _packed(
 def _flat(
     kernel: Callable[..., None],
     flat: list[Tensor | None],
-    compiled: bool,
+    prepared: _compiled.Prepared | None,
     warn: bool,
     kwargs: dict[str, Any],
 ) -> None:
     """The kernel on flat tensors: compiled whole, or eagerly (in chunks on a CPU)."""
-    first = next(t for t in flat if t is not None)
+    first = _first(flat)
     n = first.numel()
     if n == 0:
         return
-    if compiled and _compiled.call(kernel, flat, kwargs, warn=warn):
+    if prepared is not None and _compiled.call(kernel, flat, prepared, warn=warn):
         return
     step = CHUNK if first.device.type == "cpu" else n
     for start in range(0, n, step):

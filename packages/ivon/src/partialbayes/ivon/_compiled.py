@@ -12,7 +12,7 @@ from __future__ import annotations
 import types
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -60,16 +60,28 @@ def _compiled(key: tuple[Any, ...], fn: Callable[..., None]) -> Callable[..., No
     return fns[key]
 
 
+class Prepared(NamedTuple):
+    """A kernel's keyword arguments for compiled calls: floats as 0-d tensors, and what selects the code."""
+
+    kwargs: dict[str, Any]
+    static: tuple[Any, ...]
+
+
+def prepare(kwargs: dict[str, Any], like: Tensor) -> Prepared:
+    """Convert ``kwargs`` once for every compiled call on tensors like ``like`` (one device and dtype)."""
+    static = tuple(sorted((k, _static(v)) for k, v in kwargs.items()))
+    return Prepared({k: _as_tensor(v, like) for k, v in kwargs.items()}, static)
+
+
 def call(
-    fn: Callable[..., None], args: list[Tensor | None], kwargs: dict[str, Any], *, warn: bool
+    fn: Callable[..., None], args: list[Tensor | None], prepared: Prepared, *, warn: bool
 ) -> bool:
     """Run the compiled ``fn(*args, **kwargs)`` on flat tensors; ``False`` if compilation fails.
 
     Args:
         fn: A kernel of :mod:`partialbayes.ivon._kernels`.
         args: Flat contiguous tensors of one length, or ``None``.
-        kwargs: Its keyword arguments; floats (also inside :class:`~partialbayes.ivon._math.Hyper`) become
-            0-d tensors.
+        prepared: Its keyword arguments, from :func:`prepare`.
         warn: Warn (once per process) when compilation fails; otherwise fall back silently.
 
     Returns:
@@ -79,11 +91,14 @@ def call(
         return False
     like = next(a for a in args if a is not None)
     key = (
-        fn.__name__, like.dtype, like.device.type, tuple(a is None for a in args),
-        tuple(sorted((k, _static(v)) for k, v in kwargs.items())),
-    )  # fmt: skip
+        fn.__name__,
+        like.dtype,
+        like.device.type,
+        tuple(a is None for a in args),
+        prepared.static,
+    )
     try:
-        _compiled(key, fn)(*args, **{k: _as_tensor(v, like) for k, v in kwargs.items()})
+        _compiled(key, fn)(*args, **prepared.kwargs)
     except Exception as err:  # any compiler or backend failure means: run eagerly
         _STATE["ok"] = False
         if warn:
@@ -91,7 +106,7 @@ def call(
                 f"IVON(compiled=True): torch.compile failed ({type(err).__name__}: {err}); "
                 "using the eager kernels",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=5,
             )
         return False
     _STATE["ok"] = True
