@@ -182,6 +182,8 @@ def _interleaved(b: Bench, base: torch.nn.Module, batch: Batch, label: str, roun
                      note="" if name == REFERENCE else f"{statistics.median(cs) / cpu_ref:.3f}x {REFERENCE}")  # fmt: skip
         if "ivon-opt" in times:
             for name in ("IVON (default)", "IVON compiled=False"):
+                if name not in times:
+                    continue
                 ratio = statistics.median(times[name]) / statistics.median(times["ivon-opt"])
                 b.metric(f"{name} / ivon-opt", ratio, unit="ratio", group=group)
         del fns
