@@ -9,6 +9,7 @@ recompiles. If compiling fails (no C++ compiler on a CPU, an unsupported backend
 
 from __future__ import annotations
 
+import logging
 import types
 import warnings
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from torch import Tensor
 from partialbayes.ivon._math import Hyper
 
 _STATE: dict[str, Any] = {"ok": None, "fns": {}}
+_LOG = logging.getLogger("partialbayes.ivon")
 
 
 def available() -> bool:
@@ -101,6 +103,9 @@ def call(
         _compiled(key, fn)(*args, **prepared.kwargs)
     except Exception as err:  # any compiler or backend failure means: run eagerly
         _STATE["ok"] = False
+        _LOG.info(
+            "torch.compile failed (%s: %s); IVON uses the eager kernels", type(err).__name__, err
+        )
         if warn:
             warnings.warn(
                 f"IVON(compiled=True): torch.compile failed ({type(err).__name__}: {err}); "

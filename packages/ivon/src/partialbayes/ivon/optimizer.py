@@ -79,8 +79,9 @@ class IVON(torch.optim.Optimizer):
         """Create the optimizer.
 
         Args:
-            params: Parameters, ``(name, parameter)`` pairs, or parameter groups (dicts may override every
-                hyperparameter but ``mc_samples``, ``hess_approx``, ``rescale_lr`` and ``debias``).
+            params: Parameters or parameter groups (dicts may override every hyperparameter but
+                ``mc_samples``, ``hess_approx``, ``rescale_lr`` and ``debias``); with a torch whose optimizers
+                accept them, ``model.named_parameters()`` too (error messages then name the parameters).
             lr: Learning rate, > 0.
             ess: Effective sample size λ (usually the number of training examples), > 0.
             hess_init: Initial Hessian ``h₀`` > 0.
