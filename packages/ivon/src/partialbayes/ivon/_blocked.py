@@ -1,14 +1,14 @@
 """Apply an in-place kernel to every parameter: large ones directly, the others packed into one call.
 
 Run eagerly, a kernel of :mod:`partialbayes.ivon._kernels` makes one pass (and, on a GPU, one kernel launch)
-per torch operation. So:
+per torch operation, with a temporary per operation. So:
 
-* a large contiguous parameter (more than :data:`SMALL` entries) on a CPU goes directly, in chunks of
-  :data:`CHUNK` entries, so that the intermediates stay in the caches between the passes and the
-  temporaries stay small; compiled, it goes whole;
-* every other parameter (small ones, strided ones, and on a GPU without compilation all of them) is
-  concatenated with the others into one flat tensor per argument, the kernel runs once on those, and the
-  results are copied back: one call instead of one per tensor.
+* a large contiguous parameter (more than :data:`SMALL` entries) goes directly, eagerly in chunks: of
+  :data:`CHUNK` entries on a CPU, so that the intermediates stay in the caches between the passes, and of
+  :data:`GPU_CHUNK` entries on a GPU, which bounds the temporaries; compiled, it goes whole;
+* every other parameter (small ones, strided ones) is concatenated with the others into one flat tensor per
+  argument, the kernel runs once on those, and the results are copied back: one call instead of one per
+  tensor.
 
 Every entry gets the same arithmetic whichever way it is cut.
 """
@@ -25,6 +25,9 @@ from partialbayes.ivon import _compiled
 
 #: Entries per eager chunk on a CPU.
 CHUNK = 1 << 18
+
+#: Entries per eager chunk on a GPU.
+GPU_CHUNK = 1 << 24
 
 #: Parameters of at most this many entries are packed together.
 SMALL = 1 << 16
@@ -61,7 +64,7 @@ def apply(
     for group in by_pattern.values():
         packed = []
         for item in group:
-            if _direct(item, compiled):
+            if _direct(item):
                 flat = [None if t is None else t.view(-1) for t in item]
                 _flat(kernel, flat, prepared, warn, kwargs)
             else:
@@ -74,14 +77,9 @@ def _first(item: Item) -> Tensor:
     return next(t for t in item if t is not None)
 
 
-def _direct(item: Item, compiled: bool) -> bool:
+def _direct(item: Item) -> bool:
     present = [t for t in item if t is not None]
-    large = present[0].numel() > SMALL
-    return (
-        large
-        and (compiled or present[0].device.type == "cpu")
-        and all(t.is_contiguous() for t in present)
-    )
+    return present[0].numel() > SMALL and all(t.is_contiguous() for t in present)
 
 
 def _packed(
@@ -122,6 +120,6 @@ def _flat(
         return
     if prepared is not None and _compiled.call(kernel, flat, prepared, warn=warn):
         return
-    step = CHUNK if first.device.type == "cpu" else n
+    step = CHUNK if first.device.type == "cpu" else GPU_CHUNK
     for start in range(0, n, step):
         kernel(*[None if t is None else t[start : start + step] for t in flat], **kwargs)
