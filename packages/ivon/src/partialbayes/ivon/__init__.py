@@ -10,7 +10,6 @@ with JSON metadata.
 """
 
 from partialbayes.ivon._io import load_posterior, save_posterior
-from partialbayes.ivon._math import hessian_update
 from partialbayes.ivon.optimizer import HESS_APPROX, IVON
 from partialbayes.ivon.posterior import (
     GaussianPosterior,
@@ -26,7 +25,6 @@ __all__ = [
     "IVON",
     "GaussianPosterior",
     "MultiIVON",
-    "hessian_update",
     "ivon_posterior",
     "load_posterior",
     "predict_mc",
