@@ -40,10 +40,6 @@ KNOWN_CYCLES = {
         "issue #17: glue-bench's methods <-> linearised (hidden by a function-level import); "
         "removed by the glue-bench rework"
     ),
-    frozenset({"partialbayes.ivon._io", "partialbayes.ivon.posterior"}): (
-        "issue #17: ivon's posterior imports _io inside save/load and _io imports the posterior classes; "
-        "removed by the IVON internals rework"
-    ),
 }
 
 MODULES = modules()

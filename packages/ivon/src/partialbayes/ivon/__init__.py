@@ -9,14 +9,15 @@ predicts at the mean, and :func:`save_posterior` / :func:`load_posterior` store 
 with JSON metadata.
 """
 
-from partialbayes.ivon._io import load_posterior, save_posterior
 from partialbayes.ivon.optimizer import HESS_APPROX, IVON
 from partialbayes.ivon.posterior import (
     GaussianPosterior,
     MultiIVON,
     ivon_posterior,
+    load_posterior,
     predict_mc,
     predict_mean,
+    save_posterior,
     swapped_params,
 )
 

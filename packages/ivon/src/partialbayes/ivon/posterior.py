@@ -17,6 +17,7 @@ from typing import Any, ClassVar, overload
 import torch
 from torch import Tensor, nn
 
+from partialbayes.ivon._io import Run, read_posterior_file, write_posterior_file
 from partialbayes.ivon.optimizer import IVON
 from partialbayes.predictive import (
     check_count,
@@ -149,6 +150,7 @@ class _SampledFamily:
     """What GaussianPosterior and MultiIVON share: the model binding, swapping, predicting, saving."""
 
     links: ClassVar[tuple[str, ...]] = ("mc",)
+    _kind: ClassVar[str]  # what the file format calls the class
     likelihood: str
     sigma_noise: float
     _model: nn.Module | None
@@ -250,11 +252,18 @@ class _SampledFamily:
             sample_ctx=self._sample_ctx(generator),
         )
 
+    def _runs(self) -> list[Run]:
+        raise NotImplementedError
+
     def save(self, path: str | os.PathLike[str]) -> None:
         """Save as one safetensors file with JSON metadata (see `save_posterior`)."""
-        from partialbayes.ivon._io import save_posterior
-
-        save_posterior(self, path)
+        write_posterior_file(
+            path,
+            self._runs(),
+            kind=type(self)._kind,
+            likelihood=self.likelihood,
+            sigma_noise=self.sigma_noise,
+        )
 
 
 class GaussianPosterior(_SampledFamily):
@@ -317,10 +326,15 @@ class GaussianPosterior(_SampledFamily):
         """Parameter name -> standard deviation, storage shape (0 outside the subset)."""
         return self._std
 
+    _kind = "GaussianPosterior"
+
     @property
     def num_floats(self) -> int:
         """Floats of the standard deviations (the means are the MAP weights the model holds)."""
         return sum(s.numel() for s in self._std.values())
+
+    def _runs(self) -> list[Run]:
+        return [(self._mean, self._std)]
 
     def _build_subset(self) -> Subset:
         model = self.model
@@ -398,8 +412,6 @@ class GaussianPosterior(_SampledFamily):
         Raises:
             ValueError: If the file holds a `MultiIVON`, is no IVON posterior, or does not fit ``model``.
         """
-        from partialbayes.ivon._io import load_posterior
-
         post = load_posterior(path, model)
         if not isinstance(post, GaussianPosterior):
             raise ValueError(f"{os.fspath(path)} holds a MultiIVON; load it with MultiIVON.load")
@@ -544,11 +556,16 @@ class MultiIVON(_SampledFamily):
         k = len(self.components)
         return {n: sum((c.mean[n] for c in rest), first.mean[n]) / k for n in first.mean}
 
+    _kind = "MultiIVON"
+
     @property
     def num_floats(self) -> int:
         """Floats beyond the model's weights: every run's σ, and the means of all runs but one."""
         per_run = sum(m.numel() for m in self.components[0].mean.values())
         return len(self.components) * 2 * per_run - per_run
+
+    def _runs(self) -> list[Run]:
+        return [(c.mean, c.std) for c in self.components]
 
     def _build_subset(self) -> Subset:
         model = self.model
@@ -680,8 +697,6 @@ class MultiIVON(_SampledFamily):
 
         A file holding one `GaussianPosterior` loads as a mixture of one run.
         """
-        from partialbayes.ivon._io import load_posterior
-
         post = load_posterior(path, model)
         if isinstance(post, GaussianPosterior):
             return cls([post], model)
@@ -689,6 +704,78 @@ class MultiIVON(_SampledFamily):
 
 
 IVONPosterior = GaussianPosterior | MultiIVON
+
+
+def save_posterior(posterior: IVONPosterior, path: str | os.PathLike[str]) -> None:
+    """Write a :class:`GaussianPosterior` or :class:`MultiIVON` to ``path`` (one ``.safetensors`` file).
+
+    Tensors ``"<component>/mean/<name>"`` and ``"<component>/std/<name>"`` (moved to the CPU), plus JSON
+    metadata naming the format, the kind, the number of components, every parameter's shape and dtype, the
+    likelihood and ``sigma_noise``.
+    The file is written to a temporary sibling and renamed into place, so an interrupted save never leaves
+    a truncated file behind.
+
+    Args:
+        posterior: The posterior to save.
+        path: Destination file.
+
+    Raises:
+        TypeError: If ``posterior`` is neither a :class:`GaussianPosterior` nor a :class:`MultiIVON`.
+    """
+    if not isinstance(posterior, (GaussianPosterior, MultiIVON)):
+        raise TypeError(
+            f"save_posterior: expected a GaussianPosterior or MultiIVON, got {type(posterior).__name__}"
+        )
+    posterior.save(path)
+
+
+def load_posterior(
+    path: str | os.PathLike[str],
+    model: nn.Module | None = None,
+    device: torch.device | str | None = None,
+) -> IVONPosterior:
+    """Read a posterior written by :func:`save_posterior`.
+
+    Args:
+        path: The ``.safetensors`` file.
+        model: If given, every saved parameter must exist in ``model.named_parameters()`` with the saved
+            shape; the tensors are then placed on that parameter's device (unless ``device`` is given).
+        device: Device for the loaded tensors; default: the model's parameters' devices, else the CPU.
+
+    Returns:
+        A :class:`GaussianPosterior`, or a :class:`MultiIVON` if a mixture was saved; bound to ``model``
+        when one is given (a ready ``partialbayes.predictive.Posterior``).
+
+    Raises:
+        FileNotFoundError: If there is no file at ``path``.
+        ValueError: Naming the file: if it is not a readable IVON posterior of a known version (garbage,
+            truncated, metadata that is not JSON or lacks a field, a missing or unexpected tensor, a tensor
+            of the wrong shape or dtype, NaN or inf means, NaN, inf or negative standard deviations, an
+            invalid likelihood or ``sigma_noise``), or does not fit ``model`` (the parameter is named).
+    """
+    saved = read_posterior_file(path, model)
+    params = dict(model.named_parameters()) if model is not None else {}
+
+    def place(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {
+            n: t.to(device if device is not None else params[n].device if params else "cpu")
+            for n, t in tensors.items()
+        }
+
+    try:
+        runs = [
+            GaussianPosterior(
+                place(mean),
+                place(std),
+                model,
+                likelihood=saved.likelihood,
+                sigma_noise=saved.sigma_noise,
+            )
+            for mean, std in saved.runs
+        ]
+    except ValueError as err:
+        raise ValueError(f"{os.fspath(path)!r}: the saved settings are invalid: {err}") from err
+    return MultiIVON(runs, model) if saved.kind == "MultiIVON" else runs[0]
 
 
 def predict_mean(
