@@ -1,12 +1,15 @@
-"""Test infrastructure shared by every package: device fixture, hypothesis profiles, markers.
+"""Test infrastructure shared by every package: threads, device fixture, hypothesis profiles, markers.
 
 This file sits at the repository root so that pytest loads it both in the workspace environment and in
-nox's isolated per-package environments (which run the package's tests from this checkout).
+nox's isolated per-package environments (which run the package's tests from this checkout). It also puts
+its folder on ``sys.path`` so that every package's tests import the tiny Hugging Face model builders of
+``tiny_models.py`` beside it (pytest's ``--import-mode=importlib`` adds nothing to ``sys.path`` itself).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +34,10 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 DATA_ENV = "PARTIALBAYES_DATA"
+THREADS_ENV = "PARTIALBAYES_TEST_THREADS"
+ROOT = Path(__file__).resolve().parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 _DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -67,6 +74,16 @@ def data_dir() -> Path:
     if not path.is_dir():
         pytest.skip(f"{DATA_ENV}={root} is not a directory")
     return path
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The one thread setting of the test process: one intra-op thread unless $PARTIALBAYES_TEST_THREADS.
+
+    The tests use tiny tensors, where thread start-up and spin-waiting cost more than they save on the
+    shared 2-core CI machine (about 30x on the Laplace tests). Test modules do not set threads themselves.
+    """
+    del config
+    torch.set_num_threads(int(os.environ.get(THREADS_ENV, "1")))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -4,6 +4,8 @@
 * ``isolated(package='<pkg>')``: build the package's wheel (and its sibling wheels), install it ALONE with only its
   declared dependencies into a fresh venv, run its tests there: proof that one sub-package installs by itself.
 * ``slow``: the tests marked ``slow`` (excluded from the default suite).
+* ``graph``: the workspace-wide tests of ``tests/`` (the import graph: no cycles, no private imports across
+  packages, the package DAG of ``docs/pages/architecture.md``, every module importable in a fresh process).
 * ``torch_matrix(torch='oldest'|'newest')``: the whole suite against the oldest torch we support and the newest on PyPI.
 * ``cuda(variant='cu126'|'cu128'|'cu130')``: the suite against torch from PyTorch's per-CUDA wheel index; skips, saying why, on a
   machine without an NVIDIA GPU or without access to that index.
@@ -21,7 +23,7 @@ import nox
 import tomllib
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "tests", "docs"]
+nox.options.sessions = ["lint", "tests", "graph", "docs"]
 
 ROOT = Path(__file__).parent
 PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists())
@@ -94,6 +96,15 @@ def _build_wheels(session: nox.Session, packages: list[str]) -> Path:
     return dist
 
 
+def _fresh(packages: list[str]) -> list[str]:
+    """uv flags that install our freshly built wheels, not cached ones of the same name.
+
+    The wheels keep their version between releases, and uv caches a local wheel by its name: without a
+    refresh, a second run of a session installs the code of the first.
+    """
+    return [f"--refresh-package={_dist_name(p)}" for p in packages]
+
+
 def _wheel(dist: Path, pkg: str) -> str:
     (wheel,) = dist.glob(f"partialbayes_{pkg.replace('-', '_')}-*.whl")
     return str(wheel)
@@ -115,6 +126,13 @@ def tests(session: nox.Session, package: str) -> None:
 
 
 @nox.session
+def graph(session: nox.Session) -> None:
+    """The workspace-wide tests of ``tests/``: the import graph of every package."""
+    _sync_workspace(session)
+    session.run("pytest", "tests", *session.posargs)
+
+
+@nox.session
 def slow(session: nox.Session) -> None:
     """The tests marked ``slow``."""
     _sync_workspace(session)
@@ -128,7 +146,14 @@ def isolated(session: nox.Session, package: str) -> None:
     dist = _build_wheels(session, _closure(package))
     extras = _pyproject(package)["project"].get("optional-dependencies", {})
     target = _wheel(dist, package) + (f"[{','.join(sorted(extras))}]" if extras else "")
-    session.install("--find-links", str(dist), target, *TEST_TOOLS, *_test_group(package))
+    session.install(
+        "--find-links",
+        str(dist),
+        *_fresh(_closure(package)),
+        target,
+        *TEST_TOOLS,
+        *_test_group(package),
+    )
     # pytest runs with --import-mode=importlib, so packages/*/src is never put on sys.path: the tests import the
     # installed wheel (printed below as proof).
     session.run(
@@ -141,7 +166,14 @@ def _matrix_env(session: nox.Session, torch_req: list[str]) -> None:
     dist = _build_wheels(session, PACKAGES)
     wheels = [_wheel(dist, p) for p in PACKAGES]
     session.install(
-        "--find-links", str(dist), *torch_req, *wheels, *TEST_TOOLS, "safetensors", "matplotlib"
+        "--find-links",
+        str(dist),
+        *_fresh(PACKAGES),
+        *torch_req,
+        *wheels,
+        *TEST_TOOLS,
+        "safetensors",
+        "matplotlib",
     )
 
 

@@ -10,9 +10,6 @@ from transformers.pytorch_utils import Conv1D
 
 from partialbayes.selection import KronBlock, Subset
 
-# Small tensors: one thread avoids oversubscription on the shared 2-core CI machine (30x faster here).
-torch.set_num_threads(1)
-
 
 class TinyNet(nn.Module):
     """Linear(3, 5) -> tanh -> HF Conv1D(5 -> 4) -> tanh -> Linear(4, 3): covers both storage layouts."""
@@ -64,6 +61,49 @@ def dense_precision(posterior, factors, prior, temperature=1.0, scale=1.0) -> to
         k = torch.kron(factors[m].G, factors[m].A) * scale / temperature
         blocks.append(k + prior[i] * torch.eye(k.shape[0], dtype=k.dtype))
     return torch.block_diag(*blocks)
+
+
+def dense_kron_covariance(
+    q_g: torch.Tensor, q_a: torch.Tensor, eigenvalues: torch.Tensor
+) -> torch.Tensor:
+    """The dense block covariance ``(Q_G ⊗ Q_A) diag(1/E) (Q_G ⊗ Q_A)ᵀ``, ``[rc, rc]`` (row-major vec)."""
+    q = torch.kron(q_g, q_a)
+    return (q / eigenvalues.reshape(-1)) @ q.T
+
+
+def dense_posterior_covariance(la) -> torch.Tensor:
+    """A fitted `KronLaplace`'s covariance at its prior, dense: block diagonal, modules in order."""
+    blocks = []
+    for i, m in enumerate(la.modules):
+        _, qg, _, qa = la._eig[m]
+        eigenvalues = la._eigenvalues(i, m, la.prior_precision, la._scale(None))
+        blocks.append(dense_kron_covariance(qg, qa, eigenvalues))
+    return torch.block_diag(*blocks)
+
+
+def autograd_block_jacobian(la, inputs) -> torch.Tensor:
+    """``J [B, C, P]`` of a `KronLaplace`'s blocks (modules in order, each ``vec(W[R][:, C] | b[R])``).
+
+    One ``torch.autograd.grad`` per logit ``(b, c)`` of ``[B, C]`` logits: no hooks, no batching, so
+    independent of the package's Jacobian paths. ``inputs``: a tensor or keyword inputs.
+    """
+    model, subset = la.model, la.subset
+    params = dict(model.named_parameters())
+    names = list(subset.names)
+    out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    logits = getattr(out, "logits", out)
+    b, c = logits.shape
+    rows: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    for i in range(b):
+        for k in range(c):
+            grads = torch.autograd.grad(
+                logits[i, k], [params[n] for n in names], retain_graph=True, allow_unused=True
+            )
+            for n, g in zip(names, grads, strict=True):
+                g = torch.zeros_like(params[n]) if g is None else g
+                rows[n].append(subset.gather(n, g.detach()))
+    jac = {n: torch.stack(v).reshape(b, c, -1) for n, v in rows.items()}
+    return torch.cat([la.params_to_block(m, jac).reshape(b, c, -1) for m in la.modules], dim=-1)
 
 
 def reference_block_jacobian(model: TinyNet, x: torch.Tensor, subset: Subset) -> torch.Tensor:

@@ -22,7 +22,6 @@ from _laplace_helpers import TinyNet, classification_data, kron_subset, referenc
 from partialbayes.curvature import KronLaplace, kfac
 from partialbayes.selection import modules
 
-torch.set_num_threads(1)
 FIXTURE = settings(
     max_examples=10,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
@@ -185,7 +184,7 @@ def test_samples_covariance_matches_dense(device):
     _, _, la, factors = _separate_posterior(3, prior=1.5, temperature=2.0, device=device)
     sigma = torch.linalg.inv(_dense_precision(la, factors, [1.5] * 3, 2.0))
     n = 20_000
-    s = la.sample(n, torch.Generator(device=device).manual_seed(0))
+    s = la.sample(n, generator=torch.Generator(device=device).manual_seed(0))
     blocks = torch.cat([la.params_to_block(m, s).reshape(n, -1).cpu() for m in la.modules], dim=1)
     centered = blocks - _block_map(la)
     d = torch.diagonal(sigma)
@@ -231,8 +230,8 @@ def test_save_load_round_trip_and_mismatch(tmp_path):
     torch.testing.assert_close(back.log_marginal_likelihood(), la.log_marginal_likelihood())
     x, _ = classification_data(3, 5)
     torch.testing.assert_close(back.logit_mean_cov(x)[1], la.logit_mean_cov(x)[1])
-    s1 = la.sample(2, torch.Generator().manual_seed(4))
-    s2 = back.sample(2, torch.Generator().manual_seed(4))
+    s1 = la.sample(2, generator=torch.Generator().manual_seed(4))
+    s2 = back.sample(2, generator=torch.Generator().manual_seed(4))
     for k in s1:
         torch.testing.assert_close(s1[k], s2[k])
     assert back.num_floats == la.num_floats

@@ -5,37 +5,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
-from partialbayes.curvature import (  # noqa: E402
+from partialbayes.curvature import (
     diag_curvature,
     forward_logits,
     kfac,
     logit_jacobians,
 )
-from partialbayes.selection import KronBlock, MaskBlock, Subset, modules, sparse_kfac  # noqa: E402
+from partialbayes.selection import KronBlock, MaskBlock, Subset, modules, sparse_kfac
+from tiny_models import tiny_model
 
 
 def gpt2():
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(
-        vocab_size=40, n_positions=16, n_embd=8, n_layer=1, n_head=2, num_labels=3, pad_token_id=0
-    )
-    return transformers.GPT2ForSequenceClassification(cfg).double().eval()
+    return tiny_model("gpt2", seed=0, vocab=40, num_labels=3, pad_token_id=0).double().eval()
 
 
 def distilbert():
-    torch.manual_seed(0)
-    cfg = transformers.DistilBertConfig(
-        vocab_size=50,
-        dim=16,
-        n_layers=2,
-        n_heads=2,
-        hidden_dim=32,
-        max_position_embeddings=32,
-        num_labels=2,
-    )
-    return transformers.DistilBertForSequenceClassification(cfg).double().eval()
+    return tiny_model("distilbert", seed=0, size="s").double().eval()
 
 
 def _batch(b, t, vocab, c, seed, pad=0):

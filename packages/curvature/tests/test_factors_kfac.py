@@ -183,7 +183,22 @@ def test_labels_are_checked_whatever_the_fisher(fisher, device):
     with pytest.raises(ValueError, match="batch 1: regression targets are not finite"):
         run(torch.tensor([[0.0, float("inf")], [0.0, 0.0]]), "regression")
     with pytest.raises(TypeError, match="batch 1: labels must be a tensor"):
-        kfac(model, [good, (x[2:], [0, 1])], s, fisher=fisher)
+        kfac(model, [good, (x[2:], ["a", "b"])], s, fisher=fisher)
+    with pytest.raises(TypeError, match=r"batch 1: batch must be .*got set"):
+        kfac(model, [good, {1, 2}], s, fisher=fisher)
+    # labels given as a list of ints are converted (partialbayes.predictive.split_batch)
+    as_list = kfac(
+        model, [good, (x[2:], [1, 0])], s, fisher=fisher, generator=torch.Generator().manual_seed(0)
+    )
+    as_tensor = kfac(
+        model,
+        [good, (x[2:], torch.tensor([1, 0], device=device))],
+        s,
+        fisher=fisher,
+        generator=torch.Generator().manual_seed(0),
+    )
+    for m in as_list:
+        torch.testing.assert_close(as_list[m].G, as_tensor[m].G)
     # valid int32 labels give the int64 result
     a = kfac(
         model,

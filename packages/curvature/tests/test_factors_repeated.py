@@ -23,7 +23,6 @@ from partialbayes.curvature import (
 )
 from partialbayes.selection import KronBlock, MaskBlock, Subset, modules
 
-torch.set_num_threads(1)
 FIXTURE = settings(
     max_examples=10,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],

@@ -118,7 +118,7 @@ def test_samples_match_dense_covariance(cls, prior, device):
     pdict = prior if isinstance(prior, dict) else dict.fromkeys(la.modules, prior)
     sigma = torch.linalg.inv(H + torch.diag(entry_prior(la, pdict)))
     n = 20_000
-    s = la.sample(n, torch.Generator().manual_seed(0))
+    s = la.sample(n, generator=torch.Generator().manual_seed(0))
     flat = torch.cat([s[k] for k in subset.names], dim=1).cpu() - flat_map(la)
     d = torch.diagonal(sigma)
     assert (flat.mean(0).abs() <= 6 * torch.sqrt(d / n)).all()

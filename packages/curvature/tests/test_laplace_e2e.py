@@ -1,61 +1,32 @@
 """End to end on tiny Hugging Face classifiers: fit, tune the prior, predict, sample, save, load."""
 
-import importlib.util
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import (
-    BertConfig,
-    BertForSequenceClassification,
-    DistilBertConfig,
-    DistilBertForSequenceClassification,
-    GPT2Config,
-    GPT2ForSequenceClassification,
-)
 
 from partialbayes.curvature import DenseLaplace, DiagLaplace, KronLaplace
 from partialbayes.selection import last_layer, random_parameters, sparse_kfac
+from tiny_models import tiny_model
 
-# Small tensors: one thread avoids oversubscription on the shared 2-core CI machine (30x faster here).
-torch.set_num_threads(1)
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("partialbayes.curvature._kfac") is None,
-    reason="the curvature factors (engineer A's kfac) are not in this checkout yet",
-)
+sys.path.insert(0, str(Path(__file__).parent))
+from _laplace_helpers import autograd_block_jacobian, dense_posterior_covariance
 
 VOCAB, CLASSES = 50, 3
 
 
 def distilbert():
-    torch.manual_seed(0)
-    cfg = DistilBertConfig(
-        vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, hidden_dim=32, max_position_embeddings=32
-    )
-    cfg.num_labels = CLASSES
-    return DistilBertForSequenceClassification(cfg).eval()
+    return tiny_model("distilbert", seed=0, size="s", num_labels=CLASSES).eval()
 
 
 def bert():
-    torch.manual_seed(0)
-    cfg = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=32,
-        num_labels=CLASSES,
-    )
-    return BertForSequenceClassification(cfg).eval()
+    return tiny_model("bert", seed=0, size="s", num_labels=CLASSES).eval()
 
 
 def gpt2():
-    torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=32)
-    cfg.num_labels, cfg.pad_token_id = CLASSES, 0
-    return GPT2ForSequenceClassification(cfg).eval()
+    return tiny_model("gpt2", seed=0, size="s", num_labels=CLASSES, pad_token_id=0).eval()
 
 
 def batches(n_batches, size, seed, length=10):
@@ -97,12 +68,12 @@ def test_kron_end_to_end(make, tmp_path):
     torch.testing.assert_close(cov, cov.mT)
     assert (torch.linalg.eigvalsh(cov.double()) > -1e-6).all()
     # the hook Jacobians and autograd Jacobians give the same functional covariance
-    _, jac = la._autograd_jacobians(_inputs(test))
-    ref = la._functional_cov(la._prepare(jac), la.prior_precision, 1.0)
+    J = autograd_block_jacobian(la, _inputs(test)).double()
+    ref = J @ dense_posterior_covariance(la) @ J.mT
     torch.testing.assert_close(cov.double(), ref, rtol=1e-4, atol=1e-7)
 
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    with la.sampled(torch.Generator().manual_seed(0)) as m:
+    with la.sampled(generator=torch.Generator().manual_seed(0)) as m:
         sampled_logits = m(**_inputs(test)).logits
     assert not torch.allclose(sampled_logits, f)
     for k, v in model.named_parameters():

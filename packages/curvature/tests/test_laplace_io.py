@@ -50,8 +50,8 @@ def test_round_trip(cls, tmp_path, device):
     x, _ = classification_data(4, 0)
     x = x.to(device)
     torch.testing.assert_close(back.logit_mean_cov(x)[1], la.logit_mean_cov(x)[1])
-    s1 = la.sample(3, torch.Generator().manual_seed(5))
-    s2 = back.sample(3, torch.Generator().manual_seed(5))
+    s1 = la.sample(3, generator=torch.Generator().manual_seed(5))
+    s2 = back.sample(3, generator=torch.Generator().manual_seed(5))
     for k in s1:
         torch.testing.assert_close(s1[k], s2[k])
     assert back.num_floats == la.num_floats

@@ -97,7 +97,7 @@ def test_samples_mean_and_covariance_match_dense(device):
     P = dense_precision(la, factors, _prior_vec(la, 1.5), 2.0)
     sigma = torch.linalg.inv(P)
     n = 20_000
-    s = la.sample(n, torch.Generator(device=device).manual_seed(0))
+    s = la.sample(n, generator=torch.Generator(device=device).manual_seed(0))
     s = {k: v.cpu() for k, v in s.items()}
     assert set(s) == set(subset.names)
     for name in subset.names:
@@ -110,7 +110,7 @@ def test_samples_mean_and_covariance_match_dense(device):
     emp = centered.T @ centered / n
     tol = 6 * torch.sqrt((torch.outer(d, d) + sigma**2) / n)
     assert ((emp - sigma).abs() <= tol).all()
-    s2 = la.sample(n, torch.Generator(device=device).manual_seed(0))
+    s2 = la.sample(n, generator=torch.Generator(device=device).manual_seed(0))
     torch.testing.assert_close(s2["c1.weight"].cpu(), s["c1.weight"])
 
 
@@ -132,7 +132,7 @@ def test_swapped_restores_map_on_exception(device):
     model, subset, la, _ = _fitted(4, device=device)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     gen = torch.Generator(device=device)
-    sample = {k: v[0] for k, v in la.sample(1, gen.manual_seed(1)).items()}
+    sample = {k: v[0] for k, v in la.sample(1, generator=gen.manual_seed(1)).items()}
     seen = {}
 
     def run():
@@ -152,7 +152,7 @@ def test_swapped_restores_map_on_exception(device):
         assert torch.equal(v.detach(), before[k]), k
     x, _ = classification_data(2, 0)
     x = x.to(device)
-    with la.sampled(gen.manual_seed(3)):
+    with la.sampled(generator=gen.manual_seed(3)):
         changed = model(x)
     assert not torch.allclose(changed, model(x))
 
@@ -292,3 +292,24 @@ def test_fit_from_loader_records_map_loss_and_rejects_bad_data():
         again = KronLaplace(model, subset).fit(loader)
     assert model.training
     torch.testing.assert_close(again.log_det(), la.log_det())
+
+
+def test_kron_modules_are_resolved_once_per_posterior(monkeypatch):
+    """Construction resolves the Kronecker modules; fit and the predictive reuse them (issue #17)."""
+    model = TinyNet(0).eval()
+    subset = kron_subset(model)
+    calls = []
+    resolve = Subset.kron_modules
+    monkeypatch.setattr(Subset, "kron_modules", lambda self: calls.append(1) or resolve(self))
+    x, y = classification_data(6, 0)
+    la = KronLaplace(model, subset).fit([(x[:3], y[:3]), (x[3:], y[3:])])
+    la.logit_mean_cov(x)
+    la.sample(2, generator=torch.Generator().manual_seed(0))
+    assert len(calls) == 1
+
+
+def test_subset_of_another_model_is_refused_at_construction():
+    subset = kron_subset(TinyNet(0))
+    other = torch.nn.Sequential(torch.nn.Linear(3, 3)).double()
+    with pytest.raises(ValueError, match=r"modules \['l0', 'c1', 'l2'\] of the subset are not in"):
+        KronLaplace(other, subset)

@@ -5,35 +5,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
-from partialbayes.curvature import (  # noqa: E402
+from partialbayes.curvature import (
     DiagLaplace,
     KronLaplace,
     dense_curvature,
     diag_curvature,
     kfac,
 )
-from partialbayes.selection import KronBlock, Subset  # noqa: E402
+from partialbayes.selection import KronBlock, Subset
+from tiny_models import tiny_model
 
-torch.set_num_threads(1)
 LAYER = "albert.encoder.albert_layer_groups.0.albert_layers.0"
 
 
 def _albert(seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = transformers.AlbertConfig(
-        vocab_size=50,
-        embedding_size=8,
-        hidden_size=8,
-        num_hidden_layers=2,
-        num_hidden_groups=1,
-        num_attention_heads=2,
-        intermediate_size=12,
-        max_position_embeddings=16,
-        num_labels=3,
-    )
-    return transformers.AlbertForSequenceClassification(cfg).double().eval()
+    model = tiny_model("albert", seed=seed, vocab=50, layers=2, num_hidden_groups=1, num_labels=3)
+    return model.double().eval()
 
 
 def _batch(seed: int = 0) -> dict[str, torch.Tensor]:

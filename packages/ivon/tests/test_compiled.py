@@ -1,4 +1,4 @@
-"""The optional torch.compile'd kernels (compiled=True): same results as the eager kernels, clean fallback."""
+"""The torch.compile'd kernels: same results as the eager kernels, a clean fallback, no compile for small models."""
 
 import math
 import warnings
@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from partialbayes.ivon import IVON, _blocked, _compiled
+from partialbayes.ivon import IVON, _blocked, _compiled, optimizer
 
 
 @pytest.fixture(autouse=True)
@@ -50,12 +50,7 @@ def _run(compiled, *, hess_approx="price", mc=1, clip=math.inf, masked=False, dt
 
 
 def test_failed_compilation_warns_once_and_falls_back_to_eager(monkeypatch):
-    def broken_compile(*args, **kwargs):
-        raise RuntimeError("no compiler here")
-
-    monkeypatch.setattr(torch, "compile", broken_compile)
-    monkeypatch.setitem(_compiled._STATE, "ok", None)
-    monkeypatch.setitem(_compiled._STATE, "fns", {})
+    _broken_compile(monkeypatch)
     with pytest.warns(RuntimeWarning, match="no compiler here") as record:
         fallback = _run(True, mc=2)
     assert len([w for w in record if issubclass(w.category, RuntimeWarning)]) == 1
@@ -63,6 +58,39 @@ def test_failed_compilation_warns_once_and_falls_back_to_eager(monkeypatch):
     eager = _run(False, mc=2)
     for a, b in zip(eager, fallback, strict=True):
         assert torch.equal(a, b)
+
+
+def _broken_compile(monkeypatch):
+    calls = []
+
+    def broken_compile(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setitem(_compiled._STATE, "ok", None)
+    monkeypatch.setitem(_compiled._STATE, "fns", {})
+    return calls
+
+
+def test_default_falls_back_silently_where_compiling_fails(monkeypatch):
+    calls = _broken_compile(monkeypatch)
+    monkeypatch.setattr(optimizer, "AUTO_COMPILE_MIN", 0)  # the test model counts as large
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fallback = _run(None, mc=2)
+    assert calls
+    assert not _compiled.available()
+    eager = _run(False, mc=2)
+    for a, b in zip(eager, fallback, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_default_does_not_compile_for_small_models(monkeypatch):
+    calls = _broken_compile(monkeypatch)
+    _run(None)
+    assert not calls
+    assert _compiled._STATE["ok"] is None
 
 
 @pytest.mark.slow

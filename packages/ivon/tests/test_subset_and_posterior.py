@@ -140,37 +140,72 @@ def test_posterior_std_and_sample_statistics(device):
         assert torch.equal(post.mean[name], p.detach())
     gen = torch.Generator(device).manual_seed(0)
     n = 2000
-    draws = torch.stack([post.sample(gen)["0.weight"] for _ in range(n)])
-    z = (draws.mean(0) - post.mean["0.weight"]) / (post.std["0.weight"] / math.sqrt(n))
+    draws = post.sample(n, generator=gen)["0.weight"]  # [n, 12], row-major (Subset.gather order)
+    mean, std = post.mean["0.weight"].reshape(-1), post.std["0.weight"].reshape(-1)
+    z = (draws.mean(0) - mean) / (std / math.sqrt(n))
     assert z.abs().max() < 4.5  # 12 entries, standard normal each
-    ratio = draws.std(0) / post.std["0.weight"]
+    ratio = draws.std(0) / std
     assert (ratio - 1).abs().max() < 5 / math.sqrt(2 * n)  # sd of the sample sd ≈ σ/√(2n)
 
 
 def test_predictions_mean_mc_and_multi_ivon(device):
     x = torch.randn(4, 3, dtype=torch.float64, device=device)
-    posts = []
+    posts, models = [], []
     for seed in range(3):
         model = _model(device, seed)
         opt = IVON(model.parameters(), lr=0.1, ess=1e6)
         posts.append(ivon_posterior(opt, model))
-    model = _model(device, seed=7)
-    before = [p.detach().clone() for p in model.parameters()]
-    out_mean = predict_mean(model, posts[0], lambda m: m(x))
+        models.append(model)
+    other = _model(device, seed=7)
+    before = [p.detach().clone() for p in other.parameters()]
+    out_mean = predict_mean(other, posts[0], lambda m: m(x))
     torch.testing.assert_close(out_mean, _model(device, 0)(x).detach())
-    mc = predict_mc(model, posts[0], lambda m: m(x), 5, torch.Generator(device).manual_seed(0))
+    mc = posts[0].predictive_samples(x, 5, generator=torch.Generator(device).manual_seed(0))
     assert mc.shape == (5, 4, 2)
     torch.testing.assert_close(mc.mean(0), out_mean, atol=0.05, rtol=0)  # σ ≈ 1e-3: tiny spread
     mix = MultiIVON(posts)
-    outs = predict_mc(model, mix, lambda m: m(x), 6, torch.Generator(device).manual_seed(0))
+    assert mix.model is models[0]
+    assert mix.subset.num_entries() == sum(p.numel() for p in models[0].parameters())
+    outs = mix.predictive_samples(x, 6, generator=torch.Generator(device).manual_seed(0))
+    offset = int(
+        torch.randint(3, (1,), generator=torch.Generator(device).manual_seed(0), device=device)
+    )
     for i in range(
         6
-    ):  # stratified: sample i from component i mod 3, close to that run's mean output
-        torch.testing.assert_close(outs[i], _model(device, i % 3)(x).detach(), atol=0.05, rtol=0)
+    ):  # stratified: sample i from run (offset + i) mod 3, close to that run's output
+        run = _model(device, (offset + i) % 3)(x).detach()
+        torch.testing.assert_close(outs[i], run, atol=0.05, rtol=0)
     for name in posts[0].mean:
         torch.testing.assert_close(mix.mean[name], sum(p.mean[name] for p in posts) / 3)
-    for p, b in zip(model.parameters(), before, strict=True):
-        assert torch.equal(p.detach(), b)  # the model is restored
+    for p, b in zip(other.parameters(), before, strict=True):
+        assert torch.equal(p.detach(), b)  # predict_mean restored the model
+    for model, seed in zip(models, range(3), strict=True):
+        for p, b in zip(model.parameters(), _model(device, seed).parameters(), strict=True):
+            assert torch.equal(p.detach(), b.detach())  # sampling restored the means
+
+
+def test_deprecated_predict_mc_and_full_samples_warn_and_still_work(device):
+    x = torch.randn(4, 3, dtype=torch.float64, device=device)
+    posts = []
+    for seed in range(2):
+        m = _model(device, seed)
+        posts.append(ivon_posterior(IVON(m.parameters(), lr=0.1, ess=1e6), m))
+    model = _model(device, seed=7)
+    with pytest.warns(DeprecationWarning, match="predict_mc"):
+        outs = predict_mc(
+            model, MultiIVON(posts), lambda m: m(x), 4, torch.Generator(device).manual_seed(0)
+        )
+    for i in range(4):  # the old rule: sample i from component i mod K
+        torch.testing.assert_close(outs[i], _model(device, i % 2)(x).detach(), atol=0.05, rtol=0)
+    with pytest.warns(DeprecationWarning, match="sample_full"):
+        old = posts[0].sample(torch.Generator(device).manual_seed(1))
+    new = posts[0].sample_full(torch.Generator(device).manual_seed(1))
+    assert all(torch.equal(old[n], new[n]) for n in new)
+    assert old["0.weight"].shape == (4, 3)
+    with pytest.warns(DeprecationWarning, match="sample_full"):
+        old = MultiIVON(posts).sample(torch.Generator(device).manual_seed(2), component=1)
+    new = posts[1].sample_full(torch.Generator(device).manual_seed(2))
+    assert all(torch.equal(old[n], new[n]) for n in new)
 
 
 def test_swapped_params_restores_on_error_and_validates():
@@ -206,9 +241,12 @@ def test_posterior_bad_input():
     with pytest.raises(ValueError, match="component 1"):
         MultiIVON([a, b])
     with pytest.raises(ValueError, match="component must be"):
-        MultiIVON([a]).sample(component=3)
+        MultiIVON([a]).sample_full(component=3)
     model = _model("cpu")
-    with pytest.raises(ValueError, match="n_samples"):
+    with (
+        pytest.raises(ValueError, match="n_samples"),
+        pytest.warns(DeprecationWarning, match="predict_mc"),
+    ):
         predict_mc(model, a, lambda m: m, 0)
     other = IVON([torch.nn.Parameter(torch.zeros(2))], lr=0.1, ess=1)
     with pytest.raises(ValueError, match="none of the model"):
@@ -232,7 +270,7 @@ def test_multi_ivon_draws_reproducible_on_the_generator_device(device):
         if device != "cpu":
             torch.cuda.manual_seed_all(global_seed)
         gen = torch.Generator(device).manual_seed(3)
-        return torch.stack([mix.sample(gen)["w"] for _ in range(20)])
+        return torch.stack([mix.sample_full(gen)["w"] for _ in range(20)])
 
     first, second = draws(0), draws(1)
     assert torch.equal(first, second)

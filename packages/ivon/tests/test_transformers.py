@@ -1,15 +1,15 @@
 import pytest
 import torch
 
-from partialbayes.ivon import IVON, ivon_posterior, predict_mc
+from partialbayes.ivon import IVON, ivon_posterior
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
+
+from tiny_models import tiny_model
 
 
 def test_tiny_gpt2_trains(device):
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=2, n_head=2, n_positions=32)
-    model = transformers.GPT2LMHeadModel(config).to(device)
+    model = tiny_model("gpt2", "causal-lm", seed=0, size="s").to(device)
     ids = torch.randint(50, (4, 12), generator=torch.Generator().manual_seed(1)).to(device)
 
     def mean_loss():
@@ -34,8 +34,9 @@ def test_tiny_gpt2_trains(device):
     # tied embeddings (lm_head.weight is wte.weight) are one parameter with one state
     assert model.lm_head.weight is model.transformer.wte.weight
     post = ivon_posterior(opt, model)
-    logits = predict_mc(
-        model, post, lambda m: m(input_ids=ids).logits, 2, torch.Generator(device).manual_seed(0)
-    )
+    batch = {"input_ids": ids, "labels": ids}  # a causal-LM batch: labels are ignored by predict
+    logits = post.predictive_samples(batch, 2, generator=torch.Generator(device).manual_seed(0))
     assert logits.shape == (2, 4, 12, 50)
     assert torch.isfinite(logits).all()
+    probs = post.predict(batch, n_samples=2, generator=torch.Generator(device).manual_seed(0))
+    torch.testing.assert_close(probs, logits.softmax(-1).mean(0))

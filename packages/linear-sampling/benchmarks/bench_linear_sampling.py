@@ -121,7 +121,9 @@ def bench_crossover(b: Bench) -> None:
 
 
 def bench_epoch_scaling(b: Bench) -> None:
-    group = "one SGD epoch of the low-variance objective (k=8): time / (n·d)"
+    # One solver call of one epoch: with the variance-reduced default that is one minibatch pass plus
+    # two full passes (the initial residual and the check).
+    group = "one-epoch solve, low-variance objective (k=8): time / (n·d)"
     grid = (
         [(512, 250), (1024, 500), (2048, 500)]
         if b.quick

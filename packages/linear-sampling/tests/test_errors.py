@@ -128,9 +128,25 @@ def test_divergence_stops_with_advice():
             NoisePrecision(1.0),
             Prior(1.0),
             3,
-            sgd=SGDConfig(lr_scale=20.0, batch_size=8),
+            sgd=SGDConfig(lr=10.0, batch_size=8, variance_reduction=False),
             generator=torch.Generator().manual_seed(0),
         )
+
+
+def test_automatic_step_that_is_too_large_is_halved_and_reported():
+    feats, _ = small(n=40)
+    out = posterior_samples(
+        feats,
+        NoisePrecision(1.0),
+        Prior(1.0),
+        3,
+        sgd=SGDConfig(lr_scale=20.0, batch_size=8),
+        generator=torch.Generator().manual_seed(0),
+    )
+    first, last = out.info.history[0]["lr"], out.info.lr
+    assert out.info.converged
+    assert last is not None
+    assert last < first / 2
 
 
 def test_bad_options():

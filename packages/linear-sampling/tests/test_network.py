@@ -157,33 +157,11 @@ def test_linearised_laplace_matches_dense_ggn_laplace(device, how):
 
 
 def tiny_hf(kind):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    if kind == "distilbert":
-        cfg = transformers.DistilBertConfig(
-            vocab_size=50,
-            dim=16,
-            n_layers=2,
-            n_heads=2,
-            hidden_dim=32,
-            max_position_embeddings=32,
-            num_labels=3,
-        )
-        model = transformers.DistilBertForSequenceClassification(cfg)
-    else:
-        cfg = transformers.GPT2Config(
-            vocab_size=50,
-            n_embd=16,
-            n_layer=2,
-            n_head=2,
-            n_positions=32,
-            num_labels=3,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=1,
-        )
-        model = transformers.GPT2ForSequenceClassification(cfg)
-    return model.eval()
+    pytest.importorskip("transformers")
+    from tiny_models import tiny_model
+
+    tokens = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1} if kind == "gpt2" else {}
+    return tiny_model(kind, seed=0, size="s", num_labels=3, **tokens).eval()
 
 
 @pytest.mark.parametrize("kind", ["distilbert", "gpt2"])

@@ -126,7 +126,7 @@ def test_resolve_link_lists_the_offered_links():
 
 
 class ShiftPosterior:
-    """A toy posterior over a bias: samples are the MAP plus 0, 1, 2, ..."""
+    """A toy posterior over a bias: successive samples are the MAP plus 0, 1, 2, ..."""
 
     links = ("mc",)
     subset = None
@@ -134,6 +134,7 @@ class ShiftPosterior:
     def __init__(self):
         self.model = nn.Linear(2, 2)
         self.map = self.model.bias.detach().clone()
+        self.calls = 0
 
     @property
     def num_floats(self):
@@ -153,7 +154,8 @@ class ShiftPosterior:
                 self.model.bias.copy_(self.map)
 
     def sampled(self, *, generator=None):
-        return self.swapped({"bias": self.sample(1)["bias"][0]})
+        self.calls += 1
+        return self.swapped({"bias": self.map + (self.calls - 1)})
 
     def predict(self, batch, *, link=None, n_samples=100, generator=None):
         raise NotImplementedError

@@ -7,7 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from partialbayes.predictive import average_softmax, resolve_link, rows, sampled_logits
+from partialbayes.predictive import (
+    average_softmax,
+    check_sample,
+    resolve_link,
+    rows,
+    sampled_logits,
+)
 from partialbayes.predictive.testing import check_posterior
 
 
@@ -34,8 +40,9 @@ class DiagBias:
 
     links = ("mc",)
 
-    def __init__(self, model, std=0.5, *, restore_on_error=True):
+    def __init__(self, model, std=0.5, *, restore_on_error=True, check=True):
         self.model = model
+        self.check = check
         self.subset = BiasSubset(model.bias.numel())
         self.map = model.bias.detach().clone()
         self.std = std
@@ -51,6 +58,8 @@ class DiagBias:
 
     @contextmanager
     def swapped(self, sample):
+        if self.check:
+            sample = check_sample(self.subset, sample)
         with torch.no_grad():
             self.model.bias.copy_(sample["bias"])
         if self.restore_on_error:
@@ -100,6 +109,12 @@ def test_a_family_that_does_not_restore_on_error_fails(tmp_path):
     model, batch = _toy()
     with pytest.raises(AssertionError, match="after an error inside swapped"):
         check_posterior(DiagBias(model, restore_on_error=False), batch, tmp_path / "p.json")
+
+
+def test_a_family_that_swaps_in_nan_samples_fails(tmp_path):
+    model, batch = _toy()
+    with pytest.raises(AssertionError, match="must refuse a sample with NaN entries"):
+        check_posterior(DiagBias(model, check=False), batch, tmp_path / "p.json")
 
 
 def test_a_family_whose_load_changes_predictions_fails(tmp_path):

@@ -108,7 +108,7 @@ def bench_collection(b: Bench) -> None:
         swag.collect(model)
     b.time(
         "draw one sample (low rank + diagonal)",
-        lambda: swag.sample(generator=torch.Generator(device=b.device).manual_seed(0)),
+        lambda: swag.sample_flat(generator=torch.Generator(device=b.device).manual_seed(0)),
         group=group,
         reference="torch SGD step (all weights)",
         repeat=repeat,

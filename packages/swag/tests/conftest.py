@@ -73,12 +73,3 @@ def helpers():
         x_batches=x_batches,
         x_loss=x_loss,
     )
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread avoids spin-wait contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

@@ -143,7 +143,7 @@ def test_snapshots_reproducible_by_seed(helpers):
             loss_fn=helpers.x_loss,
             progress=False,
         )
-        return swag, swag.sample(4, generator=torch.Generator().manual_seed(9))
+        return swag, swag.sample_flat(4, generator=torch.Generator().manual_seed(9))
 
     (a, sa), (b, sb) = run(), run()
     assert torch.equal(a.mean, b.mean)
@@ -160,7 +160,10 @@ def test_fewer_than_k_snapshots_use_the_number_collected(helpers):
             model.fc2.weight.mul_(1.5)
         swag.collect(model)
     assert swag.deviations.shape == (swag.num_entries, 3)
-    assert swag.sample(2).shape == (2, swag.num_entries)
+    assert swag.sample_flat(2).shape == (2, swag.num_entries)
+    draws = swag.sample(2)
+    assert list(draws) == list(swag.subset.names)
+    assert sum(v.shape[1] for v in draws.values()) == swag.num_entries
     assert swag.num_floats == 22 * swag.num_entries
 
 
@@ -170,7 +173,7 @@ def test_diagonal_only_stores_no_deviations(helpers):
     swag.collect(model)
     assert swag.deviations is None
     assert swag.num_floats == 2 * swag.num_entries
-    assert_close(swag.sample(), swag.mean)  # one snapshot: zero variance
+    assert_close(swag.sample_flat(), swag.mean)  # one snapshot: zero variance
 
 
 def test_gather_order_matches_subset_gather(helpers):
@@ -231,6 +234,6 @@ def test_bfloat16_model_keeps_float32_moments_and_restores_map(helpers):
         progress=False,
     )
     assert swag.mean.dtype == torch.float32
-    assert bool(torch.isfinite(swag.sample(2)).all())
+    assert bool(torch.isfinite(swag.sample_flat(2)).all())
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n])

@@ -11,14 +11,19 @@ from partialbayes.curvature._laplace_dense import DenseLaplace
 from partialbayes.curvature._laplace_diag import DiagLaplace
 from partialbayes.curvature._laplace_kron import KronLaplace
 from partialbayes.curvature._likelihood import forward_logits
+from partialbayes.curvature._marglik import MarglikFit
 
-__all__ = ["kfac_factors"]
-__all__ += ["DenseLaplace", "DiagLaplace", "KronLaplace", "LaplaceBase"]
-__all__ += [
+__all__ = [
+    "DenseLaplace",
+    "DiagLaplace",
+    "KronLaplace",
+    "LaplaceBase",
+    "MarglikFit",
     "ModuleFactors",
     "dense_curvature",
     "diag_curvature",
     "forward_logits",
     "kfac",
+    "kfac_factors",
     "logit_jacobians",
 ]

@@ -12,6 +12,7 @@ from partialbayes.curvature._distributed import all_reduce_sum, fail_together
 from partialbayes.curvature._hooks import BatchObserver, prepared, stream
 from partialbayes.curvature._jacobians import entry_grads, param_targets
 from partialbayes.curvature._likelihood import check_options
+from partialbayes.curvature._outputs import resolve_shift_labels, token_positions
 from partialbayes.selection import Subset
 
 
@@ -34,6 +35,7 @@ def diag_curvature(
     progress: bool = False,
     num_classes: int | None = None,
     on_batch: BatchObserver | None = None,
+    shift_labels: bool | None = None,
 ) -> dict[str, Tensor]:
     r"""Diagonal of the summed GGN / Fisher for every stochastic entry of ``subset``.
 
@@ -43,9 +45,15 @@ def diag_curvature(
     linear maps (exact, every token counts). ``fisher="exact"`` gives the GGN diagonal (one backward pass per
     class), ``"mc"`` a sampled-label estimate, ``"empirical"`` the empirical Fisher.
 
+    Token-level outputs (logits ``[B, T, C]``) count one output per kept position (attention mask 1, label
+    not -100; causal LMs: see ``shift_labels``), with exact per-position gradients: ``fisher="exact"`` costs
+    ``C`` backward passes per kept position (and ``"empirical"`` one), ``"mc"`` ``mc_samples`` passes per
+    batch (all positions' sampled vectors at once, an unbiased estimate).
+
     Args:
-        model: Network returning logits ``[B, C]``; evaluated in eval mode.
-        loader: Iterable of ``(x, y)`` or Hugging Face dict batches.
+        model: Network returning logits ``[B, C]`` or ``[B, T, C]``; evaluated in eval mode.
+        loader: Iterable of batches: tensors, pairs ``(inputs, labels)`` or mappings (``dict``,
+            ``BatchEncoding``) with ``"labels"`` / ``"label"``.
         subset: Any subset (mask or Kronecker blocks) of weights / biases of ``nn.Linear`` / HF ``Conv1D``.
         likelihood: ``"classification"`` or ``"regression"``.
         fisher: ``"exact"``, ``"mc"`` or ``"empirical"``.
@@ -56,9 +64,11 @@ def diag_curvature(
         progress: Show a tqdm progress bar.
         num_classes: When given, the number of logits the model must output.
         on_batch: Called as ``on_batch(index, logits, labels)`` after each batch's forward pass, with the
-            detached logits ``[B, C]`` and the validated labels (``None`` for a batch without labels); e.g.
-            to accumulate the training loss in the same pass (``LaplaceBase.fit`` does). The loader is read
-            once.
+            detached output rows ``[N, C]`` (``[B, C]`` logits, or the kept positions of token-level ones)
+            and their validated labels (``None`` for a batch without labels); e.g. to accumulate the
+            training loss in the same pass (``LaplaceBase.fit`` does). The loader is read once.
+        shift_labels: Token-level outputs of a causal LM: the output at ``t`` is scored against
+            ``labels[t + 1]`` (see `kfac`). ``None``: whether the model is a causal LM (class name).
 
     Returns:
         ``{param name: h}`` with ``h`` 1-D in ``subset.gather`` order (summed over examples and ranks).
@@ -69,8 +79,17 @@ def diag_curvature(
         RuntimeError: Under ``torch.distributed``, on every rank whose shard went through when another
             rank raised (all ranks fail instead of waiting for each other).
     """
-    check_options(likelihood, fisher, mc_samples, sigma_noise)
+    check_options(
+        likelihood,
+        fisher,
+        mc_samples,
+        sigma_noise,
+        dtype=dtype,
+        generator=generator,
+        num_classes=num_classes,
+    )
     targets, modules = param_targets(model, subset)
+    shift = resolve_shift_labels(model, shift_labels)
     params = dict(model.named_parameters())
     device = params[targets[0].name].device
     out = {t.name: torch.zeros(t.index.numel(), dtype=dtype, device=device) for t in targets}
@@ -88,6 +107,8 @@ def diag_curvature(
             sigma_noise=sigma_noise,
             generator=generator,
             num_classes=num_classes,
+            shift_labels=shift,
+            positions=token_positions(fisher),
             progress=progress,
             on_batch=on_batch,
         ):

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from partialbayes.curvature._distributed import all_reduce_sum
+from partialbayes.curvature._kfac_math import input_factor
 
 
 @dataclass(frozen=True)
@@ -81,11 +82,9 @@ class FactorAccumulator:
     def add_inputs(self, x: Tensor, count: Tensor | float) -> None:
         """Add rows ``x`` ``[m, c]`` (zero rows allowed for masked tokens) counting ``count``."""
         x = x.to(self.dtype)
-        if self.xx is None:
-            self.xx = x.T @ x
-            self.xs = x.sum(0)
+        if self.xx is None or self.xs is None:
+            self.xx, self.xs = x.T @ x, x.sum(0)
         else:
-            assert self.xs is not None
             self.xx.addmm_(x.T, x)
             self.xs += x.sum(0)
         self.count += count
@@ -98,41 +97,26 @@ class FactorAccumulator:
         else:
             self.gg.addmm_(d.T, d)
 
-    def _filled(self) -> None:
+    def _sums(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(Σ δδᵀ, Σ xxᵀ, Σ x)``, zeros where no batch contributed."""
         if self.gg is None:
             self.gg = torch.zeros(self.r, self.r, dtype=self.dtype, device=self.device)
-        if self.xx is None:
+        if self.xx is None or self.xs is None:
             self.xx = torch.zeros(self.c, self.c, dtype=self.dtype, device=self.device)
             self.xs = torch.zeros(self.c, dtype=self.dtype, device=self.device)
+        return self.gg, self.xx, self.xs
 
     def all_reduce(self) -> None:
         """Sum the running sums over ranks when ``torch.distributed`` is initialised (no-op otherwise)."""
-        self._filled()
-        for t in (self.gg, self.xx, self.xs, self.count):
-            assert t is not None
+        for t in (*self._sums(), self.count):
             all_reduce_sum(t)
 
     def bias_factor(self) -> Tensor:
         """``A_bias = [count / count]`` ``[1, 1]``: the separate bias's input factor (1 once any row counted)."""
-        return (self.count / self.count.clamp_min(1)).reshape(1, 1).clone()
+        empty = self.count.new_zeros(0)
+        return input_factor(empty.reshape(0, 0), empty, self.count, bias=True)
 
     def factors(self, bias: bool) -> tuple[Tensor, Tensor]:
-        """``(G, A)``: ``G`` summed, ``A = Σ x̃x̃ᵀ / count`` with ``x̃ = (x, 1)`` when ``bias``.
-
-        Consumes the accumulator (``A`` is divided in place).
-        """
-        self._filled()
-        assert self.gg is not None
-        assert self.xx is not None
-        assert self.xs is not None
-        count = self.count.clamp_min(1)
-        if not bias:
-            return self.gg, self.xx.div_(count)
-        c = self.c
-        A = torch.empty(c + 1, c + 1, dtype=self.dtype, device=self.device)
-        A[:c, :c] = self.xx
-        A[:c, c] = self.xs
-        A[c, :c] = self.xs
-        A[c, c] = self.count
-        self.xx = None
-        return self.gg, A.div_(count)
+        """``(G, A)``: ``G`` summed, ``A = Σ x̃x̃ᵀ / count`` with ``x̃ = (x, 1)`` when ``bias`` (`input_factor`)."""
+        gg, xx, xs = self._sums()
+        return gg, input_factor(xx, xs, self.count, bias=bias)

@@ -28,11 +28,11 @@ from partialbayes.curvature._caller import user_stacklevel
 from partialbayes.curvature._likelihood import (
     check_labels,
     check_logits,
-    logits_of,
     model_device,
     output_vectors,
-    split_batch,
 )
+from partialbayes.curvature._outputs import output_rows, position_plan, read_batch
+from partialbayes.predictive import model_logits
 
 
 def merge_calls(name: str, tensors: list[Tensor]) -> Tensor:
@@ -93,7 +93,7 @@ class Recorder:
     """Context manager hooking linear maps: records gathered inputs and raw outputs of one forward pass.
 
     A module called several times in one forward pass (weight tying, a layer reused in a loop) records
-    every call; `inputs`, `token_masks` and `output_grads` merge the calls as extra token positions
+    every call; `inputs` and `token_masks` merge the calls as extra token positions
     (see `merge_calls`).
 
     Args:
@@ -156,12 +156,6 @@ class Recorder:
         """The recorded call outputs (a copy that survives `clear`), for `call_grads`."""
         return {n: list(v) for n, v in self.calls_out.items()}
 
-    def output_grads(
-        self, logits: Tensor, cotangent: Tensor, retain_graph: bool = False
-    ) -> dict[str, Tensor]:
-        """``{module: δ}`` of one backward pass, calls merged like `inputs` (see `call_grads`)."""
-        return call_grads(logits, self.calls_out, cotangent, retain_graph)
-
     def clear(self) -> None:
         """Forget the last forward pass."""
         self.calls_in = {}
@@ -186,6 +180,8 @@ def check_untied(model: nn.Module, modules: Mapping[str, nn.Module]) -> None:
     The hooks see only the target module's calls, so the curvature of a weight that another module also
     uses (e.g. a classifier tied to an embedding, or two ``nn.Linear`` sharing one ``weight``) would
     silently miss that module's contribution. Calling the same module several times is supported instead.
+    Only weights registered on a module itself count, so a wrapper exposing its child's weight (PEFT's
+    ``query`` wrapping ``query.base_layer``) is not mistaken for a tie.
 
     Raises:
         ValueError: Naming the target module and the modules it shares its weight with.
@@ -193,7 +189,9 @@ def check_untied(model: nn.Module, modules: Mapping[str, nn.Module]) -> None:
     owner = {id(m.weight): name for name, m in modules.items()}
     tied: dict[str, list[str]] = {}
     for name, mod in model.named_modules(remove_duplicate=False):
-        w = getattr(mod, "weight", None)
+        # Only a weight registered on the module itself counts: wrappers that expose a child's weight as a
+        # property (PEFT's LoRA layer ``q`` returning ``q.base_layer.weight``) do not use it a second time.
+        w = dict(mod.named_parameters(recurse=False)).get("weight")
         if isinstance(w, Tensor) and id(w) in owner:
             target = owner[id(w)]
             if mod is not modules[target]:
@@ -213,15 +211,15 @@ def prepared(
 ) -> Iterator[None]:
     """Eval mode (warning if the model was training), gradients enabled, target weights differentiable.
 
-    Restores the model's mode and the weights' ``requires_grad`` afterwards, even on error. With
+    Restores every module's own mode and the weights' ``requires_grad`` afterwards, even on error. With
     ``switch=False`` the model's mode is left alone.
 
     Raises:
         ValueError: If a target weight is tied to another module (see `check_untied`).
     """
     check_untied(model, modules)
-    was_training = model.training
-    if was_training and switch:
+    modes = [(m, m.training) for m in model.modules()]
+    if model.training and switch:
         warnings.warn(
             "model is in training mode; the curvature is computed in eval mode (dropout would corrupt it) "
             "and the mode is restored afterwards",
@@ -240,12 +238,14 @@ def prepared(
     finally:
         for w, flag in flags:
             w.requires_grad_(flag)
-        model.train(was_training)
+        for m, mode in modes:  # each module its own (model.train() would impose the root's on all)
+            m.training = mode
 
 
 BatchObserver = Callable[[int, Tensor, Tensor | None], None]
-"""``on_batch(index, logits, labels)``: sees each batch's detached logits ``[B, C]`` and validated labels
-(``None`` when the batch has none) right after its forward pass, before the backward passes."""
+"""``on_batch(index, logits, labels)``: sees each batch's detached output rows ``[N, C]`` (``[B, C]`` logits,
+or the kept positions of token-level ones) and their validated labels (``None`` when the batch has none)
+right after its forward pass, before the backward passes."""
 
 
 @dataclass
@@ -257,9 +257,12 @@ class BatchPasses:
         n_examples: Examples (sequences) in the batch, ``B``.
         inputs: Module -> gathered input ``x`` (``[B, c]`` or ``[B, T, c]``; the calls of a module called
             several times merged as extra positions).
-        mask: Attention mask ``[B, T]`` (bool) or ``None``.
-        token_masks: Module -> float mask ``[B, T]`` of the positions of ``inputs`` that count (``None``
-            for ``[B, c]`` inputs).
+        keep: ``[B, T]`` bool mask of the kept output positions of token-level logits, ``None`` for
+            ``[B, C]`` logits.
+        token_masks: Module -> float mask ``[B, T]`` of the real positions of ``inputs`` (``None`` for
+            ``[B, c]`` inputs): the attention mask, all ones without one. For token-level logits this is
+            not the kept *output* positions: a position whose output is not kept (a prompt token labelled
+            -100) still feeds the kept ones through attention.
         passes: Iterator of ``{module: δ}`` (``[B, n_out]`` or ``[B, T, n_out]``, full rows), one per cotangent;
             exhaust it before advancing to the next batch.
     """
@@ -267,17 +270,60 @@ class BatchPasses:
     index: int
     n_examples: int
     inputs: dict[str, Tensor]
-    mask: Tensor | None
+    keep: Tensor | None
     token_masks: dict[str, Tensor | None]
     passes: Iterator[dict[str, Tensor]]
 
 
-def _backward_passes(
-    logits: Tensor, calls: dict[str, list[Tensor]], vectors: Tensor
+def cotangents(
+    logits: Tensor, vectors: Tensor, keep: Tensor | None, positions: str
+) -> Iterator[Tensor]:
+    """The cotangents of the backward passes, shaped like ``logits``, built one at a time.
+
+    The one statement of which backward passes run: `stream` (curvature, ``vectors`` from
+    ``output_vectors``) and `output_passes` (Jacobians and the predictive, ``vectors`` the unit vectors
+    ``e_k``) both iterate it.
+
+    Args:
+        logits: ``[B, C]`` or ``[B, T, C]``.
+        vectors: ``[S, N, C]`` output-space vectors of the ``N`` output rows (row-major kept positions).
+        keep: ``[B, T]`` kept positions of token-level logits (``None`` for ``[B, C]``).
+        positions: ``"joint"``: ``S`` passes, each carrying every kept position's vector (cross-position
+            terms ``J_tᵀ v_t v_uᵀ J_u`` enter the outer products, except where positions do not interact);
+            ``"each"``: ``S`` passes per kept position ``t`` in `position_plan` order (every other position
+            zero), which gives the exact per-output gradients ``J_tᵀ v_t``.
+
+    Yields:
+        Cotangents ``[B, C]`` / ``[B, T, C]``.
+    """
+    if keep is None:
+        for v in vectors:
+            yield v.contiguous()
+        return
+    if positions == "joint":
+        for v in vectors:
+            one = vectors.new_zeros(logits.shape)
+            one[keep] = v
+            yield one
+        return
+    row = torch.full(keep.shape, -1, dtype=torch.long, device=keep.device)
+    row[keep] = torch.arange(int(keep.sum()), device=keep.device)
+    for t, examples in position_plan(keep, keep.shape[0], keep.device):
+        rows_t = row[examples, t]
+        for v in vectors:
+            one = vectors.new_zeros(logits.shape)
+            one[examples, t] = v[rows_t]
+            yield one
+
+
+def backward_passes(
+    logits: Tensor, calls: dict[str, list[Tensor]], cots: Iterator[Tensor]
 ) -> Iterator[dict[str, Tensor]]:
-    s = vectors.shape[0]
-    for i in range(s):
-        yield call_grads(logits, calls, vectors[i], retain_graph=i < s - 1)
+    """``{module: δ}`` for each cotangent in turn (`call_grads`), keeping the graph until the last one."""
+    nxt = next(cots, None)
+    while nxt is not None:
+        cot, nxt = nxt, next(cots, None)
+        yield call_grads(logits, calls, cot, retain_graph=nxt is not None)
 
 
 def stream(
@@ -292,15 +338,35 @@ def stream(
     sigma_noise: float,
     generator: torch.Generator | None,
     num_classes: int | None,
+    shift_labels: bool,
+    positions: str = "joint",
     progress: bool = False,
     on_batch: BatchObserver | None = None,
 ) -> Iterator[BatchPasses]:
     """Stream the loader: one forward pass per batch, then the fisher's backward passes, lazily.
 
-    Must run inside :func:`prepared`. The loader is iterated exactly once (a generator works). Labels, when
-    a batch has them, are validated by :func:`~partialbayes.curvature._likelihood.check_labels` whatever the
-    fisher type; ``on_batch`` (if given) is called with every batch's index, detached logits and validated
-    labels, e.g. to accumulate the training loss from the same forward pass.
+    Must run inside :func:`prepared`. The loader is iterated exactly once (a generator works). Batches are
+    read by ``partialbayes.predictive.split_batch`` (tensors, pairs, any mapping). Token-level logits
+    ``[B, T, C]`` count one output per kept position (see `partialbayes.curvature._outputs`). Labels, when a
+    batch has them, are validated by :func:`~partialbayes.curvature._likelihood.check_labels` whatever the
+    fisher type; ``on_batch`` (if given) is called with every batch's index, detached output rows and
+    validated labels, e.g. to accumulate the training loss from the same forward pass.
+
+    Args:
+        model: The network (inside :func:`prepared`).
+        loader: Iterable of batches (read once).
+        modules: Module name -> hooked linear map.
+        cols: Module -> selected input indices (``None``: all).
+        likelihood: ``"classification"`` or ``"regression"``.
+        fisher: ``"exact"``, ``"mc"`` or ``"empirical"``.
+        mc_samples: Sampled labels per output (``fisher="mc"``).
+        sigma_noise: Regression noise.
+        generator: Random generator of ``fisher="mc"``.
+        num_classes: When given, the number of logits the model must output.
+        shift_labels: Causal-LM convention for token-level outputs (resolved, a bool).
+        positions: For token-level logits, ``"joint"`` or ``"each"`` (see `cotangents`).
+        progress: Show a tqdm progress bar.
+        on_batch: Observer of each batch's output rows and labels.
 
     Raises:
         ValueError: Empty loader, a hooked module not reached by the forward pass, bad logits / labels.
@@ -319,21 +385,32 @@ def stream(
         rec = stack.enter_context(Recorder(modules, cols))
         for index, batch in enumerate(it):
             seen += 1
-            inputs, labels, mask = split_batch(batch, device)
+            try:
+                inputs, outputs = read_batch(
+                    batch, device, likelihood=likelihood, shift=shift_labels
+                )
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"batch {index}: {err}") from err
             rec.clear()
-            logits = logits_of(model, inputs)
-            check_logits(logits, num_classes, index)
+            logits = model_logits(model, inputs)
+            try:
+                keep = outputs.keep(logits)
+                rows = output_rows(logits, keep)
+                labels = outputs.targets(logits, keep)
+            except ValueError as err:
+                raise ValueError(f"batch {index}: {err}") from err
+            check_logits(rows, num_classes, index)
             if labels is not None:
-                labels = check_labels(labels, logits, likelihood, index)
+                labels = check_labels(labels, rows, likelihood, index)
             if on_batch is not None:
-                on_batch(index, logits.detach(), labels)
+                on_batch(index, rows.detach(), labels)
             missing = [n for n in modules if n not in rec.calls_out]
             if missing:
                 raise ValueError(
                     f"batch {index}: modules {missing} were not called by the model's forward pass"
                 )
             vectors = output_vectors(
-                logits,
+                rows,
                 labels,
                 likelihood=likelihood,
                 fisher=fisher,
@@ -342,15 +419,19 @@ def stream(
                 generator=generator,
                 batch_index=index,
             )
+            recorded = dict(rec.inputs)  # merges repeated calls first (clear error if they differ)
+            masks = rec.token_masks(outputs.attention_mask)
             yield BatchPasses(
                 index=index,
                 n_examples=int(logits.shape[0]),
-                inputs=dict(rec.inputs),
-                mask=None if mask is None else mask.bool(),
-                token_masks=rec.token_masks(mask),
-                passes=_backward_passes(logits, rec.snapshot(), vectors),
+                inputs=recorded,
+                keep=keep,
+                token_masks=masks,
+                passes=backward_passes(
+                    logits, rec.snapshot(), cotangents(logits, vectors, keep, positions)
+                ),
             )
-            del logits
+            del logits, rows
     if seen == 0:
         raise ValueError("loader is empty: no batch to compute the curvature from")
 

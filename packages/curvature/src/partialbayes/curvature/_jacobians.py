@@ -8,16 +8,32 @@ logits do not depend on them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from partialbayes.curvature._hooks import Recorder, prepared
-from partialbayes.curvature._likelihood import logits_of, model_device, split_batch
-from partialbayes.selection import KronBlock, KronModule, Subset, linear_modules
+from partialbayes.curvature._hooks import (
+    Recorder,
+    backward_passes,
+    cotangents,
+    merge_calls,
+    prepared,
+)
+from partialbayes.curvature._kfac import hook_targets, kron_targets
+from partialbayes.curvature._likelihood import model_device
+from partialbayes.curvature._outputs import (
+    Outputs,
+    output_rows,
+    position_plan,
+    read_batch,
+    resolve_shift_labels,
+)
+from partialbayes.predictive import model_logits
+from partialbayes.selection import KronBlock, Subset, linear_modules
 
 
 def example_weight_grads(x: Tensor, d: Tensor) -> Tensor:
@@ -44,82 +60,213 @@ def block_grads(x: Tensor, d: Tensor, bias: bool) -> Tensor:
 
 
 def logit_jacobians(
-    model: nn.Module, batch: Any, subset: Subset
+    model: nn.Module, batch: Any, subset: Subset, *, shift_labels: bool | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Exact per-example Jacobians of the logits w.r.t. each Kronecker module's selected block.
+    """Exact per-output Jacobians of the logits w.r.t. each Kronecker module's selected block.
 
     ``C`` backward passes through the logits (one per class, cotangent ``e_c`` for every example) with
-    hooks recording ``x[:, C]`` and ``δ[:, R]``; for token sequences ``J = Σ_t δ_t x_tᵀ``. The model's mode
-    is left as it is (call it in eval mode).
+    hooks recording ``x[:, C]`` and ``δ[:, R]``; for token sequences ``J = Σ_t δ_t x_tᵀ``. Token-level
+    logits ``[B, T, C]`` give one output per kept position (attention mask 1, label not -100) at ``C``
+    backward passes per kept position. The model's mode is left as it is (call it in eval mode).
 
     Args:
-        model: Network returning logits ``[B, C]``.
-        batch: Tensor ``x``, pair ``(x, y)`` or Hugging Face dict batch (``"labels"`` ignored).
+        model: Network returning logits ``[B, C]`` or ``[B, T, C]``.
+        batch: A tensor ``x``, a pair ``(inputs, labels)`` or a mapping batch (``dict``, ``BatchEncoding``);
+            labels only mark ignored positions (-100) of token-level outputs.
         subset: Kronecker-structured subset.
+        shift_labels: Causal-LM convention for token-level outputs (see `kfac`); ``None``: whether the
+            model is a causal LM.
 
     Returns:
-        ``(logits [B, C], {module: J [B, C, r, c]})`` with ``r = |R|``, ``c = |C|`` (``+1``, the bias column
-        last, when the bias is selected); rows / columns in the logical (n_out x n_in) orientation.
+        ``(logits [N, C], {module: J [N, C, r, c]})`` with ``N = B`` for ``[B, C]`` logits and the kept
+        positions in row-major ``(b, t)`` order for token-level ones; ``r = |R|``, ``c = |C|`` (``+1``, the
+        bias column last, when the bias is selected); rows / columns in the logical (n_out x n_in)
+        orientation.
 
     Raises:
-        TypeError: For a subset with mask blocks.
+        TypeError: For a subset with mask blocks, or a batch of an unknown kind.
+        ValueError: Token-level logits without an attention mask or labels.
     """
-    from partialbayes.curvature._kfac import kron_targets
-
     kmods = kron_targets(model, subset, "logit_jacobians")
-    return class_block_grads(
-        model, batch, kmods, lambda m, x, d: block_grads(x, d, kmods[m].bias_name is not None)
+    inputs, outputs = read_batch(
+        batch,
+        model_device(model),
+        likelihood="classification",
+        shift=resolve_shift_labels(model, shift_labels),
     )
+    modules, cols, rows = hook_targets(model, kmods)
+    logits, keep, blocks = output_jacobians(
+        model,
+        inputs,
+        outputs,
+        modules,
+        cols,
+        rows,
+        lambda x, d: {m: block_grads(x[m], d[m], kmods[m].bias_name is not None) for m in kmods},
+    )
+    return output_rows(logits, keep), blocks
 
 
-def class_block_grads(
+@dataclass
+class PositionGrads:
+    """The ``C`` backward passes of one output position (all positions at once for ``[B, C]`` logits).
+
+    Attributes:
+        examples: ``[n]`` indices of the examples whose output at this position is kept (all ``B`` for
+            ``[B, C]`` logits).
+        keys: ``[n]`` row-major keys ``b·T + t`` of those outputs (``b`` for ``[B, C]`` logits); sorting by
+            them puts rows in `partialbayes.predictive.flatten_outputs` order.
+        grads: Module -> one ``δ`` per class ``[B, (T',) r]`` (gathered to the selected rows, detached); the
+            gradient of logit ``(b, t, k)`` for the kept examples, zero for the others.
+    """
+
+    examples: Tensor
+    keys: Tensor
+    grads: dict[str, list[Tensor]]
+
+
+@dataclass
+class OutputPasses:
+    """One forward pass with hooks and a lazy iterator over the per-position backward passes.
+
+    Attributes:
+        logits: Detached logits as the model returns them, ``[B, C]`` or ``[B, T, C]``.
+        keep: ``[B, T]`` kept positions of token-level logits, ``None`` for ``[B, C]``.
+        inputs: Module -> recorded input ``x`` (gathered to the selected columns, calls merged).
+        positions: One `PositionGrads` per output position with a kept output; exhaust it inside the
+            `output_passes` block.
+    """
+
+    logits: Tensor
+    keep: Tensor | None
+    inputs: dict[str, Tensor]
+    positions: Iterator[PositionGrads]
+
+
+def _position_grads(
+    logits: Tensor,
+    keep: Tensor | None,
+    rec: Recorder,
+    rows: Mapping[str, Tensor | None],
+) -> Iterator[PositionGrads]:
+    """The ``C`` backward passes with cotangents ``e_k`` of every kept position (`cotangents`, ``"each"``)."""
+    b, n_cls = logits.shape[0], logits.shape[-1]
+    calls = rec.snapshot()
+    plan = position_plan(keep, b, logits.device)
+    if not plan:  # no kept output: zero gradients of the right shapes, no backward pass
+        empty = torch.zeros(0, dtype=torch.long, device=logits.device)
+        zeros = {}
+        for m, outs in calls.items():
+            z, r = merge_calls(m, [torch.zeros_like(o) for o in outs]), rows.get(m)
+            zeros[m] = [z if r is None else z.index_select(-1, r)] * n_cls
+        yield PositionGrads(examples=empty, keys=empty, grads=zeros)
+        return
+    n_rows = b if keep is None else int(keep.sum())
+    units = torch.eye(n_cls, dtype=logits.dtype, device=logits.device)[:, None]
+    passes = backward_passes(
+        logits, calls, cotangents(logits, units.expand(n_cls, n_rows, n_cls), keep, "each")
+    )
+    for t, examples in plan:
+        grads: dict[str, list[Tensor]] = {m: [] for m in calls}
+        for _ in range(n_cls):
+            for m, g in next(passes).items():
+                r = rows.get(m)
+                grads[m].append((g if r is None else g.index_select(-1, r)).detach())
+        keys = examples if t is None else examples * logits.shape[1] + t
+        yield PositionGrads(examples=examples, keys=keys, grads=grads)
+
+
+@contextmanager
+def output_passes(
     model: nn.Module,
-    batch: Any,
-    kmods: Mapping[str, KronModule],
-    combine: Callable[[str, Tensor, Tensor], Tensor],
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """One forward pass with hooks and one backward pass per class, combining inputs and output gradients.
+    inputs: Tensor | Mapping[str, Any],
+    outputs: Outputs,
+    modules: Mapping[str, nn.Module],
+    cols: Mapping[str, Tensor | None],
+    rows: Mapping[str, Tensor | None],
+) -> Iterator[OutputPasses]:
+    """Forward pass with hooks on ``modules``, then ``C`` backward passes per kept output position.
+
+    Gradients are taken w.r.t. the hooked outputs only (no parameter ``.grad``); weights are made
+    differentiable for the duration (see `prepared`, which leaves the model's mode alone here).
 
     Args:
-        model: Network returning logits ``[B, C]``.
-        batch: Tensor, pair or Hugging Face dict batch (``"labels"`` ignored).
-        kmods: Kronecker modules to differentiate.
-        combine: ``(module, x [B, (T,) |C|], δ_k [B, (T,) r]) -> [B, ...]`` per class ``k``; ``x`` is gathered
-            to the selected columns, ``δ_k`` (the gradient of logit ``k``) to the selected rows.
+        model: Network returning logits ``[B, C]`` or ``[B, T, C]``.
+        inputs: Model inputs (tensor or keyword mapping).
+        outputs: Which positions of token-level logits count (`partialbayes.curvature._outputs.Outputs`).
+        modules: Module name -> linear map to hook.
+        cols: Module -> selected input indices (``None``: all).
+        rows: Module -> selected output indices (``None``: all).
 
-    Returns:
-        ``(logits [B, C], {module: [B, C, ...]})``: the per-class results stacked along dim 1.
+    Yields:
+        The `OutputPasses` of the batch.
+
+    Raises:
+        ValueError: A hooked module not called by the forward pass; logits of an unsupported shape or
+            token-level logits without an attention mask or labels.
     """
-    named = dict(model.named_modules())
-    modules = {m: named[m] for m in kmods}
-    device = model_device(model)
-    rows = {m: (None if k.rows is None else k.rows.to(device)) for m, k in kmods.items()}
-    inputs, _, _ = split_batch(batch, device)
-    with (
-        prepared(model, modules, switch=False),
-        Recorder(modules, {m: k.cols for m, k in kmods.items()}) as rec,
-    ):
-        logits = logits_of(model, inputs)
-        if logits.ndim != 2:
-            raise ValueError(
-                f"model output must be logits of shape [B, C], got {tuple(logits.shape)}"
-            )
-        b, c = logits.shape
-        names = list(kmods)
-        missing = [m for m in names if m not in rec.calls_out]
+    with prepared(model, modules, switch=False), Recorder(modules, cols) as rec:
+        logits = model_logits(model, inputs)
+        keep = outputs.keep(logits)
+        missing = [m for m in modules if m not in rec.calls_out]
         if missing:
             raise ValueError(f"modules {missing} were not called by the model's forward pass")
-        eye = torch.eye(c, dtype=logits.dtype, device=logits.device)
-        per_class: dict[str, list[Tensor]] = {m: [] for m in names}
-        for k in range(c):
-            # calls of a module used several times are merged as extra token positions
-            grads = rec.output_grads(logits, eye[k].expand(b, c), retain_graph=k < c - 1)
-            for m in names:
-                d, r = grads[m], rows[m]
-                if r is not None:
-                    d = d.index_select(-1, r)
-                per_class[m].append(combine(m, rec.inputs[m], d))
-    return logits.detach(), {m: torch.stack(v, dim=1) for m, v in per_class.items()}
+        yield OutputPasses(
+            logits=logits.detach(),
+            keep=keep,
+            inputs=dict(rec.inputs),
+            positions=_position_grads(logits, keep, rec, rows),
+        )
+
+
+def in_row_order(keys: list[Tensor], parts: list[Tensor]) -> Tensor:
+    """Concatenate per-position results ``[n_i, ...]`` and sort their rows by key (row-major ``(b, t)``)."""
+    if len(parts) == 1:
+        return parts[0]
+    order = torch.argsort(torch.cat(keys))
+    return torch.cat(parts).index_select(0, order.to(parts[0].device))
+
+
+def output_jacobians(
+    model: nn.Module,
+    inputs: Tensor | Mapping[str, Any],
+    outputs: Outputs,
+    modules: Mapping[str, nn.Module],
+    cols: Mapping[str, Tensor | None],
+    rows: Mapping[str, Tensor | None],
+    combine: Callable[[Mapping[str, Tensor], Mapping[str, Tensor]], dict[str, Tensor]],
+) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
+    """Per-output results of every class's backward pass, stacked: ``{key: [N, C, ...]}``.
+
+    Args:
+        model: Network returning logits ``[B, C]`` or ``[B, T, C]``.
+        inputs: Model inputs.
+        outputs: Which positions of token-level logits count.
+        modules: Module name -> linear map to hook.
+        cols: Module -> selected input indices (``None``: all).
+        rows: Module -> selected output indices (``None``: all).
+        combine: ``(x by module, δ_k by module) -> {key: [B, ...]}`` for one class ``k``: ``x`` as recorded
+            (``[B, (T,) |C|]``), ``δ_k`` the gradient of logit ``k`` (of the current position) ``[B, (T,) r]``.
+
+    Returns:
+        ``(logits, keep, results)``: the detached logits as the model returns them (``[B, C]`` or
+        ``[B, T, C]``), the ``[B, T]`` kept positions of token-level logits (``None`` for ``[B, C]``) and
+        the stacked results, one row per output (example, or kept position in row-major ``(b, t)`` order).
+    """
+    with output_passes(model, inputs, outputs, modules, cols, rows) as ps:
+        parts: dict[str, list[Tensor]] = {}
+        keys: list[Tensor] = []
+        for pg in ps.positions:
+            n_cls = len(next(iter(pg.grads.values())))
+            per_class = [
+                combine(ps.inputs, {m: g[k] for m, g in pg.grads.items()}) for k in range(n_cls)
+            ]
+            for key in per_class[0]:
+                stacked = torch.stack([res[key] for res in per_class], dim=1)
+                parts.setdefault(key, []).append(stacked.index_select(0, pg.examples))
+            keys.append(pg.keys)
+        logits, keep = ps.logits, ps.keep
+    return logits, keep, {key: in_row_order(keys, v) for key, v in parts.items()}
 
 
 # ----------------------------------------------------------------------------- elementwise subsets

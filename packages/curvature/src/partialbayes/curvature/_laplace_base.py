@@ -1,76 +1,33 @@
-"""What every Laplace posterior over a `Subset` shares: prior, MAP, evidence, sampling, swapping, predictive.
+"""`LaplaceBase`: what every Laplace posterior over a `Subset` offers, put together from one file per concern.
 
-Conventions (DESIGN): the log-likelihood is summed over the N training examples, the curvature ``H`` is the
-summed GGN / Fisher of the subset's entries, and the posterior precision is ``P = H / T + P₀`` with
-``P₀ = diag(δ_m)`` (one prior precision per module, or one scalar) and prior mean 0.
-
-A subclass stores one curvature representation (Kronecker eigenbases, a diagonal, a dense matrix) and
-implements the small hooks marked "subclass" below; everything else is here, once.
+State, subclass hooks and fitting: ``_laplace_core``; evidence and prior tuning: ``_laplace_evidence``;
+samples and swapping: ``_laplace_sampling``; the linearised predictive: ``_laplace_predict``; files:
+``_io``. This file adds the size, the summary and saving.
 """
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from typing import Any
+from typing import ClassVar
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
-from partialbayes.curvature._hooks import BatchObserver
-from partialbayes.curvature._laplace_data import MapLoss, eval_mode, split_batch
-from partialbayes.curvature._likelihood import check_labels
-from partialbayes.curvature._prior import (
-    PriorSpec,
-    check_positive,
-    gaussian_log_marglik,
-    gaussian_nll,
-    prior_vector,
-    probit_nll,
-)
-from partialbayes.selection import Subset
-
-LIKELIHOODS = ("classification", "regression")
-FISHERS = ("exact", "mc", "empirical")
-SHARINGS = ("reduce", "expand")
+from partialbayes.curvature._io import load_posterior, save_posterior
+from partialbayes.curvature._laplace_evidence import LaplaceEvidence
+from partialbayes.curvature._laplace_predict import LINKS, LaplacePredictive
+from partialbayes.curvature._laplace_sampling import LaplaceSampling
 
 
-def split_inputs(inputs: Any, chunk_size: int | None) -> list[Any]:
-    """Split model inputs (a tensor, or a dict of tensors) into chunks of at most ``chunk_size`` examples.
-
-    Tensors whose first dimension is the batch size are split along it; other values are passed to every
-    chunk unchanged.
-    """
-    if chunk_size is None:
-        return [inputs]
-    if isinstance(inputs, Tensor):
-        return list(inputs.split(chunk_size))
-    if not isinstance(inputs, dict):
-        raise TypeError(f"chunk_size needs a tensor or dict batch, got {type(inputs).__name__}")
-    sizes = {v.shape[0] for v in inputs.values() if isinstance(v, Tensor) and v.ndim > 0}
-    if len(sizes) != 1:
-        raise ValueError(
-            f"chunk_size: cannot find the batch size of a dict batch with leading sizes {sorted(sizes)}"
-        )
-    (n,) = sizes
-    return [
-        {
-            k: (v[i : i + chunk_size] if isinstance(v, Tensor) and v.ndim > 0 else v)
-            for k, v in inputs.items()
-        }
-        for i in range(0, n, chunk_size)
-    ]
-
-
-def owner_module(param_name: str) -> str:
-    """Module owning a parameter: ``"a.b.weight" -> "a.b"`` (``""`` for a top-level parameter)."""
-    return param_name.rpartition(".")[0]
-
-
-class LaplaceBase:
+class LaplaceBase(LaplaceEvidence, LaplaceSampling, LaplacePredictive):
     """Shared machinery of `KronLaplace`, `DiagLaplace` and `DenseLaplace` (not used directly).
+
+    Batches, everywhere (``fit``, ``logit_mean_cov``, ``predict``, ``optimize_prior_precision``): a tensor
+    ``x``, a pair ``(inputs, labels)``, or any mapping of keyword inputs (``dict``, the ``BatchEncoding``
+    of ``DataCollatorWithPadding``) with labels under ``"labels"`` or ``"label"``.
+
+    Outputs: logits ``[B, C]`` give one output per example; token-level logits ``[B, T, C]`` (token
+    classification, causal LMs) one per kept position — positions where the attention mask is 0 or the
+    label is -100 are dropped, in the curvature, the training loss, ``n_data`` and the predictive alike.
 
     Args:
         model: The fine-tuned model (its current weights are the MAP).
@@ -83,478 +40,18 @@ class LaplaceBase:
         mc_samples: Sampled labels per example for ``fisher="mc"`` (a positive ``int``; seed the sampling with
             ``fit(..., generator=...)``).
         num_classes: Expected number of logits (checked during `fit`); ``None`` to skip the check.
-        dtype: Floating dtype of the stored curvature (float64 by default).
+        dtype: dtype of the stored curvature: ``torch.float64`` (default) or ``torch.float32``.
+        shift_labels: Token-level outputs of a causal language model: the output at position ``t`` is
+            scored against ``labels[t + 1]`` (Hugging Face shifts the labels inside the model; this makes
+            the same convention explicit) and is kept when the tokens ``t`` and ``t + 1`` are real and that
+            label is not -100. ``None`` (default): ``True`` exactly when the model's class name ends with
+            ``ForCausalLM`` or ``LMHeadModel``. Stored by `save`.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        subset: Subset,
-        *,
-        likelihood: str = "classification",
-        prior_precision: PriorSpec = 1.0,
-        temperature: float = 1.0,
-        sigma_noise: float = 1.0,
-        fisher: str = "exact",
-        mc_samples: int = 1,
-        num_classes: int | None = None,
-        dtype: torch.dtype = torch.float64,
-    ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(subset, Subset):
-            raise TypeError(
-                f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
-            )
-        if len(subset.names) == 0:
-            raise ValueError("subset is empty: select at least one parameter")
-        if likelihood not in LIKELIHOODS:
-            raise ValueError(f"likelihood must be one of {LIKELIHOODS}, got {likelihood!r}")
-        if fisher not in FISHERS:
-            raise ValueError(f"fisher must be one of {FISHERS}, got {fisher!r}")
-        if isinstance(mc_samples, bool) or not isinstance(mc_samples, int):
-            raise TypeError(
-                f"mc_samples must be a positive int, got {type(mc_samples).__name__} {mc_samples!r}"
-            )
-        if mc_samples < 1:
-            raise ValueError(f"mc_samples must be a positive int, got {mc_samples!r}")
-        if not dtype.is_floating_point:
-            raise TypeError(f"dtype must be floating point, got {dtype}")
-        check_positive("temperature", temperature)
-        check_positive("sigma_noise", sigma_noise)
-        params = dict(model.named_parameters())
-        self.model = model
-        self.subset = subset
-        self.likelihood = likelihood
-        self.temperature = float(temperature)
-        self.sigma_noise = float(sigma_noise)
-        self.fisher = fisher
-        self.mc_samples = mc_samples
-        self.num_classes = num_classes
-        self.dtype = dtype
-        self.device = next(iter(params.values())).device
-        self._check_subset()
-        self.modules: tuple[str, ...] = self._module_names()
-        self._prior = prior_vector(prior_precision, self.modules, dtype=dtype, device=self.device)
-        self._param_module = {n: self.modules.index(self._module_of(n)) for n in subset.names}
-        self._map: dict[str, Tensor] = {}
-        self._fitted = False
-        self.n_data = 0
-        self.n_outputs = 0
-        self.map_loss = 0.0
-        self._sigma_fit = self.sigma_noise
+    #: Links `predict` accepts: the linearised probit (default), Monte Carlo over the linearised
+    #: Gaussian logits, and the Laplace bridge.
+    links: ClassVar[tuple[str, ...]] = LINKS
 
-    # ------------------------------------------------------------------ subclass hooks
-    def _check_subset(self) -> None:
-        """Subclass: raise if the subset has the wrong structure."""
-
-    def _module_of(self, param_name: str) -> str:
-        """Prior group of a parameter (subclass may override)."""
-        return owner_module(param_name)
-
-    def _module_names(self) -> tuple[str, ...]:
-        """Prior groups, in order (default: the owning modules of the subset's parameters)."""
-        return tuple(dict.fromkeys(self._module_of(n) for n in self.subset.names))
-
-    def _curvature_options(
-        self,
-        progress: bool,
-        generator: torch.Generator | None = None,
-        on_batch: BatchObserver | None = None,
-    ) -> dict[str, Any]:
-        """Keyword arguments every curvature routine (kfac, diag, dense) takes from the posterior."""
-        return {
-            "likelihood": self.likelihood,
-            "fisher": self.fisher,
-            "mc_samples": self.mc_samples,
-            "sigma_noise": self.sigma_noise,
-            "dtype": self.dtype,
-            "generator": generator,
-            "progress": progress,
-            "num_classes": self.num_classes,
-            "on_batch": on_batch,
-        }
-
-    def _compute_curvature(self, loader: Iterable[Any], options: Mapping[str, Any]) -> Any:
-        """Subclass: run the matching curvature routine over ``loader`` with ``**options``."""
-        raise NotImplementedError
-
-    def _set_curvature(self, curvature: Any) -> None:
-        raise NotImplementedError
-
-    def _log_det(self, prior: Tensor, scale: Tensor | float) -> Tensor:
-        raise NotImplementedError
-
-    def _sample_centered(self, n: int, generator: torch.Generator | None) -> dict[str, Tensor]:
-        raise NotImplementedError
-
-    def _jacobians(self, inputs: Any) -> tuple[Tensor, Any]:
-        raise NotImplementedError
-
-    def _prepare(self, jac: Any) -> Any:
-        """Prior-independent preprocessing of Jacobians (default: none)."""
-        return jac
-
-    def _functional_cov(self, prepared: Any, prior: Tensor, scale: Tensor | float) -> Tensor:
-        raise NotImplementedError
-
-    def _mean_covs(
-        self, inputs: Any, priors: Sequence[Tensor], scale: Tensor | float
-    ) -> tuple[Tensor, list[Tensor]]:
-        """Logits and one functional covariance per prior setting (subclass may stream instead).
-
-        Default: Jacobians once (`_jacobians`, `_prepare`), then `_functional_cov` per prior.
-        """
-        with eval_mode(self.model):
-            f, jac = self._jacobians(inputs)
-        with torch.no_grad():
-            prepared = self._prepare(jac)
-            return f.detach(), [self._functional_cov(prepared, p, scale) for p in priors]
-
-    def _curvature_state(self) -> dict[str, Tensor]:
-        """Subclass: the stored curvature tensors (saved; counted by `num_floats`)."""
-        raise NotImplementedError
-
-    def _load_curvature_state(self, tensors: Mapping[str, Tensor]) -> None:
-        raise NotImplementedError
-
-    def _summary_rows(self) -> list[tuple[str, str, int]]:
-        """Subclass: ``(module, structure, floats)`` per module."""
-        raise NotImplementedError
-
-    # ------------------------------------------------------------------ prior and fitting
-    @property
-    def prior_precision(self) -> Tensor:
-        """Prior precision per module, shape ``[len(modules)]``."""
-        return self._prior
-
-    @prior_precision.setter
-    def prior_precision(self, value: PriorSpec) -> None:
-        self._prior = prior_vector(value, self.modules, dtype=self.dtype, device=self.device)
-
-    def _resolve_prior(self, prior_precision: PriorSpec | None) -> Tensor:
-        if prior_precision is None:
-            return self._prior
-        return prior_vector(prior_precision, self.modules, dtype=self.dtype, device=self.device)
-
-    def _scale(self, sigma_noise: float | Tensor | None) -> Tensor | float:
-        """Curvature rescaling ``σ_fit² / σ²`` (regression; 1 for classification)."""
-        if self.likelihood != "regression":
-            return 1.0
-        sigma = self.sigma_noise if sigma_noise is None else sigma_noise
-        check_positive("sigma_noise", sigma)
-        return self._sigma_fit**2 / sigma**2
-
-    def fit(
-        self,
-        loader: Iterable[Any],
-        *,
-        progress: bool = False,
-        generator: torch.Generator | None = None,
-    ) -> LaplaceBase:
-        """Compute the curvature of the subset over ``loader`` and the training loss at the MAP, in one pass.
-
-        The model's current weights are taken as the MAP. The model is evaluated in eval mode. ``loader`` is
-        read exactly once (a generator or any one-shot iterable works): the training loss is accumulated from
-        the logits of the curvature's forward passes. Under ``torch.distributed`` each rank passes its own
-        shard; the curvature, the training loss, ``n_data`` and ``n_outputs`` are reduced over the ranks, so
-        every rank gets the posterior of the union of the shards.
-
-        Args:
-            loader: Iterable of batches ``(inputs, labels)`` or Hugging Face dicts with ``labels``.
-            progress: Show a progress bar while accumulating the curvature.
-            generator: Source of randomness of the sampled labels for ``fisher="mc"`` (on the model's device
-                or the CPU); same seed, same curvature. Unused by the other fisher types.
-
-        Returns:
-            ``self``.
-
-        Raises:
-            TypeError: If ``generator`` is not a ``torch.Generator``, or a batch is of an unknown kind.
-            ValueError: On an empty loader, a batch without labels, labels of the wrong dtype / shape or out
-                of range (naming the batch), non-finite curvature (naming the module).
-            RuntimeError: Under ``torch.distributed``, when another rank failed on its shard.
-        """
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(
-                f"generator must be a torch.Generator or None, got {type(generator).__name__}"
-            )
-        loss = MapLoss(self.likelihood)
-        curvature = self._compute_curvature(
-            loader, self._curvature_options(progress, generator, loss)
-        )
-        total, n, n_out = loss.result(self.device)
-        return self.fit_curvature(curvature, map_loss=total, n_data=n, n_outputs=n_out)
-
-    def fit_curvature(
-        self, curvature: Any, *, map_loss: float, n_data: int, n_outputs: int
-    ) -> LaplaceBase:
-        """Fit from precomputed curvature (the output of the matching curvature routine).
-
-        Args:
-            curvature: ``kfac(...)`` factors (`KronLaplace`), ``diag_curvature(...)`` (`DiagLaplace`) or
-                ``dense_curvature(...)`` (`DenseLaplace`), computed on the model's current weights.
-            map_loss: Training loss at the MAP summed over the data: cross-entropy in nats
-                (classification) or the sum of squared errors over all outputs (regression).
-            n_data: Number of training examples ``N``.
-            n_outputs: Number of model outputs ``C``.
-
-        Returns:
-            ``self``.
-        """
-        if n_data < 1:
-            raise ValueError(f"n_data must be positive, got {n_data}")
-        if not math.isfinite(map_loss):
-            raise ValueError(f"map_loss must be finite, got {map_loss}")
-        params = dict(self.model.named_parameters())
-        self._map = {
-            n: self.subset.gather(n, params[n].detach()).to(self.dtype).clone()
-            for n in self.subset.names
-        }
-        self._set_curvature(curvature)
-        self.map_loss, self.n_data, self.n_outputs = float(map_loss), int(n_data), int(n_outputs)
-        self._sigma_fit = self.sigma_noise
-        self._fitted = True
-        return self
-
-    def _require_fit(self) -> None:
-        if not self._fitted:
-            raise RuntimeError(f"{type(self).__name__} is not fitted: call fit(loader) first")
-
-    # ------------------------------------------------------------------ evidence
-    def log_det(
-        self, prior_precision: PriorSpec | None = None, sigma_noise: float | None = None
-    ) -> Tensor:
-        """``log det P`` of the posterior precision ``P = H / T + δ`` (differentiable in δ and σ)."""
-        self._require_fit()
-        return self._log_det(self._resolve_prior(prior_precision), self._scale(sigma_noise))
-
-    def _module_sizes(self) -> Tensor:
-        sizes = torch.zeros(len(self.modules), dtype=self.dtype, device=self.device)
-        for n, m in self._param_module.items():
-            sizes[m] += self.subset.num_entries(n)
-        return sizes
-
-    def _module_sq_norms(self) -> Tensor:
-        sq = torch.zeros(len(self.modules), dtype=self.dtype, device=self.device)
-        for n, m in self._param_module.items():
-            sq[m] += (self._map[n].to(self.device) ** 2).sum()
-        return sq
-
-    def log_likelihood(self, sigma_noise: float | Tensor | None = None) -> Tensor:
-        """Tempered training log-likelihood at the MAP, ``log p(D | θ*) / T``.
-
-        Classification: ``-Σ CE / T``. Regression: ``-(SSE / (2σ²) + N C log(σ √(2π))) / T``.
-        """
-        self._require_fit()
-        if self.likelihood == "classification":
-            return torch.tensor(
-                -self.map_loss / self.temperature, dtype=self.dtype, device=self.device
-            )
-        sigma = self.sigma_noise if sigma_noise is None else sigma_noise
-        sigma = torch.as_tensor(sigma, dtype=self.dtype, device=self.device)
-        norm = self.n_data * self.n_outputs * torch.log(sigma * math.sqrt(2 * math.pi))
-        return -(self.map_loss / (2 * sigma**2) + norm) / self.temperature
-
-    def log_marginal_likelihood(
-        self, prior_precision: PriorSpec | None = None, sigma_noise: float | Tensor | None = None
-    ) -> Tensor:
-        """Laplace evidence ``log p(D|θ*)/T - ½ (log det P - log det P₀) - ½ θ*ᵀ P₀ θ*``.
-
-        Differentiable in ``prior_precision`` and ``sigma_noise`` (pass tensors that require grad).
-
-        Args:
-            prior_precision: Overrides the stored prior precision (scalar, per module tensor, or dict).
-            sigma_noise: Overrides the regression noise (the curvature is rescaled by ``σ_fit² / σ²``).
-
-        Returns:
-            Scalar tensor.
-        """
-        self._require_fit()
-        prior = self._resolve_prior(prior_precision)
-        scale = self._scale(sigma_noise)
-        log_det_prior = (self._module_sizes() * prior.log()).sum()
-        scatter = (self._module_sq_norms() * prior).sum()
-        return gaussian_log_marglik(
-            self.log_likelihood(sigma_noise), self._log_det(prior, scale), log_det_prior, scatter
-        )
-
-    def optimize_prior_precision(
-        self,
-        method: str = "marglik",
-        *,
-        val_loader: Iterable[Any] | None = None,
-        grid: Tensor | Sequence[float] | None = None,
-    ) -> float:
-        """Choose a scalar prior precision on a grid and set it.
-
-        Args:
-            method: ``"marglik"`` (maximise `log_marginal_likelihood`) or ``"val_nll"`` (minimise the NLL of
-                the linearised probit predictive, or of the Gaussian predictive for regression, on
-                ``val_loader``).
-            val_loader: Validation batches (``method="val_nll"`` only).
-            grid: Candidate values, default ``torch.logspace(-1, 3, 21)``.
-
-        Returns:
-            The chosen prior precision (also stored on the posterior).
-
-        Raises:
-            ValueError: On a bad ``method`` / ``grid``, and (``"val_nll"``) an empty ``val_loader`` or labels
-                of the wrong dtype / shape or out of range (naming the batch).
-        """
-        self._require_fit()
-        if grid is None:
-            values = torch.logspace(-1, 3, 21, dtype=torch.float64)
-        elif isinstance(grid, Tensor):
-            values = grid.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
-        else:  # Python floats straight to float64 (as_tensor would round them to float32 first)
-            values = torch.tensor(list(grid), dtype=torch.float64).reshape(-1)
-        if values.numel() == 0 or not bool(((values > 0) & torch.isfinite(values)).all()):
-            raise ValueError(f"grid must hold positive finite values, got {values.tolist()}")
-        if method == "marglik":
-            if val_loader is not None:
-                raise ValueError("val_loader is only used with method='val_nll'")
-            with torch.no_grad():
-                scores = torch.stack(
-                    [self.log_marginal_likelihood(prior_precision=float(v)) for v in values]
-                )
-            best = int(torch.argmax(scores))
-        elif method == "val_nll":
-            if val_loader is None:
-                raise ValueError("method='val_nll' needs val_loader")
-            best = int(torch.argmin(self.grid_val_nll(val_loader, values)))
-        else:
-            raise ValueError(f"method must be 'marglik' or 'val_nll', got {method!r}")
-        chosen = float(values[best])
-        self.prior_precision = chosen
-        return chosen
-
-    def grid_val_nll(self, val_loader: Iterable[Any], grid: Tensor) -> Tensor:
-        """Mean validation NLL of the linearised predictive for each scalar prior precision in ``grid``.
-
-        Jacobians are computed once per batch and reused for every grid value.
-
-        Returns:
-            ``[len(grid)]`` mean NLL per example.
-
-        Raises:
-            ValueError: On an empty ``val_loader``, or labels of the wrong dtype / shape or out of range
-                (naming the batch).
-        """
-        self._require_fit()
-        totals = torch.zeros(len(grid), dtype=torch.float64)
-        count = 0
-        priors = [self._resolve_prior(float(v)) for v in grid]
-        scale = self._scale(None)
-        with torch.no_grad():
-            for batch_index, batch in enumerate(val_loader):
-                inputs, labels = split_batch(batch)
-                with torch.enable_grad():
-                    f, covs = self._mean_covs(inputs, priors, scale)
-                f = f.to(self.dtype)
-                if isinstance(labels, Tensor):
-                    labels = labels.to(f.device)
-                labels = check_labels(labels, f, self.likelihood, batch_index)
-                for i, cov in enumerate(covs):
-                    if self.likelihood == "classification":
-                        nll = probit_nll(f, cov, labels)
-                    else:
-                        nll = gaussian_nll(f, cov, labels, self.sigma_noise)
-                    totals[i] += float(nll)
-                count += f.shape[0]
-        if count == 0:
-            raise ValueError("val_loader is empty")
-        return totals / count
-
-    # ------------------------------------------------------------------ samples
-    def sample(self, n: int = 1, generator: torch.Generator | None = None) -> dict[str, Tensor]:
-        """Draw weight samples ``θ ~ N(θ*, P⁻¹)`` of the subset.
-
-        Args:
-            n: Number of samples.
-            generator: Source of randomness (on the model's device); same seed, same samples.
-
-        Returns:
-            ``{param name: [n, k]}`` with the ``k`` entries of each parameter in ``subset.gather`` order.
-        """
-        self._require_fit()
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"n must be a positive integer, got {n!r}")
-        centered = self._sample_centered(n, generator)
-        return {name: self._map[name] + centered[name] for name in self.subset.names}
-
-    def _noise(self, shape: Sequence[int], generator: torch.Generator | None) -> Tensor:
-        device = generator.device if generator is not None else self.device
-        eps = torch.randn(*shape, generator=generator, dtype=self.dtype, device=device)
-        return eps.to(self.device)
-
-    @contextmanager
-    def swapped(self, sample: Mapping[str, Tensor]) -> Iterator[nn.Module]:
-        """Write one weight sample into the model; restore the MAP weights on exit, even on error.
-
-        Args:
-            sample: ``{param name: [k]}`` (or ``[1, k]``) for every parameter of the subset, e.g. one row of
-                `sample`.
-
-        Yields:
-            The model, carrying the sample.
-        """
-        self._require_fit()
-        missing = [n for n in self.subset.names if n not in sample]
-        extra = [n for n in sample if n not in self.subset.names]
-        if missing or extra:
-            raise ValueError(
-                f"sample must cover the subset exactly; missing {missing}, unknown {extra}"
-            )
-        params = dict(self.model.named_parameters())
-        try:
-            with torch.no_grad():
-                for name in self.subset.names:
-                    values = sample[name].reshape(-1)
-                    p = params[name]
-                    p.copy_(self.subset.scatter(name, values, p.detach()))
-            yield self.model
-        finally:
-            with torch.no_grad():
-                for name in self.subset.names:
-                    p = params[name]
-                    p.copy_(self.subset.scatter(name, self._map[name], p.detach()))
-
-    @contextmanager
-    def sampled(self, generator: torch.Generator | None = None) -> Iterator[nn.Module]:
-        """Draw one sample and swap it into the model (see `swapped`); the MAP is restored on exit."""
-        one = {k: v[0] for k, v in self.sample(1, generator).items()}
-        with self.swapped(one) as model:
-            yield model
-
-    # ------------------------------------------------------------------ predictive
-    def logit_mean_cov(self, batch: Any, chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
-        """Linearised predictive: ``f_MAP`` and the functional covariance ``J Σ Jᵀ`` per example.
-
-        Args:
-            batch: Model inputs (a tensor or dict), or a batch with labels (labels are ignored).
-            chunk_size: Process at most this many examples at a time (bounds the memory of the recorded
-                activations and output gradients); ``None`` = the whole batch at once.
-
-        Returns:
-            ``(f [B, C], Σ_f [B, C, C])`` in the dtype of the logits.
-        """
-        self._require_fit()
-        if chunk_size is not None and (
-            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-        ):
-            raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-        inputs = batch
-        if (isinstance(batch, dict) and "labels" in batch) or isinstance(batch, (tuple, list)):
-            inputs, _ = split_batch(batch)
-        fs, covs = [], []
-        for part in split_inputs(inputs, chunk_size):
-            f, (cov,) = self._mean_covs(part, [self._prior], self._scale(None))
-            fs.append(f.detach())
-            covs.append(cov.to(f.dtype))
-        return torch.cat(fs), torch.cat(covs)
-
-    # ------------------------------------------------------------------ size, summary, io
     @property
     def num_floats(self) -> int:
         """Floats stored for the posterior covariance (curvature representation; MAP excluded)."""
@@ -577,25 +74,19 @@ class LaplaceBase:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Save to one ``.safetensors`` file (tensors) with JSON metadata (options, subset, model structure)."""
-        from partialbayes.curvature._io import save_posterior
-
         save_posterior(self, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: nn.Module) -> LaplaceBase:
         """Load a posterior saved with `save` onto ``model``.
 
+        ``LaplaceBase.load`` loads whichever posterior class the file holds.
+
         Raises:
             ValueError: If ``model``'s parameter names / shapes or the saved subset do not match, or the file
                 holds another posterior type than ``cls``.
         """
-        from partialbayes.curvature._io import load_posterior
-
-        post = load_posterior(path, model)
-        if cls is not LaplaceBase and not isinstance(post, cls):
-            raise ValueError(
-                f"{os.fspath(path)!r} holds a {type(post).__name__}, not a {cls.__name__}"
-            )
+        post: LaplaceBase = load_posterior(path, model, cls)
         return post
 
     def __repr__(self) -> str:

@@ -1,11 +1,10 @@
-"""Data plumbing of the Laplace posteriors: batches, the training loss at the MAP, parameter Jacobians."""
+"""Data plumbing of the Laplace posteriors: the training loss at the MAP, eval mode, parameter Jacobians."""
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -13,50 +12,15 @@ from torch import Tensor, nn
 
 from partialbayes.curvature._caller import user_stacklevel
 from partialbayes.curvature._distributed import all_reduce_max, all_reduce_sum
+from partialbayes.curvature._jacobians import (
+    entry_grads,
+    in_row_order,
+    output_jacobians,
+    param_targets,
+)
+from partialbayes.curvature._outputs import Outputs, position_plan
+from partialbayes.predictive import model_logits
 from partialbayes.selection import KronModule, Subset
-
-
-def split_batch(batch: Any) -> tuple[Any, Tensor]:
-    """Split a batch into model inputs and labels.
-
-    Accepted: ``(inputs, labels)`` tuples / lists, or Hugging Face dicts with a ``"labels"`` key.
-
-    Raises:
-        TypeError: If no labels can be found.
-    """
-    if isinstance(batch, dict):
-        if "labels" not in batch:
-            raise TypeError(f"dict batch needs a 'labels' key; got keys {sorted(batch)}")
-        return {k: v for k, v in batch.items() if k != "labels"}, batch["labels"]
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
-    raise TypeError(
-        f"batch must be (inputs, labels) or a dict with 'labels', got {type(batch).__name__}"
-    )
-
-
-def model_logits(model: nn.Module, inputs: Any) -> Tensor:
-    """Logits ``[B, C]`` of ``model`` on ``inputs`` (a tensor, or a dict of keyword tensors)."""
-    out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
-    logits = getattr(out, "logits", out)
-    if isinstance(logits, (tuple, list)):
-        logits = logits[0]
-    if not isinstance(logits, Tensor) or logits.ndim != 2:
-        raise ValueError(
-            f"model output must be logits of shape [B, C], got {getattr(logits, 'shape', type(logits))}"
-        )
-    return logits
-
-
-@contextmanager
-def eval_mode(model: nn.Module) -> Iterator[None]:
-    """Run ``model`` in eval mode (dropout off), restoring its mode afterwards."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 class MapLoss:
@@ -64,7 +28,8 @@ class MapLoss:
 
     Classification: summed cross-entropy (nats). Regression: summed squared error over all outputs. Both in
     float64, kept on the logits' device (no synchronisation per batch). Pass an instance as ``on_batch`` to
-    `kfac` / `diag_curvature` / `dense_curvature`, then read `result`.
+    `kfac` / `diag_curvature` / `dense_curvature`, then read `result`. It sees output rows: for token-level
+    logits the kept positions, so the loss, ``n_data`` and ``n_outputs`` count positions as examples.
 
     Args:
         likelihood: ``"classification"`` or ``"regression"``.
@@ -77,7 +42,7 @@ class MapLoss:
         self.n_outputs = 0
 
     def __call__(self, index: int, logits: Tensor, labels: Tensor | None) -> None:
-        """Add one batch: ``logits [B, C]`` and its labels as validated by ``check_labels``.
+        """Add one batch: output rows ``logits [N, C]`` and their labels as validated by ``check_labels``.
 
         Raises:
             ValueError: If the batch has no labels (the training log-likelihood needs them).
@@ -127,49 +92,76 @@ class MapLoss:
 
 
 def param_jacobians(
-    model: nn.Module, inputs: Any, subset: Subset
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-example logit Jacobians w.r.t. the subset's entries, by reverse mode over all logits.
+    model: nn.Module, inputs: Tensor | Mapping[str, Any], outputs: Outputs, subset: Subset
+) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
+    """Per-output logit Jacobians w.r.t. the subset's entries, by reverse mode over all logits.
 
-    Generic (any parameter, any mask) but costs one batched backward pass over ``B·C`` cotangents
-    (falling back to ``B·C`` plain backward passes when batching fails). Examples must not interact
-    (eval mode, no batch statistics).
+    Generic (any parameter, any mask) but costs one batched backward pass over ``B·C`` cotangents per
+    output position (falling back to ``B·C`` plain backward passes when batching fails). Examples must not
+    interact (eval mode, no batch statistics).
 
     Returns:
-        ``(logits [B, C], {param name: J [B, C, k]})`` with ``k`` entries in ``subset.gather`` order.
+        ``(logits, keep, {param name: J [N, C, k]})`` (see ``output_jacobians``) with ``k`` entries in
+        ``subset.gather`` order; one row per example, or per kept position (row-major) of token-level
+        logits.
     """
     params = dict(model.named_parameters())
     targets = [params[n] for n in subset.names]
     with torch.enable_grad():
         f = model_logits(model, inputs)
-        b, c = f.shape
+        keep = outputs.keep(f)
+        b, c = f.shape[0], f.shape[-1]
         eye = torch.eye(b * c, dtype=f.dtype, device=f.device).reshape(b * c, b, c)
-        grads: tuple[Tensor | None, ...]  # None: the logits do not depend on the parameter
-        try:
-            grads = torch.autograd.grad(
-                f, targets, eye, is_grads_batched=True, allow_unused=True, retain_graph=True
-            )
-        except RuntimeError:
-            rows = [
-                torch.autograd.grad(f, targets, e, allow_unused=True, retain_graph=True)
-                for e in eye
-            ]
-            grads = tuple(
-                torch.stack([r[i] if r[i] is not None else torch.zeros_like(t) for r in rows])
-                if any(r[i] is not None for r in rows)
-                else None
-                for i, t in enumerate(targets)
-            )
-    jac = {}
-    for name, t, g in zip(subset.names, targets, grads, strict=True):
-        if g is None:
-            warnings.warn(
-                f"logits do not depend on parameter {name!r}", stacklevel=user_stacklevel()
-            )
-            g = torch.zeros((b * c, *t.shape), dtype=f.dtype, device=f.device)
-        mask = subset.mask(name).to(g.device)
-        jac[name] = g.reshape(b * c, -1)[:, mask.reshape(-1)].reshape(b, c, -1)
-    return f.detach(), jac
+        plan = position_plan(keep, b, f.device)
+        parts: dict[str, list[Tensor]] = {n: [] for n in subset.names}
+        keys: list[Tensor] = []
+        for t, examples in plan:
+            if t is None:
+                cot = eye
+            else:
+                cot = torch.zeros((b * c, *f.shape), dtype=f.dtype, device=f.device)
+                cot[:, :, t] = eye
+            grads = _batched_grads(f, targets, cot)
+            for name, p, g in zip(subset.names, targets, grads, strict=True):
+                if g is None:
+                    warnings.warn(
+                        f"logits do not depend on parameter {name!r}", stacklevel=user_stacklevel()
+                    )
+                    g = torch.zeros((b * c, *p.shape), dtype=f.dtype, device=f.device)
+                mask = subset.mask(name).to(g.device)
+                jac = g.reshape(b * c, -1)[:, mask.reshape(-1)].reshape(b, c, -1)
+                parts[name].append(jac.index_select(0, examples))
+            keys.append(examples if t is None else examples * f.shape[1] + t)
+    if not plan:
+        return (
+            f.detach(),
+            keep,
+            {
+                n: torch.zeros(0, c, subset.num_entries(n), dtype=f.dtype, device=f.device)
+                for n in subset.names
+            },
+        )
+    return f.detach(), keep, {n: in_row_order(keys, v) for n, v in parts.items()}
+
+
+def _batched_grads(f: Tensor, targets: Sequence[Tensor], cot: Tensor) -> tuple[Tensor | None, ...]:
+    """Gradients of ``f`` w.r.t. ``targets`` for a batch of cotangents ``cot [K, *f.shape]``: ``[K, *p.shape]``.
+
+    ``None`` where ``f`` does not depend on a target.
+    """
+    try:
+        return torch.autograd.grad(
+            f, targets, cot, is_grads_batched=True, allow_unused=True, retain_graph=True
+        )
+    except RuntimeError:
+        pass
+    rows = [torch.autograd.grad(f, targets, e, allow_unused=True, retain_graph=True) for e in cot]
+    return tuple(
+        torch.stack([r[i] if r[i] is not None else torch.zeros_like(t) for r in rows])
+        if any(r[i] is not None for r in rows)
+        else None
+        for i, t in enumerate(targets)
+    )
 
 
 def block_to_params(km: KronModule, block: Tensor) -> dict[str, Tensor]:
@@ -202,21 +194,28 @@ def params_to_block(km: KronModule, values: Mapping[str, Tensor]) -> Tensor:
 
 
 def subset_jacobians(
-    model: nn.Module, inputs: Any, subset: Subset
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-example logit Jacobians ``{param: [B, C, k]}`` in ``subset.gather`` order.
+    model: nn.Module, inputs: Tensor | Mapping[str, Any], outputs: Outputs, subset: Subset
+) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
+    """Per-output logit Jacobians ``{param: [N, C, k]}`` in ``subset.gather`` order.
 
-    Kronecker subsets of linear maps use the hook Jacobians (``C`` backward passes); any other subset falls
-    back to `param_jacobians`.
+    Subsets of weights and biases of linear maps (Kronecker or elementwise blocks) use the hooks (``C``
+    backward passes per output position, per-example gradients from recorded activations); any other
+    subset falls back to `param_jacobians`.
+
+    Returns:
+        ``(logits, keep, {param name: J [N, C, k]})``: one row per example, or per kept position of
+        token-level logits (row-major).
     """
     try:
-        kmods = subset.kron_modules()
-    except (TypeError, ValueError):
-        return param_jacobians(model, inputs, subset)
-    from partialbayes.curvature._jacobians import logit_jacobians
-
-    f, blocks = logit_jacobians(model, inputs, subset)
-    out: dict[str, Tensor] = {}
-    for m, km in kmods.items():
-        out.update(block_to_params(km, blocks[m]))
-    return f, out
+        targets, modules = param_targets(model, subset)
+    except ValueError:
+        return param_jacobians(model, inputs, outputs, subset)
+    return output_jacobians(
+        model,
+        inputs,
+        outputs,
+        modules,
+        dict.fromkeys(modules),
+        dict.fromkeys(modules),
+        lambda x, d: {t.name: entry_grads(t, x[t.module], d[t.module]) for t in targets},
+    )

@@ -8,9 +8,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from partialbayes.curvature._dense import dense_curvature
 from partialbayes.curvature._kron_algebra import clamped_eigh
 from partialbayes.curvature._laplace_base import LaplaceBase
 from partialbayes.curvature._laplace_data import subset_jacobians
+from partialbayes.curvature._outputs import Outputs
 
 
 class DenseLaplace(LaplaceBase):
@@ -20,7 +22,7 @@ class DenseLaplace(LaplaceBase):
     summed GGN / Fisher (``dense_curvature``). Only its eigendecomposition ``H = Q diag(λ) Qᵀ`` (λ clamped at
     0) is stored: with one scalar prior everything is diagonal in ``Q`` (prior added exactly); with
     per-module priors a Cholesky factor of ``P`` is used. Use ``selection.last_layer(model)`` for
-    last-layer Laplace.
+    last-layer Laplace. Token-level outputs are exact per position (see ``dense_curvature``).
 
     Args:
         model: The fine-tuned model.
@@ -63,8 +65,6 @@ class DenseLaplace(LaplaceBase):
         )
 
     def _compute_curvature(self, loader: Iterable[Any], options: Mapping[str, Any]) -> Any:
-        from partialbayes.curvature._dense import dense_curvature
-
         return dense_curvature(
             self.model,
             loader,
@@ -130,9 +130,11 @@ class DenseLaplace(LaplaceBase):
             flat = torch.linalg.solve_triangular(chol.T, eps.T, upper=True).T
         return self._split(flat)
 
-    def _jacobians(self, inputs: Any) -> tuple[Tensor, Tensor]:
-        f, jac = subset_jacobians(self.model, inputs, self.subset)
-        return f, torch.cat([jac[n] for n in self.subset.names], dim=-1)
+    def _jacobians(
+        self, inputs: Tensor | Mapping[str, Any], outputs: Outputs
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        logits, keep, jac = subset_jacobians(self.model, inputs, outputs, self.subset)
+        return logits, keep, torch.cat([jac[n] for n in self.subset.names], dim=-1)
 
     def _prepare(self, jac: Tensor) -> Tensor:
         """``J Q``: Jacobians in the eigenbasis of ``H``, ``[B, C, P]``."""

@@ -8,8 +8,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from partialbayes.curvature._diag import diag_curvature
 from partialbayes.curvature._laplace_base import LaplaceBase
 from partialbayes.curvature._laplace_data import subset_jacobians
+from partialbayes.curvature._outputs import Outputs
 
 
 class DiagLaplace(LaplaceBase):
@@ -17,7 +19,9 @@ class DiagLaplace(LaplaceBase):
 
     ``h`` is the diagonal of the summed GGN / Fisher of the subset's entries (``diag_curvature``). Works for
     any subset, elementwise ``MaskBlock`` ones included. Prior precision: scalar or one per module (the
-    module owning each parameter, e.g. ``"encoder.layer.0.output.dense"``).
+    module owning each parameter, e.g. ``"encoder.layer.0.output.dense"``). Token-level outputs are exact
+    per position: ``fisher="exact"`` costs ``C`` backward passes per kept position and batch (see
+    ``diag_curvature``).
     """
 
     def __init__(self, model: Any, subset: Any, **kwargs: Any) -> None:
@@ -25,8 +29,6 @@ class DiagLaplace(LaplaceBase):
         super().__init__(model, subset, **kwargs)
 
     def _compute_curvature(self, loader: Iterable[Any], options: Mapping[str, Any]) -> Any:
-        from partialbayes.curvature._diag import diag_curvature
-
         return diag_curvature(
             self.model,
             loader,
@@ -71,8 +73,10 @@ class DiagLaplace(LaplaceBase):
             for name in self.subset.names
         }
 
-    def _jacobians(self, inputs: Any) -> tuple[Tensor, dict[str, Tensor]]:
-        return subset_jacobians(self.model, inputs, self.subset)
+    def _jacobians(
+        self, inputs: Tensor | Mapping[str, Any], outputs: Outputs
+    ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
+        return subset_jacobians(self.model, inputs, outputs, self.subset)
 
     def _prepare(self, jac: Mapping[str, Tensor]) -> dict[str, Tensor]:
         return {n: j.to(device=self.device, dtype=self.dtype) for n, j in jac.items()}

@@ -8,26 +8,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from partialbayes.curvature._kfac import kron_factors, kron_targets
 from partialbayes.curvature._kron_algebra import (
     clamped_eigh,
-    kron_functional_covariance_projected,
     kron_log_det,
-    kron_project_jacobian,
     kron_sample,
     precision_eigenvalues,
 )
 from partialbayes.curvature._laplace_base import LaplaceBase
-from partialbayes.curvature._laplace_data import (
-    block_to_params,
-    eval_mode,
-    param_jacobians,
-    params_to_block,
-)
-from partialbayes.curvature._laplace_projected import kron_predictive, projected_jacobians
-
-
-class _Projected(dict):
-    """Block Jacobians already rotated into the eigenbases (``{module: M [B, C, r, c]}``)."""
+from partialbayes.curvature._laplace_data import block_to_params, params_to_block
+from partialbayes.curvature._laplace_projected import kron_predictive
+from partialbayes.curvature._outputs import Outputs
+from partialbayes.predictive import eval_mode
 
 
 class KronLaplace(LaplaceBase):
@@ -46,7 +38,9 @@ class KronLaplace(LaplaceBase):
     Args:
         model: The fine-tuned model.
         subset: A Kronecker-structured subset (``KronBlock`` blocks on linear maps).
-        sharing: Weight sharing over tokens for KFAC, ``"reduce"`` or ``"expand"``.
+        sharing: Weight sharing over tokens for KFAC, ``"reduce"`` or ``"expand"``. Token-level outputs
+            (``[B, T, C]`` logits: token classification, causal LMs) need ``"expand"``: every kept position
+            is its own output, and ``"reduce"`` (one loss per sequence) is refused with a pointer.
         bias: ``"fold"`` (bias folded into ``A``) or ``"separate"`` (own Kronecker block ``G ⊗ A_bias``);
             stored by `save` and passed to `kfac`.
         predictive_rtol: ``0`` (default): the linearised predictive is exact. ``ε > 0``: eigendirection pairs
@@ -91,13 +85,8 @@ class KronLaplace(LaplaceBase):
 
     # ------------------------------------------------------------------ structure
     def _check_subset(self) -> None:
-        try:
-            self._kmods = self.subset.kron_modules()
-        except TypeError as err:
-            raise TypeError(
-                f"KronLaplace needs a Kronecker-structured subset: {err}. For elementwise subsets use "
-                "DiagLaplace (diagonal GGN) or DenseLaplace (full GGN, small subsets)"
-            ) from err
+        """Resolve the Kronecker modules once (`fit` and the predictive reuse them)."""
+        self._kmods = kron_targets(self.model, self.subset, "KronLaplace")
 
     def _module_names(self) -> tuple[str, ...]:
         return tuple(self._kmods)
@@ -133,15 +122,8 @@ class KronLaplace(LaplaceBase):
 
     # ------------------------------------------------------------------ curvature
     def _compute_curvature(self, loader: Iterable[Any], options: Mapping[str, Any]) -> Any:
-        from partialbayes.curvature._kfac import kfac
-
-        return kfac(
-            self.model,
-            loader,
-            self.subset,
-            sharing=self.sharing,
-            bias=self.bias,
-            **options,
+        return kron_factors(
+            self.model, loader, self._kmods, sharing=self.sharing, bias=self.bias, **options
         )
 
     def _set_curvature(self, curvature: Mapping[str, Any]) -> None:
@@ -211,24 +193,19 @@ class KronLaplace(LaplaceBase):
         return out
 
     # ------------------------------------------------------------------ predictive
-    def _jacobians(self, inputs: Any) -> tuple[Tensor, _Projected]:
-        """Per-example logit Jacobians of each block, already in the eigenbases: ``M = Q_Gᵀ J Q_A``.
-
-        Hooks and ``C`` backward passes; ``J`` itself is never formed (see `projected_jacobians`).
-        """
-        bases = {m: (self._eig[m][1], self._eig[m][3]) for m in self.modules}
-        f, projected = projected_jacobians(self.model, inputs, self._kmods, bases, self.dtype)
-        return f, _Projected(projected)
-
     def _mean_covs(
-        self, inputs: Any, priors: Sequence[Tensor], scale: Tensor | float
-    ) -> tuple[Tensor, list[Tensor]]:
+        self,
+        inputs: Tensor | Mapping[str, Any],
+        outputs: Outputs,
+        priors: Sequence[Tensor],
+        scale: Tensor | float,
+    ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
         """Streamed predictive: each module's ``Σ_ij M_k M_l / E`` is added as soon as its gradients exist.
 
         See `kron_predictive`; ``M`` is never stored for all modules (at most one example's at a time).
         """
         if self.predictive_rtol > 0:
-            return self._mean_covs_truncated(inputs, priors, scale)
+            return self._mean_covs_truncated(inputs, outputs, priors, scale)
         bases = {m: (self._eig[m][1], self._eig[m][3]) for m in self.modules}
         inv = [
             {
@@ -238,16 +215,16 @@ class KronLaplace(LaplaceBase):
             for prior in priors
         ]
         with eval_mode(self.model):
-            f, covs = kron_predictive(self.model, inputs, self._kmods, bases, inv, self.dtype)
-        return f, covs
+            return kron_predictive(self.model, inputs, outputs, self._kmods, bases, inv, self.dtype)
 
     def _mean_covs_truncated(
         self,
-        inputs: Any,
+        inputs: Tensor | Mapping[str, Any],
+        outputs: Outputs,
         priors: Sequence[Tensor],
         scale: Tensor | float,
         products_dtype: torch.dtype | None = None,
-    ) -> tuple[Tensor, list[Tensor]]:
+    ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
         """`_mean_covs` with ``predictive_rtol > 0``: only eigendirections with curvature above ``ε · δ``.
 
         Per module, ``I`` are the eigenvectors of ``G`` and ``J`` those of ``A`` that take part in some pair
@@ -276,9 +253,10 @@ class KronLaplace(LaplaceBase):
                 weights[p][m] = kept.reciprocal() - 1.0 / delta
                 residual[p][m] = 1.0 / delta
         with eval_mode(self.model):
-            f, covs = kron_predictive(
+            logits, keep, covs = kron_predictive(
                 self.model,
                 inputs,
+                outputs,
                 self._kmods,
                 bases,
                 weights,
@@ -286,35 +264,7 @@ class KronLaplace(LaplaceBase):
                 residual=residual,
                 combine_dtype=f64,
             )
-        return f, [c.to(self.dtype) for c in covs]
-
-    def _autograd_jacobians(self, inputs: Any) -> tuple[Tensor, dict[str, Tensor]]:
-        """Block Jacobians by generic reverse mode over all logits (reference path)."""
-        f, jac = param_jacobians(self.model, inputs, self.subset)
-        blocks = {m: self.params_to_block(m, jac) for m in self.modules}
-        return f, blocks
-
-    def _prepare(self, jac: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        if isinstance(jac, _Projected):
-            return jac
-        out = {}
-        for m in self.modules:
-            _, qg, _, qa = self._eig[m]
-            out[m] = kron_project_jacobian(qg, qa, jac[m].to(device=self.device, dtype=self.dtype))
-        return out
-
-    def _functional_cov(
-        self, prepared: Mapping[str, Tensor], prior: Tensor, scale: Tensor | float
-    ) -> Tensor:
-        out: Tensor | None = None
-        for i, m in enumerate(self.modules):
-            cov = kron_functional_covariance_projected(
-                prepared[m], self._eigenvalues(i, m, prior, scale)
-            )
-            out = cov if out is None else out + cov
-        if out is None:
-            raise ValueError("KronLaplace: the subset has no modules")
-        return out
+        return logits, keep, [c.to(self.dtype) for c in covs]
 
     # ------------------------------------------------------------------ state
     def _curvature_state(self) -> dict[str, Tensor]:

@@ -5,10 +5,10 @@ block), so ``M_k = Σ_t (Q_Gᵀ δ_{k,t}) (Q_Aᵀ x̃_t)ᵀ``: the inputs are ro
 once per class. Cost per module ``B T (c² + C r² + C r c)`` instead of ``B C (T r c + r² c + r c²)`` for
 rotating formed Jacobians (``T = 1`` for unshared layers: ~``min(r, c)`` times cheaper).
 
-`projected_jacobians` returns ``M`` for every module at once (reference path, ``B C Σ r c`` floats);
-`kron_predictive` streams instead: each module's ``Σ_ij M_k M_l / E`` is contracted into the running
-``[B, C, C]`` covariance as soon as its gradients exist, one example at a time for sequences (tokens with zero
-output gradient dropped, rotation order chosen by cost) and without forming ``M`` at all for unshared layers.
+`kron_predictive` streams: each module's ``Σ_ij M_k M_l / E`` is contracted into the running ``[B, C, C]``
+covariance as soon as its gradients exist, one example at a time for sequences (tokens with zero output
+gradient dropped, rotation order chosen by cost) and without forming ``M`` at all for unshared layers (``M`` is
+never stored for all modules at once: that would be ``B C Σ r c`` floats).
 
 With a residual prior (``residual``, `KronLaplace`'s ``predictive_rtol``), the bases are truncated to the
 eigendirections whose curvature is not negligible next to the prior: ``Σ_ij M_ij² / E_ij`` is split exactly into
@@ -24,45 +24,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.curvature._hooks import Recorder, prepared
-from partialbayes.curvature._jacobians import class_block_grads
-from partialbayes.curvature._likelihood import logits_of, model_device, split_batch
+from partialbayes.curvature._jacobians import in_row_order, output_passes
+from partialbayes.curvature._kfac import hook_targets
+from partialbayes.curvature._likelihood import model_device
+from partialbayes.curvature._outputs import Outputs
 from partialbayes.selection import KronModule
 
 
-def projected_jacobians(
-    model: nn.Module,
-    batch: Any,
-    kmods: Mapping[str, KronModule],
-    bases: Mapping[str, tuple[Tensor, Tensor]],
-    dtype: torch.dtype,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """``(logits [B, C], {module: M [B, C, r, c]})`` with ``M = Q_Gᵀ J Q_A`` per example and class.
-
-    Args:
-        model: Network returning logits (call in eval mode).
-        batch: Tensor, pair or Hugging Face dict batch.
-        kmods: Kronecker modules of the subset.
-        bases: ``{module: (Q_G [r, r], Q_A [c, c])}``.
-        dtype: Dtype of the projection.
-    """
-    xq: dict[str, Tensor] = {}
-
-    def combine(m: str, x: Tensor, d: Tensor) -> Tensor:
-        if m not in xq:  # inputs are rotated once, output gradients once per class
-            x = x.to(dtype)
-            if kmods[m].bias_name is not None:
-                x = torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)
-            xq[m] = x @ bases[m][1]  # rows (Q_Aᵀ x̃)ᵀ
-        dq = d.to(dtype) @ bases[m][0]  # rows (Q_Gᵀ δ)ᵀ
-        if dq.ndim == 2:
-            return dq[:, :, None] * xq[m][:, None, :]
-        return torch.einsum("btr,btc->brc", dq, xq[m])
-
-    return class_block_grads(model, batch, kmods, combine)
-
-
-# ----------------------------------------------------------------------------- streamed functional covariance
 def rotate_inputs(x: Tensor, q_a: Tensor, bias: bool) -> Tensor:
     """Rows ``(Q_Aᵀ x̃)ᵀ = x̃ Q_A`` with ``x̃ = (x | 1)`` when the bias is in the block (no concatenation).
 
@@ -269,26 +237,28 @@ def residual_covariances(
 
 def kron_predictive(
     model: nn.Module,
-    batch: Any,
+    inputs: Tensor | Mapping[str, Any],
+    outputs: Outputs,
     kmods: Mapping[str, KronModule],
     bases: Mapping[str, tuple[Tensor, Tensor]],
     inv_eigenvalues: Sequence[Mapping[str, Tensor]],
     dtype: torch.dtype,
     residual: Sequence[Mapping[str, float]] | None = None,
     combine_dtype: torch.dtype = torch.float64,
-) -> tuple[Tensor, list[Tensor]]:
+) -> tuple[Tensor, Tensor | None, list[Tensor]]:
     """Logits and the functional covariance ``J Σ Jᵀ`` of a Kronecker posterior, streamed module by module.
 
     One forward pass with hooks (inputs gathered to the selected columns) and one backward pass per class
-    (gradients w.r.t. the hooked outputs only, gathered to the selected rows). Then each module's
-    contribution ``Σ_ij M_k,ij M_l,ij / E_ij`` (``M = Q_Gᵀ J Q_A``) is added to the running ``[B, C, C]``
-    covariance and its gradients are freed: rank-1 contraction for unshared layers (`unshared_covariances`),
-    one example at a time for token sequences (`shared_covariances`). ``J`` is never formed and at most one
-    example's ``M`` lives at a time.
+    (gradients w.r.t. the hooked outputs only, gathered to the selected rows) — per kept position for
+    token-level logits. Then each module's contribution ``Σ_ij M_k,ij M_l,ij / E_ij``
+    (``M = Q_Gᵀ J Q_A``) is added to the running ``[B, C, C]`` covariance and its gradients are freed:
+    rank-1 contraction for unshared layers (`unshared_covariances`), one example at a time for token
+    sequences (`shared_covariances`). ``J`` is never formed and at most one example's ``M`` lives at a time.
 
     Args:
-        model: Network returning logits ``[B, C]`` (call in eval mode).
-        batch: Tensor, pair or Hugging Face dict batch (``"labels"`` ignored).
+        model: Network returning logits ``[B, C]`` or ``[B, T, C]`` (call in eval mode).
+        inputs: Model inputs.
+        outputs: Which positions of token-level logits count.
         kmods: Kronecker modules of the subset.
         bases: ``{module: (Q_G [r, r], Q_A [c, c])}`` in ``dtype``.
         inv_eigenvalues: For each prior setting, ``{module: 1 / E [r, c]}``; with ``residual``,
@@ -300,65 +270,58 @@ def kron_predictive(
         combine_dtype: With ``residual``, dtype of the final combination and of the result.
 
     Returns:
-        ``(logits [B, C], [Σ_f [B, C, C] per prior setting])``.
+        ``(logits, keep, [Σ_f [N, C, C] per prior setting])``: the logits as the model returns them
+        (``[B, C]`` or ``[B, T, C]``, detached), the ``[B, T]`` kept positions of token-level logits
+        (``None`` for ``[B, C]``), and one covariance per output row (``N = B``, or the kept positions in
+        row-major ``(b, t)`` order).
     """
-    named = dict(model.named_modules())
-    modules = {m: named[m] for m in kmods}
+    modules, cols, rows = hook_targets(model, kmods)
     device = model_device(model)
-    rows = {m: (None if k.rows is None else k.rows.to(device)) for m, k in kmods.items()}
-    inputs, _, _ = split_batch(batch, device)
-    with (
-        prepared(model, modules, switch=False),
-        Recorder(modules, {m: k.cols for m, k in kmods.items()}) as rec,
-    ):
-        logits = logits_of(model, inputs)
-        if logits.ndim != 2:
-            raise ValueError(
-                f"model output must be logits of shape [B, C], got {tuple(logits.shape)}"
-            )
-        b, n_cls = logits.shape
-        names = list(kmods)
-        missing = [m for m in names if m not in rec.calls_out]
-        if missing:
-            raise ValueError(f"modules {missing} were not called by the model's forward pass")
-        eye = torch.eye(n_cls, dtype=logits.dtype, device=logits.device)
-        grads: dict[str, list[Tensor]] = {m: [] for m in names}
-        for k in range(n_cls):
-            # calls of a module used several times are merged as extra token positions
-            gs = rec.output_grads(logits, eye[k].expand(b, n_cls), retain_graph=k < n_cls - 1)
-            for m in names:
-                g, r = gs[m].detach(), rows[m]
-                grads[m].append(g if r is None else g.index_select(-1, r))
-            del gs
-        inputs_x = rec.inputs
-        rec.clear()
-        out_dtype = dtype if residual is None else combine_dtype
-        covs = [
-            torch.zeros(b, n_cls, n_cls, dtype=out_dtype, device=device) for _ in inv_eigenvalues
-        ]
+    out_dtype = dtype if residual is None else combine_dtype
+    with output_passes(model, inputs, outputs, modules, cols, rows) as ps:
+        b, n_cls = ps.logits.shape[0], ps.logits.shape[-1]
+        keys: list[Tensor] = []
+        parts: list[list[Tensor]] = [[] for _ in inv_eigenvalues]
         with torch.no_grad():
-            for m in names:
-                x = inputs_x.pop(m)
-                d = torch.stack(grads.pop(m))  # [C, B, (T...,) r]
-                q_g, q_a = bases[m]
-                inv = [e[m] for e in inv_eigenvalues]
-                bias = kmods[m].bias_name is not None
-                if residual is not None:
-                    if x.ndim > 2:
-                        x = x.reshape(b, -1, x.shape[-1])
-                        d = d.reshape(n_cls, b, x.shape[1], d.shape[-1])
-                    parts = residual_covariances(
-                        x, d, q_g, q_a, bias, inv, [rs[m] for rs in residual], dtype, combine_dtype
-                    )
-                elif x.ndim == 2:
-                    parts = unshared_covariances(
-                        rotate_inputs(x.to(dtype), q_a, bias), d.to(dtype) @ q_g, inv
-                    )
-                else:
-                    x3 = x.reshape(b, -1, x.shape[-1])
-                    d4 = d.reshape(n_cls, b, x3.shape[1], d.shape[-1])
-                    parts = shared_covariances(x3, d4, q_g, q_a, bias, inv, dtype)
-                for cov, part in zip(covs, parts, strict=True):
-                    cov += part
-                del x, d
-    return logits.detach(), covs
+            for pg in ps.positions:
+                covs = [
+                    torch.zeros(b, n_cls, n_cls, dtype=out_dtype, device=device)
+                    for _ in inv_eigenvalues
+                ]
+                for m in kmods:
+                    x = ps.inputs[m]
+                    d = torch.stack(pg.grads.pop(m))  # [C, B, (T...,) r]
+                    q_g, q_a = bases[m]
+                    inv = [e[m] for e in inv_eigenvalues]
+                    bias = kmods[m].bias_name is not None
+                    if residual is not None:
+                        if x.ndim > 2:
+                            x = x.reshape(b, -1, x.shape[-1])
+                            d = d.reshape(n_cls, b, x.shape[1], d.shape[-1])
+                        contrib = residual_covariances(
+                            x,
+                            d,
+                            q_g,
+                            q_a,
+                            bias,
+                            inv,
+                            [rs[m] for rs in residual],
+                            dtype,
+                            combine_dtype,
+                        )
+                    elif x.ndim == 2:
+                        contrib = unshared_covariances(
+                            rotate_inputs(x.to(dtype), q_a, bias), d.to(dtype) @ q_g, inv
+                        )
+                    else:
+                        x3 = x.reshape(b, -1, x.shape[-1])
+                        d4 = d.reshape(n_cls, b, x3.shape[1], d.shape[-1])
+                        contrib = shared_covariances(x3, d4, q_g, q_a, bias, inv, dtype)
+                    for cov, part in zip(covs, contrib, strict=True):
+                        cov += part
+                    del x, d
+                for acc, cov in zip(parts, covs, strict=True):
+                    acc.append(cov.index_select(0, pg.examples))
+                keys.append(pg.keys)
+        logits, keep = ps.logits, ps.keep
+    return logits, keep, [in_row_order(keys, p) for p in parts]

@@ -1,7 +1,8 @@
-"""Batches, logits and the output-space vectors whose backward passes give the curvature factors.
+"""Options, logits and labels checks, and the output-space vectors whose backward passes give the curvature.
 
-Every fisher type is expressed as ``S`` backward passes of the logits with cotangents ``v_s`` (``[S, B, C]``):
-the curvature is ``Σ_n Σ_s J_nᵀ v_{s,n} v_{s,n}ᵀ J_n``.
+Every fisher type is expressed as ``S`` backward passes of the logits with cotangents ``v_s`` (``[S, N, C]``
+over the ``N`` output rows: one per example, or one per kept position of token-level outputs): the curvature
+is ``Σ_n Σ_s J_nᵀ v_{s,n} v_{s,n}ᵀ J_n``.
 
 * classification, ``exact``: the lossless factorisation of the softmax Hessian
   ``diag(p) - p pᵀ = M Mᵀ`` with columns ``m_c = √p_c (e_c - p)``: ``S = C``.
@@ -19,18 +20,51 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from partialbayes.predictive import check_generator, model_logits, split_batch
+
 LIKELIHOODS = ("classification", "regression")
 FISHERS = ("exact", "mc", "empirical")
 
 
+#: The dtypes curvature is accumulated and stored in (what the factors and ``eigh`` support).
+DTYPES = (torch.float32, torch.float64)
+
+
+def check_dtype(dtype: object) -> None:
+    """``dtype`` must be float32 or float64, else a ``TypeError`` naming it."""
+    if dtype not in DTYPES:
+        raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype!r}")
+
+
+def check_num_classes(num_classes: object) -> None:
+    """``num_classes`` must be ``None`` or a positive ``int`` (bools refused), else a ``ValueError``."""
+    if num_classes is not None and (
+        isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1
+    ):
+        raise ValueError(f"num_classes must be a positive int or None, got {num_classes!r}")
+
+
 def check_options(
-    likelihood: str, fisher: str, mc_samples: int, sigma_noise: float, sharing: str = "reduce"
+    likelihood: str,
+    fisher: str,
+    mc_samples: int,
+    sigma_noise: float,
+    sharing: str = "reduce",
+    *,
+    dtype: object = torch.float64,
+    generator: object = None,
+    num_classes: object = None,
 ) -> None:
-    """Validate the shared keyword options of the curvature functions.
+    """Validate the shared keyword options of the curvature functions (`kfac`, `diag_curvature`, ...).
 
     Raises:
         ValueError: Naming the option at fault.
+        TypeError: A ``dtype`` other than float32 / float64, a ``generator`` that is not a
+            ``torch.Generator``.
     """
+    check_dtype(dtype)
+    check_generator(generator)
+    check_num_classes(num_classes)
     if likelihood not in LIKELIHOODS:
         raise ValueError(f"likelihood must be one of {LIKELIHOODS}, got {likelihood!r}")
     if fisher not in FISHERS:
@@ -51,69 +85,36 @@ def model_device(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
-def _to(value: Any, device: torch.device) -> Any:
-    return value.to(device) if isinstance(value, Tensor) else value
-
-
-def split_batch(batch: Any, device: torch.device) -> tuple[Any, Tensor | None, Tensor | None]:
-    """Split a batch into ``(inputs, labels | None, attention_mask | None)`` on ``device``.
-
-    Accepted: a tensor ``x``; a pair ``(x, y)``; a Hugging Face dict (``"labels"`` optional,
-    ``"attention_mask"`` marks the real tokens).
-
-    Raises:
-        TypeError: If the batch is of another kind.
-    """
-    if isinstance(batch, dict):
-        inputs = {k: _to(v, device) for k, v in batch.items() if k != "labels"}
-        labels = _to(batch.get("labels"), device)
-        mask = inputs.get("attention_mask")
-        return inputs, labels, mask
-    if isinstance(batch, Tensor):
-        return batch.to(device), None, None
-    if isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[0], Tensor):
-        return batch[0].to(device), _to(batch[1], device), None
-    raise TypeError(
-        "batch must be a tensor x, a pair (x, y) or a dict with model inputs (and 'labels'), "
-        f"got {type(batch).__name__}"
-    )
-
-
-def logits_of(model: nn.Module, inputs: Any) -> Tensor:
-    """Call ``model`` on ``inputs`` (tensor or keyword dict) and return its logits."""
-    out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
-    logits = getattr(out, "logits", out)
-    if isinstance(logits, (tuple, list)):
-        logits = logits[0]
-    if not isinstance(logits, Tensor):
-        raise TypeError(f"model output has no logits tensor: got {type(out).__name__}")
-    return logits
-
-
 def forward_logits(model: nn.Module, batch: Any) -> Tensor:
     """Logits of ``model`` on a batch.
 
     Args:
         model: The network.
-        batch: A tensor ``x`` or pair ``(x, y)`` (calls ``model(x)``) or a Hugging Face dict
-            (calls ``model(**inputs).logits`` with the ``"labels"`` key excluded).
+        batch: Any batch `partialbayes.predictive.split_batch` accepts: a tensor ``x``, a pair
+            ``(inputs, labels)``, or a mapping of keyword inputs (``dict``, ``transformers.BatchEncoding``);
+            labels (``"labels"`` / ``"label"``) are left out of the call.
 
     Returns:
-        The logits, ``[B, C]`` for a classifier.
+        The logits as the model returns them: ``[B, C]``, or ``[B, T, C]`` for token-level outputs.
+
+    Raises:
+        TypeError: A batch of an unknown kind (the message names its type and the accepted ones).
     """
-    inputs, _, _ = split_batch(batch, model_device(model))
-    return logits_of(model, inputs)
+    return model_logits(model, split_batch(batch, device=model_device(model)).inputs)
 
 
 def check_logits(logits: Tensor, num_classes: int | None, batch_index: int) -> None:
-    """Logits must be ``[B, C]`` (with ``C == num_classes`` when given) and finite.
+    """Output rows must be ``[N, C]`` (with ``C == num_classes`` when given) and finite.
+
+    ``logits`` are the rows of `partialbayes.curvature._outputs.output_rows`: ``[B, C]`` logits, or the
+    kept positions of token-level ones (padding and ignored positions are not checked).
 
     Raises:
         ValueError: Naming the batch and the shape at fault.
     """
     if logits.ndim != 2:
         raise ValueError(
-            f"batch {batch_index}: model output must be logits of shape [B, C], got {tuple(logits.shape)}"
+            f"batch {batch_index}: model output rows must be [N, C], got {tuple(logits.shape)}"
         )
     if num_classes is not None and logits.shape[1] != num_classes:
         raise ValueError(
@@ -124,14 +125,15 @@ def check_logits(logits: Tensor, num_classes: int | None, batch_index: int) -> N
 
 
 def check_labels(labels: Tensor, logits: Tensor, likelihood: str, batch_index: int) -> Tensor:
-    """Validate one batch's labels against its logits ``[B, C]``; the one check every entry point uses.
+    """Validate one batch's labels against its output rows ``[B, C]``; the one check every entry point uses.
 
+    For token-level outputs the rows are the ``N`` kept positions and the labels theirs (``B = N``).
     Classification: integer class indices of shape ``[B]`` in ``[0, C)``. Regression: real targets of shape
     ``[B, C]`` (or ``[B]`` when ``C == 1``).
 
     Args:
         labels: The batch's labels (on the device of ``logits``).
-        logits: The model's logits ``[B, C]`` for the batch.
+        logits: The output rows ``[B, C]`` of the batch.
         likelihood: ``"classification"`` or ``"regression"``.
         batch_index: Position of the batch in its loader (named in the error).
 
@@ -207,7 +209,7 @@ def output_vectors(
     The curvature of the batch's summed negative log-likelihood is ``Σ_s J_nᵀ v_s v_sᵀ J_n``.
 
     Args:
-        logits: ``[B, C]``.
+        logits: ``[B, C]`` output rows (``B = N`` kept positions for token-level outputs).
         labels: The batch's labels as returned by `check_labels`, or ``None``; used by
             ``fisher="empirical"`` only.
         likelihood: ``"classification"`` or ``"regression"``.

@@ -1,7 +1,7 @@
-"""Prior precision: parsing and validation, the Gaussian marginal likelihood, and a local probit NLL.
+"""Prior precision: parsing and validation, and the Gaussian marginal likelihood.
 
-The probit predictive lives here (and not in ``partialbayes.predictive``) to keep ``curvature`` independent of
-``predictive`` (DESIGN's dependency graph); it is only used to score prior precisions on validation data.
+Validation scores of a prior precision use ``partialbayes.predictive``'s ``probit`` / ``nll`` and
+``gaussian_predictive`` / ``gaussian_nll`` (see ``LaplaceBase.grid_val_nll``).
 """
 
 from __future__ import annotations
@@ -87,36 +87,3 @@ def gaussian_log_marglik(
     The ``(2π)^{d/2}`` factors of prior and posterior cancel. All arguments are scalars.
     """
     return log_likelihood - 0.5 * (log_det_posterior - log_det_prior) - 0.5 * scatter
-
-
-def probit_nll(logits: Tensor, cov: Tensor, labels: Tensor) -> Tensor:
-    """Summed NLL of the probit-approximated softmax predictive ``softmax(f / √(1 + π/8 diag Σ_f))``.
-
-    Args:
-        logits: ``f_MAP``, shape ``[B, C]``.
-        cov: ``Σ_f``, shape ``[B, C, C]``.
-        labels: Class indices, shape ``[B]``.
-
-    Returns:
-        Scalar, summed over the batch.
-    """
-    var = torch.diagonal(cov, dim1=-2, dim2=-1).clamp(min=0)
-    scaled = logits / torch.sqrt(1.0 + math.pi / 8.0 * var)
-    return torch.nn.functional.cross_entropy(scaled, labels, reduction="sum")
-
-
-def gaussian_nll(mean: Tensor, cov: Tensor, targets: Tensor, sigma_noise: float | Tensor) -> Tensor:
-    """Summed NLL of the linearised Gaussian predictive ``N(f, diag Σ_f + σ²)``.
-
-    Args:
-        mean: ``[B, C]``.
-        cov: ``[B, C, C]``.
-        targets: ``[B, C]`` (or ``[B]`` when ``C == 1``).
-        sigma_noise: Observation noise ``σ``.
-
-    Returns:
-        Scalar, summed over batch and outputs.
-    """
-    var = torch.diagonal(cov, dim1=-2, dim2=-1).clamp(min=0) + sigma_noise**2
-    targets = targets.reshape(mean.shape).to(mean.dtype)
-    return 0.5 * (torch.log(2 * math.pi * var) + (targets - mean) ** 2 / var).sum()

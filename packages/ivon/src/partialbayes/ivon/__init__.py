@@ -2,20 +2,22 @@
 
 IVON (Shen et al., *Variational Learning is Effective for Large Deep Networks*, ICML 2024) learns a
 mean-field Gaussian posterior over the weights at about the cost of AdamW. :class:`IVON` is the optimizer;
-:func:`ivon_posterior` reads the learned Gaussian off it, :func:`predict_mean` and :func:`predict_mc`
-predict with it, :class:`MultiIVON` mixes several runs, and :func:`save_posterior` / :func:`load_posterior`
-store either as safetensors with JSON metadata.
+:func:`ivon_posterior` reads the learned Gaussian off it as a :class:`GaussianPosterior`, and
+:class:`MultiIVON` mixes several runs. Both implement ``partialbayes.predictive.Posterior`` (``sample``,
+``swapped`` / ``sampled``, ``predict``, ``predictive_samples``, ``save`` / ``load``); :func:`predict_mean`
+predicts at the mean, and :func:`save_posterior` / :func:`load_posterior` store either as safetensors
+with JSON metadata.
 """
 
-from partialbayes.ivon._io import load_posterior, save_posterior
-from partialbayes.ivon._math import hessian_update
 from partialbayes.ivon.optimizer import HESS_APPROX, IVON
 from partialbayes.ivon.posterior import (
     GaussianPosterior,
     MultiIVON,
     ivon_posterior,
+    load_posterior,
     predict_mc,
     predict_mean,
+    save_posterior,
     swapped_params,
 )
 
@@ -24,7 +26,6 @@ __all__ = [
     "IVON",
     "GaussianPosterior",
     "MultiIVON",
-    "hessian_update",
     "ivon_posterior",
     "load_posterior",
     "predict_mc",

@@ -1,121 +1,125 @@
-"""Run list functions either once over whole lists (foreach) or parameter by parameter (the CPU).
+"""Apply an in-place kernel to every parameter: large ones directly, the others packed into one call.
 
-IVON's eager update makes more element-wise passes per step than AdamW (11 + 3 against about 8). On a GPU they are cheap
-multi-tensor kernels over whole lists. On a CPU a foreach call is a loop over the tensors, so each pass over a
-large model streams every buffer through main memory; running *all* passes of a phase on one parameter (or
-one chunk of a very large parameter) before the next keeps more of the intermediates in cache, as torch's
-single-tensor AdamW does on the CPU. Measured here (one thread, 17.7M entries): per-parameter passes took
-0.8–1.3 s per step against 1.5 s for whole-list foreach passes; 64K-entry chunks were slower again (the
-per-call overhead of ~10 small kernels per chunk dominates), so chunks are large; chunks of 1M to 4M entries
-measured alike on the MiniLM classifier. Small tensors (biases, LayerNorm) are batched into one multi-tensor
-call instead, which removes most of the Python overhead per tensor.
+Run eagerly, a kernel of :mod:`partialbayes.ivon._kernels` makes one pass (and, on a GPU, one kernel launch)
+per torch operation, with a temporary per operation. So:
+
+* a large contiguous parameter (more than :data:`SMALL` entries) goes directly, eagerly in chunks: of
+  :data:`CHUNK` entries on a CPU, so that the intermediates stay in the caches between the passes, and of
+  :data:`GPU_CHUNK` entries on a GPU, which bounds the temporaries; compiled, it goes whole;
+* every other parameter (small ones, strided ones) is concatenated with the others into one flat tensor per
+  argument, the kernel runs once on those, and the results are copied back: one call instead of one per
+  tensor.
+
+Every entry gets the same arithmetic whichever way it is cut.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-#: Entries per chunk: only very large tensors (embedding matrices) are cut.
-CHUNK = 1 << 20
+from partialbayes.ivon import _compiled
 
-#: Tensors of at most this many entries are batched into one multi-tensor call.
+#: Entries per eager chunk on a CPU.
+CHUNK = 1 << 18
+
+#: Entries per eager chunk on a GPU.
+GPU_CHUNK = 1 << 24
+
+#: Parameters of at most this many entries are packed together.
 SMALL = 1 << 16
 
-
-N_SCRATCH = 2  # temporaries a phase needs at once
-
-
-class Workspace:
-    """Reusable flat scratch buffers per (device, dtype), so per-parameter temporaries are never allocated.
-
-    Allocating a temporary of a few MiB per parameter and pass costs page faults on every step on the CPU
-    (such blocks are mapped and unmapped by the C allocator); one buffer of ``N_SCRATCH × CHUNK`` entries at
-    most is reused instead.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[object, object], Tensor] = {}
-
-    def views(self, like: Tensor) -> list[list[Tensor]]:
-        """``N_SCRATCH`` one-element lists of scratch tensors shaped like ``like``."""
-        key = (like.device, like.dtype)
-        n = like.numel()
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() < N_SCRATCH * n:
-            buf = torch.empty(N_SCRATCH * n, device=like.device, dtype=like.dtype)
-            self._buffers[key] = buf
-        return [[buf[i * n : (i + 1) * n].view(like.shape)] for i in range(N_SCRATCH)]
+Item = Sequence[Tensor | None]  # one parameter's tensors, in the kernel's argument order
 
 
 def apply(
-    fn: Callable[..., None],
-    lists: Sequence[Sequence[Tensor] | None],
+    kernel: Callable[..., None],
+    items: Sequence[Item],
     *,
-    blocked: bool,
-    chunk: int | None = None,
-    workspace: Workspace | None = None,
-    small: int | None = None,
+    writes: int,
+    compiled: bool = False,
+    warn: bool = False,
+    **kwargs: Any,
 ) -> None:
-    """Call ``fn(*lists)``, or, if ``blocked``, ``fn`` on batches of small items and chunks of large ones.
-
-    Blocked (the CPU): items of at most ``small`` entries are batched, up to ``chunk`` entries a call, into
-    one multi-tensor call without scratch (their temporaries are small; this saves Python overhead per
-    tensor); larger items go one at a time, cut into flat chunks of ``chunk`` entries, with scratch views.
-    The order in which items are processed is therefore not the list order: ``fn`` must not draw random
-    numbers.
+    """Call ``kernel(*item, **kwargs)`` for every item, directly or packed (see the module docstring).
 
     Args:
-        fn: In-place list function; positional arguments are the lists (``None`` passes through); it takes a
-            keyword ``scratch`` (see :class:`Workspace`).
-        lists: Aligned lists of tensors (same length, item ``i`` of every list has the same number of
-            entries), or ``None``. The first list's items decide the scratch dtype.
-        blocked: Chunk the work (CPU) or not (GPU: one foreach call).
-        chunk: Entries per chunk (default :data:`CHUNK`).
-        workspace: Scratch buffers for the large items (``None``: they allocate).
-        small: Largest item that is batched (default :data:`SMALL`).
+        kernel: Element-wise in-place kernel; its first ``writes`` arguments are written.
+        items: Per parameter, the kernel's tensor arguments (same number of entries each, or ``None``), all
+            on one device.
+        writes: How many leading arguments the kernel writes.
+        compiled: Run the compiled kernel (falls back to eager where it is unavailable).
+        warn: Warn when compilation fails (see :func:`partialbayes.ivon._compiled.call`).
+        **kwargs: The kernel's keyword arguments.
     """
-    if not blocked:
-        fn(*lists)
+    if not items:
         return
-    chunk = CHUNK if chunk is None else chunk
-    small = SMALL if small is None else small
-    present = [lst for lst in lists if lst is not None]
-    if not present:
+    prepared = _compiled.prepare(kwargs, _first(items[0])) if compiled else None
+    by_pattern: dict[tuple[bool, ...], list[Item]] = {}
+    for item in items:
+        by_pattern.setdefault(tuple(t is None for t in item), []).append(item)
+    for group in by_pattern.values():
+        packed = []
+        for item in group:
+            if _direct(item):
+                flat = [None if t is None else t.view(-1) for t in item]
+                _flat(kernel, flat, prepared, warn, kwargs)
+            else:
+                packed.append(item)
+        if packed:
+            _packed(kernel, packed, writes, prepared, warn, kwargs)
+
+
+def _first(item: Item) -> Tensor:
+    return next(t for t in item if t is not None)
+
+
+def _direct(item: Item) -> bool:
+    present = [t for t in item if t is not None]
+    return present[0].numel() > SMALL and all(t.is_contiguous() for t in present)
+
+
+def _packed(
+    kernel: Callable[..., None],
+    items: list[Item],
+    writes: int,
+    prepared: _compiled.Prepared | None,
+    warn: bool,
+    kwargs: dict[str, Any],
+) -> None:
+    """One call on the concatenation of the items, written back into each."""
+    if len(items) == 1 and all(t is None or t.is_contiguous() for t in items[0]):
+        _flat(kernel, [None if t is None else t.view(-1) for t in items[0]], prepared, warn, kwargs)
         return
+    columns = list(zip(*items, strict=True))
+    flat = [None if col[0] is None else torch.cat([t.reshape(-1) for t in col]) for col in columns]
+    _flat(kernel, flat, prepared, warn, kwargs)
+    sizes = [_first(it).numel() for it in items]
+    for col, packed in zip(columns[:writes], flat[:writes], strict=True):
+        assert packed is not None
+        dst = [t for t in col if t is not None]
+        torch._foreach_copy_(
+            dst, [s.view(t.shape) for s, t in zip(packed.split(sizes), dst, strict=True)]
+        )
 
-    def call(items: list[Tensor | None]) -> None:
-        args = [None if t is None else [t] for t in items]
-        if workspace is None:
-            fn(*args)
-        else:
-            like = next(t for t in items if t is not None)
-            fn(*args, scratch=workspace.views(like))
 
-    batch: list[int] = []
-    batch_size = 0
-
-    def flush() -> None:
-        nonlocal batch, batch_size
-        if batch:
-            fn(*[None if lst is None else [lst[j] for j in batch] for lst in lists])
-        batch, batch_size = [], 0
-
-    for i in range(len(present[0])):
-        items = [None if lst is None else lst[i] for lst in lists]
-        numel = present[0][i].numel()
-        if numel <= small:
-            if batch_size + numel > chunk:
-                flush()
-            batch.append(i)
-            batch_size += numel
-            continue
-        if numel <= chunk or not all(t is None or t.is_contiguous() for t in items):
-            call(items)
-            continue
-        flats = [None if t is None else t.view(-1) for t in items]
-        for start in range(0, numel, chunk):
-            call([None if f is None else f[start : start + chunk] for f in flats])
-    flush()
+def _flat(
+    kernel: Callable[..., None],
+    flat: list[Tensor | None],
+    prepared: _compiled.Prepared | None,
+    warn: bool,
+    kwargs: dict[str, Any],
+) -> None:
+    """The kernel on flat tensors: compiled whole, or eagerly (in chunks on a CPU)."""
+    first = _first(flat)
+    n = first.numel()
+    if n == 0:
+        return
+    if prepared is not None and _compiled.call(kernel, flat, prepared, warn=warn):
+        return
+    step = CHUNK if first.device.type == "cpu" else GPU_CHUNK
+    for start in range(0, n, step):
+        kernel(*[None if t is None else t[start : start + step] for t in flat], **kwargs)

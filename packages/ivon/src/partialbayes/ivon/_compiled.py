@@ -1,80 +1,49 @@
-"""Optional ``torch.compile``'d kernels of the IVON arithmetic: the sample and the whole update in one pass each.
+"""``torch.compile`` of IVON's in-place kernels, with a fallback to running them eagerly.
 
-The eager path (:mod:`partialbayes.ivon._math`) needs three passes to turn the noise into a sample and twelve
-for the update; each kernel here reads every input once and writes every output once. The noise itself is
-still drawn eagerly with ``normal_`` (same generator, same numbers), so both paths agree up to rounding.
-
-Compilation happens on first use per (kind, dtype); if it fails (no C++ compiler, an unsupported backend)
-:func:`available` turns ``False`` with a warning and the caller falls back to the eager kernels.
+:func:`call` compiles a kernel of :mod:`partialbayes.ivon._kernels` on first use per structural key (kernel,
+dtype, device type, which arguments are ``None``, the string/bool options) and runs it on flat tensors, with
+the float hyperparameters passed as 0-d tensors so that a changing value (the bias correction) never
+recompiles. If compiling fails (no C++ compiler on a CPU, an unsupported backend or Python) it returns
+``False``, remembers that for the process, and the caller runs the kernel eagerly.
 """
 
 from __future__ import annotations
 
+import logging
 import types
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from partialbayes.ivon._math import Hyper
+
 _STATE: dict[str, Any] = {"ok": None, "fns": {}}
-
-
-def _draw_kernel(w: Tensor, m: Tensor, h: Tensor, mask: Tensor | None, c: Tensor) -> None:
-    """``w ← m + z·(h+δ)^(−1/2)`` (``z`` in ``w``; times ``mask``), ``c = [δ]``. Flat tensors of one size."""
-    z = w if mask is None else w * mask
-    w.copy_(m + z * torch.rsqrt(h + c[0]))
-
-
-def _needs_est(est: Tensor | None, est_kind: str) -> Tensor:
-    """``est``, which ``est_kind`` needs (resolved when tracing: ``est is None`` is fixed per compiled key)."""
-    if est is None:
-        raise ValueError(f"update kernel: est_kind {est_kind!r} needs est")
-    return est
-
-
-def _update_kernel(
-    m: Tensor,
-    mu: Tensor,
-    h: Tensor,
-    g: Tensor,
-    est: Tensor | None,
-    mask: Tensor | None,
-    c: Tensor,
-    est_kind: str | None,
-    clip: bool,
-) -> None:
-    """The whole update of :func:`partialbayes.ivon._math.update_` for one flat tensor, in one pass.
-
-    ``c = [1−β1, δ, λ, 1−β2, ½(1−β2)², debias·δ, −lr/debias, debias·clip_radius]``.
-    """
-    mu_new = torch.lerp(mu, g, c[0])
-    h_new = h
-    if est_kind is not None:
-        s = h + c[1]
-        if est_kind == "sample":
-            d = h - c[2] * ((_needs_est(est, est_kind) - m) * g * s)
-        elif est_kind == "price":
-            d = h - c[2] * (_needs_est(est, est_kind) * s)
-        elif est_kind == "gradsq":
-            d = h - _needs_est(est, est_kind)
-        else:  # "grad"
-            d = h - g * g
-        if mask is not None:
-            d = d * mask
-        h_new = h - c[3] * d + c[4] * (d * d / s)
-        h.copy_(h_new)
-    direction = (mu_new + c[5] * m) / (h_new + c[1])
-    if clip:
-        direction = direction.clamp(-c[7], c[7])
-    m.copy_(m + c[6] * direction)
-    mu.copy_(mu_new)
+_LOG = logging.getLogger("partialbayes.ivon")
 
 
 def available() -> bool:
-    """Whether compiled kernels may be used (``False`` after a failed compilation)."""
+    """Whether compiled kernels may be used (``False`` after a failed compilation in this process)."""
     return _STATE["ok"] is not False
+
+
+def _as_tensor(value: Any, like: Tensor) -> Any:
+    """Floats as 0-d tensors on ``like``'s device (float32 for half types); other values unchanged."""
+    if isinstance(value, Hyper):
+        return Hyper(*(_as_tensor(v, like) for v in value))
+    if isinstance(value, float):
+        dtype = like.dtype if like.dtype in (torch.float32, torch.float64) else torch.float32
+        return torch.tensor(value, dtype=dtype, device=like.device)
+    return value
+
+
+def _static(value: Any) -> Any:
+    """The part of a keyword argument that decides the compiled code (not the float values)."""
+    if isinstance(value, Hyper):
+        return value.clip_radius is None
+    return None if isinstance(value, float) else value
 
 
 def _compiled(key: tuple[Any, ...], fn: Callable[..., None]) -> Callable[..., None]:
@@ -88,59 +57,62 @@ def _compiled(key: tuple[Any, ...], fn: Callable[..., None]) -> Callable[..., No
         name = f"{fn.__name__}_{len(fns)}"
         code = fn.__code__.replace(co_name=name)
         copy = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+        copy.__kwdefaults__ = fn.__kwdefaults__
         fns[key] = torch.compile(copy, dynamic=True, fullgraph=True)
     return fns[key]
 
 
-def _call(key: tuple[Any, ...], fn: Callable[..., None], *args: Any) -> bool:
-    """Run the compiled ``fn``; ``False`` (and a warning, once) if compilation fails."""
+class Prepared(NamedTuple):
+    """A kernel's keyword arguments for compiled calls: floats as 0-d tensors, and what selects the code."""
+
+    kwargs: dict[str, Any]
+    static: tuple[Any, ...]
+
+
+def prepare(kwargs: dict[str, Any], like: Tensor) -> Prepared:
+    """Convert ``kwargs`` once for every compiled call on tensors like ``like`` (one device and dtype)."""
+    static = tuple(sorted((k, _static(v)) for k, v in kwargs.items()))
+    return Prepared({k: _as_tensor(v, like) for k, v in kwargs.items()}, static)
+
+
+def call(
+    fn: Callable[..., None], args: list[Tensor | None], prepared: Prepared, *, warn: bool
+) -> bool:
+    """Run the compiled ``fn(*args, **kwargs)`` on flat tensors; ``False`` if compilation fails.
+
+    Args:
+        fn: A kernel of :mod:`partialbayes.ivon._kernels`.
+        args: Flat contiguous tensors of one length, or ``None``.
+        prepared: Its keyword arguments, from :func:`prepare`.
+        warn: Warn (once per process) when compilation fails; otherwise fall back silently.
+
+    Returns:
+        Whether the compiled kernel ran (if not, nothing was written).
+    """
     if _STATE["ok"] is False:
         return False
+    like = next(a for a in args if a is not None)
+    key = (
+        fn.__name__,
+        like.dtype,
+        like.device.type,
+        tuple(a is None for a in args),
+        prepared.static,
+    )
     try:
-        _compiled(key, fn)(*args)
-    except Exception as err:  # any compiler/backend failure means: use eager
+        _compiled(key, fn)(*args, **prepared.kwargs)
+    except Exception as err:  # any compiler or backend failure means: run eagerly
         _STATE["ok"] = False
-        warnings.warn(
-            f"IVON(compiled=True): torch.compile failed ({type(err).__name__}: {err}); "
-            "using the eager kernels",
-            RuntimeWarning,
-            stacklevel=3,
+        _LOG.info(
+            "torch.compile failed (%s: %s); IVON uses the eager kernels", type(err).__name__, err
         )
+        if warn:
+            warnings.warn(
+                f"IVON(compiled=True): torch.compile failed ({type(err).__name__}: {err}); "
+                "using the eager kernels",
+                RuntimeWarning,
+                stacklevel=5,
+            )
         return False
     _STATE["ok"] = True
     return True
-
-
-def scalars(values: list[float], like: Tensor) -> Tensor:
-    """Hyperparameters as a tensor on ``like``'s device (float32 for half types), so that no recompiles."""
-    dtype = like.dtype if like.dtype in (torch.float32, torch.float64) else torch.float32
-    return torch.tensor(values, dtype=dtype, device=like.device)
-
-
-def draw_one(w: Tensor, m: Tensor, h: Tensor, mask: Tensor | None, c: Tensor) -> bool:
-    """:func:`_draw_kernel` on flat views; ``False`` if the compiled kernel is unavailable."""
-    flat = [t.view(-1) for t in (w, m, h)]
-    key = ("draw", w.dtype, w.device.type, mask is None)
-    return _call(key, _draw_kernel, *flat, None if mask is None else mask.view(-1), c)
-
-
-def update_one(
-    m: Tensor,
-    mu: Tensor,
-    h: Tensor,
-    g: Tensor,
-    est: Tensor | None,
-    mask: Tensor | None,
-    c: Tensor,
-    est_kind: str | None,
-    clip: bool,
-) -> bool:
-    """:func:`_update_kernel` on flat views; ``False`` if the compiled kernel is unavailable."""
-    flat = [None if t is None else t.view(-1) for t in (m, mu, h, g, est, mask)]
-    key = ("update", m.dtype, m.device.type, est_kind, est is None, mask is None, clip)
-    return _call(key, _update_kernel, *flat, c, est_kind, clip)
-
-
-def flat_ok(*tensors: Tensor | None) -> bool:
-    """Whether all given tensors are contiguous (flat views possible)."""
-    return all(t is None or t.is_contiguous() for t in tensors)

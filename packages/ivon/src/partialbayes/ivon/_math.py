@@ -1,225 +1,133 @@
-"""Element-wise update rules of IVON (Shen et al., 2024, Alg. 1) on lists of tensors, in few passes.
+"""IVON's arithmetic (Shen et al., 2024, Alg. 1) as pure element-wise functions: the one statement of it.
 
-Every list function takes aligned lists of same-device, same-dtype tensors. Without ``scratch`` it uses
-``torch._foreach_*`` multi-tensor kernels over whole lists (the GPU path: temporaries come from the caching
-allocator). With ``scratch`` (the CPU path, see :mod:`partialbayes.ivon._blocked`) the lists hold one chunk
-each and every temporary is written into a reused buffer, so nothing is allocated. In-place functions end in
-``_``.
+The eager path calls these functions on chunks of the parameters, the compiled path calls ``torch.compile``
+of the very same functions (see :mod:`partialbayes.ivon._kernels`). They take tensors of one shape (or
+broadcastable masks) and return new tensors; hyperparameters are Python floats, or 0-d tensors inside
+compiled kernels (so that a changing bias correction never recompiles).
 
-Notation (per entry): ``m`` the mean, ``μ`` the gradient momentum, ``h`` the Hessian estimate, ``δ`` the
-weight decay, ``λ = ess``, ``σ = 1/√(λ(h+δ))``, ``w = m + ε`` a weight sample, ``g`` the gradient at ``w``.
-
-Passes over the parameters per training step with one MC sample (each reads and writes a few of the
-buffers; the normal draw is the costliest by far on CPUs):
-
-* before the forward pass, :func:`draw_`: the normal draw, ``s = h+δ``, ``s ← 1/√s``, ``w = m + z·s`` (4);
-* :meth:`~partialbayes.ivon.IVON.step`, :func:`update_`: momentum (1), ``ε·g`` (2), ``h+δ`` and
-  ``d = h − ĥ`` (2), ``h`` (3), mean (3) — 11.
-
-With ``torch.compile`` (:mod:`partialbayes.ivon._compiled`) these are one pass each, plus the draw.
+Notation per entry: ``m`` the mean, ``μ`` the gradient momentum, ``h`` the Hessian estimate, ``δ`` the
+weight decay, ``λ`` the effective sample size ``ess``, ``σ = 1/√(λ(h+δ))`` the posterior standard deviation.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
-#: What the Hessian-estimate argument ``est`` of :func:`update_` holds.
-#: ``"sample"``: the weight samples ``w`` of the (single) MC sample, ``ĥ = (w−m)·g·λ(h+δ)``;
-#: ``"price"``: the MC mean of ``ε·g``, ``ĥ = est·λ(h+δ)``; ``"gradsq"``: the MC mean of ``g²``;
-#: ``"grad"``: nothing (``est`` is ``None``), ``ĥ = g²`` from the gradient; ``None``: ``h`` is kept fixed.
-EST_KINDS = ("sample", "price", "gradsq", "grad", None)
-
-#: A list of tensors as the ``torch._foreach_*`` kernels take and return them (they return tuples).
-Tensors = list[Tensor] | tuple[Tensor, ...]
+#: A hyperparameter: a float, or a 0-d tensor inside a compiled kernel.
+Scalar = float | Tensor
 
 
-def hessian_update(h: Tensor, h_hat: Tensor, beta2: float, delta: float) -> Tensor:
-    """IVON's Hessian update, which keeps ``h`` positive: ``β2·h + (1−β2)·ĥ + ½(1−β2)²(h−ĥ)²/(h+δ)``.
+class Hyper(NamedTuple):
+    """The hyperparameters of one IVON update, by name."""
+
+    lr: Scalar
+    """Step size α (``lr·(hess_init + δ)`` with ``rescale_lr``)."""
+    beta1: Scalar
+    """Gradient momentum β1."""
+    beta2: Scalar
+    """Hessian momentum β2."""
+    weight_decay: Scalar
+    """δ, the prior precision divided by ``ess``."""
+    ess: Scalar
+    """Effective sample size λ."""
+    bias_correction: Scalar
+    """``1 − β1ᵗ`` at step ``t`` (1 without debiasing)."""
+    clip_radius: Scalar | None
+    """Element-wise clipping radius of the preconditioned step (``None``: no clipping)."""
+
+
+def weight_sample(
+    mean: Tensor, hess: Tensor, noise: Tensor, mask: Tensor | None, *, weight_decay: Scalar
+) -> Tensor:
+    """A weight sample ``w = m + z/√(h+δ)`` from noise ``z ~ N(0, 1/λ)``, so ``w ~ N(m, σ²)``.
 
     Args:
-        h: Current Hessian estimate (positive), any shape.
-        h_hat: New reparameterisation estimate, same shape.
-        beta2: Hessian momentum in ``[0, 1)``.
-        delta: Weight decay δ (the prior precision per unit ess).
+        mean: Means ``m``, any shape.
+        hess: Hessian estimates ``h``, same shape.
+        noise: ``z``, drawn from ``N(0, 1/ess)``, same shape.
+        mask: Variational entries (``True``: gets noise), same shape, or ``None`` for all.
+        weight_decay: δ.
 
     Returns:
-        The new Hessian estimate.
+        ``w``, the shape of ``mean`` (equal to ``m`` outside ``mask``).
     """
-    return beta2 * h + (1 - beta2) * h_hat + 0.5 * (1 - beta2) ** 2 * (h - h_hat) ** 2 / (h + delta)
+    if mask is not None:
+        noise = noise * mask
+    return mean + noise * torch.rsqrt(hess + weight_decay)
 
 
-def _slot(scratch: list[list[Tensor]] | None, i: int) -> list[Tensor] | None:
-    return None if scratch is None else scratch[i]
+def hess_statistic(
+    grad: Tensor, sample: Tensor | None, mean: Tensor, *, hess_approx: str
+) -> Tensor:
+    """One MC sample's Hessian statistic: ``ε·g`` with ``ε = w − m`` (``"price"``) or ``g²`` (``"gradsq"``).
+
+    Args:
+        grad: Gradient ``g`` at the sample, any shape.
+        sample: The weight sample ``w``, same shape (not needed for ``"gradsq"``).
+        mean: Means ``m``, same shape.
+        hess_approx: ``"price"`` or ``"gradsq"``.
+
+    Returns:
+        The statistic, the shape of ``grad``.
+    """
+    if hess_approx == "gradsq":
+        return grad * grad
+    if sample is None:
+        raise ValueError("hess_statistic: 'price' needs the weight sample")
+    return (sample - mean) * grad
 
 
-def _add(
-    tensors: list[Tensor],
-    scalar: float,
-    out: list[Tensor] | None,
-    other: list[Tensor] | None = None,
-) -> Tensors:
-    """``tensors + scalar`` (or ``tensors + scalar·other``), written into ``out`` when given, else new."""
-    if out is None:
-        if other is None:
-            return torch._foreach_add(tensors, scalar)
-        return torch._foreach_add(tensors, other, alpha=scalar)
-    for i, (t, dst) in enumerate(zip(tensors, out, strict=True)):
-        if other is None:
-            torch.add(t, scalar, out=dst)
-        else:
-            torch.add(t, other[i], alpha=scalar, out=dst)
-    return out
-
-
-def _addcmul(
-    base: Tensors, t1: Tensors, t2: Tensors, value: float, out: list[Tensor] | None
-) -> Tensors:
-    """``base + value·t1·t2``, written into ``out`` when given, else new."""
-    if out is None:
-        return torch._foreach_addcmul(base, t1, t2, value=value)
-    for b, x, y, o in zip(base, t1, t2, out, strict=True):
-        torch.addcmul(b, x, y, value=value, out=o)
-    return out
-
-
-def running_mean_(avg: list[Tensor], new: list[Tensor], count: int) -> None:
-    """Welford running mean in place: ``avg ← avg + (new − avg)/count``, for the ``count``-th value."""
-    torch._foreach_lerp_(avg, new, 1.0 / count)
-
-
-def draw_(
-    samples: list[Tensor],
-    means: list[Tensor],
-    hess: list[Tensor],
-    masks: list[Tensor] | None,
+def ivon_update(
+    mean: Tensor,
+    momentum: Tensor,
+    hess: Tensor,
+    grad: Tensor,
+    stat: Tensor | None,
+    mask: Tensor | None,
+    hyper: Hyper,
     *,
-    std: float,
-    delta: float,
-    generator: torch.Generator | None,
-    draw: bool = True,
-    scratch: list[list[Tensor]] | None = None,
-) -> None:
-    """Draw ``z ~ N(0, std²)`` into ``samples`` and turn it into the weight sample ``m + z/√(h+δ)``.
+    hess_approx: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One IVON step (Alg. 1, lines 5–8) for one tensor of entries; returns the new ``(m, μ, h)``.
 
-    With ``std = 1/√λ`` this is ``w = m + ε``, ``ε ~ N(0, σ²)``. The draw is one ``normal_`` per tensor in
-    list order (so chunks of one parameter draw in order too); entries outside ``masks`` get ``ε = 0``.
+    With ``ĝ = grad`` (the gradient averaged over the MC samples) and ``stat`` averaged likewise::
 
-    Args:
-        samples: Buffers of the parameters' shapes, overwritten with the samples.
-        means: Means ``m`` (read only).
-        hess: Hessian estimates ``h`` (read only).
-        masks: Boolean masks of the variational entries, or ``None`` (all entries).
-        std: ``1/√ess``.
-        delta: Weight decay δ.
-        generator: Generator for the draw (``None``: the global RNG of the device).
-        draw: Draw the noise here; ``False`` when ``samples`` already hold ``z``.
-        scratch: Reused buffers (one chunk per list; see :mod:`partialbayes.ivon._blocked`).
-    """
-    if draw:
-        for z in samples:
-            z.normal_(0.0, std, generator=generator)
-    if masks is not None:
-        torch._foreach_mul_(samples, masks)
-    scale = _add(hess, delta, _slot(scratch, 0))
-    torch._foreach_rsqrt_(scale)
-    if scratch is None:  # addcmul (fused multiply-add) rounds like the scratch path below
-        torch._foreach_copy_(samples, torch._foreach_addcmul(means, samples, scale))
-    else:  # one fused pass: w = m + z·s
-        for w, m, s in zip(samples, means, scale, strict=True):
-            torch.addcmul(m, w, s, out=w)
-
-
-def price_product_(
-    out: list[Tensor], samples: list[Tensor], means: list[Tensor], grads: list[Tensor]
-) -> None:
-    """``out ← (w − m)·g``: the applied perturbation ``ε`` times the gradient (``out`` may be ``samples``).
-
-    Using ``w − m`` (the perturbation actually applied, after rounding) rather than the drawn noise saves a
-    buffer; in exact arithmetic they agree.
+        ĥ = λ·(h+δ)·stat                        ("price": stat = ε·g, so ĥ = ε·g/σ²)   or   ĥ = stat ("gradsq")
+        μ ← β1·μ + (1−β1)·ĝ
+        h ← β2·h + (1−β2)·ĥ + ½(1−β2)²·(h−ĥ)²/(h+δ)          (h stays positive even where ĥ < 0)
+        m ← m − α·clip((μ/(1−β1ᵗ) + δ·m)/(h+δ), ±clip_radius)
 
     Args:
-        out: Destination buffers, same shapes.
-        samples: Weight samples ``w``.
-        means: Means ``m``.
-        grads: Gradients ``g`` at ``w``.
+        mean: Means ``m``, any shape.
+        momentum: Momentum ``μ``, same shape.
+        hess: Hessian estimates ``h > 0``, same shape.
+        grad: MC-averaged gradient ``ĝ``, same shape.
+        stat: MC-averaged statistic of :func:`hess_statistic`, same shape; ``None`` keeps ``h`` fixed (entries
+            that are not variational).
+        mask: Entries whose ``h`` is learned (elsewhere ``h`` stays fixed), or ``None`` for all.
+        hyper: The hyperparameters.
+        hess_approx: ``"price"`` or ``"gradsq"``: what ``stat`` holds.
+
+    Returns:
+        The new mean, momentum and Hessian estimate, each the shape of ``mean``.
     """
-    for o, w, m, g in zip(out, samples, means, grads, strict=True):
-        torch.sub(w, m, out=o)
-        o.mul_(g)
-
-
-def update_(
-    means: list[Tensor],
-    momentum: list[Tensor],
-    hess: list[Tensor],
-    grads: list[Tensor],
-    est: list[Tensor] | None,
-    masks: list[Tensor] | None,
-    *,
-    est_kind: str | None,
-    beta1: float,
-    beta2: float,
-    delta: float,
-    ess: float,
-    lr: float,
-    debias: float,
-    clip_radius: float,
-    scratch: list[list[Tensor]] | None = None,
-) -> None:
-    """One IVON step in place: momentum, Hessian (unless ``est_kind`` is ``None``) and mean.
-
-    ``μ ← β1·μ + (1−β1)·ĝ``; ``h ← β2·h + (1−β2)·ĥ + ½(1−β2)²(h−ĥ)²/(h+δ)``, written as
-    ``d = h − ĥ``, ``h ← h − (1−β2)·d + ½(1−β2)²·d²/(h+δ)``; then
-    ``m ← m − (lr/debias)·clip((μ + debias·δ·m)/(h+δ), ±debias·clip_radius)``.
-
-    Args:
-        means: Means ``m`` (the parameters).
-        momentum: Momentum ``μ``.
-        hess: Hessian estimates ``h``.
-        grads: MC-averaged gradients ``ĝ``.
-        est: The Hessian statistic, as ``est_kind`` says (see :data:`EST_KINDS`); destroyed.
-        masks: Variational entries (``h`` is kept fixed elsewhere), or ``None`` for all.
-        est_kind: One of :data:`EST_KINDS`.
-        beta1: Gradient momentum β1.
-        beta2: Hessian momentum β2.
-        delta: Weight decay δ.
-        ess: Effective sample size λ.
-        lr: Effective learning rate (after ``rescale_lr``).
-        debias: ``1 − β1ᵗ`` or 1.
-        clip_radius: Element-wise clipping radius.
-        scratch: Two lists of reused buffers for the temporaries (``None``: allocate).
-    """
-    torch._foreach_lerp_(momentum, grads, 1.0 - beta1)
-    if est_kind is not None:
-        denom = _add(hess, delta, _slot(scratch, 0))  # h + δ
-        if est_kind in ("sample", "price"):
-            if est is None:
-                raise ValueError(f"update_: est_kind {est_kind!r} needs est")
-            if est_kind == "sample":
-                price_product_(est, est, means, grads)  # ε·g
-            diff = _addcmul(hess, est, denom, -ess, _slot(scratch, 1))  # h − ĥ = h − λ·ε·g·(h+δ)
-        elif est_kind == "gradsq":
-            if est is None:
-                raise ValueError("update_: est_kind 'gradsq' needs est")
-            diff = _add(hess, -1.0, _slot(scratch, 1), other=est)
-        elif est_kind == "grad":
-            diff = _addcmul(hess, grads, grads, -1.0, _slot(scratch, 1))
-        else:
-            raise ValueError(f"update_: unknown est_kind {est_kind!r}")
-        if masks is not None:  # ĥ := h outside the mask, so h stays fixed there
-            torch._foreach_mul_(diff, masks)
-        torch._foreach_add_(hess, diff, alpha=-(1.0 - beta2))
-        torch._foreach_mul_(diff, diff)
-        torch._foreach_addcdiv_(hess, diff, denom, value=0.5 * (1.0 - beta2) ** 2)
-        del denom, diff
-    # direction·debias = μ + debias·δ·m, over h + δ; the debias factor is folded into lr and the radius.
-    direction = _add(momentum, delta * debias, _slot(scratch, 1), other=means)
-    denom = _add(hess, delta, _slot(scratch, 0))
-    if clip_radius == float("inf"):
-        torch._foreach_addcdiv_(means, direction, denom, value=-lr / debias)
-        return
-    torch._foreach_div_(direction, denom)
-    torch._foreach_clamp_min_(direction, -clip_radius * debias)
-    torch._foreach_clamp_max_(direction, clip_radius * debias)
-    torch._foreach_add_(means, direction, alpha=-lr / debias)
+    momentum = hyper.beta1 * momentum + (1 - hyper.beta1) * grad
+    if stat is not None:
+        h_plus_delta = hess + hyper.weight_decay
+        h_hat = hyper.ess * h_plus_delta * stat if hess_approx == "price" else stat
+        one_minus_beta2 = 1 - hyper.beta2
+        new_hess = (
+            hyper.beta2 * hess
+            + one_minus_beta2 * h_hat
+            + 0.5 * one_minus_beta2**2 * (hess - h_hat) ** 2 / h_plus_delta
+        )
+        hess = new_hess if mask is None else torch.where(mask, new_hess, hess)
+    direction = (momentum / hyper.bias_correction + hyper.weight_decay * mean) / (
+        hess + hyper.weight_decay
+    )
+    if hyper.clip_radius is not None:
+        direction = direction.clamp(-hyper.clip_radius, hyper.clip_radius)  # type: ignore[arg-type]
+    return mean - hyper.lr * direction, momentum, hess

@@ -4,6 +4,10 @@ Implements Antorán et al. (ICLR 2023), *Sampling-based inference for large line
 application to linearised Laplace*. The model is ``y_n = Φ_n θ + η_n`` with ``θ ~ N(0, A⁻¹)`` and
 ``η_n ~ N(0, B_n⁻¹)``; the features ``Φ`` are minibatched operators (JVP / VJP), so nothing of size
 ``d × d`` is ever formed.
+
+For a network, `SampledLaplace` is the sampling-based linearised Laplace posterior over a
+``partialbayes.selection.Subset`` of its weights, a ``partialbayes.predictive.Posterior`` (``sample``,
+``swapped``, ``predict``, ``save`` / ``load``) built from any training loader.
 """
 
 from partialbayes.linear_sampling._cg import conjugate_gradients
@@ -22,9 +26,15 @@ from partialbayes.linear_sampling._linearised import (
     linearised_targets,
 )
 from partialbayes.linear_sampling._network import (
+    loader_features,
     network_features,
     network_logits,
     network_parameters,
+)
+from partialbayes.linear_sampling._posterior import (
+    SampledLaplace,
+    load_sampled_laplace,
+    save_sampled_laplace,
 )
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior, softmax_hessian
 from partialbayes.linear_sampling._sgd import DivergenceError, SGDConfig, SolveInfo
@@ -44,6 +54,7 @@ __all__ = [
     "PosteriorSamples",
     "Prior",
     "SGDConfig",
+    "SampledLaplace",
     "SolveInfo",
     "conjugate_gradients",
     "dense_log_evidence",
@@ -53,12 +64,15 @@ __all__ = [
     "linearised_logit_moments",
     "linearised_logit_samples",
     "linearised_targets",
+    "load_sampled_laplace",
+    "loader_features",
     "mackay_update",
     "network_features",
     "network_logits",
     "network_parameters",
     "posterior_mean",
     "posterior_samples",
+    "save_sampled_laplace",
     "scale_features",
     "softmax_hessian",
 ]

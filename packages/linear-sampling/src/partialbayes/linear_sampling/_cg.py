@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -30,11 +31,15 @@ def cg_solve(
         ``(x [d, k], iterations, relative residual [k])``.
 
     Raises:
-        ValueError: If the operator is not positive definite along a search direction, or a residual
-            becomes non-finite.
+        ValueError: If ``b`` or the initial residual is not finite, the operator is not positive
+            definite along a search direction, or a residual becomes non-finite.
     """
+    if not bool(torch.isfinite(b).all()):
+        raise ValueError("conjugate gradients: the right-hand side b has non-finite entries")
     x = torch.zeros_like(b) if x0 is None else x0.clone()
     r = b - matvec(x) if x0 is not None else b.clone()
+    if not bool(torch.isfinite(r).all()):
+        raise ValueError("conjugate gradients: the initial residual b - H x0 is not finite")
     p = r.clone()
     rs = (r * r).sum(0)
     b_norm = b.norm(dim=0).clamp_min(torch.finfo(b.dtype).tiny)
@@ -79,9 +84,38 @@ def conjugate_gradients(
         ``x`` with the shape of ``b``.
 
     Raises:
-        ValueError: If the operator is not positive definite along a search direction.
+        TypeError: If ``b`` is not a floating tensor or ``matvec`` is not callable.
+        ValueError: If ``b`` has NaN or inf entries or the wrong rank, ``tol`` or ``max_iter`` are
+            out of range, ``matvec`` returns the wrong shape or non-finite values, or the operator
+            is not positive definite along a search direction.
     """
+    if not callable(matvec):
+        raise TypeError(f"matvec must be callable, got {type(matvec).__name__}")
+    if not isinstance(b, Tensor) or not b.dtype.is_floating_point:
+        raise TypeError(f"b must be a floating tensor, got {type(b).__name__}")
+    if b.ndim not in (1, 2) or b.numel() == 0:
+        raise ValueError(f"b must have shape [d] or [d, k] with d, k >= 1, got {tuple(b.shape)}")
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < math.inf:
+        raise ValueError(f"tol must be a finite number >= 0, got {tol!r}")
+    if max_iter is not None and (
+        isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1
+    ):
+        raise ValueError(f"max_iter must be a positive int or None, got {max_iter!r}")
+
+    def checked(v: Tensor) -> Tensor:
+        arg = v[:, 0] if b.ndim == 1 else v
+        out = matvec(arg)
+        if not isinstance(out, Tensor) or out.shape != arg.shape:
+            shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+            raise ValueError(
+                f"matvec returned {shape} for an input of shape {tuple(arg.shape)}; "
+                "it must return the shape of its input"
+            )
+        if not bool(torch.isfinite(out).all()):
+            raise ValueError("matvec returned NaN or inf")
+        return out.unsqueeze(1) if b.ndim == 1 else out
+
     if b.ndim == 1:
-        x, _, _ = cg_solve(lambda v: matvec(v[:, 0]).unsqueeze(1), b.unsqueeze(1), tol, max_iter)
+        x, _, _ = cg_solve(checked, b.unsqueeze(1), tol, max_iter)
         return x[:, 0]
-    return cg_solve(matvec, b, tol, max_iter)[0]
+    return cg_solve(checked, b, tol, max_iter)[0]

@@ -10,10 +10,15 @@ import torch
 from torch import Tensor
 
 from partialbayes.linear_sampling._features import Features, batches, scale_features
-from partialbayes.linear_sampling._ops import curvature_matvec, default_batch_size, targets_3d
+from partialbayes.linear_sampling._ops import (
+    check_generator,
+    curvature_matvec,
+    default_batch_size,
+    targets_3d,
+)
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior
 from partialbayes.linear_sampling._sgd import SGDConfig
-from partialbayes.linear_sampling._solve import posterior_mean, posterior_samples
+from partialbayes.linear_sampling._solve import check_problem, posterior_mean, posterior_samples
 
 _ESTIMATORS = ("function", "weight")
 
@@ -52,7 +57,7 @@ def effective_dimension(
         ``[G]`` estimates (``G = 1`` for a scalar prior).
 
     Raises:
-        ValueError: On an unknown estimator or a shape mismatch.
+        ValueError: On an unknown estimator, a shape mismatch or non-finite samples.
     """
     if estimator not in _ESTIMATORS:
         raise ValueError(f"estimator must be one of {_ESTIMATORS}, got {estimator!r}")
@@ -60,6 +65,8 @@ def effective_dimension(
         raise ValueError(
             f"samples have shape {tuple(samples.shape)} but the features expect (d={features.d}, k)"
         )
+    if not bool(torch.isfinite(samples).all()):
+        raise ValueError("samples have non-finite entries")
     groups = prior.group_index(features.d, features.device)
     n_groups = prior.n_groups
     k = samples.shape[1]
@@ -87,9 +94,13 @@ def mackay_update(mean: Tensor, gamma: Tensor, prior: Prior) -> Prior:
         The updated prior (same groups; ``alpha`` keeps its shape).
 
     Raises:
-        ValueError: If a group has a non-positive ``γ_g`` (too few samples for the weight-space
-            estimate) or a zero mean.
+        ValueError: If ``mean`` or ``gamma`` is not finite, a group has a non-positive ``γ_g`` (too
+            few samples for the weight-space estimate) or a zero mean.
     """
+    if not bool(torch.isfinite(mean).all()):
+        raise ValueError("mean has non-finite entries")
+    if not bool(torch.isfinite(gamma).all()):
+        raise ValueError("gamma has non-finite entries")
     groups = prior.group_index(mean.shape[0], mean.device)
     norms = _group_sum(mean * mean, groups, prior.n_groups)
     gamma = gamma.to(norms)
@@ -136,6 +147,9 @@ def feature_scales(
     Raises:
         ValueError: If a parameter has no curvature (a zero feature column).
     """
+    check_generator(generator)
+    if isinstance(n_probes, bool) or not isinstance(n_probes, int) or n_probes < 1:
+        raise ValueError(f"n_probes must be a positive int, got {n_probes!r}")
     noise.check(features.n, features.m)
     noise = noise.to(features.dtype, features.device)
     if features.matrix is not None:
@@ -215,7 +229,7 @@ def fit_prior_precision(
         estimator: ``"function"`` or ``"weight"`` (see
             [`effective_dimension`][partialbayes.linear_sampling.effective_dimension]).
         method: Solver for the mean and the samples, ``"cg"`` or ``"sgd"``.
-        sgd: SGD settings.
+        sgd: SGD settings (``method="sgd"`` only; an error otherwise).
         tol: Relative tolerance on ``α``.
         max_iter: Iteration cap.
         g_prior: Normalise the features to unit curvature first (``Φ' = Φ diag(1/s)``,
@@ -228,14 +242,20 @@ def fit_prior_precision(
         The fitted prior, mean, samples and history.
 
     Raises:
-        ValueError: On bad arguments or divergence.
+        ValueError: On bad arguments (``sgd`` settings with ``method="cg"`` among them) or divergence.
+        TypeError: If an argument has the wrong type.
     """
     if estimator not in _ESTIMATORS:
         raise ValueError(f"estimator must be one of {_ESTIMATORS}, got {estimator!r}")
-    if max_iter < 1:
-        raise ValueError(f"max_iter must be >= 1, got {max_iter}")
-    if not (math.isfinite(tol) and tol > 0):
-        raise ValueError(f"tol must be positive, got {tol}")
+    check_problem(features, noise, prior, method, sgd)
+    check_generator(generator)
+    for name, value in (("k", k), ("max_iter", max_iter)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < math.inf:
+        raise ValueError(f"tol must be a positive number, got {tol!r}")
+    if not isinstance(g_prior, bool):
+        raise TypeError(f"g_prior must be a bool, got {g_prior!r}")
     targets_3d(features, targets)  # validate early
     scale = (
         feature_scales(features, noise, batch_size=batch_size, generator=generator)

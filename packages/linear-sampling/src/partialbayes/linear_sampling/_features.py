@@ -54,10 +54,12 @@ class Features:
     def __post_init__(self) -> None:
         for name in ("n", "m", "d"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Features.{name} must be a positive int, got {value!r}")
-        if not self.dtype.is_floating_point:
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise TypeError(f"Features.dtype must be floating point, got {self.dtype}")
+        if not (callable(self.jvp) and callable(self.vjp)):
+            raise TypeError("Features.jvp and Features.vjp must be callable")
 
     @classmethod
     def dense(cls, phi: Tensor, *, check_finite: bool = True) -> Features:

@@ -45,9 +45,10 @@ def linearised_logit_samples(
         ``[k, n, m]`` logit samples (the layout ``predictive`` takes).
 
     Raises:
-        ValueError: If the samples do not have ``d`` rows.
+        ValueError: If the samples are not ``[d, k]`` or not finite.
     """
     feats = network_features(model, inputs, params, output_fn=output_fn)
+    _check_samples(samples, feats.d)
     mean = network_logits(model, inputs, batch_size=batch_size, output_fn=output_fn)
     out = torch.empty(feats.n, feats.m, samples.shape[-1], dtype=mean.dtype, device=mean.device)
     for idx in batches(feats.n, batch_size, feats.device):
@@ -55,6 +56,15 @@ def linearised_logit_samples(
             mean.dtype
         )
     return (mean.unsqueeze(2) + out).permute(2, 0, 1)
+
+
+def _check_samples(samples: Tensor, d: int) -> None:
+    if not isinstance(samples, Tensor) or not samples.dtype.is_floating_point:
+        raise TypeError(f"samples must be a floating [d, k] tensor, got {type(samples).__name__}")
+    if samples.ndim != 2 or samples.shape[0] != d:
+        raise ValueError(f"samples have shape {tuple(samples.shape)} but the network has d={d}")
+    if not bool(torch.isfinite(samples).all()):
+        raise ValueError("samples have non-finite entries")
 
 
 def linearised_logit_moments(
@@ -103,10 +113,7 @@ def linearised_logit_moments(
     mean = network_logits(model, inputs, batch_size=batch_size, output_fn=output_fn)
     cov = torch.empty(feats.n, feats.m, feats.m, dtype=feats.dtype, device=feats.device)
     if samples is not None:
-        if samples.ndim != 2 or samples.shape[0] != feats.d:
-            raise ValueError(
-                f"samples have shape {tuple(samples.shape)} but the network has d={feats.d}"
-            )
+        _check_samples(samples, feats.d)
         z = samples.to(device=feats.device, dtype=feats.dtype)
         for idx in batches(feats.n, batch_size, feats.device):
             jz = feats.apply(idx, z)
@@ -165,7 +172,7 @@ def linearised_targets(
         ``[n, m]`` targets.
 
     Raises:
-        ValueError: On shape mismatches or labels out of range.
+        ValueError: On shape mismatches, non-finite logits or ``theta``, or labels out of range.
     """
     n, m = features.n, features.m
     if tuple(logits.shape) != (n, m):
@@ -173,6 +180,12 @@ def linearised_targets(
     if labels.shape != (n,) or labels.dtype not in (torch.int64, torch.int32):
         raise ValueError(
             f"labels must be [n={n}] integers, got {labels.dtype} {tuple(labels.shape)}"
+        )
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError("logits have non-finite entries")
+    if theta.shape != (features.d,) or not bool(torch.isfinite(theta).all()):
+        raise ValueError(
+            f"theta must be a finite [d] = [{features.d}] tensor, got shape {tuple(theta.shape)}"
         )
     if int(labels.min()) < 0 or int(labels.max()) >= m:
         raise ValueError(

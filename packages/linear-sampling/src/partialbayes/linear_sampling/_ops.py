@@ -9,6 +9,14 @@ from partialbayes.linear_sampling._features import Features, batches
 from partialbayes.linear_sampling._precision import NoisePrecision
 
 
+def check_generator(generator: object) -> None:
+    """Raise ``TypeError`` unless ``generator`` is a ``torch.Generator`` or ``None``."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator or None, got {type(generator).__name__}"
+        )
+
+
 def default_batch_size(features: Features, batch_size: int | None) -> int:
     """``batch_size`` validated, defaulting to ``min(n, 256)``.
 
@@ -17,7 +25,7 @@ def default_batch_size(features: Features, batch_size: int | None) -> int:
     """
     if batch_size is None:
         return min(features.n, 256)
-    if not isinstance(batch_size, int) or batch_size < 1:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     return min(batch_size, features.n)
 
@@ -35,6 +43,8 @@ def targets_3d(features: Features, targets: Tensor) -> Tensor:
     Raises:
         ValueError: On a shape mismatch (both shapes named) or non-finite targets.
     """
+    if not isinstance(targets, torch.Tensor):
+        raise TypeError(f"targets must be a tensor, got {type(targets).__name__}")
     y = targets.unsqueeze(1) if targets.ndim == 1 else targets
     if y.ndim != 2 or tuple(y.shape) != (features.n, features.m):
         raise ValueError(

@@ -26,7 +26,7 @@ class NoisePrecision:
 
     def __post_init__(self) -> None:
         v = self.value
-        if isinstance(v, (int, float)):
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
             v = torch.tensor(float(v))
             object.__setattr__(self, "value", v)
         if not isinstance(v, Tensor) or not v.dtype.is_floating_point:
@@ -128,9 +128,11 @@ def softmax_hessian(logits: Tensor, jitter: float = 1e-6) -> NoisePrecision:
         ValueError: If ``logits`` is not ``[n, m]``, has non-finite entries, or ``jitter`` is not
             positive.
     """
+    if not isinstance(logits, Tensor) or not logits.dtype.is_floating_point:
+        raise TypeError(f"logits must be a floating tensor, got {type(logits).__name__}")
     if logits.ndim != 2:
         raise ValueError(f"logits must have shape [n, m], got {tuple(logits.shape)}")
-    if not math.isfinite(jitter) or jitter <= 0:
+    if isinstance(jitter, bool) or not math.isfinite(jitter) or jitter <= 0:
         raise ValueError(f"jitter must be positive, got {jitter}")
     if not bool(torch.isfinite(logits).all()):
         raise ValueError("logits have non-finite entries")
@@ -154,7 +156,7 @@ class Prior:
 
     def __post_init__(self) -> None:
         a = self.alpha
-        if isinstance(a, (int, float)):
+        if isinstance(a, (int, float)) and not isinstance(a, bool):
             a = torch.tensor(float(a))
             object.__setattr__(self, "alpha", a)
         if not isinstance(a, Tensor) or not a.dtype.is_floating_point or a.ndim > 1:
@@ -164,6 +166,8 @@ class Prior:
         if not bool(torch.isfinite(a).all() & (a > 0).all()):
             raise ValueError(f"prior precision alpha must be positive and finite, got {a.tolist()}")
         g = self.groups
+        if g is not None and not isinstance(g, Tensor):
+            raise TypeError(f"groups must be a [d] integer tensor or None, got {type(g).__name__}")
         if g is None:
             if a.ndim == 1 and a.shape[0] != 1:
                 raise ValueError(f"alpha has {a.shape[0]} groups but no groups tensor was given")

@@ -6,6 +6,8 @@ Model: ``y_n = Φ_n θ + η_n``, ``θ ~ N(0, A⁻¹)``, ``η_n ~ N(0, B_n⁻¹)`
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +16,7 @@ from torch import Tensor
 from partialbayes.linear_sampling._cg import cg_solve
 from partialbayes.linear_sampling._features import Features
 from partialbayes.linear_sampling._ops import (
+    check_generator,
     curvature_matvec,
     default_batch_size,
     features_t_noise,
@@ -27,6 +30,7 @@ from partialbayes.linear_sampling._sgd import (
     power_max_eigenvalue,
     sgd_minimise,
 )
+from partialbayes.linear_sampling._svrg import svrg_minimise
 
 _METHODS = ("cg", "sgd")
 _OBJECTIVES = ("low_variance", "standard")
@@ -59,7 +63,20 @@ class PosteriorSamples:
     info: SolveInfo
 
 
-def _check(features: Features, noise: NoisePrecision, prior: Prior, method: str) -> tuple:
+def check_problem(
+    features: Features,
+    noise: NoisePrecision,
+    prior: Prior,
+    method: str,
+    sgd: SGDConfig | None,
+) -> tuple[NoisePrecision, Tensor]:
+    """Validate the common arguments; returns the noise on the features' device and ``diag(A)``.
+
+    Raises:
+        TypeError: If ``features``, ``noise``, ``prior`` or ``sgd`` has the wrong type.
+        ValueError: On an unknown method, ``sgd`` settings with ``method="cg"``, or shapes that do
+            not fit the features.
+    """
     if not isinstance(features, Features):
         raise TypeError(f"features must be Features, got {type(features).__name__}")
     if not isinstance(noise, NoisePrecision):
@@ -68,46 +85,123 @@ def _check(features: Features, noise: NoisePrecision, prior: Prior, method: str)
         raise TypeError(f"prior must be a Prior, got {type(prior).__name__}")
     if method not in _METHODS:
         raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+    if sgd is not None and not isinstance(sgd, SGDConfig):
+        raise TypeError(f"sgd must be an SGDConfig or None, got {type(sgd).__name__}")
+    if sgd is not None and method != "sgd":
+        raise ValueError(
+            f"sgd settings were given but method={method!r}: they apply to method='sgd' only"
+        )
     noise.check(features.n, features.m)
     noise = noise.to(features.dtype, features.device)
     a = prior.diag(features.d, features.dtype, features.device)
     return noise, a
 
 
-def _lr(features, noise, a, batch_size, config, generator) -> float:
+def _check_solver_options(tol: float, max_iter: int | None) -> None:
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)):
+        raise TypeError(f"tol must be a number, got {tol!r}")
+    if not 0 <= tol < math.inf:
+        raise ValueError(f"tol must be finite and >= 0, got {tol}")
+    if max_iter is not None and (
+        isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1
+    ):
+        raise ValueError(f"max_iter must be a positive int or None, got {max_iter!r}")
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """``H x = c`` with ``H = ΦᵀBΦ + A``: the products every solver needs.
+
+    Attributes:
+        features: ``Φ``.
+        noise: ``B`` on the features' device.
+        a: ``[d]`` diagonal of ``A``.
+        c: ``[d, k]`` right-hand sides.
+        batch_size: Observations per operator call of the full-data products.
+    """
+
+    features: Features
+    noise: NoisePrecision
+    a: Tensor
+    c: Tensor
+    batch_size: int
+
+    @property
+    def a1(self) -> Tensor:
+        """``diag(A)`` as a ``[d, 1]`` column."""
+        return self.a.unsqueeze(1)
+
+    def data_batch(self, idx: Tensor, v: Tensor) -> Tensor:
+        """``(n/b) Φ_idxᵀ B Φ_idx v``: the data curvature of a minibatch, scaled to the full sum."""
+        f = self.features
+        return (f.n / idx.shape[0]) * f.apply_t(idx, self.noise.apply(idx, f.apply(idx, v)))
+
+    def batch_matvec(self, v: Tensor, idx: Tensor) -> Tensor:
+        """``Ĥ_idx v``."""
+        return self.data_batch(idx, v) + self.a1 * v
+
+    def matvec(self, v: Tensor) -> Tensor:
+        """``H v`` over all observations."""
+        return curvature_matvec(self.features, self.noise, v, self.batch_size) + self.a1 * v
+
+    def residual(self, x: Tensor) -> Tensor:
+        """``H x − c`` over all observations."""
+        return self.matvec(x) - self.c
+
+
+def _lr(problem: _Problem, batch_size: int, config: SGDConfig, generator) -> float:
     if config.lr is not None:
         return config.lr
-    scale = features.n / batch_size
+    features = problem.features
 
     def matvec(v: Tensor, _: int) -> Tensor:
         idx = torch.randperm(features.n, generator=generator)[:batch_size].to(features.device)
-        hv = features.apply_t(idx, noise.apply(idx, features.apply(idx, v)))
-        return scale * hv + a.unsqueeze(1) * v
+        return problem.batch_matvec(v, idx)
 
     lam = power_max_eigenvalue(matvec, features.d, features.dtype, features.device, 20, generator)
     return config.lr_scale / lam
 
 
 def _minimise(
-    features, noise, a, rhs, grad_fn, method, tol, max_iter, sgd, batch_size, generator, init
+    problem: _Problem,
+    grad_fn: Callable[[Tensor, Tensor], Tensor],
+    x0: Tensor | None,
+    method: str,
+    tol: float,
+    max_iter: int | None,
+    sgd: SGDConfig | None,
+    generator: torch.Generator | None,
 ) -> tuple[Tensor, SolveInfo]:
+    features = problem.features
     if method == "cg":
-        x, iters, res = cg_solve(
-            lambda v: curvature_matvec(features, noise, v, batch_size) + a.unsqueeze(1) * v,
-            rhs,
-            tol,
-            max_iter,
-            init,
-        )
+        x, iters, res = cg_solve(problem.matvec, problem.c, tol, max_iter, x0)
         converged = bool((res <= tol).all())
         return x, SolveInfo(
             "cg", iters, converged, history=[{"step": iters, "residual": float(res.max())}]
         )
-    config = sgd or SGDConfig()
-    b = default_batch_size(features, config.batch_size if sgd is not None else batch_size)
-    lr = _lr(features, noise, a, b, config, generator)
-    x0 = torch.zeros_like(rhs) if init is None else init.to(rhs)
-    return sgd_minimise(grad_fn(b), x0, features.n, b, config, lr, generator)
+    x0 = torch.zeros_like(problem.c) if x0 is None else x0
+    config = sgd or SGDConfig(batch_size=problem.batch_size)
+    b = default_batch_size(features, config.batch_size)
+    if config.variance_reduction:
+        per_step = math.ceil(features.n / math.ceil(features.n / b))  # equal-sized batches
+        lr = _lr(problem, per_step, config, generator)
+        return svrg_minimise(
+            problem.batch_matvec,
+            problem.residual,
+            problem.c,
+            problem.a,
+            x0,
+            features.n,
+            b,
+            config,
+            lr,
+            config.lr is None,
+            generator,
+        )
+    lr = _lr(problem, b, config, generator)
+    return sgd_minimise(
+        grad_fn, problem.residual, problem.c, problem.a, x0, features.n, b, config, lr, generator
+    )
 
 
 def posterior_mean(
@@ -132,48 +226,56 @@ def posterior_mean(
         noise: Noise precision ``B``.
         prior: Prior precision ``A``.
         method: ``"cg"`` (conjugate gradients, full-data products; for moderate sizes) or ``"sgd"``
-            (minibatch Nesterov SGD with Polyak averaging; one epoch costs ``O(n·d)``).
-        tol: CG relative residual tolerance (SGD uses ``sgd.tol``).
+            (minibatch steps, variance-reduced by default, see
+            [`SGDConfig`][partialbayes.linear_sampling.SGDConfig]; one epoch costs ``O(n·d)``).
+        tol: CG relative residual tolerance (SGD uses ``sgd.tol``, a bound on the relative error).
         max_iter: CG iteration cap (default ``d``).
-        sgd: SGD settings (default ``SGDConfig()``).
+        sgd: SGD settings (default ``SGDConfig()``); an error with ``method="cg"``.
         batch_size: Observations per operator call for CG, and the SGD batch size when ``sgd`` is None.
         generator: CPU generator for the SGD minibatch order.
-        init: Warm start ``[d]``.
+        init: Warm start ``[d]`` for either method (default zeros, the prior mean).
 
     Returns:
-        The mean and solver information.
+        The mean and solver information (``info.converged`` says whether the tolerance was met).
 
     Raises:
-        ValueError: On shape mismatches, non-finite inputs, or divergence
+        ValueError: On shape mismatches (``init`` of the wrong shape names ``[d]``), non-finite
+            inputs, ``sgd`` settings with ``method="cg"``, or divergence
             ([`DivergenceError`][partialbayes.linear_sampling.DivergenceError]).
         TypeError: If an argument has the wrong type.
     """
-    noise, a = _check(features, noise, prior, method)
+    noise, a = check_problem(features, noise, prior, method, sgd)
+    _check_solver_options(tol, max_iter)
+    check_generator(generator)
     y = targets_3d(features, targets)
     bs = default_batch_size(features, batch_size)
+    x0 = _initial_mean(features, init)
+    problem = _Problem(features, noise, a, features_t_noise(features, noise, y, bs), bs)
 
-    def grad_fn(b: int):
-        scale = features.n / b
+    def grad_fn(x: Tensor, idx: Tensor) -> Tensor:
+        r = features.apply(idx, x) - y[idx]
+        return (features.n / idx.shape[0]) * features.apply_t(
+            idx, noise.apply(idx, r)
+        ) + problem.a1 * x
 
-        def fn(x: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
-            r = features.apply(idx, x) - y[idx]
-            br = noise.apply(idx, r)
-            grad = scale * features.apply_t(idx, br) + a.unsqueeze(1) * x
-            obj = 0.5 * scale * (r * br).sum((0, 1)) + 0.5 * (a.unsqueeze(1) * x * x).sum(0)
-            return grad, obj
-
-        return fn
-
-    rhs = (
-        features_t_noise(features, noise, y, bs)
-        if method == "cg"
-        else torch.zeros(features.d, 1, dtype=features.dtype, device=features.device)
-    )
-    x0 = None if init is None else init.reshape(features.d, 1).to(rhs)
-    x, info = _minimise(
-        features, noise, a, rhs, grad_fn, method, tol, max_iter, sgd, bs, generator, x0
-    )
+    x, info = _minimise(problem, grad_fn, x0, method, tol, max_iter, sgd, generator)
     return PosteriorMean(x[:, 0], info)
+
+
+def _initial_mean(features: Features, init: Tensor | None) -> Tensor | None:
+    if init is None:
+        return None
+    if not isinstance(init, Tensor):
+        raise TypeError(f"init must be a tensor of shape [{features.d}] or None, got {init!r}")
+    if tuple(init.shape) not in ((features.d,), (features.d, 1)):
+        raise ValueError(
+            f"init has shape {tuple(init.shape)} but the features expect [d] = [{features.d}]"
+        )
+    if not init.dtype.is_floating_point:
+        raise TypeError(f"init must be a floating tensor, got dtype {init.dtype}")
+    if not bool(torch.isfinite(init).all()):
+        raise ValueError("init has non-finite entries")
+    return init.reshape(features.d, 1).to(device=features.device, dtype=features.dtype)
 
 
 def posterior_samples(
@@ -196,7 +298,10 @@ def posterior_samples(
     objective ``½ Σ_n ‖Φ_n z‖²_{B_n} + ½ ‖z − θⁿ‖²_A`` with ``θⁿ = θ⁰ + A⁻¹ Φᵀ B^½ ε`` has the minimiser
     ``H⁻¹(Aθ⁰ + ΦᵀB^½ε)``, exactly ``N(0, H⁻¹)``. The standard objective
     ``½ Σ_n ‖Φ_n z − B_n^{-½ᵀ} ε_n‖²_{B_n} + ½ ‖z − θ⁰‖²_A`` has the same minimiser, but its
-    minibatch gradients are noisier near the optimum (the noise targets enter every step).
+    minibatch gradients are noisier near the optimum (the noise targets enter every step). The
+    objective matters only to plain SGD (``SGDConfig(variance_reduction=False)``): CG and the default
+    variance-reduced solver take the same steps for both. Every solver starts at ``θ⁰``, which is
+    already the minimiser on the null space of ``Φ`` (where only the prior pulls).
 
     Args:
         features: Features ``Φ``.
@@ -208,54 +313,45 @@ def posterior_samples(
         objective: ``"low_variance"`` (default) or ``"standard"``.
         tol: CG relative residual tolerance.
         max_iter: CG iteration cap.
-        sgd: SGD settings.
+        sgd: SGD settings (default ``SGDConfig()``); an error with ``method="cg"``.
         batch_size: Observations per operator call (CG) / SGD batch size when ``sgd`` is None.
         generator: CPU generator for ``θ⁰``, ``ε`` and the minibatch order.
 
     Returns:
-        The samples and solver information.
+        The samples and solver information (``info.converged`` says whether the tolerance was met).
 
     Raises:
-        ValueError: On bad arguments or divergence.
+        ValueError: On bad arguments, ``sgd`` settings with ``method="cg"``, or divergence.
         TypeError: If an argument has the wrong type.
     """
-    noise, a = _check(features, noise, prior, method)
+    noise, a = check_problem(features, noise, prior, method, sgd)
+    _check_solver_options(tol, max_iter)
+    check_generator(generator)
     if objective not in _OBJECTIVES:
         raise ValueError(f"objective must be one of {_OBJECTIVES}, got {objective!r}")
-    if not isinstance(k, int) or k < 1:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive int, got {k!r}")
     bs = default_batch_size(features, batch_size)
     a1 = a.unsqueeze(1)
     theta0 = torch.randn(features.d, k, generator=generator, dtype=features.dtype)
     theta0 = theta0.to(features.device) / a1.sqrt()
-    keep = objective == "standard" and method == "sgd"
+    plain = method == "sgd" and not (sgd or SGDConfig()).variance_reduction
+    keep = objective == "standard" and plain  # only plain SGD reads ε again
     proj, eps = features_t_noise_sqrt(features, noise, k, bs, generator, keep=keep)
     theta_n = theta0 + proj / a1
-    rhs = a1 * theta_n
+    problem = _Problem(features, noise, a, a1 * theta_n, bs)
 
-    def grad_fn(b: int):
-        scale = features.n / b
+    def low_variance(z: Tensor, idx: Tensor) -> Tensor:
+        return problem.data_batch(idx, z) + a1 * (z - theta_n)
 
-        def low_variance(z: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
-            fz = features.apply(idx, z)
-            bfz = noise.apply(idx, fz)
-            diff = z - theta_n
-            grad = scale * features.apply_t(idx, bfz) + a1 * diff
-            obj = 0.5 * scale * (fz * bfz).sum((0, 1)) + 0.5 * (a1 * diff * diff).sum(0)
-            return grad, obj
+    def standard(z: Tensor, idx: Tensor) -> Tensor:
+        assert eps is not None
+        r = features.apply(idx, z) - noise.apply_inv_sqrt_t(idx, eps[idx])
+        scale = features.n / idx.shape[0]
+        return scale * features.apply_t(idx, noise.apply(idx, r)) + a1 * (z - theta0)
 
-        def standard(z: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
-            assert eps is not None
-            r = features.apply(idx, z) - noise.apply_inv_sqrt_t(idx, eps[idx])
-            br = noise.apply(idx, r)
-            diff = z - theta0
-            grad = scale * features.apply_t(idx, br) + a1 * diff
-            obj = 0.5 * scale * (r * br).sum((0, 1)) + 0.5 * (a1 * diff * diff).sum(0)
-            return grad, obj
-
-        return low_variance if objective == "low_variance" else standard
-
-    z, info = _minimise(
-        features, noise, a, rhs, grad_fn, method, tol, max_iter, sgd, bs, generator, None
-    )
+    grad_fn = low_variance if objective == "low_variance" else standard
+    # Start at the prior draw θ⁰: both objectives' minimiser equals θ⁰ on the null space of Φ, where
+    # only the weak prior curvature would otherwise pull the iterate (slowly) away from zero.
+    z, info = _minimise(problem, grad_fn, theta0, method, tol, max_iter, sgd, generator)
     return PosteriorSamples(z, info)

@@ -14,6 +14,7 @@ from partialbayes.predictive._batch import (
     flatten_outputs,
     kept_positions,
     model_logits,
+    move_batch,
     output_logits,
     split_batch,
 )
@@ -39,9 +40,13 @@ from partialbayes.predictive._metrics import accuracy, brier, gaussian_nll, nll
 from partialbayes.predictive._posterior import (
     Posterior,
     check_count,
+    check_generator,
+    check_sample,
+    eval_mode,
     resolve_link,
     rows,
     sampled_logits,
+    sampled_predict,
 )
 from partialbayes.predictive._stream import (
     MCPrediction,
@@ -66,11 +71,14 @@ __all__ = [
     "batch_size",
     "brier",
     "check_count",
+    "check_generator",
+    "check_sample",
     "cholesky_jitter",
     "decompose_classification",
     "decompose_regression",
     "ece",
     "entropy",
+    "eval_mode",
     "fit_temperature",
     "flatten_outputs",
     "gaussian_nll",
@@ -84,6 +92,7 @@ __all__ = [
     "mc_predictive",
     "mce",
     "model_logits",
+    "move_batch",
     "nll",
     "output_logits",
     "probit",
@@ -94,5 +103,6 @@ __all__ = [
     "rows",
     "sample_logits",
     "sampled_logits",
+    "sampled_predict",
     "split_batch",
 ]

@@ -126,12 +126,48 @@ def split_batch(batch: Any, *, device: torch.device | str | None = None) -> Batc
     return Batch(inputs=inputs, labels=labels, attention_mask=mask)
 
 
+def move_batch(batch: Any, device: torch.device | str) -> Any:
+    """The same batch with every tensor moved to ``device``, keeping its kind.
+
+    A tensor stays a tensor, a pair stays a pair (a tuple), and a ``Mapping`` (``dict``,
+    ``transformers.BatchEncoding``) becomes a ``dict`` with the same keys; values that are not tensors
+    pass through. For handing a batch to a user's own ``loss_fn(model, batch)``.
+
+    Args:
+        batch: A batch of any accepted kind (see `split_batch`).
+        device: Target device.
+
+    Returns:
+        The moved batch.
+
+    Raises:
+        TypeError: If the batch is of another kind (named, with the accepted ones).
+    """
+    dev = torch.device(device)
+    if isinstance(batch, Tensor):
+        return batch.to(dev)
+    if isinstance(batch, Mapping):
+        return {k: _to(v, dev) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        first, labels = batch
+        if isinstance(first, Mapping):
+            first = {k: _to(v, dev) for k, v in first.items()}
+        return (_to(first, dev), _to(labels, dev))
+    shape = f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""
+    raise TypeError(f"batch must be {_ACCEPTED}; got {type(batch).__name__}{shape}")
+
+
 def batch_size(inputs: Tensor | Mapping[str, Any]) -> int:
     """Number of examples in model inputs: the common leading size of its tensors.
 
     Raises:
+        TypeError: If ``inputs`` is neither a tensor nor a mapping.
         ValueError: If the tensors of a mapping disagree on their leading size, or it holds none.
     """
+    if not isinstance(inputs, (Tensor, Mapping)):
+        raise TypeError(
+            f"inputs must be a tensor or a mapping of tensors, got {type(inputs).__name__}"
+        )
     if isinstance(inputs, Tensor):
         if inputs.ndim == 0:
             raise ValueError("inputs must have a batch dimension, got a 0-d tensor")

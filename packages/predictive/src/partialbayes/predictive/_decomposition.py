@@ -8,7 +8,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from partialbayes.predictive._validate import check_nonneg, check_same_device, check_tensor
+from partialbayes.predictive._validate import (
+    PROB_ATOL,
+    check_nonneg,
+    check_same_device,
+    check_tensor,
+)
 
 
 @dataclass(frozen=True)
@@ -40,11 +45,39 @@ def entropy(log_probs: Tensor, dim: int = -1) -> Tensor:
 
     Returns:
         Entropy with ``dim`` removed. Zero-probability classes contribute 0 (no ``0 * log 0`` NaN).
+
+    Raises:
+        TypeError: If ``log_probs`` is not a floating tensor.
+        ValueError: If it holds NaN or ``+inf``, or its rows are not normalised log-probabilities
+            (``logsumexp`` along ``dim`` must be 0). Probabilities passed by mistake are always
+            caught: a probability vector has ``logsumexp ≥ log C + 1/C ≥ 1``.
     """
     if not isinstance(log_probs, Tensor) or not log_probs.is_floating_point():
         raise TypeError("log_probs must be a floating-point torch.Tensor")
     if bool(torch.isnan(log_probs).any()) or bool((log_probs == math.inf).any()):
         raise ValueError("log_probs contains NaN or +inf")
+    if (
+        isinstance(dim, bool)
+        or not isinstance(dim, int)
+        or not -log_probs.ndim <= dim < max(log_probs.ndim, 1)
+    ):
+        raise ValueError(
+            f"dim must be an int in [-{log_probs.ndim}, {log_probs.ndim}), got {dim!r}"
+        )
+    if log_probs.numel():
+        work = torch.promote_types(log_probs.dtype, torch.float32)
+        norm = torch.logsumexp(log_probs.to(work), dim).abs().amax()
+        tol = max(PROB_ATOL, 32 * torch.finfo(log_probs.dtype).eps)
+        if float(norm) > tol:
+            hint = (
+                "; these look like probabilities: pass probs.log()"
+                if bool((log_probs >= 0).all())
+                else ""
+            )
+            raise ValueError(
+                f"log_probs must be normalised log-probabilities (logsumexp over dim {dim} is 0), "
+                f"but a row has logsumexp {float(norm):.3g}{hint}"
+            )
     p = log_probs.exp()
     return -torch.where(p > 0, p * log_probs, torch.zeros_like(p)).sum(dim)
 

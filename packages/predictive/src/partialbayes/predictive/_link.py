@@ -25,8 +25,11 @@ def probit_scale(var: Tensor) -> Tensor:
 
     Returns:
         κ, same shape as ``var``, in ``(0, 1]``.
+
+    Raises:
+        ValueError: If ``var`` has NaN/inf or negative entries.
     """
-    return torch.rsqrt(1.0 + _PI_OVER_8 * var)
+    return torch.rsqrt(1.0 + _PI_OVER_8 * check_nonneg("var", var))
 
 
 def probit_binary(mean: Tensor, var: Tensor) -> Tensor:
@@ -58,8 +61,9 @@ def probit(mean: Tensor, cov: Tensor) -> Tensor:
     """Multiclass probit approximation of ``E[softmax(f)]`` for ``f ~ N(mean, cov)``.
 
     The form of Kampen et al. (2024, Eq. 12): ``softmax(κ ⊙ mean)`` with
-    ``κ_c = (1 + π/8 · Σ_cc)^(-1/2)``. Only the diagonal of a full covariance is read (and
-    validated: finite, non-negative).
+    ``κ_c = (1 + π/8 · Σ_cc)^(-1/2)``. Only the diagonal of a full covariance enters the formula, but
+    the whole matrix is validated (finite, symmetric up to round-off, non-negative diagonal): an
+    asymmetric matrix is not a covariance, and is most likely a transposed or mis-shaped tensor.
 
     Args:
         mean: Logit means ``[..., C]``.
@@ -71,7 +75,9 @@ def probit(mean: Tensor, cov: Tensor) -> Tensor:
     Raises:
         ValueError: On NaN/inf, negative variances, asymmetric covariances or mismatched shapes.
     """
-    mu, var, _ = _gaussian_logits(mean, cov, full=False)
+    mu, var, full = _gaussian_logits(mean, cov)
+    if full:
+        var = var.diagonal(dim1=-2, dim2=-1)
     return torch.softmax(probit_scale(var) * mu, dim=-1)
 
 
@@ -179,6 +185,10 @@ def gaussian_predictive(
     """
     mu, v, full = _gaussian_logits(mean, var)
     if not isinstance(noise_var, Tensor):
+        if isinstance(noise_var, bool) or not isinstance(noise_var, (int, float)):
+            raise TypeError(
+                f"noise_var must be a number or a tensor, got {type(noise_var).__name__}"
+            )
         noise_var = torch.as_tensor(float(noise_var), dtype=mu.dtype, device=mu.device)
     noise = check_nonneg("noise_var", noise_var)
     target = v.diagonal(dim1=-2, dim2=-1) if full else v

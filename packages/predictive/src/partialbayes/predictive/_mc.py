@@ -7,6 +7,7 @@ import math
 import torch
 from torch import Tensor
 
+from partialbayes.predictive._validate import check_generator, check_tensor
 from partialbayes.predictive._validate import gaussian_logits as _gaussian_logits
 
 #: Elements of one sample chunk ``[s, ..., C]``; bounds the memory of `mc_predictive`.
@@ -29,8 +30,14 @@ def cholesky_jitter(cov: Tensor, *, max_tries: int = 8) -> Tensor:
         ``L`` with ``L Lᵀ ≈ cov``, ``[..., C, C]``.
 
     Raises:
-        ValueError: If ``cov`` is not positive semi-definite or no jitter level succeeds.
+        ValueError: If ``cov`` is not a finite ``[..., C, C]`` tensor or not positive semi-definite,
+            ``max_tries`` is not a positive int, or no jitter level succeeds.
     """
+    check_tensor("cov", cov)
+    if cov.ndim < 2 or cov.shape[-1] != cov.shape[-2]:
+        raise ValueError(f"cov must have shape [..., C, C], got {tuple(cov.shape)}")
+    if isinstance(max_tries, bool) or not isinstance(max_tries, int) or max_tries < 1:
+        raise ValueError(f"max_tries must be a positive int, got {max_tries!r}")
     chol, info = torch.linalg.cholesky_ex(cov)
     bad = info > 0
     if not bool(bad.any()):
@@ -73,8 +80,14 @@ def sample_logits(
 
     Returns:
         Samples ``[S, ..., C]``.
+
+    Raises:
+        ValueError: On invalid shapes, NaN/inf, negative variances, a non-PSD covariance or a bad
+            ``n_samples``.
+        TypeError: If ``generator`` is not a ``torch.Generator``.
     """
     _check_n(n_samples)
+    check_generator(generator)
     mu, var, full = _gaussian_logits(mean, cov)
     scale = cholesky_jitter(var) if full else var.sqrt()
     return _draw_t(mu, scale, full, n_samples, generator).movedim(-1, 0)
@@ -103,8 +116,10 @@ def mc_predictive(
 
     Raises:
         ValueError: On invalid shapes, NaN/inf, negative variances or a non-PSD covariance.
+        TypeError: If ``generator`` is not a ``torch.Generator``.
     """
     _check_n(n_samples)
+    check_generator(generator)
     mu, var, full = _gaussian_logits(mean, cov)
     scale = cholesky_jitter(var) if full else var.sqrt()
     chunk = max(1, _CHUNK_ELEMENTS // max(1, mu.numel()))

@@ -8,14 +8,15 @@ family by changing the line that builds the posterior.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from partialbayes.predictive._batch import model_logits, split_batch
+from partialbayes.predictive._stream import mc_predict, mc_predict_regression
 
 
 @runtime_checkable
@@ -63,10 +64,12 @@ class Posterior(Protocol):
         n_samples: int = 100,
         generator: torch.Generator | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Predictive for a batch (labels in it are ignored).
+        """Predictive for a batch of any kind (labels in it are ignored), in eval mode, without gradients.
 
         Classification: probabilities with the logits' shape, ``[B, C]`` or ``[B, T, C]``. Regression:
-        ``(mean, variance)`` of the predictive, each ``[B, C]``.
+        ``(mean, variance)`` of the predictive, each of the outputs' shape, the variance including the
+        observation noise σ². ``n_samples`` counts Monte Carlo samples where the link uses them; an unknown
+        ``link`` is a ``ValueError`` listing `links`.
         """
         ...
 
@@ -108,9 +111,97 @@ def check_count(name: str, n: object) -> int:
     return n
 
 
+def check_generator(generator: object, name: str = "generator") -> torch.Generator | None:
+    """``None`` or a ``torch.Generator``, else a ``TypeError`` naming ``name`` (a seed is not a generator)."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"{name} must be a torch.Generator or None, got {type(generator).__name__} "
+            f"{generator!r} (for a seed s pass torch.Generator().manual_seed(s))"
+        )
+    return generator
+
+
 def rows(sample: Mapping[str, Tensor], i: int) -> dict[str, Tensor]:
     """Sample ``i`` of a batch of samples ``{name: [n, k]}``, as ``{name: [k]}``."""
     return {name: values[i] for name, values in sample.items()}
+
+
+def check_sample(subset: Any, sample: Any) -> dict[str, Tensor]:
+    """Validate one weight sample for ``swapped``: ``{param name: [k]}`` (or ``[1, k]``) per subset name.
+
+    Args:
+        subset: The posterior's subset (``names`` and ``num_entries(name)`` are used).
+        sample: The sample given to ``swapped``.
+
+    Returns:
+        ``{name: [k]}`` in ``subset.names`` order.
+
+    Raises:
+        TypeError: If ``sample`` is not a mapping of tensors.
+        ValueError: If it misses a subset parameter, names another one, a value has the wrong number of
+            entries, or holds NaN or inf (which would be written into the model; the message names the
+            parameter).
+    """
+    if not isinstance(sample, Mapping):
+        raise TypeError(
+            f"sample must be a mapping {{param name: [k] tensor}} (one row of sample(n)), "
+            f"got {type(sample).__name__}"
+        )
+    names = tuple(subset.names)
+    missing = [n for n in names if n not in sample]
+    extra = [n for n in sample if n not in names]
+    if missing or extra:
+        raise ValueError(
+            f"sample must cover the subset exactly: missing {missing[:5]}, unknown {extra[:5]}"
+        )
+    out: dict[str, Tensor] = {}
+    for name in names:
+        values = sample[name]
+        k = subset.num_entries(name)
+        if not isinstance(values, Tensor):
+            raise TypeError(f"sample[{name!r}] must be a tensor, got {type(values).__name__}")
+        if values.ndim == 2 and values.shape[0] == 1:
+            values = values[0]
+        if values.ndim != 1 or values.shape[0] != k:
+            raise ValueError(
+                f"sample[{name!r}] has shape {tuple(values.shape)}, expected [k] = [{k}] "
+                "(one row of sample(n))"
+            )
+        out[name] = values
+    finite = torch.stack([torch.isfinite(v).all() for v in out.values()])
+    if not bool(finite.all()):  # one synchronisation for the whole sample
+        bad = [n for n, ok in zip(out, finite.tolist(), strict=True) if not ok]
+        raise ValueError(
+            f"sample has NaN or inf entries in {bad[:5]}: refusing to write them into the model"
+        )
+    return out
+
+
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """Put every module of ``model`` in eval mode (dropout off); restore each module's mode on exit."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+SampleContext = Callable[[int], AbstractContextManager[Any]]
+
+
+def _contexts(
+    posterior: Posterior, generator: torch.Generator | None, sample_ctx: SampleContext | None
+) -> SampleContext:
+    if sample_ctx is not None:
+        if not callable(sample_ctx):
+            raise TypeError(
+                f"sample_ctx must be callable (s -> context manager), got {sample_ctx!r}"
+            )
+        return sample_ctx
+    return lambda s: posterior.sampled(generator=generator)
 
 
 def sampled_logits(
@@ -119,29 +210,79 @@ def sampled_logits(
     n: int,
     *,
     generator: torch.Generator | None = None,
+    sample_ctx: SampleContext | None = None,
 ) -> Tensor:
     """Logits of the model under ``n`` weight samples of ``posterior``, stacked: ``[n, *logits shape]``.
 
-    The samples are drawn with one ``posterior.sample(n, generator=...)`` call and swapped in one at a time
-    (the MAP is restored afterwards). Runs without gradients, with the model's mode left as it is (put the
-    model in eval mode to switch dropout off).
+    Each sample is drawn and swapped in with ``posterior.sampled(generator=generator)``, one at a time, so
+    only one weight sample is held at once (the MAP is restored after each). Runs without gradients and in
+    eval mode (dropout off); every module's mode is restored afterwards.
 
     Args:
         posterior: Any `Posterior`.
         batch: A batch in any accepted form (labels are ignored).
         n: Number of weight samples.
         generator: Source of randomness (same seed, same logits).
+        sample_ctx: ``s -> context manager`` that swaps sample ``s`` in, used instead of
+            ``posterior.sampled`` (for a family's own options, e.g. SWAG's ``scale``, or stratified
+            mixtures); it must restore the weights on exit.
 
     Returns:
         ``[n, B, C]`` (or ``[n, B, T, C]``) logits.
     """
     check_count("n", n)
-    device = next(posterior.model.parameters()).device
+    model = posterior.model
+    device = next(model.parameters()).device
     inputs = split_batch(batch, device=device).inputs
-    draws = posterior.sample(n, generator=generator)
+    ctx = _contexts(posterior, generator, sample_ctx)
     outs = []
-    with torch.no_grad():
-        for i in range(n):
-            with posterior.swapped(rows(draws, i)) as model:
+    with torch.no_grad(), eval_mode(model):
+        for s in range(n):
+            with ctx(s):
                 outs.append(model_logits(model, inputs))
     return torch.stack(outs)
+
+
+def sampled_predict(
+    posterior: Posterior,
+    batch: Any,
+    n: int,
+    *,
+    generator: torch.Generator | None = None,
+    sample_ctx: SampleContext | None = None,
+    regression: bool = False,
+    noise_var: float | Tensor = 0.0,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Monte Carlo predictive over ``n`` weight samples, streaming (one sample and one logit tensor at a time).
+
+    Classification: the average softmax ``(1/n) Σ_s softmax(f(x; w_s))``. Regression: the mean of the
+    outputs and their variance (``1/n`` normaliser) plus the observation noise ``noise_var``. Samples come
+    from ``posterior.sampled(generator=generator)`` (or ``sample_ctx``). Runs without gradients and in eval
+    mode (restored afterwards); accumulates in at least float32.
+
+    Args:
+        posterior: Any `Posterior`.
+        batch: A batch in any accepted form (labels are ignored).
+        n: Number of weight samples.
+        generator: Source of randomness.
+        sample_ctx: ``s -> context manager`` swapping sample ``s`` in (see `sampled_logits`).
+        regression: Gaussian-likelihood outputs instead of class logits.
+        noise_var: Observation noise variance σ² added to the regression variance.
+
+    Returns:
+        Probabilities of the logits' shape, or ``(mean, variance)`` for regression.
+    """
+    check_count("n", n)
+    model = posterior.model
+    device = next(model.parameters()).device
+    inputs = split_batch(batch, device=device).inputs
+    ctx = _contexts(posterior, generator, sample_ctx)
+
+    def forward() -> Tensor:
+        return model_logits(model, inputs)
+
+    with eval_mode(model):
+        if regression:
+            out = mc_predict_regression(ctx, forward, n, noise_var=noise_var)
+            return out.mean, out.var
+        return mc_predict(ctx, forward, n).probs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -43,8 +45,9 @@ def fit_temperature(
             example correct with a margin, or logits no better than uniform).
     """
     z, y = _logits_labels(logits, labels)
-    if not init > 0:
-        raise ValueError(f"init must be a positive temperature, got {init!r}")
+    init = _check_temperature("init", init)
+    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
+        raise ValueError(f"max_iter must be a positive int, got {max_iter!r}")
     z64 = z.detach().to(torch.float64)
     # The mean NLL is convex in β = 1/T. It has no finite minimiser when every example is
     # classified correctly with a margin (NLL → 0 as β → ∞), or when its slope at β = 0,
@@ -88,6 +91,23 @@ def fit_temperature(
     return torch.tensor(value, dtype=torch.float64).exp().to(dtype=z.dtype, device=z.device)
 
 
+def _check_temperature(name: str, value: object) -> float:
+    """A finite, positive temperature from a number or a one-element real tensor."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(
+                f"{name} must be a number or a one-element real tensor, got a {value.dtype} "
+                f"tensor of shape {tuple(value.shape)}"
+            )
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    t = float(value)
+    if not 0 < t < math.inf:
+        raise ValueError(f"{name} must be positive and finite, got {t!r}")
+    return t
+
+
 def apply_temperature(logits: Tensor, temperature: Tensor | float) -> Tensor:
     """Scale logits by ``1 / T``.
 
@@ -97,9 +117,12 @@ def apply_temperature(logits: Tensor, temperature: Tensor | float) -> Tensor:
 
     Returns:
         ``logits / T``.
+
+    Raises:
+        TypeError: If ``logits`` is not a floating tensor or ``temperature`` not a number.
+        ValueError: If ``logits`` holds NaN/inf or ``T`` is not finite and positive (``T = inf``
+            would turn every logit into 0, ``T = 0`` into inf).
     """
     z = check_tensor("logits", logits)
-    t = float(temperature)
-    if not t > 0:
-        raise ValueError(f"temperature must be positive, got {t!r}")
+    t = _check_temperature("temperature", temperature)
     return z / t

@@ -24,6 +24,14 @@ def check_tensor(name: str, x: object, *, floating: bool = True) -> Tensor:
     return x
 
 
+def check_generator(generator: object) -> None:
+    """Check that ``generator`` is a ``torch.Generator`` or ``None``."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator or None, got {type(generator).__name__}"
+        )
+
+
 def check_same_device(**tensors: Tensor) -> None:
     """Check that every tensor lives on one device."""
     devices = {name: t.device for name, t in tensors.items()}

@@ -91,6 +91,17 @@ def _check_swapping(post: Posterior, draws: Mapping[str, Tensor], seed: int) -> 
     except _Boom:
         pass
     _assert_state(model, before, "after an error inside sampled()")
+    name = post.subset.names[0]
+    poisoned = {**one, name: one[name].clone()}
+    poisoned[name].view(-1)[0] = float("nan")
+    try:
+        with post.swapped(poisoned):
+            pass
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("swapped() must refuse a sample with NaN entries (a ValueError)")
+    _assert_state(model, before, "after swapped() refused a NaN sample")
 
 
 def _check_predict(post: Posterior, batch: Any, regression: bool, seed: int) -> Any:
@@ -154,7 +165,7 @@ def check_posterior(
     Checked: it is a `Posterior`; ``sample(n)`` gives ``{name: [n, k]}`` in subset order, finite, on the
     model's device, reproducible from a generator; ``swapped`` writes exactly the subset's entries, yields
     the model and restores every parameter bit for bit, also when the body raises (and so does
-    ``sampled``); ``predict`` with every offered link returns probabilities of the logits' shape that sum
+    ``sampled``), and refuses a sample with NaN entries with a ``ValueError``; ``predict`` with every offered link returns probabilities of the logits' shape that sum
     to one (regression: a mean and a non-negative variance of that shape); an unknown link is a
     ``ValueError`` listing the offered ones; ``predictive_samples`` has shape ``[n, *logits]``; and
     ``save`` → ``load`` onto the same model gives identical predictions.

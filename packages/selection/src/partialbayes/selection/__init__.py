@@ -3,11 +3,13 @@
 The shared type is :class:`Subset` (parameter name -> :class:`KronBlock` or :class:`MaskBlock`). Strategies
 are plain functions returning a Subset: module level (:func:`max_operator_norm`, :func:`min_operator_norm`,
 :func:`random_modules`, :func:`last_layer`, :func:`modules`, :func:`ramp`), Sparse-KFAC
-(:func:`sparse_kfac`) and parameter level (:func:`largest_magnitude`, :func:`random_parameters`,
+(:func:`sparse_kfac`), Bayesian LoRA (:func:`lora_subset`, :func:`lora_modules` for the adapters of a PEFT
+model) and parameter level (:func:`largest_magnitude`, :func:`random_parameters`,
 :func:`largest_marginal_variance`).
 """
 
 from partialbayes.selection._blocks import Block, KronBlock, KronModule, MaskBlock
+from partialbayes.selection._lora import lora_modules, lora_subset
 from partialbayes.selection._module_strategies import (
     PAPER_COUNTS,
     last_layer,
@@ -19,10 +21,15 @@ from partialbayes.selection._module_strategies import (
     rank_by_operator_norm,
 )
 from partialbayes.selection._modules import (
+    ATTENTION,
+    MLP,
+    OTHER,
     Grouping,
     grouped_linear_modules,
     linear_modules,
     module_group,
+    module_groups,
+    tied_linear_modules,
 )
 from partialbayes.selection._norms import (
     operator_norms,
@@ -52,6 +59,9 @@ from partialbayes.selection._subset import (
 from partialbayes.selection._summary import summary, summary_rows
 
 __all__ = [
+    "ATTENTION",
+    "MLP",
+    "OTHER",
     "PAPER_COUNTS",
     "Block",
     "Grouping",
@@ -66,9 +76,12 @@ __all__ = [
     "largest_marginal_variance",
     "last_layer",
     "linear_modules",
+    "lora_modules",
+    "lora_subset",
     "max_operator_norm",
     "min_operator_norm",
     "module_group",
+    "module_groups",
     "modules",
     "operator_norms",
     "ramp",
@@ -87,4 +100,5 @@ __all__ = [
     "spectral_norm_svd",
     "summary",
     "summary_rows",
+    "tied_linear_modules",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,9 +20,23 @@ def _as_index(value: Tensor | Sequence[int] | None, what: str) -> Tensor | None:
         t = value.detach().to("cpu", torch.int64)
     else:
         try:
-            t = torch.as_tensor(list(value), dtype=torch.int64)
-        except (TypeError, ValueError) as err:
-            raise TypeError(f"KronBlock {what} must be a sequence of ints, got {value!r}") from err
+            if isinstance(value, (str, bytes)):
+                raise TypeError
+            values = list(value)
+        except TypeError:
+            raise TypeError(f"KronBlock {what} must be a sequence of ints, got {value!r}") from None
+        items = []
+        for v in values:
+            # operator.index accepts ints (numpy ints too) and refuses floats: 0.5 must not become 0
+            try:
+                if isinstance(v, bool):
+                    raise TypeError
+                items.append(operator.index(v))
+            except TypeError:
+                raise TypeError(
+                    f"KronBlock {what} must be a sequence of ints, got {v!r} in {value!r}"
+                ) from None
+        t = torch.tensor(items, dtype=torch.int64)
     if t.ndim != 1:
         raise ValueError(f"KronBlock {what} must be 1-D, got shape {tuple(t.shape)}")
     if t.numel() and int(t.min()) < 0:

@@ -9,7 +9,12 @@ import torch
 from torch import nn
 
 from partialbayes.selection._blocks import Block, KronBlock
-from partialbayes.selection._modules import Grouping, grouped_linear_modules, linear_modules
+from partialbayes.selection._modules import (
+    Grouping,
+    grouped_linear_modules,
+    linear_modules,
+    tied_linear_modules,
+)
 from partialbayes.selection._norms import operator_norms
 from partialbayes.selection._subset import Subset
 from partialbayes.selection._validate import as_generator, check_count, check_names
@@ -18,14 +23,26 @@ PAPER_COUNTS: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 8, 11, 17, 38)
 """Module counts of the ramping experiments of Kampen et al."""
 
 
-def _whole_modules(model: nn.Module, names: Iterable[str]) -> Subset:
-    """Subset with every parameter of the named modules fully stochastic."""
+def whole_modules(model: nn.Module, names: Iterable[str]) -> Subset:
+    """Subset with every parameter of the named modules fully stochastic (names assumed valid).
+
+    Raises:
+        ValueError: If a parameter of a named module is registered first under another module (tied
+            weights, e.g. a language-model head sharing the token embedding).
+    """
     all_modules = dict(model.named_modules())
+    owner = {id(p): n for n, p in model.named_parameters()}
     blocks: dict[str, Block] = {}
     for name in names:
         prefix = f"{name}." if name else ""
-        for pname, _ in all_modules[name].named_parameters():
-            blocks[prefix + pname] = KronBlock()
+        for pname, p in all_modules[name].named_parameters():
+            full = prefix + pname
+            if owner[id(p)] != full:
+                raise ValueError(
+                    f"parameter {full!r} of module {name!r} is the same tensor as {owner[id(p)]!r} (tied "
+                    "weights); select the module that owns it, or untie the weights"
+                )
+            blocks[full] = KronBlock()
     return Subset.from_model(model, blocks)
 
 
@@ -35,13 +52,22 @@ def rank_by_operator_norm(
     descending: bool = True,
     method: str = "svd",
     grouping: Grouping | None = None,
+    modules: Iterable[str] | None = None,
 ) -> list[tuple[str, float]]:
     """Linear maps of ``group`` ordered by operator norm (ties by model order).
+
+    Args:
+        model: The model.
+        group: ``"mlp"``, ``"attention"``, ``"other"``, ``"all"`` or a group of the user ``grouping``.
+        descending: Largest first.
+        method: ``"svd"``, ``"gram"`` or ``"power"`` (see :func:`operator_norms`).
+        grouping: Optional user grouping (see :func:`module_groups`).
+        modules: Only these linear maps are candidates (e.g. ``lora_modules(model)``).
 
     Returns:
         ``[(module name, operator norm), ...]``, largest first when ``descending``.
     """
-    norms = operator_norms(model, group=group, method=method, grouping=grouping)
+    norms = operator_norms(model, group=group, method=method, grouping=grouping, modules=modules)
     position = {n: i for i, n in enumerate(norms)}
     sign = -1.0 if descending else 1.0
     order = sorted(norms, key=lambda n: (sign * norms[n], position[n]))
@@ -54,22 +80,27 @@ def max_operator_norm(
     group: str = "mlp",
     method: str = "svd",
     grouping: Grouping | None = None,
+    modules: Iterable[str] | None = None,
 ) -> Subset:
     """The ``k`` linear maps of ``group`` with the largest operator norm (weight and bias stochastic).
 
     Args:
         model: The model.
         k: Number of modules (0 gives the empty subset).
-        group: ``"mlp"``, ``"attention"``, ``"all"`` or a group of the user ``grouping``.
+        group: ``"mlp"``, ``"attention"``, ``"other"``, ``"all"`` or a group of the user ``grouping``.
         method: ``"svd"`` (exact), ``"gram"`` (exact, faster) or ``"power"`` (power iteration).
-        grouping: Optional user grouping (see :func:`module_group`).
+        grouping: Optional user grouping (see :func:`module_groups`).
+        modules: Only these linear maps are candidates; ``lora_modules(model)`` ranks the LoRA adapter maps
+            of a PEFT model (with ``group="all"``, or the group of the wrapped layers). Default: every
+            linear map not tied to another module.
 
     Raises:
-        ValueError: If ``k`` exceeds the number of modules in ``group`` (the message gives the count).
+        ValueError: If ``k`` exceeds the number of modules in ``group`` (the message gives the count);
+            unknown or tied names in ``modules``.
     """
-    ranked = rank_by_operator_norm(model, group, True, method, grouping)
+    ranked = rank_by_operator_norm(model, group, True, method, grouping, modules)
     check_count(k, len(ranked), f"linear maps in group {group!r}")
-    return _whole_modules(model, [n for n, _ in ranked[:k]])
+    return whole_modules(model, [n for n, _ in ranked[:k]])
 
 
 def min_operator_norm(
@@ -78,11 +109,12 @@ def min_operator_norm(
     group: str = "mlp",
     method: str = "svd",
     grouping: Grouping | None = None,
+    modules: Iterable[str] | None = None,
 ) -> Subset:
     """The ``k`` linear maps of ``group`` with the smallest operator norm (see :func:`max_operator_norm`)."""
-    ranked = rank_by_operator_norm(model, group, False, method, grouping)
+    ranked = rank_by_operator_norm(model, group, False, method, grouping, modules)
     check_count(k, len(ranked), f"linear maps in group {group!r}")
-    return _whole_modules(model, [n for n, _ in ranked[:k]])
+    return whole_modules(model, [n for n, _ in ranked[:k]])
 
 
 def random_modules(
@@ -91,6 +123,7 @@ def random_modules(
     seed: int | torch.Generator = 0,
     group: str = "all",
     grouping: Grouping | None = None,
+    modules: Iterable[str] | None = None,
 ) -> Subset:
     """``k`` linear maps of ``group`` drawn uniformly without replacement.
 
@@ -101,22 +134,35 @@ def random_modules(
         model: The model.
         k: Number of modules.
         seed: Int seed or cpu ``torch.Generator``.
-        group: ``"all"`` (default), ``"mlp"``, ``"attention"`` or a user group.
+        group: ``"all"`` (default), ``"mlp"``, ``"attention"``, ``"other"`` or a user group.
         grouping: Optional user grouping.
+        modules: Only these linear maps are candidates (e.g. ``lora_modules(model)``).
 
     Raises:
-        ValueError: If ``k`` exceeds the number of modules in ``group``.
+        ValueError: If ``k`` exceeds the number of modules in ``group``; unknown or tied names in
+            ``modules``.
     """
-    names = list(grouped_linear_modules(model, group, grouping))
+    names = list(grouped_linear_modules(model, group, grouping, modules))
     check_count(k, len(names), f"linear maps in group {group!r}")
     perm = torch.randperm(len(names), generator=as_generator(seed))
-    return _whole_modules(model, [names[i] for i in perm[:k].tolist()])
+    return whole_modules(model, [names[i] for i in perm[:k].tolist()])
 
 
 def last_layer(model: nn.Module) -> Subset:
-    """The last linear map of ``model`` (in registration order; the classification head of HF models)."""
+    """The last linear map of ``model`` (in registration order; the classification head of HF models).
+
+    Raises:
+        ValueError: If that map's weight is tied to another module (a language-model head sharing the
+            token embedding, which is never stochastic).
+    """
     name = list(linear_modules(model))[-1]
-    return _whole_modules(model, [name])
+    tied = tied_linear_modules(model)
+    if name in tied:
+        raise ValueError(
+            f"the last linear map {name!r} of {type(model).__name__} shares its weight with {tied[name]!r} "
+            "(tied to the token embedding, never stochastic); choose maps with modules(...) or untie it"
+        )
+    return whole_modules(model, [name])
 
 
 def modules(model: nn.Module, names: Sequence[str]) -> Subset:
@@ -131,7 +177,7 @@ def modules(model: nn.Module, names: Sequence[str]) -> Subset:
     for n in picked:
         if next(all_modules[n].parameters(), None) is None:
             raise ValueError(f"module {n!r} has no parameters")
-    return _whole_modules(model, picked)
+    return whole_modules(model, picked)
 
 
 def ramp(

@@ -1,33 +1,57 @@
-"""Discovery of the linear maps of a model and their attention / MLP grouping."""
+"""Discovery of the linear maps of a model and their attention / MLP / other grouping."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 from torch import Tensor, nn
+
+from partialbayes.selection._validate import check_names
 
 Grouping = Mapping[str, str] | Callable[[str], "str | None"]
 """A user grouping: ``{group: regex}`` (first ``re.search`` match wins) or a function ``name -> group | None``."""
 
-# Order matters: the classification head first (RoBERTa's ``classifier.out_proj``), attention before MLP
-# (BERT's ``attention.output.dense`` vs ``output.dense``).
-_DEFAULT_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("mlp", re.compile(r"(^|\.)(pre_classifier|classifier|score|pooler)(\.|$)")),
-    ("attention", re.compile(r"(^|\.)(q_lin|k_lin|v_lin|out_lin)$")),
-    ("attention", re.compile(r"(^|\.)attention\.self\.(query|key|value)$")),
-    ("attention", re.compile(r"(^|\.)attention\.output\.dense$")),
-    ("attention", re.compile(r"(^|\.)attn\.(c_attn|q_attn|c_proj)$")),
-    (
-        "attention",
-        re.compile(r"(^|\.)(self_attn|attention|attn)\.(q_proj|k_proj|v_proj|o_proj|out_proj)$"),
-    ),
-    ("mlp", re.compile(r"(^|\.)ffn\.(lin1|lin2)$")),
-    ("mlp", re.compile(r"(^|\.)intermediate\.dense$")),
-    ("mlp", re.compile(r"(^|\.)output\.dense$")),
-    ("mlp", re.compile(r"(^|\.)mlp\.(c_fc|c_proj|fc1|fc2|gate_proj|up_proj|down_proj)$")),
-    ("mlp", re.compile(r"(^|\.)(fc1|fc2)$")),
+ATTENTION = "attention"
+"""Group of the self- and cross-attention maps (queries, keys, values, output projection)."""
+MLP = "mlp"
+"""Group of the feed-forward maps, poolers and output heads (classification or language-model head)."""
+OTHER = "other"
+"""Group of a linear map that no rule places (e.g. ELECTRA's ``embeddings_project``)."""
+
+# Path segments (module attribute names, compared in lower case) and class-name patterns that mark a
+# linear map as attention or MLP. A map is "attention" if its own name or the name of any module above it is
+# an attention segment, or any module above it has an attention class; else "mlp" by the same test; else
+# "other". Attention is tested first over the whole path, so BERT's ``attention.output.dense``
+# (``BertSelfOutput`` inside ``BertAttention``) is attention while ``output.dense`` (``BertOutput``) is MLP.
+_ATTENTION_SEGMENTS = frozenset(
+    {
+        "attention", "attn", "self_attn", "self_attention", "selfattention", "crossattention",
+        "cross_attention", "cross_attn", "encoder_attn", "encdecattention",
+        "query", "key", "value", "q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj",
+        "q_lin", "k_lin", "v_lin", "out_lin", "c_attn", "q_attn", "wqkv",
+    }
+)  # fmt: skip
+_MLP_SEGMENTS = frozenset(
+    {
+        "mlp", "ffn", "feed_forward", "feedforward", "intermediate", "output", "densereludense",
+        "fc1", "fc2", "c_fc", "lin1", "lin2", "gate_proj", "up_proj", "down_proj", "experts",
+        "pooler", "classifier", "pre_classifier", "score", "lm_head", "head", "classification_head",
+        "cls", "qa_outputs",
+    }
+)  # fmt: skip
+_ATTENTION_CLASS = re.compile(r"Attention|Attn")
+_MLP_CLASS = re.compile(
+    r"MLP|Mlp|FFN|Ffn|FeedForward|Intermediate|Output|Dense(Relu|Act|GatedAct)Dense|LayerFF|Pooler|"
+    r"Head|Classifier|Predictions|MoE|Moe|Expert"
 )
+
+# PEFT wrappers: a LoRA layer ``q`` wraps its frozen map as ``q.base_layer`` and holds its adapters as
+# ``q.lora_A.<adapter>`` / ``q.lora_B.<adapter>``; a trainable head copy is ``h.modules_to_save.<adapter>``
+# beside the frozen ``h.original_module``. They belong to the group of the wrapped module ``q`` / ``h``.
+_PEFT_LEAVES = frozenset({"base_layer", "original_module"})
+_PEFT_DICTS = frozenset({"lora_A", "lora_B", "modules_to_save"})
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -60,6 +84,26 @@ def linear_modules(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
+def tied_linear_modules(model: nn.Module) -> dict[str, str]:
+    """Linear maps whose weight is registered first under another module (tied weights).
+
+    A language-model head tied to the token embedding (GPT-2's ``lm_head``, T5's) does not own its weight:
+    ``model.named_parameters()`` lists it under the embedding. Such maps are never candidates of the
+    selection strategies (token embeddings are never stochastic).
+
+    Returns:
+        ``{linear map name: name of the parameter it shares its weight with}``, in model order.
+    """
+    owner = {id(p): n for n, p in model.named_parameters()}
+    out: dict[str, str] = {}
+    for name, mod in linear_modules(model).items():
+        w = mod.weight
+        own = f"{name}.weight" if name else "weight"
+        if isinstance(w, Tensor) and owner.get(id(w), own) != own:
+            out[name] = owner[id(w)]
+    return out
+
+
 def linear_shape(module: nn.Module) -> tuple[int, int]:
     """Logical shape (n_out, n_in) of a linear map (``nn.Linear`` or ``Conv1D``)."""
     w = module.weight
@@ -70,38 +114,79 @@ def linear_shape(module: nn.Module) -> tuple[int, int]:
     return int(w.shape[0]), int(w.shape[1])
 
 
-def module_group(name: str, grouping: Grouping | None = None) -> str | None:
-    """Group of a linear map by its qualified name: ``"attention"``, ``"mlp"`` or ``None``.
-
-    Default rules (DistilBERT, BERT / MiniLM, RoBERTa, GPT-2 naming, plus common ``q_proj``/``fc1`` naming):
-    attention = Q, K, V and output projections (``q_lin``, ``k_lin``, ``v_lin``, ``out_lin``;
-    ``attention.self.query|key|value``, ``attention.output.dense``; ``attn.c_attn``, ``attn.c_proj``);
-    mlp = feed-forward in / out (``ffn.lin1|lin2``; ``intermediate.dense``, ``output.dense``;
-    ``mlp.c_fc|c_proj``) and the classification head (``pre_classifier``, ``classifier``, ``score``,
-    ``pooler``), as in Kampen et al.
-
-    Args:
-        name: Module name, or a parameter name ending in ``.weight`` / ``.bias``.
-        grouping: Optional user grouping: a mapping ``{group: regex}`` (the first group whose pattern
-            ``re.search``-matches the name wins) or a function ``name -> group | None``.
-
-    Returns:
-        The group name, or ``None`` when no rule matches.
-
-    Raises:
-        TypeError: If ``name`` is not a string, or ``grouping`` is of the wrong type or returns a non-string.
-    """
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a str, got {type(name).__name__}")
+def _module_name(name: str) -> str:
+    """``"a.b.weight" -> "a.b"``; module names pass unchanged."""
     for suffix in (".weight", ".bias"):
         if name.endswith(suffix):
-            name = name[: -len(suffix)]
-            break
-    if grouping is None:
-        for rule_group, rule in _DEFAULT_RULES:
-            if rule.search(name):
-                return rule_group
-        return None
+            return name[: -len(suffix)]
+    return name
+
+
+def _peft_kept(parts: list[str]) -> list[int]:
+    """Indices of the path segments that are not PEFT's own (wrapped layer, adapter dicts and names).
+
+    ``...query.base_layer``, ``...query.lora_A.default`` and ``...query.lora_B.default`` keep ``...query``;
+    ``classifier.modules_to_save.default`` and ``classifier.original_module`` keep ``classifier``.
+    """
+    kept: list[int] = []
+    skip_next = False
+    for i, seg in enumerate(parts):
+        if skip_next:  # the adapter name below lora_A / lora_B / modules_to_save
+            skip_next = False
+        elif seg in _PEFT_DICTS and 0 < i < len(parts) - 1:
+            skip_next = True
+        elif not (seg in _PEFT_LEAVES and i > 0):
+            kept.append(i)
+    return kept
+
+
+@dataclass(frozen=True)
+class _Node:
+    """One module on the path from the model to a linear map: attribute name and class name (or None)."""
+
+    segment: str
+    cls: str | None
+
+
+def _is_container(module: nn.Module) -> bool:
+    """Whole models and PEFT wrappers (``BertModel``, ``...ForSequenceClassification``, ``PeftModel``).
+
+    Their class names (``GPT2LMHeadModel``, ``...ForSequenceClassification``) say nothing about the maps inside.
+    """
+    return "Model" in type(module).__name__ or hasattr(module, "base_model_prefix")
+
+
+def _default_group(path: Iterable[_Node]) -> str:
+    """The default rules on a path of modules (the map itself last); ``OTHER`` when none matches."""
+    nodes = list(path)
+    segments = [n.segment.lower() for n in nodes]
+    classes = [n.cls for n in nodes[:-1] if n.cls is not None]
+    if any(s in _ATTENTION_SEGMENTS for s in segments) or any(
+        _ATTENTION_CLASS.search(c) for c in classes
+    ):
+        return ATTENTION
+    if any(s in _MLP_SEGMENTS for s in segments) or any(_MLP_CLASS.search(c) for c in classes):
+        return MLP
+    return OTHER
+
+
+def _name_path(name: str) -> list[_Node]:
+    """Nodes of a bare name (no classes known)."""
+    parts = name.split(".")
+    return [_Node(parts[i], None) for i in _peft_kept(parts) if parts[i]]
+
+
+def _model_path(name: str, modules: Mapping[str, nn.Module]) -> list[_Node]:
+    """Nodes from the model down to ``name`` (PEFT segments dropped, whole-model containers unnamed)."""
+    parts = name.split(".")
+    nodes = []
+    for i in _peft_kept(parts):
+        mod = modules[".".join(parts[: i + 1])]
+        nodes.append(_Node(parts[i], None if _is_container(mod) else type(mod).__name__))
+    return nodes
+
+
+def _user_group(name: str, grouping: Grouping) -> str | None:
     if isinstance(grouping, Mapping):
         for group, pattern in grouping.items():
             if not isinstance(group, str) or not isinstance(pattern, (str, re.Pattern)):
@@ -123,22 +208,162 @@ def module_group(name: str, grouping: Grouping | None = None) -> str | None:
     )
 
 
-def grouped_linear_modules(
-    model: nn.Module, group: str = "all", grouping: Grouping | None = None
-) -> dict[str, nn.Module]:
-    """Linear maps of ``model`` in ``group`` (``"all"`` for every linear map), in model order.
+def module_groups(model: nn.Module, grouping: Grouping | None = None) -> dict[str, str]:
+    """Group of every linear map of ``model``: each map is in exactly one group.
+
+    Default rules (``grouping=None``), on the module structure rather than full names: a map is
+    ``"attention"`` when its own name or the name of a module above it is an attention name (``attention``,
+    ``attn``, ``self_attn``, ``encoder_attn``, ``SelfAttention``, ``EncDecAttention``, ``crossattention``,
+    ``query``, ``q_proj``, ...) or a module above it has an attention class (``BertSelfAttention``,
+    ``T5Attention``, ``DisentangledSelfAttention``, ...). Otherwise it is ``"mlp"`` when a name on its path is
+    a feed-forward or head name (``mlp``, ``ffn``, ``intermediate``, ``output``, ``DenseReluDense``, ``fc1``,
+    ``pooler``, ``classifier``, ``score``, ``lm_head``, ``head``, ...) or a module above it has such a class
+    (``...MLP``, ``FFN``, ``...Intermediate``, ``...Output``, ``...Pooler``, ``...Head``, ...). So self- and
+    cross-attention are attention; feed-forward, pooler and heads are MLP, as in Kampen et al. A map no rule
+    places is ``"other"`` (ELECTRA's ``embeddings_project``). Whole-model classes (``...Model``,
+    ``...ForSequenceClassification``) are not read, and PEFT wrappers (``base_layer``, ``lora_A`` /
+    ``lora_B`` adapters, ``modules_to_save``) take the group of the module they wrap.
+
+    Args:
+        model: The model.
+        grouping: Optional user grouping instead of the default rules: a mapping ``{group: regex}`` (the
+            first group whose pattern ``re.search``-matches the module name wins) or a function
+            ``name -> group | None``. A map it leaves out (``None``) is in ``"other"``.
+
+    Returns:
+        ``{linear map name: group}`` in model order.
 
     Raises:
-        ValueError: If no linear map belongs to ``group``, listing the groups that exist.
+        TypeError: If ``grouping`` is of the wrong type or returns a non-string.
+        ValueError: If ``model`` has no linear maps.
+    """
+    lin = linear_modules(model)
+    if grouping is not None:
+        return {n: _user_group(n, grouping) or OTHER for n in lin}
+    modules = dict(model.named_modules())
+    return {n: _default_group(_model_path(n, modules)) if n else OTHER for n in lin}
+
+
+def module_group(
+    name: str, grouping: Grouping | None = None, *, model: nn.Module | None = None
+) -> str | None:
+    """Group of one linear map: ``"attention"``, ``"mlp"``, ``"other"`` (or ``None``, see below).
+
+    With ``model`` the structural rules of :func:`module_groups` apply (module classes included) and the
+    answer is never ``None``. Without it only the names on the path count (the same name rules): a name that
+    matches no rule gives ``None``, since a name alone cannot tell a linear map from any other module.
+
+    Args:
+        name: Module name, or a parameter name ending in ``.weight`` / ``.bias``.
+        grouping: Optional user grouping: a mapping ``{group: regex}`` (the first group whose pattern
+            ``re.search``-matches the name wins) or a function ``name -> group | None``.
+        model: The model the name belongs to (enables the class rules and the ``"other"`` group).
+
+    Returns:
+        The group name; ``None`` only without ``model`` when nothing matches.
+
+    Raises:
+        TypeError: If ``name`` is not a string, or ``grouping`` is of the wrong type or returns a non-string.
+        ValueError: If ``model`` is given and ``name`` is not one of its linear maps.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    name = _module_name(name)
+    if model is not None:
+        groups = module_groups(model, grouping)
+        if name not in groups:
+            raise ValueError(
+                f"{name!r} is not a linear map of {type(model).__name__} (nn.Linear or Conv1D)"
+            )
+        return groups[name]
+    if grouping is not None:
+        return _user_group(name, grouping)
+    group = _default_group(_name_path(name))
+    return None if group == OTHER else group
+
+
+def _peft_originals(model: nn.Module) -> list[str]:
+    """Names of PEFT's frozen ``original_module`` copies beside a ``modules_to_save`` copy."""
+    return [
+        f"{name}.original_module" if name else "original_module"
+        for name, mod in model.named_modules()
+        if isinstance(getattr(mod, "modules_to_save", None), nn.ModuleDict)
+        and isinstance(getattr(mod, "original_module", None), nn.Module)
+    ]
+
+
+def candidate_modules(
+    model: nn.Module, modules: Iterable[str] | None = None
+) -> dict[str, nn.Module]:
+    """Linear maps a strategy may select: every linear map except tied ones, or the named ``modules``.
+
+    Args:
+        model: The model.
+        modules: Only these linear maps (any iterable of names, e.g. ``lora_modules(model)``); default every
+            linear map that owns its weight (see :func:`tied_linear_modules`), except PEFT's
+            ``original_module`` copies (the frozen head that a ``modules_to_save`` copy replaces in the
+            forward pass).
+
+    Returns:
+        ``{name: module}`` in model order.
+
+    Raises:
+        ValueError: Unknown names (close matches), an empty ``modules``, a named map whose weight is tied to
+            another module.
     """
     mods = linear_modules(model)
+    tied = tied_linear_modules(model)
+    if modules is None:
+        idle = _peft_originals(model)
+        return {
+            n: m
+            for n, m in mods.items()
+            if n not in tied and not any(n == p or n.startswith(f"{p}.") for p in idle)
+        }
+    names = set(check_names(modules, mods, "linear module"))
+    if not names:
+        raise ValueError("modules is empty; pass None for every linear map")
+    for n in mods:
+        if n in names and n in tied:
+            raise ValueError(
+                f"linear module {n!r} shares its weight with {tied[n]!r} (tied weights, e.g. a head tied to "
+                "the token embedding) and cannot be made stochastic"
+            )
+    return {n: m for n, m in mods.items() if n in names}
+
+
+def grouped_linear_modules(
+    model: nn.Module,
+    group: str = "all",
+    grouping: Grouping | None = None,
+    modules: Iterable[str] | None = None,
+) -> dict[str, nn.Module]:
+    """Candidate linear maps of ``model`` in ``group`` (``"all"`` for every one), in model order.
+
+    The candidates are those of :func:`candidate_modules`: every linear map but those whose weight is tied to
+    another module (a language-model head sharing the token embedding) and PEFT's idle ``original_module``
+    copies, or the given ``modules``.
+
+    Args:
+        model: The model.
+        group: ``"attention"``, ``"mlp"``, ``"other"``, ``"all"`` or a group of the user ``grouping``.
+        grouping: Optional user grouping (see :func:`module_groups`).
+        modules: Only these linear maps are candidates (e.g. ``lora_modules(model)``); default all.
+
+    Raises:
+        ValueError: If no candidate belongs to ``group``, listing the groups that exist; unknown or tied
+            names in ``modules``.
+    """
+    mods = candidate_modules(model, modules)
     if group == "all":
         return mods
-    picked = {n: m for n, m in mods.items() if module_group(n, grouping) == group}
+    groups = module_groups(model, grouping)
+    picked = {n: m for n, m in mods.items() if groups[n] == group}
     if not picked:
-        groups = sorted({str(module_group(n, grouping)) for n in mods})
+        present = sorted({groups[n] for n in mods})
+        among = " among the given modules" if modules is not None else ""
         raise ValueError(
-            f"group={group!r} matches no linear map of {type(model).__name__}; groups present: "
-            f"{groups} (or 'all')"
+            f"group={group!r} matches no linear map of {type(model).__name__}{among}; groups present: "
+            f"{present} (or 'all')"
         )
     return picked

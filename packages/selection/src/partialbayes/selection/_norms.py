@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -18,8 +19,21 @@ def spectral_norm_svd(weight: Tensor) -> Tensor:
 
     Returns:
         (...) largest singular values (``torch.linalg.svdvals``), in the dtype of ``weight``.
+
+    Raises:
+        ValueError: If ``weight`` has fewer than 2 dimensions or non-finite entries.
     """
+    _check_matrices(weight)
     return torch.linalg.svdvals(weight)[..., 0]
+
+
+def _check_matrices(weight: Tensor) -> None:
+    if not isinstance(weight, Tensor) or not weight.is_floating_point():
+        raise TypeError(f"weight must be a floating tensor, got {type(weight).__name__}")
+    if weight.ndim < 2:
+        raise ValueError(f"weight must have shape (..., n, m), got {tuple(weight.shape)}")
+    if not bool(torch.isfinite(weight).all()):
+        raise ValueError("weight has non-finite entries")
 
 
 def spectral_norm_gram(weight: Tensor) -> Tensor:
@@ -35,9 +49,11 @@ def spectral_norm_gram(weight: Tensor) -> Tensor:
 
     Returns:
         (...) largest singular values, in the dtype of ``weight``.
+
+    Raises:
+        ValueError: If ``weight`` has fewer than 2 dimensions or non-finite entries.
     """
-    if weight.ndim < 2:
-        raise ValueError(f"weight must have shape (..., n, m), got {tuple(weight.shape)}")
+    _check_matrices(weight)
     wt = weight.transpose(-1, -2)
     gram = weight @ wt if weight.shape[-2] <= weight.shape[-1] else wt @ weight
     return torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0).sqrt()
@@ -66,12 +82,11 @@ def spectral_norm_power(
     Raises:
         ValueError: If ``weight`` has fewer than 2 dimensions or non-finite entries, or n_iter < 1.
     """
-    if weight.ndim < 2:
-        raise ValueError(f"weight must have shape (..., n, m), got {tuple(weight.shape)}")
-    if n_iter < 1:
-        raise ValueError(f"n_iter must be >= 1, got {n_iter}")
-    if not bool(torch.isfinite(weight).all()):
-        raise ValueError("weight has non-finite entries")
+    _check_matrices(weight)
+    if isinstance(n_iter, bool) or not isinstance(n_iter, int) or n_iter < 1:
+        raise ValueError(f"n_iter must be an int >= 1, got {n_iter!r}")
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < float("inf"):
+        raise ValueError(f"tol must be a finite number >= 0, got {tol!r}")
     gen = generator if generator is not None else torch.Generator().manual_seed(0)
     v = torch.randn(*weight.shape[:-2], weight.shape[-1], 1, generator=gen, dtype=weight.dtype)
     v = v.to(weight.device)
@@ -106,6 +121,7 @@ def operator_norms(
     grouping: Grouping | None = None,
     n_iter: int = 300,
     tol: float = 1e-6,
+    modules: Iterable[str] | None = None,
 ) -> dict[str, float]:
     """Operator norm (largest singular value) of every linear map in ``group``, in model order.
 
@@ -113,22 +129,25 @@ def operator_norms(
 
     Args:
         model: The model.
-        group: ``"attention"``, ``"mlp"``, ``"all"`` or a group of the user ``grouping``.
+        group: ``"attention"``, ``"mlp"``, ``"other"``, ``"all"`` or a group of the user ``grouping``.
         method: ``"svd"`` (exact, ``svdvals``), ``"gram"`` (exact, ``eigvalsh`` of the smaller Gram
             matrix; faster) or ``"power"`` (power iteration).
         grouping: Optional user grouping (see :func:`module_group`).
         n_iter: Maximum power iterations (``method="power"``).
         tol: Relative tolerance of power iteration.
+        modules: Only these linear maps are candidates (e.g. ``lora_modules(model)`` for the LoRA
+            adapters); default every linear map not tied to another module.
 
     Returns:
         Module name -> operator norm.
 
     Raises:
-        ValueError: Unknown ``method``, no linear map in ``group``, non-finite weights (naming the module).
+        ValueError: Unknown ``method``, no linear map in ``group``, non-finite weights (naming the module),
+            unknown or tied names in ``modules``.
     """
     if method not in ("svd", "gram", "power"):
         raise ValueError(f"method must be 'svd', 'gram' or 'power', got {method!r}")
-    mods = grouped_linear_modules(model, group, grouping)
+    mods = grouped_linear_modules(model, group, grouping, modules)
     by_shape: dict[tuple, list[str]] = defaultdict(list)
     weights = {}
     for name, mod in mods.items():

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
 
 from partialbayes.selection._blocks import Block, KronBlock
-from partialbayes.selection._modules import linear_modules, linear_shape
+from partialbayes.selection._modules import candidate_modules, linear_shape
 from partialbayes.selection._norms import logical_weight
 from partialbayes.selection._subset import EMBEDDINGS, Subset, countable_parameters
-from partialbayes.selection._validate import ceil_fraction, check_names, check_percent
+from partialbayes.selection._validate import ceil_fraction, check_percent
 
 
 def top_by_linf(norms: Tensor, k: int) -> Tensor:
@@ -47,8 +47,14 @@ def skfac_rows_cols(
         (rows, cols): sorted int64 index tensors of sizes ceil(p·n_out/100), ceil(p·n_in/100).
 
     Raises:
-        ValueError: If the weight has non-finite entries.
+        TypeError: If ``weight`` is not a floating tensor.
+        ValueError: If the weight is not 2-D or has non-finite entries.
     """
+    if not isinstance(weight, Tensor) or not weight.is_floating_point():
+        raise TypeError(f"weight must be a floating tensor, got {type(weight).__name__}")
+    if weight.ndim != 2:
+        raise ValueError(f"weight must have shape (n_out, n_in), got {tuple(weight.shape)}")
+    percent = check_percent(percent)
     if not bool(torch.isfinite(weight).all()):
         raise ValueError("weight has non-finite entries")
     a = weight.detach().abs()
@@ -59,20 +65,10 @@ def skfac_rows_cols(
     return rows, cols
 
 
-def _target_modules(model: nn.Module, modules: Sequence[str] | None) -> dict[str, nn.Module]:
-    mods = linear_modules(model)
-    if modules is None:
-        return mods
-    names = check_names(modules, mods, "linear module")
-    if not names:
-        raise ValueError("modules is empty; pass None for every linear map")
-    return {n: mods[n] for n in mods if n in set(names)}
-
-
 def sparse_kfac(
     model: nn.Module,
     percent: float,
-    modules: Sequence[str] | None = None,
+    modules: Iterable[str] | None = None,
     sequential: bool = False,
     include_bias: bool = True,
 ) -> Subset:
@@ -86,17 +82,19 @@ def sparse_kfac(
     Args:
         model: The model (its current weights decide the selection).
         percent: Percentage p in (0, 100] of rows and of columns kept (stochastic fraction ≈ (p/100)²).
-        modules: Restrict to these linear maps (Kampen et al. appendix A.3); default every linear map.
+        modules: Restrict to these linear maps (Kampen et al. appendix A.3; ``lora_modules(model)`` for the
+            LoRA adapters of a PEFT model); default every linear map not tied to another module (a
+            language-model head sharing the token embedding stays out).
         sequential: Use the sequential variant.
         include_bias: Also make the bias entries of R stochastic.
 
     Raises:
-        ValueError: Percent outside (0, 100] (naming the value), unknown module names (close matches),
-            non-finite weights (naming the module).
+        ValueError: Percent outside (0, 100] (naming the value), unknown module names (close matches), a
+            named module with tied weights, non-finite weights (naming the module).
     """
     p = check_percent(percent)
     blocks: dict[str, Block] = {}
-    for name, mod in _target_modules(model, modules).items():
+    for name, mod in candidate_modules(model, modules).items():
         try:
             rows, cols = skfac_rows_cols(logical_weight(mod), p, sequential)
         except ValueError as err:
@@ -125,13 +123,13 @@ def skfac_percent_for_fraction(fraction: float) -> float:
 def skfac_count(
     model: nn.Module,
     percent: float,
-    modules: Sequence[str] | None = None,
+    modules: Iterable[str] | None = None,
     include_bias: bool = True,
 ) -> int:
     """Exact number of stochastic entries of :func:`sparse_kfac` (from shapes only, no weights read)."""
     p = check_percent(percent)
     total = 0
-    for mod in _target_modules(model, modules).values():
+    for mod in candidate_modules(model, modules).values():
         n_out, n_in = linear_shape(mod)
         r, c = ceil_fraction(p, n_out), ceil_fraction(p, n_in)
         total += r * c + (r if include_bias and getattr(mod, "bias", None) is not None else 0)
@@ -141,7 +139,7 @@ def skfac_count(
 def skfac_percent_of_params(
     model: nn.Module,
     percent: float,
-    modules: Sequence[str] | None = None,
+    modules: Iterable[str] | None = None,
     exclude: str | Iterable[str] | None = EMBEDDINGS,
 ) -> float:
     """Percent of countable parameters made stochastic by S-KFAC at percentage ``percent``."""
@@ -151,7 +149,7 @@ def skfac_percent_of_params(
 def skfac_percent_for_target(
     model: nn.Module,
     target: float,
-    modules: Sequence[str] | None = None,
+    modules: Iterable[str] | None = None,
     exclude: str | Iterable[str] | None = EMBEDDINGS,
     tol: float = 1e-6,
 ) -> float:
@@ -165,6 +163,9 @@ def skfac_percent_for_target(
             gives the maximum).
     """
     t = check_percent(target, "target")
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < math.inf:
+        raise ValueError(f"tol must be a positive number, got {tol!r}")
+    modules = None if modules is None else list(modules)  # read many times below
     best = skfac_percent_of_params(model, 100.0, modules, exclude)
     if t > best + 1e-12:
         raise ValueError(

@@ -46,7 +46,8 @@ def _model_structure(model: nn.Module) -> dict[str, _ParamInfo]:
         lin = {}
     for mname, mod in lin.items():
         conv = is_conv1d(mod)
-        w: Tensor = mod.weight  # type: ignore[assignment]
+        w = mod.weight
+        assert isinstance(w, Tensor)
         n_out, n_in = (
             (int(w.shape[1]), int(w.shape[0])) if conv else (int(w.shape[0]), int(w.shape[1]))
         )
@@ -171,6 +172,8 @@ class Subset:
         return tuple(self._blocks)
 
     def _get(self, name: str) -> Block:
+        if not isinstance(name, str):
+            raise TypeError(f"parameter name must be a string, got {type(name).__name__}")
         if name not in self._blocks:
             where = "model" if name not in self._info else "subset"
             raise KeyError(f"parameter {name!r} is not in the {where}{_close(name, self._blocks)}")
@@ -458,38 +461,100 @@ class Subset:
         return json.dumps({"format": _FORMAT, "version": _VERSION, "blocks": blocks})
 
     @classmethod
-    def from_json(cls, text: str, model: nn.Module) -> Subset:
+    def from_json(cls, text: str | bytes, model: nn.Module) -> Subset:
         """Load a Subset saved with :meth:`to_json`, validating it against ``model``.
 
+        Args:
+            text: The JSON text.
+            model: The model the subset must fit.
+
+        Returns:
+            The subset.
+
         Raises:
-            ValueError: Malformed JSON or a subset that does not fit ``model``.
+            TypeError: If ``text`` is not a string, or a field has the wrong JSON type (named, with
+                the parameter it belongs to).
+            ValueError: Malformed JSON, a missing key (named), non-integer, negative or out-of-range
+                indices, or a subset that does not fit ``model``.
         """
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise TypeError(f"text must be a JSON string, got {type(text).__name__}")
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"text is not valid JSON: {err}") from err
         if not isinstance(data, dict) or data.get("format") != _FORMAT:
             raise ValueError(f"JSON is not a {_FORMAT} (missing or wrong 'format' field)")
         if data.get("version") != _VERSION:
             raise ValueError(f"unsupported Subset JSON version {data.get('version')!r}")
-        blocks: dict[str, Block] = {}
-        for n, d in data["blocks"].items():
-            kind = d.get("type") if isinstance(d, dict) else None
-            if kind == "kron":
-                blocks[n] = KronBlock(d["rows"], d["cols"])
-            elif kind == "mask":
-                shape = [int(s) for s in d["shape"]]
-                flat = torch.zeros(int(torch.Size(shape).numel()), dtype=torch.bool)
-                idx = torch.as_tensor(d["indices"], dtype=torch.int64)
-                if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= flat.numel()):
-                    raise ValueError(f"mask indices of {n!r} are out of range for shape {shape}")
-                flat[idx] = True
-                blocks[n] = MaskBlock(flat.reshape(shape))
-            else:
-                raise ValueError(
-                    f"block of {n!r} has unknown type {kind!r} (expected 'kron' or 'mask')"
-                )
+        if "blocks" not in data:
+            raise ValueError("Subset JSON has no 'blocks' key")
+        raw = data["blocks"]
+        if not isinstance(raw, dict):
+            raise TypeError(
+                f"Subset JSON 'blocks' must be an object {{parameter name: block}}, got "
+                f"{_json_type(raw)}"
+            )
+        blocks = {n: _block_from_json(n, d) for n, d in raw.items()}
         return cls.from_model(model, blocks)
+
+
+def _json_type(value: object) -> str:
+    """JSON name of a decoded value's type."""
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
+    if value is None:
+        return "null"
+    return names.get(type(value), f"a number ({value!r})")
+
+
+def _json_field(name: str, d: dict[str, Any], key: str) -> Any:
+    if key not in d:
+        raise ValueError(f"block of {name!r} has no {key!r} key")
+    return d[key]
+
+
+def _json_ints(name: str, key: str, value: object, *, nullable: bool) -> list[int] | None:
+    """A JSON array of non-negative integers (or null when allowed), else an error naming the key."""
+    if value is None and nullable:
+        return None
+    if not isinstance(value, list):
+        want = "an array of integers or null" if nullable else "an array of integers"
+        raise TypeError(f"{key!r} of block {name!r} must be {want}, got {_json_type(value)}")
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(
+                f"{key!r} of block {name!r} must hold integers, got {_json_type(v)}"
+                + (" (indices are never fractional)" if isinstance(v, float) else "")
+            )
+        if v < 0:
+            raise ValueError(f"{key!r} of block {name!r} holds a negative index {v}")
+    return value
+
+
+def _block_from_json(name: str, d: object) -> Block:
+    """One block of a Subset's JSON, validated field by field."""
+    if not isinstance(d, dict):
+        raise TypeError(f"block of {name!r} must be an object, got {_json_type(d)}")
+    kind = d.get("type")
+    if kind == "kron":
+        rows = _json_ints(name, "rows", _json_field(name, d, "rows"), nullable=True)
+        cols = _json_ints(name, "cols", _json_field(name, d, "cols"), nullable=True)
+        return KronBlock(rows, cols)
+    if kind == "mask":
+        shape = _json_ints(name, "shape", _json_field(name, d, "shape"), nullable=False)
+        indices = _json_ints(name, "indices", _json_field(name, d, "indices"), nullable=False)
+        assert shape is not None
+        assert indices is not None
+        flat = torch.zeros(int(torch.Size(shape).numel()), dtype=torch.bool)
+        idx = torch.as_tensor(indices, dtype=torch.int64)
+        if idx.numel() and int(idx.max()) >= flat.numel():
+            raise ValueError(
+                f"'indices' of block {name!r} contain {int(idx.max())}, out of range for shape "
+                f"{shape} ({flat.numel()} entries)"
+            )
+        flat[idx] = True
+        return MaskBlock(flat.reshape(shape))
+    raise ValueError(f"block of {name!r} has unknown type {kind!r} (expected 'kron' or 'mask')")
 
 
 def _meet(a: Tensor | None, b: Tensor | None) -> Tensor | None:
@@ -505,6 +570,8 @@ def countable_named_parameters(
     model: nn.Module, exclude: str | Iterable[str] | None = EMBEDDINGS
 ) -> dict[str, nn.Parameter]:
     """Countable parameters of ``model`` by name, in model order (see :func:`countable_parameters`)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     named = dict(model.named_parameters())
     if exclude is None:
         return named
@@ -515,7 +582,20 @@ def countable_named_parameters(
             id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
         }
         return {n: p for n, p in named.items() if id(p) not in skip}
-    pats = [re.compile(p) for p in exclude]
+    try:
+        patterns = list(exclude)
+    except TypeError:
+        raise TypeError(
+            f"exclude must be 'embeddings', None, or a list of regexes, got {type(exclude).__name__}"
+        ) from None
+    pats = []
+    for p in patterns:
+        if not isinstance(p, str):
+            raise TypeError(f"exclude patterns must be strings, got {p!r}")
+        try:
+            pats.append(re.compile(p))
+        except re.error as err:
+            raise ValueError(f"exclude pattern {p!r} is not a valid regex: {err}") from err
     return {n: p for n, p in named.items() if not any(q.search(n) for q in pats)}
 
 

@@ -15,7 +15,12 @@ def summary_rows(subset: Subset, grouping: Grouping | None = None) -> list[dict[
     Args:
         subset: The subset.
         grouping: Optional user grouping for the group column (see :func:`module_group`).
+
+    Raises:
+        TypeError: If ``subset`` is not a Subset.
     """
+    if not isinstance(subset, Subset):
+        raise TypeError(f"subset must be a Subset, got {type(subset).__name__}")
     rows = []
     for n in subset.names:
         shape = tuple(subset.shape(n))

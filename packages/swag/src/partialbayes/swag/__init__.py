@@ -1,9 +1,13 @@
 """SWAG (Maddox et al., 2019) on a stochastic subset of the weights; everything else stays at the MAP.
 
 Main entry points: `collect_swag` (SGD from the MAP, snapshots, returns a `SWAG`), `sweep_learning_rate`
-(the paper's learning-rate sweep by validation NLL), `SWAG.sample` / `SWAG.sampled` (draw weights and swap
-them into the model), `SWAG.save` / `SWAG.load`. The pure functions on flat vectors (`update_moments`,
-`diagonal_variance`, `swag_sample`) are exported for reuse and testing.
+(the paper's learning-rate sweep by validation NLL), and the `SWAG` posterior, which implements
+``partialbayes.predictive.Posterior``: `SWAG.sample` (``{param name: [n, k]}``), `SWAG.swapped` /
+`SWAG.sampled` (swap weights into the model, restored on exit), `SWAG.predict` (Monte Carlo average of the
+softmax), `SWAG.predictive_samples`, `SWAG.save` / `SWAG.load`. Batches may be of any kind
+``partialbayes.predictive.split_batch`` reads (tensors, pairs, dicts, ``transformers.BatchEncoding``). The
+pure functions on flat vectors (`update_moments`, `diagonal_variance`, `swag_sample`) are exported for reuse
+and testing.
 """
 
 from partialbayes.swag._io import load_swag, save_swag
@@ -17,6 +21,7 @@ from partialbayes.swag._train import (
     classification_loss,
     collect_swag,
     hf_logits,
+    regression_loss,
 )
 
 __all__ = [
@@ -30,6 +35,7 @@ __all__ = [
     "hf_logits",
     "load_swag",
     "predictive_nll",
+    "regression_loss",
     "save_swag",
     "swag_sample",
     "sweep_learning_rate",

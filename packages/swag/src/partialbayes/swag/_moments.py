@@ -2,8 +2,38 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
+
+
+def check_squares(w: Tensor, dtype: torch.dtype) -> None:
+    """Raise before a snapshot whose squares would overflow the moments' ``dtype`` is folded in.
+
+    The running mean of squares of such a snapshot is ``inf``, and every variance and sample after it
+    ``inf`` or NaN (float32 overflows for entries above about ``1.8e19``, e.g. after a huge learning rate).
+
+    Args:
+        w: The snapshot, any shape.
+        dtype: Floating dtype of the running moments.
+
+    Raises:
+        ValueError: If ``w`` has NaN/inf entries or an entry whose square overflows ``dtype``.
+    """
+    if w.numel() == 0:
+        return
+    peak = float(w.detach().abs().max())
+    if not math.isfinite(peak):
+        raise ValueError("the snapshot has non-finite entries")
+    limit = math.sqrt(torch.finfo(dtype).max)
+    if peak > limit:
+        raise ValueError(
+            f"the snapshot has entries up to |w| = {peak:.3g}, whose squares overflow "
+            f"{str(dtype).removeprefix('torch.')} (|w| <= {limit:.3g}): the second moment would "
+            "become inf and the variance NaN; lower the learning rate, or keep the moments in "
+            "float64 (dtype=torch.float64)"
+        )
 
 
 def update_moments(mean: Tensor, sq_mean: Tensor, w: Tensor, n: int) -> tuple[Tensor, Tensor]:
@@ -19,17 +49,26 @@ def update_moments(mean: Tensor, sq_mean: Tensor, w: Tensor, n: int) -> tuple[Te
 
     Returns:
         The updated ``(mean, sq_mean)``, new tensors.
+
+    Raises:
+        ValueError: If ``n < 0``, or ``w`` is not finite or its squares overflow the dtype of
+            ``sq_mean`` (see ``check_squares``).
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
+    check_squares(w, sq_mean.dtype)
     a = n / (n + 1)
     return a * mean + w / (n + 1), a * sq_mean + w * w / (n + 1)
 
 
 def update_moments_(mean: Tensor, sq_mean: Tensor, w: Tensor, n: int) -> None:
-    """In-place `update_moments`: no temporaries of size ``d`` (used by `SWAG.collect`)."""
+    """In-place `update_moments`: no temporaries of size ``d`` (used by `SWAG.collect`).
+
+    The moments are left untouched when it raises (same errors as `update_moments`).
+    """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
+    check_squares(w, sq_mean.dtype)
     mean.mul_(n / (n + 1)).add_(w, alpha=1 / (n + 1))
     sq_mean.mul_(n / (n + 1)).addcmul_(w, w, value=1 / (n + 1))
 

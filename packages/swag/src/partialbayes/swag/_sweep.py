@@ -11,14 +11,21 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from partialbayes.predictive import (
+    IGNORE_INDEX,
+    check_count,
+    eval_mode,
+    flatten_outputs,
+    move_batch,
+    split_batch,
+)
 from partialbayes.swag._posterior import SWAG
 from partialbayes.swag._train import (
     Batch,
     LossFn,
     NonFiniteLossError,
+    batch_logits,
     collect_swag,
-    hf_logits,
-    to_device,
 )
 
 LogitsFn = Callable[[nn.Module, Batch], Tensor]
@@ -27,16 +34,23 @@ LogitsFn = Callable[[nn.Module, Batch], Tensor]
 def _per_example_log_probs(
     model: nn.Module, batches: Iterable[Batch], logits_fn: LogitsFn, device: torch.device
 ) -> Tensor:
-    """``log p(y | x, w)`` for every labelled example of ``batches``, shape ``(N,)`` (labels -100 skipped)."""
+    """``log p(y | x, w)`` of every kept output of ``batches``, shape ``(N,)``.
+
+    Labels -100 are skipped; so are token positions whose attention mask is 0.
+    """
     out = []
     for batch in batches:
-        batch = to_device(batch, device)
-        if "labels" not in batch:
-            raise ValueError(f"validation batch has no 'labels' entry (keys: {sorted(batch)})")
-        logits = logits_fn(model, batch)
+        batch = move_batch(batch, device)
+        b = split_batch(batch)
+        if b.labels is None:
+            raise ValueError("validation batch has no labels under 'labels' or 'label'")
+        logits, labels = flatten_outputs(
+            logits_fn(model, batch), b.labels, attention_mask=b.attention_mask
+        )
+        assert labels is not None
         logits = logits.reshape(-1, logits.shape[-1]).double()
-        labels = batch["labels"].reshape(-1)
-        keep = labels != -100
+        labels = labels.reshape(-1).to(logits.device).long()
+        keep = labels != IGNORE_INDEX
         logp = torch.log_softmax(logits[keep], dim=-1)
         out.append(logp.gather(1, labels[keep].unsqueeze(1)).squeeze(1))
     if not out:
@@ -46,10 +60,9 @@ def _per_example_log_probs(
 
 @torch.no_grad()
 def predictive_nll(
-    model: nn.Module,
-    swag: SWAG,
-    batches: Iterable[Batch],
-    *,
+    swag: SWAG | nn.Module,
+    batches: Iterable[Batch] | SWAG,
+    *legacy: Iterable[Batch],
     n_samples: int = 50,
     scale: float = 1.0,
     generator: torch.Generator | None = None,
@@ -58,33 +71,47 @@ def predictive_nll(
     """Mean negative log-likelihood of the Monte Carlo SWAG predictive on labelled batches.
 
     ``NLL = −1/N Σ_n log(1/S Σ_s softmax(f(x_n; w_s))[y_n])`` with ``S = n_samples`` samples ``w_s``, computed
-    with log-sum-exp in float64. The model runs in eval mode (restored afterwards); the MAP is restored.
+    with log-sum-exp in float64, over every kept output (labels -100 and, for token-level logits, padded
+    positions are left out). ``swag.model`` runs in eval mode (restored afterwards); its weights are
+    restored.
 
     Args:
-        model: The model ``swag`` belongs to.
-        swag: A collected `SWAG`.
-        batches: Re-iterable of dict batches with ``labels`` (iterated once per sample).
+        swag: A collected `SWAG`. (Deprecated form: ``predictive_nll(model, swag, batches, ...)``.)
+        batches: Re-iterable of labelled batches of any kind (iterated once per sample).
+        *legacy: The batches of the deprecated form.
         n_samples: ``S`` (the paper: 50).
         scale: Covariance scale of the samples.
         generator: Source of randomness.
-        logits_fn: ``logits_fn(model, batch) -> logits``; default ``model(**inputs).logits``.
+        logits_fn: ``logits_fn(model, batch) -> logits``; default: the model called on the batch's inputs.
 
     Returns:
         The mean NLL (a Python float).
     """
-    if n_samples < 1:
-        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
-    logits_fn = hf_logits if logits_fn is None else logits_fn
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
-    try:
-        logps = []
+    if isinstance(swag, nn.Module):
+        warnings.warn(
+            "predictive_nll(model, swag, batches) is deprecated and will be removed in "
+            "partialbayes-swag 0.3; use predictive_nll(swag, batches) (the SWAG knows its model)",
+            DeprecationWarning,
+            stacklevel=3,  # through torch.no_grad's wrapper
+        )
+        if len(legacy) != 1 or not isinstance(batches, SWAG):
+            raise TypeError("the deprecated form is predictive_nll(model, swag, batches)")
+        model, post, data = swag, batches, legacy[0]
+    else:
+        if legacy or not isinstance(swag, SWAG):
+            raise TypeError(
+                f"predictive_nll(swag, batches) takes a SWAG and batches, got {type(swag).__name__}"
+            )
+        model, post, data = swag.model, swag, batches
+    assert isinstance(post, SWAG)
+    check_count("n_samples", n_samples)
+    logits_fn = batch_logits if logits_fn is None else logits_fn
+    logps = []
+    with eval_mode(model):
         for _ in range(n_samples):
-            with swag.sampled(model, scale=scale, generator=generator):
-                logps.append(_per_example_log_probs(model, batches, logits_fn, swag.device))
-    finally:
-        for m, mode in modes.items():
-            m.training = mode
+            w = post.sample_flat(scale=scale, generator=generator)
+            with post._swap(model, w, model):
+                logps.append(_per_example_log_probs(model, data, logits_fn, post.device))
     stacked = torch.stack(logps)  # (S, N)
     lp = torch.logsumexp(stacked, dim=0) - math.log(n_samples)
     return float(-lp.mean())
@@ -172,7 +199,6 @@ def sweep_learning_rate(
             nll[lr] = math.inf
             continue
         value = predictive_nll(
-            model,
             swag,
             val_batches,
             n_samples=n_samples,

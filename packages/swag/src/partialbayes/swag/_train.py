@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -11,9 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from partialbayes.predictive import flatten_outputs, model_logits, move_batch, split_batch
+from partialbayes.swag._labels import check_class_labels
+from partialbayes.swag._options import check_collect_options
 from partialbayes.swag._posterior import SWAG
 
-Batch = Mapping[str, Any]
+Batch = Any
+"""A batch of any kind ``partialbayes.predictive.split_batch`` reads: a tensor, an ``(inputs, labels)`` pair,
+or a mapping (``dict``, ``transformers.BatchEncoding``) with labels under ``labels`` or ``label``."""
 LossFn = Callable[[nn.Module, Batch], Tensor]
 
 
@@ -31,28 +37,66 @@ class NonFiniteLossError(ValueError):
         self.lr = lr
 
 
-def to_device(batch: Batch, device: torch.device) -> dict[str, Any]:
-    """Move the tensors of a dict batch to ``device`` (other values pass through)."""
-    if not isinstance(batch, Mapping):
-        raise TypeError(
-            f"batches must yield dicts of tensors (Hugging Face style), got {type(batch).__name__}"
-        )
-    return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
+def to_device(batch: Batch, device: torch.device) -> Any:
+    """Move the tensors of a batch of any kind to ``device``, keeping its kind (see ``move_batch``)."""
+    return move_batch(batch, device)
+
+
+def batch_logits(model: nn.Module, batch: Batch) -> Tensor:
+    """Logits of ``model`` on a batch of any kind (labels left out of the inputs)."""
+    return model_logits(model, split_batch(batch).inputs)
 
 
 def hf_logits(model: nn.Module, batch: Batch) -> Tensor:
-    """Logits of a Hugging Face model: ``model(**inputs).logits`` with ``labels`` left out of the inputs."""
-    out = model(**{k: v for k, v in batch.items() if k != "labels"})
-    return out.logits if hasattr(out, "logits") else out
+    """Deprecated: ``partialbayes.predictive.model_logits(model, split_batch(batch).inputs)``.
+
+    Logits of a model on a batch of any kind, with the labels left out of the inputs.
+    """
+    warnings.warn(
+        "partialbayes.swag.hf_logits is deprecated and will be removed in partialbayes-swag 0.3; use "
+        "partialbayes.predictive.model_logits(model, split_batch(batch).inputs)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return batch_logits(model, batch)
+
+
+def _labelled(batch: Batch) -> Any:
+    b = split_batch(batch)
+    if b.labels is None:
+        keys = f" (keys: {sorted(map(str, batch))})" if isinstance(batch, Mapping) else ""
+        raise ValueError(f"batch has no labels under 'labels' or 'label'{keys}")
+    return b
 
 
 def classification_loss(model: nn.Module, batch: Batch) -> Tensor:
-    """Mean cross-entropy of ``hf_logits(model, batch)`` against ``batch["labels"]`` (-100 ignored)."""
-    if "labels" not in batch:
-        raise ValueError(f"batch has no 'labels' entry (keys: {sorted(batch)})")
-    logits = hf_logits(model, batch)
-    labels = batch["labels"]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    """Mean cross-entropy of the model's logits against the batch's labels, over the kept outputs.
+
+    Any batch kind (tensor pairs, dicts, ``BatchEncoding``; labels under ``labels`` or ``label``).
+    Sequence-level logits ``[B, C]`` take labels ``[B]``; token-level logits ``[B, T, C]`` take labels
+    ``[B, T]``, and positions whose label is -100 or whose attention mask is 0 are left out.
+    """
+    b = _labelled(batch)
+    logits = model_logits(model, b.inputs)
+    check_class_labels(logits, b.labels.to(logits.device))
+    flat, labels = flatten_outputs(logits, b.labels, attention_mask=b.attention_mask)
+    assert labels is not None
+    return F.cross_entropy(
+        flat.reshape(-1, flat.shape[-1]), labels.reshape(-1).to(flat.device).long()
+    )
+
+
+def regression_loss(model: nn.Module, batch: Batch) -> Tensor:
+    """Mean squared error of the model's outputs against the batch's targets (any batch kind).
+
+    Targets are reshaped to the outputs' shape when they have as many entries (``[B]`` for ``[B, 1]``).
+    """
+    b = _labelled(batch)
+    out = model_logits(model, b.inputs)
+    target = b.labels.to(out.device, out.dtype)
+    if target.shape != out.shape and target.numel() == out.numel():
+        target = target.reshape(out.shape)
+    return F.mse_loss(out, target)
 
 
 def cycle(batches: Iterable[Batch]) -> Iterator[Batch]:
@@ -62,12 +106,18 @@ def cycle(batches: Iterable[Batch]) -> Iterator[Batch]:
         ValueError: If ``batches`` is empty, or yields nothing on a later pass (a generator, not a
             re-iterable).
     """
+    for _, _, b in numbered_cycle(batches):
+        yield b
+
+
+def numbered_cycle(batches: Iterable[Batch]) -> Iterator[tuple[int, int, Batch]]:
+    """`cycle` yielding ``(pass, index within the pass, batch)``, both counted from 0."""
     passes = 0
     while True:
         empty = True
-        for b in batches:
+        for i, b in enumerate(batches):
             empty = False
-            yield b
+            yield passes, i, b
         if empty:
             if passes == 0:
                 raise ValueError("batches is empty")
@@ -120,6 +170,8 @@ def collect_swag(
     loss_fn: LossFn | None = None,
     dtype: torch.dtype | None = None,
     progress: bool = True,
+    likelihood: str = "classification",
+    sigma_noise: float = 1.0,
 ) -> SWAG:
     """Run SWAG from the MAP: SGD with momentum on the stochastic entries only, snapshotting as it goes.
 
@@ -133,7 +185,8 @@ def collect_swag(
     Args:
         model: The fine-tuned model.
         subset: ``partialbayes.selection.Subset`` of the model.
-        batches: Re-iterable of dict batches (e.g. a ``DataLoader``), cycled as often as needed.
+        batches: Re-iterable of batches of any kind (e.g. a ``DataLoader`` with Hugging Face's
+            ``DataCollatorWithPadding``, or ``(inputs, labels)`` pairs), cycled as often as needed.
         lr: Constant learning rate (> 0).
         n_steps: Number of SGD steps (the paper: 2000).
         snapshot_every: Steps between snapshots (the paper: 5).
@@ -141,32 +194,37 @@ def collect_swag(
         diagonal_only: SWAG-Diag.
         momentum: Momentum (0.9).
         weight_decay: L2 coefficient added to the gradient of the stochastic entries.
-        loss_fn: ``loss_fn(model, batch) -> scalar``; default `classification_loss`
-            (``model(**batch).logits`` against ``batch["labels"]``).
+        loss_fn: ``loss_fn(model, batch) -> scalar``, given the batch in its own kind with its tensors
+            on the model's device; default `classification_loss` (cross-entropy, padded and -100
+            positions of token-level outputs left out), or `regression_loss` (mean squared error) for
+            ``likelihood="regression"``.
         dtype: dtype of the SWAG moments.
         progress: Show a tqdm progress bar (when tqdm is installed).
+        likelihood: ``"classification"`` or ``"regression"``: what `SWAG.predict` returns.
+        sigma_noise: Observation noise standard deviation of the regression likelihood.
 
     Returns:
         The collected `SWAG` posterior.
 
     Raises:
-        NonFiniteLossError: (a ``ValueError``) when the loss or gradient becomes NaN/inf; names the step.
-        ValueError: On bad hyper-parameters, empty ``batches`` or a subset that does not match the model.
+        NonFiniteLossError: (a ``ValueError``) when the loss, the gradient or the weights become NaN/inf,
+            or a snapshot's squares would overflow the moments' dtype; names the step.
+        ValueError: On bad hyper-parameters, empty ``batches``, a subset that does not match the model,
+            or a loss that fails on a batch (labels out of range, missing labels: the message names the
+            step and the batch).
     """
-    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
-    if snapshot_every < 1:
-        raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
-    if n_steps < snapshot_every:
-        raise ValueError(
-            f"n_steps={n_steps} < snapshot_every={snapshot_every}: no snapshot would be taken"
-        )
-    if not 0 <= momentum < 1:
-        raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-    if weight_decay < 0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-    loss_fn = classification_loss if loss_fn is None else loss_fn
-    swag = SWAG(model, subset, max_rank=max_rank, diagonal_only=diagonal_only, dtype=dtype)
+    check_collect_options(lr, n_steps, snapshot_every, momentum, weight_decay)
+    swag = SWAG(
+        model,
+        subset,
+        max_rank=max_rank,
+        diagonal_only=diagonal_only,
+        dtype=dtype,
+        likelihood=likelihood,
+        sigma_noise=sigma_noise,
+    )
+    if loss_fn is None:
+        loss_fn = regression_loss if likelihood == "regression" else classification_loss
     layout = swag.layout
     params = layout.parameters(model)
     device = params[layout.names[0]].device
@@ -179,9 +237,15 @@ def collect_swag(
         with _training_state(model, set(layout.names)):
             for p in params.values():
                 p.grad = None
-            data = cycle(batches)
+            data = numbered_cycle(batches)
             for step in range(1, n_steps + 1):
-                loss = loss_fn(model, to_device(next(data), device))
+                n_pass, index, batch = next(data)
+                try:
+                    loss = loss_fn(model, to_device(batch, device))
+                except (ValueError, IndexError) as err:
+                    raise ValueError(
+                        f"loss at SGD step {step} (batch {index} of pass {n_pass}): {err}"
+                    ) from err
                 loss_value = float(loss.detach())  # the one host sync per step
                 if not math.isfinite(loss_value):
                     raise NonFiniteLossError(step, lr, f"loss {loss_value}")
@@ -200,7 +264,10 @@ def collect_swag(
                 if step % snapshot_every == 0:
                     if not bool(torch.isfinite(w).all()):
                         raise NonFiniteLossError(step, lr, "weights (gradient overflow)")
-                    swag.collect(model)
+                    try:
+                        swag.collect(model)
+                    except ValueError as err:
+                        raise NonFiniteLossError(step, lr, f"second moment ({err})") from err
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss_value:.4f}", snapshots=swag.n_snapshots)

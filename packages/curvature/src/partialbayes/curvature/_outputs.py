@@ -1,0 +1,232 @@
+"""Which outputs of a batch count: one per example (``[B, C]`` logits) or one per kept position (``[B, T, C]``).
+
+Token-level logits (token classification, causal language models) count one output per kept position, in
+row-major ``(b, t)`` order, as ``partialbayes.predictive.flatten_outputs`` does: a position is dropped where
+the attention mask is 0 or the label is -100.
+
+Causal language models (``shift_labels=True``): Hugging Face shifts the labels inside the model — the logits
+at position ``t`` predict token ``t + 1`` and ``labels = input_ids`` is the usual batch. The same convention
+is applied here, explicitly: with labels, the output at ``t`` is scored against ``labels[t + 1]`` and is kept
+when the tokens ``t`` and ``t + 1`` are both real (attention mask 1) and ``labels[t + 1] != -100``; the last
+position has no target and is dropped. Without labels (prediction), every real token ``t`` is kept, the last
+one included (its output is the distribution of the token that would follow the sequence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from partialbayes.predictive import IGNORE_INDEX, batch_size, kept_positions, split_batch
+
+#: Class-name endings of Hugging Face causal language models (``LlamaForCausalLM``, ``GPT2LMHeadModel``).
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """Whether ``model`` is a causal language model, judged by class names.
+
+    True when the class of ``model`` (or of a base class, or of the model a PEFT wrapper returns from
+    ``get_base_model()``) ends with ``ForCausalLM`` or ``LMHeadModel`` — the Hugging Face naming of the
+    models that shift their labels inside ``forward``. Pass ``shift_labels`` explicitly for any other model.
+    """
+    candidates = [model]
+    get_base = getattr(model, "get_base_model", None)
+    if callable(get_base):
+        base = get_base()
+        if isinstance(base, nn.Module):
+            candidates.append(base)
+    return any(
+        cls.__name__.endswith(CAUSAL_LM_SUFFIXES) for m in candidates for cls in type(m).__mro__
+    )
+
+
+def resolve_shift_labels(model: nn.Module, shift_labels: bool | None) -> bool:
+    """``shift_labels`` as given, or (``None``) whether ``model`` is a causal LM (`is_causal_lm`).
+
+    Raises:
+        TypeError: If ``shift_labels`` is neither ``None`` nor a bool.
+    """
+    if shift_labels is None:
+        return is_causal_lm(model)
+    if not isinstance(shift_labels, bool):
+        raise TypeError(f"shift_labels must be True, False or None, got {shift_labels!r}")
+    return shift_labels
+
+
+def _shifted(t: Tensor, fill: int) -> Tensor:
+    """``t[:, 1:]`` followed by one column of ``fill``: the value of position ``t + 1`` at ``t``."""
+    return torch.cat([t[:, 1:], torch.full_like(t[:, :1], fill)], dim=1)
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """How the outputs of one batch are counted and labelled.
+
+    Attributes:
+        attention_mask: ``[B, T]`` mask of the real tokens, or ``None``.
+        labels: The batch's labels as given (``[B]``, ``[B, C]``, ``[B, T]``, ``[B, T, C]``), or ``None``.
+        shift: Causal-LM convention: the output at ``t`` is scored against ``labels[t + 1]``.
+        likelihood: ``"classification"`` or ``"regression"`` (regression targets never mark ignored
+            positions: only the attention mask does).
+    """
+
+    attention_mask: Tensor | None
+    labels: Tensor | None
+    shift: bool
+    likelihood: str
+
+    def keep(self, logits: Tensor) -> Tensor | None:
+        """``[B, T]`` bool mask of the kept positions of token-level logits; ``None`` for ``[B, C]`` logits.
+
+        Raises:
+            ValueError: Logits that are neither ``[B, C]`` nor ``[B, T, C]``; token-level logits with
+                neither an attention mask nor labels; a mask or labels whose shape does not match;
+                ``shift`` with ``[B, C]`` logits or with regression.
+        """
+        if logits.ndim == 2:
+            if self.shift:
+                raise ValueError(
+                    "shift_labels=True is for token-level logits [B, T, C] (causal language models); "
+                    f"the model returns logits of shape {tuple(logits.shape)}: pass shift_labels=False"
+                )
+            return None
+        if logits.ndim != 3:
+            raise ValueError(
+                "model output must be logits of shape [B, C] (one output per example) or [B, T, C] "
+                f"(one per token position), got {tuple(logits.shape)}"
+            )
+        if self.likelihood == "regression":
+            if self.shift:
+                raise ValueError(
+                    "shift_labels=True (next-token prediction) needs likelihood='classification'"
+                )
+            if self.attention_mask is None:
+                raise ValueError(
+                    f"token-level regression outputs of shape {tuple(logits.shape)} need an "
+                    "attention_mask to tell which positions count (regression targets cannot mark "
+                    "ignored positions)"
+                )
+            return kept_positions(logits, attention_mask=self.attention_mask)
+        mask, labels = self.attention_mask, self.labels
+        if self.shift and labels is not None:
+            b, t = logits.shape[:2]
+            if tuple(labels.shape) != (b, t):
+                raise ValueError(
+                    f"labels of token-level logits must have shape [B, T] = {(b, t)}, "
+                    f"got {tuple(labels.shape)}"
+                )
+            labels = _shifted(labels, IGNORE_INDEX)
+            if mask is not None:
+                if tuple(mask.shape) != (b, t):
+                    raise ValueError(
+                        f"attention_mask has shape {tuple(mask.shape)}, logits need [B, T] = {(b, t)}"
+                    )
+                real = mask != 0
+                mask = real & _shifted(real, 0)
+        keep = kept_positions(logits, attention_mask=mask, labels=labels)
+        assert keep is not None
+        return keep
+
+    def targets(self, logits: Tensor, keep: Tensor | None) -> Tensor | None:
+        """The labels of the kept outputs, or ``None`` without labels.
+
+        Returns:
+            The labels unchanged for ``[B, C]`` logits; for token-level logits the labels of the kept
+            positions in row-major ``(b, t)`` order: ``[N]`` (classification, shifted when ``shift``) or
+            ``[N, C]`` / ``[N]`` (regression targets ``[B, T, C]`` / ``[B, T]``).
+
+        Raises:
+            ValueError: Token-level regression targets whose leading dimensions are not ``[B, T]``.
+        """
+        labels = self.labels
+        if labels is None or keep is None:
+            return labels
+        if self.likelihood == "regression":
+            if tuple(labels.shape[:2]) != tuple(keep.shape) or labels.ndim not in (2, 3):
+                raise ValueError(
+                    f"regression targets of token-level outputs {tuple(logits.shape)} must have shape "
+                    f"[B, T, C] or [B, T], got {tuple(labels.shape)}"
+                )
+            return labels[keep]
+        if self.shift:
+            labels = _shifted(labels, IGNORE_INDEX)
+        return labels[keep]
+
+
+def read_batch(
+    batch: Any, device: torch.device, *, likelihood: str, shift: bool
+) -> tuple[Tensor | dict[str, Any], Outputs]:
+    """Split a batch (any kind `partialbayes.predictive.split_batch` accepts) into model inputs and `Outputs`.
+
+    Raises:
+        TypeError: A batch of an unknown kind (the message names its type and the accepted ones).
+    """
+    b = split_batch(batch, device=device)
+    return b.inputs, Outputs(
+        attention_mask=b.attention_mask, labels=b.labels, shift=shift, likelihood=likelihood
+    )
+
+
+def output_rows(logits: Tensor, keep: Tensor | None) -> Tensor:
+    """The outputs as rows ``[N, C]``: ``[B, C]`` logits unchanged, token-level ones at the kept positions."""
+    return logits if keep is None else logits[keep]
+
+
+def position_plan(
+    keep: Tensor | None, batch: int, device: torch.device
+) -> list[tuple[int | None, Tensor]]:
+    """The output positions backpropagated one at a time, with the examples whose output there counts.
+
+    Returns:
+        ``[(None, arange(B))]`` for ``[B, C]`` logits (``keep=None``); else ``(t, examples kept at t)`` for
+        every column ``t`` holding a kept position, in increasing ``t``.
+    """
+    if keep is None:
+        return [(None, torch.arange(batch, device=device))]
+    return [(t, keep[:, t].nonzero().flatten()) for t in keep.any(0).nonzero().flatten().tolist()]
+
+
+def token_positions(fisher: str) -> str:
+    """How `diag_curvature` / `dense_curvature` backpropagate token-level outputs for a fisher type.
+
+    ``"exact"`` and ``"empirical"`` need each kept position's own gradient ``J_tᵀ v_t`` (``"each"``: ``S``
+    backward passes per position, exact for any network). ``"mc"`` sums independent zero-mean samples of
+    every position in one pass (``"joint"``): the cross-position terms vanish in expectation, so the estimate
+    stays unbiased at ``1/T`` of the cost.
+    """
+    return "joint" if fisher == "mc" else "each"
+
+
+def split_chunks(
+    inputs: Tensor | dict[str, Any], outputs: Outputs, chunk_size: int | None
+) -> list[tuple[Tensor | dict[str, Any], Outputs]]:
+    """Split model inputs and their `Outputs` into chunks of at most ``chunk_size`` examples.
+
+    Tensors of a mapping whose leading dimension is the batch size are split along it; other values are
+    passed to every chunk unchanged. The chunks' outputs, concatenated, are the batch's in row-major order.
+
+    Raises:
+        ValueError: If the batch size of mapping inputs cannot be told (see ``batch_size``).
+    """
+    if chunk_size is None:
+        return [(inputs, outputs)]
+    n = batch_size(inputs)
+    out: list[tuple[Tensor | dict[str, Any], Outputs]] = []
+    for i in range(0, n, chunk_size):
+        sl = slice(i, i + chunk_size)
+        part: Tensor | dict[str, Any]
+        if isinstance(inputs, Tensor):
+            part = inputs[sl]
+        else:
+            part = {
+                k: (v[sl] if isinstance(v, Tensor) and v.ndim > 0 and v.shape[0] == n else v)
+                for k, v in inputs.items()
+            }
+        mask = part.get("attention_mask") if isinstance(part, dict) else None
+        labels = None if outputs.labels is None else outputs.labels[sl]
+        out.append((part, replace(outputs, attention_mask=mask, labels=labels)))
+    return out

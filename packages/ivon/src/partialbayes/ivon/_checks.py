@@ -1,0 +1,117 @@
+"""Validation of IVON's hyperparameters and of a state dict before it is loaded (nothing is mutated here)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+#: Hyperparameters every IVON parameter group holds, with their ranges ``(low, high, low_open, high_open)``.
+RANGES: dict[str, tuple[float, float, bool, bool]] = {
+    "lr": (0.0, math.inf, True, True),
+    "ess": (0.0, math.inf, True, True),
+    "hess_init": (0.0, math.inf, True, True),
+    "beta1": (0.0, 1.0, False, True),
+    "beta2": (0.0, 1.0, False, True),
+    "weight_decay": (0.0, math.inf, False, True),
+    "clip_radius": (0.0, math.inf, True, False),
+}
+
+
+def check_hyper(name: str, value: Any) -> None:
+    """Raise unless ``value`` is a real number in the range of hyperparameter ``name`` (see :data:`RANGES`)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"IVON: {name} must be a real number, got {type(value).__name__} {value!r}")
+    low, high, low_open, high_open = RANGES[name]
+    ok_low = value > low if low_open else value >= low
+    ok_high = value < high if high_open else value <= high
+    if math.isnan(value) or not (ok_low and ok_high):
+        lo = "(" if low_open else "["
+        hi = ")" if high_open else "]"
+        raise ValueError(f"IVON: {name} must lie in {lo}{low}, {high}{hi}, got {value!r}")
+
+
+def validate_group(group: Mapping[str, Any], where: str = "") -> None:
+    """Check every hyperparameter of a parameter group (``where`` prefixes the message, e.g. a group index)."""
+    for name in RANGES:
+        if name not in group:
+            raise ValueError(f"IVON: {where}parameter group has no {name!r} (not an IVON group)")
+        try:
+            check_hyper(name, group[name])
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{where}{err}") from None
+
+
+def check_state_dict(
+    state_dict: Any, groups: Sequence[Mapping[str, Any]], label: Callable[[Tensor], str]
+) -> None:
+    """Refuse a state dict that does not fit this optimizer, before anything is loaded.
+
+    Args:
+        state_dict: What ``load_state_dict`` was given.
+        groups: The optimizer's current parameter groups.
+        label: Names a parameter for messages.
+
+    Raises:
+        TypeError: If ``state_dict`` or a part of it has the wrong type.
+        ValueError: If groups, parameters, hyperparameters or per-parameter state do not match (the message
+            names the group and the parameter).
+    """
+    where = "IVON.load_state_dict: "
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"{where}expected a dict, got {type(state_dict).__name__}")
+    for key in ("state", "param_groups"):
+        if key not in state_dict:
+            raise ValueError(f"{where}the state dict has no {key!r} entry")
+    saved_groups, state = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(saved_groups, Sequence) or not isinstance(state, Mapping):
+        raise TypeError(f"{where}'param_groups' must be a list and 'state' a dict")
+    if len(saved_groups) != len(groups):
+        raise ValueError(
+            f"{where}the state dict has {len(saved_groups)} parameter groups, this optimizer {len(groups)}"
+        )
+    for g, (saved, own) in enumerate(zip(saved_groups, groups, strict=True)):
+        if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), Sequence):
+            raise TypeError(f"{where}parameter group {g} is not a dict with a 'params' list")
+        validate_group(saved, f"{where}group {g}: ")
+        step = saved.get("step", 0)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"{where}group {g}: 'step' must be an int >= 0, got {step!r}")
+        if len(saved["params"]) != len(own["params"]):
+            raise ValueError(
+                f"{where}group {g} holds {len(saved['params'])} parameters in the state dict, "
+                f"{len(own['params'])} in this optimizer"
+            )
+        for key, p in zip(saved["params"], own["params"], strict=True):
+            _check_param_state(state.get(key), p, f"{where}{label(p)}: ")
+    gen_state = state_dict.get("generator_state")
+    if gen_state is not None and not (
+        isinstance(gen_state, Tensor) and gen_state.dtype == torch.uint8
+    ):
+        raise TypeError(
+            f"{where}'generator_state' must be a uint8 tensor (torch.Generator.get_state())"
+        )
+
+
+def _check_param_state(entry: Any, p: Tensor, where: str) -> None:
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"{where}the state dict holds no IVON state (momentum, hess) for it")
+    for key in ("momentum", "hess"):
+        t = entry.get(key)
+        if not isinstance(t, Tensor):
+            raise ValueError(
+                f"{where}the state dict has no tensor {key!r} for it (not an IVON state dict)"
+            )
+        if tuple(t.shape) != tuple(p.shape):
+            raise ValueError(
+                f"{where}saved {key!r} has shape {tuple(t.shape)}, the parameter has {tuple(p.shape)}"
+            )
+        if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{where}saved {key!r} is not a finite floating-point tensor")
+    if not bool((entry["hess"] > 0).all()):
+        raise ValueError(
+            f"{where}saved 'hess' has entries <= 0 (the Hessian estimate must be positive)"
+        )

@@ -1,0 +1,108 @@
+"""The normal draw of IVON's weight samples, on CPUs in parallel pieces.
+
+torch's CPU ``normal_`` runs on one thread (a Mersenne twister behind a lock) at 3–4 ns per entry, which on
+a large model costs more than the whole rest of the update. So on CPUs a tensor of more than :data:`PIECE`
+entries is drawn in pieces of :data:`PIECE` entries, piece ``k`` from a CPU generator seeded with the
+``k``-th of a list of seeds drawn from the optimizer's generator; the pieces are drawn on a pool of
+``torch.get_num_threads()`` threads (``normal_`` releases the GIL). The noise depends on the seed only,
+never on the number of threads. Smaller tensors, and every tensor on a GPU (where ``normal_`` is fast),
+draw straight from the generator, in list order.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import Tensor
+
+#: Entries per piece of a large CPU tensor (its own generator each).
+PIECE = 1 << 18
+
+_POOL: dict[str, ThreadPoolExecutor | int | None] = {"pool": None, "workers": 0}
+
+
+def normal_(tensors: list[Tensor], std: float, generator: torch.Generator | None) -> None:
+    """Fill each tensor with ``N(0, std²)`` noise (same generator state, same noise).
+
+    Args:
+        tensors: Tensors to overwrite, all on one device.
+        std: Standard deviation.
+        generator: Generator; ``None`` draws from the device's global RNG. Noise for a tensor on another
+            device than the generator is drawn on the generator's device and copied.
+    """
+    pending: list[Future[None]] = []
+    try:
+        for z in tensors:
+            if generator is not None and not _same_device(torch.device(generator.device), z.device):
+                z.copy_(
+                    _draw(
+                        torch.empty(z.shape, dtype=z.dtype, device=generator.device), std, generator
+                    )
+                )
+            elif z.device.type != "cpu" or z.numel() <= PIECE or not z.is_contiguous():
+                z.normal_(0.0, std, generator=generator)
+            else:
+                pending += _pieces(z.view(-1), std, generator)
+    finally:
+        for f in pending:
+            f.result()
+
+
+def piece_seeds(n: int, generator: torch.Generator | None) -> list[int]:
+    """``n`` distinct 32-bit seeds (torch's CPU generator keeps 32 bits of a seed) drawn from ``generator``."""
+    seeds: list[int] = []
+    while len(seeds) < n:
+        new = torch.randint(
+            0, 2**32, (n - len(seeds),), generator=generator, dtype=torch.int64
+        ).tolist()
+        seeds = list(dict.fromkeys(seeds + new))  # drop repeats, keep the order
+    return seeds
+
+
+def _pieces(flat: Tensor, std: float, generator: torch.Generator | None) -> list[Future[None]]:
+    starts = range(0, flat.numel(), PIECE)
+    seeds = piece_seeds(len(starts), generator)
+    pool = _pool()
+    jobs = []
+    for start, seed in zip(starts, seeds, strict=True):
+        piece = flat[start : start + PIECE]
+        if pool is None:
+            _draw(piece, std, torch.Generator().manual_seed(seed))
+        else:
+            jobs.append(pool.submit(_draw_seeded, piece, std, seed))
+    return jobs
+
+
+def _draw_seeded(piece: Tensor, std: float, seed: int) -> None:
+    _draw(piece, std, torch.Generator().manual_seed(seed))
+
+
+def _draw(t: Tensor, std: float, generator: torch.Generator | None) -> Tensor:
+    return t.normal_(0.0, std, generator=generator)
+
+
+def _pool() -> ThreadPoolExecutor | None:
+    """A pool of ``torch.get_num_threads()`` threads (``None`` for one thread), rebuilt when that changes."""
+    workers = torch.get_num_threads()
+    if workers != _POOL["workers"]:
+        old = _POOL["pool"]
+        if isinstance(old, ThreadPoolExecutor):
+            old.shutdown(wait=False)
+        _POOL["pool"] = ThreadPoolExecutor(workers, "ivon-noise") if workers > 1 else None
+        _POOL["workers"] = workers
+    pool = _POOL["pool"]
+    return pool if isinstance(pool, ThreadPoolExecutor) else None
+
+
+def _forget_pool() -> None:  # a forked child has none of the parent's threads
+    _POOL["pool"], _POOL["workers"] = None, 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index or 0) == (b.index or 0)

@@ -1,0 +1,411 @@
+"""Sampling-based linearised Laplace over a subset of a network: a ``partialbayes.predictive.Posterior``.
+
+The posterior of the network linearised at its MAP ``θ*``, ``N(θ*, H⁻¹)`` with ``H = JᵀBJ + A`` on the
+subset's entries, is represented by ``k`` zero-mean samples ``z_j ~ N(0, H⁻¹)`` drawn by
+sample-then-optimise (Antorán et al., ICLR 2023); the predictive is ``f(x; θ*) + J(x) z_j``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from partialbayes.linear_sampling._io import read_posterior, write_posterior
+from partialbayes.linear_sampling._network import (
+    _Chosen,
+    _Operators,
+    loader_features,
+    network_logits,
+    network_parameters,
+)
+from partialbayes.linear_sampling._precision import NoisePrecision, Prior, softmax_hessian
+from partialbayes.linear_sampling._sgd import SGDConfig, SolveInfo
+from partialbayes.linear_sampling._solve import posterior_samples
+from partialbayes.predictive import (
+    check_count,
+    check_sample,
+    eval_mode,
+    probit,
+    resolve_link,
+    rows,
+    split_batch,
+)
+from partialbayes.selection import Subset
+
+LIKELIHOODS = ("classification", "regression")
+
+
+def _positive(name: str, value: Any) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+class SampledLaplace:
+    """Linearised Laplace on a ``Subset`` of a network, represented by sample-then-optimise samples.
+
+    Build it from the model (at its MAP) and the subset, then `fit` it on the training batches: the
+    features are the Jacobian ``J`` of the logits in the subset's entries (JVP / VJP operators, never a
+    ``d × d`` matrix), the noise precision ``B`` is the softmax Hessian at the MAP (classification) or
+    ``1/σ²`` (regression), the prior ``A`` is ``prior_precision``, and ``k`` zero-mean samples
+    ``z_j ~ N(0, H⁻¹)``, ``H = JᵀBJ + A``, are drawn jointly with `posterior_samples`. Only the samples are
+    kept (``d·k`` floats) and the MAP values of the entries (``d``).
+
+    Implements ``partialbayes.predictive.Posterior``:
+
+    * `sample` returns stored samples, not fresh draws: ``θ* + z_j`` for ``n`` distinct columns ``j``
+      chosen at random (``generator``); asking for more than the ``k`` stored raises (fit with a larger
+      ``n_samples``). The stored samples are exact posterior draws up to the solver's tolerance.
+    * `predict` with ``"mc"`` averages ``softmax(f(x; θ*) + J(x) z_j)`` over ``min(n_samples, k)`` stored
+      samples (the linearised predictive, not the network at sampled weights); with ``"probit"`` it applies
+      the probit approximation to ``f`` and the sample variances ``(1/k) Σ_j (J z_j)²`` of all ``k``
+      samples. Regression returns ``(f, variance + σ²)`` for either link.
+    * `swapped` / `sampled` write ``θ* + z_j`` into the network itself (the nonlinear network at the sampled
+      weights, as for the other families).
+
+    Args:
+        model: The network at its MAP.
+        subset: A ``partialbayes.selection.Subset`` of ``model``.
+        likelihood: ``"classification"`` or ``"regression"``.
+        prior_precision: ``A``: a positive float, or a
+            [`Prior`][partialbayes.linear_sampling.Prior] (per-group precisions over the ``d`` entries, in
+            ``Subset.gather`` order).
+        sigma_noise: Observation noise standard deviation σ (regression).
+        jitter: Added to the softmax Hessian's diagonal (classification; it is singular along ``1``).
+
+    Raises:
+        TypeError: If ``subset`` is not a ``Subset`` or ``model`` not a module.
+        ValueError: If the subset does not fit the model, or a setting is out of range.
+    """
+
+    links: ClassVar[tuple[str, ...]] = ("mc", "probit")
+
+    def __init__(
+        self,
+        model: nn.Module,
+        subset: Subset,
+        *,
+        likelihood: str = "classification",
+        prior_precision: float | Prior = 1.0,
+        sigma_noise: float = 1.0,
+        jitter: float = 1e-6,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(subset, Subset):
+            raise TypeError(
+                f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
+            )
+        params = dict(model.named_parameters())
+        for name in subset.names:
+            if name not in params or params[name].shape != subset.shape(name):
+                got = tuple(params[name].shape) if name in params else "no such parameter"
+                raise ValueError(
+                    f"subset does not match the model: {name!r} has shape {tuple(subset.shape(name))} "
+                    f"in the subset, {got} in the model"
+                )
+        if subset.num_entries() == 0:
+            raise ValueError("subset is empty: choose at least one entry")
+        if likelihood not in LIKELIHOODS:
+            raise ValueError(f"likelihood must be one of {LIKELIHOODS}, got {likelihood!r}")
+        if isinstance(prior_precision, Prior):
+            self.prior = prior_precision
+        else:
+            self.prior = Prior(_positive("prior_precision", prior_precision))
+        self.model = model
+        self.subset = subset
+        self.likelihood = likelihood
+        self.sigma_noise = _positive("sigma_noise", sigma_noise)
+        self.jitter = _positive("jitter", jitter)
+        self.samples: Tensor | None = None
+        self.info: SolveInfo | None = None
+        self._map: Tensor | None = None
+        self._ops: _Operators | None = None
+
+    # ------------------------------------------------------------------ state
+    @property
+    def num_entries(self) -> int:
+        """Number ``d`` of stochastic entries."""
+        return self.subset.num_entries()
+
+    @property
+    def n_stored(self) -> int:
+        """Number ``k`` of stored samples."""
+        return self._require_fit().shape[1]
+
+    @property
+    def num_floats(self) -> int:
+        """Floats stored beyond the MAP weights: the ``d·k`` samples."""
+        return self._require_fit().numel()
+
+    def _require_fit(self) -> Tensor:
+        if self.samples is None:
+            raise ValueError("SampledLaplace is not fitted: call fit(batches) first")
+        return self.samples
+
+    def _operators(self) -> _Operators:
+        if self._ops is None:
+            self._ops = _Operators(self.model, _Chosen(self.model, self.subset), None)
+        return self._ops
+
+    # -------------------------------------------------------------------- fit
+    def fit(
+        self,
+        batches: Iterable[Any],
+        *,
+        n_samples: int = 32,
+        method: str = "cg",
+        objective: str = "low_variance",
+        tol: float = 1e-6,
+        max_iter: int | None = None,
+        sgd: SGDConfig | None = None,
+        batch_size: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> SampledLaplace:
+        """Draw ``n_samples`` posterior samples ``z_j ~ N(0, H⁻¹)`` from the training batches.
+
+        The model runs in eval mode (restored afterwards). The batches are read once and held while
+        sampling (see [`loader_features`][partialbayes.linear_sampling.loader_features]); their labels
+        only decide which token positions count (the samples do not depend on the labels).
+
+        Args:
+            batches: Training batches of any kind (a ``DataLoader`` with ``DataCollatorWithPadding``,
+                ``(inputs, labels)`` pairs, dicts).
+            n_samples: ``k``, the number of samples kept (memory ``d·k``).
+            method: ``"cg"`` (conjugate gradients on full-data products; exact to ``tol``, the default) or
+                ``"sgd"`` (minibatch SGD, the paper's choice for very large ``n``).
+            objective: ``"low_variance"`` or ``"standard"`` (see `posterior_samples`).
+            tol: CG relative residual tolerance.
+            max_iter: CG iteration cap (default ``2d + 10``: in floating point CG may need somewhat more
+                than the ``d`` iterations of exact arithmetic).
+            sgd: SGD settings.
+            batch_size: Observations per operator call (CG) / SGD batch size.
+            generator: CPU generator for the sample-then-optimise noise.
+
+        Returns:
+            ``self``.
+
+        Warns:
+            RuntimeWarning: If the solver stops before its tolerance (the samples are then approximate).
+        """
+        k = check_count("n_samples", n_samples)
+        data = list(batches)
+        if not data:
+            raise ValueError("batches is empty")
+        with eval_mode(self.model):
+            features = loader_features(self.model, data, self.subset)
+            logits = torch.cat([network_logits(self.model, b) for b in data])
+            if logits.shape != (features.n, features.m):
+                raise ValueError(
+                    f"logits of shape {tuple(logits.shape)} do not match the features "
+                    f"(n={features.n}, m={features.m})"
+                )
+            if self.likelihood == "classification":
+                noise = softmax_hessian(logits.to(features.dtype), jitter=self.jitter)
+            else:
+                noise = NoisePrecision(
+                    torch.tensor(self.sigma_noise**-2, dtype=features.dtype, device=features.device)
+                )
+            result = posterior_samples(
+                features,
+                noise,
+                self.prior,
+                k,
+                method=method,
+                objective=objective,
+                tol=tol,
+                max_iter=2 * features.d + 10 if max_iter is None else max_iter,
+                sgd=sgd,
+                batch_size=batch_size,
+                generator=generator,
+            )
+        self.samples = result.samples.detach()
+        self.info = result.info
+        if not result.info.converged:
+            last = result.info.history[-1] if result.info.history else {}
+            warnings.warn(
+                f"SampledLaplace.fit: the {result.info.method} solver stopped after "
+                f"{result.info.steps} steps without reaching its tolerance ({last}); the samples are "
+                "approximate (raise max_iter, loosen tol, or check sgd settings)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self._map = network_parameters(self.model, self.subset)
+        return self
+
+    # ---------------------------------------------------------------- samples
+    def _columns(self, n: int, generator: torch.Generator | None) -> Tensor:
+        k = self.n_stored
+        if n > k:
+            raise ValueError(
+                f"{n} samples asked for, but only k={k} posterior samples are stored: fit with "
+                f"n_samples >= {n}"
+            )
+        device = generator.device if generator is not None else None
+        return torch.randperm(k, generator=generator, device=device)[:n]
+
+    def _split(self, flat: Tensor) -> dict[str, Tensor]:
+        sizes = [self.subset.num_entries(n) for n in self.subset.names]
+        return dict(zip(self.subset.names, flat.split(sizes, dim=-1), strict=True))
+
+    def sample(self, n: int = 1, *, generator: torch.Generator | None = None) -> dict[str, Tensor]:
+        """``n`` distinct stored samples ``θ* + z_j`` as ``{param name: [n, k]}`` (``Subset.gather`` order).
+
+        Args:
+            n: Number of samples, at most the ``k`` stored.
+            generator: Chooses which stored samples (same seed, same samples).
+
+        Raises:
+            ValueError: Before `fit`, or if ``n`` exceeds the stored samples.
+        """
+        check_count("n", n)
+        z = self._require_fit()
+        assert self._map is not None
+        cols = self._columns(n, generator).to(z.device)
+        return self._split((self._map.unsqueeze(1) + z[:, cols]).T)
+
+    def swapped(self, sample: Mapping[str, Tensor]) -> AbstractContextManager[nn.Module]:
+        """Write one sample ``{param name: [k]}`` into the model; restore its values on exit, even on error."""
+        one = check_sample(self.subset, sample)
+        return self._swap(one)
+
+    @contextmanager
+    def _swap(self, one: Mapping[str, Tensor]) -> Iterator[nn.Module]:
+        params = dict(self.model.named_parameters())
+        saved = {n: self.subset.gather(n, params[n].detach()).clone() for n in one}
+        try:
+            with torch.no_grad():
+                for n, values in one.items():
+                    params[n].copy_(self.subset.scatter(n, values, params[n].detach()))
+            yield self.model
+        finally:
+            with torch.no_grad():
+                for n, values in saved.items():
+                    params[n].copy_(self.subset.scatter(n, values, params[n].detach()))
+
+    def sampled(
+        self, *, generator: torch.Generator | None = None
+    ) -> AbstractContextManager[nn.Module]:
+        """Swap one stored sample into the model (see `swapped`); yields the model."""
+        return self.swapped(rows(self.sample(1, generator=generator), 0))
+
+    # ------------------------------------------------------------- predictive
+    def _linearised(self, batch: Any, cols: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``f(x; θ*)`` in the model's output shape and ``J z_j`` ``[*f, s]`` for the chosen columns."""
+        z = self._require_fit()
+        z = z if cols is None else z[:, cols.to(z.device)]
+        ops = self._operators()
+        inputs = split_batch(batch, device=z.device).inputs
+        with eval_mode(self.model):
+            with torch.no_grad():
+                f = ops.get(
+                    self.model(**inputs) if isinstance(inputs, Mapping) else self.model(inputs)
+                )
+            jz = ops.jvp(inputs, z)
+        return f, jz.reshape(*f.shape, z.shape[1])
+
+    def predictive_samples(
+        self, batch: Any, n: int, *, generator: torch.Generator | None = None
+    ) -> Tensor:
+        """``n`` linearised logit samples ``f(x; θ*) + J(x) z_j``, ``[n, B, C]`` (or ``[n, B, T, C]``).
+
+        The ``z_j`` are ``n`` distinct stored samples chosen with ``generator`` (as in `sample`).
+        """
+        check_count("n", n)
+        f, jz = self._linearised(batch, self._columns(n, generator))
+        return f.unsqueeze(0) + jz.movedim(-1, 0)
+
+    def logit_mean_cov(self, batch: Any) -> tuple[Tensor, Tensor]:
+        """Linearised predictive ``f(x; θ*)`` and the sample covariance ``(1/k) Σ_j (J z_j)(J z_j)ᵀ``.
+
+        The covariance estimates ``J H⁻¹ Jᵀ`` from all ``k`` stored samples (unbiased: the samples have
+        known mean zero).
+
+        Returns:
+            ``(f [..., C], cov [..., C, C])`` for outputs ``[..., C]``.
+        """
+        f, jz = self._linearised(batch, None)
+        return f, jz @ jz.transpose(-1, -2) / jz.shape[-1]
+
+    def predict(
+        self,
+        batch: Any,
+        *,
+        link: str | None = None,
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The linearised predictive for a batch (labels ignored).
+
+        Args:
+            batch: Any batch kind.
+            link: ``"mc"`` (default: average softmax over ``min(n_samples, k)`` stored samples, chosen
+                with ``generator`` when fewer than ``k``) or ``"probit"`` (probit approximation with the
+                sample variances of all ``k`` samples; ``n_samples`` unused).
+            n_samples: Linearised samples to average (``"mc"``), at most the ``k`` stored.
+            generator: Chooses the samples for ``"mc"``.
+
+        Returns:
+            Probabilities of the logits' shape; regression: ``(f, variance + σ²)``.
+        """
+        link = resolve_link(link, self.links, "SampledLaplace")
+        check_count("n_samples", n_samples)
+        k = self.n_stored
+        cols = None if link == "probit" or n_samples >= k else self._columns(n_samples, generator)
+        f, jz = self._linearised(batch, cols)
+        acc = torch.promote_types(f.dtype, torch.float32)
+        f, jz = f.to(acc), jz.to(acc)
+        if self.likelihood == "regression":
+            return f, jz.square().mean(-1) + self.sigma_noise**2
+        if link == "probit":
+            return probit(f, jz.square().mean(-1))
+        return torch.softmax(f.unsqueeze(-1) + jz, dim=-2).mean(-1)
+
+    # ------------------------------------------------------------------ io
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Save as one safetensors file with JSON metadata (see `save_sampled_laplace`)."""
+        write_posterior(self, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], model: nn.Module) -> SampledLaplace:
+        """Load a saved posterior onto ``model`` (see `load_sampled_laplace`)."""
+        return read_posterior(path, model, cls)
+
+
+def save_sampled_laplace(posterior: SampledLaplace, path: str | os.PathLike[str]) -> None:
+    """Save a fitted `SampledLaplace` to ``path`` (one safetensors file, JSON metadata in its header).
+
+    Tensors: ``samples`` ``[d, k]``, ``map`` ``[d]`` (the MAP values of the entries), ``prior_alpha`` and,
+    for grouped priors, ``prior_groups``. Metadata: the subset (``Subset.to_json``), every parameter's
+    name and shape (the structure a loading model must have), the likelihood, ``sigma_noise``, ``jitter``
+    and what the solver did.
+
+    Raises:
+        ValueError: If the posterior is not fitted.
+    """
+    write_posterior(posterior, path)
+
+
+def load_sampled_laplace(path: str | os.PathLike[str], model: nn.Module) -> SampledLaplace:
+    """Load a `SampledLaplace` saved by `save_sampled_laplace` onto ``model``.
+
+    The tensors go to the model's device and dtype. A model whose current values of the subset differ from
+    the saved MAP gets a warning (the predictive linearises at the model's current weights).
+
+    Raises:
+        ValueError: If the file is not a saved `SampledLaplace`, or ``model``'s parameters (names and
+            shapes) do not match the saved structure.
+    """
+    return read_posterior(path, model, SampledLaplace)
