@@ -162,7 +162,7 @@ def test_capitalised_uci_name_runs_the_uci_grid(capsys, tmp_path, fast_uci):
 
     uci_dir = _tiny_uci(tmp_path / "uci")
     argv = ["run", "--tasks", "Boston", "--methods", "map", "--uci-dir", str(uci_dir)]
-    assert main([*argv, "--results", str(tmp_path / "res")]) == 0
+    assert main([*argv, "--splits", "0", "--results", str(tmp_path / "res")]) == 0
     (rec,) = iter_records(tmp_path / "res" / "uci")
     assert (rec["task"], rec["method"], rec["size"]) == ("boston", "map", "-")
     assert rec["n_test"] == 10
@@ -235,3 +235,32 @@ def test_uci_grid_keeps_going_past_a_failing_cell(capsys, tmp_path, fast_uci, mo
     # from Python the first failure propagates unless keep_going is set
     with pytest.raises(RuntimeError, match="curvature exploded"):
         uci.run_uci(["yacht"], [0], ["last-layer"], tmp_path / "p", uci_dir, log=lambda s: None)
+
+
+def test_uci_runs_the_papers_15_splits_by_default(tmp_path, fast_uci, monkeypatch):
+    """Without --splits a UCI dataset runs splits 0-14 (the paper's 15), or all of a smaller folder."""
+    from partialbayes.glue_bench import uci
+
+    seen = []
+    real = uci.run_uci
+    monkeypatch.setattr(
+        uci,
+        "run_uci",
+        lambda names, splits, *a, **k: (seen.append(list(splits)), real(names, splits, *a, **k))[1],
+    )
+    small = _tiny_uci(tmp_path / "uci", folder="yacht")
+    argv = ["run", "--tasks", "yacht", "--methods", "map", "--results", str(tmp_path / "r")]
+    assert main([*argv, "--uci-dir", str(small)]) == 0
+    assert seen == [[0, 1]]
+    (small / "yacht" / "data" / "n_splits.txt").write_text("20")
+    for k in range(2, 20):
+        for part in ("train", "test"):
+            src = small / "yacht" / "data" / f"index_{part}_{k % 2}.txt"
+            (small / "yacht" / "data" / f"index_{part}_{k}.txt").write_text(src.read_text())
+    monkeypatch.setattr(
+        uci,
+        "run_uci",
+        lambda names, splits, *a, **k: seen.append(list(splits)) or real(names, [], *a, **k),
+    )
+    main([*argv, "--uci-dir", str(small)])
+    assert seen[-1] == list(range(15))

@@ -248,7 +248,7 @@ def test_linear_sampling_methods(tmp_path, mini_glue, tiny_bert_factory):
 def test_results_folder_of_another_configuration_is_refused(tmp_path, mini_glue):
     from partialbayes.glue_bench.store import ResultStore
 
-    ResultStore(tmp_path / "res", _config().to_dict())
+    ResultStore(tmp_path / "res", _config().to_dict()).claim()
     other = _config(max_test_examples=5)
     with pytest.raises(ValueError, match=r"another configuration.*max_test_examples"):
         run_grid(

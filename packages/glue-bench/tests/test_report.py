@@ -20,7 +20,7 @@ from partialbayes.glue_bench.tables import (
 )
 
 
-def rec(task, split, method, size, nll, pct=0.0, floats=0, rel=None, **kw):
+def rec(task, split, method, size, nll, pct=0.0, floats=0, rel=None, val_nll=None, **kw):
     r = {
         "task": task,
         "split": split,
@@ -37,6 +37,8 @@ def rec(task, split, method, size, nll, pct=0.0, floats=0, rel=None, **kw):
     }
     if rel is not None:
         r["reliability"] = rel
+    if val_nll is not None:
+        r["val_nll"] = val_nll
     return r
 
 
@@ -46,43 +48,92 @@ def _read_csv(path):
 
 
 # ------------------------------------------------------------------------------------------ Table 2
-def test_budget_table_selects_closest_median_percent_and_keeps_iqr():
+def test_budget_table_chooses_by_validation_nll_within_the_budget():
+    """Table 2's rule (the paper's §5.4): lowest mean validation NLL among the levels within ≈ 10 %."""
     records = []
-    # skfac: median percents 0.5, 8, 12 -> 8 and 12 tie at distance 2, the smaller percent (6.8) wins
     for split in range(3):
         records += [
-            rec("rte", split, "skfac", "1", 0.70, pct=0.5),
-            rec("rte", split, "skfac", "6.8", [0.5, 0.7, 0.6][split], pct=8.0),
-            rec("rte", split, "skfac", "12.6", 0.55, pct=12.0),
+            # skfac: 1 and 6.8 within the budget; 33 at 10.9 % within the 15 % slack (limit 11.5 %);
+            # 60 beyond it although its validation NLL is the lowest
+            rec("rte", split, "skfac", "1", 0.70, pct=0.5, val_nll=0.60),
+            rec("rte", split, "skfac", "6.8", [0.5, 0.7, 0.6][split], pct=2.0, val_nll=0.50),
+            rec("rte", split, "skfac", "33", 0.40, pct=10.9, val_nll=[0.52, 0.50, 0.51][split]),
+            rec("rte", split, "skfac", "60", 0.30, pct=36.0, val_nll=0.10),
+            # kfac-random: sizes 1 and 2 tie on validation NLL -> the smaller percentage wins
+            rec("rte", split, "kfac-random", "1", 0.60, pct=3.0, val_nll=0.55),
+            rec("rte", split, "kfac-random", "2", 0.65, pct=6.0, val_nll=0.55),
+            rec("rte", split, "kfac-random", "4", 0.66, pct=12.0, val_nll=0.20),
+            # one size: kept whatever its percentage
+            rec("rte", split, "kfac-full", "-", 0.62, pct=100.0, val_nll=0.9),
+            rec("rte", split, "map", "-", [0.8, 0.9, 1.3][split], val_nll=0.95),
+            # every size beyond the budget: left out
+            rec("rte", split, "kfac-max-mlp", "2", 0.5, pct=22.0, val_nll=0.5),
         ]
-    # kfac-random: per-split percents differ; size 2 has median 9.5 (closest), size 1 has median 3
-    pcts = {"1": [2.0, 3.0, 30.0], "2": [9.0, 9.5, 40.0], "4": [20.0, 25.0, 30.0]}
-    for size, ps in pcts.items():
-        for split, p in enumerate(ps):
-            records.append(rec("rte", split, "kfac-random", size, 0.6 + split / 10, pct=p))
-    records += [rec("rte", s, "map", "-", 0.8) for s in range(3)]
     rows = budget_table(summarise(records), target=10.0)
     chosen = {r["method"]: r for r in rows}
-    assert set(chosen) == {"skfac", "kfac-random", "map"}
+    assert set(chosen) == {"skfac", "kfac-random", "kfac-full", "map"}
     assert chosen["skfac"]["size"] == "6.8"
-    # median and quartiles of (0.5, 0.7, 0.6) with linear interpolation
+    assert chosen["skfac"]["rule"] == "val_nll"
+    assert chosen["skfac"]["candidates"] == 3
+    assert chosen["skfac"]["limit"] == pytest.approx(11.5)
+    # mean ± standard error of (0.5, 0.7, 0.6): 0.6 ± 0.1 / sqrt(3); median and IQR as extras
+    assert chosen["skfac"]["nll_mean"] == pytest.approx(0.6)
+    assert chosen["skfac"]["nll_se"] == pytest.approx(0.1 / math.sqrt(3))
     assert chosen["skfac"]["nll"] == pytest.approx(0.6)
     assert chosen["skfac"]["nll_q25"] == pytest.approx(0.55)
-    assert chosen["skfac"]["nll_q75"] == pytest.approx(0.65)
-    assert chosen["kfac-random"]["size"] == "2"
-    assert chosen["kfac-random"]["percent_stochastic"] == pytest.approx(9.5)
-    assert chosen["kfac-random"]["distance"] == pytest.approx(0.5)
-    assert chosen["map"]["size"] == "-"
-    # another budget moves the choice: 30 % -> kfac-random size 4 (median 25) and skfac 12.6
-    chosen30 = {r["method"]: r for r in budget_table(summarise(records), target=30.0)}
-    assert chosen30["kfac-random"]["size"] == "4"
-    assert chosen30["skfac"]["size"] == "12.6"
+    assert chosen["kfac-random"]["size"] == "1"
+    assert chosen["kfac-full"]["rule"] == "single"
+    map_nll = np.array([0.8, 0.9, 1.3])
+    assert chosen["map"]["nll_mean"] == pytest.approx(map_nll.mean())
+    assert chosen["map"]["nll_se"] == pytest.approx(map_nll.std(ddof=1) / math.sqrt(3))
+    # a larger budget lets S-KFAC 60 in; no slack leaves 33 out at 10 %
+    assert {r["method"]: r["size"] for r in budget_table(summarise(records), 40.0)}["skfac"] == "60"
+    strict = {r["method"]: r for r in budget_table(summarise(records), 10.0, tolerance=0.0)}
+    assert strict["skfac"]["candidates"] == 2
+    # without validation NLLs (old records) the level closest to the budget is taken
+    old = [{k: v for k, v in r.items() if k != "val_nll"} for r in records]
+    fallback = {r["method"]: r for r in budget_table(summarise(old), target=10.0)}
+    assert (fallback["skfac"]["size"], fallback["skfac"]["rule"]) == ("33", "closest")
 
 
 @pytest.mark.parametrize("target", [-1.0, 101.0, float("nan")])
 def test_budget_table_rejects_bad_target(target):
     with pytest.raises(ValueError, match="target must be a percentage"):
         budget_table([], target=target)
+    with pytest.raises(ValueError, match="tolerance must be"):
+        budget_table([], target=10.0, tolerance=-0.1)
+
+
+def test_prior_at_the_grid_edge_is_counted_and_reported(tmp_path):
+    """A cell whose tuned prior sat at an end of the grid is flagged in the summary and the report."""
+    records = []
+    for split in range(3):
+        edge = ["lowest", None, "lowest"][split]
+        records.append(
+            {
+                **rec("rte", split, "skfac", "1", 0.5, pct=0.01, val_nll=0.5),
+                "extra": {"prior_precision": 0.1, "prior_at_grid_edge": edge},
+            }
+        )
+        records.append(
+            {
+                **rec("rte", split, "last-layer", "-", 0.5, val_nll=0.5),
+                "extra": {"prior_precision": 10.0, "prior_at_grid_edge": None},
+            }
+        )
+        records.append(rec("rte", split, "map", "-", 0.6, val_nll=0.6))
+    rows = {r["method"]: r for r in summarise(records)}
+    assert (rows["skfac"]["prior_edge_splits"], rows["skfac"]["prior_edge"]) == (2, "lowest")
+    assert rows["last-layer"]["prior_edge_splits"] == 0
+    assert "prior_edge_splits" not in rows["map"]
+    _store(tmp_path / "res", records)
+    out = write_report(tmp_path / "res")
+    assert "## Prior precision at the grid's edge" in out["markdown"]
+    assert "| rte | skfac | 1 | 2/3 | lowest |" in out["markdown"]
+    assert (
+        "| rte | last-layer |" not in (tmp_path / "res" / "report" / "prior_edges.md").read_text()
+    )
+    assert "lowest in 2/3" in (tmp_path / "res" / "report" / "table2_budget.md").read_text()
 
 
 # ------------------------------------------------------------------------------------------ Fig. 4
@@ -92,16 +143,17 @@ def test_average_ranks_ties():
     assert average_ranks([]) == []
 
 
-def test_strategy_ranks_hand_computed():
+def test_strategy_ranks_as_the_paper_defines_them():
+    """Per task: rank of the median NLL over splits (0 = best); over tasks: the median of those ranks."""
     records = [
-        # k = 1, both splits complete
+        # sst2, k = 1: medians random 0.45, max-mlp 0.4, min-mlp 0.55 -> ranks 1, 0, 2
         rec("sst2", 0, "kfac-random", "1", 0.5),
         rec("sst2", 0, "kfac-max-mlp", "1", 0.4),
         rec("sst2", 0, "kfac-min-mlp", "1", 0.6),
         rec("sst2", 1, "kfac-random", "1", 0.4),
         rec("sst2", 1, "kfac-max-mlp", "1", 0.4),
         rec("sst2", 1, "kfac-min-mlp", "1", 0.5),
-        # k = 2: split 1 lacks kfac-min-mlp, so only split 0 counts
+        # sst2, k = 2: min-mlp has split 0 only; medians random 0.2, max-mlp 0.625, min-mlp 0.2 (tie)
         rec("sst2", 0, "kfac-random", "2", 0.3),
         rec("sst2", 0, "kfac-max-mlp", "2", 0.35),
         rec("sst2", 0, "kfac-min-mlp", "2", 0.2),
@@ -111,34 +163,39 @@ def test_strategy_ranks_hand_computed():
         rec("sst2", 0, "skfac", "1", 0.1),
         rec("sst2", 0, "swag-random", "1", 0.1),
         rec("sst2", 0, "kfac-full", "-", 0.1),
-        # a second task for the "all" aggregate
+        # two more tasks for the "all" median: rte ranks (0, 1, 2), mrpc ranks (2, 1, 0)
         rec("rte", 0, "kfac-random", "1", 0.7),
         rec("rte", 0, "kfac-max-mlp", "1", 0.8),
         rec("rte", 0, "kfac-min-mlp", "1", 0.9),
+        rec("mrpc", 0, "kfac-random", "1", 0.9),
+        rec("mrpc", 0, "kfac-max-mlp", "1", 0.8),
+        rec("mrpc", 0, "kfac-min-mlp", "1", 0.7),
     ]
     rows = strategy_ranks(records)
     got = {(r["task"], r["modules"], r["strategy"]): r for r in rows}
     assert {r["family"] for r in rows} == {"kfac"}
-    assert got[("sst2", 1, "random")]["mean_rank"] == pytest.approx((2 + 1.5) / 2)
-    assert got[("sst2", 1, "max-mlp")]["mean_rank"] == pytest.approx((1 + 1.5) / 2)
-    assert got[("sst2", 1, "min-mlp")]["mean_rank"] == pytest.approx(3.0)
-    assert got[("sst2", 1, "random")]["n_splits"] == 2
+    assert [got[("sst2", 1, s)]["rank"] for s in ("random", "max-mlp", "min-mlp")] == [1, 0, 2]
     assert got[("sst2", 1, "random")]["nll_median"] == pytest.approx(0.45)
-    assert got[("sst2", 2, "min-mlp")]["mean_rank"] == 1.0
-    assert got[("sst2", 2, "max-mlp")]["mean_rank"] == 3.0
-    assert got[("sst2", 2, "max-mlp")]["n_splits"] == 1
-    assert got[("sst2", 2, "max-mlp")]["n_strategies"] == 3
-    # all tasks: sst2 splits 0, 1 and rte split 0 at k = 1
-    assert got[("all", 1, "random")]["mean_rank"] == pytest.approx((2 + 1.5 + 1) / 3)
-    assert got[("all", 1, "min-mlp")]["n_splits"] == 3
+    assert got[("sst2", 1, "random")]["n_splits"] == 2
+    # per-split extra: ranks (1, 0, 2) in split 0 and (0.5, 0.5, 2) in split 1
+    assert got[("sst2", 1, "random")]["split_rank"] == pytest.approx(0.75)
+    assert got[("sst2", 2, "random")]["rank"] == pytest.approx(0.5)
+    assert got[("sst2", 2, "min-mlp")]["rank"] == pytest.approx(0.5)
+    assert got[("sst2", 2, "max-mlp")]["rank"] == 2
+    assert got[("sst2", 2, "max-mlp")]["split_rank"] == 2  # only split 0 is complete
+    # all tasks, k = 1: medians of (1, 0, 2), (0, 1, 1), (2, 2, 0) over sst2, rte, mrpc
+    assert got[("all", 1, "random")]["rank"] == 1
+    assert got[("all", 1, "max-mlp")]["rank"] == 1
+    assert got[("all", 1, "min-mlp")]["rank"] == 2
+    assert got[("all", 1, "random")]["n_tasks"] == 3
+    assert got[("all", 1, "random")]["n_splits"] == 4
     assert rows[-1]["task"] == "all"
-    # ranks of one block always sum to n(n+1)/2
-    for task, k in {("sst2", 1), ("sst2", 2), ("rte", 1)}:
-        total = sum(r["mean_rank"] for r in rows if r["task"] == task and r["modules"] == k)
-        assert total == pytest.approx(6.0)
+    # ranks of one (task, count) block always sum to n(n-1)/2
+    for task, k in {("sst2", 1), ("sst2", 2), ("rte", 1), ("mrpc", 1)}:
+        total = sum(r["rank"] for r in rows if r["task"] == task and r["modules"] == k)
+        assert total == pytest.approx(3.0)
 
 
-# ------------------------------------------------------------------------------------------ Fig. 6
 @pytest.mark.parametrize("n", [7, 40, 61])
 def test_reliability_bins_match_numpy_reference(n):
     g = torch.Generator().manual_seed(n)
@@ -274,7 +331,7 @@ def test_write_report_synthetic(tmp_path, capsys):
     assert float(table2[3]["nll"]) == pytest.approx(0.71)
     ranks = _read_csv(rep / "ranks.csv")
     assert len(ranks) == 2 * 3 * 3  # (sst2, all) x 3 module counts x 3 strategies
-    assert {r["mean_rank"] for r in ranks if r["strategy"] == "min-mlp"} == {"1.0"}
+    assert {r["rank"] for r in ranks if r["strategy"] == "min-mlp"} == {"0.0"}
     calib = _read_csv(rep / "calibration.csv")
     # map, temperature and the 3 kfac strategies (fewer than n_best = 4), two bins each
     assert len(calib) == 5 * 2
@@ -283,7 +340,8 @@ def test_write_report_synthetic(tmp_path, capsys):
     ]
     text = (rep / "report.md").read_text()
     assert "## Table 2: ≈ 10 % stochastic budget" in text
-    assert "| sst2 | kfac-random | 2 | 3 | 9.000 [9.000, 9.000]" in text
+    assert "| sst2 | kfac-random | 2 | 3 | 9 | – | 0.520 ± 0.000 |" in text
+    assert {r["rule"] for r in table2} == {"closest", "single"}
 
 
 def test_report_without_bins_or_strategies_skips_with_reasons(tmp_path, capsys):

@@ -26,6 +26,10 @@ def test_record_roundtrip_and_atomic_layout(tmp_path):
 
 def test_refuses_other_configuration(tmp_path):
     ResultStore(tmp_path, {"model": "m", "seed": 0})
+    # nothing stored yet: the folder is not bound to a configuration
+    assert not (tmp_path / "config.json").exists()
+    ResultStore(tmp_path, {"model": "m", "seed": 1})
+    ResultStore(tmp_path, {"model": "m", "seed": 0}).write(Cell("rte", 0, "map", "-"), {"nll": 1})
     ResultStore(tmp_path, {"model": "m", "seed": 0})  # same config: fine
     with pytest.raises(ValueError, match=r"another configuration.*\['seed'\]"):
         ResultStore(tmp_path, {"model": "m", "seed": 1})

@@ -57,7 +57,10 @@ def test_uci_pipeline_one_split(tmp_path, data_dir, monkeypatch):
     assert recs[("kfac-max", "3")]["n_stochastic"] > recs[("kfac-max", "1")]["n_stochastic"]
     # the marginal-likelihood prior is a float64 grid value 10^(k/2), not its float32 rounding
     for key in (("last-layer", "-"), ("kfac-max", "1")):
-        assert recs[key]["extra"]["prior_precision"] in [10.0 ** (k / 2) for k in range(-2, 7)]
+        prior = recs[key]["extra"]["prior_precision"]
+        assert prior in [10.0 ** (k / 2) for k in range(-2, 7)]
+        edge = {0.1: "lowest", 1000.0: "highest"}.get(prior)
+        assert recs[key]["extra"]["prior_at_grid_edge"] == edge
 
 
 def test_uci_swag_full_cell_runs():

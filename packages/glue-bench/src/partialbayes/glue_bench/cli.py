@@ -13,19 +13,27 @@ from pathlib import Path
 from partialbayes.glue_bench import __version__
 from partialbayes.glue_bench.data_glue import TASKS, default_glue_dir, glue_missing_message
 from partialbayes.glue_bench.data_uci import UCI_DATASETS
-from partialbayes.glue_bench.methods import METHODS, Settings
+from partialbayes.glue_bench.experiment import CURVATURE_PASSES
+from partialbayes.glue_bench.methods import FISHERS, METHODS, Settings
 from partialbayes.glue_bench.models import DEFAULT_MODEL
+from partialbayes.glue_bench.tables import BUDGET_TOLERANCE
 from partialbayes.glue_bench.train import OPTIMIZERS, TrainConfig
 
 QUICKSTART_METHODS = ("map", "temperature", "last-layer", "skfac", "swag-random")
 # `glue-bench run` without --methods: the two cheap baselines of each task kind (UCI has no temperature
 # scaling, a classification method; last-layer Laplace is its cheapest calibrated alternative).
 DEFAULT_METHODS = {"glue": ("map", "temperature"), "uci": ("map", "last-layer")}
+# `glue-bench run` without --splits: one GLUE split (fine-tuning is the cost; the paper has 5), and the
+# paper's 15 train/test splits of each UCI dataset (its appendix B: splits 0-14 of the standard folders,
+# which hold 20; fewer when a folder holds fewer).
+DEFAULT_SPLITS = {"glue": "0", "uci": "0-14"}
 TASK_KINDS = {"glue": "GLUE", "uci": "UCI"}
 
 
 def parse_splits(text: str) -> list[int]:
     """``"0-4"`` -> [0, 1, 2, 3, 4]; ``"0,2"`` -> [0, 2]."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("--splits: empty (use e.g. 0-4 or 0,2)")
     out: list[int] = []
     for part in text.split(","):
         m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
@@ -41,7 +49,19 @@ def parse_splits(text: str) -> list[int]:
 
 
 def _names(text: str) -> list[str]:
-    return [t for t in re.split(r"[,\s]+", text.strip()) if t]
+    names = [t for t in re.split(r"[,\s]+", text.strip()) if t]
+    if not names:
+        raise argparse.ArgumentTypeError(f"empty list {text!r}: name at least one")
+    return names
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    """``"0.01,0.1,1"`` -> (0.01, 0.1, 1.0)."""
+    try:
+        values = tuple(float(t) for t in _names(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"cannot parse {text!r} as numbers ({err})") from None
+    return values
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -72,15 +92,47 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="fine-tuning optimizer (ivon also yields the 'ivon' posterior)",
     )
     p.add_argument("--epochs", type=int, default=None, help="fine-tuning epochs (default 10)")
-    p.add_argument("--max-length", type=int, default=None, help="max tokens (default 128)")
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="max tokens (default: the model's limit, so nothing is truncated, as in the paper)",
+    )
     p.add_argument(
         "--prior",
         choices=("val_nll", "marglik"),
         default="val_nll",
         help="how Laplace methods choose the prior precision",
     )
+    p.add_argument(
+        "--prior-grid",
+        type=_floats,
+        default=None,
+        help="prior precisions to choose from, e.g. 1e-3,1e-2,0.1,1 (default: the paper's "
+        "10^-1 ... 10^3 in half decades)",
+    )
+    p.add_argument(
+        "--fisher",
+        choices=FISHERS,
+        default="empirical",
+        help="fisher type of the KFAC / S-KFAC Laplace curvature (default empirical, the paper's)",
+    )
+    p.add_argument(
+        "--curvature-pass",
+        choices=CURVATURE_PASSES,
+        default="shared",
+        help="shared (default): one curvature pass for a whole ramp of a (task, split); per-cell: "
+        "each cell its own (same records, slower)",
+    )
     p.add_argument("--n-samples", type=int, default=None, help="MC samples (default 50)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
 
 
 def _cuda() -> bool:
@@ -116,7 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="methods (see `glue-bench methods`); default: "
         + "; ".join(f"{','.join(v)} for {TASK_KINDS[k]} tasks" for k, v in DEFAULT_METHODS.items()),
     )
-    run.add_argument("--splits", type=parse_splits, default=[0], help="e.g. 0-4 (default 0)")
+    run.add_argument(
+        "--splits",
+        type=parse_splits,
+        default=None,
+        help=f"e.g. 0-4 (default: {DEFAULT_SPLITS['glue']} for GLUE tasks, "
+        f"{DEFAULT_SPLITS['uci']} for UCI datasets, the paper's 15)",
+    )
     run.add_argument(
         "--shard", default=None, help="i/n: run the i-th of n disjoint parts of the grid"
     )
@@ -144,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         help="stochastic budget of Table 2 in percent (default 10)",
+    )
+    rep.add_argument(
+        "--budget-tolerance",
+        type=float,
+        default=BUDGET_TOLERANCE,
+        help=f"relative slack of the budget, '≈' (default {BUDGET_TOLERANCE:g}: up to 11.5 %% for 10 %%)",
     )
     rep.add_argument(
         "--calibration-methods",
@@ -176,7 +240,9 @@ def _configs(args: argparse.Namespace, quick: bool = False):
         train_kw["epochs"] = args.epochs
     if args.max_length is not None:
         train_kw["max_length"] = args.max_length
-    settings_kw: dict = {"prior": args.prior}
+    settings_kw: dict = {"prior": args.prior, "fisher": args.fisher}
+    if args.prior_grid is not None:
+        settings_kw["prior_grid"] = args.prior_grid
     if args.n_samples is not None:
         settings_kw["n_samples"] = args.n_samples
     if quick:
@@ -194,6 +260,7 @@ def _configs(args: argparse.Namespace, quick: bool = False):
         max_train_examples=args.max_train_examples,
         max_test_examples=args.max_test_examples,
         seed=args.seed,
+        curvature_pass=args.curvature_pass,
     )
 
 
@@ -285,6 +352,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     plan = plan_run(args.tasks, args.methods, args.optimizer)
     shard = parse_shard(args.shard)
+    splits = {
+        kind: args.splits if args.splits is not None else parse_splits(DEFAULT_SPLITS[kind])
+        for kind in plan
+    }
     if "uci" in plan:
         from partialbayes.glue_bench.data_uci import num_splits, uci_folder
 
@@ -296,9 +367,11 @@ def cmd_run(args: argparse.Namespace) -> int:
                     f"a folder holding {UCI_DATASETS[name]}/data/)"
                 )
             n = num_splits(name, args.uci_dir)
-            if any(k >= n for k in args.splits):
+            if args.splits is None:
+                splits["uci"] = [k for k in splits["uci"] if k < n]
+            if any(k >= n for k in splits["uci"]):
                 raise ValueError(
-                    f"--splits {[k for k in args.splits if k >= n]} out of range for UCI dataset "
+                    f"--splits {[k for k in splits['uci'] if k >= n]} out of range for UCI dataset "
                     f"{name} ({n} splits: 0-{n - 1})"
                 )
     config = _configs(args)
@@ -307,7 +380,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         tasks, methods = plan["glue"]
         store = run_grid(
             tasks,
-            args.splits,
+            splits["glue"],
             methods,
             config,
             args.results,
@@ -324,7 +397,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         tasks, methods = plan["uci"]
         uci_store = run_uci(
             tasks,
-            args.splits,
+            splits["uci"],
             methods,
             args.results / "uci",
             args.uci_dir,
@@ -359,6 +432,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         args.out,
         budget=args.budget,
         calibration_methods=args.calibration_methods,
+        budget_tolerance=args.budget_tolerance,
     )
     print(out["markdown"])
     for f in out["files"]:
@@ -463,9 +537,16 @@ def stage_table(timings: list[dict], total_wall: float, total_cpu: float) -> str
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``glue-bench``; returns the process exit status."""
+    """Run ``glue-bench``; returns the process exit status.
+
+    An unknown option is reported with the usage of the subcommand it was given to (``glue-bench run
+    --bogus`` prints ``run``'s usage, not the top-level one), exit status 2.
+    """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = _subparsers(parser).get(args.command) if args.command else None
+        (sub or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     os.environ.setdefault("MPLBACKEND", "Agg")
     if args.command is None:
         parser.print_help()
@@ -480,6 +561,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "report":
             return cmd_report(args)
         return cmd_quickstart(args)
-    except (ValueError, FileNotFoundError, ImportError) as err:
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as err:
         print(f"glue-bench: error: {err}", file=sys.stderr)
         return 2

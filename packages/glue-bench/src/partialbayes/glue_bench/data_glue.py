@@ -7,6 +7,8 @@ a training and a validation part with the sizes of Kampen et al. (2024), one see
 from __future__ import annotations
 
 import csv
+import hashlib
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -231,6 +233,24 @@ def load_glue(task: str, glue_dir: str | Path | None = None) -> tuple[Examples, 
         raise FileNotFoundError(glue_missing_message(task, folder)) from err
 
 
+def data_fingerprint(train: Examples, test: Examples) -> dict[str, Any]:
+    """What a results folder remembers about a task's data: a sha256 of every text and label read.
+
+    The digest covers the parsed examples (text columns and label indices of the training file and of the
+    dev/test file, in file order), so any edit that changes what the experiment sees (a flipped label, an
+    edited sentence, added or removed rows) changes it, while byte-level details that do not (a byte-order
+    mark, line endings) do not.
+
+    Returns:
+        ``{"sha256": hex digest, "n_train": rows of the training file, "n_test": rows of the test file}``.
+    """
+    h = hashlib.sha256()
+    for part in (train, test):
+        h.update(json.dumps([part.texts, part.labels], ensure_ascii=False).encode())
+        h.update(b"\x00")
+    return {"sha256": h.hexdigest(), "n_train": len(train), "n_test": len(test)}
+
+
 def split_indices(
     n: int, spec: TaskSpec, split: int, max_train: int | None = None
 ) -> tuple[list[int], list[int]]:
@@ -263,7 +283,7 @@ def encode(
     examples: Examples,
     tokenizer: Any,
     batch_size: int,
-    max_length: int = 128,
+    max_length: int | None = 128,
     sort_by_length: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """Tokenise into a list of dict batches (padded to the longest sequence in each batch).
@@ -275,7 +295,7 @@ def encode(
         examples: The examples.
         tokenizer: A Hugging Face tokenizer.
         batch_size: Examples per batch.
-        max_length: Truncation length in tokens.
+        max_length: Truncation length in tokens (``None``: the tokenizer's ``model_max_length``).
         sort_by_length: Order the examples by text length first (labels move with them), which cuts
             padding for evaluation passes where the order does not matter.
     """
@@ -284,6 +304,8 @@ def encode(
     if sort_by_length:
         order = sorted(range(len(examples)), key=lambda i: sum(len(t) for t in examples.texts[i]))
         examples = examples.take(order)
+    if max_length is not None and (isinstance(max_length, bool) or max_length < 1):
+        raise ValueError(f"max_length must be >= 1 or None, got {max_length!r}")
     out = []
     for start in range(0, len(examples), batch_size):
         chunk = examples.texts[start : start + batch_size]
@@ -295,7 +317,17 @@ def encode(
             max_length=max_length,
             return_tensors="pt",
         )
-        batch = {k: v for k, v in enc.items()}
+        batch = dict(enc.items())
         batch["labels"] = torch.tensor(examples.labels[start : start + batch_size])
         out.append(batch)
     return out
+
+
+def count_truncated(examples: Examples, tokenizer: Any, max_length: int) -> int:
+    """How many of ``examples`` have more than ``max_length`` tokens (and are cut by :func:`encode`)."""
+    n = 0
+    for start in range(0, len(examples), 256):
+        columns = list(zip(*examples.texts[start : start + 256], strict=True))
+        enc = tokenizer(*[list(c) for c in columns], truncation=False)
+        n += sum(len(ids) > max_length for ids in enc["input_ids"])
+    return n

@@ -40,9 +40,9 @@ def save_figure(fig: Any, path: Path, dpi: int = 120) -> None:
 
 
 def rank_plot(rank_rows: Sequence[dict[str, Any]], task: str, path: Path) -> bool:
-    """Mean rank of every module strategy against the number of modules (the paper's Fig. 4).
+    """Rank of every module strategy against the number of modules (the paper's Fig. 4).
 
-    One panel per family (KFAC, SWAG). Rank 1 is the lowest NLL; see
+    One panel per family (KFAC, SWAG). Rank 0 is the lowest NLL; see
     :func:`partialbayes.glue_bench.tables.strategy_ranks` for the rule.
 
     Returns:
@@ -63,9 +63,7 @@ def rank_plot(rank_rows: Sequence[dict[str, Any]], task: str, path: Path) -> boo
                 by_strategy[r["strategy"]].append(r)
         for strategy, rs in sorted(by_strategy.items()):
             rs.sort(key=lambda r: r["modules"])
-            ax.plot(
-                [r["modules"] for r in rs], [r["mean_rank"] for r in rs], marker="o", label=strategy
-            )
+            ax.plot([r["modules"] for r in rs], [r["rank"] for r in rs], marker="o", label=strategy)
         ax.set_xscale("log")
         counts = sorted({r["modules"] for r in mine if r["family"] == family})
         ax.set_xticks(counts, [str(k) for k in counts])
@@ -73,7 +71,7 @@ def rank_plot(rank_rows: Sequence[dict[str, Any]], task: str, path: Path) -> boo
         ax.set_xlabel("number of stochastic modules")
         ax.set_title(f"{task}: {family.upper()} strategies")
         ax.legend(fontsize=8)
-    axes[0][0].set_ylabel("mean rank by test NLL (1 = best)")
+    axes[0][0].set_ylabel("rank by median test NLL (0 = best)")
     axes[0][0].invert_yaxis()
     fig.tight_layout()
     save_figure(fig, path)

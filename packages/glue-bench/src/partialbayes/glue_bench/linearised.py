@@ -333,18 +333,21 @@ def linear_sampling_prediction(ctx: Any, subset: Any) -> Any:
         subset: A ``selection.Subset``.
 
     Returns:
-        A ``methods.Prediction``; ``floats`` counts the stored samples (``d·K``) and ``α``.
+        A ``methods.Prediction``; ``floats`` counts the stored samples (``d·K``) and ``α``; ``val_nll`` is
+        the NLL of the same predictive on the validation set.
     """
-    from partialbayes.glue_bench.methods import Prediction
+    from partialbayes.glue_bench.methods import LS_OFFSET, Prediction
+    from partialbayes.predictive import nll
 
     config = ctx.settings.linear_sampling
-    gen = torch.Generator().manual_seed(ctx.seed + 3)
+    gen = ctx.generator(LS_OFFSET)
     t0 = time.perf_counter()
     post = fit_linearised(ctx.model, ctx.train, subset, config, gen)
     fit = time.perf_counter() - t0
     t0 = time.perf_counter()
     probs = linearised_probs(ctx.model, ctx.test, subset, post.samples, config.dense_max_floats)
     predict = time.perf_counter() - t0
+    val = linearised_probs(ctx.model, ctx.val, subset, post.samples, config.dense_max_floats)
     d = int(post.samples.shape[0])
     return Prediction(
         probs,
@@ -361,4 +364,5 @@ def linear_sampling_prediction(ctx: Any, subset: Any) -> Any:
             "em_history": post.history,
             "modules": sorted({n.rsplit(".", 1)[0] for n in subset.names}),
         },
+        val_nll=float(nll(val, ctx.labels("val"))),
     )

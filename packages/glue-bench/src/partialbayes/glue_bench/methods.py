@@ -8,9 +8,12 @@ imports nothing optional.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,24 +27,68 @@ Batch = dict[str, torch.Tensor]
 # actually stochastic, ``percent_stochastic`` = ``Subset.percent_of``, and the requested size):
 # * MODULE_COUNTS: the module counts of Kampen et al.'s ramping figures (``selection.PAPER_COUNTS`` without
 #   the 0, which is the MAP cell); counts above a model's number of linear maps in the group are dropped.
-# * SKFAC_PERCENTS: the S-KFAC percentage p (percent of the rows and of the columns kept in every linear
-#   map, DESIGN.md's S-KFAC rule) of the authors' experiment code, ``numpy.linspace(1, 30, 6)`` rounded to
-#   one decimal. A map keeps about (p/100)² of its weights (the paper's g_p, Table 3), so these cover
-#   about 0.01 % to 9 % of the linear weights.
+# * SKFAC_PERCENTS: the S-KFAC percentages p of the paper's Table 3 (percent of the rows and of the columns
+#   kept in every linear map, DESIGN.md's S-KFAC rule) without its 0 (the MAP cell) and 100 (the
+#   ``kfac-full`` cell). A map keeps about (p/100)² of its weights (the paper's g_p), so these cover about
+#   0.01 % to 11 % of the linear weights; 33 is the ≈ 10 % cell of Table 2.
 # * SWAG_L1_PERCENTS: the paper's l1 sub-layer ramp p ∈ {1, 12, 24, 36, 48, 60, 100}: percent of the
 #   countable parameters with the largest magnitude (``selection.largest_magnitude``).
 MODULE_COUNTS = (1, 2, 3, 4, 5, 8, 11, 17, 38)
-SKFAC_PERCENTS = tuple(round(float(p), 1) for p in torch.linspace(1, 30, 6, dtype=torch.float64))
+SKFAC_PERCENTS = (1.0, 1.8, 2.5, 3.2, 3.9, 4.6, 5.4, 6.1, 6.8, 12.6, 18.4, 24.2, 30.0, 33.0)
 SWAG_L1_PERCENTS = (1.0, 12.0, 24.0, 36.0, 48.0, 60.0, 100.0)
-# Prior precisions 10^-1, 10^-0.5, ..., 10^3, built in float64 so that records store 0.1, not the float32
-# value 0.10000000149011612. Hand it to the Laplace posteriors as :func:`prior_grid` (a float64 tensor):
-# ``torch.as_tensor`` of a tuple of floats would round it to float32 again.
+# Prior precisions 10^-1, 10^-0.5, ..., 10^3: the paper's range (Table 6, "equidistant in logspace in
+# [10^-1, 10^3]"; the number of points is not given, we take half decades). Built in float64 so that
+# records store 0.1, not the float32 value 0.10000000149011612. Hand it to the Laplace posteriors as
+# :func:`prior_grid` (a float64 tensor): ``torch.as_tensor`` of a tuple of floats would round it to float32.
+# The grid is not extended beyond the paper's range: a cell whose tuned prior lands on an end of it says so
+# (``extra.prior_at_grid_edge``) and the report flags it; ``Settings.prior_grid`` changes the grid.
 PRIOR_GRID = tuple(float(v) for v in torch.logspace(-1, 3, 9, dtype=torch.float64))
+# Fisher types of the Laplace curvature (``partialbayes.curvature``): the paper's KFAC is built on the
+# empirical Fisher (its Eqs. 13-16), its last-layer Laplace on the full GGN ("exact").
+FISHERS = ("empirical", "exact", "mc")
 
 
-def prior_grid() -> torch.Tensor:
-    """:data:`PRIOR_GRID` as a float64 tensor (the ``grid`` argument of ``optimize_prior_precision``)."""
-    return torch.tensor(PRIOR_GRID, dtype=torch.float64)
+def prior_grid(values: Sequence[float] = PRIOR_GRID) -> torch.Tensor:
+    """A prior-precision grid as a float64 tensor (the ``grid`` argument of ``optimize_prior_precision``)."""
+    return torch.tensor([float(v) for v in values], dtype=torch.float64)
+
+
+def prior_edge(chosen: float, grid: Sequence[float]) -> str | None:
+    """``"lowest"`` / ``"highest"`` when ``chosen`` is the smallest / largest value of ``grid``, else ``None``.
+
+    A prior precision tuned to an end of its grid may not be the optimum: the validation NLL (or the
+    evidence) might still improve beyond it. The lowest prior gives the widest posterior the grid allows, the
+    highest the one closest to the MAP.
+    """
+    if chosen == min(grid):
+        return "lowest"
+    if chosen == max(grid):
+        return "highest"
+    return None
+
+
+def _check_positive_int(owner: str, key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{owner}.{key} must be an int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{owner}.{key} must be >= 1, got {value}")
+
+
+def _check_numbers(owner: str, key: str, values: Any, high: float = math.inf) -> tuple[float, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{owner}.{key} must be a sequence of numbers, got {values!r}")
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"{owner}.{key} must hold numbers, got {v!r} in {values!r}")
+        if not (0 < v <= high) or math.isnan(v):
+            raise ValueError(f"{owner}.{key} values must be in (0, {high:g}], got {v!r}")
+        out.append(float(v))
+    if not out:
+        raise ValueError(f"{owner}.{key} is empty")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{owner}.{key} has repeated values: {list(values)}")
+    return tuple(out)
 
 
 @dataclass
@@ -49,18 +96,27 @@ class Settings:
     """Method hyperparameters (part of the results configuration).
 
     Attributes:
-        prior: ``val_nll`` (grid search over :data:`PRIOR_GRID` on validation) or ``marglik``.
+        prior: ``val_nll`` (grid search over ``prior_grid`` on validation) or ``marglik``.
+        prior_grid: Candidate prior precisions (default :data:`PRIOR_GRID`, the paper's range).
+        fisher: Fisher type of the KFAC / S-KFAC / module-ramp Laplace curvature: ``empirical`` (default:
+            the paper's, its Eqs. 13-16, and one backward pass per batch), ``exact`` (the GGN, one backward
+            pass per class) or ``mc`` (one sampled label per example, seeded by the run).
+        last_layer_fisher: Fisher type of the dense last-layer Laplace (default ``exact``: the paper's
+            last-layer Laplace uses the full GGN).
         n_samples: Monte Carlo samples for SWAG and IVON predictions.
         swag_lrs: SWAG learning rates of the validation sweep.
         swag_sweep_steps: SGD steps per sweep point.
         swag_steps: SGD steps of the final SWAG run.
         module_counts: Module counts of the module-ramping methods.
-        skfac_percents: Percentages of the S-KFAC ramping.
+        skfac_percents: Percentages of the S-KFAC ramping (default: the paper's Table 3).
         swag_l1_percents: Percentages of the SWAG largest-magnitude (l1) sub-layer ramping.
         linear_sampling: Settings of the sampling-based linearised Laplace methods (``ls-*``).
     """
 
     prior: str = "val_nll"
+    prior_grid: tuple[float, ...] = PRIOR_GRID
+    fisher: str = "empirical"
+    last_layer_fisher: str = "exact"
     n_samples: int = 50
     swag_lrs: tuple[float, ...] = (1e-3, 1e-2, 5e-2, 1e-1)
     swag_sweep_steps: int = 400
@@ -72,9 +128,33 @@ class Settings:
 
     def __post_init__(self) -> None:
         if self.prior not in ("val_nll", "marglik"):
-            raise ValueError(f"prior must be 'val_nll' or 'marglik', got {self.prior!r}")
-        if self.n_samples < 1:
-            raise ValueError(f"n_samples must be >= 1, got {self.n_samples}")
+            raise ValueError(f"Settings.prior must be 'val_nll' or 'marglik', got {self.prior!r}")
+        for key in ("fisher", "last_layer_fisher"):
+            if getattr(self, key) not in FISHERS:
+                raise ValueError(
+                    f"Settings.{key} must be one of {FISHERS}, got {getattr(self, key)!r}"
+                )
+        for key in ("n_samples", "swag_sweep_steps", "swag_steps"):
+            _check_positive_int("Settings", key, getattr(self, key))
+        self.prior_grid = _check_numbers("Settings", "prior_grid", self.prior_grid)
+        if len(self.prior_grid) < 2:
+            raise ValueError(f"Settings.prior_grid needs at least 2 values, got {self.prior_grid}")
+        self.swag_lrs = _check_numbers("Settings", "swag_lrs", self.swag_lrs)
+        self.skfac_percents = _check_numbers("Settings", "skfac_percents", self.skfac_percents, 100)
+        self.swag_l1_percents = _check_numbers(
+            "Settings", "swag_l1_percents", self.swag_l1_percents, 100
+        )
+        counts = self.module_counts
+        if isinstance(counts, (str, bytes)) or not isinstance(counts, Sequence) or not counts:
+            raise TypeError(f"Settings.module_counts must be a non-empty sequence, got {counts!r}")
+        for k in counts:
+            _check_positive_int("Settings", "module_counts", k)
+        self.module_counts = tuple(counts)
+        if not isinstance(self.linear_sampling, LinearSamplingConfig):
+            raise TypeError(
+                "Settings.linear_sampling must be a LinearSamplingConfig, got "
+                f"{type(self.linear_sampling).__name__}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict."""
@@ -99,6 +179,7 @@ class Context:
         ivon: ``{"hess": {name: tensor}, "ess": float, "weight_decay": float, "finetune_seconds": float}``
             when fine-tuned with IVON (``finetune_seconds``: wall-clock time of the IVON fine-tuning that
             produced the checkpoint).
+        curvature_dir: Folder of the shared curvature pass (beside the checkpoint); ``None``: not stored.
     """
 
     model: nn.Module
@@ -110,6 +191,7 @@ class Context:
     seed: int
     settings: Settings = field(default_factory=Settings)
     ivon: dict[str, Any] | None = None
+    curvature_dir: Path | None = None
     _cache: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def labels(self, which: str) -> torch.Tensor:
@@ -121,6 +203,10 @@ class Context:
         if which not in self._cache:
             self._cache[which] = batch_logits(self.model, getattr(self, which))
         return self._cache[which]
+
+    def generator(self, offset: int) -> torch.Generator:
+        """A CPU generator seeded by this (task, split) and ``offset`` (one offset per kind of draw)."""
+        return torch.Generator().manual_seed(self.seed * 1000 + offset)
 
 
 @dataclass
@@ -135,6 +221,10 @@ class Prediction:
         fit_seconds: Time to build the posterior (including hyperparameter search).
         predict_seconds: Time to predict the test set.
         extra: Method-specific facts (chosen prior precision, learning rate, modules).
+        val_nll: Mean validation NLL of the method's predictive (the level of a ramp is chosen by it, as in
+            the paper's §5.4); ``None`` when not computed.
+        curvature_pass: Laplace cells: ``"per-cell"`` (curvature from the cell's own pass over the
+            training set) or ``"shared"`` (from the one pass of the whole ramp); ``None`` otherwise.
     """
 
     probs: torch.Tensor
@@ -144,6 +234,22 @@ class Prediction:
     fit_seconds: float
     predict_seconds: float
     extra: dict[str, Any] = field(default_factory=dict)
+    val_nll: float | None = None
+    curvature_pass: str | None = None
+
+
+@dataclass(frozen=True)
+class KronCell:
+    """The subset of a KFAC-type Laplace cell, and what the shared curvature pass derives it from.
+
+    Attributes:
+        subset: Kronecker-structured ``selection.Subset``.
+        skfac_percent: The S-KFAC percentage of an ``skfac`` cell (factors of that level); ``None`` for a
+            union of whole linear maps (their full factors).
+    """
+
+    subset: Any
+    skfac_percent: float | None = None
 
 
 @dataclass(frozen=True)
@@ -156,6 +262,8 @@ class Method:
         sizes: ``sizes(ctx) -> list of size keys`` (``["-"]`` for single-cell methods).
         run: ``run(ctx, size) -> Prediction``.
         requires: Sibling package the method imports when it runs (for error messages).
+        kron: For KFAC-type Laplace methods, ``kron(ctx, size) -> KronCell``: the cell's subset, so that a
+            whole ramp can share one curvature pass (:mod:`partialbayes.glue_bench.ramp`).
     """
 
     name: str
@@ -163,6 +271,7 @@ class Method:
     sizes: Callable[[Context], list[str]]
     run: Callable[[Context, str], Prediction]
     requires: str | None = None
+    kron: Callable[[Context, str], KronCell] | None = None
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -206,11 +315,18 @@ def _fmt(p: float) -> str:
 
 
 # ------------------------------------------------------------------------------------------ MAP, TS
+def _val_nll(probs: torch.Tensor, labels: torch.Tensor) -> float:
+    from partialbayes.predictive import nll
+
+    return float(nll(probs.double(), labels))
+
+
 def run_map(ctx: Context, size: str) -> Prediction:
     """The fine-tuned network's softmax probabilities."""
     t0 = time.perf_counter()
     probs = torch.softmax(ctx.logits("test"), -1)
-    return Prediction(probs, 0, 0, 0.0, 0.0, time.perf_counter() - t0)
+    val = _val_nll(torch.softmax(ctx.logits("val"), -1), ctx.labels("val"))
+    return Prediction(probs, 0, 0, 0.0, 0.0, time.perf_counter() - t0, val_nll=val)
 
 
 def fit_temperature(logits: torch.Tensor, labels: torch.Tensor) -> float:
@@ -248,41 +364,42 @@ def run_temperature(ctx: Context, size: str) -> Prediction:
     fit = time.perf_counter() - t0
     t0 = time.perf_counter()
     probs = torch.softmax(ctx.logits("test") / temp, -1)
-    return Prediction(probs, 1, 0, 0.0, fit, time.perf_counter() - t0, {"temperature": temp})
+    val = _val_nll(torch.softmax(ctx.logits("val") / temp, -1), ctx.labels("val"))
+    return Prediction(
+        probs, 1, 0, 0.0, fit, time.perf_counter() - t0, {"temperature": temp}, val_nll=val
+    )
 
 
 # ------------------------------------------------------------------------------------------ Laplace
 def laplace_prediction(ctx: Context, subset: Any, kind: str = "kron") -> Prediction:
     """Fit a Laplace posterior of ``kind`` (``kron`` or ``dense``) on ``subset``, tune the prior, predict.
 
-    The prior precision is chosen by validation NLL over :data:`PRIOR_GRID` or by the marginal
-    likelihood (``ctx.settings.prior``); predictions use the linearised probit approximation.
+    The cell's own curvature pass over the training set (``curvature_pass="per-cell"``), the validation NLL
+    of every prior of ``settings.prior_grid``, the prior chosen by validation NLL or by the marginal
+    likelihood (``settings.prior``), then the linearised probit predictive on the test set
+    (:mod:`partialbayes.glue_bench.laplace_cells`).
     """
-    from partialbayes import curvature
+    from partialbayes.glue_bench.laplace_cells import (
+        PriorSearch,
+        TestPredictive,
+        fit_per_cell,
+        laplace_result,
+        new_posterior,
+    )
 
-    cls = curvature.KronLaplace if kind == "kron" else curvature.DenseLaplace
     t0 = time.perf_counter()
-    la = cls(ctx.model, subset, num_classes=ctx.num_labels)
-    la.fit(ctx.train)
-    if ctx.settings.prior == "val_nll":
-        prior = la.optimize_prior_precision("val_nll", val_loader=ctx.val, grid=prior_grid())
-    else:
-        prior = la.optimize_prior_precision("marglik", grid=prior_grid())
+    la = fit_per_cell(ctx, new_posterior(ctx, subset, kind))
+    search = PriorSearch(ctx.settings.prior_grid)
+    for batch in ctx.val:
+        search.add(la, batch)
+    prior = search.choose(la, ctx.settings.prior)
     fit = time.perf_counter() - t0
     t0 = time.perf_counter()
-    probs = []
+    test = TestPredictive()
     for batch in ctx.test:
-        mean, cov = la.logit_mean_cov(batch)
-        probs.append(probit_probs(mean.double(), cov.double()).cpu())
-    predict = time.perf_counter() - t0
-    return Prediction(
-        torch.cat(probs),
-        int(la.num_floats),
-        subset.num_entries(),
-        float(subset.percent_of(ctx.model)),
-        fit,
-        predict,
-        {"prior_precision": prior, "prior_method": ctx.settings.prior, "modules": _modules(subset)},
+        test.add(la, batch)
+    return laplace_result(
+        ctx, la, subset, test.probs(), prior, fit, time.perf_counter() - t0, "per-cell"
     )
 
 
@@ -321,26 +438,65 @@ def run_last_layer(ctx: Context, size: str) -> Prediction:
     return laplace_prediction(ctx, last_layer(ctx.model), kind="dense")
 
 
+def kron_full(ctx: Context, size: str) -> KronCell:
+    """The subset of ``kfac-full``: every linear map."""
+    return KronCell(_module_subset(ctx, "max", "all", _n_linear(ctx, "all")))
+
+
+def kron_skfac(ctx: Context, size: str) -> KronCell:
+    """The subset of an ``skfac`` cell: ``size`` % of the rows and columns of every linear map."""
+    from partialbayes.selection import sparse_kfac
+
+    return KronCell(sparse_kfac(ctx.model, float(size)), float(size))
+
+
 def run_kfac_full(ctx: Context, size: str) -> Prediction:
     """KFAC Laplace on every linear map."""
-    return laplace_prediction(ctx, _module_subset(ctx, "max", "all", _n_linear(ctx, "all")))
+    return laplace_prediction(ctx, kron_full(ctx, size).subset)
 
 
 def run_skfac(ctx: Context, size: str) -> Prediction:
     """S-KFAC Laplace keeping ``size`` % of the rows and columns of every linear map."""
-    from partialbayes.selection import sparse_kfac
-
-    pred = laplace_prediction(ctx, sparse_kfac(ctx.model, float(size)))
+    pred = laplace_prediction(ctx, kron_skfac(ctx, size).subset)
     pred.extra["skfac_percent"] = float(size)
     return pred
 
 
 # ------------------------------------------------------------------------------------------ SWAG
+# Offsets of the run's generators (``Context.generator``): one per kind of random draw, so that no two
+# draws of a run share a stream (the MC fisher uses ``laplace_cells.MC_FISHER_OFFSET`` = 4).
+SWAG_SWEEP_OFFSET, SWAG_SAMPLES_OFFSET, IVON_SAMPLES_OFFSET, LS_OFFSET = 1, 2, 3, 5
+
+
+def _mc_probs(
+    ctx: Context, sampled: Callable[[torch.Generator], Any], offset: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Monte Carlo predictive on the test and validation sets: ``settings.n_samples`` weight samples.
+
+    ``sampled(generator)`` is a context manager that puts one weight sample into ``ctx.model``; each
+    sample scores both sets, so the validation NLL (which chooses a ramp's level) is that of the very
+    posterior the test probabilities come from.
+
+    Returns:
+        ``(test probs [N_test, C], validation probs [N_val, C])``, float64.
+    """
+    gen = ctx.generator(offset)
+    test = torch.zeros_like(ctx.logits("test"))
+    val = torch.zeros_like(ctx.logits("val"))
+    for _ in range(ctx.settings.n_samples):
+        with sampled(gen):
+            test += torch.softmax(batch_logits(ctx.model, ctx.test), -1)
+            val += torch.softmax(batch_logits(ctx.model, ctx.val), -1)
+    return test / ctx.settings.n_samples, val / ctx.settings.n_samples
+
+
 def swag_prediction(ctx: Context, subset: Any) -> Prediction:
     """SWAG on ``subset``: learning rate by validation NLL, then Monte Carlo predictions.
 
     With a single learning rate in ``settings.swag_lrs`` there is nothing to choose: the sweep (and its
-    validation predictive) is skipped and SWAG is collected at that rate directly.
+    validation predictive) is skipped and SWAG is collected at that rate directly. The SGD steps run in
+    training mode: their dropout draws come from the global generator, which the cell seeds
+    (``experiment.run_cell``).
     """
     from partialbayes.swag import collect_swag, sweep_learning_rate
 
@@ -361,26 +517,23 @@ def swag_prediction(ctx: Context, subset: Any) -> Prediction:
             sweep_steps=s.swag_sweep_steps,
             final_steps=s.swag_steps,
             n_samples=min(s.n_samples, 20),
-            generator=torch.Generator().manual_seed(ctx.seed),
+            generator=ctx.generator(SWAG_SWEEP_OFFSET),
             progress=False,
         )
         lr, swag = result.lr, result.swag
     fit = time.perf_counter() - t0
     t0 = time.perf_counter()
-    gen = torch.Generator(device=swag.mean.device).manual_seed(ctx.seed + 1)
-    total = torch.zeros_like(ctx.logits("test"))
-    for _ in range(s.n_samples):
-        with swag.sampled(ctx.model, generator=gen):
-            total += torch.softmax(batch_logits(ctx.model, ctx.test), -1)
+    test, val = _mc_probs(ctx, lambda g: swag.sampled(ctx.model, generator=g), SWAG_SAMPLES_OFFSET)
     predict = time.perf_counter() - t0
     return Prediction(
-        total / s.n_samples,
+        test,
         int(swag.num_floats),
         subset.num_entries(),
         float(subset.percent_of(ctx.model)),
         fit,
         predict,
         {"swag_lr": lr, "swag_lr_swept": len(s.swag_lrs) > 1, "modules": _modules(subset)},
+        val_nll=_val_nll(val, ctx.labels("val")),
     )
 
 
@@ -402,38 +555,47 @@ def run_swag_full(ctx: Context, size: str) -> Prediction:
 def run_ivon(ctx: Context, size: str) -> Prediction:
     """IVON's mean-field posterior N(m, 1/(ess·(h+δ))) from IVON fine-tuning, Monte Carlo predictions.
 
-    The posterior is built by the IVON fine-tuning, so ``fit_seconds`` is that fine-tuning's wall-clock
-    time (from the checkpoint's meta, also when the checkpoint was reused) plus the few milliseconds of
-    turning its Hessian into standard deviations; ``extra`` holds both parts. Note that the ``map`` cell of
-    the same results folder (the IVON mean) comes from the same training, at ``fit_seconds`` 0.
+    Only the countable parameters are stochastic: the token, position and token-type embeddings are never
+    sampled and never counted (DESIGN), also for checkpoints whose IVON Hessians cover them. The posterior
+    is built by the IVON fine-tuning, so ``fit_seconds`` is that fine-tuning's wall-clock time (from the
+    checkpoint's meta, also when the checkpoint was reused) plus the few milliseconds of turning its Hessian
+    into standard deviations; ``extra`` holds both parts. Note that the ``map`` cell of the same results
+    folder (the IVON mean) comes from the same training, at ``fit_seconds`` 0.
     """
+    from partialbayes.selection import countable_named_parameters
+
     if ctx.ivon is None:
         raise ValueError("method 'ivon' needs a model fine-tuned with --optimizer ivon")
     t0 = time.perf_counter()
     params = dict(ctx.model.named_parameters())
+    countable = countable_named_parameters(ctx.model)
     ess, delta = float(ctx.ivon["ess"]), float(ctx.ivon["weight_decay"])
-    hess = {k: v.to(params[k].device) for k, v in ctx.ivon["hess"].items() if k in params}
+    hess = {k: v.to(params[k].device) for k, v in ctx.ivon["hess"].items() if k in countable}
+    if not hess:
+        raise ValueError("the IVON checkpoint holds no Hessian of a countable parameter")
     std = {k: 1.0 / torch.sqrt(ess * (h + delta)) for k, h in hess.items()}
     setup = time.perf_counter() - t0
     finetune = float(ctx.ivon.get("finetune_seconds", 0.0))
-    t0 = time.perf_counter()
-    gen = torch.Generator().manual_seed(ctx.seed + 2)
-    total = torch.zeros_like(ctx.logits("test"))
     means = {k: params[k].detach().clone() for k in std}
-    try:
-        for _ in range(ctx.settings.n_samples):
+
+    @contextmanager
+    def sampled(gen: torch.Generator) -> Iterator[None]:
+        try:
             with torch.no_grad():
-                for k, s in std.items():
-                    eps = torch.randn(s.shape, generator=gen, dtype=s.dtype).to(s.device)
-                    params[k].copy_(means[k] + s * eps)
-            total += torch.softmax(batch_logits(ctx.model, ctx.test), -1)
-    finally:
-        with torch.no_grad():
-            for k, m in means.items():
-                params[k].copy_(m)
+                for k, sd in std.items():
+                    eps = torch.randn(sd.shape, generator=gen, dtype=sd.dtype).to(sd.device)
+                    params[k].copy_(means[k] + sd * eps)
+            yield
+        finally:
+            with torch.no_grad():
+                for k, m in means.items():
+                    params[k].copy_(m)
+
+    t0 = time.perf_counter()
+    test, val = _mc_probs(ctx, sampled, IVON_SAMPLES_OFFSET)
     n = sum(int(h.numel()) for h in hess.values())
     return Prediction(
-        total / ctx.settings.n_samples,
+        test,
         n,
         n,
         100.0 * n / max(_countable(ctx.model), 1),
@@ -444,6 +606,7 @@ def run_ivon(ctx: Context, size: str) -> Prediction:
             "posterior_setup_seconds": setup,
             "fit_seconds_note": "IVON fine-tuning (the posterior is its by-product) plus setup",
         },
+        val_nll=_val_nll(val, ctx.labels("val")),
     )
 
 
@@ -511,6 +674,13 @@ def _module_ramp(family: str, strategy: str, group: str) -> Callable[[Context, s
     return run
 
 
+def _module_kron(strategy: str, group: str) -> Callable[[Context, str], KronCell]:
+    def kron(ctx: Context, size: str) -> KronCell:
+        return KronCell(_module_subset(ctx, strategy, group, int(size)))
+
+    return kron
+
+
 # ------------------------------------------------------------------------------------------ registry
 def _pct_sizes(attr: str) -> Callable[[Context], list[str]]:
     return lambda ctx: [_fmt(p) for p in getattr(ctx.settings, attr)]
@@ -528,7 +698,12 @@ def _registry() -> dict[str, Method]:
             "curvature",
         ),
         Method(
-            "kfac-full", "KFAC Laplace on every linear map", _single, run_kfac_full, "curvature"
+            "kfac-full",
+            "KFAC Laplace on every linear map",
+            _single,
+            run_kfac_full,
+            "curvature",
+            kron_full,
         ),
         Method(
             "skfac",
@@ -536,6 +711,7 @@ def _registry() -> dict[str, Method]:
             _pct_sizes("skfac_percents"),
             run_skfac,
             "curvature",
+            kron_skfac,
         ),
         Method(
             "swag-l1",
@@ -585,6 +761,7 @@ def _registry() -> dict[str, Method]:
                     _count_sizes(group),
                     _module_ramp(family, strategy, group),
                     requires,
+                    _module_kron(strategy, group) if family == "kfac" else None,
                 )
             )
     return {m.name: m for m in methods}

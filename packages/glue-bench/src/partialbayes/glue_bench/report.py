@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -14,10 +15,10 @@ from typing import Any
 import numpy as np
 
 from partialbayes.glue_bench.store import iter_records
-from partialbayes.glue_bench.tables import size_key, write_csv
+from partialbayes.glue_bench.tables import BUDGET_TOLERANCE, size_key, write_csv
 
 METRICS = ("accuracy", "nll", "ece", "brier")
-COLUMNS = (*METRICS, "percent_stochastic", "floats", "fit_seconds", "predict_seconds")
+COLUMNS = (*METRICS, "val_nll", "percent_stochastic", "floats", "fit_seconds", "predict_seconds")
 UCI_COLUMNS = ("nll", "rmse", "percent_stochastic", "floats", "fit_seconds", "predict_seconds")
 
 __all__ = [
@@ -37,16 +38,19 @@ __all__ = [
 def summarise(
     records: Iterable[dict[str, Any]], columns: Sequence[str] = COLUMNS
 ) -> list[dict[str, Any]]:
-    """Median and interquartile range over splits for each (task, method, size).
+    """Median, interquartile range, mean and standard error over splits for each (task, method, size).
 
     Args:
         records: Results records.
-        columns: Numeric record fields to summarise; a field missing from some record of a group is left
-            out of that group's row.
+        columns: Numeric record fields to summarise; a field missing (or ``None``) in some record of a group
+            is left out of that group's row.
 
     Returns:
-        One row per (task, method, size) with ``n_splits`` and ``<col>``, ``<col>_q25``, ``<col>_q75``
-        (``numpy.percentile``, linear interpolation) for every column; sorted by task, method, size.
+        One row per (task, method, size) with ``n_splits`` and, for every column, ``<col>`` (median),
+        ``<col>_q25``, ``<col>_q75`` (``numpy.percentile``, linear interpolation), ``<col>_mean`` and
+        ``<col>_se`` (sample standard deviation / √n; NaN for one split); sorted by task, method, size.
+        Laplace cells also get ``prior_edge_splits`` (how many splits tuned the prior precision to an end
+        of its grid) and ``prior_edge`` (which ends: ``"lowest"``, ``"highest"``, both, or ``""``).
     """
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in records:
@@ -55,11 +59,23 @@ def summarise(
     for (task, method, size), recs in groups.items():
         row: dict[str, Any] = {"task": task, "method": method, "size": size, "n_splits": len(recs)}
         for col in columns:
-            if not all(col in r for r in recs):
+            if not all(r.get(col) is not None for r in recs):
                 continue
             values = np.array([float(r[col]) for r in recs])
             q25, med, q75 = np.percentile(values, [25, 50, 75])
             row[col], row[f"{col}_q25"], row[f"{col}_q75"] = float(med), float(q25), float(q75)
+            row[f"{col}_mean"] = float(values.mean())
+            row[f"{col}_se"] = (
+                float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else math.nan
+            )
+        edges = [
+            (r.get("extra") or {}).get("prior_at_grid_edge")
+            for r in recs
+            if "prior_at_grid_edge" in (r.get("extra") or {})
+        ]
+        if edges:
+            row["prior_edge_splits"] = sum(e is not None for e in edges)
+            row["prior_edge"] = ",".join(sorted({e for e in edges if e is not None}))
         rows.append(row)
     rows.sort(key=lambda r: (r["task"], r["method"], size_key(r["size"])))
     return rows
@@ -178,14 +194,63 @@ def _section(title: str, body: str) -> str:
     return f"## {title}\n\n{body}\n"
 
 
+def _num(value: float, digits: int = 3) -> str:
+    return "–" if value is None or math.isnan(value) else f"{value:.{digits}f}"
+
+
 def _rank_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    head = "| task | family | modules | strategy | mean rank | splits | strategies | NLL (median) |"
-    lines = [head, "|---|---|---:|---|---:|---:|---:|---:|"]
+    head = (
+        "| task | family | modules | strategy | rank | tasks | splits | strategies | "
+        "NLL (median) | mean split rank |"
+    )
+    lines = [head, "|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
             f"| {r['task']} | {r['family']} | {r['modules']} | {r['strategy']} | "
-            f"{r['mean_rank']:.2f} | {r['n_splits']} | {r['n_strategies']} | {r['nll_median']:.3f} |"
+            f"{_num(r['rank'], 1)} | {r['n_tasks']} | {r['n_splits']} | {r['n_strategies']} | "
+            f"{_num(r['nll_median'])} | {_num(r['split_rank'], 2)} |"
         )
+    return "\n".join(lines) + "\n"
+
+
+def _mean_se(row: dict[str, Any], col: str) -> str:
+    if f"{col}_mean" not in row:
+        return "–"
+    se = row[f"{col}_se"]
+    return f"{row[f'{col}_mean']:.3f}" + ("" if math.isnan(se) else f" ± {se:.3f}")
+
+
+def budget_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """Table 2 as markdown: mean ± standard error over splits (the paper's), median [IQR] as extras."""
+    head = (
+        "| task | method | size | splits | % stoch. | val NLL | NLL | ECE | accuracy | "
+        "NLL median [IQR] | ECE median [IQR] | rule | prior at grid edge |"
+    )
+    lines = [head, "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        edge = (
+            f"{r['prior_edge']} in {r['prior_edge_splits']}/{r['n_splits']}"
+            if r.get("prior_edge_splits")
+            else ""
+        )
+        lines.append(
+            f"| {r['task']} | {r['method']} | {r['size']} | {r['n_splits']} | "
+            f"{r['percent_stochastic']:.3g} | {_mean_se(r, 'val_nll')} | {_mean_se(r, 'nll')} | "
+            f"{_mean_se(r, 'ece')} | {_mean_se(r, 'accuracy')} | {_fmt(r, 'nll')} | "
+            f"{_fmt(r, 'ece')} | {r['rule']} | {edge} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def edge_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The cells whose tuned prior precision sat at an end of its grid in some split."""
+    lines = ["| task | method | size | splits at the edge | which end |", "|---|---|---|---:|---|"]
+    for r in rows:
+        if r.get("prior_edge_splits"):
+            lines.append(
+                f"| {r['task']} | {r['method']} | {r['size']} | "
+                f"{r['prior_edge_splits']}/{r['n_splits']} | {r['prior_edge']} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -195,6 +260,7 @@ def write_report(
     budget: float = 10.0,
     calibration_methods: Sequence[str] | None = None,
     log: Callable[[str], None] | None = None,
+    budget_tolerance: float = BUDGET_TOLERANCE,
 ) -> dict[str, Any]:
     """Write every table and figure of a results folder (PNG, markdown, CSV; each file atomically).
 
@@ -203,8 +269,10 @@ def write_report(
     * ``report.md``: all tables below in one markdown file (printed by ``glue-bench report``).
     * ``summary.md`` / ``.csv``: every (task, method, size) cell, median and [q25, q75] over splits.
     * ``table1_map.md`` / ``.csv``: the MAP network per task (the paper's Table 1).
-    * ``table2_budget.md`` / ``.csv``: per task and method the cell closest to ``budget`` % stochastic
-      (:func:`partialbayes.glue_bench.tables.budget_table`; the paper's Table 2).
+    * ``table2_budget.md`` / ``.csv``: per task and method the level chosen by validation NLL among those
+      within ``budget`` % stochastic (:func:`partialbayes.glue_bench.tables.budget_table`; the paper's
+      Table 2), mean ± standard error over splits.
+    * ``prior_edges.md``: the cells whose tuned prior precision sat at an end of its grid.
     * ``ranks.md`` / ``.csv``, ``<task>_ranks.png``, ``all_ranks.png``: mean rank by NLL of the module
       strategies against the module count (:func:`~partialbayes.glue_bench.tables.strategy_ranks`; Fig. 4).
     * ``<task>_ramping_nll.png``: NLL against percent stochastic (Figs. 2, 3).
@@ -219,6 +287,7 @@ def write_report(
         results: The results folder (GLUE records under ``records/``, UCI records under ``uci/records/``).
         out: Output folder (default ``<results>/report``).
         budget: Stochastic budget of Table 2, in percent.
+        budget_tolerance: Relative slack of the budget ("≈ 10 %"), see ``tables.budget_table``.
         calibration_methods: Methods of the calibration figure (default: see ``calibration_cells``).
         log: Called with one line per written file and per skipped output.
 
@@ -277,17 +346,34 @@ def write_report(
             parts.append(_section("Table 1: MAP", md))
         else:
             skip("table1_map", "no 'map' records")
-        table2 = tables.budget_table(rows, budget)
-        md = markdown_table(table2, ("percent_stochastic", *METRICS))
+        table2 = tables.budget_table(rows, budget, budget_tolerance)
+        md = budget_markdown(table2)
         text("table2_budget.md", md)
         csv_("table2_budget.csv", table2)
+        limit = budget * (1 + budget_tolerance)
         parts.append(
             _section(
                 f"Table 2: ≈ {budget:g} % stochastic budget",
-                "Per task and method, the size whose median percent stochastic is closest to "
-                f"{budget:g} % (ties: the smaller percentage).\n\n" + md,
+                "Per task and method, among the sizes whose median percent stochastic is at most "
+                f"{limit:.3g} % ({budget:g} % plus {100 * budget_tolerance:g} % slack for '≈'), the one "
+                "with the lowest mean validation NLL over splits (rule `val_nll`; the paper's §5.4); "
+                "methods with one size contribute it (rule `single`). Test metrics: mean ± standard "
+                "error over splits, as the paper's Table 2; median [q25, q75] as extras.\n\n" + md,
             )
         )
+        flagged = [r for r in rows if r.get("prior_edge_splits")]
+        if flagged:
+            md = edge_markdown(flagged)
+            text("prior_edges.md", md)
+            parts.append(
+                _section(
+                    "Prior precision at the grid's edge",
+                    "Cells whose validation-tuned (or evidence-tuned) prior precision was the smallest or "
+                    "largest value of the grid in some split: the optimum may lie beyond the grid "
+                    "(`Settings.prior_grid`, `--prior-grid`). At the highest prior the posterior is "
+                    "closest to the MAP.\n\n" + md,
+                )
+            )
         ranks = tables.strategy_ranks(glue)
         if ranks:
             md = _rank_markdown(ranks)
@@ -296,8 +382,10 @@ def write_report(
             parts.append(
                 _section(
                     "Module-strategy ranks (Fig. 4)",
-                    "Per split, strategies ranked by test NLL (1 = best, ties share the mean rank) among "
-                    "splits where every strategy has the module count; mean over splits.\n\n" + md,
+                    "As the paper's Fig. 4: per task and module count, the strategies ranked by their "
+                    "median test NLL over splits (0 = best, ties share the mean rank); `all`: the median "
+                    "of a strategy's per-task ranks. Extra: the mean over splits of the per-split ranks "
+                    "(splits where every strategy of the group has a record).\n\n" + md,
                 )
             )
             for task in [*tasks, "all"]:

@@ -3,11 +3,15 @@
 Layout of a results folder::
 
     config.json                                  the run configuration and its fingerprint
+    data/<task>.json                             fingerprint of the data each task was run on
     records/<task>/split<k>/<method>/<size>.json  one record per finished cell
-    checkpoints/<task>/split<k>/<model>-<fp>/    fine-tuned MAP weights (safetensors) + meta.json
+    checkpoints/<task>/split<k>/<model>-<fp>/    fine-tuned MAP weights (safetensors) + meta.json,
+                                                 and the shared curvature pass (curvature-*.safetensors)
 
 A cell whose record exists is finished and never recomputed; a folder created with another
-configuration is refused.
+configuration, or a task whose data changed, is refused. ``config.json`` is written only when the first
+result (a checkpoint or a record) is stored, so a run that fails before producing anything (a model that
+cannot be loaded, missing data) leaves no folder that would refuse the next attempt.
 """
 
 from __future__ import annotations
@@ -22,6 +26,54 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+# Record and checkpoint-meta fields that are wall-clock or CPU times: the only fields of two runs with the
+# same settings on the same machine that may differ (everything else is bit-identical, see
+# `without_timings`).
+TIMING_FIELDS = frozenset(
+    {
+        "seconds",
+        "cpu_seconds",
+        "fit_seconds",
+        "predict_seconds",
+        "finetune_seconds",
+        "finetune_cpu_seconds",
+        "posterior_setup_seconds",
+        "curvature_seconds",
+    }
+)
+
+
+def without_timings(obj: Any) -> Any:
+    """``obj`` (a record, a checkpoint meta, any JSON value) with every :data:`TIMING_FIELDS` key removed.
+
+    Applied recursively to nested dicts and lists: two runs with the same configuration on the same
+    machine and device give equal results under this function.
+    """
+    if isinstance(obj, dict):
+        return {k: without_timings(v) for k, v in obj.items() if k not in TIMING_FIELDS}
+    if isinstance(obj, list):
+        return [without_timings(v) for v in obj]
+    return obj
+
+
+def read_json(path: Path, what: str = "file") -> Any:
+    """Parse the JSON file ``path``; a missing, unreadable or corrupt file raises ``ValueError`` naming it.
+
+    Raises:
+        ValueError: The file cannot be read or is not valid JSON (the message names ``path`` and ``what``
+            it is, and says how to recover).
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot read {what} {path}: {err}") from err
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{what} {path} is not valid JSON ({err}); it is damaged: delete or restore it"
+        ) from err
 
 
 @dataclass(frozen=True, order=True)
@@ -84,22 +136,68 @@ class ResultStore:
         self.config = config
         self.fingerprint = fingerprint(config)
         self.failures: list[str] = []
-        path = self.root / "config.json"
+        self._check_config()
+
+    @property
+    def config_path(self) -> Path:
+        """``<root>/config.json``."""
+        return self.root / "config.json"
+
+    def _check_config(self) -> bool:
+        """Refuse a folder holding another configuration; ``True`` when ``config.json`` exists (and matches)."""
+        path = self.config_path
+        if not path.is_file():
+            return False
+        old = read_json(path, "results configuration")
+        if not isinstance(old, dict) or not isinstance(old.get("config", {}), dict):
+            raise ValueError(
+                f"results configuration {path} is damaged (not a JSON object with 'config'): "
+                "delete or restore it"
+            )
+        if old.get("fingerprint") != self.fingerprint:
+            diff = sorted(
+                k
+                for k in set(old.get("config", {})) | set(self.config)
+                if old.get("config", {}).get(k) != self.config.get(k)
+            )
+            raise ValueError(
+                f"results folder {self.root} holds results of another configuration "
+                f"(fingerprint {old.get('fingerprint')} != {self.fingerprint}; differs in {diff}); "
+                "use a new --results folder or the same settings"
+            )
+        return True
+
+    def claim(self) -> None:
+        """Write ``config.json`` unless it is there (checked again first): called before storing a result."""
+        if not self._check_config():
+            atomic_write_json(
+                self.config_path, {"fingerprint": self.fingerprint, "config": self.config}
+            )
+
+    def check_data(self, task: str, data: dict[str, Any]) -> None:
+        """Refuse to mix results computed on different data for ``task``; record the data on first use.
+
+        Args:
+            task: Task name.
+            data: The data fingerprint, e.g. ``{"sha256": ..., "n_train": ..., "n_test": ...}``
+                (:func:`partialbayes.glue_bench.data_glue.data_fingerprint`).
+
+        Raises:
+            ValueError: ``<root>/data/<task>.json`` holds another fingerprint (the message names the task and
+                both digests), or is damaged.
+        """
+        path = self.root / "data" / f"{task}.json"
         if path.is_file():
-            old = json.loads(path.read_text())
-            if old.get("fingerprint") != self.fingerprint:
-                diff = sorted(
-                    k
-                    for k in set(old.get("config", {})) | set(config)
-                    if old.get("config", {}).get(k) != config.get(k)
-                )
+            old = read_json(path, "data fingerprint")
+            if old != data:
                 raise ValueError(
-                    f"results folder {self.root} holds results of another configuration "
-                    f"(fingerprint {old.get('fingerprint')} != {self.fingerprint}; differs in {diff}); "
-                    "use a new --results folder or the same settings"
+                    f"results folder {self.root} holds {task} results computed on other data "
+                    f"({path}: sha256 {_digest(old)}, now {_digest(data)}); the {task} files changed: "
+                    "use a new --results folder, or the original data"
                 )
-        else:
-            atomic_write_json(path, {"fingerprint": self.fingerprint, "config": config})
+            return
+        self.claim()
+        atomic_write_json(path, data)
 
     def record_path(self, cell: Cell) -> Path:
         """Where the record of ``cell`` lives."""
@@ -119,11 +217,12 @@ class ResultStore:
             "size": cell.size,
             "fingerprint": self.fingerprint,
         }
+        self.claim()
         atomic_write_json(self.record_path(cell), full)
 
     def read(self, cell: Cell) -> dict[str, Any]:
-        """The record of a finished cell."""
-        return json.loads(self.record_path(cell).read_text())
+        """The record of a finished cell (``ValueError`` naming the file when it is damaged)."""
+        return _record(self.record_path(cell))
 
     def checkpoint_dir(self, task: str, split: int, model: str) -> Path:
         """Folder of the fine-tuned checkpoint of (task, split, model) under this configuration."""
@@ -132,9 +231,24 @@ class ResultStore:
 
 
 def iter_records(root: str | Path) -> Iterator[dict[str, Any]]:
-    """Every record under ``root/records`` (sorted by path)."""
+    """Every record under ``root/records`` (sorted by path).
+
+    Raises:
+        ValueError: A damaged record (the message names the file).
+    """
     for path in sorted((Path(root) / "records").rglob("*.json")):
-        yield json.loads(path.read_text())
+        yield _record(path)
+
+
+def _record(path: Path) -> dict[str, Any]:
+    record = read_json(path, "result record")
+    if not isinstance(record, dict):
+        raise ValueError(f"result record {path} is damaged (not a JSON object): delete it")
+    return record
+
+
+def _digest(data: Any) -> str:
+    return str(data.get("sha256", "?"))[:16] if isinstance(data, dict) else "?"
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:

@@ -61,39 +61,83 @@ def size_key(size: str) -> tuple[int, float, str]:
 
 
 # ------------------------------------------------------------------------------------------ Table 2
-def budget_table(rows: Sequence[dict[str, Any]], target: float = 10.0) -> list[dict[str, Any]]:
-    """The paper's Table 2: one cell per (task, method), the one closest to ``target`` % stochastic.
+# "≈ 10 %": a level counts as within the budget when its median percent stochastic is at most
+# target · (1 + BUDGET_TOLERANCE). The paper's ≈ 10 % cells are S-KFAC at p = 33 (g_p = 10.9 % of the linear
+# weights; 10.9-11.0 % of the countable parameters of MiniLM and DistilBERT) and, e.g., two MLP maps of
+# MiniLM (11.0 %), so a strict 10 % would leave out the very cells the paper reports.
+BUDGET_TOLERANCE = 0.15
 
-    Rule: for every method of a task, among its sizes take the one whose **median** percent stochastic over
-    splits is closest to ``target`` in absolute difference (``|p − target|``); ties go to the smaller
-    percentage, then to the smaller size. Methods with one size (MAP, temperature scaling, last-layer,
-    full KFAC / SWAG, IVON) contribute their only cell, so the table also shows the baselines.
+
+def budget_table(
+    rows: Sequence[dict[str, Any]],
+    target: float = 10.0,
+    tolerance: float = BUDGET_TOLERANCE,
+) -> list[dict[str, Any]]:
+    """The paper's Table 2: per (task, method) the level chosen by validation NLL within the budget.
+
+    Rule (the paper's §5.4 and Table 2): among the sizes of a method whose median percent stochastic over
+    splits is at most ``target · (1 + tolerance)`` ("approx. 10 pct."), take the one with the lowest mean
+    validation NLL over splits (``val_nll`` of the records: each cell's own validation predictive); ties go
+    to the smaller percentage, then the smaller size. Methods with one size (MAP, temperature scaling,
+    last-layer, full KFAC / SWAG, IVON) contribute their only cell whatever its percentage, so the table
+    also shows the baselines and the fully stochastic rows. Sizes without a validation NLL (records
+    written before it was stored) fall back to the size closest to ``target`` (``rule`` says which).
+    The test metrics are reported as mean ± standard error over splits (``<metric>_mean``,
+    ``<metric>_se``: sample standard deviation / √n, as the paper's Table 2), with median and
+    interquartile range as extras.
 
     Args:
         rows: Summary rows (:func:`partialbayes.glue_bench.report.summarise`).
         target: The stochastic budget in percent of the countable parameters.
+        tolerance: Relative slack of "≈" (default :data:`BUDGET_TOLERANCE`).
 
     Returns:
-        The selected summary rows (every metric's median and quartiles kept) with ``target`` and
-        ``distance`` (``|median percent − target|``) added, sorted by task then method.
+        The selected summary rows with ``target``, ``limit`` (the largest percentage allowed),
+        ``candidates`` (sizes within the budget) and ``rule`` (``"single"``, ``"val_nll"`` or
+        ``"closest"``) added, sorted by task then method. A method without a size within the budget is
+        left out.
 
     Raises:
-        ValueError: ``target`` outside [0, 100].
+        ValueError: ``target`` outside [0, 100] or ``tolerance`` negative.
     """
     if not 0 <= target <= 100 or math.isnan(target):
         raise ValueError(f"target must be a percentage in [0, 100], got {target}")
-    best: dict[tuple[str, str], dict[str, Any]] = {}
+    if not tolerance >= 0 or math.isinf(tolerance):
+        raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance}")
+    limit = target * (1 + tolerance)
+    by_method: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
-        key = (r["task"], r["method"])
-        rank = (abs(r["percent_stochastic"] - target), r["percent_stochastic"], size_key(r["size"]))
-        if key not in best or rank < best[key]["_rank"]:
-            best[key] = {**r, "_rank": rank}
+        by_method[(r["task"], r["method"])].append(r)
     out = []
-    for key in sorted(best):
-        row = {k: v for k, v in best[key].items() if k != "_rank"}
-        row["target"] = float(target)
-        row["distance"] = abs(row["percent_stochastic"] - target)
-        out.append(row)
+    for key in sorted(by_method):
+        sizes = by_method[key]
+        if len(sizes) == 1 and sizes[0]["size"] == "-":
+            chosen, rule, n = sizes[0], "single", 1
+        else:
+            within = [r for r in sizes if r["percent_stochastic"] <= limit + 1e-12]
+            if not within:
+                continue
+            n = len(within)
+            scored = [r for r in within if "val_nll_mean" in r]
+            if scored:
+                chosen = min(
+                    scored,
+                    key=lambda r: (r["val_nll_mean"], r["percent_stochastic"], size_key(r["size"])),
+                )
+                rule = "val_nll"
+            else:
+                chosen = min(
+                    within,
+                    key=lambda r: (
+                        abs(r["percent_stochastic"] - target),
+                        r["percent_stochastic"],
+                        size_key(r["size"]),
+                    ),
+                )
+                rule = "closest"
+        out.append(
+            {**chosen, "target": float(target), "limit": limit, "candidates": n, "rule": rule}
+        )
     return out
 
 
@@ -118,63 +162,86 @@ def average_ranks(values: Sequence[float]) -> list[float]:
 
 
 def strategy_ranks(records: Iterable[dict[str, Any]], metric: str = "nll") -> list[dict[str, Any]]:
-    """Ranks of the module-selection strategies (the paper's Fig. 4), per task and over all tasks.
+    """Ranks of the module-selection strategies, as the paper's Fig. 4 defines them.
 
     Strategies are the module-ramping methods ``<family>-<strategy>`` with ``family`` ``kfac`` or ``swag``
     and ``strategy`` ``random``, ``max``/``min`` (``-mlp`` / ``-attn``), whose sizes are module counts.
-    Rule: for every (task, family, module count, split) the strategies are ranked by ``metric`` (1 = lowest;
-    ties share the mean rank); a split counts only when **every** strategy of that (task, family, module
-    count) has a record in it, so all ranks of a group come from the same comparisons. The mean rank is
-    the average over those splits (task ``"all"``: over every task's splits). Groups with one strategy
-    are left out.
+
+    Rule (the paper, §5.2: "For each dataset, we compute the ranking of the 5 selection schemes. For each
+    module [count], we present the median ranking ... where 0 is optimal"): for every (task, family,
+    module count) the strategies that have that count are ranked by their **median** ``metric`` over
+    splits, 0 for the lowest (ties share the mean rank); the ``"all"`` row of a strategy and count is the
+    **median over tasks** of its per-task ranks (so a 0 there needs the best NLL on at least half of the
+    tasks). As an extra, ``split_rank`` is the mean over splits of the per-split ranks among the splits
+    where every strategy of the group has a record (0 = best; the statistic reported before).
 
     Args:
         records: Results records.
         metric: Record field to rank by (lower is better).
 
     Returns:
-        Rows ``task, family, modules, strategy, mean_rank, n_splits, n_strategies, <metric>_median``
-        sorted by task (``"all"`` last), family, module count, strategy.
+        Rows ``task, family, modules, strategy, rank, n_splits, n_tasks, n_strategies, split_rank,
+        <metric>_median`` sorted by task (``"all"`` last), family, module count, strategy. Groups with a
+        single strategy are left out.
     """
-    values: dict[tuple[str, str, int], dict[int, dict[str, float]]] = defaultdict(
+    values: dict[tuple[str, str, int], dict[str, dict[int, float]]] = defaultdict(
         lambda: defaultdict(dict)
     )
     for r in records:
         m = STRATEGY_PATTERN.match(str(r.get("method", "")))
         if m is None or metric not in r or not str(r["size"]).isdigit():
             continue
-        key = (r["task"], m["family"], int(r["size"]))
-        values[key][int(r["split"])][m["strategy"]] = float(r[metric])
-    per_task: dict[tuple[str, str, int, str], list[float]] = defaultdict(list)
-    metric_values: dict[tuple[str, str, int, str], list[float]] = defaultdict(list)
-    n_strat: dict[tuple[str, str, int], int] = {}
-    for (task, family, k), by_split in values.items():
-        strategies = sorted(set().union(*by_split.values()))
+        values[(r["task"], m["family"], int(r["size"]))][m["strategy"]][int(r["split"])] = float(
+            r[metric]
+        )
+    rows = []
+    per_task: dict[tuple[str, int, str], list[float]] = defaultdict(list)
+    split_count: dict[tuple[str, int, str], int] = defaultdict(int)
+    n_strat_all: dict[tuple[str, int], int] = {}
+    for (task, family, k), by_strategy in sorted(values.items()):
+        strategies = sorted(by_strategy)
         if len(strategies) < 2:
             continue
-        for split in sorted(by_split):
-            vals = by_split[split]
-            if set(vals) != set(strategies):
-                continue
-            ranks = average_ranks([vals[s] for s in strategies])
-            for s, rk in zip(strategies, ranks, strict=True):
-                for t in (task, "all"):
-                    per_task[(t, family, k, s)].append(rk)
-                    metric_values[(t, family, k, s)].append(vals[s])
-            n_strat[(task, family, k)] = len(strategies)
-            n_strat[("all", family, k)] = max(n_strat.get(("all", family, k), 0), len(strategies))
-    rows = []
-    for (task, family, k, s), ranks in per_task.items():
+        medians = [float(np.median(list(by_strategy[s].values()))) for s in strategies]
+        ranks = [rk - 1 for rk in average_ranks(medians)]
+        complete = set.intersection(*(set(by_strategy[s]) for s in strategies))
+        split_ranks: dict[str, list[float]] = defaultdict(list)
+        for split in sorted(complete):
+            for s, rk in zip(
+                strategies, average_ranks([by_strategy[s][split] for s in strategies]), strict=True
+            ):
+                split_ranks[s].append(rk - 1)
+        for s, rk, med in zip(strategies, ranks, medians, strict=True):
+            rows.append(
+                {
+                    "task": task,
+                    "family": family,
+                    "modules": k,
+                    "strategy": s,
+                    "rank": rk,
+                    "n_splits": len(by_strategy[s]),
+                    "n_tasks": 1,
+                    "n_strategies": len(strategies),
+                    "split_rank": float(np.mean(split_ranks[s])) if split_ranks[s] else math.nan,
+                    f"{metric}_median": med,
+                }
+            )
+            per_task[(family, k, s)].append(rk)
+            split_count[(family, k, s)] += len(by_strategy[s])
+        n_strat_all[(family, k)] = max(n_strat_all.get((family, k), 0), len(strategies))
+    for (family, k, s), ranks_ in per_task.items():
         rows.append(
             {
-                "task": task,
+                "task": "all",
                 "family": family,
                 "modules": k,
                 "strategy": s,
-                "mean_rank": float(np.mean(ranks)),
-                "n_splits": len(ranks),
-                "n_strategies": n_strat[(task, family, k)],
-                f"{metric}_median": float(np.median(metric_values[(task, family, k, s)])),
+                "rank": float(np.median(ranks_)),
+                "n_splits": split_count[(family, k, s)],
+                "n_tasks": len(ranks_),
+                "n_strategies": n_strat_all[(family, k)],
+                "split_rank": math.nan,
+                f"{metric}_median": math.nan,
             }
         )
     rows.sort(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import time
@@ -19,7 +20,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from partialbayes.glue_bench.data_glue import Examples, encode
-from partialbayes.glue_bench.store import temp_path
+from partialbayes.glue_bench.store import read_json, temp_path
 
 Batch = Mapping[str, torch.Tensor]
 OPTIMIZERS = ("adamw", "ivon")
@@ -36,12 +37,19 @@ class TrainConfig:
         batch_size: Training batch size.
         epochs: Maximum number of epochs.
         patience: Stop after this many epochs without a better validation accuracy.
-        max_length: Maximum sequence length in tokens.
+        max_length: Maximum sequence length in tokens; ``None`` (default): the model's own limit (its
+            position embeddings, and the tokenizer's ``model_max_length``), so nothing is truncated on the
+            paper's tasks (longest examples with the MiniLM / BERT tokenizer: SST-2 66, MRPC 103, RTE 289
+            tokens). The paper does not truncate either: its Table 4 lists the longest examples (in
+            characters), not a truncation length.
         dropout: Hidden and attention dropout of the encoder.
-        optimizer: ``adamw`` or ``ivon``.
+        optimizer: ``adamw`` or ``ivon``. With ``ivon`` the token, position and token-type embeddings are
+            still trained by AdamW (``lr``, ``betas``, ``weight_decay``) and stay deterministic: IVON (and so
+            its posterior) covers the countable parameters only (DESIGN: embeddings are never stochastic).
         ivon_lr: IVON learning rate.
         ivon_hess_init: IVON initial Hessian.
-        seed: Seed of the initialisation of the head and of the batch order.
+        seed: Seed of the batch order, dropout and IVON's weight noise (the run seeds the classification
+            head's initialisation with it too, see ``experiment.prepare_context``).
         freeze_embeddings: Keep the token embedding matrix fixed (about half of MiniLM's weights; the
             quickstart does this to halve the optimizer's cost on CPU; the paper fine-tunes everything).
         length_buckets: ``0`` (default): batches of a random permutation. ``k >= 1``: after the
@@ -57,7 +65,7 @@ class TrainConfig:
     batch_size: int = 16
     epochs: int = 10
     patience: int = 3
-    max_length: int = 128
+    max_length: int | None = None
     dropout: float = 0.1
     optimizer: str = "adamw"
     ivon_lr: float = 0.1
@@ -71,13 +79,31 @@ class TrainConfig:
             raise ValueError(
                 f"unknown optimizer {self.optimizer!r}; valid optimizers: {', '.join(OPTIMIZERS)}"
             )
-        for key in ("batch_size", "epochs", "patience", "max_length"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if self.length_buckets < 0:
-            raise ValueError(f"length_buckets must be >= 0, got {self.length_buckets}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        for key in ("batch_size", "epochs", "patience", "max_length", "length_buckets", "seed"):
+            value = getattr(self, key)
+            if key == "max_length" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"TrainConfig.{key} must be an int, got {value!r}")
+            low = 0 if key in ("length_buckets", "seed") else 1
+            if value < low:
+                raise ValueError(f"TrainConfig.{key} must be >= {low}, got {value}")
+        for key in ("lr", "ivon_lr", "ivon_hess_init"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"TrainConfig.{key} must be a number, got {value!r}")
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"TrainConfig.{key} must be a finite number > 0, got {value!r}")
+        for key in ("weight_decay", "dropout"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"TrainConfig.{key} must be a number, got {value!r}")
+        if not (0 <= self.weight_decay < math.inf):
+            raise ValueError(f"TrainConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"TrainConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"TrainConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict."""
@@ -139,7 +165,16 @@ def _epoch_batches(
     return [batches[i] for i in perm]
 
 
-def _make_optimizer(model: nn.Module, config: TrainConfig, n_train: int) -> torch.optim.Optimizer:
+def _make_optimizers(
+    model: nn.Module, config: TrainConfig, n_train: int
+) -> list[torch.optim.Optimizer]:
+    """The fine-tuning optimizers: ``[AdamW]``, or ``[IVON, AdamW for the embeddings]``.
+
+    IVON gets the countable parameters only (``selection.countable_named_parameters``: everything but the
+    ``nn.Embedding`` tables), so its posterior never covers the token embeddings; the embeddings, when
+    trainable, are fine-tuned deterministically by AdamW with the usual settings. IVON draws its weight
+    noise from its own generator seeded by ``config.seed``.
+    """
     if config.freeze_embeddings:
         get = getattr(model, "get_input_embeddings", None)
         emb = get() if get is not None else None
@@ -147,19 +182,33 @@ def _make_optimizer(model: nn.Module, config: TrainConfig, n_train: int) -> torc
             raise ValueError("freeze_embeddings: the model exposes no get_input_embeddings()")
         emb.weight.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
-    if config.optimizer == "ivon":
-        from partialbayes.ivon import IVON  # optional at import time: sibling package
 
-        return IVON(
-            params,
+    def adamw(ps: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            ps, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, foreach=True
+        )
+
+    if config.optimizer != "ivon":
+        return [adamw(params)]
+    from partialbayes.ivon import IVON  # optional at import time: sibling package
+    from partialbayes.selection import countable_named_parameters
+
+    countable = {id(p) for p in countable_named_parameters(model).values()}
+    stochastic = [p for p in params if id(p) in countable]
+    others = [p for p in params if id(p) not in countable]
+    opts: list[torch.optim.Optimizer] = [
+        IVON(
+            stochastic,
             lr=config.ivon_lr,
             ess=float(n_train),
             hess_init=config.ivon_hess_init,
             weight_decay=1e-4,
+            generator=torch.Generator().manual_seed(config.seed),
         )
-    return torch.optim.AdamW(
-        params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, foreach=True
-    )
+    ]
+    if others:
+        opts.append(adamw(others))
+    return opts
 
 
 def finetune(
@@ -181,9 +230,10 @@ def finetune(
     """
     if len(train) == 0 or len(val) == 0:
         raise ValueError(f"need training and validation examples, got {len(train)} and {len(val)}")
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.seed)  # dropout; the batch order has its own seeded generator
     model.to(device)
-    opt = _make_optimizer(model, config, len(train))
+    opts = _make_optimizers(model, config, len(train))
+    opt = opts[0]
     val_batches = encode(val, tokenizer, 64, config.max_length, sort_by_length=True)
     best_acc, best_epoch, stale = -1.0, -1, 0
     best_state: dict[str, torch.Tensor] | None = None
@@ -197,17 +247,19 @@ def finetune(
         total = 0.0
         for batch in bar:
             labels = batch["labels"].to(device)
+            for o in opts[1:] if config.optimizer == "ivon" else opts:
+                o.zero_grad(set_to_none=True)
             if config.optimizer == "ivon":
                 with opt.sampled_params(train=True):  # type: ignore[attr-defined]
                     loss = F.cross_entropy(logits_of(model, batch, device), labels)
                     loss.backward()
             else:
-                opt.zero_grad(set_to_none=True)
                 loss = F.cross_entropy(logits_of(model, batch, device), labels)
                 loss.backward()
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite training loss at epoch {epoch + 1}")
-            opt.step()
+            for o in opts:
+                o.step()
             total += float(loss.detach())
             bar.set_postfix(loss=f"{loss.item():.3f}")
         acc = accuracy(model, val_batches, device)
@@ -298,9 +350,9 @@ def load_checkpoint(
         ``(meta, ivon_hessians or None)``.
 
     Raises:
-        ValueError: The checkpoint does not match the model's parameter names or shapes, or ``folder`` is
+        ValueError: The checkpoint does not match the model's parameter names or shapes, ``folder`` is
             a non-empty directory without ``meta.json`` (not written by :func:`save_checkpoint`, e.g. an
-            interrupted write of an older version).
+            interrupted write of an older version), or a file of it is damaged (the message names it).
     """
     if not folder.is_dir() or not any(folder.iterdir()):
         return None
@@ -308,13 +360,26 @@ def load_checkpoint(
         raise ValueError(
             f"checkpoint folder {folder} is incomplete (no meta.json); delete it to fine-tune again"
         )
-    meta = json.loads((folder / "meta.json").read_text())
-    state = load_file(str(folder / "model.safetensors"))
+    meta = read_json(folder / "meta.json", "checkpoint meta")
+    if not isinstance(meta, dict):
+        raise ValueError(f"checkpoint meta {folder / 'meta.json'} is damaged (not a JSON object)")
+    state = _load_tensors(folder / "model.safetensors", "checkpoint weights")
     own = model.state_dict()
     if set(state) != set(own) or any(state[k].shape != own[k].shape for k in own):
         raise ValueError(f"checkpoint {folder} does not match the model's structure")
     model.load_state_dict(state)
     model.eval()
     hess_path = folder / "ivon_hess.safetensors"
-    hess = load_file(str(hess_path)) if hess_path.is_file() else None
+    hess = _load_tensors(hess_path, "IVON Hessians") if hess_path.is_file() else None
     return meta, hess
+
+
+def _load_tensors(path: Path, what: str) -> dict[str, torch.Tensor]:
+    """``safetensors`` file ``path``; a missing, truncated or garbage file raises ``ValueError`` naming it."""
+    try:
+        return load_file(str(path))
+    except Exception as err:  # SafetensorError, OSError, ...: name the file
+        raise ValueError(
+            f"{what} {path} cannot be read ({type(err).__name__}: {err}); delete the checkpoint "
+            f"folder {path.parent} to fine-tune again"
+        ) from err

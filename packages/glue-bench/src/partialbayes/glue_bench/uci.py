@@ -17,7 +17,7 @@ from torch import nn
 
 from partialbayes.glue_bench.data_uci import UCI_DATASETS, UCISplit, load_uci
 from partialbayes.glue_bench.methods import PRIOR_GRID as PRIOR_GRID  # re-exported: the UCI grid
-from partialbayes.glue_bench.methods import prior_grid
+from partialbayes.glue_bench.methods import prior_edge, prior_grid
 from partialbayes.glue_bench.models import MLP
 from partialbayes.glue_bench.store import Cell, ResultStore, shard_units
 
@@ -148,7 +148,7 @@ def run_uci_cell(
     """One UCI cell: fit the posterior on the training part, predict the test part.
 
     The Laplace prior precision maximises the marginal likelihood over :data:`PRIOR_GRID` (UCI has no
-    validation part in the standard splits).
+    validation part in the standard splits); ``extra.prior_at_grid_edge`` says when it is an end of the grid.
     """
     x_tr, y_tr = split.x_train.float(), split.y_train.float()
     x_te, y_te = split.x_test.float(), split.y_test.double()
@@ -193,6 +193,7 @@ def run_uci_cell(
         la = cls(model, subset, likelihood="regression", sigma_noise=sigma)
         la.fit([(x_tr, y_tr[:, None])])
         extra["prior_precision"] = la.optimize_prior_precision("marglik", grid=prior_grid())
+        extra["prior_at_grid_edge"] = prior_edge(extra["prior_precision"], PRIOR_GRID)
         fit = time.perf_counter() - t0
         f, cov = la.logit_mean_cov(x_te)
         mean = f.squeeze(-1).double()

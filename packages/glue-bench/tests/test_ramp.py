@@ -1,0 +1,221 @@
+"""A whole ramp from one curvature pass: the shared path gives the per-cell path's factors and records."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from partialbayes.glue_bench.experiment import RunConfig, prepare_context, run_grid
+from partialbayes.glue_bench.methods import METHODS, Settings
+from partialbayes.glue_bench.store import ResultStore, iter_records, without_timings
+from partialbayes.glue_bench.train import TrainConfig
+
+pytest.importorskip("partialbayes.curvature")
+
+SETTINGS = Settings(module_counts=(1, 2, 14), skfac_percents=(1.0, 6.8, 33.0, 60.0))
+
+
+@pytest.fixture
+def wide_bert_factory(tiny_tokenizer):
+    """A random 2-layer BERT of width 64 / 128: wide enough that BLAS sums a sub-block's product in another
+    order than the full one (so principal sub-blocks of the full factors would NOT be bit-identical)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    def make(num_labels: int = 2):
+        config = BertConfig(
+            vocab_size=tiny_tokenizer.vocab_size,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=64,
+            num_labels=num_labels,
+        )
+        return BertForSequenceClassification(config), tiny_tokenizer
+
+    return make
+
+
+RAMP = ["kfac-full", "skfac", "kfac-random", "kfac-max-mlp", "kfac-min-attn"]
+
+
+def _config(curvature_pass, fisher="empirical", prior="val_nll"):
+    return RunConfig(
+        model="tiny-bert",
+        train=TrainConfig(epochs=2, batch_size=8, max_length=32, patience=1, lr=1e-3),
+        settings=dataclasses.replace(SETTINGS, fisher=fisher, prior=prior),
+        max_train_examples=32,
+        curvature_batch_size=8,
+        curvature_pass=curvature_pass,
+    )
+
+
+def _grid(root, mini_glue, factory, curvature_pass, **kw):
+    torch.set_num_threads(1)
+    run_grid(
+        ["sst2"],
+        [0],
+        ["map", *RAMP],
+        _config(curvature_pass, **kw),
+        root,
+        glue_dir=mini_glue,
+        model_factory=lambda name, c, d: factory(c),
+        progress=False,
+        log=lambda s: None,
+    )
+    return {(r["method"], r["size"]): r for r in iter_records(root)}
+
+
+def _comparable(record):
+    rec = without_timings(record)
+    for key in ("curvature_pass", "fingerprint"):
+        rec.pop(key, None)
+    rec["extra"].pop("shared_cells", None)
+    return rec
+
+
+@pytest.mark.parametrize(
+    ("fisher", "prior"), [("empirical", "val_nll"), ("exact", "marglik"), ("mc", "val_nll")]
+)
+def test_shared_pass_gives_the_per_cell_records(
+    tmp_path, mini_glue, wide_bert_factory, fisher, prior
+):
+    """Every KFAC / S-KFAC / module-ramp record of the shared path equals the per-cell one, bit for bit."""
+    shared = _grid(
+        tmp_path / "shared", mini_glue, wide_bert_factory, "shared", fisher=fisher, prior=prior
+    )
+    per_cell = _grid(
+        tmp_path / "per-cell", mini_glue, wide_bert_factory, "per-cell", fisher=fisher, prior=prior
+    )
+    assert set(shared) == set(per_cell)
+    assert (
+        len(shared) == 1 + 1 + 4 + 3 * 2 + 1
+    )  # map, full, 4 levels, 3 ramps (1, 2; 14 only random)
+    for key, rec in shared.items():
+        if key[0] == "map":
+            continue
+        assert rec["curvature_pass"] == "shared", key
+        assert per_cell[key]["curvature_pass"] == "per-cell", key
+        assert rec["extra"]["fisher"] == fisher
+        assert _comparable(rec) == _comparable(per_cell[key]), key
+    # the factors were stored beside the checkpoint: one part per linear map and per S-KFAC level
+    parts = sorted(p.name for p in (tmp_path / "shared" / "checkpoints").rglob("*.safetensors"))
+    assert sum(p.startswith("skfac-") for p in parts) == 4
+    assert sum(p.startswith("module-") for p in parts) == 14
+
+
+def test_shared_factors_equal_a_fresh_fit(tmp_path, mini_glue, wide_bert_factory):
+    """The stored parts are bit for bit what KronLaplace.fit computes for each cell's subset."""
+    from partialbayes.curvature import KronLaplace
+    from partialbayes.glue_bench.curvature_pass import CurvatureStore
+    from partialbayes.glue_bench.ramp import curvature_key
+
+    torch.set_num_threads(1)
+    _grid(tmp_path / "res", mini_glue, wide_bert_factory, "shared")
+    config = _config("shared")
+    store = ResultStore(tmp_path / "res", config.to_dict())
+    ctx, _ = prepare_context(
+        "sst2",
+        0,
+        config,
+        store,
+        torch.device("cpu"),
+        mini_glue,
+        model_factory=lambda n, c, d: wide_bert_factory(c),
+        progress=False,
+    )
+    parts = CurvatureStore(ctx.curvature_dir, curvature_key(ctx))
+    cells = [(METHODS["skfac"], s) for s in ("1", "6.8", "33", "60")]
+    cells += [(METHODS["kfac-full"], "-"), (METHODS["kfac-random"], "2")]
+    for method, size in cells:
+        kron = method.kron(ctx, size)
+        modules = list(kron.subset.kron_modules())
+        percents = [] if kron.skfac_percent is None else [kron.skfac_percent]
+        full, by_level, loss = parts.load([] if percents else modules, percents)
+        stored = by_level[kron.skfac_percent] if percents else full
+        captured = {}
+
+        def keep(curvature, captured=captured, **info):
+            captured.update(curvature=curvature, **info)
+
+        fresh = KronLaplace(ctx.model, kron.subset, num_classes=2, fisher="empirical")
+        fresh.fit_curvature = (
+            keep  # the factors a fresh fit computes, before its eigendecomposition
+        )
+        fresh.fit(ctx.train)
+        assert set(captured["curvature"]) == set(stored) == set(modules)
+        for m, f in captured["curvature"].items():
+            assert torch.equal(f.G, stored[m].G), (method.name, size, m)
+            assert torch.equal(f.A, stored[m].A), (method.name, size, m)
+            assert f.bias == stored[m].bias
+        assert captured["map_loss"] == loss.map_loss
+        assert (captured["n_data"], captured["n_outputs"]) == (loss.n_data, loss.n_outputs)
+
+
+def test_a_ramp_resumes_from_the_stored_pass(tmp_path, mini_glue, wide_bert_factory, monkeypatch):
+    """A rerun that needs no new part never streams the training set again; a new level costs one pass."""
+    from partialbayes.glue_bench import curvature_pass
+
+    root = tmp_path / "res"
+    first = _grid(root, mini_glue, wide_bert_factory, "shared")
+    calls = []
+    real = curvature_pass.compute_pass
+
+    def counting(model, batches, modules, levels, **kw):
+        calls.append((list(modules), sorted(levels)))
+        return real(model, batches, modules, levels, **kw)
+
+    monkeypatch.setattr(curvature_pass, "compute_pass", counting)
+    for rec in (root / "records" / "sst2" / "split0").rglob("*.json"):
+        if rec.parent.name in ("skfac", "kfac-full"):
+            rec.unlink()
+    again = _grid(root, mini_glue, wide_bert_factory, "shared")
+    assert calls == []
+    assert {k: _comparable(v) for k, v in again.items()} == {
+        k: _comparable(v) for k, v in first.items()
+    }
+
+
+def test_ramp_groups_bound_the_memory(tmp_path, mini_glue, wide_bert_factory):
+    """Cells are processed in groups whose eigenbases fit the budget; the records do not change."""
+    from partialbayes.glue_bench import ramp
+
+    torch.set_num_threads(1)
+    config = _config("shared")
+    store = ResultStore(tmp_path / "res", config.to_dict())
+    ctx, _ = prepare_context(
+        "sst2",
+        0,
+        config,
+        store,
+        torch.device("cpu"),
+        mini_glue,
+        model_factory=lambda n, c, d: wide_bert_factory(c),
+        progress=False,
+    )
+    cells = [(METHODS["skfac"], s) for s in ("1", "33")] + [(METHODS["kfac-full"], "-")]
+    logs = []
+    one = {(m.name, s): p for m, s, p, _ in ramp.run_shared(ctx, cells, log=logs.append)}
+    small = {
+        (m.name, s): p
+        for m, s, p, _ in ramp.run_shared(ctx, cells, log=logs.append, memory_floats=1)
+    }
+    assert any("group 3/3" in line for line in logs)
+    for key, pred in one.items():
+        assert torch.equal(pred.probs, small[key].probs), key
+        assert pred.extra["prior_precision"] == small[key].extra["prior_precision"]
+
+
+@pytest.mark.parametrize(
+    ("change", "differs"),
+    [({"curvature_pass": "per-cell"}, "curvature_pass"), ({"fisher": "exact"}, "settings")],
+)
+def test_a_folder_of_the_other_path_or_fisher_is_refused(tmp_path, change, differs):
+    """Cells of the other curvature path or another fisher type never land in the same folder."""
+    ResultStore(tmp_path / "res", _config("shared").to_dict()).claim()
+    other = _config(
+        change.get("curvature_pass", "shared"), fisher=change.get("fisher", "empirical")
+    )
+    with pytest.raises(ValueError, match=rf"another configuration.*differs in \['{differs}'\]"):
+        run_grid(["sst2"], [0], ["skfac"], other, tmp_path / "res", progress=False)
+    assert not (tmp_path / "res" / "records").exists()
