@@ -4,6 +4,7 @@ Usage::
 
     uv run --frozen python tools/bench.py                   # every package, full sizes
     uv run --frozen python tools/bench.py --package curvature --quick
+    uv run --frozen python tools/bench.py --render bench-results/results.json   # page from a stored run
     nox -s bench                                            # the same, with the peers installed
 
 Each ``packages/<pkg>/benchmarks/bench_*.py`` module is imported and every ``bench_*`` function in it is
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -32,6 +34,8 @@ from benchharness import Bench, markdown_table, rows_to_dicts
 ROOT = Path(__file__).resolve().parent.parent
 DOCS_PAGE = ROOT / "docs" / "pages" / "benchmarks.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+#: The peers' distributions, whose versions a run records (absent ones are left out).
+PEERS = ("laplace-torch", "curvlinops-for-pytorch", "ivon-opt", "posteriors", "transformers")
 
 
 def machine() -> dict[str, str]:
@@ -53,6 +57,11 @@ def machine() -> dict[str, str]:
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
+    for dist in PEERS:
+        try:
+            info[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
     return info
 
 
@@ -87,6 +96,9 @@ def render_page(results: dict) -> str:
         + ".",
         "",
     ]
+    peers = [f"{d} {m[d]}" for d in PEERS if d in m]
+    if peers:
+        head += ["Peers and libraries: " + ", ".join(peers) + ".", ""]
     if results["failed"]:
         head += ["Failed benchmarks: " + ", ".join(f"`{f}`" for f in results["failed"]), ""]
     return "\n".join(head) + markdown_table(results["rows"])
@@ -98,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--package", action="append", help="only this package (repeatable)")
+    parser.add_argument(
+        "--render",
+        type=Path,
+        metavar="RESULTS",
+        help="run nothing: rewrite docs/pages/benchmarks.md from a stored results JSON",
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     parser.add_argument(
         "--only",
@@ -114,6 +132,18 @@ def main(argv: list[str] | None = None) -> int:
         "--no-docs", action="store_true", help="do not rewrite docs/pages/benchmarks.md"
     )
     args = parser.parse_args(argv)
+    if args.render is not None:
+        try:
+            stored = json.loads(args.render.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            parser.error(f"--render {args.render}: not a readable results JSON ({err})")
+        missing = {"date", "machine", "device", "quick", "failed", "rows"} - set(stored)
+        if missing:
+            parser.error(
+                f"--render {args.render}: not a tools/bench.py results file (no {sorted(missing)})"
+            )
+        write_page(stored)
+        return 0
 
     modules = discover(args.package)
     if not modules:
@@ -162,13 +192,19 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write(args.out, json.dumps(results, indent=2))
     print(f"wrote {args.out}")
     if not args.no_docs:
-        page = DOCS_PAGE.read_text()
-        if BEGIN in page and END in page:
-            pre, rest = page.split(BEGIN, 1)
-            post = rest.split(END, 1)[1]
-            atomic_write(DOCS_PAGE, f"{pre}{BEGIN}\n{render_page(results)}\n{END}{post}")
-            print(f"updated {DOCS_PAGE}")
+        write_page(results)
     return 1 if failed else 0
+
+
+def write_page(results: dict) -> None:
+    """Replace the generated part of the benchmarks page (between its markers) by ``results``."""
+    page = DOCS_PAGE.read_text()
+    if BEGIN not in page or END not in page:
+        raise SystemExit(f"{DOCS_PAGE} lacks the markers {BEGIN} / {END}")
+    pre, rest = page.split(BEGIN, 1)
+    post = rest.split(END, 1)[1]
+    atomic_write(DOCS_PAGE, f"{pre}{BEGIN}\n{render_page(results)}\n{END}{post}")
+    print(f"updated {DOCS_PAGE}")
 
 
 if __name__ == "__main__":
