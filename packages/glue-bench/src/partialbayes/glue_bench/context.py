@@ -18,7 +18,7 @@ from torch import nn
 
 from partialbayes.glue_bench.linearised import LinearSamplingConfig
 from partialbayes.predictive import model_logits, nll, split_batch
-from partialbayes.selection import Subset
+from partialbayes.selection import Subset, grouped_linear_modules, modules
 
 Batch = dict[str, torch.Tensor]
 
@@ -276,3 +276,12 @@ def val_nll(probs: torch.Tensor, labels: torch.Tensor) -> float:
 def modules_of(subset: Subset) -> list[str]:
     """Sorted names of the modules a subset touches."""
     return sorted({n.rsplit(".", 1)[0] for n in subset.names})
+
+
+def every_linear_map(model: nn.Module) -> Subset:
+    """Every candidate linear map of ``model``, weights and biases: the subset of the ``*-full`` methods.
+
+    The same subset as ``selection.max_operator_norm(model, k, group="all")`` with ``k`` = the number of
+    maps (a Subset keeps model order, so ranking every map selects them all), without computing any norm.
+    """
+    return modules(model, list(grouped_linear_modules(model, "all")))

@@ -29,6 +29,7 @@ from partialbayes.glue_bench.context import (
     KronCell,
     Prediction,
     batch_logits,
+    every_linear_map,
     modules_of,
     val_nll,
 )
@@ -147,14 +148,6 @@ def module_subset(ctx: Context, strategy: str, group: str, k: int) -> Subset:
     return selection.min_operator_norm(ctx.model, k, group=group)
 
 
-def every_linear_map(ctx: Context) -> Subset:
-    """Every candidate linear map of ``ctx.model`` (weights and biases): the subset of the ``*-full`` methods.
-
-    The same subset as ``max_operator_norm`` with ``k`` = all maps, without computing any norm.
-    """
-    return selection.modules(ctx.model, list(selection.grouped_linear_modules(ctx.model, "all")))
-
-
 # ------------------------------------------------------------------------------------------ Laplace
 def run_last_layer(ctx: Context, size: str) -> Prediction:
     """Dense-GGN Laplace on the classification head."""
@@ -163,7 +156,7 @@ def run_last_layer(ctx: Context, size: str) -> Prediction:
 
 def kron_full(ctx: Context, size: str) -> KronCell:
     """The subset of ``kfac-full``: every linear map."""
-    return KronCell(every_linear_map(ctx))
+    return KronCell(every_linear_map(ctx.model))
 
 
 def kron_skfac(ctx: Context, size: str) -> KronCell:
@@ -257,7 +250,7 @@ def run_swag_l1(ctx: Context, size: str) -> Prediction:
 
 def run_swag_full(ctx: Context, size: str) -> Prediction:
     """SWAG on every linear map."""
-    return swag_prediction(ctx, every_linear_map(ctx))
+    return swag_prediction(ctx, every_linear_map(ctx.model))
 
 
 # ------------------------------------------------------------------------------------------ IVON
@@ -359,7 +352,7 @@ def run_ls_random(ctx: Context, size: str) -> Prediction:
 
 def run_ls_full(ctx: Context, size: str) -> Prediction:
     """Sampling-based linearised Laplace on every linear map (weights and biases)."""
-    return linear_sampling_prediction(ctx, every_linear_map(ctx))
+    return linear_sampling_prediction(ctx, every_linear_map(ctx.model))
 
 
 # ------------------------------------------------------------------------------------------ module ramps

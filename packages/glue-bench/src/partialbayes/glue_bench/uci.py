@@ -18,7 +18,7 @@ from torch import nn
 from partialbayes import selection
 from partialbayes.curvature import DenseLaplace, KronLaplace, diag_curvature
 from partialbayes.glue_bench.context import PRIOR_GRID as PRIOR_GRID  # re-exported: the UCI grid
-from partialbayes.glue_bench.context import prior_edge, prior_grid
+from partialbayes.glue_bench.context import every_linear_map, prior_edge, prior_grid
 from partialbayes.glue_bench.data_uci import UCI_DATASETS, UCISplit, load_uci
 from partialbayes.glue_bench.models import MLP
 from partialbayes.glue_bench.store import Cell, ResultStore, shard_units
@@ -83,11 +83,6 @@ def gaussian_metrics(
     if not (math.isfinite(rmse) and math.isfinite(nll)):
         raise ValueError("non-finite UCI metrics")
     return {"rmse": rmse, "nll": nll}
-
-
-def every_linear_map(model: nn.Module) -> Subset:
-    """Every candidate linear map of ``model`` (weights and biases), without computing any norm."""
-    return selection.modules(model, list(selection.grouped_linear_modules(model, "all")))
 
 
 def _subset(model: nn.Module, method: str, k: int, seed: int) -> Subset:
