@@ -122,3 +122,50 @@ def test_the_package_namespace_is_small_and_moved_names_still_resolve():
         assert gb.encode is real
     with pytest.raises(AttributeError, match="no_such_name"):
         gb.no_such_name
+
+
+def test_methods_take_batches_of_a_data_collator(tiny_bert_factory):
+    """A user's Context built from ``DataCollatorWithPadding`` batches (``BatchEncoding``) works (issue #14)."""
+    from transformers import DataCollatorWithPadding
+
+    from partialbayes.glue_bench.context import Context
+    from partialbayes.glue_bench.methods import METHODS
+
+    torch.set_num_threads(1)
+    model, tokenizer = tiny_bert_factory()
+    model.eval()
+    collate = DataCollatorWithPadding(tokenizer)
+
+    def batches(n: int, offset: int) -> list:
+        ex = _examples(n + offset)
+        rows = [
+            {**tokenizer(*ex.texts[i]), "labels": ex.labels[i]} for i in range(offset, offset + n)
+        ]
+        return [collate(rows[i : i + 4]) for i in range(0, n, 4)]
+
+    settings = Settings(
+        n_samples=2,
+        swag_lrs=(1e-2,),
+        swag_steps=10,
+        linear_sampling=LinearSamplingConfig(k=2, em_iters=1, samples=2, cg_iters=2),
+    )
+    ctx = Context(
+        model=model,
+        train=batches(8, 0),
+        val=batches(4, 8),
+        test=batches(4, 12),
+        num_labels=2,
+        device=torch.device("cpu"),
+        seed=0,
+        settings=settings,
+    )
+    assert type(ctx.train[0]).__name__ == "BatchEncoding"
+    for name, size in [
+        ("map", "-"),
+        ("kfac-random", "1"),
+        ("swag-random", "1"),
+        ("ls-random", "1"),
+    ]:
+        pred = METHODS[name].run(ctx, size)
+        assert pred.probs.shape == (4, 2)
+        torch.testing.assert_close(pred.probs.sum(-1), torch.ones(4, dtype=torch.float64))

@@ -17,10 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from partialbayes import selection
-from partialbayes.glue_bench.context import (
-    FISHERS as FISHERS,  # re-exported: defined here before 0.3
-)
-from partialbayes.glue_bench.context import (
+from partialbayes.glue_bench.context import (  # FISHERS, Settings: re-exported, defined here before 0.3
+    FISHERS,  # noqa: F401
     IVON_SAMPLES_OFFSET,
     LS_OFFSET,
     SWAG_SAMPLES_OFFSET,
@@ -28,13 +26,11 @@ from partialbayes.glue_bench.context import (
     Context,
     KronCell,
     Prediction,
+    Settings,  # noqa: F401
     batch_logits,
     every_linear_map,
     modules_of,
     val_nll,
-)
-from partialbayes.glue_bench.context import (
-    Settings as Settings,  # re-exported: defined here before 0.3
 )
 from partialbayes.glue_bench.laplace_cells import laplace_prediction
 from partialbayes.glue_bench.linearised import fit_linearised, linearised_probs
@@ -53,7 +49,7 @@ class Method:
         description: One line.
         sizes: ``sizes(ctx) -> list of size keys`` (``["-"]`` for single-cell methods).
         run: ``run(ctx, size) -> Prediction``.
-        requires: Sibling package the method builds its posterior with (listed by the CLI).
+        requires: Sibling package the method builds its posterior with (informational).
         kron: For KFAC-type Laplace methods, ``kron(ctx, size) -> KronCell``: the cell's subset, so that a
             whole ramp can share one curvature pass (:mod:`partialbayes.glue_bench.ramp`).
     """
