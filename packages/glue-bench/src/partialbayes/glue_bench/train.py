@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from partialbayes.glue_bench.data_glue import Examples, encode
 from partialbayes.glue_bench.store import read_json, temp_path
 from partialbayes.ivon import IVON
+from partialbayes.predictive import model_logits, split_batch
 from partialbayes.selection import countable_named_parameters
 
 Batch = Mapping[str, torch.Tensor]
@@ -114,14 +115,9 @@ class TrainConfig:
         return d
 
 
-def model_inputs(batch: Batch, device: torch.device | str) -> dict[str, torch.Tensor]:
-    """The model's keyword inputs of a batch (everything but ``labels``), moved to ``device``."""
-    return {k: v.to(device) for k, v in batch.items() if k != "labels"}
-
-
 def logits_of(model: nn.Module, batch: Batch, device: torch.device | str) -> torch.Tensor:
-    """(B, C) logits of a Hugging Face classifier on a dict batch."""
-    return model(**model_inputs(batch, device)).logits
+    """(B, C) logits of a Hugging Face classifier on a dict batch (``labels`` ignored), moved to ``device``."""
+    return model_logits(model, split_batch(batch, device=device).inputs)
 
 
 @torch.no_grad()
