@@ -1,4 +1,4 @@
-"""Fixtures: a tiny tokenizer and tiny random-init encoders built in code, and a mini GLUE folder."""
+"""Fixtures: a tiny tokenizer, tiny random-init encoders (the root ``tiny_models`` builders), a mini GLUE folder."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import string
 from pathlib import Path
 
 import pytest
-import torch
+
+from tiny_models import tiny_model
 
 SYNTHETIC = {
     "SST-2": (
@@ -49,41 +50,34 @@ def tiny_tokenizer(tmp_path_factory):
 
 @pytest.fixture
 def tiny_bert_factory(tiny_tokenizer):
-    """Returns ``make(num_labels) -> (model, tokenizer)`` with a random-init 2-layer BERT."""
-    from transformers import BertConfig, BertForSequenceClassification
+    """Returns ``make(num_labels) -> (model, tokenizer)`` with a random-init 2-layer BERT (width 16)."""
 
     def make(num_labels: int = 2, seed: int = 0):
-        torch.manual_seed(seed)
-        config = BertConfig(
-            vocab_size=tiny_tokenizer.vocab_size,
-            hidden_size=16,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=32,
-            max_position_embeddings=64,
+        model = tiny_model(
+            "bert",
+            size="s",
+            vocab=tiny_tokenizer.vocab_size,
+            positions=64,
             num_labels=num_labels,
+            seed=seed,
         )
-        return BertForSequenceClassification(config), tiny_tokenizer
+        return model, tiny_tokenizer
 
     return make
 
 
 @pytest.fixture
 def tiny_distilbert_factory(tiny_tokenizer):
-    from transformers import DistilBertConfig, DistilBertForSequenceClassification
-
     def make(num_labels: int = 2, seed: int = 0):
-        torch.manual_seed(seed)
-        config = DistilBertConfig(
-            vocab_size=tiny_tokenizer.vocab_size,
-            dim=16,
-            n_layers=2,
-            n_heads=2,
-            hidden_dim=32,
-            max_position_embeddings=64,
+        model = tiny_model(
+            "distilbert",
+            size="s",
+            vocab=tiny_tokenizer.vocab_size,
+            positions=64,
             num_labels=num_labels,
+            seed=seed,
         )
-        return DistilBertForSequenceClassification(config), tiny_tokenizer
+        return model, tiny_tokenizer
 
     return make
 

@@ -106,11 +106,11 @@ def test_laplace_methods(tmp_path, mini_glue, tiny_bert_factory):
 
 
 def test_prior_grid_is_float64():
-    from partialbayes.glue_bench import methods, uci
+    from partialbayes.glue_bench import context, uci
 
-    assert list(methods.PRIOR_GRID) == EXACT_PRIOR_GRID
+    assert list(context.PRIOR_GRID) == EXACT_PRIOR_GRID
     assert list(uci.PRIOR_GRID) == EXACT_PRIOR_GRID
-    assert json.dumps(methods.PRIOR_GRID[0]) == "0.1"
+    assert json.dumps(context.PRIOR_GRID[0]) == "0.1"
 
 
 def test_laplace_methods_with_marglik_prior(tmp_path, mini_glue, tiny_bert_factory):

@@ -9,6 +9,7 @@ from partialbayes.glue_bench.experiment import RunConfig, prepare_context, run_g
 from partialbayes.glue_bench.methods import METHODS, Settings
 from partialbayes.glue_bench.store import ResultStore, iter_records, without_timings
 from partialbayes.glue_bench.train import TrainConfig
+from tiny_models import tiny_model
 
 pytest.importorskip("partialbayes.curvature")
 
@@ -19,19 +20,18 @@ SETTINGS = Settings(module_counts=(1, 2, 14), skfac_percents=(1.0, 6.8, 33.0, 60
 def wide_bert_factory(tiny_tokenizer):
     """A random 2-layer BERT of width 64 / 128: wide enough that BLAS sums a sub-block's product in another
     order than the full one (so principal sub-blocks of the full factors would NOT be bit-identical)."""
-    from transformers import BertConfig, BertForSequenceClassification
 
     def make(num_labels: int = 2):
-        config = BertConfig(
-            vocab_size=tiny_tokenizer.vocab_size,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=128,
-            max_position_embeddings=64,
+        model = tiny_model(
+            "bert",
+            size="s",
+            vocab=tiny_tokenizer.vocab_size,
+            hidden=64,
+            intermediate=128,
+            positions=64,
             num_labels=num_labels,
         )
-        return BertForSequenceClassification(config), tiny_tokenizer
+        return model, tiny_tokenizer
 
     return make
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import tiny_models
 from partialbayes.glue_bench.store import TIMING_FIELDS, without_timings
 
 SCRIPT = textwrap.dedent(
@@ -16,12 +17,14 @@ SCRIPT = textwrap.dedent(
     from pathlib import Path
 
     import torch
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+    from transformers import BertTokenizerFast
 
     from partialbayes.glue_bench import RunConfig, Settings, TrainConfig, run_grid
     from partialbayes.glue_bench.linearised import LinearSamplingConfig
 
     glue, out = Path(sys.argv[1]), Path(sys.argv[2])
+    sys.path.insert(0, sys.argv[3])
+    from tiny_models import tiny_model
     torch.set_num_threads(1)
     chars = list(string.ascii_lowercase + string.digits + string.punctuation)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *chars, *[f"##{c}" for c in chars]]
@@ -31,12 +34,11 @@ SCRIPT = textwrap.dedent(
 
     def factory(name, num_labels, dropout):
         # no seeding here: the random weights (the "new head") must be seeded by the run itself
-        config = BertConfig(
-            vocab_size=tokenizer.vocab_size, hidden_size=16, num_hidden_layers=2,
-            num_attention_heads=2, intermediate_size=32, max_position_embeddings=64,
-            num_labels=num_labels, hidden_dropout_prob=dropout,
+        model = tiny_model(
+            "bert", size="s", vocab=tokenizer.vocab_size, positions=64, num_labels=num_labels,
+            hidden_dropout_prob=dropout,
         )
-        return BertForSequenceClassification(config), tokenizer
+        return model, tokenizer
 
     settings = Settings(
         n_samples=3, swag_lrs=(1e-2,), swag_steps=10, module_counts=(1, 2),
@@ -77,7 +79,15 @@ def test_two_fresh_processes_give_identical_results(tmp_path, mini_glue):
     for k in range(2):
         out = tmp_path / f"run{k}"
         subprocess.run(
-            [sys.executable, str(script), str(mini_glue), str(out)], check=True, timeout=600
+            [
+                sys.executable,
+                str(script),
+                str(mini_glue),
+                str(out),
+                str(Path(tiny_models.__file__).parent),
+            ],
+            check=True,
+            timeout=600,
         )
         runs.append(_snapshot(out))
     first, second = runs

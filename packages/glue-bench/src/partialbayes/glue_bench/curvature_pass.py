@@ -35,9 +35,13 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from partialbayes.curvature import ModuleFactors, kfac
 from partialbayes.glue_bench.store import temp_path
+from partialbayes.selection import KronBlock, Subset, linear_modules
 
 # What a fresh ``KronLaplace(model, subset, num_classes=C, fisher=...).fit(train)`` passes to ``kfac``
 # besides the fisher type: the pass must use the same options to give the same factors.
@@ -160,10 +164,8 @@ class _LinearTap(_Tap, nn.Linear):  # type: ignore[misc]
 class _Tapped(nn.Module):
     """The model plus one tap per (S-KFAC level, linear map); ``forward`` is the model's."""
 
-    def __init__(self, model: nn.Module, levels: Sequence[Any]) -> None:
+    def __init__(self, model: nn.Module, levels: Sequence[Subset]) -> None:
         super().__init__()
-        from partialbayes.selection import linear_modules
-
         self.model = model
         self.levels = nn.ModuleList()
         lin = linear_modules(model)
@@ -205,12 +207,12 @@ def compute_pass(
     model: nn.Module,
     batches: Iterable[Any],
     modules: Sequence[str],
-    levels: Mapping[float, Any],
+    levels: Mapping[float, Subset],
     *,
     fisher: str,
     num_classes: int,
     generator: torch.Generator | None = None,
-) -> tuple[dict[str, Any], dict[float, dict[str, Any]], TrainingLoss]:
+) -> tuple[dict[str, ModuleFactors], dict[float, dict[str, ModuleFactors]], TrainingLoss]:
     """Full factors of ``modules`` and the factors of every S-KFAC level, in one pass over ``batches``.
 
     Args:
@@ -229,15 +231,12 @@ def compute_pass(
     Raises:
         ValueError: Nothing to compute, or the curvature library refuses the data.
     """
-    from partialbayes.curvature import kfac
-    from partialbayes.selection import KronBlock, Subset, linear_modules
-
     if not modules and not levels:
         raise ValueError("compute_pass: no module and no S-KFAC level asked for")
     percents = list(levels)
     tapped = _Tapped(model, [levels[p] for p in percents]).eval()
     lin = linear_modules(model)
-    blocks: dict[str, Any] = {}
+    blocks: dict[str, KronBlock] = {}
     for m in modules:
         blocks[f"model.{m}.weight" if m else "model.weight"] = KronBlock()
         if getattr(lin[m], "bias", None) is not None:
@@ -265,8 +264,8 @@ def compute_pass(
             on_batch=loss,
             **KFAC_OPTIONS,
         )
-    full: dict[str, Any] = {}
-    by_level: dict[float, dict[str, Any]] = {p: {} for p in percents}
+    full: dict[str, ModuleFactors] = {}
+    by_level: dict[float, dict[str, ModuleFactors]] = {p: {} for p in percents}
     for name, f in factors.items():
         level, m = owner[name]
         f = dataclasses.replace(f, module=m)
@@ -321,8 +320,8 @@ class CurvatureStore:
 
     def save(
         self,
-        full: Mapping[str, Any],
-        by_level: Mapping[float, Mapping[str, Any]],
+        full: Mapping[str, ModuleFactors],
+        by_level: Mapping[float, Mapping[str, ModuleFactors]],
         loss: TrainingLoss,
     ) -> list[Path]:
         """Write one part per module and per level, each atomically; returns the files written."""
@@ -347,8 +346,6 @@ class CurvatureStore:
     def _write(
         self, path: Path, tensors: Mapping[str, Tensor], meta: dict[str, Any], loss: TrainingLoss
     ) -> Path:
-        from safetensors.torch import save_file
-
         header = {
             "format": FORMAT,
             "key": self.key,
@@ -368,8 +365,6 @@ class CurvatureStore:
         return path
 
     def _read(self, path: Path, kind: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        from safetensors import safe_open
-
         try:
             with safe_open(str(path), framework="pt") as fh:
                 header = json.loads((fh.metadata() or {})["partialbayes"])
@@ -392,17 +387,15 @@ class CurvatureStore:
 
     def load(
         self, modules: Iterable[str], percents: Iterable[float]
-    ) -> tuple[dict[str, Any], dict[float, dict[str, Any]], TrainingLoss]:
+    ) -> tuple[dict[str, ModuleFactors], dict[float, dict[str, ModuleFactors]], TrainingLoss]:
         """Load stored parts: ``(full, by_level, loss)`` as :func:`compute_pass` returns them.
 
         Raises:
             ValueError: A part is missing, damaged, computed under another key, or the parts disagree
                 on the training loss (they come from different passes over different data).
         """
-        from partialbayes.curvature import ModuleFactors
-
         losses: list[TrainingLoss] = []
-        full: dict[str, Any] = {}
+        full: dict[str, ModuleFactors] = {}
         for m in dict.fromkeys(modules):
             tensors, header = self._read(self.module_path(m), "module")
             if header.get("module") != m:
@@ -413,7 +406,7 @@ class CurvatureStore:
                 m, tensors["G"], tensors["A"], None, None, header["bias"], header["n_examples"]
             )
             losses.append(TrainingLoss(**header["loss"]))
-        by_level: dict[float, dict[str, Any]] = {}
+        by_level: dict[float, dict[str, ModuleFactors]] = {}
         for p in dict.fromkeys(percents):
             tensors, header = self._read(self.level_path(p), "skfac")
             level = {}

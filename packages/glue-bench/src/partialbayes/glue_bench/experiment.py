@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from partialbayes.glue_bench.context import Context, Prediction, Settings
 from partialbayes.glue_bench.data_glue import (
     count_truncated,
     data_fingerprint,
@@ -20,9 +21,10 @@ from partialbayes.glue_bench.data_glue import (
     split_indices,
     task_spec,
 )
-from partialbayes.glue_bench.methods import Context, Method, Prediction, Settings, get_methods
+from partialbayes.glue_bench.methods import Method, get_methods
 from partialbayes.glue_bench.metrics import all_metrics
 from partialbayes.glue_bench.models import DEFAULT_MODEL, load_encoder
+from partialbayes.glue_bench.ramp import run_shared
 from partialbayes.glue_bench.store import Cell, ResultStore, shard_units
 from partialbayes.glue_bench.train import TrainConfig, finetune, load_checkpoint, save_checkpoint
 
@@ -441,8 +443,6 @@ def _run_shared_group(
     done: Callable[[str, int, str, str, dict[str, Any]], None],
 ) -> None:
     """The shared ramp of one (task, split): records written as the cells finish."""
-    from partialbayes.glue_bench.ramp import run_shared
-
     torch.manual_seed(ctx.seed)
     w0, c0 = time.perf_counter(), time.process_time()
     own_wall = own_cpu = 0.0

@@ -10,18 +10,23 @@ batch, in the same order, so that equal factors give equal records.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from partialbayes.glue_bench.methods import Prediction, prior_edge, prior_grid, probit_probs
-
-if TYPE_CHECKING:
-    from partialbayes.glue_bench.methods import Context
-
-# Offset of the MC-fisher generator among the run's generators (``Context.generator``).
-MC_FISHER_OFFSET = 4
+from partialbayes.curvature import DenseLaplace, KronLaplace, LaplaceBase
+from partialbayes.glue_bench.context import (
+    MC_FISHER_OFFSET,
+    Context,
+    Prediction,
+    modules_of,
+    prior_edge,
+    prior_grid,
+)
+from partialbayes.predictive import probit
+from partialbayes.selection import Subset
 
 
 def mc_generator(ctx: Context, fisher: str) -> torch.Generator | None:
@@ -29,28 +34,22 @@ def mc_generator(ctx: Context, fisher: str) -> torch.Generator | None:
     return ctx.generator(MC_FISHER_OFFSET) if fisher == "mc" else None
 
 
-def new_posterior(ctx: Context, subset: Any, kind: str = "kron") -> Any:
-    """An unfitted Laplace posterior on ``subset`` of ``ctx.model``.
-
-    ``kind="kron"``: ``KronLaplace`` with fisher ``settings.fisher``; ``kind="dense"``: ``DenseLaplace``
-    with fisher ``settings.last_layer_fisher``.
-    """
-    from partialbayes import curvature
-
-    if kind == "kron":
-        return curvature.KronLaplace(
-            ctx.model, subset, num_classes=ctx.num_labels, fisher=ctx.settings.fisher
-        )
-    if kind == "dense":
-        return curvature.DenseLaplace(
-            ctx.model, subset, num_classes=ctx.num_labels, fisher=ctx.settings.last_layer_fisher
-        )
-    raise ValueError(f"kind must be 'kron' or 'dense', got {kind!r}")
+def kron_posterior(ctx: Context, subset: Subset) -> KronLaplace:
+    """An unfitted ``KronLaplace`` on ``subset`` of ``ctx.model`` with fisher ``settings.fisher``."""
+    return KronLaplace(ctx.model, subset, num_classes=ctx.num_labels, fisher=ctx.settings.fisher)
 
 
-def fit_per_cell(ctx: Context, la: Any) -> Any:
+def dense_posterior(ctx: Context, subset: Subset) -> DenseLaplace:
+    """An unfitted ``DenseLaplace`` on ``subset`` with fisher ``settings.last_layer_fisher``."""
+    return DenseLaplace(
+        ctx.model, subset, num_classes=ctx.num_labels, fisher=ctx.settings.last_layer_fisher
+    )
+
+
+def fit_per_cell(ctx: Context, la: LaplaceBase) -> LaplaceBase:
     """Fit ``la`` by its own pass over the training batches (the MC fisher seeded by the run)."""
-    return la.fit(ctx.train, generator=mc_generator(ctx, la.fisher))
+    la.fit(ctx.train, generator=mc_generator(ctx, la.fisher))
+    return la
 
 
 class PriorSearch:
@@ -70,7 +69,7 @@ class PriorSearch:
         self.totals = torch.zeros(len(self.grid), dtype=torch.float64)
         self.count = 0
 
-    def add(self, la: Any, batch: Mapping[str, torch.Tensor]) -> None:
+    def add(self, la: LaplaceBase, batch: Mapping[str, torch.Tensor]) -> None:
         """Add one validation batch (with ``labels``) of the posterior ``la``."""
         n = int(batch["labels"].shape[0])
         self.totals += la.grid_val_nll([batch], self._grid) * n
@@ -82,7 +81,7 @@ class PriorSearch:
             raise ValueError("PriorSearch: no validation batch was added")
         return self.totals / self.count
 
-    def choose(self, la: Any, method: str) -> dict[str, Any]:
+    def choose(self, la: LaplaceBase, method: str) -> dict[str, Any]:
         """Set the prior precision of ``la`` by ``method`` and describe the choice.
 
         Args:
@@ -117,25 +116,20 @@ class TestPredictive:
     def __init__(self) -> None:
         self.parts: list[torch.Tensor] = []
 
-    def add(self, la: Any, batch: Mapping[str, torch.Tensor]) -> None:
+    def add(self, la: LaplaceBase, batch: Mapping[str, torch.Tensor]) -> None:
         """Add one test batch of the posterior ``la`` (at its current prior precision)."""
         mean, cov = la.logit_mean_cov(batch)
-        self.parts.append(probit_probs(mean.double(), cov.double()).cpu())
+        self.parts.append(probit(mean.double(), cov.double()).cpu())
 
     def probs(self) -> torch.Tensor:
         """``[N, C]`` predictive probabilities of every batch added, in order."""
         return torch.cat(self.parts)
 
 
-def modules_of(subset: Any) -> list[str]:
-    """Sorted names of the modules a subset touches."""
-    return sorted({n.rsplit(".", 1)[0] for n in subset.names})
-
-
 def laplace_result(
     ctx: Context,
-    la: Any,
-    subset: Any,
+    la: LaplaceBase,
+    subset: Subset,
     probs: torch.Tensor,
     prior: dict[str, Any],
     fit_seconds: float,
@@ -146,13 +140,42 @@ def laplace_result(
     extra = {k: v for k, v in prior.items() if k != "val_nll"}
     extra.update({"fisher": la.fisher, "modules": modules_of(subset)})
     return Prediction(
-        probs,
-        int(la.num_floats),
-        subset.num_entries(),
-        float(subset.percent_of(ctx.model)),
-        fit_seconds,
-        predict_seconds,
-        extra,
+        probs=probs,
+        floats=int(la.num_floats),
+        n_stochastic=subset.num_entries(),
+        percent_stochastic=float(subset.percent_of(ctx.model)),
+        fit_seconds=fit_seconds,
+        predict_seconds=predict_seconds,
+        extra=extra,
         val_nll=prior["val_nll"],
         curvature_pass=curvature_pass,
+    )
+
+
+def laplace_prediction(ctx: Context, subset: Subset, kind: str = "kron") -> Prediction:
+    """Fit a Laplace posterior of ``kind`` (``kron`` or ``dense``) on ``subset``, tune the prior, predict.
+
+    The cell's own curvature pass over the training set (``curvature_pass="per-cell"``), the validation NLL
+    of every prior of ``settings.prior_grid``, the prior chosen by validation NLL or by the marginal
+    likelihood (``settings.prior``), then the linearised probit predictive on the test set.
+
+    Raises:
+        ValueError: If ``kind`` is neither ``kron`` nor ``dense``.
+    """
+    if kind not in ("kron", "dense"):
+        raise ValueError(f"kind must be 'kron' or 'dense', got {kind!r}")
+    t0 = time.perf_counter()
+    unfitted = kron_posterior(ctx, subset) if kind == "kron" else dense_posterior(ctx, subset)
+    la = fit_per_cell(ctx, unfitted)
+    search = PriorSearch(ctx.settings.prior_grid)
+    for batch in ctx.val:
+        search.add(la, batch)
+    prior = search.choose(la, ctx.settings.prior)
+    fit = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    test = TestPredictive()
+    for batch in ctx.test:
+        test.add(la, batch)
+    return laplace_result(
+        ctx, la, subset, test.probs(), prior, fit, time.perf_counter() - t0, "per-cell"
     )

@@ -17,15 +17,33 @@ in memory (``dense_max_floats``) it is computed once with one backward pass per 
 
 from __future__ import annotations
 
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, TypeAlias, TypedDict
 
 import torch
 from torch import Tensor, nn
 
+from partialbayes.curvature import logit_jacobians
+from partialbayes.linear_sampling import (
+    Features,
+    Prior,
+    effective_dimension,
+    linearised_logit_samples,
+    linearised_targets,
+    mackay_update,
+    network_features,
+    network_logits,
+    network_parameters,
+    posterior_mean,
+    posterior_samples,
+    softmax_hessian,
+)
+from partialbayes.selection import Subset
+
 Batch = Mapping[str, Tensor]
+# The stochastic parameters, as ``linear_sampling`` takes them: a Subset, names, or ``{name: bool mask}``.
+Params: TypeAlias = Subset | Sequence[str] | Mapping[str, Tensor]
 
 
 class _SolveOptions(TypedDict):
@@ -86,7 +104,7 @@ def model_inputs(batch: Batch) -> dict[str, Tensor]:
     return {k: v for k, v in batch.items() if k != "labels"}
 
 
-def stacked_features(model: nn.Module, batches: Sequence[Batch], params: Any) -> Any:
+def stacked_features(model: nn.Module, batches: Sequence[Batch], params: Params) -> Features:
     """One ``linear_sampling.Features`` over all examples of ``batches`` (each padded to its own length).
 
     Example ``i`` of the result is the ``i``-th example in batch order. Each operator call groups its
@@ -104,8 +122,6 @@ def stacked_features(model: nn.Module, batches: Sequence[Batch], params: Any) ->
     Raises:
         ValueError: If ``batches`` is empty or the per-batch features disagree on ``m`` or ``d``.
     """
-    from partialbayes.linear_sampling import Features, network_features
-
     if not batches:
         raise ValueError("stacked_features: batches is empty")
     parts = [network_features(model, model_inputs(b), params) for b in batches]
@@ -117,7 +133,7 @@ def stacked_features(model: nn.Module, batches: Sequence[Batch], params: Any) ->
     owner = torch.repeat_interleave(torch.arange(len(parts)), sizes)
     device, dtype = parts[0].device, parts[0].dtype
 
-    def groups(idx: Tensor):
+    def groups(idx: Tensor) -> Iterator[tuple[int, Tensor, Tensor]]:
         cpu = idx.cpu()
         who = owner[cpu]
         for b in torch.unique(who).tolist():
@@ -139,7 +155,7 @@ def stacked_features(model: nn.Module, batches: Sequence[Batch], params: Any) ->
     return Features(jvp, vjp, int(sizes.sum()), m, d, dtype, device)
 
 
-def dense_jacobians(model: nn.Module, batch: Batch, subset: Any) -> tuple[Tensor, Tensor]:
+def dense_jacobians(model: nn.Module, batch: Batch, subset: Subset) -> tuple[Tensor, Tensor]:
     """Logits ``[b, m]`` and per-example logit Jacobians ``[b, m, d]`` in a Kronecker ``subset``.
 
     Columns follow ``linear_sampling.network_parameters``' order (parameters in model order, the
@@ -155,8 +171,6 @@ def dense_jacobians(model: nn.Module, batch: Batch, subset: Any) -> tuple[Tensor
     Raises:
         TypeError: If ``subset`` has mask blocks.
     """
-    from partialbayes.curvature import logit_jacobians
-
     logits, jac = logit_jacobians(model, model_inputs(batch), subset)
     owner = {}
     for mod in subset.kron_modules().values():
@@ -176,10 +190,6 @@ def dense_jacobians(model: nn.Module, batch: Batch, subset: Any) -> tuple[Tensor
                 w = w.transpose(-1, -2)
             parts.append(w.reshape(*w.shape[:2], -1))
     return logits.detach(), torch.cat(parts, -1)
-
-
-def _use_dense(params: Any, n: int, m: int, d: int, config: LinearSamplingConfig) -> bool:
-    return bool(getattr(params, "is_kronecker", False)) and n * m * d <= config.dense_max_floats
 
 
 @dataclass
@@ -205,7 +215,7 @@ class LinearisedPosterior:
 def fit_linearised(
     model: nn.Module,
     train: Sequence[Batch],
-    params: Any,
+    params: Params,
     config: LinearSamplingConfig,
     generator: torch.Generator,
 ) -> LinearisedPosterior:
@@ -227,23 +237,10 @@ def fit_linearised(
     Returns:
         The fitted posterior.
     """
-    from partialbayes.linear_sampling import (
-        Features,
-        Prior,
-        effective_dimension,
-        linearised_targets,
-        mackay_update,
-        network_logits,
-        network_parameters,
-        posterior_mean,
-        posterior_samples,
-        softmax_hessian,
-    )
-
     theta = network_parameters(model, params)
     n, d = sum(int(b["labels"].shape[0]) for b in train), theta.shape[0]
     m = network_logits(model, {k: v[:1] for k, v in model_inputs(train[0]).items()}).shape[1]
-    if _use_dense(params, n, m, d, config):
+    if isinstance(params, Subset) and params.is_kronecker and n * m * d <= config.dense_max_floats:
         pairs = [dense_jacobians(model, b, params) for b in train]
         logits = torch.cat([p[0] for p in pairs])
         feats = Features.dense(torch.cat([p[1] for p in pairs]).to(theta.dtype))
@@ -293,7 +290,7 @@ def fit_linearised(
 def linearised_probs(
     model: nn.Module,
     batches: Sequence[Batch],
-    params: Any,
+    params: Params,
     samples: Tensor,
     dense_max_floats: int = 0,
 ) -> Tensor:
@@ -307,15 +304,13 @@ def linearised_probs(
         dense_max_floats: Use :func:`dense_jacobians` for a batch whose Jacobian has at most this many
             entries (Kronecker subsets only); else ``linear_sampling.linearised_logit_samples`` (JVPs).
     """
-    from partialbayes.linear_sampling import linearised_logit_samples, network_logits
-
     out = []
     d = samples.shape[0]
     for b in batches:
         inputs = model_inputs(b)
         n = next(iter(inputs.values())).shape[0]
         m = network_logits(model, {k: v[:1] for k, v in inputs.items()}).shape[1]
-        if bool(getattr(params, "is_kronecker", False)) and n * m * d <= dense_max_floats:
+        if isinstance(params, Subset) and params.is_kronecker and n * m * d <= dense_max_floats:
             mean, jac = dense_jacobians(model, b, params)
             z = samples.to(device=jac.device, dtype=jac.dtype)
             logits = mean.unsqueeze(0) + torch.einsum("nmd,dk->knm", jac, z).to(mean.dtype)
@@ -323,46 +318,3 @@ def linearised_probs(
             logits = linearised_logit_samples(model, inputs, params, samples, batch_size=n)
         out.append(torch.softmax(logits.double(), -1).mean(0).cpu())
     return torch.cat(out)
-
-
-def linear_sampling_prediction(ctx: Any, subset: Any) -> Any:
-    """Fit sampling-based linearised Laplace on ``subset`` of ``ctx.model`` and predict ``ctx.test``.
-
-    Args:
-        ctx: A ``methods.Context``.
-        subset: A ``selection.Subset``.
-
-    Returns:
-        A ``methods.Prediction``; ``floats`` counts the stored samples (``d·K``) and ``α``; ``val_nll`` is
-        the NLL of the same predictive on the validation set.
-    """
-    from partialbayes.glue_bench.methods import LS_OFFSET, Prediction
-    from partialbayes.predictive import nll
-
-    config = ctx.settings.linear_sampling
-    gen = ctx.generator(LS_OFFSET)
-    t0 = time.perf_counter()
-    post = fit_linearised(ctx.model, ctx.train, subset, config, gen)
-    fit = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    probs = linearised_probs(ctx.model, ctx.test, subset, post.samples, config.dense_max_floats)
-    predict = time.perf_counter() - t0
-    val = linearised_probs(ctx.model, ctx.val, subset, post.samples, config.dense_max_floats)
-    d = int(post.samples.shape[0])
-    return Prediction(
-        probs,
-        d * int(post.samples.shape[1]) + 1,
-        subset.num_entries(),
-        float(subset.percent_of(ctx.model)),
-        fit,
-        predict,
-        {
-            "prior_precision": post.alpha,
-            "prior_method": "em",
-            "em_converged": post.converged,
-            "cg_converged": post.cg_converged,
-            "em_history": post.history,
-            "modules": sorted({n.rsplit(".", 1)[0] for n in subset.names}),
-        },
-        val_nll=float(nll(val, ctx.labels("val"))),
-    )

@@ -2,254 +2,42 @@
 
 Every method turns the fine-tuned (MAP) classifier of one (task, split) into predictive probabilities on
 the test set. Ramping methods have several sizes (module counts or percentages); the others have the
-single size ``"-"``. Methods that need a sibling package import it when they run, so the registry itself
-imports nothing optional.
+single size ``"-"``. What a method receives and returns (:class:`Context`, :class:`Prediction`,
+:class:`Settings`) lives in :mod:`partialbayes.glue_bench.context`; the Laplace cells' steps in
+:mod:`partialbayes.glue_bench.laplace_cells`.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from partialbayes.glue_bench.linearised import LinearSamplingConfig
-
-Batch = dict[str, torch.Tensor]
-
-# Where the ramp sizes come from (every record also stores the percentage of countable parameters that was
-# actually stochastic, ``percent_stochastic`` = ``Subset.percent_of``, and the requested size):
-# * MODULE_COUNTS: the module counts of Kampen et al.'s ramping figures (``selection.PAPER_COUNTS`` without
-#   the 0, which is the MAP cell); counts above a model's number of linear maps in the group are dropped.
-# * SKFAC_PERCENTS: the S-KFAC percentages p of the paper's Table 3 (percent of the rows and of the columns
-#   kept in every linear map, DESIGN.md's S-KFAC rule) without its 0 (the MAP cell) and 100 (the
-#   ``kfac-full`` cell). A map keeps about (p/100)² of its weights (the paper's g_p), so these cover about
-#   0.01 % to 11 % of the linear weights; 33 is the ≈ 10 % cell of Table 2.
-# * SWAG_L1_PERCENTS: the paper's l1 sub-layer ramp p ∈ {1, 12, 24, 36, 48, 60, 100}: percent of the
-#   countable parameters with the largest magnitude (``selection.largest_magnitude``).
-MODULE_COUNTS = (1, 2, 3, 4, 5, 8, 11, 17, 38)
-SKFAC_PERCENTS = (1.0, 1.8, 2.5, 3.2, 3.9, 4.6, 5.4, 6.1, 6.8, 12.6, 18.4, 24.2, 30.0, 33.0)
-SWAG_L1_PERCENTS = (1.0, 12.0, 24.0, 36.0, 48.0, 60.0, 100.0)
-# Prior precisions 10^-1, 10^-0.5, ..., 10^3: the paper's range (Table 6, "equidistant in logspace in
-# [10^-1, 10^3]"; the number of points is not given, we take half decades). Built in float64 so that
-# records store 0.1, not the float32 value 0.10000000149011612. Hand it to the Laplace posteriors as
-# :func:`prior_grid` (a float64 tensor): ``torch.as_tensor`` of a tuple of floats would round it to float32.
-# The grid is not extended beyond the paper's range: a cell whose tuned prior lands on an end of it says so
-# (``extra.prior_at_grid_edge``) and the report flags it; ``Settings.prior_grid`` changes the grid.
-PRIOR_GRID = tuple(float(v) for v in torch.logspace(-1, 3, 9, dtype=torch.float64))
-# Fisher types of the Laplace curvature (``partialbayes.curvature``): the paper's KFAC is built on the
-# empirical Fisher (its Eqs. 13-16), its last-layer Laplace on the full GGN ("exact").
-FISHERS = ("empirical", "exact", "mc")
-
-
-def prior_grid(values: Sequence[float] = PRIOR_GRID) -> torch.Tensor:
-    """A prior-precision grid as a float64 tensor (the ``grid`` argument of ``optimize_prior_precision``)."""
-    return torch.tensor([float(v) for v in values], dtype=torch.float64)
-
-
-def prior_edge(chosen: float, grid: Sequence[float]) -> str | None:
-    """``"lowest"`` / ``"highest"`` when ``chosen`` is the smallest / largest value of ``grid``, else ``None``.
-
-    A prior precision tuned to an end of its grid may not be the optimum: the validation NLL (or the
-    evidence) might still improve beyond it. The lowest prior gives the widest posterior the grid allows, the
-    highest the one closest to the MAP.
-    """
-    if chosen == min(grid):
-        return "lowest"
-    if chosen == max(grid):
-        return "highest"
-    return None
-
-
-def _check_positive_int(owner: str, key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{owner}.{key} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{owner}.{key} must be >= 1, got {value}")
-
-
-def _check_numbers(owner: str, key: str, values: Any, high: float = math.inf) -> tuple[float, ...]:
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise TypeError(f"{owner}.{key} must be a sequence of numbers, got {values!r}")
-    out = []
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise TypeError(f"{owner}.{key} must hold numbers, got {v!r} in {values!r}")
-        if not (0 < v <= high) or math.isnan(v):
-            raise ValueError(f"{owner}.{key} values must be in (0, {high:g}], got {v!r}")
-        out.append(float(v))
-    if not out:
-        raise ValueError(f"{owner}.{key} is empty")
-    if len(set(out)) != len(out):
-        raise ValueError(f"{owner}.{key} has repeated values: {list(values)}")
-    return tuple(out)
-
-
-@dataclass
-class Settings:
-    """Method hyperparameters (part of the results configuration).
-
-    Attributes:
-        prior: ``val_nll`` (grid search over ``prior_grid`` on validation) or ``marglik``.
-        prior_grid: Candidate prior precisions (default :data:`PRIOR_GRID`, the paper's range).
-        fisher: Fisher type of the KFAC / S-KFAC / module-ramp Laplace curvature: ``empirical`` (default:
-            the paper's, its Eqs. 13-16, and one backward pass per batch), ``exact`` (the GGN, one backward
-            pass per class) or ``mc`` (one sampled label per example, seeded by the run).
-        last_layer_fisher: Fisher type of the dense last-layer Laplace (default ``exact``: the paper's
-            last-layer Laplace uses the full GGN).
-        n_samples: Monte Carlo samples for SWAG and IVON predictions.
-        swag_lrs: SWAG learning rates of the validation sweep.
-        swag_sweep_steps: SGD steps per sweep point.
-        swag_steps: SGD steps of the final SWAG run.
-        module_counts: Module counts of the module-ramping methods.
-        skfac_percents: Percentages of the S-KFAC ramping (default: the paper's Table 3).
-        swag_l1_percents: Percentages of the SWAG largest-magnitude (l1) sub-layer ramping.
-        linear_sampling: Settings of the sampling-based linearised Laplace methods (``ls-*``).
-    """
-
-    prior: str = "val_nll"
-    prior_grid: tuple[float, ...] = PRIOR_GRID
-    fisher: str = "empirical"
-    last_layer_fisher: str = "exact"
-    n_samples: int = 50
-    swag_lrs: tuple[float, ...] = (1e-3, 1e-2, 5e-2, 1e-1)
-    swag_sweep_steps: int = 400
-    swag_steps: int = 2000
-    module_counts: tuple[int, ...] = MODULE_COUNTS
-    skfac_percents: tuple[float, ...] = SKFAC_PERCENTS
-    swag_l1_percents: tuple[float, ...] = SWAG_L1_PERCENTS
-    linear_sampling: LinearSamplingConfig = field(default_factory=LinearSamplingConfig)
-
-    def __post_init__(self) -> None:
-        if self.prior not in ("val_nll", "marglik"):
-            raise ValueError(f"Settings.prior must be 'val_nll' or 'marglik', got {self.prior!r}")
-        for key in ("fisher", "last_layer_fisher"):
-            if getattr(self, key) not in FISHERS:
-                raise ValueError(
-                    f"Settings.{key} must be one of {FISHERS}, got {getattr(self, key)!r}"
-                )
-        for key in ("n_samples", "swag_sweep_steps", "swag_steps"):
-            _check_positive_int("Settings", key, getattr(self, key))
-        self.prior_grid = _check_numbers("Settings", "prior_grid", self.prior_grid)
-        if len(self.prior_grid) < 2:
-            raise ValueError(f"Settings.prior_grid needs at least 2 values, got {self.prior_grid}")
-        self.swag_lrs = _check_numbers("Settings", "swag_lrs", self.swag_lrs)
-        self.skfac_percents = _check_numbers("Settings", "skfac_percents", self.skfac_percents, 100)
-        self.swag_l1_percents = _check_numbers(
-            "Settings", "swag_l1_percents", self.swag_l1_percents, 100
-        )
-        counts = self.module_counts
-        if isinstance(counts, (str, bytes)) or not isinstance(counts, Sequence) or not counts:
-            raise TypeError(f"Settings.module_counts must be a non-empty sequence, got {counts!r}")
-        for k in counts:
-            _check_positive_int("Settings", "module_counts", k)
-        self.module_counts = tuple(counts)
-        if not isinstance(self.linear_sampling, LinearSamplingConfig):
-            raise TypeError(
-                "Settings.linear_sampling must be a LinearSamplingConfig, got "
-                f"{type(self.linear_sampling).__name__}"
-            )
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able dict."""
-        out = {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
-        out["linear_sampling"] = asdict(self.linear_sampling)
-        return out
-
-
-@dataclass
-class Context:
-    """Everything a method needs about one fine-tuned (task, split).
-
-    Attributes:
-        model: The fine-tuned classifier at its MAP weights, in eval mode, on ``device``.
-        train: Training batches (dicts with ``labels``) on ``device``, for curvature and SWAG.
-        val: Validation batches on ``device``.
-        test: Test batches on ``device``.
-        num_labels: Number of classes.
-        device: The device.
-        seed: Seed of this (task, split): random module choices and sampling derive from it.
-        settings: Method hyperparameters.
-        ivon: ``{"hess": {name: tensor}, "ess": float, "weight_decay": float, "finetune_seconds": float}``
-            when fine-tuned with IVON (``finetune_seconds``: wall-clock time of the IVON fine-tuning that
-            produced the checkpoint).
-        curvature_dir: Folder of the shared curvature pass (beside the checkpoint); ``None``: not stored.
-    """
-
-    model: nn.Module
-    train: list[Batch]
-    val: list[Batch]
-    test: list[Batch]
-    num_labels: int
-    device: torch.device
-    seed: int
-    settings: Settings = field(default_factory=Settings)
-    ivon: dict[str, Any] | None = None
-    curvature_dir: Path | None = None
-    _cache: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def labels(self, which: str) -> torch.Tensor:
-        """(N,) labels of ``"val"`` or ``"test"``."""
-        return torch.cat([b["labels"] for b in getattr(self, which)]).cpu()
-
-    def logits(self, which: str) -> torch.Tensor:
-        """(N, C) float64 MAP logits of ``"val"`` or ``"test"`` (cached)."""
-        if which not in self._cache:
-            self._cache[which] = batch_logits(self.model, getattr(self, which))
-        return self._cache[which]
-
-    def generator(self, offset: int) -> torch.Generator:
-        """A CPU generator seeded by this (task, split) and ``offset`` (one offset per kind of draw)."""
-        return torch.Generator().manual_seed(self.seed * 1000 + offset)
-
-
-@dataclass
-class Prediction:
-    """A method's output on the test set.
-
-    Attributes:
-        probs: (N, C) float64 predictive probabilities.
-        floats: Floats the posterior stores beyond the MAP weights.
-        n_stochastic: Number of stochastic parameters.
-        percent_stochastic: Percent of the countable parameters that are stochastic.
-        fit_seconds: Time to build the posterior (including hyperparameter search).
-        predict_seconds: Time to predict the test set.
-        extra: Method-specific facts (chosen prior precision, learning rate, modules).
-        val_nll: Mean validation NLL of the method's predictive (the level of a ramp is chosen by it, as in
-            the paper's §5.4); ``None`` when not computed.
-        curvature_pass: Laplace cells: ``"per-cell"`` (curvature from the cell's own pass over the
-            training set) or ``"shared"`` (from the one pass of the whole ramp); ``None`` otherwise.
-    """
-
-    probs: torch.Tensor
-    floats: int
-    n_stochastic: int
-    percent_stochastic: float
-    fit_seconds: float
-    predict_seconds: float
-    extra: dict[str, Any] = field(default_factory=dict)
-    val_nll: float | None = None
-    curvature_pass: str | None = None
-
-
-@dataclass(frozen=True)
-class KronCell:
-    """The subset of a KFAC-type Laplace cell, and what the shared curvature pass derives it from.
-
-    Attributes:
-        subset: Kronecker-structured ``selection.Subset``.
-        skfac_percent: The S-KFAC percentage of an ``skfac`` cell (factors of that level); ``None`` for a
-            union of whole linear maps (their full factors).
-    """
-
-    subset: Any
-    skfac_percent: float | None = None
+from partialbayes import selection
+from partialbayes.glue_bench.context import (  # FISHERS, Settings: re-exported, defined here before 0.3
+    FISHERS,  # noqa: F401
+    IVON_SAMPLES_OFFSET,
+    LS_OFFSET,
+    SWAG_SAMPLES_OFFSET,
+    SWAG_SWEEP_OFFSET,
+    Context,
+    KronCell,
+    Prediction,
+    Settings,  # noqa: F401
+    batch_logits,
+    every_linear_map,
+    modules_of,
+    val_nll,
+)
+from partialbayes.glue_bench.laplace_cells import laplace_prediction
+from partialbayes.glue_bench.linearised import fit_linearised, linearised_probs
+from partialbayes.ivon import GaussianPosterior
+from partialbayes.predictive import Posterior, fit_temperature
+from partialbayes.selection import Subset
+from partialbayes.swag import collect_swag, sweep_learning_rate
 
 
 @dataclass(frozen=True)
@@ -261,7 +49,7 @@ class Method:
         description: One line.
         sizes: ``sizes(ctx) -> list of size keys`` (``["-"]`` for single-cell methods).
         run: ``run(ctx, size) -> Prediction``.
-        requires: Sibling package the method imports when it runs (for error messages).
+        requires: Sibling package the method builds its posterior with (informational).
         kron: For KFAC-type Laplace methods, ``kron(ctx, size) -> KronCell``: the cell's subset, so that a
             whole ramp can share one curvature pass (:mod:`partialbayes.glue_bench.ramp`).
     """
@@ -275,37 +63,6 @@ class Method:
 
 
 # ------------------------------------------------------------------------------------------ helpers
-@torch.no_grad()
-def batch_logits(model: nn.Module, batches: Sequence[Batch]) -> torch.Tensor:
-    """(N, C) float64 logits of ``model`` over dict batches (labels ignored), on cpu."""
-    out = []
-    for b in batches:
-        inputs = {k: v for k, v in b.items() if k != "labels"}
-        out.append(model(**inputs).logits.double().cpu())
-    return torch.cat(out)
-
-
-def probit_probs(mean: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
-    """Probit approximation of E[softmax(f)], f ~ N(mean, cov) (Kampen et al. Eq. 12, from `predictive`).
-
-    Args:
-        mean: (B, C) logit means.
-        cov: (B, C, C) logit covariances.
-
-    Returns:
-        (B, C) probabilities ``softmax(mean / sqrt(1 + π/8 · diag(cov)))``.
-    """
-    from partialbayes.predictive import probit
-
-    return probit(mean, cov)
-
-
-def _countable(model: nn.Module) -> int:
-    from partialbayes.selection import countable_parameters
-
-    return countable_parameters(model)
-
-
 def _single(_: Context) -> list[str]:
     return ["-"]
 
@@ -315,22 +72,16 @@ def _fmt(p: float) -> str:
 
 
 # ------------------------------------------------------------------------------------------ MAP, TS
-def _val_nll(probs: torch.Tensor, labels: torch.Tensor) -> float:
-    from partialbayes.predictive import nll
-
-    return float(nll(probs.double(), labels))
-
-
 def run_map(ctx: Context, size: str) -> Prediction:
     """The fine-tuned network's softmax probabilities."""
     t0 = time.perf_counter()
     probs = torch.softmax(ctx.logits("test"), -1)
-    val = _val_nll(torch.softmax(ctx.logits("val"), -1), ctx.labels("val"))
-    return Prediction(probs, 0, 0, 0.0, 0.0, time.perf_counter() - t0, val_nll=val)
+    val = val_nll(torch.softmax(ctx.logits("val"), -1), ctx.labels("val"))
+    return Prediction(probs=probs, predict_seconds=time.perf_counter() - t0, val_nll=val)
 
 
-def fit_temperature(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    """Temperature T > 0 minimising the validation NLL of ``softmax(logits / T)`` (from `predictive`).
+def temperature_or_grid(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """``predictive.fit_temperature`` of the validation set, or the best grid temperature when it refuses.
 
     Args:
         logits: (N, C) validation logits.
@@ -340,12 +91,8 @@ def fit_temperature(logits: torch.Tensor, labels: torch.Tensor) -> float:
     `predictive` refuses; the benchmark then takes the best T on the grid ``logspace(-2, 2, 81)`` and warns,
     so that one degenerate cell does not stop a grid.
     """
-    import warnings
-
-    from partialbayes.predictive import fit_temperature as fit
-
     try:
-        return float(fit(logits.double(), labels))
+        return float(fit_temperature(logits.double(), labels))
     except ValueError as err:
         grid = torch.logspace(-2, 2, 81, dtype=torch.float64)
         z = logits.double()
@@ -360,57 +107,24 @@ def fit_temperature(logits: torch.Tensor, labels: torch.Tensor) -> float:
 def run_temperature(ctx: Context, size: str) -> Prediction:
     """Temperature scaling fitted on the validation set."""
     t0 = time.perf_counter()
-    temp = fit_temperature(ctx.logits("val"), ctx.labels("val"))
+    temp = temperature_or_grid(ctx.logits("val"), ctx.labels("val"))
     fit = time.perf_counter() - t0
     t0 = time.perf_counter()
     probs = torch.softmax(ctx.logits("test") / temp, -1)
-    val = _val_nll(torch.softmax(ctx.logits("val") / temp, -1), ctx.labels("val"))
+    val = val_nll(torch.softmax(ctx.logits("val") / temp, -1), ctx.labels("val"))
     return Prediction(
-        probs, 1, 0, 0.0, fit, time.perf_counter() - t0, {"temperature": temp}, val_nll=val
+        probs=probs,
+        floats=1,
+        fit_seconds=fit,
+        predict_seconds=time.perf_counter() - t0,
+        extra={"temperature": temp},
+        val_nll=val,
     )
 
 
-# ------------------------------------------------------------------------------------------ Laplace
-def laplace_prediction(ctx: Context, subset: Any, kind: str = "kron") -> Prediction:
-    """Fit a Laplace posterior of ``kind`` (``kron`` or ``dense``) on ``subset``, tune the prior, predict.
-
-    The cell's own curvature pass over the training set (``curvature_pass="per-cell"``), the validation NLL
-    of every prior of ``settings.prior_grid``, the prior chosen by validation NLL or by the marginal
-    likelihood (``settings.prior``), then the linearised probit predictive on the test set
-    (:mod:`partialbayes.glue_bench.laplace_cells`).
-    """
-    from partialbayes.glue_bench.laplace_cells import (
-        PriorSearch,
-        TestPredictive,
-        fit_per_cell,
-        laplace_result,
-        new_posterior,
-    )
-
-    t0 = time.perf_counter()
-    la = fit_per_cell(ctx, new_posterior(ctx, subset, kind))
-    search = PriorSearch(ctx.settings.prior_grid)
-    for batch in ctx.val:
-        search.add(la, batch)
-    prior = search.choose(la, ctx.settings.prior)
-    fit = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    test = TestPredictive()
-    for batch in ctx.test:
-        test.add(la, batch)
-    return laplace_result(
-        ctx, la, subset, test.probs(), prior, fit, time.perf_counter() - t0, "per-cell"
-    )
-
-
-def _modules(subset: Any) -> list[str]:
-    return sorted({n.rsplit(".", 1)[0] for n in subset.names})
-
-
+# ------------------------------------------------------------------------------------------ subsets
 def _n_linear(ctx: Context, group: str) -> int:
-    from partialbayes.selection import grouped_linear_modules
-
-    return len(grouped_linear_modules(ctx.model, group))
+    return len(selection.grouped_linear_modules(ctx.model, group))
 
 
 def _count_sizes(group: str) -> Callable[[Context], list[str]]:
@@ -421,9 +135,8 @@ def _count_sizes(group: str) -> Callable[[Context], list[str]]:
     return sizes
 
 
-def _module_subset(ctx: Context, strategy: str, group: str, k: int) -> Any:
-    from partialbayes import selection
-
+def module_subset(ctx: Context, strategy: str, group: str, k: int) -> Subset:
+    """``k`` linear maps of ``group`` chosen by ``strategy`` (``random``, ``max`` or ``min`` operator norm)."""
     if strategy == "random":
         return selection.random_modules(ctx.model, k, seed=ctx.seed, group=group)
     if strategy == "max":
@@ -431,23 +144,20 @@ def _module_subset(ctx: Context, strategy: str, group: str, k: int) -> Any:
     return selection.min_operator_norm(ctx.model, k, group=group)
 
 
+# ------------------------------------------------------------------------------------------ Laplace
 def run_last_layer(ctx: Context, size: str) -> Prediction:
     """Dense-GGN Laplace on the classification head."""
-    from partialbayes.selection import last_layer
-
-    return laplace_prediction(ctx, last_layer(ctx.model), kind="dense")
+    return laplace_prediction(ctx, selection.last_layer(ctx.model), kind="dense")
 
 
 def kron_full(ctx: Context, size: str) -> KronCell:
     """The subset of ``kfac-full``: every linear map."""
-    return KronCell(_module_subset(ctx, "max", "all", _n_linear(ctx, "all")))
+    return KronCell(every_linear_map(ctx.model))
 
 
 def kron_skfac(ctx: Context, size: str) -> KronCell:
     """The subset of an ``skfac`` cell: ``size`` % of the rows and columns of every linear map."""
-    from partialbayes.selection import sparse_kfac
-
-    return KronCell(sparse_kfac(ctx.model, float(size)), float(size))
+    return KronCell(selection.sparse_kfac(ctx.model, float(size)), float(size))
 
 
 def run_kfac_full(ctx: Context, size: str) -> Prediction:
@@ -463,19 +173,12 @@ def run_skfac(ctx: Context, size: str) -> Prediction:
 
 
 # ------------------------------------------------------------------------------------------ SWAG
-# Offsets of the run's generators (``Context.generator``): one per kind of random draw, so that no two
-# draws of a run share a stream (the MC fisher uses ``laplace_cells.MC_FISHER_OFFSET`` = 4).
-SWAG_SWEEP_OFFSET, SWAG_SAMPLES_OFFSET, IVON_SAMPLES_OFFSET, LS_OFFSET = 1, 2, 3, 5
-
-
-def _mc_probs(
-    ctx: Context, sampled: Callable[[torch.Generator], Any], offset: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _mc_probs(ctx: Context, posterior: Posterior, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Monte Carlo predictive on the test and validation sets: ``settings.n_samples`` weight samples.
 
-    ``sampled(generator)`` is a context manager that puts one weight sample into ``ctx.model``; each
-    sample scores both sets, so the validation NLL (which chooses a ramp's level) is that of the very
-    posterior the test probabilities come from.
+    Each sample is swapped into ``ctx.model`` by ``posterior.sampled`` and scores both sets, so the
+    validation NLL (which chooses a ramp's level) is that of the very posterior the test probabilities
+    come from.
 
     Returns:
         ``(test probs [N_test, C], validation probs [N_val, C])``, float64.
@@ -484,13 +187,13 @@ def _mc_probs(
     test = torch.zeros_like(ctx.logits("test"))
     val = torch.zeros_like(ctx.logits("val"))
     for _ in range(ctx.settings.n_samples):
-        with sampled(gen):
+        with posterior.sampled(generator=gen):
             test += torch.softmax(batch_logits(ctx.model, ctx.test), -1)
             val += torch.softmax(batch_logits(ctx.model, ctx.val), -1)
     return test / ctx.settings.n_samples, val / ctx.settings.n_samples
 
 
-def swag_prediction(ctx: Context, subset: Any) -> Prediction:
+def swag_prediction(ctx: Context, subset: Subset) -> Prediction:
     """SWAG on ``subset``: learning rate by validation NLL, then Monte Carlo predictions.
 
     With a single learning rate in ``settings.swag_lrs`` there is nothing to choose: the sweep (and its
@@ -498,8 +201,6 @@ def swag_prediction(ctx: Context, subset: Any) -> Prediction:
     training mode: their dropout draws come from the global generator, which the cell seeds
     (``experiment.run_cell``).
     """
-    from partialbayes.swag import collect_swag, sweep_learning_rate
-
     s = ctx.settings
     t0 = time.perf_counter()
     if len(s.swag_lrs) == 1:
@@ -523,32 +224,29 @@ def swag_prediction(ctx: Context, subset: Any) -> Prediction:
         lr, swag = result.lr, result.swag
     fit = time.perf_counter() - t0
     t0 = time.perf_counter()
-    test, val = _mc_probs(ctx, lambda g: swag.sampled(ctx.model, generator=g), SWAG_SAMPLES_OFFSET)
-    predict = time.perf_counter() - t0
+    test, val = _mc_probs(ctx, swag, SWAG_SAMPLES_OFFSET)
     return Prediction(
-        test,
-        int(swag.num_floats),
-        subset.num_entries(),
-        float(subset.percent_of(ctx.model)),
-        fit,
-        predict,
-        {"swag_lr": lr, "swag_lr_swept": len(s.swag_lrs) > 1, "modules": _modules(subset)},
-        val_nll=_val_nll(val, ctx.labels("val")),
+        probs=test,
+        floats=int(swag.num_floats),
+        n_stochastic=subset.num_entries(),
+        percent_stochastic=float(subset.percent_of(ctx.model)),
+        fit_seconds=fit,
+        predict_seconds=time.perf_counter() - t0,
+        extra={"swag_lr": lr, "swag_lr_swept": len(s.swag_lrs) > 1, "modules": modules_of(subset)},
+        val_nll=val_nll(val, ctx.labels("val")),
     )
 
 
 def run_swag_l1(ctx: Context, size: str) -> Prediction:
     """SWAG on the ``size`` % largest-magnitude (l1) parameters."""
-    from partialbayes.selection import largest_magnitude
-
-    pred = swag_prediction(ctx, largest_magnitude(ctx.model, float(size)))
+    pred = swag_prediction(ctx, selection.largest_magnitude(ctx.model, float(size)))
     pred.extra["l1_percent"] = float(size)
     return pred
 
 
 def run_swag_full(ctx: Context, size: str) -> Prediction:
     """SWAG on every linear map."""
-    return swag_prediction(ctx, _module_subset(ctx, "max", "all", _n_linear(ctx, "all")))
+    return swag_prediction(ctx, every_linear_map(ctx.model))
 
 
 # ------------------------------------------------------------------------------------------ IVON
@@ -557,96 +255,106 @@ def run_ivon(ctx: Context, size: str) -> Prediction:
 
     Only the countable parameters are stochastic: the token, position and token-type embeddings are never
     sampled and never counted (DESIGN), also for checkpoints whose IVON Hessians cover them. The posterior
-    is built by the IVON fine-tuning, so ``fit_seconds`` is that fine-tuning's wall-clock time (from the
-    checkpoint's meta, also when the checkpoint was reused) plus the few milliseconds of turning its Hessian
-    into standard deviations; ``extra`` holds both parts. Note that the ``map`` cell of the same results
-    folder (the IVON mean) comes from the same training, at ``fit_seconds`` 0.
+    (an ``ivon.GaussianPosterior`` on the model) is built by the IVON fine-tuning, so ``fit_seconds`` is
+    that fine-tuning's wall-clock time (from the checkpoint's meta, also when the checkpoint was reused)
+    plus the few milliseconds of turning its Hessian into standard deviations; ``extra`` holds both parts.
+    Note that the ``map`` cell of the same results folder (the IVON mean) comes from the same training, at
+    ``fit_seconds`` 0.
     """
-    from partialbayes.selection import countable_named_parameters
-
     if ctx.ivon is None:
         raise ValueError("method 'ivon' needs a model fine-tuned with --optimizer ivon")
     t0 = time.perf_counter()
     params = dict(ctx.model.named_parameters())
-    countable = countable_named_parameters(ctx.model)
+    countable = selection.countable_named_parameters(ctx.model)
     ess, delta = float(ctx.ivon["ess"]), float(ctx.ivon["weight_decay"])
     hess = {k: v.to(params[k].device) for k, v in ctx.ivon["hess"].items() if k in countable}
     if not hess:
         raise ValueError("the IVON checkpoint holds no Hessian of a countable parameter")
     std = {k: 1.0 / torch.sqrt(ess * (h + delta)) for k, h in hess.items()}
+    means = {k: params[k].detach().clone() for k in std}
+    posterior = GaussianPosterior(means, std, ctx.model)
     setup = time.perf_counter() - t0
     finetune = float(ctx.ivon.get("finetune_seconds", 0.0))
-    means = {k: params[k].detach().clone() for k in std}
-
-    @contextmanager
-    def sampled(gen: torch.Generator) -> Iterator[None]:
-        try:
-            with torch.no_grad():
-                for k, sd in std.items():
-                    eps = torch.randn(sd.shape, generator=gen, dtype=sd.dtype).to(sd.device)
-                    params[k].copy_(means[k] + sd * eps)
-            yield
-        finally:
-            with torch.no_grad():
-                for k, m in means.items():
-                    params[k].copy_(m)
-
     t0 = time.perf_counter()
-    test, val = _mc_probs(ctx, sampled, IVON_SAMPLES_OFFSET)
+    test, val = _mc_probs(ctx, posterior, IVON_SAMPLES_OFFSET)
     n = sum(int(h.numel()) for h in hess.values())
     return Prediction(
-        test,
-        n,
-        n,
-        100.0 * n / max(_countable(ctx.model), 1),
-        finetune + setup,
-        time.perf_counter() - t0,
-        {
+        probs=test,
+        floats=n,
+        n_stochastic=n,
+        percent_stochastic=100.0 * n / max(selection.countable_parameters(ctx.model), 1),
+        fit_seconds=finetune + setup,
+        predict_seconds=time.perf_counter() - t0,
+        extra={
             "finetune_seconds": finetune,
             "posterior_setup_seconds": setup,
             "fit_seconds_note": "IVON fine-tuning (the posterior is its by-product) plus setup",
         },
-        val_nll=_val_nll(val, ctx.labels("val")),
+        val_nll=val_nll(val, ctx.labels("val")),
     )
 
 
 # ------------------------------------------------------------------------------------------ linear sampling
-def _linear_sampling(ctx: Context, subset: Any) -> Prediction:
-    from partialbayes.glue_bench.linearised import linear_sampling_prediction
+def linear_sampling_prediction(ctx: Context, subset: Subset) -> Prediction:
+    """Fit sampling-based linearised Laplace on ``subset`` of ``ctx.model`` and predict ``ctx.test``.
 
-    return linear_sampling_prediction(ctx, subset)
+    Returns:
+        The prediction; ``floats`` counts the stored samples (``d·K``) and ``α``; ``val_nll`` is the NLL
+        of the same predictive on the validation set.
+    """
+    config = ctx.settings.linear_sampling
+    t0 = time.perf_counter()
+    post = fit_linearised(ctx.model, ctx.train, subset, config, ctx.generator(LS_OFFSET))
+    fit = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    probs = linearised_probs(ctx.model, ctx.test, subset, post.samples, config.dense_max_floats)
+    predict = time.perf_counter() - t0
+    val = linearised_probs(ctx.model, ctx.val, subset, post.samples, config.dense_max_floats)
+    return Prediction(
+        probs=probs,
+        floats=int(post.samples.shape[0]) * int(post.samples.shape[1]) + 1,
+        n_stochastic=subset.num_entries(),
+        percent_stochastic=float(subset.percent_of(ctx.model)),
+        fit_seconds=fit,
+        predict_seconds=predict,
+        extra={
+            "prior_precision": post.alpha,
+            "prior_method": "em",
+            "em_converged": post.converged,
+            "cg_converged": post.cg_converged,
+            "em_history": post.history,
+            "modules": modules_of(subset),
+        },
+        val_nll=val_nll(val, ctx.labels("val")),
+    )
 
 
 def run_ls_last_layer(ctx: Context, size: str) -> Prediction:
     """Sampling-based linearised Laplace on the classification head."""
-    from partialbayes.selection import last_layer
-
-    return _linear_sampling(ctx, last_layer(ctx.model))
+    return linear_sampling_prediction(ctx, selection.last_layer(ctx.model))
 
 
 def run_ls_skfac(ctx: Context, size: str) -> Prediction:
     """Sampling-based linearised Laplace on the S-KFAC subset of ``size`` % rows and columns."""
-    from partialbayes.selection import sparse_kfac
-
-    pred = _linear_sampling(ctx, sparse_kfac(ctx.model, float(size)))
+    pred = linear_sampling_prediction(ctx, selection.sparse_kfac(ctx.model, float(size)))
     pred.extra["skfac_percent"] = float(size)
     return pred
 
 
 def run_ls_random(ctx: Context, size: str) -> Prediction:
     """Sampling-based linearised Laplace on ``size`` random linear maps."""
-    return _linear_sampling(ctx, _module_subset(ctx, "random", "all", int(size)))
+    return linear_sampling_prediction(ctx, module_subset(ctx, "random", "all", int(size)))
 
 
 def run_ls_full(ctx: Context, size: str) -> Prediction:
     """Sampling-based linearised Laplace on every linear map (weights and biases)."""
-    return _linear_sampling(ctx, _module_subset(ctx, "max", "all", _n_linear(ctx, "all")))
+    return linear_sampling_prediction(ctx, every_linear_map(ctx.model))
 
 
 # ------------------------------------------------------------------------------------------ module ramps
 # The module-ramping strategies of the paper (its Figs. 2-4): (strategy, group) pairs, each ramped over
 # ``Settings.module_counts``. Every family (posterior) uses exactly the same module selection
-# (:func:`_module_subset`), so ``kfac-max-mlp`` and ``swag-max-mlp`` put their posterior on the same maps.
+# (:func:`module_subset`), so ``kfac-max-mlp`` and ``swag-max-mlp`` put their posterior on the same maps.
 MODULE_STRATEGIES = (
     ("random", "all"),
     ("max", "mlp"),
@@ -669,14 +377,14 @@ def _module_ramp(family: str, strategy: str, group: str) -> Callable[[Context, s
     predict = swag_prediction if family == "swag" else laplace_prediction
 
     def run(ctx: Context, size: str) -> Prediction:
-        return predict(ctx, _module_subset(ctx, strategy, group, int(size)))
+        return predict(ctx, module_subset(ctx, strategy, group, int(size)))
 
     return run
 
 
 def _module_kron(strategy: str, group: str) -> Callable[[Context, str], KronCell]:
     def kron(ctx: Context, size: str) -> KronCell:
-        return KronCell(_module_subset(ctx, strategy, group, int(size)))
+        return KronCell(module_subset(ctx, strategy, group, int(size)))
 
     return kron
 

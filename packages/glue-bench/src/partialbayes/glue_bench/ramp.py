@@ -29,7 +29,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from partialbayes.glue_bench.methods import Context, KronCell, Method, Prediction
+from partialbayes.curvature import KronLaplace, ModuleFactors
+from partialbayes.glue_bench.context import Context, KronCell, Prediction
+from partialbayes.glue_bench.curvature_pass import (
+    CurvatureStore,
+    TrainingLoss,
+    compute_pass,
+    weights_digest,
+)
+from partialbayes.glue_bench.laplace_cells import (
+    PriorSearch,
+    TestPredictive,
+    kron_posterior,
+    laplace_result,
+    mc_generator,
+)
+from partialbayes.glue_bench.methods import Method
+from partialbayes.glue_bench.replay import capture_batch, replaying
+from partialbayes.selection import linear_modules
 
 # Floats of eigenbases a group of cells may hold at once (float64: 8 bytes each, so 1.6 GB).
 MEMORY_FLOATS = 200_000_000
@@ -56,14 +73,21 @@ class RampCell:
     method: Method
     size: str
     kron: KronCell
-    posterior: Any = None
-    search: Any = None
-    test: Any = None
+    posterior: KronLaplace | None = None
+    search: PriorSearch | None = None
+    test: TestPredictive | None = None
     prior: dict[str, Any] = field(default_factory=dict)
     fit_seconds: float = 0.0
     predict_seconds: float = 0.0
     cpu_seconds: float = 0.0
     error: BaseException | None = None
+
+    def fitted(self) -> tuple[KronLaplace, PriorSearch, TestPredictive]:
+        """The posterior, prior search and test predictive of a cell fitted without error."""
+        assert self.posterior is not None
+        assert self.search is not None
+        assert self.test is not None
+        return self.posterior, self.search, self.test
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
@@ -130,8 +154,6 @@ def groups_of(cells: Sequence[RampCell], memory_floats: int) -> list[list[RampCe
 
 def curvature_key(ctx: Context) -> dict[str, Any]:
     """What the stored curvature parts of ``ctx`` depend on (besides the data, fixed per results folder)."""
-    from partialbayes.glue_bench.curvature_pass import weights_digest
-
     return {
         "fisher": ctx.settings.fisher,
         "map": weights_digest(ctx.model),
@@ -144,11 +166,8 @@ def curvature_key(ctx: Context) -> dict[str, Any]:
 
 def shared_factors(
     ctx: Context, cells: Sequence[RampCell], log: Callable[[str], None]
-) -> tuple[dict[str, Any], dict[float, dict[str, Any]], Any, RampPass]:
+) -> tuple[dict[str, ModuleFactors], dict[float, dict[str, ModuleFactors]], TrainingLoss, RampPass]:
     """The factors every cell needs: loaded from the stored parts, the missing ones computed in one pass."""
-    from partialbayes.glue_bench.curvature_pass import CurvatureStore, compute_pass
-    from partialbayes.glue_bench.laplace_cells import mc_generator
-
     modules = [
         m for c in cells if c.kron.skfac_percent is None for m in c.kron.subset.kron_modules()
     ]
@@ -160,7 +179,9 @@ def shared_factors(
     todo_modules, todo_levels = (
         store.missing(modules, levels) if store else (list(dict.fromkeys(modules)), list(levels))
     )
-    computed: tuple[dict[str, Any], dict[float, dict[str, Any]], Any] | None = None
+    computed: (
+        tuple[dict[str, ModuleFactors], dict[float, dict[str, ModuleFactors]], TrainingLoss] | None
+    ) = None
     if todo_modules or todo_levels:
         log(
             f"shared curvature pass ({ctx.settings.fisher} fisher): {len(todo_modules)} linear maps, "
@@ -194,8 +215,10 @@ def shared_factors(
 
 
 def cell_factors(
-    cell: RampCell, full: dict[str, Any], by_level: dict[float, dict[str, Any]]
-) -> dict[str, Any]:
+    cell: RampCell,
+    full: dict[str, ModuleFactors],
+    by_level: dict[float, dict[str, ModuleFactors]],
+) -> dict[str, ModuleFactors]:
     """``{module: factors}`` of one cell: its level's factors, or the full factors of its modules."""
     if cell.kron.skfac_percent is not None:
         return by_level[cell.kron.skfac_percent]
@@ -203,8 +226,6 @@ def cell_factors(
 
 
 def _linear_maps(ctx: Context, cells: Sequence[RampCell]) -> dict[str, nn.Module]:
-    from partialbayes.selection import linear_modules
-
     lin = linear_modules(ctx.model)
     names = {m for c in cells for m in c.kron.subset.kron_modules()}
     return {m: mod for m, mod in lin.items() if m in names}
@@ -216,9 +237,6 @@ def _each(cells: Sequence[RampCell]) -> Iterator[RampCell]:
 
 def _run_group(ctx: Context, group: Sequence[RampCell], info: RampPass) -> None:
     """Validation and test predictives of a group of fitted cells, one network pass per batch."""
-    from partialbayes.glue_bench.laplace_cells import PriorSearch, TestPredictive
-    from partialbayes.glue_bench.replay import capture_batch, replaying
-
     modules = _linear_maps(ctx, [c for c in group if c.error is None])
     for cell in _each(group):
         cell.search = PriorSearch(ctx.settings.prior_grid)
@@ -233,17 +251,19 @@ def _run_group(ctx: Context, group: Sequence[RampCell], info: RampPass) -> None:
             info.capture_seconds += time.perf_counter() - t0
             with replaying(ctx.model, modules, cap):
                 for cell in live:
+                    la, search, test = cell.fitted()
                     if which == "val":
                         with cell.timed("fit"):
-                            cell.search.add(cell.posterior, batch)
+                            search.add(la, batch)
                     else:
                         with cell.timed("predict"):
-                            cell.test.add(cell.posterior, batch)
+                            test.add(la, batch)
             del cap
         if which == "val":
             for cell in _each(group):
+                la, search, _ = cell.fitted()
                 with cell.timed("fit"):
-                    cell.prior = cell.search.choose(cell.posterior, ctx.settings.prior)
+                    cell.prior = search.choose(la, ctx.settings.prior)
 
 
 def run_shared(
@@ -264,21 +284,20 @@ def run_shared(
         ``(method, size, prediction or the exception that failed the cell, shared costs)`` per cell, a
         group at a time. A failure of the curvature pass itself fails every cell.
     """
-    from partialbayes.glue_bench.laplace_cells import laplace_result, new_posterior
-
     ramp = []
     for method, size in cells:
         if method.kron is None:
             raise ValueError(
                 f"method {method.name!r} has no Kronecker subset: it cannot share a pass"
             )
-        cell = RampCell(method, size, KronCell(None))
-        with cell.timed("fit"):
-            cell.kron = method.kron(ctx, size)
-        if cell.error is not None:
-            yield method, size, cell.error, RampPass(cells=len(cells))
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            kron = method.kron(ctx, size)
+        except Exception as err:  # one broken cell must not stop the ramp
+            yield method, size, err, RampPass(cells=len(cells))
             continue
-        ramp.append(cell)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        ramp.append(RampCell(method, size, kron, fit_seconds=wall, cpu_seconds=cpu))
     if not ramp:
         return
     try:
@@ -293,7 +312,7 @@ def run_shared(
             log(f"shared predictive: group {i + 1}/{len(groups)} of {len(group)} cells")
         for cell in group:
             with cell.timed("fit"):
-                la = new_posterior(ctx, cell.kron.subset)
+                la = kron_posterior(ctx, cell.kron.subset)
                 cell.posterior = la.fit_curvature(
                     cell_factors(cell, full, by_level),
                     map_loss=loss.map_loss,
@@ -305,11 +324,12 @@ def run_shared(
             if cell.error is not None:
                 yield cell.method, cell.size, cell.error, info
                 continue
+            la, _, test = cell.fitted()
             pred = laplace_result(
                 ctx,
-                cell.posterior,
+                la,
                 cell.kron.subset,
-                cell.test.probs(),
+                test.probs(),
                 cell.prior,
                 cell.fit_seconds,
                 cell.predict_seconds,
@@ -318,6 +338,7 @@ def run_shared(
             if cell.kron.skfac_percent is not None:
                 pred.extra["skfac_percent"] = cell.kron.skfac_percent
             pred.extra["cpu_seconds"] = cell.cpu_seconds
+            del la, test
             cell.posterior = cell.search = cell.test = None  # free the group's memory
             yield cell.method, cell.size, pred, info
         if torch.cuda.is_available():

@@ -21,6 +21,9 @@ from tqdm.auto import tqdm
 
 from partialbayes.glue_bench.data_glue import Examples, encode
 from partialbayes.glue_bench.store import read_json, temp_path
+from partialbayes.ivon import IVON
+from partialbayes.predictive import model_logits, split_batch
+from partialbayes.selection import countable_named_parameters
 
 Batch = Mapping[str, torch.Tensor]
 OPTIMIZERS = ("adamw", "ivon")
@@ -112,14 +115,9 @@ class TrainConfig:
         return d
 
 
-def model_inputs(batch: Batch, device: torch.device | str) -> dict[str, torch.Tensor]:
-    """The model's keyword inputs of a batch (everything but ``labels``), moved to ``device``."""
-    return {k: v.to(device) for k, v in batch.items() if k != "labels"}
-
-
 def logits_of(model: nn.Module, batch: Batch, device: torch.device | str) -> torch.Tensor:
-    """(B, C) logits of a Hugging Face classifier on a dict batch."""
-    return model(**model_inputs(batch, device)).logits
+    """(B, C) logits of a Hugging Face classifier on a dict batch (``labels`` ignored), moved to ``device``."""
+    return model_logits(model, split_batch(batch, device=device).inputs)
 
 
 @torch.no_grad()
@@ -190,9 +188,6 @@ def _make_optimizers(
 
     if config.optimizer != "ivon":
         return [adamw(params)]
-    from partialbayes.ivon import IVON  # optional at import time: sibling package
-    from partialbayes.selection import countable_named_parameters
-
     countable = {id(p) for p in countable_named_parameters(model).values()}
     stochastic = [p for p in params if id(p) in countable]
     others = [p for p in params if id(p) not in countable]
@@ -211,6 +206,59 @@ def _make_optimizers(
     return opts
 
 
+def train_epoch(
+    model: nn.Module,
+    opts: Sequence[torch.optim.Optimizer],
+    batches: Sequence[Batch],
+    device: torch.device | str,
+    epoch: int,
+    progress: bool = True,
+) -> float:
+    """One epoch of optimizer steps in training mode (the caller's mode is restored, also on error).
+
+    Args:
+        model: The classifier.
+        opts: The optimizers of :func:`_make_optimizers` (with IVON first, its weight noise is sampled for
+            every step and IVON's gradients are not zeroed here: it does that itself).
+        batches: The epoch's batches, in order.
+        device: Device of the model.
+        epoch: Epoch index (0-based, for messages).
+        progress: Show a progress bar.
+
+    Returns:
+        The mean training loss over the batches.
+
+    Raises:
+        FloatingPointError: A non-finite training loss.
+    """
+    ivon = opts[0] if isinstance(opts[0], IVON) else None
+    was_training = model.training
+    model.train()
+    try:
+        bar = tqdm(batches, desc=f"fine-tune epoch {epoch + 1}", disable=not progress, leave=False)
+        total = 0.0
+        for batch in bar:
+            labels = batch["labels"].to(device)
+            for o in opts[1:] if ivon is not None else opts:
+                o.zero_grad(set_to_none=True)
+            if ivon is not None:
+                with ivon.sampled_params(train=True):
+                    loss = F.cross_entropy(logits_of(model, batch, device), labels)
+                    loss.backward()
+            else:
+                loss = F.cross_entropy(logits_of(model, batch, device), labels)
+                loss.backward()
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite training loss at epoch {epoch + 1}")
+            for o in opts:
+                o.step()
+            total += float(loss.detach())
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    finally:
+        model.train(was_training)
+    return total / len(batches)
+
+
 def finetune(
     model: nn.Module,
     tokenizer: Any,
@@ -221,6 +269,9 @@ def finetune(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Fine-tune ``model`` in place; keep the weights of the epoch with the best validation accuracy.
+
+    The steps run in training mode (dropout on), the validation passes in eval mode; the model is left in
+    the mode the caller had it in.
 
     Returns:
         A summary: best epoch, its validation accuracy, per-epoch history, wall-clock ``seconds`` and
@@ -241,31 +292,10 @@ def finetune(
     history = []
     start, start_cpu = time.perf_counter(), time.process_time()
     for epoch in range(config.epochs):
-        model.train()
         batches = _epoch_batches(train, tokenizer, config, epoch)
-        bar = tqdm(batches, desc=f"fine-tune epoch {epoch + 1}", disable=not progress, leave=False)
-        total = 0.0
-        for batch in bar:
-            labels = batch["labels"].to(device)
-            for o in opts[1:] if config.optimizer == "ivon" else opts:
-                o.zero_grad(set_to_none=True)
-            if config.optimizer == "ivon":
-                with opt.sampled_params(train=True):  # type: ignore[attr-defined]
-                    loss = F.cross_entropy(logits_of(model, batch, device), labels)
-                    loss.backward()
-            else:
-                loss = F.cross_entropy(logits_of(model, batch, device), labels)
-                loss.backward()
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"non-finite training loss at epoch {epoch + 1}")
-            for o in opts:
-                o.step()
-            total += float(loss.detach())
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+        loss = train_epoch(model, opts, batches, device, epoch, progress)
         acc = accuracy(model, val_batches, device)
-        history.append(
-            {"epoch": epoch + 1, "train_loss": total / len(batches), "val_accuracy": acc}
-        )
+        history.append({"epoch": epoch + 1, "train_loss": loss, "val_accuracy": acc})
         if acc > best_acc:
             best_acc, best_epoch, stale = acc, epoch + 1, 0
             best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -276,7 +306,6 @@ def finetune(
                 break
     assert best_state is not None
     model.load_state_dict(best_state)
-    model.eval()
     summary: dict[str, Any] = {
         "best_epoch": best_epoch,
         "val_accuracy": best_acc,
@@ -368,7 +397,6 @@ def load_checkpoint(
     if set(state) != set(own) or any(state[k].shape != own[k].shape for k in own):
         raise ValueError(f"checkpoint {folder} does not match the model's structure")
     model.load_state_dict(state)
-    model.eval()
     hess_path = folder / "ivon_hess.safetensors"
     hess = _load_tensors(hess_path, "IVON Hessians") if hess_path.is_file() else None
     return meta, hess

@@ -15,11 +15,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from partialbayes import selection
+from partialbayes.curvature import DenseLaplace, KronLaplace, diag_curvature
+from partialbayes.glue_bench.context import PRIOR_GRID as PRIOR_GRID  # re-exported: the UCI grid
+from partialbayes.glue_bench.context import every_linear_map, prior_edge, prior_grid
 from partialbayes.glue_bench.data_uci import UCI_DATASETS, UCISplit, load_uci
-from partialbayes.glue_bench.methods import PRIOR_GRID as PRIOR_GRID  # re-exported: the UCI grid
-from partialbayes.glue_bench.methods import prior_edge, prior_grid
 from partialbayes.glue_bench.models import MLP
 from partialbayes.glue_bench.store import Cell, ResultStore, shard_units
+from partialbayes.selection import Subset
+from partialbayes.swag import collect_swag
 
 UCI_METHODS = (
     "map",
@@ -81,13 +85,11 @@ def gaussian_metrics(
     return {"rmse": rmse, "nll": nll}
 
 
-def _subset(model: nn.Module, method: str, k: int, seed: int) -> Any:
-    from partialbayes import selection
-
+def _subset(model: nn.Module, method: str, k: int, seed: int) -> Subset:
     if method == "last-layer":
         return selection.last_layer(model)
     if method == "kfac-full" or method == "swag-full":
-        return selection.max_operator_norm(model, len(selection.linear_modules(model)), group="all")
+        return every_linear_map(model)
     if method == "kfac-random":
         return selection.random_modules(model, k, seed=seed, group="all")
     if method == "kfac-max":
@@ -96,10 +98,8 @@ def _subset(model: nn.Module, method: str, k: int, seed: int) -> Any:
 
 
 def _sizes(model: nn.Module, method: str) -> list[str]:
-    from partialbayes.selection import linear_modules
-
     if method in ("kfac-random", "kfac-max", "kfac-min"):
-        return [str(k) for k in range(1, len(linear_modules(model)) + 1)]
+        return [str(k) for k in range(1, len(selection.linear_modules(model)) + 1)]
     if method in ("subnet-norm", "subnet-variance"):
         return [f"{p:g}" for p in SUBNET_PERCENTS]
     return ["-"]
@@ -107,7 +107,7 @@ def _sizes(model: nn.Module, method: str) -> list[str]:
 
 def subnet_subset(
     model: nn.Module, method: str, percent: float, x: torch.Tensor, y: torch.Tensor, sigma: float
-) -> Any:
+) -> Subset:
     """The elementwise subnetwork of the norm- vs variance-based comparison (Figs. 9, 10).
 
     ``subnet-norm`` keeps the ``percent`` % of weights and biases with the largest magnitude;
@@ -124,15 +124,11 @@ def subnet_subset(
         y: (N,) training targets (standardised).
         sigma: Gaussian noise standard deviation (standardised).
     """
-    from partialbayes import selection
-
     if method == "subnet-norm":
         return selection.largest_magnitude(model, percent)
     if method != "subnet-variance":
         raise ValueError(f"method must be 'subnet-norm' or 'subnet-variance', got {method!r}")
-    from partialbayes.curvature import diag_curvature
-
-    full = selection.max_operator_norm(model, len(selection.linear_modules(model)), group="all")
+    full = every_linear_map(model)
     h = diag_curvature(model, [(x, y[:, None])], full, likelihood="regression", sigma_noise=sigma)
     params = dict(model.named_parameters())
     variances = {
@@ -160,8 +156,6 @@ def run_uci_cell(
         var = torch.full_like(mean, sigma**2)
         fit, floats, n_stoch = 0.0, 0, 0
     elif method == "swag-full":
-        from partialbayes.swag import collect_swag
-
         subset = _subset(model, method, 0, seed)
         # collect_swag takes dict batches (it moves each tensor entry to the model's device)
         batches = [{"x": x_tr[i : i + 32], "y": y_tr[i : i + 32]} for i in range(0, len(x_tr), 32)]
@@ -176,21 +170,20 @@ def run_uci_cell(
         gen = torch.Generator().manual_seed(seed)
         outs = []
         for _ in range(30):
-            with swag.sampled(model, generator=gen), torch.no_grad():
+            with swag.sampled(generator=gen), torch.no_grad():
                 outs.append(model(x_te).squeeze(-1).double())
         stack = torch.stack(outs)
         mean, var = stack.mean(0), stack.var(0) + sigma**2
         floats, n_stoch = int(swag.num_floats), subset.num_entries()
     else:
-        from partialbayes import curvature
-
         if method.startswith("subnet-"):
             subset = subnet_subset(model, method, float(size), x_tr, y_tr, sigma)
         else:
             subset = _subset(model, method, int(size) if size != "-" else 0, seed)
         dense = method == "last-layer" or method.startswith("subnet-")
-        cls = curvature.DenseLaplace if dense else curvature.KronLaplace
-        la = cls(model, subset, likelihood="regression", sigma_noise=sigma)
+        la = (DenseLaplace if dense else KronLaplace)(
+            model, subset, likelihood="regression", sigma_noise=sigma
+        )
         la.fit([(x_tr, y_tr[:, None])])
         extra["prior_precision"] = la.optimize_prior_precision("marglik", grid=prior_grid())
         extra["prior_at_grid_edge"] = prior_edge(extra["prior_precision"], PRIOR_GRID)

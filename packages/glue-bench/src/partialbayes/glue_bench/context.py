@@ -1,0 +1,287 @@
+"""What a method of the benchmark receives and returns: its settings, its context, its prediction.
+
+The lowest module of the method layer: :mod:`~partialbayes.glue_bench.laplace_cells`,
+:mod:`~partialbayes.glue_bench.methods`, :mod:`~partialbayes.glue_bench.ramp` and
+:mod:`~partialbayes.glue_bench.uci` build on it, and it imports none of them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from partialbayes.glue_bench.linearised import LinearSamplingConfig
+from partialbayes.predictive import model_logits, nll, split_batch
+from partialbayes.selection import Subset, grouped_linear_modules, modules
+
+Batch = dict[str, torch.Tensor]
+
+# Where the ramp sizes come from (every record also stores the percentage of countable parameters that was
+# actually stochastic, ``percent_stochastic`` = ``Subset.percent_of``, and the requested size):
+# * MODULE_COUNTS: the module counts of Kampen et al.'s ramping figures (``selection.PAPER_COUNTS`` without
+#   the 0, which is the MAP cell); counts above a model's number of linear maps in the group are dropped.
+# * SKFAC_PERCENTS: the S-KFAC percentages p of the paper's Table 3 (percent of the rows and of the columns
+#   kept in every linear map, DESIGN.md's S-KFAC rule) without its 0 (the MAP cell) and 100 (the
+#   ``kfac-full`` cell). A map keeps about (p/100)² of its weights (the paper's g_p), so these cover about
+#   0.01 % to 11 % of the linear weights; 33 is the ≈ 10 % cell of Table 2.
+# * SWAG_L1_PERCENTS: the paper's l1 sub-layer ramp p ∈ {1, 12, 24, 36, 48, 60, 100}: percent of the
+#   countable parameters with the largest magnitude (``selection.largest_magnitude``).
+MODULE_COUNTS = (1, 2, 3, 4, 5, 8, 11, 17, 38)
+SKFAC_PERCENTS = (1.0, 1.8, 2.5, 3.2, 3.9, 4.6, 5.4, 6.1, 6.8, 12.6, 18.4, 24.2, 30.0, 33.0)
+SWAG_L1_PERCENTS = (1.0, 12.0, 24.0, 36.0, 48.0, 60.0, 100.0)
+# Prior precisions 10^-1, 10^-0.5, ..., 10^3: the paper's range (Table 6, "equidistant in logspace in
+# [10^-1, 10^3]"; the number of points is not given, we take half decades). Built in float64 so that
+# records store 0.1, not the float32 value 0.10000000149011612. Hand it to the Laplace posteriors as
+# :func:`prior_grid` (a float64 tensor): ``torch.as_tensor`` of a tuple of floats would round it to float32.
+# The grid is not extended beyond the paper's range: a cell whose tuned prior lands on an end of it says so
+# (``extra.prior_at_grid_edge``) and the report flags it; ``Settings.prior_grid`` changes the grid.
+PRIOR_GRID = tuple(float(v) for v in torch.logspace(-1, 3, 9, dtype=torch.float64))
+# Fisher types of the Laplace curvature (``partialbayes.curvature``): the paper's KFAC is built on the
+# empirical Fisher (its Eqs. 13-16), its last-layer Laplace on the full GGN ("exact").
+FISHERS = ("empirical", "exact", "mc")
+
+
+def prior_grid(values: Sequence[float] = PRIOR_GRID) -> torch.Tensor:
+    """A prior-precision grid as a float64 tensor (the ``grid`` argument of ``optimize_prior_precision``)."""
+    return torch.tensor([float(v) for v in values], dtype=torch.float64)
+
+
+def prior_edge(chosen: float, grid: Sequence[float]) -> str | None:
+    """``"lowest"`` / ``"highest"`` when ``chosen`` is the smallest / largest value of ``grid``, else ``None``.
+
+    A prior precision tuned to an end of its grid may not be the optimum: the validation NLL (or the
+    evidence) might still improve beyond it. The lowest prior gives the widest posterior the grid allows, the
+    highest the one closest to the MAP.
+    """
+    if chosen == min(grid):
+        return "lowest"
+    if chosen == max(grid):
+        return "highest"
+    return None
+
+
+def _check_positive_int(owner: str, key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{owner}.{key} must be an int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{owner}.{key} must be >= 1, got {value}")
+
+
+def _check_numbers(owner: str, key: str, values: Any, high: float = math.inf) -> tuple[float, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{owner}.{key} must be a sequence of numbers, got {values!r}")
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"{owner}.{key} must hold numbers, got {v!r} in {values!r}")
+        if not (0 < v <= high) or math.isnan(v):
+            raise ValueError(f"{owner}.{key} values must be in (0, {high:g}], got {v!r}")
+        out.append(float(v))
+    if not out:
+        raise ValueError(f"{owner}.{key} is empty")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{owner}.{key} has repeated values: {list(values)}")
+    return tuple(out)
+
+
+@dataclass
+class Settings:
+    """Method hyperparameters (part of the results configuration).
+
+    Attributes:
+        prior: ``val_nll`` (grid search over ``prior_grid`` on validation) or ``marglik``.
+        prior_grid: Candidate prior precisions (default :data:`PRIOR_GRID`, the paper's range).
+        fisher: Fisher type of the KFAC / S-KFAC / module-ramp Laplace curvature: ``empirical`` (default:
+            the paper's, its Eqs. 13-16, and one backward pass per batch), ``exact`` (the GGN, one backward
+            pass per class) or ``mc`` (one sampled label per example, seeded by the run).
+        last_layer_fisher: Fisher type of the dense last-layer Laplace (default ``exact``: the paper's
+            last-layer Laplace uses the full GGN).
+        n_samples: Monte Carlo samples for SWAG and IVON predictions.
+        swag_lrs: SWAG learning rates of the validation sweep.
+        swag_sweep_steps: SGD steps per sweep point.
+        swag_steps: SGD steps of the final SWAG run.
+        module_counts: Module counts of the module-ramping methods.
+        skfac_percents: Percentages of the S-KFAC ramping (default: the paper's Table 3).
+        swag_l1_percents: Percentages of the SWAG largest-magnitude (l1) sub-layer ramping.
+        linear_sampling: Settings of the sampling-based linearised Laplace methods (``ls-*``).
+    """
+
+    prior: str = "val_nll"
+    prior_grid: tuple[float, ...] = PRIOR_GRID
+    fisher: str = "empirical"
+    last_layer_fisher: str = "exact"
+    n_samples: int = 50
+    swag_lrs: tuple[float, ...] = (1e-3, 1e-2, 5e-2, 1e-1)
+    swag_sweep_steps: int = 400
+    swag_steps: int = 2000
+    module_counts: tuple[int, ...] = MODULE_COUNTS
+    skfac_percents: tuple[float, ...] = SKFAC_PERCENTS
+    swag_l1_percents: tuple[float, ...] = SWAG_L1_PERCENTS
+    linear_sampling: LinearSamplingConfig = field(default_factory=LinearSamplingConfig)
+
+    def __post_init__(self) -> None:
+        if self.prior not in ("val_nll", "marglik"):
+            raise ValueError(f"Settings.prior must be 'val_nll' or 'marglik', got {self.prior!r}")
+        for key in ("fisher", "last_layer_fisher"):
+            if getattr(self, key) not in FISHERS:
+                raise ValueError(
+                    f"Settings.{key} must be one of {FISHERS}, got {getattr(self, key)!r}"
+                )
+        for key in ("n_samples", "swag_sweep_steps", "swag_steps"):
+            _check_positive_int("Settings", key, getattr(self, key))
+        self.prior_grid = _check_numbers("Settings", "prior_grid", self.prior_grid)
+        if len(self.prior_grid) < 2:
+            raise ValueError(f"Settings.prior_grid needs at least 2 values, got {self.prior_grid}")
+        self.swag_lrs = _check_numbers("Settings", "swag_lrs", self.swag_lrs)
+        self.skfac_percents = _check_numbers("Settings", "skfac_percents", self.skfac_percents, 100)
+        self.swag_l1_percents = _check_numbers(
+            "Settings", "swag_l1_percents", self.swag_l1_percents, 100
+        )
+        counts = self.module_counts
+        if isinstance(counts, (str, bytes)) or not isinstance(counts, Sequence) or not counts:
+            raise TypeError(f"Settings.module_counts must be a non-empty sequence, got {counts!r}")
+        for k in counts:
+            _check_positive_int("Settings", "module_counts", k)
+        self.module_counts = tuple(counts)
+        if not isinstance(self.linear_sampling, LinearSamplingConfig):
+            raise TypeError(
+                "Settings.linear_sampling must be a LinearSamplingConfig, got "
+                f"{type(self.linear_sampling).__name__}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict."""
+        out = {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
+        out["linear_sampling"] = asdict(self.linear_sampling)
+        return out
+
+
+@dataclass
+class Context:
+    """Everything a method needs about one fine-tuned (task, split).
+
+    Attributes:
+        model: The fine-tuned classifier at its MAP weights, in eval mode, on ``device``.
+        train: Training batches (dicts with ``labels``) on ``device``, for curvature and SWAG.
+        val: Validation batches on ``device``.
+        test: Test batches on ``device``.
+        num_labels: Number of classes.
+        device: The device.
+        seed: Seed of this (task, split): random module choices and sampling derive from it.
+        settings: Method hyperparameters.
+        ivon: ``{"hess": {name: tensor}, "ess": float, "weight_decay": float, "finetune_seconds": float}``
+            when fine-tuned with IVON (``finetune_seconds``: wall-clock time of the IVON fine-tuning that
+            produced the checkpoint).
+        curvature_dir: Folder of the shared curvature pass (beside the checkpoint); ``None``: not stored.
+    """
+
+    model: nn.Module
+    train: list[Batch]
+    val: list[Batch]
+    test: list[Batch]
+    num_labels: int
+    device: torch.device
+    seed: int
+    settings: Settings = field(default_factory=Settings)
+    ivon: dict[str, Any] | None = None
+    curvature_dir: Path | None = None
+    _cache: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def labels(self, which: str) -> torch.Tensor:
+        """(N,) labels of ``"val"`` or ``"test"``."""
+        return torch.cat([b["labels"] for b in getattr(self, which)]).cpu()
+
+    def logits(self, which: str) -> torch.Tensor:
+        """(N, C) float64 MAP logits of ``"val"`` or ``"test"`` (cached)."""
+        if which not in self._cache:
+            self._cache[which] = batch_logits(self.model, getattr(self, which))
+        return self._cache[which]
+
+    def generator(self, offset: int) -> torch.Generator:
+        """A CPU generator seeded by this (task, split) and ``offset`` (one offset per kind of draw)."""
+        return torch.Generator().manual_seed(self.seed * 1000 + offset)
+
+
+@dataclass(kw_only=True)
+class Prediction:
+    """A method's output on the test set (keyword arguments only; the counts and times default to 0).
+
+    Attributes:
+        probs: (N, C) float64 predictive probabilities.
+        floats: Floats the posterior stores beyond the MAP weights.
+        n_stochastic: Number of stochastic parameters.
+        percent_stochastic: Percent of the countable parameters that are stochastic.
+        fit_seconds: Time to build the posterior (including hyperparameter search).
+        predict_seconds: Time to predict the test set.
+        extra: Method-specific facts (chosen prior precision, learning rate, modules).
+        val_nll: Mean validation NLL of the method's predictive (the level of a ramp is chosen by it, as in
+            the paper's §5.4); ``None`` when not computed.
+        curvature_pass: Laplace cells: ``"per-cell"`` (curvature from the cell's own pass over the
+            training set) or ``"shared"`` (from the one pass of the whole ramp); ``None`` otherwise.
+    """
+
+    probs: torch.Tensor
+    floats: int = 0
+    n_stochastic: int = 0
+    percent_stochastic: float = 0.0
+    fit_seconds: float = 0.0
+    predict_seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+    val_nll: float | None = None
+    curvature_pass: str | None = None
+
+
+@dataclass(frozen=True)
+class KronCell:
+    """The subset of a KFAC-type Laplace cell, and what the shared curvature pass derives it from.
+
+    Attributes:
+        subset: Kronecker-structured ``selection.Subset``.
+        skfac_percent: The S-KFAC percentage of an ``skfac`` cell (factors of that level); ``None`` for a
+            union of whole linear maps (their full factors).
+    """
+
+    subset: Subset
+    skfac_percent: float | None = None
+
+
+# Offsets of the run's generators (``Context.generator``): one per kind of random draw, so that no two
+# draws of a run share a stream.
+SWAG_SWEEP_OFFSET, SWAG_SAMPLES_OFFSET, IVON_SAMPLES_OFFSET, MC_FISHER_OFFSET, LS_OFFSET = (
+    1,
+    2,
+    3,
+    4,
+    5,
+)
+
+
+@torch.no_grad()
+def batch_logits(model: nn.Module, batches: Sequence[Batch]) -> torch.Tensor:
+    """(N, C) float64 logits of ``model`` over dict batches (labels ignored), on cpu."""
+    return torch.cat([model_logits(model, split_batch(b).inputs).double().cpu() for b in batches])
+
+
+def val_nll(probs: torch.Tensor, labels: torch.Tensor) -> float:
+    """Mean negative log-likelihood of ``labels`` (N,) under ``probs`` (N, C), in float64."""
+    return float(nll(probs.double(), labels))
+
+
+def modules_of(subset: Subset) -> list[str]:
+    """Sorted names of the modules a subset touches."""
+    return sorted({n.rsplit(".", 1)[0] for n in subset.names})
+
+
+def every_linear_map(model: nn.Module) -> Subset:
+    """Every candidate linear map of ``model``, weights and biases: the subset of the ``*-full`` methods.
+
+    The same subset as ``selection.max_operator_norm(model, k, group="all")`` with ``k`` = the number of
+    maps (a Subset keeps model order, so ranking every map selects them all), without computing any norm.
+    """
+    return modules(model, list(grouped_linear_modules(model, "all")))
