@@ -38,6 +38,8 @@ THREADS_ENV = "PARTIALBAYES_TEST_THREADS"
 ROOT = Path(__file__).resolve().parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+# The documentation's Python blocks run as tests (README.md, packages/*/README.md, docs/pages): doc_blocks.py.
+pytest_plugins = ["doc_blocks", "pytester"]
 _DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 

@@ -1,4 +1,4 @@
-"""The report's figures (matplotlib, Agg backend): strategy ranks, calibration curves, UCI selection.
+"""The report's figures (matplotlib, Agg backend): ranks, calibration curves, memory, UCI selection.
 
 Each function draws from plain rows (see :mod:`partialbayes.glue_bench.tables` and
 :func:`partialbayes.glue_bench.report.summarise`), writes one PNG atomically and returns whether it drew
@@ -78,10 +78,61 @@ def rank_plot(rank_rows: Sequence[dict[str, Any]], task: str, path: Path) -> boo
     return True
 
 
-def calibration_plot(curve_rows: Sequence[dict[str, Any]], task: str, path: Path) -> bool:
+def merged_bins(rows: Sequence[dict[str, Any]], n_bins: int) -> list[dict[str, float]]:
+    """Merge consecutive reliability bins into at most ``n_bins`` bins of about equal count.
+
+    Bins are merged in confidence order; a merged bin's confidence and accuracy are the count-weighted means
+    of its parts and its count their sum, so equal-mass bins stay equal-mass.
+
+    Args:
+        rows: Reliability points with ``confidence``, ``accuracy`` and ``count`` (one curve).
+        n_bins: Largest number of bins wanted (at least 1).
+
+    Returns:
+        ``{"confidence", "accuracy", "count"}`` per merged bin, in confidence order.
+
+    Raises:
+        ValueError: If ``n_bins`` is smaller than 1.
+    """
+    if n_bins < 1:
+        raise ValueError(f"n_bins must be at least 1, got {n_bins}")
+    ordered = sorted(rows, key=lambda r: r["confidence"])
+    total = sum(r["count"] for r in ordered)
+    out: list[dict[str, float]] = []
+    group: list[dict[str, Any]] = []
+    for r in ordered:
+        group.append(r)
+        done = sum(g["count"] for g in group) + sum(o["count"] for o in out)
+        if done * n_bins >= total * (len(out) + 1) or r is ordered[-1]:
+            n = sum(g["count"] for g in group)
+            out.append(
+                {
+                    "confidence": sum(g["count"] * g["confidence"] for g in group) / n,
+                    "accuracy": sum(g["count"] * g["accuracy"] for g in group) / n,
+                    "count": n,
+                }
+            )
+            group = []
+    return out
+
+
+def calibration_bins(examples: float, stored: int, per_bin: int = 40) -> int:
+    """How many bins a reliability curve of ``examples`` test points gets: about ``per_bin`` points each.
+
+    At least 3 (a curve needs a shape) and at most ``stored`` (the bins the records carry).
+    """
+    return max(1, min(stored, max(3, int(examples // per_bin))))
+
+
+def calibration_plot(
+    curve_rows: Sequence[dict[str, Any]], task: str, path: Path, per_bin: int = 40
+) -> bool:
     """Reliability diagram of ``task`` (the paper's Fig. 6): accuracy against confidence per bin.
 
-    One line per (method, size) of ``curve_rows``; the diagonal is perfect calibration.
+    One line per (method, size) of ``curve_rows``; the diagonal is perfect calibration. The records' equal-mass
+    bins (pooled over splits) are merged until a bin holds about ``per_bin`` test examples per split, so a
+    few hundred test points give a handful of bins whose accuracies are not noise; each point carries its
+    binomial standard error, and a lower panel shows how many test examples each bin holds.
 
     Returns:
         Whether a figure was written (``False`` when ``task`` has no curve rows).
@@ -90,33 +141,114 @@ def calibration_plot(curve_rows: Sequence[dict[str, Any]], task: str, path: Path
     if not mine:
         return False
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(5.2, 5.0))
-    lo = min(min(r["confidence"], r["accuracy"]) for r in mine)
-    lo = max(0.0, min(lo, 0.5) - 0.02)
-    ax.plot([lo, 1], [lo, 1], color="0.5", linestyle=":", linewidth=1, label="perfect calibration")
+    fig, (ax, ax_n) = plt.subplots(
+        2, 1, figsize=(5.6, 6.4), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+    )
     curves: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in mine:
         curves[(r["method"], r["size"])].append(r)
+    drawn: list[tuple[str, str, list[dict[str, float]], int]] = []
     for (method, size), rs in curves.items():
-        rs.sort(key=lambda r: r["bin"])
+        splits = max(1, int(rs[0].get("n_splits", 1)))
+        per_split = sum(r["count"] for r in rs) / splits
+        bins = merged_bins(rs, calibration_bins(per_split, len(rs), per_bin))
+        drawn.append((method, size, bins, splits))
+    values = [v for _, _, bins, _ in drawn for b in bins for v in (b["confidence"], b["accuracy"])]
+    lo = max(0.0, min(min(values), 0.5) - 0.05)
+    ax.plot([lo, 1], [lo, 1], color="0.5", linestyle=":", linewidth=1, label="perfect calibration")
+    n_examples = 0.0
+    for method, size, bins, splits in drawn:
         label = method if size == "-" else f"{method} {size}"
         style = "--" if method in ("map", "temperature") else "-"
-        ax.plot(
-            [r["confidence"] for r in rs],
-            [r["accuracy"] for r in rs],
-            marker=".",
+        x = [b["confidence"] for b in bins]
+        acc = [b["accuracy"] for b in bins]
+        err = [(a * (1 - a) / (b["count"] / splits)) ** 0.5 for a, b in zip(acc, bins, strict=True)]
+        line = ax.errorbar(
+            x, acc, yerr=err, marker="o", markersize=4, linestyle=style, capsize=2, label=label
+        )[0]
+        ax_n.plot(
+            x,
+            [b["count"] / splits for b in bins],
+            marker="o",
+            markersize=3,
             linestyle=style,
-            label=label,
+            color=line.get_color(),
         )
+        n_examples = max(n_examples, sum(b["count"] for b in bins) / splits)
     ax.set_xlim(lo, 1.0)
     ax.set_ylim(lo, 1.0)
-    ax.set_xlabel("confidence (mean per equal-mass bin)")
-    ax.set_ylabel("accuracy")
-    ax.set_title(f"{task}: calibration, 20 equal-mass bins, pooled over splits", fontsize=9)
+    ax.set_ylabel("accuracy (± binomial s.e.)")
+    ax.set_title(
+        f"{task}: calibration, {n_examples:.0f} test examples, equal-mass bins of about {per_bin}",
+        fontsize=9,
+    )
     ax.legend(fontsize=7)
+    ax_n.set_ylim(bottom=0)
+    ax_n.set_xlabel("confidence (mean per bin)")
+    ax_n.set_ylabel("examples per bin")
     fig.tight_layout()
     save_figure(fig, path)
     return True
+
+
+def memory_plot(rows: Sequence[dict[str, Any]], task: str, path: Path, metric: str = "nll") -> bool:
+    """``metric`` against the floats each posterior stores (the paper's Fig. 5), medians per cell.
+
+    The MAP (no posterior, 0 floats) is the dashed horizontal line every posterior is measured against, and
+    temperature scaling (one float) a dotted one, when the rows have them.
+
+    Returns:
+        Whether a figure was written (``False`` when ``task`` has no cell that stores floats).
+    """
+    mine = [r for r in rows if r["task"] == task and metric in r]
+    posteriors = [r for r in mine if r.get("floats", 0) > 0 and r["method"] != "temperature"]
+    if not posteriors:
+        return False
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in posteriors:
+        by_method[r["method"]].append(r)
+    for method, rs in sorted(by_method.items()):
+        pts = sorted(rs, key=lambda r: r["floats"])
+        ax.plot([r["floats"] for r in pts], [r[metric] for r in pts], marker="o", label=method)
+    for method, style in (("map", "--"), ("temperature", ":")):
+        base = next((r for r in mine if r["method"] == method), None)
+        if base is not None:
+            ax.axhline(
+                base[metric],
+                color="0.25",
+                linestyle=style,
+                linewidth=1.2,
+                label=f"{method} (no posterior)" if method == "map" else method,
+            )
+    ax.set_xscale("log")
+    ax.set_xlabel("floats stored by the posterior")
+    ax.set_ylabel(f"test {metric.upper()} (median over splits)")
+    ax.set_title(f"{task}: {metric.upper()} vs memory")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path)
+    return True
+
+
+def is_constant(values: Sequence[float]) -> bool:
+    """Whether ``values`` are all equal up to 1e-9 relative."""
+    scale = max(max(abs(v) for v in values), 1e-12)
+    return max(values) - min(values) <= 1e-9 * scale
+
+
+def value_limits(values: Sequence[float], pad: float = 0.15) -> tuple[float, float]:
+    """Y-limits that fit ``values`` (medians, baselines) with ``pad`` of their range on each side.
+
+    When every value is the same (up to 1e-9 relative), the limits are that value ± 1 %, so the axis does
+    not blow rounding noise up into apparent differences.
+    """
+    lo, hi = min(values), max(values)
+    scale = max(abs(lo), abs(hi), 1e-12)
+    if is_constant(values):
+        return lo - 0.01 * scale, hi + 0.01 * scale
+    return lo - pad * (hi - lo), hi + pad * (hi - lo)
 
 
 def uci_selection_plot(
@@ -129,7 +261,9 @@ def uci_selection_plot(
     """Norm- vs variance-based subnetwork selection on a UCI dataset (the paper's Figs. 9, 10).
 
     One panel per metric (test NLL, RMSE) against percent stochastic: medians over splits with IQR bands,
-    the MAP as a horizontal line when present.
+    the MAP as a horizontal line when present. Each panel's y-axis fits the medians and the MAP (the bands
+    are clipped), so small differences show; a metric that is the same at every size (the RMSE of a
+    linearised Laplace, which keeps the MAP mean) is drawn on a ±1 % axis and says so.
 
     Args:
         rows: UCI summary rows (:func:`partialbayes.glue_bench.report.summarise`).
@@ -154,19 +288,31 @@ def uci_selection_plot(
     fig, axes = plt.subplots(1, len(metrics), figsize=(5.0 * len(metrics), 3.8), squeeze=False)
     map_row = next((r for r in mine if r["method"] == "map"), None)
     for ax, metric in zip(axes[0], metrics, strict=True):
+        shown = [r[metric] for rs in ramps.values() for r in rs if metric in r]
+        if map_row is not None and metric in map_row:
+            shown.append(map_row[metric])
+        same = is_constant(shown)
         for method, rs in ramps.items():
             rs = [r for r in rs if metric in r]
             x = [r["percent_stochastic"] for r in rs]
             line = ax.plot(x, [r[metric] for r in rs], marker="o", label=method)[0]
-            ax.fill_between(
-                x,
-                [r[f"{metric}_q25"] for r in rs],
-                [r[f"{metric}_q75"] for r in rs],
-                alpha=0.2,
-                color=line.get_color(),
-            )
+            if not same:  # a constant metric's bands would only fill the panel
+                ax.fill_between(
+                    x,
+                    [r[f"{metric}_q25"] for r in rs],
+                    [r[f"{metric}_q75"] for r in rs],
+                    alpha=0.2,
+                    color=line.get_color(),
+                )
         if map_row is not None and metric in map_row:
             ax.axhline(map_row[metric], linestyle="--", color="0.3", linewidth=1.2, label="map")
+        ax.set_ylim(*value_limits(shown))  # the medians decide the scale; wider bands are clipped
+        if same:
+            note = "the same at every size"
+            any_row = next(r for rs in ramps.values() for r in rs if metric in r)
+            if f"{metric}_q25" in any_row:
+                note += f" (IQR over splits {any_row[metric + '_q25']:.3g}–{any_row[metric + '_q75']:.3g})"
+            ax.text(0.5, 0.92, note, transform=ax.transAxes, ha="center", fontsize=8, color="0.3")
         ax.set_xscale("log")
         ax.set_xlabel("percent of parameters stochastic")
         ax.set_ylabel(f"test {metric.upper()}")
