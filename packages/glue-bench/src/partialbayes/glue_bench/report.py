@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from partialbayes.glue_bench.figures import memory_plot, pyplot, save_figure
 from partialbayes.glue_bench.store import iter_records
 from partialbayes.glue_bench.tables import BUDGET_TOLERANCE, size_key, write_csv
 
@@ -114,8 +115,6 @@ def ramping_plot(
     Returns:
         Whether a figure was written (``False`` when ``task`` has no rows).
     """
-    from partialbayes.glue_bench.figures import pyplot, save_figure
-
     mine = [r for r in rows if r["task"] == task and metric in r]
     if not mine:
         return False
@@ -145,35 +144,6 @@ def ramping_plot(
     ax.set_xlabel("percent of parameters stochastic")
     ax.set_ylabel(f"test {metric.upper() if metric in ('nll', 'ece') else metric}")
     ax.set_title(f"{task}: {metric} vs stochastic subset size (median, IQR over splits)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    save_figure(fig, path)
-    return True
-
-
-def memory_plot(rows: Sequence[dict[str, Any]], task: str, path: Path, metric: str = "nll") -> bool:
-    """``metric`` against the floats each posterior stores (the paper's Fig. 5), medians per cell.
-
-    Returns:
-        Whether a figure was written (``False`` when ``task`` has no cell that stores floats).
-    """
-    from partialbayes.glue_bench.figures import pyplot, save_figure
-
-    mine = [r for r in rows if r["task"] == task and r.get("floats", 0) > 0 and metric in r]
-    if not mine:
-        return False
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for r in mine:
-        by_method[r["method"]].append(r)
-    for method, rs in sorted(by_method.items()):
-        pts = sorted(rs, key=lambda r: r["floats"])
-        ax.plot([r["floats"] for r in pts], [r[metric] for r in pts], marker="o", label=method)
-    ax.set_xscale("log")
-    ax.set_xlabel("floats stored by the posterior")
-    ax.set_ylabel(f"test {metric.upper()}")
-    ax.set_title(f"{task}: {metric.upper()} vs memory")
     ax.legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, path)
