@@ -61,11 +61,11 @@ def test_improvement_is_read_with_its_size_memory_and_the_validation_chosen_leve
     text = read_table(records)
     assert text.startswith("The MAP is over-confident: temperature scaling (T = 1.80)")
     assert "lowered the NLL by 0.150 (0.600 → 0.450) and lowered the ECE by 0.080" in text
-    assert "S-KFAC at 1 % (0.013 % of the weights stochastic, 5,050 floats stored)" in text
+    assert "S-KFAC at p = 1 (0.013 % of the weights, 5,050 floats)" in text
     assert "lowered the NLL by 0.100 (0.600 → 0.500) and lowered the ECE by 0.060" in text
     assert "lowest validation NLL" in text
-    assert "S-KFAC at 6.8 %" not in text
-    assert "last-layer Laplace (0.0071 % of the weights stochastic, 593,670 floats stored) " in text
+    assert "p = 6.8" not in text
+    assert "last-layer Laplace (0.0071 % of the weights, 593,670 floats) " in text
     assert "lowered the NLL by 0.050" in text
     assert "did not improve" not in text
     assert "grid" not in text
@@ -78,9 +78,9 @@ def test_no_improvement_is_said_plainly():
         rec("last-layer", "-", 0.600, 0.121),
     ]
     text = read_table(records)
-    assert "S-KFAC at 1 % (0 % of the weights stochastic, 0 floats stored) did not improve on the MAP" in text
+    assert "S-KFAC at p = 1 (0 % of the weights, 0 floats) did not improve" in text
     assert "(NLL 0.610 vs 0.600, ECE 0.125 vs 0.120)" in text
-    assert "last-layer Laplace (0 % of the weights stochastic, 0 floats stored) did not improve" in text
+    assert "last-layer Laplace (0 % of the weights, 0 floats) did not improve" in text
     assert "lowered" not in text.split(". ", 1)[1]
 
 
@@ -109,7 +109,7 @@ def test_prior_at_the_grid_edge_is_flagged(edge, prior, words):
     last = text.split(". ")[-1]
     assert last.startswith(f"Last-layer Laplace tuned its prior precision to the {edge} value")
     assert f"({prior:g})" in last and words in last and "--prior-grid" in last
-    assert "S-KFAC at 1 % tuned" not in text
+    assert "S-KFAC at p = 1 tuned" not in text
 
 
 def test_under_confident_and_calibrated_maps():

@@ -29,15 +29,14 @@ QUICKSTART_ARGS: dict[str, Any] = {
     "task": "sst2",
     "max_train_examples": 512,
     "max_test_examples": 300,
-    "epochs": 8,
+    "epochs": 6,
     "n_samples": 8,
 }
 """Defaults of the ``quickstart`` command line (each one can be overridden by its option)."""
 
-QUICKSTART_TRAIN: dict[str, Any] = {"freeze_embeddings": True, "length_buckets": 4, "patience": 8}
-""":class:`~partialbayes.glue_bench.train.TrainConfig` fields the quickstart sets (CPU shortcuts, and no
-early stop: the MAP is trained to a near-zero training loss, where fine-tuned transformers become
-over-confident; the weights of the best validation epoch are still the ones kept)."""
+QUICKSTART_TRAIN: dict[str, Any] = {"freeze_embeddings": True, "length_buckets": 4}
+""":class:`~partialbayes.glue_bench.train.TrainConfig` fields the quickstart sets (CPU shortcuts: frozen token
+embeddings, batches of similar-length sentences)."""
 
 QUICKSTART_SETTINGS: dict[str, Any] = {"skfac_percents": (1.0, 6.8)}
 """:class:`~partialbayes.glue_bench.methods.Settings` fields the quickstart sets (two S-KFAC levels)."""
@@ -93,14 +92,14 @@ def _change(name: str, before: float, after: float) -> str:
 
 def _memory(r: Mapping[str, Any]) -> str:
     pct = float(r.get("percent_stochastic") or 0.0)
-    return f"{pct:.2g} % of the weights stochastic, {float(r.get('floats') or 0):,.0f} floats stored"
+    return f"{pct:.2g} % of the weights, {float(r.get('floats') or 0):,.0f} floats"
 
 
 def _size(r: Mapping[str, Any]) -> str:
     size = str(r["size"])
     if size == "-":
         return ""
-    return f" at {size} %" if r["method"] == "skfac" else f" ({size})"
+    return f" at p = {size}" if r["method"] == "skfac" else f" at size {size}"
 
 
 def _calibration_sentence(map_r: Mapping[str, Any], temp: Mapping[str, Any] | None) -> str:
@@ -126,7 +125,7 @@ def _method_clause(map_r: Mapping[str, Any], r: Mapping[str, Any]) -> str:
     head = f"{_label(r['method'])}{_size(r)} ({_memory(r)})"
     if not nll_better and not ece_better:
         return (
-            f"{head} did not improve on the MAP (NLL {r['nll']:.3f} vs {map_r['nll']:.3f}, "
+            f"{head} did not improve (NLL {r['nll']:.3f} vs {map_r['nll']:.3f}, "
             f"ECE {r['ece']:.3f} vs {map_r['ece']:.3f})"
         )
     return f"{head} {_change('NLL', map_r['nll'], r['nll'])} and {_change('ECE', map_r['ece'], r['ece'])}"
