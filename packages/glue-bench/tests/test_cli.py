@@ -106,8 +106,10 @@ def test_quickstart_end_to_end_with_a_local_model_folder(
     assert (results / "sst2_split0_ramping_nll.png").stat().st_size > 0
     # the output ends with the sentences that read the table, computed from this run's records
     last = out.strip().splitlines()[-1]
-    assert last.startswith("The MAP is") and "temperature scaling" in last
-    assert "S-KFAC at p = " in last and "last-layer Laplace" in last
+    assert last.startswith("The MAP is")
+    assert "temperature scaling" in last
+    assert "S-KFAC at p = " in last
+    assert "last-layer Laplace" in last
     # rerun: everything is reused, the checkpoint too
     assert main(argv) == 0
     assert "| fine-tuning | cached |" in capsys.readouterr().out

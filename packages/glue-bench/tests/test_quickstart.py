@@ -35,7 +35,8 @@ def map_and_temperature(t: float = 1.8) -> list[dict[str, Any]]:
 
 
 def test_improvement_is_read_with_its_size_memory_and_the_validation_chosen_level():
-    records = map_and_temperature() + [
+    records = [
+        *map_and_temperature(),
         rec(
             "skfac",
             "1",
@@ -73,9 +74,10 @@ def test_improvement_is_read_with_its_size_memory_and_the_validation_chosen_leve
 
 
 def test_no_improvement_is_said_plainly():
-    records = map_and_temperature(t=1.05) + [
-        rec("skfac", "1", 0.610, 0.125, extra={"prior_at_grid_edge": None}),
-        rec("last-layer", "-", 0.600, 0.121),
+    records = [
+        *map_and_temperature(t=1.05),
+        rec("skfac", "1", 0.61, 0.125, extra={"prior_at_grid_edge": None}),
+        rec("last-layer", "-", 0.6, 0.121),
     ]
     text = read_table(records)
     assert "S-KFAC at p = 1 (0 % of the weights, 0 floats) did not improve" in text
@@ -85,7 +87,7 @@ def test_no_improvement_is_said_plainly():
 
 
 def test_mixed_change_says_which_way_each_metric_went():
-    records = map_and_temperature() + [rec("skfac", "1", 0.550, 0.130)]
+    records = [*map_and_temperature(), rec("skfac", "1", 0.55, 0.13)]
     text = read_table(records)
     assert "lowered the NLL by 0.050 (0.600 → 0.550) and raised the ECE by 0.010" in text
 
@@ -95,26 +97,32 @@ def test_mixed_change_says_which_way_each_metric_went():
     [("highest", 1000.0, "so its posterior is nearly the MAP"), ("lowest", 0.1, "smaller prior")],
 )
 def test_prior_at_the_grid_edge_is_flagged(edge, prior, words):
-    records = map_and_temperature() + [
-        rec("skfac", "1", 0.600, 0.120, extra={"prior_precision": 1.0, "prior_at_grid_edge": None}),
+    records = [
+        *map_and_temperature(),
+        rec("skfac", "1", 0.6, 0.12, extra={"prior_precision": 1.0, "prior_at_grid_edge": None}),
         rec(
             "last-layer",
             "-",
-            0.600,
-            0.120,
+            0.6,
+            0.12,
             extra={"prior_precision": prior, "prior_at_grid_edge": edge},
         ),
     ]
     text = read_table(records)
     last = text.split(". ")[-1]
     assert last.startswith(f"Last-layer Laplace tuned its prior precision to the {edge} value")
-    assert f"({prior:g})" in last and words in last and "--prior-grid" in last
+    assert f"({prior:g})" in last
+    assert words in last
+    assert "--prior-grid" in last
     assert "S-KFAC at p = 1 tuned" not in text
 
 
 def test_under_confident_and_calibrated_maps():
     assert read_table(map_and_temperature(t=0.8)).startswith("The MAP is under-confident")
-    calibrated = [rec("map", "-", 0.5, 0.05), rec("temperature", "-", 0.5, 0.05, extra={"temperature": 1.0})]
+    calibrated = [
+        rec("map", "-", 0.5, 0.05),
+        rec("temperature", "-", 0.5, 0.05, extra={"temperature": 1.0}),
+    ]
     text = read_table(calibrated)
     assert text.startswith("The MAP is close to calibrated")
     assert "left the NLL at 0.500" in text
