@@ -155,3 +155,11 @@ def test_order_puts_the_map_first_and_ramps_in_size_order():
         ("swag-random", "1"),
     ]
     assert QUICKSTART_METHODS[0] == "map"
+
+
+def test_negative_split_is_refused_before_any_work(capsys, tmp_path):
+    from partialbayes.glue_bench.cli import main
+
+    assert main(["quickstart", "--split", "-1", "--results", str(tmp_path / "q")]) == 2
+    assert "--split must be >= 0, got -1" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()
