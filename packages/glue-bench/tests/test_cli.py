@@ -2,6 +2,7 @@ import pytest
 
 from partialbayes.glue_bench import __version__
 from partialbayes.glue_bench.cli import main, parse_splits
+from partialbayes.glue_bench.quickstart import QUICKSTART_SETTINGS
 
 
 def test_version(capsys):
@@ -95,12 +96,20 @@ def test_quickstart_end_to_end_with_a_local_model_folder(
     argv += ["--epochs", "1", "--n-samples", "2", "--no-progress"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    for method in ("map", "temperature", "last-layer", "skfac", "swag-random"):
-        assert f"| {method} |" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line.count("|") == 8]
+    methods = [line.split(" | ")[0][2:] for line in rows[1:]]  # after the header
+    assert methods[:3] == ["map", "temperature", "last-layer"]  # MAP first, then the baselines
+    assert methods[3:] == ["skfac"] * len(QUICKSTART_SETTINGS["skfac_percents"])
     assert "| fine-tuning | 1 |" in out
-    assert "| skfac | 3 |" in out
+    assert f"| skfac | {len(QUICKSTART_SETTINGS['skfac_percents'])} |" in out
     assert "| **total** |" in out
-    assert (results / "sst2_ramping_nll.png").stat().st_size > 0
+    assert (results / "sst2_split0_ramping_nll.png").stat().st_size > 0
+    # the output ends with the sentences that read the table, computed from this run's records
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("The MAP is")
+    assert "temperature scaling" in last
+    assert "S-KFAC at p = " in last
+    assert "last-layer Laplace" in last
     # rerun: everything is reused, the checkpoint too
     assert main(argv) == 0
     assert "| fine-tuning | cached |" in capsys.readouterr().out
