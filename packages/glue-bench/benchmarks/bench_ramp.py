@@ -12,6 +12,9 @@ Sizes (environment variables):
 
 * ``PB_BENCH_RAMP_TRAIN`` training pairs (default 256; ``full`` = the paper's split, 3,298 pairs),
 * ``PB_BENCH_RAMP_EPOCHS`` fine-tuning epochs (default 2; the paper's 10 with ``full``),
+* ``PB_BENCH_RAMP_METHODS`` comma-separated methods (default the issue's grid below; e.g. ``map,skfac``
+  for the S-KFAC ramp alone),
+* ``PB_BENCH_RAMP_TEST`` test pairs (default: the whole MRPC dev set, 408 pairs),
 * ``PB_BENCH_RAMP_DIR`` where the results folders go (default a temporary folder; set it to keep the
   fine-tuned checkpoint between runs).
 
@@ -42,6 +45,16 @@ def _trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+def _methods() -> list[str]:
+    chosen = os.environ.get("PB_BENCH_RAMP_METHODS")
+    if not chosen:
+        return METHODS
+    names = [m.strip() for m in chosen.split(",") if m.strip()]
+    if not names:
+        raise ValueError(f"PB_BENCH_RAMP_METHODS={chosen!r} names no method")
+    return names
+
+
 def _sizes() -> tuple[int | None, int, str]:
     train = os.environ.get("PB_BENCH_RAMP_TRAIN", "256")
     if train == "full":
@@ -62,7 +75,12 @@ def _comparable(record: dict) -> dict:
 
 def bench_ramp(b: Bench) -> None:
     n_train, epochs, label = _sizes()
+    methods = _methods()
     group = f"MRPC split 0 ramp on MiniLM (pretrained), {label} training pairs, {epochs} epochs"
+    if methods != METHODS:
+        group += f", methods {','.join(methods)}"
+    if os.environ.get("PB_BENCH_RAMP_TEST"):
+        group += f", {os.environ['PB_BENCH_RAMP_TEST']} test pairs"
     if b.quick:
         b.skip("shared pass", group=group, reason="--quick: the MiniLM ramp is skipped")
         return
@@ -84,6 +102,9 @@ def bench_ramp(b: Bench) -> None:
         p: RunConfig(
             train=TrainConfig(epochs=epochs),
             max_train_examples=n_train,
+            max_test_examples=int(os.environ["PB_BENCH_RAMP_TEST"])
+            if os.environ.get("PB_BENCH_RAMP_TEST")
+            else None,
             curvature_pass=p,
         )
         for p in ("per-cell", "shared")
@@ -123,7 +144,7 @@ def bench_ramp(b: Bench) -> None:
 
     def timed_grid(p: str) -> None:
         c0 = time.process_time()
-        grid(p, METHODS)
+        grid(p, methods)
         cpu[p] = time.process_time() - c0
 
     _trim()
