@@ -144,7 +144,11 @@ def gaussian_logits(
     tol = 1e3 * torch.finfo(var.dtype).eps * scale.clamp_min(torch.finfo(var.dtype).tiny)
     asym = (var - var.mT).abs()
     if bool((asym > tol).any()):
-        raise ValueError(f"cov must be symmetric (largest asymmetry {float(asym.max()):.3g})")
+        raise ValueError(
+            f"cov must be symmetric (largest asymmetry {float(asym.max()):.3g}, tolerance "
+            f"{float(tol.max()):.3g} for {var.dtype}); if the asymmetry is round-off from a lower "
+            "precision, pass 0.5 * (cov + cov.mT)"
+        )
     return mu, 0.5 * (var + var.mT), True
 
 
