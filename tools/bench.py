@@ -101,7 +101,7 @@ def render_page(results: dict) -> str:
         head += ["Peers and libraries: " + ", ".join(peers) + ".", ""]
     if results["failed"]:
         head += ["Failed benchmarks: " + ", ".join(f"`{f}`" for f in results["failed"]), ""]
-    return "\n".join(head) + markdown_table(results["rows"])
+    return "\n".join(head) + "\n" + markdown_table(results["rows"])
 
 
 def main(argv: list[str] | None = None) -> int:
