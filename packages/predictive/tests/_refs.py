@@ -9,6 +9,33 @@ from numpy.polynomial.hermite import hermgauss
 from scipy.special import expit, ndtr, softmax
 
 
+class BiasSubset:
+    """Every entry of one bias ``name`` (the part of ``selection.Subset`` the predictive helpers use)."""
+
+    def __init__(self, n: int, name: str = "bias") -> None:
+        self.n, self.names = n, (name,)
+
+    def num_entries(self, name: str | None = None) -> int:
+        return self.n
+
+    def gather(self, name: str, tensor):
+        return tensor.reshape(-1)
+
+    def mask(self, name: str):
+        import torch
+
+        return torch.ones(self.n, dtype=torch.bool)
+
+    def check_values(self, values):
+        (name,) = self.names
+        if not isinstance(values, dict) or set(values) != {name}:
+            raise ValueError("sample must cover the subset exactly")
+        v = values[name].reshape(-1)
+        if v.numel() != self.n or not bool(v.isfinite().all()):
+            raise ValueError(f"sample[{name!r}] must hold {self.n} finite entries")
+        return {name: v}
+
+
 @lru_cache
 def probit_sup_error() -> float:
     """sup_x |sigmoid(x) - Phi(sqrt(pi/8) x)| on a fine grid (about 0.0177)."""

@@ -244,3 +244,27 @@ def test_mc_predict_bad_callables_and_outputs():
 def test_batch_size_of_unsupported_inputs(inputs):
     with pytest.raises(TypeError, match="inputs must be a tensor or a mapping"):
         batch_size(inputs)
+
+
+@pytest.mark.parametrize(
+    ("likelihood", "sigma", "match"),
+    [
+        ("poisson", 1.0, "likelihood must be one of"),
+        ("regression", 0.0, "sigma_noise must be a finite number > 0"),
+        ("regression", float("nan"), "sigma_noise"),
+        ("regression", True, "sigma_noise"),
+        ("regression", "1", "sigma_noise"),
+    ],
+)
+def test_check_likelihood_names_the_option(likelihood, sigma, match):
+    from partialbayes.predictive import check_likelihood
+
+    with pytest.raises(ValueError, match=match):
+        check_likelihood(likelihood, sigma)
+
+
+def test_check_likelihood_returns_a_float():
+    from partialbayes.predictive import check_likelihood
+
+    assert check_likelihood("regression", 2) == 2.0
+    assert isinstance(check_likelihood("classification"), float)

@@ -16,23 +16,7 @@ from partialbayes.predictive import (
 )
 from partialbayes.predictive.testing import check_posterior
 
-
-class BiasSubset:
-    """The bias of a Linear, every entry stochastic (the part of Subset the checker uses)."""
-
-    names = ("bias",)
-
-    def __init__(self, n):
-        self.n = n
-
-    def num_entries(self, name=None):
-        return self.n
-
-    def gather(self, name, tensor):
-        return tensor.reshape(-1)
-
-    def mask(self, name):
-        return torch.ones(self.n, dtype=torch.bool)
+from ._refs import BiasSubset
 
 
 class DiagBias:

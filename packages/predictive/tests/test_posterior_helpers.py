@@ -1,6 +1,5 @@
 """Helpers the sample-based families share: sampled_predict, check_sample, eval_mode, move_batch."""
 
-import math
 from contextlib import contextmanager
 
 import pytest
@@ -18,15 +17,7 @@ from partialbayes.predictive import (
     sampled_predict,
 )
 
-
-class BiasSubset:
-    names = ("2.bias",)
-
-    def __init__(self, n):
-        self.n = n
-
-    def num_entries(self, name=None):
-        return self.n
+from ._refs import BiasSubset
 
 
 class NoisyBias:
@@ -40,7 +31,7 @@ class NoisyBias:
             device, dtype
         )
         self.model.train()
-        self.subset = BiasSubset(4)
+        self.subset = BiasSubset(4, "2.bias")
         self.map = self.model[2].bias.detach().clone()
 
     def sample(self, n=1, *, generator=None):
@@ -98,27 +89,6 @@ def test_sampled_predict_regression_is_the_mean_and_variance_plus_noise(device):
     torch.testing.assert_close(var, logits.var(0, unbiased=False) + 0.25)
     with pytest.raises(TypeError, match="sample_ctx must be callable"):
         sampled_predict(post, x, 3, sample_ctx=3)
-
-
-def test_check_sample_accepts_rows_and_names_what_is_wrong():
-    subset = BiasSubset(4)
-    good = {"2.bias": torch.zeros(4)}
-    assert check_sample(subset, good)["2.bias"].shape == (4,)
-    assert check_sample(subset, {"2.bias": torch.zeros(1, 4)})["2.bias"].shape == (4,)
-    assert check_sample(subset, rows({"2.bias": torch.zeros(3, 4)}, 1))["2.bias"].shape == (4,)
-    with pytest.raises(ValueError, match=r"missing \['2.bias'\]"):
-        check_sample(subset, {"other": torch.zeros(4)})
-    with pytest.raises(ValueError, match=r"sample\['2.bias'\] has shape \(3, 4\)"):
-        check_sample(subset, {"2.bias": torch.zeros(3, 4)})
-    with pytest.raises(TypeError, match="mapping"):
-        check_sample(subset, torch.zeros(4))
-    with pytest.raises(TypeError, match="must be a tensor"):
-        check_sample(subset, {"2.bias": [0.0] * 4})
-    for bad in (math.nan, math.inf, -math.inf):
-        values = torch.zeros(4)
-        values[2] = bad
-        with pytest.raises(ValueError, match=r"NaN or inf entries in \['2.bias'\]"):
-            check_sample(subset, {"2.bias": values})
 
 
 def test_check_generator_names_the_parameter():

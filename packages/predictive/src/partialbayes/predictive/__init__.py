@@ -27,6 +27,12 @@ from partialbayes.predictive._decomposition import (
     entropy,
     log_average_softmax,
 )
+from partialbayes.predictive._files import (
+    PosteriorFile,
+    model_structure,
+    read_posterior_file,
+    write_posterior_file,
+)
 from partialbayes.predictive._link import (
     gaussian_predictive,
     laplace_bridge,
@@ -38,9 +44,11 @@ from partialbayes.predictive._link import (
 from partialbayes.predictive._mc import cholesky_jitter, mc_predictive, sample_logits
 from partialbayes.predictive._metrics import accuracy, brier, gaussian_nll, nll
 from partialbayes.predictive._posterior import (
+    LIKELIHOODS,
     Posterior,
     check_count,
     check_generator,
+    check_likelihood,
     check_sample,
     eval_mode,
     resolve_link,
@@ -58,10 +66,12 @@ from partialbayes.predictive._temperature import apply_temperature, fit_temperat
 
 __all__ = [
     "IGNORE_INDEX",
+    "LIKELIHOODS",
     "Batch",
     "MCPrediction",
     "MCRegression",
     "Posterior",
+    "PosteriorFile",
     "ReliabilityData",
     "Uncertainty",
     "accuracy",
@@ -72,6 +82,7 @@ __all__ = [
     "brier",
     "check_count",
     "check_generator",
+    "check_likelihood",
     "check_sample",
     "cholesky_jitter",
     "decompose_classification",
@@ -92,12 +103,14 @@ __all__ = [
     "mc_predictive",
     "mce",
     "model_logits",
+    "model_structure",
     "move_batch",
     "nll",
     "output_logits",
     "probit",
     "probit_binary",
     "probit_scale",
+    "read_posterior_file",
     "reliability",
     "resolve_link",
     "rows",
@@ -105,4 +118,5 @@ __all__ = [
     "sampled_logits",
     "sampled_predict",
     "split_batch",
+    "write_posterior_file",
 ]

@@ -87,7 +87,8 @@ def split_batch(batch: Any, *, device: torch.device | str | None = None) -> Batc
 
     Raises:
         TypeError: If the batch is of another kind (the message names its type and the accepted ones).
-        ValueError: If a mapping batch has labels under both keys, or no model inputs.
+        ValueError: If a mapping batch has labels under both keys, or no model inputs, or the batch is
+            empty (0 examples).
     """
     dev = torch.device(device) if device is not None else None
     labels: Any = None
@@ -120,6 +121,14 @@ def split_batch(batch: Any, *, device: torch.device | str | None = None) -> Batc
                 f"labels must be a tensor (or convertible to one), got {type(labels).__name__}"
             ) from err
     labels = _to(labels, dev)
+    try:
+        empty = batch_size(inputs) == 0
+    except ValueError:  # sizes unknown here; the model call will say more
+        empty = False
+    if empty:
+        raise ValueError(
+            "empty batch: the inputs hold 0 examples (drop empty batches before handing them over)"
+        )
     mask = inputs.get("attention_mask") if isinstance(inputs, dict) else None
     if mask is not None and not isinstance(mask, Tensor):
         raise TypeError(f"attention_mask must be a tensor, got {type(mask).__name__}")

@@ -7,6 +7,7 @@ family by changing the line that builds the posterior.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -104,6 +105,29 @@ def resolve_link(link: str | None, offered: Sequence[str], family: str) -> str:
     return link
 
 
+#: The likelihoods every posterior family supports.
+LIKELIHOODS = ("classification", "regression")
+
+
+def check_likelihood(likelihood: object, sigma_noise: object = 1.0) -> float:
+    """Check a family's ``likelihood`` and observation noise; return ``sigma_noise`` as a float.
+
+    Raises:
+        ValueError: If ``likelihood`` is not one of `LIKELIHOODS`, or ``sigma_noise`` is not a finite
+            number > 0 (a bool is not a number here).
+    """
+    if likelihood not in LIKELIHOODS:
+        raise ValueError(f"likelihood must be one of {LIKELIHOODS}, got {likelihood!r}")
+    if (
+        isinstance(sigma_noise, bool)
+        or not isinstance(sigma_noise, (int, float))
+        or not math.isfinite(sigma_noise)
+        or sigma_noise <= 0
+    ):
+        raise ValueError(f"sigma_noise must be a finite number > 0, got {sigma_noise!r}")
+    return float(sigma_noise)
+
+
 def check_count(name: str, n: object) -> int:
     """A positive ``int`` (bools refused), else a ``ValueError`` naming ``name``."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -127,54 +151,8 @@ def rows(sample: Mapping[str, Tensor], i: int) -> dict[str, Tensor]:
 
 
 def check_sample(subset: Any, sample: Any) -> dict[str, Tensor]:
-    """Validate one weight sample for ``swapped``: ``{param name: [k]}`` (or ``[1, k]``) per subset name.
-
-    Args:
-        subset: The posterior's subset (``names`` and ``num_entries(name)`` are used).
-        sample: The sample given to ``swapped``.
-
-    Returns:
-        ``{name: [k]}`` in ``subset.names`` order.
-
-    Raises:
-        TypeError: If ``sample`` is not a mapping of tensors.
-        ValueError: If it misses a subset parameter, names another one, a value has the wrong number of
-            entries, or holds NaN or inf (which would be written into the model; the message names the
-            parameter).
-    """
-    if not isinstance(sample, Mapping):
-        raise TypeError(
-            f"sample must be a mapping {{param name: [k] tensor}} (one row of sample(n)), "
-            f"got {type(sample).__name__}"
-        )
-    names = tuple(subset.names)
-    missing = [n for n in names if n not in sample]
-    extra = [n for n in sample if n not in names]
-    if missing or extra:
-        raise ValueError(
-            f"sample must cover the subset exactly: missing {missing[:5]}, unknown {extra[:5]}"
-        )
-    out: dict[str, Tensor] = {}
-    for name in names:
-        values = sample[name]
-        k = subset.num_entries(name)
-        if not isinstance(values, Tensor):
-            raise TypeError(f"sample[{name!r}] must be a tensor, got {type(values).__name__}")
-        if values.ndim == 2 and values.shape[0] == 1:
-            values = values[0]
-        if values.ndim != 1 or values.shape[0] != k:
-            raise ValueError(
-                f"sample[{name!r}] has shape {tuple(values.shape)}, expected [k] = [{k}] "
-                "(one row of sample(n))"
-            )
-        out[name] = values
-    finite = torch.stack([torch.isfinite(v).all() for v in out.values()])
-    if not bool(finite.all()):  # one synchronisation for the whole sample
-        bad = [n for n, ok in zip(out, finite.tolist(), strict=True) if not ok]
-        raise ValueError(
-            f"sample has NaN or inf entries in {bad[:5]}: refusing to write them into the model"
-        )
-    return out
+    """Validate one weight sample ``{param name: [k]}``: ``subset.check_values(sample)`` (see ``Subset``)."""
+    return subset.check_values(sample)  # type: ignore[no-any-return]
 
 
 @contextmanager

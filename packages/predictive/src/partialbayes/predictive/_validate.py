@@ -39,12 +39,6 @@ def check_same_device(**tensors: Tensor) -> None:
         raise ValueError(f"tensors are on different devices: {devices}")
 
 
-def check_ndim(name: str, x: Tensor, ndim: int, shape_doc: str) -> None:
-    """Check the number of dimensions of ``x``."""
-    if x.ndim != ndim:
-        raise ValueError(f"{name} must have shape {shape_doc}, got shape {tuple(x.shape)}")
-
-
 def check_probs(name: str, probs: object) -> Tensor:
     """Check categorical probabilities ``[..., C]``: finite, non-negative, rows sum to one.
 

@@ -6,6 +6,7 @@ import difflib
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -288,6 +289,133 @@ class Subset:
         out = into.clone()
         out[self.mask(name).to(into.device)] = values.to(device=into.device, dtype=into.dtype)
         return out
+
+    def _put(self, name: str, tensor: Tensor, values: Tensor) -> None:
+        """Write the 1-D ``values`` into the stochastic entries of ``tensor``, in place (`gather` order)."""
+        b = self._blocks[name]
+        values = values.to(device=tensor.device, dtype=tensor.dtype)
+        if not (isinstance(b, KronBlock) and tensor.ndim in (1, 2)):
+            tensor[self.mask(name).to(tensor.device)] = values
+            return
+        r, c = (None if i is None else i.to(tensor.device) for i in self._storage_index(name))
+        if tensor.ndim == 1 or c is None:
+            shape = (tensor.shape[0] if r is None else r.numel(), *tensor.shape[1:])
+            if r is None:
+                tensor.copy_(values.view(shape))
+            else:
+                tensor[r] = values.view(shape)
+        elif r is None:
+            tensor[:, c] = values.view(tensor.shape[0], c.numel())
+        else:
+            tensor[r[:, None], c[None, :]] = values.view(r.numel(), c.numel())
+
+    def check_values(self, values: Any, what: str = "sample") -> dict[str, Tensor]:
+        """Validate one value per stochastic entry: ``{param name: [k]}`` (or ``[1, k]``) for every name.
+
+        Args:
+            values: The mapping to check (e.g. one row of a posterior's ``sample(n)``).
+            what: How to call it in error messages.
+
+        Returns:
+            ``{name: [k]}`` in `names` order.
+
+        Raises:
+            TypeError: If ``values`` is not a mapping of tensors.
+            ValueError: If it misses a parameter of the subset or names another one, a value has the
+                wrong number of entries, or holds NaN or inf (the parameter is named).
+        """
+        if not isinstance(values, Mapping):
+            raise TypeError(
+                f"{what} must be a mapping {{param name: [k] tensor}} (one row of sample(n)), "
+                f"got {type(values).__name__}"
+            )
+        missing = [n for n in self._blocks if n not in values]
+        extra = [n for n in values if n not in self._blocks]
+        if missing or extra:
+            raise ValueError(
+                f"{what} must cover the subset exactly: missing {missing[:5]}, unknown {extra[:5]}"
+            )
+        out: dict[str, Tensor] = {}
+        for name in self._blocks:
+            v, k = values[name], self.num_entries(name)
+            if not isinstance(v, Tensor):
+                raise TypeError(f"{what}[{name!r}] must be a tensor, got {type(v).__name__}")
+            if v.ndim == 2 and v.shape[0] == 1:
+                v = v[0]
+            if v.ndim != 1 or v.shape[0] != k:
+                raise ValueError(
+                    f"{what}[{name!r}] has shape {tuple(v.shape)}, expected [k] = [{k}] "
+                    "(one row of sample(n))"
+                )
+            out[name] = v
+        if out:
+            finite = torch.stack([torch.isfinite(v).all() for v in out.values()]).tolist()
+            bad = [n for n, ok in zip(out, finite, strict=True) if not ok]
+            if bad:  # one synchronisation for the whole sample
+                raise ValueError(
+                    f"{what} has NaN or inf entries in {bad[:5]}: refusing to write them into the model"
+                )
+        return out
+
+    def parameters_of(self, model: nn.Module) -> dict[str, nn.Parameter]:
+        """The subset's parameters of ``model``, by name (checked: present, same shape, not on ``meta``).
+
+        Raises:
+            TypeError: If ``model`` is not an ``nn.Module``.
+            ValueError: If a parameter of the subset is missing from ``model``, has another shape, or
+                lives on the ``meta`` device (no values to read or write; load real weights first).
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        params = dict(model.named_parameters())
+        out: dict[str, nn.Parameter] = {}
+        for name in self._blocks:
+            p = params.get(name)
+            if p is None or p.shape != self._info[name].shape:
+                got = "missing" if p is None else f"shape {tuple(p.shape)}"
+                raise ValueError(
+                    f"model {type(model).__name__} does not fit the subset: parameter {name!r} is {got}, "
+                    f"the subset was built for shape {tuple(self._info[name].shape)}"
+                )
+            if p.is_meta:
+                raise ValueError(
+                    f"parameter {name!r} of {type(model).__name__} is on the meta device (no values): "
+                    "load the real weights (e.g. from_pretrained without device_map='meta' / "
+                    "init_empty_weights) before building a posterior"
+                )
+            out[name] = p
+        return out
+
+    @contextmanager
+    def swapped(self, model: nn.Module, values: Mapping[str, Tensor]) -> Iterator[nn.Module]:
+        """Write ``values`` into the stochastic entries of ``model``; restore what was there on exit.
+
+        The one way every posterior family swaps a weight sample in. The entries found on entry are
+        saved (only the subset's, ``num_entries()`` floats) and written back on exit, even when the body
+        raises, so nested swaps unwind correctly and weights the user changed stay as they were.
+
+        Args:
+            model: The model (the structure this subset was built for).
+            values: ``{param name: [k]}`` (or ``[1, k]``) for every parameter of the subset, in `gather`
+                order; cast to each parameter's dtype and device.
+
+        Yields:
+            ``model``, carrying ``values``.
+
+        Raises:
+            TypeError, ValueError: See `check_values` and `parameters_of` (the model is left untouched).
+        """
+        params = self.parameters_of(model)
+        new = self.check_values(values)
+        with torch.no_grad():
+            saved = {n: self.gather(n, p.detach()).clone() for n, p in params.items()}
+            try:
+                for name, v in new.items():
+                    self._put(name, params[name].data, v)
+                yield model
+            finally:
+                for name, v in saved.items():
+                    self._put(name, params[name].data, v)
 
     def kron_modules(self) -> dict[str, KronModule]:
         """Linear maps of a Kronecker-structured subset, by module name, in model order.
