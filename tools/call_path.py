@@ -87,7 +87,7 @@ def trace(run: Callable[[], object]) -> dict[str, set[str]]:
     """
     seen: dict[str, set[str]] = {}
 
-    def hook(frame, event, arg):  # noqa: ANN001, ANN202 (sys.setprofile signature)
+    def hook(frame, event, arg):  # sys.setprofile signature
         if event == "call":
             f = frame.f_code.co_filename
             if f.startswith(SRC) and "/src/" in f and not frame.f_code.co_name.startswith("<"):
