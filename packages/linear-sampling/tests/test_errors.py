@@ -186,5 +186,5 @@ def test_network_features_bad_inputs():
         network_features(model, x, [])
     with pytest.raises(TypeError, match="params must be"):
         network_features(model, x, 3)
-    with pytest.raises(ValueError, match="disagree"):
+    with pytest.raises(ValueError, match="batch 0: cannot tell the batch size"):
         network_features(model, {"a": torch.zeros(3, 1), "b": torch.zeros(4, 1)}, ["0.weight"])

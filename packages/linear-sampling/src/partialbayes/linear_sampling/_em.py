@@ -11,7 +11,6 @@ from torch import Tensor
 
 from partialbayes.linear_sampling._features import Features, batches, scale_features
 from partialbayes.linear_sampling._ops import (
-    check_generator,
     curvature_matvec,
     default_batch_size,
     targets_3d,
@@ -19,6 +18,7 @@ from partialbayes.linear_sampling._ops import (
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior
 from partialbayes.linear_sampling._sgd import SGDConfig
 from partialbayes.linear_sampling._solve import check_problem, posterior_mean, posterior_samples
+from partialbayes.predictive import check_generator
 
 _ESTIMATORS = ("function", "weight")
 
@@ -73,7 +73,7 @@ def effective_dimension(
     if estimator == "function":
         noise.check(features.n, features.m)
         noise = noise.to(features.dtype, features.device)
-        hz = curvature_matvec(features, noise, samples, default_batch_size(features, batch_size))
+        hz = curvature_matvec(features, noise, samples, default_batch_size(features, batch_size, k))
         return _group_sum((samples * hz).sum(1) / k, groups, n_groups)
     a = prior.diag(features.d, features.dtype, features.device)
     sizes = _group_sum(torch.ones_like(a), groups, n_groups)
@@ -157,7 +157,7 @@ def feature_scales(
         idx = torch.arange(features.n, device=features.device)
         diag = (phi * noise.apply(idx, phi)).sum((0, 1))
     else:
-        bs = default_batch_size(features, batch_size)
+        bs = default_batch_size(features, batch_size, n_probes)
         diag = torch.zeros(features.d, dtype=features.dtype, device=features.device)
         for idx in batches(features.n, bs, features.device):
             e = torch.randint(0, 2, (idx.shape[0], features.m, n_probes), generator=generator)
@@ -318,7 +318,7 @@ def dense_log_evidence(phi: Tensor, targets: Tensor, noise: NoisePrecision, prio
     assert phi3 is not None
     n, m, d = phi3.shape
     noise.check(n, m)
-    noise = NoisePrecision(noise.value.to(phi3))
+    noise = noise.to(phi3.dtype, phi3.device)
     y = targets_3d(feats, targets)[..., 0]
     idx = torch.arange(n, device=phi3.device)
     bphi = noise.apply(idx, phi3)

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+WORKING_BYTES = 1 << 28
+"""Bytes of one observation-space block (``[b, m, k]``, or a model's output tangents) per operator call."""
+
 JvpFn = Callable[[Tensor, Tensor], Tensor]
 """``(idx [b] int64, z [d, k]) -> Φ_idx z [b, m, k]``."""
 VjpFn = Callable[[Tensor, Tensor], Tensor]

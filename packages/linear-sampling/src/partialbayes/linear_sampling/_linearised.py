@@ -164,8 +164,8 @@ def linearised_targets(
             ([`network_parameters`][partialbayes.linear_sampling.network_parameters]).
         logits: ``[n, m]`` logits at ``θ*``.
         labels: ``[n]`` int64 class labels.
-        noise: ``B`` with ``[n, m, m]`` matrices (from
-            [`softmax_hessian`][partialbayes.linear_sampling.softmax_hessian]).
+        noise: ``B``: a [`softmax_hessian`][partialbayes.linear_sampling.softmax_hessian] or ``[n, m, m]``
+            matrices.
         batch_size: Observations per JVP call.
 
     Returns:
@@ -191,15 +191,14 @@ def linearised_targets(
         raise ValueError(
             f"labels must lie in 0..{m - 1}, got range {int(labels.min())}..{int(labels.max())}"
         )
-    if noise.value.ndim != 3:
-        raise ValueError("noise must hold [n, m, m] matrices (softmax_hessian)")
+    if noise.value.ndim < 2:
+        raise ValueError("noise must be a softmax Hessian (softmax_hessian) or [n, m, m] matrices")
     noise.check(n, m)
     noise = noise.to(features.dtype, features.device)
     theta = theta.to(device=features.device, dtype=features.dtype).reshape(-1, 1)
     grad = torch.nn.functional.one_hot(labels.to(features.device), m).to(features.dtype)
     grad = grad - logits.to(features.device, features.dtype).softmax(-1)
-    assert noise.sqrt is not None
-    out = torch.cholesky_solve(grad.unsqueeze(2), noise.sqrt)[..., 0]
+    out = noise.solve(torch.arange(n, device=features.device), grad.unsqueeze(2))[..., 0]
     for idx in batches(n, default_batch_size(features, batch_size), features.device):
         out[idx] += features.apply(idx, theta)[..., 0]
     return out

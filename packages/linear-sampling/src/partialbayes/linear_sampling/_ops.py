@@ -1,30 +1,25 @@
-"""Full-data sums of minibatched feature products: ``ΦᵀBΦ z``, ``ΦᵀB Y``, ``ΦᵀB^½ ε``."""
+"""Full-data sums of minibatched feature products (``ΦᵀBΦ z``, ``ΦᵀB Y``, ``ΦᵀB^½ ε``) and sizing."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from partialbayes.linear_sampling._features import Features, batches
+from partialbayes.linear_sampling._features import WORKING_BYTES, Features, batches
 from partialbayes.linear_sampling._precision import NoisePrecision
 
 
-def check_generator(generator: object) -> None:
-    """Raise ``TypeError`` unless ``generator`` is a ``torch.Generator`` or ``None``."""
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(
-            f"generator must be a torch.Generator or None, got {type(generator).__name__}"
-        )
+def default_batch_size(features: Features, batch_size: int | None, k: int = 1) -> int:
+    """``batch_size`` validated; by default ``min(n, 256)``, fewer to keep ``[b, m, k]`` in `WORKING_BYTES`.
 
-
-def default_batch_size(features: Features, batch_size: int | None) -> int:
-    """``batch_size`` validated, defaulting to ``min(n, 256)``.
+    (Fewer observations per call matter at a large number of outputs ``m``, e.g. a vocabulary.)
 
     Raises:
         ValueError: If ``batch_size`` is not a positive int.
     """
     if batch_size is None:
-        return min(features.n, 256)
+        per = features.m * k * features.dtype.itemsize
+        return max(1, min(features.n, 256, WORKING_BYTES // per))
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     return min(batch_size, features.n)
@@ -117,3 +112,29 @@ def features_t_noise_sqrt(
             eps_all[idx.cpu()] = eps
         out += features.apply_t(idx, noise.apply_sqrt(idx, eps.to(features.device)))
     return out, None if eps_all is None else eps_all.to(features.device)
+
+
+def check_memory(nbytes: int, device: torch.device, what: str, instead: str) -> None:
+    """Refuse, before allocating, a result of ``nbytes`` that the device's free memory cannot hold.
+
+    Free memory: ``torch.cuda.mem_get_info`` on a GPU, ``MemAvailable`` of ``/proc/meminfo`` on a CPU
+    (the machine's, not a container's limit); no check where neither is known.
+
+    Raises:
+        ValueError: Naming ``what``, the bytes it needs, the bytes free and ``instead``.
+    """
+    free = None
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        try:
+            with open("/proc/meminfo") as f:
+                lines = [line.split() for line in f if line.startswith("MemAvailable:")]
+            free = int(lines[0][1]) * 1024 if lines else None
+        except OSError:
+            pass
+    if free is not None and nbytes > free:
+        raise ValueError(
+            f"{what} needs {nbytes / 2**30:.1f} GiB ({nbytes:,} bytes) but {free / 2**30:.1f} GiB are "
+            f"free on {device}: {instead}"
+        )

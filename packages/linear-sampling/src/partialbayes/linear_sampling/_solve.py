@@ -16,7 +16,6 @@ from torch import Tensor
 from partialbayes.linear_sampling._cg import cg_solve
 from partialbayes.linear_sampling._features import Features
 from partialbayes.linear_sampling._ops import (
-    check_generator,
     curvature_matvec,
     default_batch_size,
     features_t_noise,
@@ -31,6 +30,7 @@ from partialbayes.linear_sampling._sgd import (
     sgd_minimise,
 )
 from partialbayes.linear_sampling._svrg import svrg_minimise
+from partialbayes.predictive import check_generator
 
 _METHODS = ("cg", "sgd")
 _OBJECTIVES = ("low_variance", "standard")
@@ -181,7 +181,7 @@ def _minimise(
         )
     x0 = torch.zeros_like(problem.c) if x0 is None else x0
     config = sgd or SGDConfig(batch_size=problem.batch_size)
-    b = default_batch_size(features, config.batch_size)
+    b = default_batch_size(features, config.batch_size, problem.c.shape[1])
     if config.variance_reduction:
         per_step = math.ceil(features.n / math.ceil(features.n / b))  # equal-sized batches
         lr = _lr(problem, per_step, config, generator)
@@ -331,7 +331,7 @@ def posterior_samples(
         raise ValueError(f"objective must be one of {_OBJECTIVES}, got {objective!r}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive int, got {k!r}")
-    bs = default_batch_size(features, batch_size)
+    bs = default_batch_size(features, batch_size, k)
     a1 = a.unsqueeze(1)
     theta0 = torch.randn(features.d, k, generator=generator, dtype=features.dtype)
     theta0 = theta0.to(features.device) / a1.sqrt()
