@@ -164,8 +164,7 @@ def linearised_targets(
             ([`network_parameters`][partialbayes.linear_sampling.network_parameters]).
         logits: ``[n, m]`` logits at ``θ*``.
         labels: ``[n]`` int64 class labels.
-        noise: ``B``: a [`softmax_hessian`][partialbayes.linear_sampling.softmax_hessian] or ``[n, m, m]``
-            matrices.
+        noise: ``B``, a [`softmax_hessian`][partialbayes.linear_sampling.softmax_hessian].
         batch_size: Observations per JVP call.
 
     Returns:
@@ -192,7 +191,7 @@ def linearised_targets(
             f"labels must lie in 0..{m - 1}, got range {int(labels.min())}..{int(labels.max())}"
         )
     if noise.value.ndim < 2:
-        raise ValueError("noise must be a softmax Hessian (softmax_hessian) or [n, m, m] matrices")
+        raise ValueError("noise must be a softmax Hessian (softmax_hessian)")
     noise.check(n, m)
     noise = noise.to(features.dtype, features.device)
     theta = theta.to(device=features.device, dtype=features.dtype).reshape(-1, 1)

@@ -29,7 +29,7 @@ from partialbayes.predictive import (
     split_batch,
 )
 from partialbayes.predictive import batch_size as n_examples
-from partialbayes.selection import Subset
+from partialbayes.selection import KronBlock, MaskBlock, Subset
 
 Inputs = Tensor | Mapping[str, Any]
 ParamSpec: TypeAlias = Sequence[str] | Mapping[str, Tensor | None] | Subset
@@ -37,50 +37,29 @@ OutputFn = Callable[[Any], Tensor]
 Rows = tuple[Tensor, ...]
 
 
-def _masks(model: nn.Module, params: ParamSpec) -> dict[str, Tensor | None]:
-    """Parameter name -> storage-shaped bool mask (``None``: every entry)."""
-    named = dict(model.named_parameters())
+def as_subset(model: nn.Module, params: ParamSpec) -> Subset:
+    """``params`` as a ``Subset`` of ``model``: names are whole parameters, ``{name: bool mask}`` masks."""
     if isinstance(params, Subset):
-        spec: dict[str, Tensor | None] = {n: params.mask(n) for n in params.parameters_of(model)}
-    elif isinstance(params, Mapping):
-        spec = dict(params)
+        return params
+    if isinstance(params, Mapping):
+        blocks = {n: KronBlock() if m is None else MaskBlock(m) for n, m in params.items()}
     elif isinstance(params, (list, tuple)):
-        spec = dict.fromkeys(params)
+        blocks = {n: KronBlock() for n in params}
     else:
         raise TypeError(
             "params must be a list of parameter names, a {name: bool mask} mapping or a "
             f"partialbayes.selection.Subset, got {type(params).__name__}"
         )
-    if not spec:
+    if not blocks:
         raise ValueError("params is empty: choose at least one parameter")
-    out: dict[str, Tensor | None] = {}
-    for name in named:  # model order
-        if name not in spec:
-            continue
-        mask = spec[name]
-        if mask is not None:
-            if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
-                raise TypeError(f"mask of parameter {name!r} must be a bool tensor")
-            if mask.shape != named[name].shape:
-                raise ValueError(
-                    f"mask of parameter {name!r} has shape {tuple(mask.shape)} but the parameter has "
-                    f"{tuple(named[name].shape)}"
-                )
-            if not bool(mask.any()):
-                raise ValueError(f"mask of parameter {name!r} selects no entries")
-            mask = mask.to(named[name].device)
-        out[name] = mask
-    unknown = sorted(set(spec) - set(named))
-    if unknown:
-        raise ValueError(f"unknown parameter names {unknown[:5]} (not in model.named_parameters())")
-    return out
+    return Subset.from_model(model, blocks)
 
 
 def network_parameters(model: nn.Module, params: ParamSpec) -> Tensor:
     """The chosen parameter entries as one flat vector ``[d]`` (model order, row-major within a mask).
 
-    For a ``partialbayes.selection.Subset`` this is the concatenation of ``subset.gather`` over
-    ``subset.names``.
+    This is the concatenation of ``subset.gather`` over ``subset.names`` (for names or masks, of the
+    subset they make).
 
     Args:
         model: The network.
@@ -90,76 +69,39 @@ def network_parameters(model: nn.Module, params: ParamSpec) -> Tensor:
     Returns:
         ``[d]`` detached values.
     """
-    named = dict(model.named_parameters())
-    parts = [
-        named[n].detach()[m] if m is not None else named[n].detach().reshape(-1)
-        for n, m in _masks(model, params).items()
-    ]
-    return torch.cat(parts)
+    subset = as_subset(model, params)
+    return torch.cat([subset.gather(n, p.detach()) for n, p in subset.parameters_of(model).items()])
 
 
 class _Chosen:
-    """The chosen entries: names, masks, MAP values, and flat <-> per-parameter conversions.
+    """The chosen entries: names, masks, MAP values, and flat ``[d, k]`` <-> per-parameter tensors.
 
     ``dtype`` is the dtype of the flat vectors: the parameters' own, at least float32 (a half-precision
     model's Jacobian products are solved in float32).
     """
 
     def __init__(self, model: nn.Module, params: ParamSpec) -> None:
-        self.masks = _masks(model, params)
-        named = dict(model.named_parameters())
-        self.names = list(self.masks)
-        self.primals = tuple(named[n].detach() for n in self.names)
-        self.sizes = [
-            p.numel() if (mk := self.masks[n]) is None else int(mk.sum())
-            for n, p in zip(self.names, self.primals, strict=True)
-        ]
+        subset = as_subset(model, params)
+        named = subset.parameters_of(model)
+        self.names = list(named)
+        self.primals = tuple(p.detach() for p in named.values())
+        self.masks = [subset.mask(n).to(p.device) for n, p in named.items()]
+        self.sizes = [subset.num_entries(n) for n in self.names]
         self.d = sum(self.sizes)
         self.dtype = torch.promote_types(self.primals[0].dtype, torch.float32)
 
-    def unflatten(self, z: Tensor) -> tuple[Tensor, ...]:
-        """``z [d]`` -> one storage-shaped tangent per parameter (zeros outside the masks)."""
+    def tangents(self, z: Tensor) -> tuple[Tensor, ...]:
+        """``z [d, k]`` -> ``[k, *shape]`` per parameter (zeros outside the chosen entries)."""
         out = []
-        for nm, chunk, prim in zip(self.names, z.split(self.sizes), self.primals, strict=True):
-            mask = self.masks[nm]
-            if mask is None:
-                out.append(chunk.reshape(prim.shape).to(prim.dtype))
-            else:
-                t = torch.zeros_like(prim)
-                t[mask] = chunk.to(prim.dtype)
-                out.append(t)
+        for chunk, prim, mask in zip(z.split(self.sizes), self.primals, self.masks, strict=True):
+            t = torch.zeros(z.shape[1], *prim.shape, dtype=prim.dtype, device=prim.device)
+            t[:, mask] = chunk.T.to(prim.dtype)
+            out.append(t)
         return tuple(out)
 
-    def unflatten_batched(self, z: Tensor) -> tuple[Tensor, ...]:
-        """``z [d, k]`` -> ``[k, *shape]`` tangents per parameter."""
-        out = []
-        k = z.shape[1]
-        for nm, chunk, prim in zip(self.names, z.split(self.sizes), self.primals, strict=True):
-            mask = self.masks[nm]
-            if mask is None:
-                out.append(chunk.T.reshape(k, *prim.shape).to(prim.dtype))
-            else:
-                t = torch.zeros(k, *prim.shape, dtype=prim.dtype, device=prim.device)
-                t[:, mask] = chunk.T.to(prim.dtype)
-                out.append(t)
-        return tuple(out)
-
-    def flatten(self, grads: Sequence[Tensor]) -> Tensor:
-        """Storage-shaped gradients -> ``[d]``."""
-        return torch.cat(
-            [
-                g[self.masks[nm]] if self.masks[nm] is not None else g.reshape(-1)
-                for nm, g in zip(self.names, grads, strict=True)
-            ]
-        )
-
-    def flatten_batched(self, grads: Sequence[Tensor]) -> Tensor:
-        """``[*shape, k]`` gradients -> ``[d, k]``."""
-        parts = []
-        for nm, g in zip(self.names, grads, strict=True):
-            g = g.movedim(-1, 0)
-            mask = self.masks[nm]
-            parts.append(g[:, mask] if mask is not None else g.reshape(g.shape[0], -1))
+    def gather(self, grads: Sequence[Tensor]) -> Tensor:
+        """``[*shape, k]`` per parameter -> ``[d, k]``."""
+        parts = [g.movedim(-1, 0)[:, mask] for g, mask in zip(grads, self.masks, strict=True)]
         return torch.cat(parts, 1).T
 
 
@@ -223,15 +165,16 @@ class _Operators:
             zc = z[:, start : start + step]
             # forward-mode AD has no rule for the fused attention kernels: use the math backend
             with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
-                out = None
+                tangents, out = chosen.tangents(zc), None
                 if self.batched["jvp"] and zc.shape[1] > 1:
                     try:
-                        tangents = chosen.unflatten_batched(zc)
                         out = vmap(lambda *t: jvp(fn, primals, t)[1], out_dims=-1)(*tangents)
                     except Exception:  # data-dependent control flow (Hugging Face): loop instead
                         self.batched["jvp"] = False
                 if out is None:
-                    cols = [jvp(fn, primals, chosen.unflatten(c))[1] for c in zc.T]
+                    cols = [
+                        jvp(fn, primals, tuple(t[j] for t in tangents))[1] for j in range(len(zc.T))
+                    ]
                     out = torch.stack(cols, -1)
             yield out.to(z.dtype)
 
@@ -245,14 +188,12 @@ class _Operators:
                 vc = v[..., start : start + step].to(out.dtype)
                 if self.batched["vjp"] and vc.shape[-1] > 1:
                     try:
-                        grads = vmap(pull, in_dims=-1, out_dims=-1)(vc)
-                        pieces.append(chosen.flatten_batched(grads))
+                        pieces.append(chosen.gather(vmap(pull, in_dims=-1, out_dims=-1)(vc)))
                         continue
                     except Exception:
                         self.batched["vjp"] = False
-                pieces.append(
-                    torch.stack([chosen.flatten(pull(vc[..., j])) for j in range(vc.shape[-1])], -1)
-                )
+                for j in range(vc.shape[-1]):
+                    pieces.append(chosen.gather([g.unsqueeze(-1) for g in pull(vc[..., j])]))
         return torch.cat(pieces, -1).to(v.dtype)
 
 

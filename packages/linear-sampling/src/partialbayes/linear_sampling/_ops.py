@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -69,6 +71,47 @@ def curvature_matvec(
     for idx in batches(features.n, batch_size, features.device):
         out += features.apply_t(idx, noise.apply(idx, features.apply(idx, z)))
     return out
+
+
+@dataclass(frozen=True)
+class Problem:
+    """``H x = c`` with ``H = ΦᵀBΦ + A``: the products every solver needs.
+
+    Attributes:
+        features: ``Φ``.
+        noise: ``B`` on the features' device.
+        a: ``[d]`` diagonal of ``A``.
+        c: ``[d, k]`` right-hand sides.
+        batch_size: Observations per operator call of the full-data products.
+    """
+
+    features: Features
+    noise: NoisePrecision
+    a: Tensor
+    c: Tensor
+    batch_size: int
+
+    @property
+    def a1(self) -> Tensor:
+        """``diag(A)`` as a ``[d, 1]`` column."""
+        return self.a.unsqueeze(1)
+
+    def data_batch(self, idx: Tensor, v: Tensor) -> Tensor:
+        """``(n/b) Φ_idxᵀ B Φ_idx v``: the data curvature of a minibatch, scaled to the full sum."""
+        f = self.features
+        return (f.n / idx.shape[0]) * f.apply_t(idx, self.noise.apply(idx, f.apply(idx, v)))
+
+    def batch_matvec(self, v: Tensor, idx: Tensor) -> Tensor:
+        """``Ĥ_idx v = (n/b) Φ_idxᵀ B Φ_idx v + A v``."""
+        return self.data_batch(idx, v) + self.a1 * v
+
+    def matvec(self, v: Tensor) -> Tensor:
+        """``H v`` over all observations."""
+        return curvature_matvec(self.features, self.noise, v, self.batch_size) + self.a1 * v
+
+    def residual(self, x: Tensor) -> Tensor:
+        """``H x − c`` over all observations."""
+        return self.matvec(x) - self.c
 
 
 def features_t_noise(

@@ -1,4 +1,4 @@
-"""Noise precision ``B`` (scalar, per observation, or one ``m×m`` matrix per observation) and prior ``A``."""
+"""Noise precision ``B`` (a scalar, one per observation, or the softmax Hessian) and prior ``A``."""
 
 from __future__ import annotations
 
@@ -14,21 +14,18 @@ class NoisePrecision:
     """Observation-noise precision ``B_n`` of ``η_n ~ N(0, B_n⁻¹)``.
 
     Attributes:
-        value: ``[]`` one scalar for every output (regression), ``[n]`` one scalar per observation,
-            ``[n, m, m]`` one symmetric positive-definite matrix per observation, or ``[n, m]`` softmax
-            probabilities ``p_n`` with ``jitter``: ``B_n = diag(p_n) − p_n p_nᵀ + jitter·I`` (linearised
-            classification, see [`softmax_hessian`][partialbayes.linear_sampling.softmax_hessian]),
-            never formed: every product costs ``O(m)``. Probabilities are kept in float64 with rows
-            normalised to sum to one, and ``1 − pᵀ(diag(p) + jitter·I)⁻¹p`` is computed there once (the
-            eigenvalue near ``jitter`` is below float32 resolution); products run in the operand's dtype.
+        value: ``[]`` one scalar for every output (regression), ``[n]`` one scalar per observation, or
+            ``[n, m]`` softmax probabilities ``p_n`` with ``jitter``: ``B_n = diag(p_n) − p_n p_nᵀ +
+            jitter·I`` (linearised classification, see
+            [`softmax_hessian`][partialbayes.linear_sampling.softmax_hessian]), never formed: every
+            product costs ``O(m)``. Probabilities are kept in float64 with rows normalised to sum to one,
+            and ``1 − pᵀ(diag(p) + jitter·I)⁻¹p`` is computed there once (the eigenvalue near ``jitter``
+            is below float32 resolution); products run in the operand's dtype.
         jitter: For ``[n, m]`` probabilities, the positive value added to the diagonal; else ``None``.
-        sqrt: For matrices, the lower Cholesky factor ``L_n`` with ``L_n L_nᵀ = B_n`` (a square root
-            of ``B_n``; computed on construction). ``None`` otherwise.
     """
 
     value: Tensor
     jitter: float | None = None
-    sqrt: Tensor | None = field(default=None, init=False, repr=False)
     _rest: Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -38,49 +35,32 @@ class NoisePrecision:
             object.__setattr__(self, "value", v)
         if not isinstance(v, Tensor) or not v.dtype.is_floating_point:
             raise TypeError(f"noise precision must be a float or a floating tensor, got {v!r}")
-        if v.ndim not in (0, 1, 2, 3) or (v.ndim == 3 and v.shape[1] != v.shape[2]):
+        if v.ndim > 2:
             raise ValueError(
-                f"noise precision must have shape [], [n], [n, m] (probabilities, with jitter) or "
-                f"[n, m, m], got {tuple(v.shape)}"
+                f"noise precision must have shape [], [n] or [n, m] (softmax probabilities, with "
+                f"jitter), got {tuple(v.shape)}; for other [m, m] precisions B_n = L_n L_nᵀ use "
+                "the features L_nᵀ Φ_n with NoisePrecision(1.0)"
             )
         if (v.ndim == 2) != (self.jitter is not None):
             raise ValueError("give jitter exactly when the noise precision is [n, m] probabilities")
         if not bool(torch.isfinite(v).all()):
             raise ValueError("noise precision has non-finite entries")
-        if v.ndim == 2:
-            self._softmax(v)
-        elif v.ndim < 3:
+        if v.ndim < 2:
             if not bool((v > 0).all()):
-                bad = v.min().item()
-                raise ValueError(f"noise precision must be positive, got a value {bad:.3g}")
-        else:
-            self._cholesky(v)
-
-    def _softmax(self, p: Tensor) -> None:
-        """Check probabilities and keep ``1 − ‖w‖²`` (``w = p / √(p + jitter)``) per observation."""
+                raise ValueError(
+                    f"noise precision must be positive, got a value {v.min().item():.3g}"
+                )
+            return
         j = self.jitter
         if isinstance(j, bool) or not isinstance(j, (int, float)) or not 0 < j < math.inf:
             raise ValueError(f"jitter must be a finite number > 0, got {j!r}")
-        sums = p.sum(-1, dtype=torch.float64)
-        if bool((p < 0).any()) or not bool(((sums - 1).abs() <= 1e-3).all()):
+        sums = v.sum(-1, dtype=torch.float64)
+        if bool((v < 0).any()) or not bool(((sums - 1).abs() <= 1e-3).all()):
             raise ValueError("softmax probabilities [n, m] must be >= 0 with rows summing to one")
-        p = p.to(torch.float64) / sums.unsqueeze(1)
+        p = v.to(torch.float64) / sums.unsqueeze(1)
         object.__setattr__(self, "value", p)
-        # 1 − ‖w‖² = Σ p − Σ p²/(p + j) = j Σ p/(p + j): no cancellation, > 0 for any jitter
+        # 1 − ‖w‖² for w = p / √(p + j): Σ p − Σ p²/(p + j) = j Σ p/(p + j), with no cancellation
         object.__setattr__(self, "_rest", j * (p / (p + j)).sum(-1))
-
-    def _cholesky(self, v: Tensor) -> None:
-        if not torch.allclose(v, v.transpose(1, 2), rtol=1e-5, atol=1e-8):
-            raise ValueError("noise precision matrices [n, m, m] must be symmetric")
-        wide = torch.promote_types(v.dtype, torch.float32)  # no Cholesky in half precision
-        chol, info = torch.linalg.cholesky_ex(v.to(wide))
-        if bool((info > 0).any()):
-            bad = (info > 0).nonzero().flatten()[:5].tolist()
-            raise ValueError(
-                f"noise precision matrices must be positive definite; observations {bad} are not "
-                "(add jitter, e.g. softmax_hessian(logits, jitter=1e-6))"
-            )
-        object.__setattr__(self, "sqrt", chol.to(v.dtype))
 
     def check(self, n: int, m: int) -> None:
         """Raise if this precision does not fit ``n`` observations with ``m`` outputs.
@@ -93,10 +73,10 @@ class NoisePrecision:
             ValueError: On a shape mismatch, naming both shapes.
         """
         v = self.value
-        if (v.ndim == 1 and v.shape[0] != n) or (v.ndim > 1 and v.shape[:2] != (n, m)):
+        if (v.ndim == 1 and v.shape[0] != n) or (v.ndim == 2 and tuple(v.shape) != (n, m)):
             raise ValueError(
                 f"noise precision has shape {tuple(v.shape)} but the features have n={n}, m={m} "
-                f"(expected [], [{n}], [{n}, {m}] or [{n}, {m}, {m}])"
+                f"(expected [], [{n}] or [{n}, {m}])"
             )
 
     def to(self, dtype: torch.dtype, device: torch.device) -> NoisePrecision:
@@ -104,15 +84,14 @@ class NoisePrecision:
         v = self.value
         if v.device == device and (v.dtype == dtype or v.ndim == 2):
             return self
-        dtype = torch.float64 if v.ndim == 2 else dtype
-        return NoisePrecision(v.to(device=device, dtype=dtype), self.jitter)
+        return NoisePrecision(v.to(device, torch.float64 if v.ndim == 2 else dtype), self.jitter)
 
-    def _pick(self, idx: Tensor, dims: int) -> Tensor:
-        v = self.value if self.value.ndim == 0 else self.value[idx]
-        return v.reshape(v.shape + (1,) * dims)
+    def _scale(self, idx: Tensor) -> Tensor:
+        """Scalar kinds: ``B_idx`` as ``[b, 1, 1]`` (or ``[]``)."""
+        return self.value if self.value.ndim == 0 else self.value[idx].reshape(-1, 1, 1)
 
     def _terms(self, idx: Tensor, like: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Softmax kind, in ``like``'s dtype: ``p``, ``p + jitter`` and ``w`` ``[b, m, 1]``, ``1 − ‖w‖²``."""
+        """Softmax kind, in ``like``'s dtype: ``p``, ``p + jitter``, ``w`` ``[b, m, 1]``; ``1 − ‖w‖²``."""
         assert self._rest is not None
         assert self.jitter is not None
         p = self.value[idx].unsqueeze(2)
@@ -123,24 +102,19 @@ class NoisePrecision:
     def apply(self, idx: Tensor, v: Tensor) -> Tensor:
         """``B_idx v`` for ``v`` of shape ``[b, m, k]``."""
         if self.value.ndim < 2:
-            return self._pick(idx, 2) * v
-        if self.value.ndim == 3:
-            return self.value[idx] @ v
+            return self._scale(idx) * v
         p, diag, _, _ = self._terms(idx, v)
         return diag * v - p * (p * v).sum(1, keepdim=True)
 
     def apply_sqrt(self, idx: Tensor, e: Tensor) -> Tensor:
         """``S_idx e`` for ``e`` of shape ``[b, m, k]``, a square root ``S Sᵀ = B``.
 
-        Matrices: the Cholesky factor ``L``. Softmax: with ``E = diag(p + jitter)``,
-        ``B = E^½ (I − w wᵀ) E^½`` for ``w = E^{-½} p``, and ``S = E^½ (I − c w wᵀ)``,
-        ``c = 1 / (1 + √(1 − ‖w‖²))``, since ``(I − c w wᵀ)² = I − w wᵀ``.
+        Softmax: with ``E = diag(p + jitter)``, ``B = E^½ (I − w wᵀ) E^½`` for ``w = E^{-½} p``
+        (``‖w‖ < 1``), and ``S = E^½ (I − c w wᵀ)`` with ``c = 1 / (1 + √(1 − ‖w‖²))``, since
+        ``(I − c w wᵀ)² = I − w wᵀ``.
         """
         if self.value.ndim < 2:
-            return self._pick(idx, 2).sqrt() * e
-        if self.value.ndim == 3:
-            assert self.sqrt is not None
-            return self.sqrt[idx] @ e
+            return self._scale(idx).sqrt() * e
         _, diag, w, rest = self._terms(idx, e)
         c = 1 / (1 + rest.sqrt())
         return diag.sqrt() * (e - c * w * (w * e).sum(1, keepdim=True))
@@ -151,10 +125,7 @@ class NoisePrecision:
         Softmax: ``S⁻ᵀ = E^{-½} (I + c' w wᵀ)`` with ``c' = 1 / (√(1 − ‖w‖²) (1 + √(1 − ‖w‖²)))``.
         """
         if self.value.ndim < 2:
-            return e / self._pick(idx, 2).sqrt()
-        if self.value.ndim == 3:
-            assert self.sqrt is not None
-            return torch.linalg.solve_triangular(self.sqrt[idx].transpose(1, 2), e, upper=True)
+            return e / self._scale(idx).sqrt()
         _, diag, w, rest = self._terms(idx, e)
         c = 1 / (rest.sqrt() * (1 + rest.sqrt()))
         return (e + c * w * (w * e).sum(1, keepdim=True)) / diag.sqrt()
@@ -162,10 +133,7 @@ class NoisePrecision:
     def solve(self, idx: Tensor, g: Tensor) -> Tensor:
         """``B_idx⁻¹ g`` for ``g`` of shape ``[b, m, k]`` (softmax: by Sherman–Morrison, ``O(m)``)."""
         if self.value.ndim < 2:
-            return g / self._pick(idx, 2)
-        if self.value.ndim == 3:
-            assert self.sqrt is not None
-            return torch.cholesky_solve(g, self.sqrt[idx])
+            return g / self._scale(idx)
         p, diag, _, rest = self._terms(idx, g)
         u = p / diag  # E⁻¹ p
         return g / diag + u * (u * g).sum(1, keepdim=True) / rest
@@ -173,15 +141,10 @@ class NoisePrecision:
     def logdet(self, n: int, m: int) -> Tensor:
         """``Σ_n log det B_n`` over ``n`` observations with ``m`` outputs."""
         v = self.value
-        if v.ndim == 0:
-            return n * m * v.log()
-        if v.ndim == 1:
-            return m * v.log().sum()
-        if v.ndim == 2:
-            _, diag, _, rest = self._terms(torch.arange(v.shape[0], device=v.device), v)
-            return diag.log().sum() + rest.log().sum()
-        assert self.sqrt is not None
-        return 2 * self.sqrt.diagonal(dim1=1, dim2=2).log().sum()
+        if v.ndim < 2:
+            return (n * m if v.ndim == 0 else m) * v.log().sum()
+        _, diag, _, rest = self._terms(torch.arange(n, device=v.device), v)
+        return diag.log().sum() + rest.log().sum()
 
 
 def softmax_hessian(logits: Tensor, jitter: float = 1e-6) -> NoisePrecision:
@@ -206,11 +169,7 @@ def softmax_hessian(logits: Tensor, jitter: float = 1e-6) -> NoisePrecision:
         raise TypeError(f"logits must be a floating tensor, got {type(logits).__name__}")
     if logits.ndim != 2:
         raise ValueError(f"logits must have shape [n, m], got {tuple(logits.shape)}")
-    if isinstance(jitter, bool) or not math.isfinite(jitter) or jitter <= 0:
-        raise ValueError(f"jitter must be positive, got {jitter}")
-    if not bool(torch.isfinite(logits).all()):
-        raise ValueError("logits have non-finite entries")
-    return NoisePrecision(logits.to(torch.float64).softmax(-1), float(jitter))
+    return NoisePrecision(logits.to(torch.float64).softmax(-1), jitter)
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from partialbayes.linear_sampling._ops import Problem
+
 GradFn = Callable[[Tensor, Tensor], Tensor]
 """``(x [d, k], idx [b]) -> stochastic gradient [d, k]`` (already scaled to the full sum)."""
-ResidualFn = Callable[[Tensor], Tensor]
-"""``x [d, k] -> Hx − c [d, k]`` over all observations (one full pass)."""
 
 
 class DivergenceError(ValueError):
@@ -196,12 +196,9 @@ def diverged(what: str, step: int, lr: float, mu: float) -> DivergenceError:
 
 
 def sgd_minimise(
+    problem: Problem,
     grad_fn: GradFn,
-    residual_fn: ResidualFn,
-    c: Tensor,
-    a: Tensor,
     x0: Tensor,
-    n: int,
     batch_size: int,
     config: SGDConfig,
     lr: float,
@@ -212,15 +209,13 @@ def sgd_minimise(
     Each step draws ``batch_size`` observations independently and with replacement (all of them, in
     order, when ``batch_size >= n``), so every stochastic gradient is unbiased; shuffling without
     replacement at a constant step would bias the stationary point towards the start. Every
-    ``check_every`` steps the averaged iterate is checked with one full pass.
+    ``check_every`` steps the averaged iterate is checked with one full pass (``problem.residual``).
 
     Args:
+        problem: The quadratic (its right-hand sides ``c [d, k]`` and prior diagonal ``a`` also feed
+            the error bound).
         grad_fn: Minibatch gradient estimate of ``f``.
-        residual_fn: Full-data residual ``Hx − c``.
-        c: ``[d, k]`` right-hand sides (for the diagnostics).
-        a: ``[d]`` prior precision diagonal (for the error bound).
         x0: Initial iterate ``[d, k]``.
-        n: Number of observations.
         batch_size: Observations per step.
         config: Optimiser settings.
         lr: Step size.
@@ -233,6 +228,7 @@ def sgd_minimise(
         DivergenceError: If the iterate becomes non-finite or the residual grows beyond
             ``divergence_factor`` times its initial size.
     """
+    residual_fn, c, a, n = problem.residual, problem.c, problem.a, problem.features.n
     x = x0.clone()
     vel = torch.zeros_like(x)
     avg = torch.zeros_like(x)
@@ -268,37 +264,3 @@ def sgd_minimise(
             break
     info.error_bound = bound
     return current, info
-
-
-def power_max_eigenvalue(
-    matvec: Callable[[Tensor, int], Tensor],
-    d: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    iters: int = 20,
-    generator: torch.Generator | None = None,
-) -> float:
-    """Largest eigenvalue of a PSD operator by power iteration (matvec may vary with the iteration).
-
-    Args:
-        matvec: ``(v [d, 1], iteration) -> H v``.
-        d: Dimension.
-        dtype: Floating dtype.
-        device: Device.
-        iters: Iterations.
-        generator: CPU generator for the start vector.
-
-    Returns:
-        The largest Rayleigh quotient seen (an estimate from below).
-    """
-    v = torch.randn(d, 1, generator=generator, dtype=dtype).to(device)
-    v = v / v.norm()
-    best = 0.0
-    for i in range(iters):
-        hv = matvec(v, i)
-        best = max(best, float((v * hv).sum()))
-        norm = hv.norm()
-        if not bool(norm > 0):
-            break
-        v = hv / norm
-    return best

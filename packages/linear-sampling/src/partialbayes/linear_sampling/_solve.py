@@ -16,19 +16,14 @@ from torch import Tensor
 from partialbayes.linear_sampling._cg import cg_solve
 from partialbayes.linear_sampling._features import Features
 from partialbayes.linear_sampling._ops import (
-    curvature_matvec,
+    Problem,
     default_batch_size,
     features_t_noise,
     features_t_noise_sqrt,
     targets_3d,
 )
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior
-from partialbayes.linear_sampling._sgd import (
-    SGDConfig,
-    SolveInfo,
-    power_max_eigenvalue,
-    sgd_minimise,
-)
+from partialbayes.linear_sampling._sgd import SGDConfig, SolveInfo, sgd_minimise
 from partialbayes.linear_sampling._svrg import svrg_minimise
 from partialbayes.predictive import check_generator
 
@@ -108,62 +103,28 @@ def _check_solver_options(tol: float, max_iter: int | None) -> None:
         raise ValueError(f"max_iter must be a positive int or None, got {max_iter!r}")
 
 
-@dataclass(frozen=True)
-class _Problem:
-    """``H x = c`` with ``H = ΦᵀBΦ + A``: the products every solver needs.
+def _lr(problem: Problem, batch_size: int, config: SGDConfig, generator) -> float:
+    """``config.lr``, else ``lr_scale / λ̂``, ``λ̂`` estimating the largest minibatch curvature.
 
-    Attributes:
-        features: ``Φ``.
-        noise: ``B`` on the features' device.
-        a: ``[d]`` diagonal of ``A``.
-        c: ``[d, k]`` right-hand sides.
-        batch_size: Observations per operator call of the full-data products.
+    ``λ̂`` is the largest Rayleigh quotient of 20 power steps on minibatch curvatures (from below).
     """
-
-    features: Features
-    noise: NoisePrecision
-    a: Tensor
-    c: Tensor
-    batch_size: int
-
-    @property
-    def a1(self) -> Tensor:
-        """``diag(A)`` as a ``[d, 1]`` column."""
-        return self.a.unsqueeze(1)
-
-    def data_batch(self, idx: Tensor, v: Tensor) -> Tensor:
-        """``(n/b) Φ_idxᵀ B Φ_idx v``: the data curvature of a minibatch, scaled to the full sum."""
-        f = self.features
-        return (f.n / idx.shape[0]) * f.apply_t(idx, self.noise.apply(idx, f.apply(idx, v)))
-
-    def batch_matvec(self, v: Tensor, idx: Tensor) -> Tensor:
-        """``Ĥ_idx v``."""
-        return self.data_batch(idx, v) + self.a1 * v
-
-    def matvec(self, v: Tensor) -> Tensor:
-        """``H v`` over all observations."""
-        return curvature_matvec(self.features, self.noise, v, self.batch_size) + self.a1 * v
-
-    def residual(self, x: Tensor) -> Tensor:
-        """``H x − c`` over all observations."""
-        return self.matvec(x) - self.c
-
-
-def _lr(problem: _Problem, batch_size: int, config: SGDConfig, generator) -> float:
     if config.lr is not None:
         return config.lr
-    features = problem.features
-
-    def matvec(v: Tensor, _: int) -> Tensor:
-        idx = torch.randperm(features.n, generator=generator)[:batch_size].to(features.device)
-        return problem.batch_matvec(v, idx)
-
-    lam = power_max_eigenvalue(matvec, features.d, features.dtype, features.device, 20, generator)
+    f = problem.features
+    v = torch.randn(f.d, 1, generator=generator, dtype=f.dtype).to(f.device)
+    v, lam = v / v.norm(), 0.0
+    for _ in range(20):
+        idx = torch.randperm(f.n, generator=generator)[:batch_size].to(f.device)
+        hv = problem.batch_matvec(v, idx)
+        lam, norm = max(lam, float((v * hv).sum())), hv.norm()
+        if not bool(norm > 0):
+            break
+        v = hv / norm
     return config.lr_scale / lam
 
 
 def _minimise(
-    problem: _Problem,
+    problem: Problem,
     grad_fn: Callable[[Tensor, Tensor], Tensor],
     x0: Tensor | None,
     method: str,
@@ -185,23 +146,9 @@ def _minimise(
     if config.variance_reduction:
         per_step = math.ceil(features.n / math.ceil(features.n / b))  # equal-sized batches
         lr = _lr(problem, per_step, config, generator)
-        return svrg_minimise(
-            problem.batch_matvec,
-            problem.residual,
-            problem.c,
-            problem.a,
-            x0,
-            features.n,
-            b,
-            config,
-            lr,
-            config.lr is None,
-            generator,
-        )
+        return svrg_minimise(problem, x0, b, config, lr, config.lr is None, generator)
     lr = _lr(problem, b, config, generator)
-    return sgd_minimise(
-        grad_fn, problem.residual, problem.c, problem.a, x0, features.n, b, config, lr, generator
-    )
+    return sgd_minimise(problem, grad_fn, x0, b, config, lr, generator)
 
 
 def posterior_mean(
@@ -250,7 +197,7 @@ def posterior_mean(
     y = targets_3d(features, targets)
     bs = default_batch_size(features, batch_size)
     x0 = _initial_mean(features, init)
-    problem = _Problem(features, noise, a, features_t_noise(features, noise, y, bs), bs)
+    problem = Problem(features, noise, a, features_t_noise(features, noise, y, bs), bs)
 
     def grad_fn(x: Tensor, idx: Tensor) -> Tensor:
         r = features.apply(idx, x) - y[idx]
@@ -339,7 +286,7 @@ def posterior_samples(
     keep = objective == "standard" and plain  # only plain SGD reads ε again
     proj, eps = features_t_noise_sqrt(features, noise, k, bs, generator, keep=keep)
     theta_n = theta0 + proj / a1
-    problem = _Problem(features, noise, a, a1 * theta_n, bs)
+    problem = Problem(features, noise, a, a1 * theta_n, bs)
 
     def low_variance(z: Tensor, idx: Tensor) -> Tensor:
         return problem.data_batch(idx, z) + a1 * (z - theta_n)
