@@ -9,7 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from partialbayes.linear_sampling import SampledLaplace, loader_features, network_logits
+from partialbayes.linear_sampling import (
+    SampledLaplace,
+    linearised_logit_moments,
+    loader_features,
+    network_logits,
+)
 from partialbayes.selection import KronBlock, Subset
 
 F64 = torch.float64
@@ -170,3 +175,22 @@ def test_nested_swaps_restore_what_they_found():
         with post.sampled():
             pass
         assert torch.equal(model[2].bias, edited)
+
+
+def test_covariances_that_do_not_fit_are_refused_before_allocating():
+    # issue #23: a [.., C, C] covariance at a large C is refused with its bytes and the alternative
+    torch.manual_seed(0)
+    model = nn.Linear(3, 200_000).eval()
+    subset = Subset.from_model(model, {"bias": KronBlock(rows=torch.tensor([0, 5, 7]))})
+    x, y = torch.randn(4, 3), torch.randint(0, 200_000, (4,))
+    post = SampledLaplace(model, subset).fit([(x, y)], n_samples=3)
+    with pytest.raises(
+        ValueError, match=r"logit_mean_cov of outputs \(1, 200000\) needs 149\.0 GiB"
+    ):
+        post.logit_mean_cov(x[:1])
+    probs = post.predict(x)  # the predictive forms no C x C block
+    torch.testing.assert_close(probs.sum(-1), torch.ones(4))
+    with pytest.raises(
+        ValueError, match=r"linearised_logit_moments needs .* linearised_logit_samples"
+    ):
+        linearised_logit_moments(model, x, {"bias": subset.mask("bias")}, samples=post.samples)

@@ -18,7 +18,7 @@ from partialbayes.linear_sampling._ops import (
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior
 from partialbayes.linear_sampling._sgd import SGDConfig
 from partialbayes.linear_sampling._solve import check_problem, posterior_mean, posterior_samples
-from partialbayes.predictive import check_generator
+from partialbayes.predictive import check_count, check_generator
 
 _ESTIMATORS = ("function", "weight")
 
@@ -148,8 +148,7 @@ def feature_scales(
         ValueError: If a parameter has no curvature (a zero feature column).
     """
     check_generator(generator)
-    if isinstance(n_probes, bool) or not isinstance(n_probes, int) or n_probes < 1:
-        raise ValueError(f"n_probes must be a positive int, got {n_probes!r}")
+    check_count("n_probes", n_probes)
     noise.check(features.n, features.m)
     noise = noise.to(features.dtype, features.device)
     if features.matrix is not None:
@@ -249,9 +248,8 @@ def fit_prior_precision(
         raise ValueError(f"estimator must be one of {_ESTIMATORS}, got {estimator!r}")
     check_problem(features, noise, prior, method, sgd)
     check_generator(generator)
-    for name, value in (("k", k), ("max_iter", max_iter)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    check_count("k", k)
+    check_count("max_iter", max_iter)
     if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < math.inf:
         raise ValueError(f"tol must be a positive number, got {tol!r}")
     if not isinstance(g_prior, bool):
@@ -297,38 +295,3 @@ def fit_prior_precision(
     if scale is not None:
         mean, samples, a = mean / scale, samples / scale.unsqueeze(1), a * scale**2
     return EMResult(prior, a, mean, samples, scale, converged, history)
-
-
-def dense_log_evidence(phi: Tensor, targets: Tensor, noise: NoisePrecision, prior: Prior) -> Tensor:
-    """Exact log evidence ``log p(Y | α)`` of the linear model, by dense Cholesky (small problems).
-
-    ``log p(Y) = −½‖Y − Φθ̄‖²_B − ½‖θ̄‖²_A − ½ log det H + ½ log det A + ½ Σ_n log det B_n − (nm/2) log 2π``.
-
-    Args:
-        phi: ``[n, d]`` or ``[n, m, d]`` features.
-        targets: ``[n]`` or ``[n, m]``.
-        noise: Noise precision ``B``.
-        prior: Prior (differentiable in ``prior.alpha``).
-
-    Returns:
-        Scalar tensor.
-    """
-    feats = Features.dense(phi)
-    phi3 = feats.matrix
-    assert phi3 is not None
-    n, m, d = phi3.shape
-    noise.check(n, m)
-    noise = noise.to(phi3.dtype, phi3.device)
-    y = targets_3d(feats, targets)[..., 0]
-    idx = torch.arange(n, device=phi3.device)
-    bphi = noise.apply(idx, phi3)
-    a = prior.alpha.to(phi3).reshape(-1)[prior.group_index(d, phi3.device)]
-    h = torch.einsum("nmd,nme->de", phi3, bphi) + torch.diag(a)
-    chol = torch.linalg.cholesky(h)
-    mean = torch.cholesky_solve(torch.einsum("nmd,nm->d", bphi, y).unsqueeze(1), chol)[:, 0]
-    r = (y - phi3 @ mean).unsqueeze(2)
-    quad = (r * noise.apply(idx, r)).sum() + (a * mean * mean).sum()
-    logdet_h = 2 * chol.diagonal().log().sum()
-    return 0.5 * (
-        -quad - logdet_h + a.log().sum() + noise.logdet(n, m) - n * m * math.log(2 * math.pi)
-    )

@@ -16,7 +16,7 @@ from partialbayes.linear_sampling._network import (
     network_features,
     network_logits,
 )
-from partialbayes.linear_sampling._ops import curvature_matvec, default_batch_size
+from partialbayes.linear_sampling._ops import check_memory, curvature_matvec, default_batch_size
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior
 
 
@@ -102,7 +102,8 @@ def linearised_logit_moments(
         ``(mean [n, m], covariance [n, m, m])``.
 
     Raises:
-        ValueError: If neither or both ways are given, or ``d`` disagrees.
+        ValueError: If neither or both ways are given, ``d`` disagrees, or the ``[n, m, m]``
+            covariances (and the exact path's identity) would not fit in the free memory.
     """
     exact = train_features is not None or noise is not None or prior is not None
     if exact == (samples is not None) or (
@@ -111,6 +112,12 @@ def linearised_logit_moments(
         raise ValueError("give either samples, or all of train_features, noise and prior")
     feats = network_features(model, inputs, params, output_fn=output_fn)
     mean = network_logits(model, inputs, batch_size=batch_size, output_fn=output_fn)
+    b = (
+        0 if samples is not None else min(batch_size, feats.n)
+    )  # the exact path's [b, m, b·m] identity
+    floats = (feats.n + b * b) * feats.m**2
+    instead = "use linearised_logit_samples, which forms no m x m blocks"
+    check_memory(floats * feats.dtype.itemsize, feats.device, "linearised_logit_moments", instead)
     cov = torch.empty(feats.n, feats.m, feats.m, dtype=feats.dtype, device=feats.device)
     if samples is not None:
         _check_samples(samples, feats.d)

@@ -24,6 +24,7 @@ from partialbayes.linear_sampling._features import WORKING_BYTES, Features
 from partialbayes.predictive import (
     IGNORE_INDEX,
     Batch,
+    check_count,
     kept_positions,
     output_logits,
     split_batch,
@@ -230,12 +231,13 @@ class _Part:
 
 
 def read_batches(
-    ops: _Operators, batches: Iterable[Any], *, check_finite: bool = True, stacklevel: int = 2
+    ops: _Operators, batches: Iterable[Any], *, check_finite: bool = True
 ) -> tuple[Features, Tensor]:
     """Features over every kept output of ``batches`` and the logits ``[n, m]`` there.
 
     Each batch is read once (one forward pass). A batch without kept outputs (every label -100) is
-    skipped; one warning counts them, and a loader of nothing else is refused.
+    skipped; one warning (pointing at the caller's caller) counts them, and a loader of nothing else
+    is refused.
 
     Raises:
         ValueError: If ``batches`` is empty, a batch is (naming it), the batches disagree on ``m``, or
@@ -279,7 +281,7 @@ def read_batches(
     if skipped:
         warnings.warn(
             f"skipped {skipped} of {total} batches with no labelled outputs",
-            stacklevel=stacklevel + 1,
+            stacklevel=3,
         )
     m = int(logits[0].shape[-1])
     return _features(ops, parts, m, check_finite=check_finite), torch.cat(logits)
@@ -362,34 +364,29 @@ def network_features(
     output_fn: OutputFn | None = None,
     check_finite: bool = True,
 ) -> Features:
-    """Features ``Φ_n = ∂ f(x_n; θ) / ∂ θ_S`` of the network linearised at its current weights.
+    """Features ``Φ_n = ∂ f(x_n; θ) / ∂ θ_S`` of the network linearised at its current weights, on one batch.
 
     ``θ_S`` is the flat vector of the chosen entries (see
     [`network_parameters`][partialbayes.linear_sampling.network_parameters]). ``Φ z`` is a forward-mode
     ``torch.func.jvp`` and ``Φᵀ v`` a reverse-mode ``torch.func.vjp`` through
-    ``torch.func.functional_call`` on the minibatch; there is no ``vmap`` over the model, so Hugging Face
-    models with dict batches work. ``k`` columns cost ``k`` JVPs, or one forward and ``k`` backward passes.
-    For several batches (a loader) use [`loader_features`][partialbayes.linear_sampling.loader_features].
+    ``torch.func.functional_call``; ``k`` columns run jointly under ``vmap`` where the model allows it
+    (else one by one: Hugging Face attention masks), a few at a time so that the output tangents stay
+    small at a large vocabulary. This is [`loader_features`][partialbayes.linear_sampling.loader_features]
+    on one batch: its arguments and errors.
 
     Args:
         model: The network, in eval mode (dropout would make the features random).
-        inputs: One batch of any kind ``partialbayes.predictive.split_batch`` reads: a ``[n, ...]`` tensor,
-            an ``(inputs, labels)`` pair, or a mapping (``dict``, ``transformers.BatchEncoding``) of
-            ``[n, ...]`` tensors passed as keyword arguments (labels are not passed to the model).
-            Token-level logits ``[n, T, m]`` give one observation per kept position (attention mask 1,
-            label not -100); ``[n, m]`` logits one per example whose integer label is not -100.
+        inputs: One batch of any kind ``partialbayes.predictive.split_batch`` reads (labels are not
+            passed to the model). Observations: each example of ``[n, m]`` logits whose integer label
+            is not -100, each position of token-level ``[n, T, m]`` logits with attention mask 1 and
+            label not -100.
         params: Parameter names, ``{name: bool mask}`` in storage shape, or a
             ``partialbayes.selection.Subset``.
-        output_fn: Maps the model output to logits (default: ``.logits``, else the first element of a
-            tuple, else the tensor; ``[b]`` becomes ``[b, 1]``).
+        output_fn: Maps the model output to logits (``[b]`` becomes ``[b, 1]``).
         check_finite: Raise on non-finite Jacobian products.
 
     Returns:
         Operator features with ``d`` = number of chosen entries and ``m`` = number of logits.
-
-    Raises:
-        ValueError: If the model is in training mode, names are unknown or masks do not fit.
-        TypeError: If ``params`` or ``inputs`` have the wrong type.
     """
     return loader_features(model, [inputs], params, output_fn=output_fn, check_finite=check_finite)
 
@@ -413,8 +410,7 @@ def network_logits(
         ``[n, m]`` logits, one row per observation of `network_features` (for token-level logits the
         kept positions, in row-major order).
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    check_count("batch_size", batch_size)
     b = split_batch(inputs, device=next(model.parameters()).device)
     get = output_fn or output_logits
     n = n_examples(b.inputs)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from partialbayes.linear_sampling._features import WORKING_BYTES, Features, batches
 from partialbayes.linear_sampling._precision import NoisePrecision
+from partialbayes.predictive import check_count
 
 
 def default_batch_size(features: Features, batch_size: int | None, k: int = 1) -> int:
@@ -22,9 +25,7 @@ def default_batch_size(features: Features, batch_size: int | None, k: int = 1) -
     if batch_size is None:
         per = features.m * k * features.dtype.itemsize
         return max(1, min(features.n, 256, WORKING_BYTES // per))
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    return min(batch_size, features.n)
+    return min(check_count("batch_size", batch_size), features.n)
 
 
 def targets_3d(features: Features, targets: Tensor) -> Tensor:
@@ -166,17 +167,15 @@ def check_memory(nbytes: int, device: torch.device, what: str, instead: str) -> 
     Raises:
         ValueError: Naming ``what``, the bytes it needs, the bytes free and ``instead``.
     """
-    free = None
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
-        try:
-            with open("/proc/meminfo") as f:
-                lines = [line.split() for line in f if line.startswith("MemAvailable:")]
-            free = int(lines[0][1]) * 1024 if lines else None
-        except OSError:
-            pass
-    if free is not None and nbytes > free:
+        meminfo = Path("/proc/meminfo")
+        found = (
+            re.search(r"MemAvailable:\s*(\d+)", meminfo.read_text()) if meminfo.exists() else None
+        )
+        free = int(found.group(1)) * 1024 if found else nbytes
+    if nbytes > free:
         raise ValueError(
             f"{what} needs {nbytes / 2**30:.1f} GiB ({nbytes:,} bytes) but {free / 2**30:.1f} GiB are "
             f"free on {device}: {instead}"

@@ -282,14 +282,14 @@ class SampledLaplace:
         each: Callable[[Tensor, Tensor], Tensor],
         *,
         cat: bool = False,
-        size: Callable[[Tensor], tuple[int, str, str]] | None = None,
+        result: tuple[Callable[[Tensor], int], str, str] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """``f(x; θ*)`` in the model's output shape and ``each(f, J z_c)`` summed (or concatenated).
 
         The chosen columns ``z_c`` of the stored samples (all for ``cols=None``) are pushed forward a few
         at a time (``J z_c`` is ``[*f, c]``), so no ``[*f, k]`` block is formed unless asked for.
-        ``size(f)`` gives the result's bytes, what it is and the alternative: the call is refused before
-        the first chunk if the device's free memory cannot hold it.
+        ``result = (f -> floats per output, what, instead)`` sizes the result: the call is refused before
+        the first column if the device's free memory cannot hold it.
         """
         z = self._require_fit()
         z = z if cols is None else z[:, cols.to(z.device)]
@@ -298,9 +298,10 @@ class SampledLaplace:
         parts: list[Tensor] = []
         with eval_mode(self.model):
             f = ops.forward(inputs)
-            if size is not None:
-                nbytes, what, instead = size(f)
-                check_memory(nbytes, f.device, what, instead)
+            if result is not None:
+                per, what, instead = result
+                nbytes = f.numel() * per(f) * max(f.element_size(), z.element_size())
+                check_memory(nbytes, f.device, f"{what} of outputs {tuple(f.shape)}", instead)
             for jz in ops.jvp(inputs, z, f.numel()):
                 part = each(f, jz.reshape(*f.shape, jz.shape[-1]))
                 parts = [*parts, part] if cat or not parts else [parts[0] + part]
@@ -319,19 +320,12 @@ class SampledLaplace:
         """
         check_count("n", n)
 
-        def size(f: Tensor) -> tuple[int, str, str]:
-            what = f"predictive_samples(n={n}) of outputs {tuple(f.shape)}"
-            return (
-                n * f.numel() * max(f.element_size(), 4),
-                what,
-                "draw fewer samples, or pass fewer examples",
-            )
-
         def draws(f: Tensor, jz: Tensor) -> Tensor:
             return f.unsqueeze(0) + jz.movedim(-1, 0)
 
-        cols = self._columns(n, generator)
-        return self._linearised(batch, cols, draws, cat=True, size=size)[1]
+        instead = "draw fewer samples, or pass fewer examples"
+        size = (lambda f: n, f"predictive_samples(n={n})", instead)
+        return self._linearised(batch, self._columns(n, generator), draws, cat=True, result=size)[1]
 
     def logit_mean_cov(self, batch: Any) -> tuple[Tensor, Tensor]:
         """Linearised predictive ``f(x; θ*)`` and the sample covariance ``(1/k) Σ_j (J z_j)(J z_j)ᵀ``.
@@ -349,15 +343,12 @@ class SampledLaplace:
         """
         k = self.n_stored
 
-        def size(f: Tensor) -> tuple[int, str, str]:
-            what = f"logit_mean_cov: the [..., C, C] covariances of outputs {tuple(f.shape)}"
-            instead = "use predict or predictive_samples, which never form C x C blocks"
-            return f.numel() * f.shape[-1] * max(f.element_size(), 4), what, instead
-
         def outer(f: Tensor, jz: Tensor) -> Tensor:
             return jz @ jz.transpose(-1, -2) / k
 
-        return self._linearised(batch, None, outer, size=size)
+        instead = "use predict or predictive_samples, which form no C x C blocks"
+        size = (lambda f: f.shape[-1], "logit_mean_cov", instead)
+        return self._linearised(batch, None, outer, result=size)
 
     def predict(
         self,

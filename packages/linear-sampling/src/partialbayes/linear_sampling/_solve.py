@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from partialbayes.linear_sampling._cg import cg_solve
+from partialbayes.linear_sampling._cg import cg_solve, check_options
 from partialbayes.linear_sampling._features import Features
 from partialbayes.linear_sampling._ops import (
     Problem,
@@ -25,7 +25,7 @@ from partialbayes.linear_sampling._ops import (
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior
 from partialbayes.linear_sampling._sgd import SGDConfig, SolveInfo, sgd_minimise
 from partialbayes.linear_sampling._svrg import svrg_minimise
-from partialbayes.predictive import check_generator
+from partialbayes.predictive import check_count, check_generator
 
 _METHODS = ("cg", "sgd")
 _OBJECTIVES = ("low_variance", "standard")
@@ -90,17 +90,6 @@ def check_problem(
     noise = noise.to(features.dtype, features.device)
     a = prior.diag(features.d, features.dtype, features.device)
     return noise, a
-
-
-def _check_solver_options(tol: float, max_iter: int | None) -> None:
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)):
-        raise TypeError(f"tol must be a number, got {tol!r}")
-    if not 0 <= tol < math.inf:
-        raise ValueError(f"tol must be finite and >= 0, got {tol}")
-    if max_iter is not None and (
-        isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1
-    ):
-        raise ValueError(f"max_iter must be a positive int or None, got {max_iter!r}")
 
 
 def _lr(problem: Problem, batch_size: int, config: SGDConfig, generator) -> float:
@@ -192,7 +181,7 @@ def posterior_mean(
         TypeError: If an argument has the wrong type.
     """
     noise, a = check_problem(features, noise, prior, method, sgd)
-    _check_solver_options(tol, max_iter)
+    check_options(tol, max_iter)
     check_generator(generator)
     y = targets_3d(features, targets)
     bs = default_batch_size(features, batch_size)
@@ -272,12 +261,11 @@ def posterior_samples(
         TypeError: If an argument has the wrong type.
     """
     noise, a = check_problem(features, noise, prior, method, sgd)
-    _check_solver_options(tol, max_iter)
+    check_options(tol, max_iter)
     check_generator(generator)
     if objective not in _OBJECTIVES:
         raise ValueError(f"objective must be one of {_OBJECTIVES}, got {objective!r}")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be a positive int, got {k!r}")
+    check_count("k", k)
     bs = default_batch_size(features, batch_size, k)
     a1 = a.unsqueeze(1)
     theta0 = torch.randn(features.d, k, generator=generator, dtype=features.dtype)
