@@ -11,6 +11,7 @@ from torch import Tensor
 
 from partialbayes.linear_sampling._features import Features, batches, scale_features
 from partialbayes.linear_sampling._ops import (
+    check_samples,
     curvature_matvec,
     default_batch_size,
     targets_3d,
@@ -61,12 +62,7 @@ def effective_dimension(
     """
     if estimator not in _ESTIMATORS:
         raise ValueError(f"estimator must be one of {_ESTIMATORS}, got {estimator!r}")
-    if samples.ndim != 2 or samples.shape[0] != features.d:
-        raise ValueError(
-            f"samples have shape {tuple(samples.shape)} but the features expect (d={features.d}, k)"
-        )
-    if not bool(torch.isfinite(samples).all()):
-        raise ValueError("samples have non-finite entries")
+    check_samples(samples, features.d)
     groups = prior.group_index(features.d, features.device)
     n_groups = prior.n_groups
     k = samples.shape[1]

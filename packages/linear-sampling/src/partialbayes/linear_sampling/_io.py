@@ -45,7 +45,6 @@ def write_posterior(posterior: SampledLaplace, path: str | os.PathLike[str]) -> 
     meta = {
         "format": FORMAT,
         "version": VERSION,
-        "model_class": type(posterior.model).__name__,
         "subset": posterior.subset.to_json(),
         "likelihood": posterior.likelihood,
         "sigma_noise": posterior.sigma_noise,

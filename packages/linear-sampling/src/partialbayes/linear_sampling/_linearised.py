@@ -16,7 +16,12 @@ from partialbayes.linear_sampling._network import (
     network_features,
     network_logits,
 )
-from partialbayes.linear_sampling._ops import check_memory, curvature_matvec, default_batch_size
+from partialbayes.linear_sampling._ops import (
+    check_memory,
+    check_samples,
+    curvature_matvec,
+    default_batch_size,
+)
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior
 
 
@@ -48,7 +53,7 @@ def linearised_logit_samples(
         ValueError: If the samples are not ``[d, k]`` or not finite.
     """
     feats = network_features(model, inputs, params, output_fn=output_fn)
-    _check_samples(samples, feats.d)
+    check_samples(samples, feats.d)
     mean = network_logits(model, inputs, batch_size=batch_size, output_fn=output_fn)
     out = torch.empty(feats.n, feats.m, samples.shape[-1], dtype=mean.dtype, device=mean.device)
     for idx in batches(feats.n, batch_size, feats.device):
@@ -56,15 +61,6 @@ def linearised_logit_samples(
             mean.dtype
         )
     return (mean.unsqueeze(2) + out).permute(2, 0, 1)
-
-
-def _check_samples(samples: Tensor, d: int) -> None:
-    if not isinstance(samples, Tensor) or not samples.dtype.is_floating_point:
-        raise TypeError(f"samples must be a floating [d, k] tensor, got {type(samples).__name__}")
-    if samples.ndim != 2 or samples.shape[0] != d:
-        raise ValueError(f"samples have shape {tuple(samples.shape)} but the network has d={d}")
-    if not bool(torch.isfinite(samples).all()):
-        raise ValueError("samples have non-finite entries")
 
 
 def linearised_logit_moments(
@@ -120,7 +116,7 @@ def linearised_logit_moments(
     check_memory(floats * feats.dtype.itemsize, feats.device, "linearised_logit_moments", instead)
     cov = torch.empty(feats.n, feats.m, feats.m, dtype=feats.dtype, device=feats.device)
     if samples is not None:
-        _check_samples(samples, feats.d)
+        check_samples(samples, feats.d)
         z = samples.to(device=feats.device, dtype=feats.dtype)
         for idx in batches(feats.n, batch_size, feats.device):
             jz = feats.apply(idx, z)

@@ -28,6 +28,16 @@ def default_batch_size(features: Features, batch_size: int | None, k: int = 1) -
     return min(check_count("batch_size", batch_size), features.n)
 
 
+def check_samples(samples: Tensor, d: int) -> None:
+    """Raise unless ``samples`` is a finite floating ``[d, k]`` tensor."""
+    if not isinstance(samples, Tensor) or not samples.dtype.is_floating_point:
+        raise TypeError(f"samples must be a floating [d, k] tensor, got {type(samples).__name__}")
+    if samples.ndim != 2 or samples.shape[0] != d:
+        raise ValueError(f"samples have shape {tuple(samples.shape)}, expected (d={d}, k)")
+    if not bool(torch.isfinite(samples).all()):
+        raise ValueError("samples have non-finite entries")
+
+
 def targets_3d(features: Features, targets: Tensor) -> Tensor:
     """Targets as ``[n, m, 1]``, validated against the features.
 
@@ -57,17 +67,7 @@ def targets_3d(features: Features, targets: Tensor) -> Tensor:
 def curvature_matvec(
     features: Features, noise: NoisePrecision, z: Tensor, batch_size: int
 ) -> Tensor:
-    """``ΦᵀBΦ z = Σ_n Φ_nᵀ B_n Φ_n z`` over all observations.
-
-    Args:
-        features: Features ``Φ``.
-        noise: Noise precision ``B``.
-        z: ``[d, k]``.
-        batch_size: Observations per operator call.
-
-    Returns:
-        ``[d, k]``.
-    """
+    """``ΦᵀBΦ z = Σ_n Φ_nᵀ B_n Φ_n z`` ``[d, k]`` for ``z [d, k]``, ``batch_size`` observations a call."""
     out = torch.zeros_like(z)
     for idx in batches(features.n, batch_size, features.device):
         out += features.apply_t(idx, noise.apply(idx, features.apply(idx, z)))

@@ -241,10 +241,6 @@ class SampledLaplace:
         device = generator.device if generator is not None else None
         return torch.randperm(k, generator=generator, device=device)[:n]
 
-    def _split(self, flat: Tensor) -> dict[str, Tensor]:
-        sizes = [self.subset.num_entries(n) for n in self.subset.names]
-        return dict(zip(self.subset.names, flat.split(sizes, dim=-1), strict=True))
-
     def sample(self, n: int = 1, *, generator: torch.Generator | None = None) -> dict[str, Tensor]:
         """``n`` distinct stored samples ``θ* + z_j`` as ``{param name: [n, k]}`` (``Subset.gather`` order).
 
@@ -258,8 +254,9 @@ class SampledLaplace:
         check_count("n", n)
         z = self._require_fit()
         assert self._map is not None
-        cols = self._columns(n, generator).to(z.device)
-        return self._split((self._map.unsqueeze(1) + z[:, cols]).T)
+        flat = (self._map.unsqueeze(1) + z[:, self._columns(n, generator).to(z.device)]).T
+        sizes = [self.subset.num_entries(name) for name in self.subset.names]
+        return dict(zip(self.subset.names, flat.split(sizes, dim=-1), strict=True))
 
     def swapped(self, sample: Mapping[str, Tensor]) -> AbstractContextManager[nn.Module]:
         """Write one sample ``{param name: [k]}`` into the model; restore what it found on exit, even on error.

@@ -22,7 +22,6 @@ from partialbayes.linear_sampling._sgd import (
     SolveInfo,
     diverged,
     error_bound,
-    record,
 )
 
 _MAX_HALVINGS = 30
@@ -95,7 +94,7 @@ def svrg_minimise(
     objective, bound, first = error_bound(r, x, c, a)
     if not math.isfinite(first):
         raise ValueError("the residual at the initial point is not finite")
-    record(info, 0, steps_per_epoch, objective, bound, lr)
+    info.record(0, 0.0, objective, bound, lr)
     best = (objective, x, r, bound)
     vel = torch.zeros_like(x)
     step = halvings = 0
@@ -116,7 +115,7 @@ def svrg_minimise(
             finite = math.isfinite(num) and math.isfinite(objective)
         else:
             objective, bound, num = math.inf, math.inf, math.inf
-        record(info, step, steps_per_epoch, objective, bound, lr)
+        info.record(step, step / steps_per_epoch, objective, bound, lr)
         slack = 64 * torch.finfo(x.dtype).eps * abs(best[0])
         if finite and objective <= best[0] + slack:
             best = (objective, x, r, bound)
