@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -13,21 +14,15 @@ from partialbayes.predictive._metrics import gaussian_nll, nll
 
 
 class PosteriorModel(nn.Module):
-    """A posterior's predictive as a model: ``forward(**inputs, labels=None)`` returns a dict.
+    """A posterior's predictive as a model, for ``transformers.Trainer``, ``compute_metrics`` and pipelines.
 
-    ``Trainer(model=PosteriorModel(posterior, n_samples=50), ...)`` makes ``Trainer.evaluate`` /
-    ``predict``, ``compute_metrics`` and a user's own loop score the predictive of any family (Laplace,
-    SWAG, IVON, SampledLaplace): only ``posterior.predict`` is used, once per batch. Classification
-    (``[B, C]`` or token-level ``[B, T, C]``): ``{"loss", "logits"}`` with ``logits`` the log of the
-    predictive probabilities (floored at the dtype's smallest normal number, so never ``-inf``;
-    ``softmax(logits)`` gives them back) and ``loss`` the mean predictive NLL over the outputs whose label
-    is not -100 (as Hugging Face's loss; causal LMs: the output at ``t`` against ``labels[t + 1]``).
-    Regression: ``{"loss", "mean", "variance"}`` (``Trainer.predict`` returns ``(mean, variance)``), the
-    loss the mean Gaussian NLL. ``loss`` is present only when ``labels`` are given.
-
-    The posterior's model is not a submodule: build the posterior on the device Trainer evaluates on
-    (``TrainingArguments(use_cpu=True)`` for a CPU posterior). ``forward``'s signature names the keyword
-    inputs of the posterior's model, so Trainer keeps those columns of a dataset.
+    ``forward(**inputs, labels=None)`` calls only ``posterior.predict`` (once) and returns, for
+    classification (``[B, C]`` or ``[B, T, C]``), ``{"loss", "logits"}``: the log predictive
+    probabilities (floored at the dtype's smallest normal number, never ``-inf``) and their mean NLL over
+    the outputs whose label is not -100 (causal LMs: the output at ``t`` against ``labels[t + 1]``); for
+    regression ``{"loss", "mean", "variance"}`` with the Gaussian NLL. ``loss`` only when labels are
+    given. The posterior's model is not a submodule (build the posterior on Trainer's device);
+    ``forward``'s signature names that model's inputs, so Trainer keeps those dataset columns.
 
     Args:
         posterior: Any ``Posterior`` (an object with ``predict(batch, **predict_kwargs)``).
@@ -57,8 +52,7 @@ class PosteriorModel(nn.Module):
             ) from err
         model: Any = getattr(posterior, "model", None)
         if shift_labels is None:
-            name = type(model).__name__
-            shift_labels = name.endswith(("ForCausalLM", "LMHeadModel"))
+            shift_labels = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
         self.posterior = posterior
         self.shift_labels = shift_labels
         self.predict_kwargs = predict_kwargs
@@ -86,11 +80,10 @@ class PosteriorModel(nn.Module):
         out = self.posterior.predict(inputs, **self.predict_kwargs)
         if isinstance(out, tuple):  # regression: (mean, variance)
             mean, var = out
-            result = {"mean": mean, "variance": var}
-            if labels is not None:
-                target = labels.to(mean.device, mean.dtype).reshape(mean.shape)
-                result = {"loss": gaussian_nll(mean, var, target), **result}
-            return result
+            if labels is None:
+                return {"mean": mean, "variance": var}
+            target = labels.to(mean.device, mean.dtype).reshape(mean.shape)
+            return {"loss": gaussian_nll(mean, var, target), "mean": mean, "variance": var}
         logp = out.clamp_min(torch.finfo(out.dtype).tiny).log()
         if labels is None:
             return {"logits": logp}
@@ -112,10 +105,9 @@ class PosteriorModel(nn.Module):
 
 
 def _named_inputs(wrapper: PosteriorModel, model: Any) -> Any:
-    """``wrapper.forward`` whose signature names the keyword inputs of ``model.forward``.
+    """``wrapper.forward`` with a signature naming the keyword inputs of ``model.forward``.
 
-    ``Trainer`` drops every batch column its model's ``forward`` does not name (``remove_unused_columns``),
-    so the wrapper must name the wrapped model's inputs, not just ``**inputs``.
+    ``Trainer`` drops every batch column its model's ``forward`` does not name (``remove_unused_columns``).
     """
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     try:
@@ -128,11 +120,8 @@ def _named_inputs(wrapper: PosteriorModel, model: Any) -> Any:
         inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
         for name in dict.fromkeys([*inner, "labels"])
     ]
-    params.append(inspect.Parameter("inputs", inspect.Parameter.VAR_KEYWORD))
-
-    def forward(**kwargs: Any) -> dict[str, Tensor]:
-        return PosteriorModel.forward(wrapper, **kwargs)
-
-    forward.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    forward.__doc__ = PosteriorModel.forward.__doc__
+    forward = functools.partial(PosteriorModel.forward, wrapper)
+    forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [*params, inspect.Parameter("inputs", inspect.Parameter.VAR_KEYWORD)]
+    )
     return forward
