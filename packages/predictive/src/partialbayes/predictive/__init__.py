@@ -2,7 +2,8 @@
 
 Takes what a posterior produces — Gaussian logits ``N(mean, cov)`` or logit samples — and turns it
 into predictive distributions and scores. Defines the `Posterior` protocol every posterior family
-implements, and the one way to read a batch (`split_batch`) and call a model (`model_logits`). Depends on
+implements, the one way to read a batch (`split_batch`) and call a model (`model_logits`), and
+`PosteriorModel`, any posterior as an ``nn.Module`` for ``transformers.Trainer``. Depends on
 torch only; never imports a posterior class.
 """
 
@@ -43,6 +44,7 @@ from partialbayes.predictive._link import (
 )
 from partialbayes.predictive._mc import cholesky_jitter, mc_predictive, sample_logits
 from partialbayes.predictive._metrics import accuracy, brier, gaussian_nll, nll
+from partialbayes.predictive._model import PosteriorModel
 from partialbayes.predictive._posterior import (
     LIKELIHOODS,
     Posterior,
@@ -72,6 +74,7 @@ __all__ = [
     "MCRegression",
     "Posterior",
     "PosteriorFile",
+    "PosteriorModel",
     "ReliabilityData",
     "Uncertainty",
     "accuracy",
