@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tiny_models import tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _alloc_guard import LargestTensor
 
-from partialbayes.curvature import kfac, memory_estimate
 from partialbayes.curvature import _memory as memory_module
+from partialbayes.curvature import kfac, memory_estimate
 from partialbayes.selection import modules
 
 VOCAB = 50257
@@ -35,7 +36,11 @@ def _batch(device):
     mask = torch.tensor([[1] * 6, [1] * 5 + [0]])
     labels = torch.full((2, 6), -100)
     labels[0, 5], labels[1, 4] = ids[0, 5], ids[1, 4]
-    return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
+    return {
+        "input_ids": ids.to(device),
+        "attention_mask": mask.to(device),
+        "labels": labels.to(device),
+    }
 
 
 @pytest.mark.parametrize("fisher", ["mc", "empirical"])
@@ -45,7 +50,9 @@ def test_mc_and_empirical_fisher_build_nothing_of_vocabulary_squared(device, fis
     subset = modules(model, MAPS)
     g = torch.Generator(device).manual_seed(0)
     with LargestTensor(limit=VOCAB**2 // 1000) as guard:
-        factors = kfac(model, [_batch(device)], subset, fisher=fisher, sharing="expand", generator=g)
+        factors = kfac(
+            model, [_batch(device)], subset, fisher=fisher, sharing="expand", generator=g
+        )
     assert guard.largest <= 2 * 6 * VOCAB  # one batch's logits [B, T, C] is the largest
     assert set(factors) == set(MAPS)
     assert all(bool(torch.isfinite(f.G).all()) and float(f.G.trace()) > 0 for f in factors.values())
@@ -55,7 +62,9 @@ def test_exact_fisher_on_a_vocabulary_is_refused_before_any_backward_pass(device
     model = _lm(device)
     with (
         LargestTensor(limit=VOCAB**2 // 1000),
-        pytest.raises(ValueError, match=r"fisher='exact' on 50257 outputs costs 50,257 backward") as err,
+        pytest.raises(
+            ValueError, match=r"fisher='exact' on 50257 outputs costs 50,257 backward"
+        ) as err,
     ):
         kfac(model, [_batch(device)], modules(model, MAPS), fisher="exact", sharing="expand")
     for hint in ("[50257, 2, 50257]", "fisher='mc'", "fisher='empirical'", "target_ids", "batch 0"):
@@ -68,7 +77,9 @@ def test_exact_fisher_refused_when_its_vectors_exceed_memory(monkeypatch, device
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 10)).to(device).eval()
     data = [(torch.randn(8, 3, device=device), torch.zeros(8, dtype=torch.long, device=device))]
-    with pytest.raises(ValueError, match=r"3\.12 KiB of output vectors .* 1000 B available \(test budget\)"):
+    with pytest.raises(
+        ValueError, match=r"3\.12 KiB of output vectors .* 1000 B available \(test budget\)"
+    ):
         kfac(model, data, modules(model, ["0"]), fisher="exact")
     kfac(model, data, modules(model, ["0"]), fisher="empirical")  # one vector per example: fine
 

@@ -6,12 +6,14 @@ implements, and the one way to read a batch (`split_batch`) and call a model (`m
 torch only; never imports a posterior class.
 """
 
+from partialbayes.predictive._answers import answer_logits, answer_positions, check_target_ids
 from partialbayes.predictive._auroc import auroc
 from partialbayes.predictive._batch import (
     IGNORE_INDEX,
     Batch,
     batch_size,
     flatten_outputs,
+    is_causal_lm,
     kept_positions,
     model_logits,
     move_batch,
@@ -75,6 +77,8 @@ __all__ = [
     "ReliabilityData",
     "Uncertainty",
     "accuracy",
+    "answer_logits",
+    "answer_positions",
     "apply_temperature",
     "auroc",
     "average_softmax",
@@ -84,6 +88,7 @@ __all__ = [
     "check_generator",
     "check_likelihood",
     "check_sample",
+    "check_target_ids",
     "cholesky_jitter",
     "decompose_classification",
     "decompose_regression",
@@ -94,6 +99,7 @@ __all__ = [
     "flatten_outputs",
     "gaussian_nll",
     "gaussian_predictive",
+    "is_causal_lm",
     "kept_positions",
     "laplace_bridge",
     "laplace_bridge_alpha",
