@@ -20,11 +20,9 @@ from partialbayes.predictive import (
 )
 
 pytest.importorskip("transformers")
-from tiny_models import tiny_model  # noqa: E402
+from tiny_models import tiny_model
 
-FIXTURE_OK = settings(
-    suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=10
-)
+FIXTURE_OK = settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=10)
 VOCAB = 40
 
 
@@ -63,7 +61,9 @@ def _prompts(lengths, answer_len, left, seed, device):
     left=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_answer_logits_are_the_shifted_label_positions(device, arch, lengths, answer_len, left, seed):
+def test_answer_logits_are_the_shifted_label_positions(
+    device, arch, lengths, answer_len, left, seed
+):
     """With labels: the output before each answer token (causal LM), in row-major order, target columns."""
     model = _lm(arch, device)
     batch, answers = _prompts(lengths, answer_len, left, seed, device)
@@ -130,12 +130,16 @@ class _NoisyHead:
         ]
         self.map = self.param.detach().clone()
         self.outputs = []
-        self.model.register_forward_hook(lambda m, a, out: self.outputs.append(weakref.ref(out.logits)))
+        self.model.register_forward_hook(
+            lambda m, a, out: self.outputs.append(weakref.ref(out.logits))
+        )
 
     @contextmanager
     def ctx(self, draws, s):
         gc.collect()
-        assert all(r() is None for r in self.outputs), "an earlier sample's [B, T, V] logits are alive"
+        assert all(r() is None for r in self.outputs), (
+            "an earlier sample's [B, T, V] logits are alive"
+        )
         with torch.no_grad():
             self.param.copy_(self.map + draws[s])
         try:
