@@ -101,7 +101,9 @@ def test_memory_estimate_refuses_an_lm_head_before_allocating(device):
     )
     assert low.total < est.total / 500  # the head's G as a rank-64 sketch: O(n · 74) floats
     low.check(max_memory=2**30)
-    assert "outputs" in str(low)
+    assert "predictive, per batch" in str(low)
+    whole_vocab = memory_estimate(model, subset, _batch(device), fisher="mc", sharing="expand")
+    assert whole_vocab.predictive > 1000 * low.predictive  # [N, C, C] covariances vs [N, 2, 2]
 
 
 _MEASURE = textwrap.dedent(

@@ -19,12 +19,13 @@ from partialbayes.curvature._kron_algebra import (
     precision_eigenvalues,
 )
 from partialbayes.curvature._lowrank import (
+    OVERSAMPLE,
     LowRankFactor,
     NystromSketch,
     lowrank_covariance,
     lowrank_log_det,
-    lowrank_sample,
     nystrom_factor,
+    scale_in_basis,
     whole_factor,
 )
 
@@ -56,10 +57,10 @@ def _extended_e(g, a, delta, T, scale=1.0):
 
 
 def _sample_matrix(g, a, E):
-    """The dense matrix of ``ε ↦ lowrank_sample(ε)`` (one column per unit block)."""
+    """The dense matrix of the sampler ``ε ↦ P^{-1/2} ε`` (one column per unit block)."""
     ng, na = g.U.shape[0], a.U.shape[0]
     units = torch.eye(ng * na, dtype=F64, device=g.U.device).reshape(ng * na, ng, na)
-    return lowrank_sample(g, a, E, units).reshape(ng * na, -1).T
+    return scale_in_basis(units, g, a, E.rsqrt()).reshape(ng * na, -1).T
 
 
 def _dense_covariance(x, d, p_inv):
@@ -116,7 +117,7 @@ def test_rank_full_is_the_exact_kron_algebra(device, ng, na, cut_g, cut_a, seed,
     torch.testing.assert_close(lowrank_log_det(E, fg, fa), kron_log_det(E_exact))
     z = torch.randn(3, ng, na, generator=g, dtype=F64).to(device)
     torch.testing.assert_close(
-        lowrank_sample(fg, fa, E, z), kron_sample(qg, qa, E_exact, qg.T @ z @ qa)
+        scale_in_basis(z, fg, fa, E.rsqrt()), kron_sample(qg, qa, E_exact, qg.T @ z @ qa)
     )
 
 
@@ -139,7 +140,7 @@ def test_nystrom_is_exact_when_the_rank_fits_the_sketch(device, rows):
     g = torch.Generator().manual_seed(rows)
     n, rank = 40, 6
     d = torch.randn(rows, n, generator=g, dtype=F64).to(device)
-    sk = NystromSketch(n, rank, oversample=4, device=device, generator=g)
+    sk = NystromSketch(n, rank, device=device, generator=g)
     for part in d.split(2):
         sk.add(part)
     f = sk.factor(scale=0.5)
@@ -192,14 +193,15 @@ def test_sketch_of_a_50k_factor_never_forms_it(device):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with LargestTensor(limit=64 * n) as guard:
-            sk = NystromSketch(n, rank, oversample=8, device=device, generator=g)
+            sk = NystromSketch(n, rank, device=device, generator=g)
             for _ in range(3):
                 sk.add(torch.randn(5, n, dtype=F64, device=device, generator=None))
             f = sk.factor()
             fa = whole_factor(torch.eye(3, dtype=F64, device=device))
             E = _extended_e(f, fa, 1.0, 1.0)
-            theta = lowrank_sample(f, fa, E, torch.randn(1, n, 3, dtype=F64, device=device))
+            z = torch.randn(1, n, 3, dtype=F64, device=device)
+            theta = scale_in_basis(z, f, fa, E.rsqrt())
     assert f.U.shape == (n, rank)
     assert theta.shape == (1, n, 3)
-    assert guard.largest <= 16 * n
+    assert guard.largest <= (rank + OVERSAMPLE) * n  # Y and Ω: n × q
     torch.testing.assert_close(f.s.sum() + f.rest * (n - rank), sk.trace)

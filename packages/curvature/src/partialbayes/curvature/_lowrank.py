@@ -1,36 +1,21 @@
 """Low-rank Kronecker factors: a rank-``r`` eigendecomposition plus an isotropic remainder, never ``n × n``.
 
-A PSD factor ``F`` (``n × n``; the output factor ``G`` of a 50,257-token LM head is 10 GB in float32) is kept
-as
+A PSD factor ``F`` (``n × n``: 10 GB for the output factor of a 50,257-token LM head) is kept as
+``F ≈ U diag(s) Uᵀ + f₀ (I − U Uᵀ)`` (``U [n, r]`` orthonormal) with ``f₀ = (tr F − Σ s) / (n − r)``, which
+keeps the trace; ``r = n`` is a factor kept whole. The remainder is isotropic, not diagonal, so that
+``[U, U⊥]`` is an eigenbasis: the *extended eigenvalues* ``(s₁, …, s_r, f₀)``, of multiplicities
+``(1, …, 1, n − r)``, keep the Kronecker algebra of ``_kron_algebra`` exact for ``P = c (G ⊗ A) / T + δ I``
+with either factor low-rank. ``P`` has eigenvalues ``E = c ĝ âᵀ / T + δ`` on the ``[r_G + 1, r_A + 1]`` grid,
+``log det P = Σ_ij m_G,i m_A,j log E_ij`` (`lowrank_log_det`), and ``P^{-p} z`` multiplies the coordinates
+of ``z`` in ``[U_G, U_G⊥] ⊗ [U_A, U_A⊥]`` by ``E^{-p}`` (`scale_in_basis`: samples with ``p = 1/2``);
+``J Σ Jᵀ`` comes from token Gram matrices (`lowrank_covariance`). With the true leading eigenvectors, the
+mean remainder over-estimates the left-out part of ``log det P`` (Jensen), equal when those are equal.
 
-    F ≈ U diag(s) Uᵀ + f₀ (I − U Uᵀ),     U [n, r] orthonormal, s [r], f₀ ≥ 0,
-
-with ``f₀ = (tr F − Σ s) / (n − r)``: the remainder keeps the trace, and is the mean of the eigenvalues left
-out when ``U`` spans the leading ``r`` eigenvectors. A factor kept whole is the case ``r = n`` (no
-remainder). The remainder is isotropic, not diagonal, because then ``[U, U⊥]`` is an eigenbasis of the
-approximation: its *extended eigenvalues* ``(s₁, …, s_r, f₀)`` have multiplicities ``(1, …, 1, n − r)``, and
-the Kronecker eigen-algebra of ``_kron_algebra`` stays exact for a block
-``P = c (G ⊗ A) / T + δ I`` (``c`` the curvature scale) with either factor low-rank: ``P`` is diagonal in
-``[U_G, U_G⊥] ⊗ [U_A, U_A⊥]`` with eigenvalues ``E = c ĝ âᵀ / T + δ`` on the ``[r_G + 1, r_A + 1]`` grid of
-extended eigenvalues, so
-
-* ``log det P = Σ_ij m_G,i m_A,j log E_ij`` (`lowrank_log_det`),
-* ``P^{-p}`` multiplies the coordinates of ``vec(X)`` in that basis by ``E^{-p}`` (`scale_in_basis`, which
-  only ever forms ``n × r`` products and the block's own ``[n_G, n_A]`` size), giving samples
-  (`lowrank_sample`) and the linearised predictive ``J Σ Jᵀ`` (`lowrank_covariance`, from token Gram
-  matrices: never a Jacobian ``[n_G, n_A]``).
-
-A diagonal remainder would give no common eigenbasis, hence no closed-form determinant or square root.
-By concavity of ``log``, replacing the left-out eigenvalues by their mean over-estimates their part of
-``log det P`` (Jensen), with equality when they are equal.
-
-The sketch: `NystromSketch` streams ``Y = F Ω`` over batches (``F = Σ δ δᵀ``, so ``Y += δᵀ (δ Ω)``) and the
-exact ``tr F``, with a fixed orthonormal test matrix ``Ω`` ``[n, q]`` (``q = r + oversample``): ``O(n q)``
-memory. `nystrom_factor` is the stable single-pass Nyström approximation (Tropp, Yurtsever, Udell & Cevher,
-"Fixed-rank approximation of a positive-semidefinite matrix from streaming data", NeurIPS 2017, Alg. 3),
-truncated to rank ``r``; their Theorem 4.1 bounds its expected nuclear-norm error by
-``(1 + r / (q − r − 1))`` times that of the best rank-``r`` approximation. It is exact (up to rounding) when
-``rank F ≤ q``, e.g. when fewer than ``q`` rows have been seen.
+`NystromSketch` streams ``Y = F Ω`` (``F = Σ δ δᵀ``, so ``Y += δᵀ (δ Ω)``) and the exact ``tr F`` for a fixed
+orthonormal ``Ω`` ``[n, q]``, ``q = r + oversample``: ``O(n q)`` memory. `nystrom_factor` is the stable
+single-pass Nyström approximation (Tropp, Yurtsever, Udell & Cevher, NeurIPS 2017, Alg. 3) truncated to rank
+``r``: exact when ``rank F ≤ q`` (fewer than ``q`` rows seen), and by their Theorem 4.1 of expected
+nuclear-norm error at most ``1 + r / (q − r − 1)`` times that of the best rank-``r`` approximation.
 """
 
 from __future__ import annotations
@@ -43,6 +28,9 @@ from torch import Tensor
 
 from partialbayes.curvature._caller import user_stacklevel
 from partialbayes.curvature._kron_algebra import clamped_eigh
+
+#: Sketch columns beyond the rank kept (``q = r + OVERSAMPLE``).
+OVERSAMPLE = 10
 
 
 @dataclass(frozen=True)
@@ -104,18 +92,10 @@ def nystrom_factor(y: Tensor, omega: Tensor, trace: Tensor | float, rank: int) -
 
 
 class NystromSketch:
-    """Streamed rank-``r`` sketch of ``F = Σ_m d_m d_mᵀ``: ``Y = F Ω`` ``[n, q]`` and ``tr F``.
+    """Streamed rank-``r`` sketch of ``F = Σ_m d_m d_mᵀ``: ``Y = F Ω`` ``[n, q]``, ``q = r + OVERSAMPLE``.
 
-    With ``rank ≥ n`` the factor is kept whole instead (summed densely, decomposed exactly), with a warning.
-
-    Args:
-        n: Size of the factor.
-        rank: ``r``, the eigenpairs kept.
-        oversample: Extra sketch columns, ``q = min(n, r + oversample)``.
-        dtype: Accumulation dtype.
-        device: Device of the sums.
-        generator: Random generator of the test matrix ``Ω`` (its device may differ).
-        name: What to call the factor in the warning (e.g. ``"G of 'lm_head'"``).
+    With ``rank ≥ n`` the factor is kept whole instead (summed densely, decomposed exactly), with a warning
+    naming it (``name``, e.g. ``"G of 'lm_head'"``). ``Ω`` is drawn from ``generator`` (any device).
     """
 
     def __init__(
@@ -123,7 +103,6 @@ class NystromSketch:
         n: int,
         rank: int,
         *,
-        oversample: int = 10,
         dtype: torch.dtype = torch.float64,
         device: torch.device | str = "cpu",
         generator: torch.Generator | None = None,
@@ -133,34 +112,30 @@ class NystromSketch:
             raise ValueError(f"max_rank must be a positive int, got {rank!r}")
         self.rank = min(rank, n)
         self.trace = torch.zeros((), dtype=dtype, device=device)
+        self.omega: Tensor | None = None  # None: kept whole, Y = F
         if rank >= n:
-            warnings.warn(
-                f"max_rank={rank} is not below the size of {name} ({n}): it is kept whole",
-                UserWarning,
-                stacklevel=user_stacklevel(),
+            msg = f"max_rank={rank} is not below the size of {name} ({n}): it is kept whole"
+            warnings.warn(msg, UserWarning, stacklevel=user_stacklevel())
+        else:
+            dev = generator.device if generator is not None else device
+            g = torch.randn(
+                n, min(n, rank + OVERSAMPLE), generator=generator, dtype=dtype, device=dev
             )
-            self.dense: Tensor | None = torch.zeros(n, n, dtype=dtype, device=device)
-            return
-        self.dense = None
-        dev = generator.device if generator is not None else device
-        q = min(n, rank + oversample)
-        g = torch.randn(n, q, generator=generator, dtype=dtype, device=dev).to(device)
-        self.omega = torch.linalg.qr(g).Q
-        self.y = torch.zeros(n, q, dtype=dtype, device=device)
+            self.omega = torch.linalg.qr(g.to(device)).Q
+        self.y = torch.zeros(
+            n, n if self.omega is None else self.omega.shape[1], dtype=dtype, device=device
+        )
 
     def add(self, d: Tensor) -> None:
         """Add rows ``d`` ``[m, n]``: ``F += dᵀ d``."""
         d = d.to(self.trace.dtype)
         self.trace += d.square().sum()
-        if self.dense is not None:
-            self.dense.addmm_(d.T, d)
-        else:
-            self.y.addmm_(d.T, d @ self.omega)
+        self.y.addmm_(d.T, d if self.omega is None else d @ self.omega)
 
     def factor(self, scale: float = 1.0) -> LowRankFactor:
         """The `LowRankFactor` of ``scale · F`` (e.g. ``1 / count`` for an averaged input factor)."""
-        if self.dense is not None:
-            return whole_factor(self.dense * scale)
+        if self.omega is None:
+            return whole_factor(self.y * scale)
         return nystrom_factor(self.y * scale, self.omega, self.trace * scale, self.rank)
 
 
@@ -193,8 +168,8 @@ def scale_in_basis(z: Tensor, g: LowRankFactor, a: LowRankFactor, w: Tensor) -> 
         w: ``[r_G + 1, r_A + 1]`` weights on the extended grid (the last row / column: the remainders).
 
     Returns:
-        ``[..., n_G, n_A]``; ``w = E^{-1/2}`` gives ``P^{-1/2} z``, ``w = 1/E`` gives ``P⁻¹ z``. Cost
-        ``O(n_G n_A (r_G + r_A))``.
+        ``[..., n_G, n_A]``, in ``O(n_G n_A (r_G + r_A))``. ``w = E^{-1/2}`` gives ``P^{-1/2} z``: for
+        ``z ~ N(0, I)`` a zero-mean posterior sample (covariance ``P⁻¹``); ``w = 1/E`` gives ``P⁻¹ z``.
     """
     u = g.U
     zc = u.T @ z  # [..., r_G, n_A]
@@ -202,23 +177,6 @@ def scale_in_basis(z: Tensor, g: LowRankFactor, a: LowRankFactor, w: Tensor) -> 
     if not g.full:
         out = out + _scale_cols(z - u @ zc, a, w[-1:])
     return out
-
-
-def lowrank_sample(
-    g: LowRankFactor, a: LowRankFactor, eigenvalues: Tensor, noise: Tensor
-) -> Tensor:
-    """Zero-mean samples ``P^{-1/2} ε`` with covariance ``P⁻¹``.
-
-    Args:
-        g: Output factor.
-        a: Input factor.
-        eigenvalues: Extended precision eigenvalues ``E`` ``[r_G + 1, r_A + 1]`` (positive).
-        noise: Standard normal ``ε`` ``[m, n_G, n_A]``.
-
-    Returns:
-        ``[m, n_G, n_A]`` (row-major ``vec`` of each is one sample of the block).
-    """
-    return scale_in_basis(noise, g, a, eigenvalues.rsqrt())
 
 
 def lowrank_covariance(

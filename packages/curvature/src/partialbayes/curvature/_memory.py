@@ -1,29 +1,17 @@
 """Memory known before it is spent: a pre-flight estimate of a Kronecker fit and predictive, and its check.
 
-For Kronecker modules with blocks ``r × c`` (``|R| × |C|`` under S-KFAC, ``c + 1`` with the bias folded in),
-``B`` examples of ``T`` positions, ``N`` kept outputs of ``C`` logits, ``S`` backward passes per batch (``C``
-for the exact Fisher, ``k`` for ``mc``, 1 for ``empirical``) and ``K`` predicted outputs (``C``, or the
-answer tokens ``target_ids``), the estimate counts, in bytes:
-
-* **factors** — the running sums ``Σ δδᵀ`` ``[r, r]``, ``Σ xxᵀ`` ``[c, c]`` and ``Σ x`` of every module, held
-  for the whole fit; a side larger than ``max_rank`` keeps its Nyström sketch and test matrix instead
-  (``2 n q``, ``q = max_rank + oversample``, see ``_lowrank``);
-* **eigendecompositions** — the eigenvectors and eigenvalues of every factor (``n² + n``; ``n r + r`` for a
-  low-rank side), plus the transient of the largest: the symmetrised copy and LAPACK's ``syevd`` workspace
-  (``3 n²``; ``3 n q`` for a sketch);
-* **fit working set**, per batch — the fisher's output vectors ``[S, N, C]``, the probabilities and one
-  cotangent, the recorded inputs ``B T c``, one backward pass's output gradients of every module and the
-  ``S`` passes' gradient rows kept until the batch is summed (``S B T r``; ``S B r`` under ``reduce``);
-* **predictive**, per batch — the ``K`` backward passes' output gradients of every module (``K B T r``), the
-  recorded inputs and the covariances ``[N, K, K]``.
-
-The peak is taken as ``factors + eigendecompositions + max(fit working set, predictive)`` (upper side: a
-fit frees its sums once decomposed). The model, its weights and its own forward activations are not counted:
-they are what a training step of the model holds already. `check` compares the peak with the device's free
-memory (CPU: ``MemAvailable`` of ``/proc/meminfo``, else the free physical pages; CUDA: free plus cached
-memory) or a ``max_memory`` the caller gives, and refuses with a ``ValueError`` — a bad choice of options
-for this machine, not a failed allocation — that names the numbers and what to change, before any memory is
-spent.
+For blocks ``r × c`` (S-KFAC ``|R| × |C|``; ``c + 1`` with a folded bias), ``B`` examples of ``T`` positions,
+``N`` kept outputs of ``C`` logits, ``S`` backward passes per batch (``C`` exact, ``k`` mc, 1 empirical) and
+``K`` predicted outputs (``C``, or ``len(target_ids)``), the estimate counts in bytes: **factors**, the sums
+``Σ δδᵀ``, ``Σ xxᵀ`` held through the fit (a side above ``max_rank``: its sketch and test matrix, ``2 n q``);
+**eigendecompositions**, ``n² + n`` per side (``n r + r`` low-rank) plus the transient of the largest ``eigh``
+(the symmetrised copy and LAPACK's workspace, ``3 n²``; ``3 n q`` for a sketch); the **fit**'s working set
+per batch, the output vectors ``[S, N, C]``, probabilities and a cotangent, the recorded inputs and one
+pass's output gradients ``B T (c + n_out)``, and the ``S`` passes' gradient rows ``S B T r`` (``S B r`` under
+``reduce``); the **predictive**'s per batch, ``K`` passes' output gradients ``K B T r``, the inputs and the
+covariances ``[N, K, K]``. The peak is ``factors + eigen + max(fit, predictive)``. The model and its own
+forward activations are not counted: a training step holds them already. A refusal is a ``ValueError``:
+nothing was allocated, and the fix is a choice of options.
 """
 
 from __future__ import annotations
@@ -36,7 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.curvature._likelihood import model_device
+from partialbayes.curvature._likelihood import check_options, model_device
+from partialbayes.curvature._lowrank import OVERSAMPLE
 from partialbayes.curvature._outputs import read_batch, resolve_shift_labels
 from partialbayes.predictive import model_logits
 from partialbayes.selection import Subset
@@ -44,32 +33,26 @@ from partialbayes.selection import Subset
 
 def fmt_bytes(n: float) -> str:
     """``n`` bytes in binary units (``"1.50 GiB"``)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError  # pragma: no cover
+    k = 0
+    while abs(n) >= 1024 and k < 3:
+        n, k = n / 1024, k + 1
+    return f"{n:.0f} B" if k == 0 else f"{n:.2f} {('KiB', 'MiB', 'GiB')[k - 1]}"
 
 
-#: The exact Fisher is refused above this many outputs ``C``. It costs ``C`` backward passes per batch (per
-#: kept position when positions go one at a time) where ``fisher="mc"`` costs ``k``: at 8,192 that is thousands
-#: of times a training step, for a quantity the MC Fisher estimates without bias. Every language-model
-#: vocabulary is above (BERT 30,522, Llama 32,000, GPT-2 50,257), every common classifier below (1,000).
+#: The exact Fisher is refused above this many outputs ``C``: it costs ``C`` backward passes per batch where
+#: ``fisher="mc"`` costs ``k`` (thousands of times a training step here, for what ``mc`` estimates without
+#: bias). Every LM vocabulary is above (30k–128k tokens), every common classifier below (≤ 1,000 classes).
 EXACT_MAX_OUTPUTS = 8192
 
 
 def check_exact_fisher(rows: Tensor, groups: int, batch_index: int) -> None:
-    """Refuse ``fisher="exact"`` on a large output from the batch's output rows, before any backward pass.
+    """Refuse ``fisher="exact"`` on a large output, from a batch's output rows ``[N, C]``, before any backward.
 
-    Args:
-        rows: ``[N, C]`` output rows of the batch.
-        groups: Backward passes per output vector: 1 when every kept position goes in one pass, else the
-            number of position groups.
-        batch_index: Named in the error.
+    ``groups`` is the number of backward passes per output vector (1 when the kept positions go jointly).
 
     Raises:
-        ValueError: Above `EXACT_MAX_OUTPUTS` outputs, or when the output vectors ``[C, N, C]`` alone exceed
-            the available memory; names the cost and the alternatives.
+        ValueError: Above `EXACT_MAX_OUTPUTS` outputs, or when the vectors ``[C, N, C]`` alone exceed the
+            available memory; naming the passes, the bytes and the alternatives.
     """
     n, c = rows.shape
     nbytes = c * n * c * rows.element_size()
@@ -77,17 +60,13 @@ def check_exact_fisher(rows: Tensor, groups: int, batch_index: int) -> None:
     too_big = avail is not None and nbytes > avail
     if c <= EXACT_MAX_OUTPUTS and not too_big:
         return
-    why = (
-        f"more than the {fmt_bytes(avail or 0)} available ({source})"
-        if too_big
-        else (f"refused above {EXACT_MAX_OUTPUTS} outputs")
-    )
+    why = f"more than the {fmt_bytes(avail or 0)} available ({source})" if too_big else "too many"
     raise ValueError(
         f"batch {batch_index}: fisher='exact' on {c} outputs costs {c * groups:,} backward passes for "
-        f"this batch and {fmt_bytes(nbytes)} of output vectors [C, N, C] = [{c}, {n}, {c}], {why}. Use "
-        "fisher='mc' (mc_samples sampled labels: that many passes, an unbiased estimate) or "
-        "fisher='empirical' (the true labels: one pass), or score only the answer tokens (an answer-only "
-        "head over target_ids: K outputs instead of C)"
+        f"this batch and {fmt_bytes(nbytes)} of output vectors [C, N, C] = [{c}, {n}, {c}], {why} "
+        f"(refused above {EXACT_MAX_OUTPUTS} outputs). Use fisher='mc' (mc_samples sampled labels: that "
+        "many passes, an unbiased estimate) or fisher='empirical' (the true labels: one pass), or score "
+        "only the answer tokens (an answer-only head over target_ids: K outputs instead of C)"
     )
 
 
@@ -115,18 +94,15 @@ def available_memory(device: torch.device | str) -> tuple[int | None, str]:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes a Kronecker curvature fit and its predictive allocate (see the module docstring for each part).
+    """Bytes a Kronecker fit and its predictive allocate (each part as in the module docstring).
 
     Attributes:
-        factors: Running factor sums (or sketches) of every module, held through the fit.
+        factors: Factor sums (or sketches), held through the fit.
         eigen: Eigendecompositions, plus the transient of the largest.
-        fit_batch: One batch's working set of the fit (output vectors, gradients).
-        predictive: One batch's working set of the linearised predictive.
+        fit_batch: One batch's working set of the fit (``fisher`` as given).
+        predictive: One batch's working set of the linearised predictive (``K`` outputs as given).
         largest: The largest factor, e.g. ``"G of 'lm_head' (50257 x 50257)"``.
-        fisher: The fisher type estimated.
-        outputs: ``K``, the outputs the predictive covers.
-        available: Free bytes on the device (``None``: unknown).
-        source: Where ``available`` comes from.
+        available: Free bytes on the device (``None``: unknown), and ``source``, where that comes from.
     """
 
     factors: int
@@ -134,8 +110,6 @@ class MemoryEstimate:
     fit_batch: int
     predictive: int
     largest: str
-    fisher: str
-    outputs: int
     available: int | None
     source: str
 
@@ -149,13 +123,11 @@ class MemoryEstimate:
         rows = [
             ("factors", self.factors, f"largest: {self.largest}"),
             ("eigendecompositions", self.eigen, ""),
-            ("fit, per batch", self.fit_batch, f"fisher={self.fisher!r}"),
-            ("predictive, per batch", self.predictive, f"{self.outputs} outputs"),
+            ("fit, per batch", self.fit_batch, ""),
+            ("predictive, per batch", self.predictive, ""),
             ("peak", self.total, f"available: {avail} ({self.source})"),
         ]
-        return "\n".join(
-            f"{name:22s} {fmt_bytes(b):>11s}  {note}".rstrip() for name, b, note in rows
-        )
+        return "\n".join(f"{n:22s} {fmt_bytes(b):>11s}  {note}".rstrip() for n, b, note in rows)
 
     def check(self, max_memory: int | None = None) -> None:
         """Refuse a run whose peak exceeds ``max_memory`` bytes (default: the available memory).
@@ -166,21 +138,13 @@ class MemoryEstimate:
         limit = self.available if max_memory is None else max_memory
         if limit is None or self.total <= limit:
             return
-        fixes = []
-        if self.factors + self.eigen > limit // 2:
-            fixes.append(
-                "keep large factors low-rank (max_rank), fit S-KFAC (sparse_kfac(model, p): about "
-                "(p/100)² of the factor memory) or accumulate in dtype=torch.float32 (half)"
-            )
-        if self.fisher == "exact" and self.fit_batch > limit // 4:
-            fixes.append("fisher='mc' or 'empirical' (k or 1 backward passes per batch, not C)")
-        if self.predictive > limit // 4:
-            fixes.append("predict only the answer tokens (target_ids: K outputs instead of C)")
-        fixes.append("smaller batches")
         raise ValueError(
             f"the curvature needs about {fmt_bytes(self.total)} but {fmt_bytes(limit)} is "
             f"{'available' if max_memory is None else 'allowed (max_memory)'}:\n{self}\n"
-            f"Refused before allocating. To fit: {'; '.join(fixes)}."
+            "Refused before allocating. Factors: keep large ones low-rank (max_rank), fit S-KFAC "
+            "(sparse_kfac(model, p): about (p/100)² of the memory) or use dtype=torch.float32 (half). "
+            "Fit: fisher='mc' or 'empirical' (k or 1 backward passes per batch, not C), smaller "
+            "batches. Predictive: only the answer tokens (target_ids: K outputs, not C)."
         )
 
 
@@ -195,36 +159,39 @@ def memory_estimate(
     sharing: str = "reduce",
     dtype: torch.dtype = torch.float64,
     max_rank: int | None = None,
-    oversample: int = 10,
     target_ids: Sequence[int] | Tensor | None = None,
-    shift_labels: bool | None = None,
     logits: Tensor | None = None,
 ) -> MemoryEstimate:
-    """Estimate the memory of a Kronecker Laplace fit and predictive before running it.
+    """Estimate the memory of a Kronecker Laplace fit and its predictive, before running them.
 
     Args:
-        model: The network.
+        model: The network (a causal LM's label shift is detected from its class, as in `kfac`).
         subset: Kronecker-structured subset.
-        batch: A typical (the largest) batch of the loader, any kind ``split_batch`` accepts.
+        batch: The loader's largest batch, of any kind ``split_batch`` accepts.
         likelihood: ``"classification"`` or ``"regression"``.
         fisher: ``"exact"``, ``"mc"`` or ``"empirical"``.
         mc_samples: ``k`` of ``fisher="mc"``.
         sharing: ``"reduce"`` or ``"expand"``.
         dtype: Accumulation dtype of the factors.
         max_rank: Factor sides larger than this are kept at this rank (``None``: all whole).
-        oversample: Extra sketch columns of a low-rank side.
         target_ids: The outputs the predictive covers (``None``: all ``C``).
-        shift_labels: Causal-LM label shift (``None``: detected from the model's class).
-        logits: The batch's logits if already computed; otherwise one forward pass without gradients is run.
+        logits: The batch's logits if known; otherwise one forward pass without gradients is run.
 
     Returns:
-        The `MemoryEstimate` (``print`` it; ``.check()`` refuses what does not fit).
+        The `MemoryEstimate`: ``print`` it; ``.check()`` refuses what does not fit.
+
+    Raises:
+        ValueError: Bad options (as `kfac`), a ``max_rank`` that is not a positive int.
     """
+    check_options(likelihood, fisher, mc_samples, 1.0, sharing, dtype=dtype)
+    if max_rank is not None and (
+        isinstance(max_rank, bool) or not isinstance(max_rank, int) or max_rank < 1
+    ):
+        raise ValueError(f"max_rank must be a positive int or None, got {max_rank!r}")
     kmods = subset.kron_modules()
     device = model_device(model)
-    inputs, outputs = read_batch(
-        batch, device, likelihood=likelihood, shift=resolve_shift_labels(model, shift_labels)
-    )
+    shift = resolve_shift_labels(model, None)
+    inputs, outputs = read_batch(batch, device, likelihood=likelihood, shift=shift)
     if logits is None:
         with torch.no_grad():
             logits = model_logits(model, inputs)
@@ -245,7 +212,7 @@ def memory_estimate(
         r, c = k.n_rows, k.n_cols + (k.bias_name is not None)
         for side, n in (("G", r), ("A", c)):
             if max_rank is not None and n > max_rank:
-                q = min(n, max_rank + oversample)
+                q = min(n, max_rank + OVERSAMPLE)
                 factors += 2 * n * q * item
                 eigen += (n * max_rank + max_rank) * item
                 transient = max(transient, 3 * n * q * item)
@@ -258,6 +225,4 @@ def memory_estimate(
         fit += (b * t * (c + k.n_out) + passes * rows * r) * mitem
         pred += k_out * b * t * r * mitem + b * t * c * mitem
     avail, source = available_memory(device)
-    return MemoryEstimate(
-        factors, eigen + transient, fit, pred, largest, fisher, k_out, avail, source
-    )
+    return MemoryEstimate(factors, eigen + transient, fit, pred, largest, avail, source)

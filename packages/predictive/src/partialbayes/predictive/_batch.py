@@ -275,21 +275,13 @@ CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
 def is_causal_lm(model: nn.Module) -> bool:
-    """Whether ``model`` is a causal language model, judged by class names.
+    """Whether ``model`` (a base class, or a PEFT wrapper's ``get_base_model()``) is named a causal LM.
 
-    True when the class of ``model`` (or of a base class, or of the model a PEFT wrapper returns from
-    ``get_base_model()``) ends with ``ForCausalLM`` or ``LMHeadModel`` — the Hugging Face naming of the
-    models that shift their labels inside ``forward``. Pass the shift explicitly for any other model.
+    Hugging Face's causal LMs (``...ForCausalLM``, ``...LMHeadModel``) shift their labels inside ``forward``.
     """
-    candidates = [model]
     get_base = getattr(model, "get_base_model", None)
-    if callable(get_base):
-        base = get_base()
-        if isinstance(base, nn.Module):
-            candidates.append(base)
-    return any(
-        cls.__name__.endswith(CAUSAL_LM_SUFFIXES) for m in candidates for cls in type(m).__mro__
-    )
+    models = [model, get_base()] if callable(get_base) else [model]
+    return any(c.__name__.endswith(CAUSAL_LM_SUFFIXES) for m in models for c in type(m).__mro__)
 
 
 def flatten_outputs(
