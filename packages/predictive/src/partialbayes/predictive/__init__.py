@@ -7,12 +7,14 @@ implements, the one way to read a batch (`split_batch`) and call a model (`model
 torch only; never imports a posterior class.
 """
 
+from partialbayes.predictive._answers import answer_logits, answer_positions, check_target_ids
 from partialbayes.predictive._auroc import auroc
 from partialbayes.predictive._batch import (
     IGNORE_INDEX,
     Batch,
     batch_size,
     flatten_outputs,
+    is_causal_lm,
     kept_positions,
     model_logits,
     move_batch,
@@ -78,6 +80,8 @@ __all__ = [
     "ReliabilityData",
     "Uncertainty",
     "accuracy",
+    "answer_logits",
+    "answer_positions",
     "apply_temperature",
     "auroc",
     "average_softmax",
@@ -87,6 +91,7 @@ __all__ = [
     "check_generator",
     "check_likelihood",
     "check_sample",
+    "check_target_ids",
     "cholesky_jitter",
     "decompose_classification",
     "decompose_regression",
@@ -97,6 +102,7 @@ __all__ = [
     "flatten_outputs",
     "gaussian_nll",
     "gaussian_predictive",
+    "is_causal_lm",
     "kept_positions",
     "laplace_bridge",
     "laplace_bridge_alpha",
