@@ -194,3 +194,17 @@ def test_covariances_that_do_not_fit_are_refused_before_allocating():
         ValueError, match=r"linearised_logit_moments needs .* linearised_logit_samples"
     ):
         linearised_logit_moments(model, x, {"bias": subset.mask("bias")}, samples=post.samples)
+
+
+def test_a_causal_lm_keeps_the_position_before_each_label():
+    # Hugging Face shifts a causal LM's labels: the logits at t predict the label at t + 1
+    model = tiny_model("gpt2", "causal-lm", seed=0).double().eval()
+    ids = torch.randint(1, 30, (3, 6), generator=torch.Generator().manual_seed(0))
+    labels = torch.full_like(ids, -100)
+    labels[:, 4] = ids[:, 4]  # one answer token per sequence
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits[:, 3]
+    torch.testing.assert_close(network_logits(model, batch), expected)
+    subset = Subset.from_model(model, {"transformer.ln_f.bias": KronBlock()})
+    assert loader_features(model, [batch], subset).n == 3

@@ -25,6 +25,7 @@ from partialbayes.predictive import (
     IGNORE_INDEX,
     Batch,
     check_count,
+    is_causal_lm,
     kept_positions,
     output_logits,
     split_batch,
@@ -198,14 +199,16 @@ class _Operators:
         return torch.cat(pieces, -1).to(v.dtype)
 
 
-def _kept(out: Tensor, batch: Batch) -> Rows:
+def _kept(out: Tensor, batch: Batch, model: nn.Module) -> Rows:
     """``(example,)`` or ``(example, position)`` of every output of ``out`` that carries a label.
 
     ``[B, m]``: examples whose integer label is not -100 (all, without integer ``[B]`` labels).
-    ``[B, T, m]``: positions with attention mask 1 and label not -100.
+    ``[B, T, m]``: positions with attention mask 1 and label not -100; for a causal LM (Hugging Face
+    shifts its labels) the position before each label (``predictive.kept_positions(shift=True)``).
     """
     if out.ndim == 3:
-        keep = kept_positions(out, attention_mask=batch.attention_mask, labels=batch.labels)
+        mask, labels = batch.attention_mask, batch.labels
+        keep = kept_positions(out, attention_mask=mask, labels=labels, shift=is_causal_lm(model))
         assert keep is not None
         return keep.nonzero(as_tuple=True)
     labels = batch.labels
@@ -258,7 +261,7 @@ def read_batches(
                     f"model output has shape {tuple(out.shape)}; expected [B, m] or token-level "
                     "[B, T, m] logits (pass output_fn to pick the logits)"
                 )
-            rows = _kept(out, b)
+            rows = _kept(out, b, ops.model)
         except ValueError as err:
             raise ValueError(f"batch {i}: {err}") from err
         if logits and out.shape[-1] != logits[0].shape[-1]:
@@ -421,4 +424,4 @@ def network_logits(
             out = get(model(**batch) if isinstance(batch, Mapping) else model(batch))
             outs.append(out.unsqueeze(1) if out.ndim == 1 else out)
     logits = torch.cat(outs)
-    return logits[_kept(logits, b)]
+    return logits[_kept(logits, b, model)]

@@ -161,14 +161,15 @@ def features_t_noise_sqrt(
 def check_memory(nbytes: int, device: torch.device, what: str, instead: str) -> None:
     """Refuse, before allocating, a result of ``nbytes`` that the device's free memory cannot hold.
 
-    Free memory: ``torch.cuda.mem_get_info`` on a GPU, ``MemAvailable`` of ``/proc/meminfo`` on a CPU
-    (the machine's, not a container's limit); no check where neither is known.
+    Free memory: free and cached on a GPU, ``MemAvailable`` of ``/proc/meminfo`` on a CPU (the machine's,
+    not a container's limit); no check where neither is known.
 
     Raises:
         ValueError: Naming ``what``, the bytes it needs, the bytes free and ``instead``.
     """
-    if device.type == "cuda":
+    if device.type == "cuda":  # free, and cached by torch's allocator
         free = torch.cuda.mem_get_info(device)[0]
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     else:
         meminfo = Path("/proc/meminfo")
         found = (

@@ -41,12 +41,7 @@ from partialbayes.selection import Subset
 
 
 def _positive(name: str, value: Any) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return float(value)
 
