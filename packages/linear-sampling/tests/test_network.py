@@ -17,6 +17,7 @@ from partialbayes.linear_sampling import (
     posterior_samples,
     softmax_hessian,
 )
+from partialbayes.selection import MaskBlock, Subset
 
 F64 = torch.float64
 FIXTURE_OK = settings(
@@ -281,22 +282,23 @@ def test_howto_example_runs():
     assert bool(torch.isfinite(ns["probs"]).all())
 
 
-def test_subset_like_object_is_accepted():
+def test_a_subset_gives_the_features_of_its_masks():
     model = mlp(3, 4, 2, 0, "cpu")
     masks = choose(model, "masks", 1)
+    subset = Subset.from_model(model, {n: MaskBlock(m.cpu()) for n, m in masks.items()})
+    x = torch.randn(5, 3, dtype=F64)
+    via_subset = network_features(model, x, subset)
+    via_masks = network_features(model, x, masks)
+    z = torch.randn(via_masks.d, 3, dtype=F64)
+    idx = torch.arange(5)
+    torch.testing.assert_close(via_subset.apply(idx, z), via_masks.apply(idx, z))
+    torch.testing.assert_close(network_parameters(model, subset), network_parameters(model, masks))
 
-    class FakeSubset:  # the partialbayes.selection.Subset interface used here: names and mask(name)
+    class FakeSubset:  # duck-typed stand-ins are refused: pass a Subset, names or masks
         names = tuple(masks)
 
         def mask(self, name):
             return masks[name].cpu()
 
-    x = torch.randn(5, 3, dtype=F64)
-    via_subset = network_features(model, x, FakeSubset())
-    via_masks = network_features(model, x, masks)
-    z = torch.randn(via_masks.d, 3, dtype=F64)
-    idx = torch.arange(5)
-    torch.testing.assert_close(via_subset.apply(idx, z), via_masks.apply(idx, z))
-    torch.testing.assert_close(
-        network_parameters(model, FakeSubset()), network_parameters(model, masks)
-    )
+    with pytest.raises(TypeError, match=r"partialbayes.selection.Subset, got FakeSubset"):
+        network_features(model, x, FakeSubset())

@@ -195,14 +195,14 @@ def test_save_load_refuses_other_models_and_files(tmp_path):
     post = SampledLaplace(model, subset).fit(pairs(), n_samples=4, tol=1e-10)
     path = tmp_path / "ls.safetensors"
     post.save(path)
-    with pytest.raises(ValueError, match=r"does not match the saved SampledLaplace.*0\.weight"):
+    with pytest.raises(ValueError, match=r"does not match the posterior saved in .*0\.weight"):
         SampledLaplace.load(path, nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)))
     with pytest.raises(ValueError, match=r"missing parameters \['2.bias', '2.weight'\]"):
         SampledLaplace.load(path, nn.Sequential(nn.Linear(3, 5)))
     from safetensors.torch import save_file
 
     save_file({"x": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
-    with pytest.raises(ValueError, match="not a saved SampledLaplace"):
+    with pytest.raises(ValueError, match="not a saved partialbayes posterior"):
         SampledLaplace.load(tmp_path / "other.safetensors", model)
     moved = mlp(seed=1)
     for load in (SampledLaplace.load, load_sampled_laplace):
@@ -230,7 +230,7 @@ def test_bad_input_is_named():
         post.save("never.safetensors")
     with pytest.raises(TypeError, match=r"partialbayes\.selection\.Subset"):
         SampledLaplace(model, ["0.weight"])
-    with pytest.raises(ValueError, match=r"'0.weight' has shape \(5, 3\) in the subset"):
+    with pytest.raises(ValueError, match=r"'0.weight' is shape \(5, 4\), the subset was built for"):
         SampledLaplace(nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)), subset)
     with pytest.raises(ValueError, match="likelihood"):
         SampledLaplace(model, subset, likelihood="poisson")

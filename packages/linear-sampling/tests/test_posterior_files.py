@@ -135,3 +135,9 @@ def test_a_non_positive_prior_precision_is_refused(good, tmp_path):
 def test_a_missing_file_raises_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError):
         SampledLaplace.load(tmp_path / "absent.safetensors", mlp())
+
+
+def test_a_file_of_format_version_1_is_refused_with_re_save(good, tmp_path):
+    _, meta, tensors = good
+    assert meta["version"] == 2
+    _refused(tmp_path, _file(tmp_path, tensors, {**meta, "version": 1}), "re-saved")

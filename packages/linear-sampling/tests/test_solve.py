@@ -14,6 +14,15 @@ from partialbayes.linear_sampling import (
 )
 
 F64 = torch.float64
+
+
+def dense_noise(noise):
+    """The ``[n, m, m]`` softmax Hessians ``diag(p) − p pᵀ + jitter·I`` of a noise, formed densely."""
+    p = noise.value
+    eye = torch.eye(p.shape[1], dtype=p.dtype, device=p.device)
+    return torch.diag_embed(p) - p.unsqueeze(2) * p.unsqueeze(1) + noise.jitter * eye
+
+
 FIXTURE_OK = settings(
     suppress_health_check=[
         HealthCheck.function_scoped_fixture,
@@ -37,7 +46,7 @@ def problem(n, m, d, seed, kind, device, groups=False):
         bmat = v[:, None, None] * torch.eye(m, dtype=F64)
     else:
         noise = softmax_hessian(torch.randn(n, m, generator=g, dtype=F64), jitter=0.05)
-        bmat = noise.value
+        bmat = dense_noise(noise)
     if groups:
         grp = torch.randint(0, 2, (d,), generator=g)
         grp[0], grp[-1] = 0, 1

@@ -13,7 +13,6 @@ For a network, `SampledLaplace` is the sampling-based linearised Laplace posteri
 from partialbayes.linear_sampling._cg import conjugate_gradients
 from partialbayes.linear_sampling._em import (
     EMResult,
-    dense_log_evidence,
     effective_dimension,
     feature_scales,
     fit_prior_precision,
@@ -57,7 +56,6 @@ __all__ = [
     "SampledLaplace",
     "SolveInfo",
     "conjugate_gradients",
-    "dense_log_evidence",
     "effective_dimension",
     "feature_scales",
     "fit_prior_precision",

@@ -8,6 +8,18 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from partialbayes.predictive import check_count
+
+
+def check_options(tol: object, max_iter: object) -> None:
+    """Raise unless ``tol`` is a finite number >= 0 and ``max_iter`` a positive int or ``None``."""
+    if not isinstance(tol, (int, float)):
+        raise TypeError(f"tol must be a number, got {tol!r}")
+    if isinstance(tol, bool) or not 0 <= tol < math.inf:
+        raise ValueError(f"tol must be a finite number >= 0, got {tol!r}")
+    if max_iter is not None:
+        check_count("max_iter", max_iter)
+
 
 def cg_solve(
     matvec: Callable[[Tensor], Tensor],
@@ -84,7 +96,7 @@ def conjugate_gradients(
         ``x`` with the shape of ``b``.
 
     Raises:
-        TypeError: If ``b`` is not a floating tensor or ``matvec`` is not callable.
+        TypeError: If ``b`` is not a floating tensor, ``matvec`` is not callable or ``tol`` no number.
         ValueError: If ``b`` has NaN or inf entries or the wrong rank, ``tol`` or ``max_iter`` are
             out of range, ``matvec`` returns the wrong shape or non-finite values, or the operator
             is not positive definite along a search direction.
@@ -95,12 +107,7 @@ def conjugate_gradients(
         raise TypeError(f"b must be a floating tensor, got {type(b).__name__}")
     if b.ndim not in (1, 2) or b.numel() == 0:
         raise ValueError(f"b must have shape [d] or [d, k] with d, k >= 1, got {tuple(b.shape)}")
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < math.inf:
-        raise ValueError(f"tol must be a finite number >= 0, got {tol!r}")
-    if max_iter is not None and (
-        isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1
-    ):
-        raise ValueError(f"max_iter must be a positive int or None, got {max_iter!r}")
+    check_options(tol, max_iter)
 
     def checked(v: Tensor) -> Tensor:
         arg = v[:, 0] if b.ndim == 1 else v

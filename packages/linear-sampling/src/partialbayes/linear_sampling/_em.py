@@ -11,7 +11,7 @@ from torch import Tensor
 
 from partialbayes.linear_sampling._features import Features, batches, scale_features
 from partialbayes.linear_sampling._ops import (
-    check_generator,
+    check_samples,
     curvature_matvec,
     default_batch_size,
     targets_3d,
@@ -19,6 +19,7 @@ from partialbayes.linear_sampling._ops import (
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior
 from partialbayes.linear_sampling._sgd import SGDConfig
 from partialbayes.linear_sampling._solve import check_problem, posterior_mean, posterior_samples
+from partialbayes.predictive import check_count, check_generator
 
 _ESTIMATORS = ("function", "weight")
 
@@ -61,19 +62,14 @@ def effective_dimension(
     """
     if estimator not in _ESTIMATORS:
         raise ValueError(f"estimator must be one of {_ESTIMATORS}, got {estimator!r}")
-    if samples.ndim != 2 or samples.shape[0] != features.d:
-        raise ValueError(
-            f"samples have shape {tuple(samples.shape)} but the features expect (d={features.d}, k)"
-        )
-    if not bool(torch.isfinite(samples).all()):
-        raise ValueError("samples have non-finite entries")
+    check_samples(samples, features.d)
     groups = prior.group_index(features.d, features.device)
     n_groups = prior.n_groups
     k = samples.shape[1]
     if estimator == "function":
         noise.check(features.n, features.m)
         noise = noise.to(features.dtype, features.device)
-        hz = curvature_matvec(features, noise, samples, default_batch_size(features, batch_size))
+        hz = curvature_matvec(features, noise, samples, default_batch_size(features, batch_size, k))
         return _group_sum((samples * hz).sum(1) / k, groups, n_groups)
     a = prior.diag(features.d, features.dtype, features.device)
     sizes = _group_sum(torch.ones_like(a), groups, n_groups)
@@ -148,8 +144,7 @@ def feature_scales(
         ValueError: If a parameter has no curvature (a zero feature column).
     """
     check_generator(generator)
-    if isinstance(n_probes, bool) or not isinstance(n_probes, int) or n_probes < 1:
-        raise ValueError(f"n_probes must be a positive int, got {n_probes!r}")
+    check_count("n_probes", n_probes)
     noise.check(features.n, features.m)
     noise = noise.to(features.dtype, features.device)
     if features.matrix is not None:
@@ -157,7 +152,7 @@ def feature_scales(
         idx = torch.arange(features.n, device=features.device)
         diag = (phi * noise.apply(idx, phi)).sum((0, 1))
     else:
-        bs = default_batch_size(features, batch_size)
+        bs = default_batch_size(features, batch_size, n_probes)
         diag = torch.zeros(features.d, dtype=features.dtype, device=features.device)
         for idx in batches(features.n, bs, features.device):
             e = torch.randint(0, 2, (idx.shape[0], features.m, n_probes), generator=generator)
@@ -249,9 +244,8 @@ def fit_prior_precision(
         raise ValueError(f"estimator must be one of {_ESTIMATORS}, got {estimator!r}")
     check_problem(features, noise, prior, method, sgd)
     check_generator(generator)
-    for name, value in (("k", k), ("max_iter", max_iter)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    check_count("k", k)
+    check_count("max_iter", max_iter)
     if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < math.inf:
         raise ValueError(f"tol must be a positive number, got {tol!r}")
     if not isinstance(g_prior, bool):
@@ -297,38 +291,3 @@ def fit_prior_precision(
     if scale is not None:
         mean, samples, a = mean / scale, samples / scale.unsqueeze(1), a * scale**2
     return EMResult(prior, a, mean, samples, scale, converged, history)
-
-
-def dense_log_evidence(phi: Tensor, targets: Tensor, noise: NoisePrecision, prior: Prior) -> Tensor:
-    """Exact log evidence ``log p(Y | α)`` of the linear model, by dense Cholesky (small problems).
-
-    ``log p(Y) = −½‖Y − Φθ̄‖²_B − ½‖θ̄‖²_A − ½ log det H + ½ log det A + ½ Σ_n log det B_n − (nm/2) log 2π``.
-
-    Args:
-        phi: ``[n, d]`` or ``[n, m, d]`` features.
-        targets: ``[n]`` or ``[n, m]``.
-        noise: Noise precision ``B``.
-        prior: Prior (differentiable in ``prior.alpha``).
-
-    Returns:
-        Scalar tensor.
-    """
-    feats = Features.dense(phi)
-    phi3 = feats.matrix
-    assert phi3 is not None
-    n, m, d = phi3.shape
-    noise.check(n, m)
-    noise = NoisePrecision(noise.value.to(phi3))
-    y = targets_3d(feats, targets)[..., 0]
-    idx = torch.arange(n, device=phi3.device)
-    bphi = noise.apply(idx, phi3)
-    a = prior.alpha.to(phi3).reshape(-1)[prior.group_index(d, phi3.device)]
-    h = torch.einsum("nmd,nme->de", phi3, bphi) + torch.diag(a)
-    chol = torch.linalg.cholesky(h)
-    mean = torch.cholesky_solve(torch.einsum("nmd,nm->d", bphi, y).unsqueeze(1), chol)[:, 0]
-    r = (y - phi3 @ mean).unsqueeze(2)
-    quad = (r * noise.apply(idx, r)).sum() + (a * mean * mean).sum()
-    logdet_h = 2 * chol.diagonal().log().sum()
-    return 0.5 * (
-        -quad - logdet_h + a.log().sum() + noise.logdet(n, m) - n * m * math.log(2 * math.pi)
-    )

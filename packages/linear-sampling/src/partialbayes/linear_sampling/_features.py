@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
+
+from partialbayes.predictive import check_count
+
+WORKING_BYTES = 1 << 28
+"""Bytes of one observation-space block (``[b, m, k]``, or a model's output tangents) per operator call."""
 
 JvpFn = Callable[[Tensor, Tensor], Tensor]
 """``(idx [b] int64, z [d, k]) -> Φ_idx z [b, m, k]``."""
@@ -53,9 +58,7 @@ class Features:
 
     def __post_init__(self) -> None:
         for name in ("n", "m", "d"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Features.{name} must be a positive int, got {value!r}")
+            check_count(f"Features.{name}", getattr(self, name))
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise TypeError(f"Features.dtype must be floating point, got {self.dtype}")
         if not (callable(self.jvp) and callable(self.vjp)):
@@ -184,34 +187,9 @@ def scale_features(features: Features, scale: Tensor) -> Features:
         return features.vjp(idx, v) * inv
 
     matrix = None if features.matrix is None else features.matrix * inv.T
-    return Features(
-        jvp,
-        vjp,
-        features.n,
-        features.m,
-        features.d,
-        features.dtype,
-        features.device,
-        matrix=matrix,
-        check_finite=features.check_finite,
-    )
+    return replace(features, jvp=jvp, vjp=vjp, matrix=matrix)
 
 
-def batches(
-    n: int, batch_size: int, device: torch.device, generator: torch.Generator | None = None
-):
-    """Index batches covering ``0..n-1`` once; shuffled when a generator is given.
-
-    Args:
-        n: Number of observations.
-        batch_size: Batch size (the last batch may be smaller).
-        device: Device of the index tensors.
-        generator: CPU generator for the permutation; ``None`` keeps the natural order.
-
-    Yields:
-        ``[b]`` int64 index tensors.
-    """
-    order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
-    order = order.to(device)
-    for start in range(0, n, batch_size):
-        yield order[start : start + batch_size]
+def batches(n: int, batch_size: int, device: torch.device) -> Iterator[Tensor]:
+    """``[b]`` int64 index batches covering ``0..n-1`` once, in order (the last one may be smaller)."""
+    yield from torch.arange(n, device=device).split(batch_size)

@@ -16,7 +16,12 @@ from partialbayes.linear_sampling._network import (
     network_features,
     network_logits,
 )
-from partialbayes.linear_sampling._ops import curvature_matvec, default_batch_size
+from partialbayes.linear_sampling._ops import (
+    check_memory,
+    check_samples,
+    curvature_matvec,
+    default_batch_size,
+)
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior
 
 
@@ -48,7 +53,7 @@ def linearised_logit_samples(
         ValueError: If the samples are not ``[d, k]`` or not finite.
     """
     feats = network_features(model, inputs, params, output_fn=output_fn)
-    _check_samples(samples, feats.d)
+    check_samples(samples, feats.d)
     mean = network_logits(model, inputs, batch_size=batch_size, output_fn=output_fn)
     out = torch.empty(feats.n, feats.m, samples.shape[-1], dtype=mean.dtype, device=mean.device)
     for idx in batches(feats.n, batch_size, feats.device):
@@ -56,15 +61,6 @@ def linearised_logit_samples(
             mean.dtype
         )
     return (mean.unsqueeze(2) + out).permute(2, 0, 1)
-
-
-def _check_samples(samples: Tensor, d: int) -> None:
-    if not isinstance(samples, Tensor) or not samples.dtype.is_floating_point:
-        raise TypeError(f"samples must be a floating [d, k] tensor, got {type(samples).__name__}")
-    if samples.ndim != 2 or samples.shape[0] != d:
-        raise ValueError(f"samples have shape {tuple(samples.shape)} but the network has d={d}")
-    if not bool(torch.isfinite(samples).all()):
-        raise ValueError("samples have non-finite entries")
 
 
 def linearised_logit_moments(
@@ -102,7 +98,8 @@ def linearised_logit_moments(
         ``(mean [n, m], covariance [n, m, m])``.
 
     Raises:
-        ValueError: If neither or both ways are given, or ``d`` disagrees.
+        ValueError: If neither or both ways are given, ``d`` disagrees, or the ``[n, m, m]``
+            covariances (and the exact path's identity) would not fit in the free memory.
     """
     exact = train_features is not None or noise is not None or prior is not None
     if exact == (samples is not None) or (
@@ -111,9 +108,15 @@ def linearised_logit_moments(
         raise ValueError("give either samples, or all of train_features, noise and prior")
     feats = network_features(model, inputs, params, output_fn=output_fn)
     mean = network_logits(model, inputs, batch_size=batch_size, output_fn=output_fn)
+    b = (
+        0 if samples is not None else min(batch_size, feats.n)
+    )  # the exact path's [b, m, b·m] identity
+    floats = (feats.n + b * b) * feats.m**2
+    instead = "use linearised_logit_samples, which forms no m x m blocks"
+    check_memory(floats * feats.dtype.itemsize, feats.device, "linearised_logit_moments", instead)
     cov = torch.empty(feats.n, feats.m, feats.m, dtype=feats.dtype, device=feats.device)
     if samples is not None:
-        _check_samples(samples, feats.d)
+        check_samples(samples, feats.d)
         z = samples.to(device=feats.device, dtype=feats.dtype)
         for idx in batches(feats.n, batch_size, feats.device):
             jz = feats.apply(idx, z)
@@ -164,8 +167,7 @@ def linearised_targets(
             ([`network_parameters`][partialbayes.linear_sampling.network_parameters]).
         logits: ``[n, m]`` logits at ``θ*``.
         labels: ``[n]`` int64 class labels.
-        noise: ``B`` with ``[n, m, m]`` matrices (from
-            [`softmax_hessian`][partialbayes.linear_sampling.softmax_hessian]).
+        noise: ``B``, a [`softmax_hessian`][partialbayes.linear_sampling.softmax_hessian].
         batch_size: Observations per JVP call.
 
     Returns:
@@ -191,15 +193,14 @@ def linearised_targets(
         raise ValueError(
             f"labels must lie in 0..{m - 1}, got range {int(labels.min())}..{int(labels.max())}"
         )
-    if noise.value.ndim != 3:
-        raise ValueError("noise must hold [n, m, m] matrices (softmax_hessian)")
+    if noise.value.ndim < 2:
+        raise ValueError("noise must be a softmax Hessian (softmax_hessian)")
     noise.check(n, m)
     noise = noise.to(features.dtype, features.device)
     theta = theta.to(device=features.device, dtype=features.dtype).reshape(-1, 1)
     grad = torch.nn.functional.one_hot(labels.to(features.device), m).to(features.dtype)
     grad = grad - logits.to(features.device, features.dtype).softmax(-1)
-    assert noise.sqrt is not None
-    out = torch.cholesky_solve(grad.unsqueeze(2), noise.sqrt)[..., 0]
+    out = noise.solve(torch.arange(n, device=features.device), grad.unsqueeze(2))[..., 0]
     for idx in batches(n, default_batch_size(features, batch_size), features.device):
         out[idx] += features.apply(idx, theta)[..., 0]
     return out

@@ -1,160 +1,110 @@
 """Features of a linearised network: the Jacobian of the logits in chosen parameters, via torch.func.
 
 Batches are read with ``partialbayes.predictive.split_batch`` (tensors, ``(inputs, labels)`` pairs, dicts,
-``transformers.BatchEncoding``). One output per example for ``[B, C]`` logits; for token-level logits
-``[B, T, C]`` every kept position (attention mask 1 and label not -100) is one output, in row-major
-``(b, t)`` order (as ``partialbayes.predictive.flatten_outputs`` orders them).
+``transformers.BatchEncoding``). Every output that carries a label is one observation: for ``[B, C]``
+logits each example whose label is not -100, for token-level logits ``[B, T, C]`` every position with
+attention mask 1 and label not -100, in row-major ``(b, t)`` order (as
+``partialbayes.predictive.flatten_outputs`` orders them). The Jacobian products run on the kept outputs
+only, a few columns at a time, so no ``[B, T, C, k]`` block is formed at a large vocabulary ``C``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from partialbayes.linear_sampling._features import Features
-from partialbayes.predictive import kept_positions, output_logits, split_batch
+from partialbayes.linear_sampling._features import WORKING_BYTES, Features
+from partialbayes.predictive import (
+    IGNORE_INDEX,
+    Batch,
+    check_count,
+    is_causal_lm,
+    kept_positions,
+    output_logits,
+    split_batch,
+)
+from partialbayes.predictive import batch_size as n_examples
+from partialbayes.selection import KronBlock, MaskBlock, Subset
 
 Inputs = Tensor | Mapping[str, Any]
-ParamSpec = Sequence[str] | Mapping[str, Tensor] | Any
+ParamSpec: TypeAlias = Sequence[str] | Mapping[str, Tensor | None] | Subset
 OutputFn = Callable[[Any], Tensor]
+Rows = tuple[Tensor, ...]
 
 
-def _masks(model: nn.Module, params: ParamSpec) -> dict[str, Tensor | None]:
-    """Parameter name -> storage-shaped bool mask (``None``: every entry)."""
-    named = dict(model.named_parameters())
-    if hasattr(params, "names") and hasattr(params, "mask"):  # a selection.Subset, duck-typed
-        spec: dict[str, Tensor | None] = {n: params.mask(n) for n in params.names}
-    elif isinstance(params, Mapping):
-        spec = dict(params)
+def as_subset(model: nn.Module, params: ParamSpec) -> Subset:
+    """``params`` as a ``Subset`` of ``model``: names are whole parameters, ``{name: bool mask}`` masks."""
+    if isinstance(params, Subset):
+        return params
+    if isinstance(params, Mapping):
+        blocks = {n: KronBlock() if m is None else MaskBlock(m) for n, m in params.items()}
     elif isinstance(params, (list, tuple)):
-        spec = dict.fromkeys(params)
+        blocks = {n: KronBlock() for n in params}
     else:
         raise TypeError(
-            "params must be a list of parameter names, a {name: bool mask} mapping or a Subset, "
-            f"got {type(params).__name__}"
+            "params must be a list of parameter names, a {name: bool mask} mapping or a "
+            f"partialbayes.selection.Subset, got {type(params).__name__}"
         )
-    if not spec:
+    if not blocks:
         raise ValueError("params is empty: choose at least one parameter")
-    out: dict[str, Tensor | None] = {}
-    for name in named:  # model order
-        if name not in spec:
-            continue
-        mask = spec[name]
-        if mask is not None:
-            if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
-                raise TypeError(f"mask of parameter {name!r} must be a bool tensor")
-            if mask.shape != named[name].shape:
-                raise ValueError(
-                    f"mask of parameter {name!r} has shape {tuple(mask.shape)} but the parameter has "
-                    f"{tuple(named[name].shape)}"
-                )
-            if not bool(mask.any()):
-                raise ValueError(f"mask of parameter {name!r} selects no entries")
-            mask = mask.to(named[name].device)
-        out[name] = mask
-    unknown = sorted(set(spec) - set(named))
-    if unknown:
-        raise ValueError(f"unknown parameter names {unknown[:5]} (not in model.named_parameters())")
-    return out
+    return Subset.from_model(model, blocks)
 
 
 def network_parameters(model: nn.Module, params: ParamSpec) -> Tensor:
     """The chosen parameter entries as one flat vector ``[d]`` (model order, row-major within a mask).
 
-    For a ``partialbayes.selection.Subset`` this is the concatenation of ``subset.gather`` over
-    ``subset.names``.
+    This is the concatenation of ``subset.gather`` over ``subset.names`` (for names or masks, of the
+    subset they make).
 
     Args:
         model: The network.
-        params: Parameter names, ``{name: bool mask}`` (storage shape) or a Subset-like object with
-            ``names`` and ``mask(name)``.
+        params: Parameter names, ``{name: bool mask}`` (storage shape) or a
+            ``partialbayes.selection.Subset``.
 
     Returns:
         ``[d]`` detached values.
     """
-    named = dict(model.named_parameters())
-    parts = [
-        named[n].detach()[m] if m is not None else named[n].detach().reshape(-1)
-        for n, m in _masks(model, params).items()
-    ]
-    return torch.cat(parts)
+    subset = as_subset(model, params)
+    return torch.cat([subset.gather(n, p.detach()) for n, p in subset.parameters_of(model).items()])
 
 
 class _Chosen:
-    """The chosen entries: names, masks, MAP values, and flat <-> per-parameter conversions."""
+    """The chosen entries: names, masks, MAP values, and flat ``[d, k]`` <-> per-parameter tensors.
+
+    ``dtype`` is the dtype of the flat vectors: the parameters' own, at least float32 (a half-precision
+    model's Jacobian products are solved in float32).
+    """
 
     def __init__(self, model: nn.Module, params: ParamSpec) -> None:
-        self.masks = _masks(model, params)
-        named = dict(model.named_parameters())
-        self.names = list(self.masks)
-        self.primals = tuple(named[n].detach() for n in self.names)
-        self.sizes = [
-            p.numel() if (mk := self.masks[n]) is None else int(mk.sum())
-            for n, p in zip(self.names, self.primals, strict=True)
-        ]
+        subset = as_subset(model, params)
+        named = subset.parameters_of(model)
+        self.names = list(named)
+        self.primals = tuple(p.detach() for p in named.values())
+        self.masks = [subset.mask(n).to(p.device) for n, p in named.items()]
+        self.sizes = [subset.num_entries(n) for n in self.names]
         self.d = sum(self.sizes)
+        self.dtype = torch.promote_types(self.primals[0].dtype, torch.float32)
 
-    def unflatten(self, z: Tensor) -> tuple[Tensor, ...]:
-        """``z [d]`` -> one storage-shaped tangent per parameter (zeros outside the masks)."""
+    def tangents(self, z: Tensor) -> tuple[Tensor, ...]:
+        """``z [d, k]`` -> ``[k, *shape]`` per parameter (zeros outside the chosen entries)."""
         out = []
-        for nm, chunk, prim in zip(self.names, z.split(self.sizes), self.primals, strict=True):
-            mask = self.masks[nm]
-            if mask is None:
-                out.append(chunk.reshape(prim.shape).to(prim.dtype))
-            else:
-                t = torch.zeros_like(prim)
-                t[mask] = chunk.to(prim.dtype)
-                out.append(t)
+        for chunk, prim, mask in zip(z.split(self.sizes), self.primals, self.masks, strict=True):
+            t = torch.zeros(z.shape[1], *prim.shape, dtype=prim.dtype, device=prim.device)
+            t[:, mask] = chunk.T.to(prim.dtype)
+            out.append(t)
         return tuple(out)
 
-    def unflatten_batched(self, z: Tensor) -> tuple[Tensor, ...]:
-        """``z [d, k]`` -> ``[k, *shape]`` tangents per parameter."""
-        out = []
-        k = z.shape[1]
-        for nm, chunk, prim in zip(self.names, z.split(self.sizes), self.primals, strict=True):
-            mask = self.masks[nm]
-            if mask is None:
-                out.append(chunk.T.reshape(k, *prim.shape).to(prim.dtype))
-            else:
-                t = torch.zeros(k, *prim.shape, dtype=prim.dtype, device=prim.device)
-                t[:, mask] = chunk.T.to(prim.dtype)
-                out.append(t)
-        return tuple(out)
-
-    def flatten(self, grads: Sequence[Tensor]) -> Tensor:
-        """Storage-shaped gradients -> ``[d]``."""
-        return torch.cat(
-            [
-                g[self.masks[nm]] if self.masks[nm] is not None else g.reshape(-1)
-                for nm, g in zip(self.names, grads, strict=True)
-            ]
-        )
-
-    def flatten_batched(self, grads: Sequence[Tensor]) -> Tensor:
-        """``[*shape, k]`` gradients -> ``[d, k]``."""
-        parts = []
-        for nm, g in zip(self.names, grads, strict=True):
-            g = g.movedim(-1, 0)
-            mask = self.masks[nm]
-            parts.append(g[:, mask] if mask is not None else g.reshape(g.shape[0], -1))
+    def gather(self, grads: Sequence[Tensor]) -> Tensor:
+        """``[*shape, k]`` per parameter -> ``[d, k]``."""
+        parts = [g.movedim(-1, 0)[:, mask] for g, mask in zip(grads, self.masks, strict=True)]
         return torch.cat(parts, 1).T
-
-
-def _n_examples(inputs: Inputs) -> int:
-    if isinstance(inputs, Tensor):
-        if inputs.ndim == 0:
-            raise ValueError("inputs must have a batch dimension, got a 0-d tensor")
-        return int(inputs.shape[0])
-    sizes = {k: int(v.shape[0]) for k, v in inputs.items() if isinstance(v, Tensor) and v.ndim > 0}
-    if len(set(sizes.values())) != 1:
-        raise ValueError(f"inputs disagree on the number of examples: {sizes}")
-    return next(iter(sizes.values()))
 
 
 def _index(inputs: Inputs, idx: Tensor, n: int) -> Inputs:
@@ -167,11 +117,18 @@ def _index(inputs: Inputs, idx: Tensor, n: int) -> Inputs:
     }
 
 
+def _columns(numel: int, k: int, dtype: torch.dtype) -> int:
+    """Right-hand sides per operator call: a ``[numel, columns]`` block stays under `WORKING_BYTES`."""
+    return max(1, min(k, WORKING_BYTES // max(1, numel * dtype.itemsize)))
+
+
 class _Operators:
     """``J z`` and ``Jᵀ v`` of the network's output in the chosen entries, on given inputs.
 
-    Outputs keep the model's shape (``[b, m]`` or ``[b, T, m]``; a ``[b]`` output becomes ``[b, 1]``)
-    with the ``k`` right-hand sides as the last dimension.
+    Outputs keep the model's shape (``[b, m]`` or ``[b, T, m]``; a ``[b]`` output becomes ``[b, 1]``),
+    or ``[r, m]`` for the ``rows`` selected from it, with the ``k`` right-hand sides as the last
+    dimension. ``numel`` is the size of the model's whole output on the inputs: the ``k`` columns are
+    taken a few at a time so that one call's output tangents stay under `WORKING_BYTES`.
     """
 
     def __init__(self, model: nn.Module, chosen: _Chosen, output_fn: OutputFn | None) -> None:
@@ -180,7 +137,7 @@ class _Operators:
         self.get = output_fn or output_logits
         self.batched = {"jvp": True, "vjp": True}  # vmap over the k columns; off after a failure
 
-    def call(self, inputs: Inputs) -> Callable[..., Tensor]:
+    def call(self, inputs: Inputs, rows: Rows | None = None) -> Callable[..., Tensor]:
         names = self.chosen.names
 
         def fn(*ps: Tensor) -> Tensor:
@@ -191,7 +148,8 @@ class _Operators:
                 out = self.get(functional_call(self.model, p, (inputs,)))
             if not isinstance(out, Tensor):
                 raise TypeError(f"output_fn must return a tensor, got {type(out).__name__}")
-            return out.unsqueeze(1) if out.ndim == 1 else out
+            out = out.unsqueeze(1) if out.ndim == 1 else out
+            return out if rows is None else out[rows]
 
         return fn
 
@@ -199,121 +157,166 @@ class _Operators:
         with torch.no_grad():
             return self.call(inputs)(*self.chosen.primals)
 
-    def jvp(self, inputs: Inputs, z: Tensor) -> Tensor:
-        """``J z`` for ``z [d, k]``: ``[*out, k]``."""
-        fn, primals, chosen = self.call(inputs), self.chosen.primals, self.chosen
-        # forward-mode AD has no rule for the fused attention kernels: use the math backend
-        with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
-            if self.batched["jvp"] and z.shape[1] > 1:
-                try:
-                    tangents = chosen.unflatten_batched(z)
-                    out = vmap(lambda *t: jvp(fn, primals, t)[1], out_dims=-1)(*tangents)
-                    return out.to(z.dtype)
-                except Exception:  # data-dependent control flow (Hugging Face): loop instead
-                    self.batched["jvp"] = False
-            cols = [jvp(fn, primals, chosen.unflatten(z[:, j]))[1] for j in range(z.shape[1])]
-        return torch.stack(cols, -1).to(z.dtype)
+    def jvp(
+        self, inputs: Inputs, z: Tensor, numel: int, rows: Rows | None = None
+    ) -> Iterator[Tensor]:
+        """``J z`` for ``z [d, k]``, a few columns at a time: ``[*out, c]`` pieces."""
+        fn, primals, chosen = self.call(inputs, rows), self.chosen.primals, self.chosen
+        step = _columns(numel, z.shape[1], z.dtype)
+        for start in range(0, z.shape[1], step):
+            zc = z[:, start : start + step]
+            # forward-mode AD has no rule for the fused attention kernels: use the math backend
+            with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+                tangents, out = chosen.tangents(zc), None
+                if self.batched["jvp"] and zc.shape[1] > 1:
+                    try:
+                        out = vmap(lambda *t: jvp(fn, primals, t)[1], out_dims=-1)(*tangents)
+                    except Exception:  # data-dependent control flow (Hugging Face): loop instead
+                        self.batched["jvp"] = False
+                if out is None:
+                    cols = [
+                        jvp(fn, primals, tuple(t[j] for t in tangents))[1] for j in range(len(zc.T))
+                    ]
+                    out = torch.stack(cols, -1)
+            yield out.to(z.dtype)
 
-    def vjp(self, inputs: Inputs, v: Tensor) -> Tensor:
+    def vjp(self, inputs: Inputs, v: Tensor, numel: int, rows: Rows | None = None) -> Tensor:
         """``Jᵀ v`` for ``v [*out, k]``: ``[d, k]``."""
-        chosen = self.chosen
+        chosen, pieces = self.chosen, []
         with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
-            out, pull = vjp(self.call(inputs), *chosen.primals)  # type: ignore[misc]
-            if self.batched["vjp"] and v.shape[-1] > 1:
-                try:
-                    grads = vmap(pull, in_dims=-1, out_dims=-1)(v.to(out.dtype))
-                    return chosen.flatten_batched(grads).to(v.dtype)
-                except Exception:
-                    self.batched["vjp"] = False
-            cols = [chosen.flatten(pull(v[..., j].to(out.dtype))) for j in range(v.shape[-1])]
-        return torch.stack(cols, -1).to(v.dtype)
+            out, pull = vjp(self.call(inputs, rows), *chosen.primals)  # type: ignore[misc]
+            step = _columns(numel, v.shape[-1], v.dtype)
+            for start in range(0, v.shape[-1], step):
+                vc = v[..., start : start + step].to(out.dtype)
+                if self.batched["vjp"] and vc.shape[-1] > 1:
+                    try:
+                        pieces.append(chosen.gather(vmap(pull, in_dims=-1, out_dims=-1)(vc)))
+                        continue
+                    except Exception:
+                        self.batched["vjp"] = False
+                for j in range(vc.shape[-1]):
+                    pieces.append(chosen.gather([g.unsqueeze(-1) for g in pull(vc[..., j])]))
+        return torch.cat(pieces, -1).to(v.dtype)
+
+
+def _kept(out: Tensor, batch: Batch, model: nn.Module) -> Rows:
+    """``(example,)`` or ``(example, position)`` of every output of ``out`` that carries a label.
+
+    ``[B, m]``: examples whose integer label is not -100 (all, without integer ``[B]`` labels).
+    ``[B, T, m]``: positions with attention mask 1 and label not -100; for a causal LM (Hugging Face
+    shifts its labels) the position before each label (``predictive.kept_positions(shift=True)``).
+    """
+    if out.ndim == 3:
+        mask, labels = batch.attention_mask, batch.labels
+        keep = kept_positions(out, attention_mask=mask, labels=labels, shift=is_causal_lm(model))
+        assert keep is not None
+        return keep.nonzero(as_tuple=True)
+    labels = batch.labels
+    if labels is None or labels.ndim != 1 or labels.is_floating_point():
+        return (torch.arange(out.shape[0], device=out.device),)
+    return ((labels.to(out.device) != IGNORE_INDEX).nonzero()[:, 0],)
 
 
 @dataclass(frozen=True)
 class _Part:
-    """The outputs of one batch: its inputs and, for token-level outputs, the kept positions."""
+    """The outputs of one batch: its inputs and the example (and position) of each kept output."""
 
     inputs: Inputs
     n_examples: int
-    n_outputs: int
-    example: Tensor | None  # [n_outputs] example of each output (token-level), else None
-    position: Tensor | None  # [n_outputs] position of each output (token-level), else None
-    length: int = 0  # T of token-level outputs
+    rows: Rows  # ([n_outputs] example,) or ([n_outputs] example, [n_outputs] position)
+    length: int  # T of token-level outputs, 1 for [B, m]
+
+    def select(self, local: Tensor, m: int) -> tuple[Inputs, Rows, int]:
+        """Outputs ``local``: the inputs of their examples, their rows there, the output's size."""
+        uniq, inv = torch.unique(self.rows[0][local], return_inverse=True)
+        rows = (inv, *(r[local] for r in self.rows[1:]))
+        return _index(self.inputs, uniq, self.n_examples), rows, uniq.numel() * self.length * m
 
 
-def _part(ops: _Operators, batch: Any, device: torch.device) -> tuple[_Part, int]:
-    """Read one batch: its inputs on ``device``, its kept outputs, and the number of logits ``m``."""
-    b = split_batch(batch, device=device)
-    n = _n_examples(b.inputs)
-    first = ops.forward(_index(b.inputs, torch.arange(1), n))
-    if first.ndim not in (2, 3):
+def read_batches(
+    ops: _Operators, batches: Iterable[Any], *, check_finite: bool = True
+) -> tuple[Features, Tensor]:
+    """Features over every kept output of ``batches`` and the logits ``[n, m]`` there.
+
+    Each batch is read once (one forward pass). A batch without kept outputs (every label -100) is
+    skipped; one warning (pointing at the caller's caller) counts them, and a loader of nothing else
+    is refused.
+
+    Raises:
+        ValueError: If ``batches`` is empty, a batch is (naming it), the batches disagree on ``m``, or
+            no batch has a kept output.
+    """
+    parts: list[_Part] = []
+    logits: list[Tensor] = []
+    total = 0
+    device = ops.chosen.primals[0].device
+    for i, batch in enumerate(batches):
+        total += 1
+        try:
+            b = split_batch(batch, device=device)
+            n = n_examples(b.inputs)
+            out = ops.forward(b.inputs)
+            if out.ndim not in (2, 3):
+                raise ValueError(
+                    f"model output has shape {tuple(out.shape)}; expected [B, m] or token-level "
+                    "[B, T, m] logits (pass output_fn to pick the logits)"
+                )
+            rows = _kept(out, b, ops.model)
+        except ValueError as err:
+            raise ValueError(f"batch {i}: {err}") from err
+        if logits and out.shape[-1] != logits[0].shape[-1]:
+            raise ValueError(
+                f"the batches disagree on the number of logits: batch {i} has {out.shape[-1]}, "
+                f"the first {logits[0].shape[-1]}"
+            )
+        if rows[0].numel():
+            length = out.shape[1] if out.ndim == 3 else 1
+            parts.append(_Part(b.inputs, n, rows, length))
+            logits.append(out[rows])
+    if not total:
+        raise ValueError("batches is empty")
+    skipped = total - len(parts)
+    if not parts:
         raise ValueError(
-            f"model output has shape {tuple(first.shape)} for one example; expected [1, m] or "
-            "token-level [1, T, m] logits (pass output_fn to pick the logits)"
+            f"every batch ({skipped} of {total}) has no labelled outputs (labels -100, or attention "
+            "mask 0): nothing to fit"
         )
-    m = int(first.shape[-1])
-    if first.ndim == 2:
-        return _Part(b.inputs, n, n, None, None), m
-    length = int(first.shape[1])
-    shape = (n, length, 0)
-    keep = kept_positions(
-        torch.empty(shape, device=device), attention_mask=b.attention_mask, labels=b.labels
-    )
-    assert keep is not None
-    example, position = keep.nonzero(as_tuple=True)
-    if example.numel() == 0:
-        raise ValueError("the batch has no kept token positions (attention mask 0 or labels -100)")
-    return _Part(b.inputs, n, int(example.numel()), example, position, length), m
+    if skipped:
+        warnings.warn(
+            f"skipped {skipped} of {total} batches with no labelled outputs",
+            stacklevel=3,
+        )
+    m = int(logits[0].shape[-1])
+    return _features(ops, parts, m, check_finite=check_finite), torch.cat(logits)
 
 
 def _features(ops: _Operators, parts: Sequence[_Part], m: int, *, check_finite: bool) -> Features:
     """Features over the outputs of ``parts`` in order (observation ``i`` is the ``i``-th kept output)."""
     chosen = ops.chosen
-    sizes = torch.tensor([p.n_outputs for p in parts])
+    sizes = torch.tensor([p.rows[0].numel() for p in parts])
     starts = (torch.cumsum(sizes, 0) - sizes).tolist()
-    dtype, device = chosen.primals[0].dtype, chosen.primals[0].device
 
-    def pieces(idx: Tensor) -> Iterable[tuple[_Part, Tensor, Tensor]]:
+    def pieces(idx: Tensor) -> Iterable[tuple[Tensor, Inputs, Rows, int]]:
         for part, start in zip(parts, starts, strict=True):
-            sel = (idx >= start) & (idx < start + part.n_outputs)
+            sel = (idx >= start) & (idx < start + part.rows[0].numel())
             if bool(sel.any()):
-                yield part, sel, idx[sel] - start
+                yield (sel, *part.select(idx[sel] - start, m))
 
     def jvp_fn(idx: Tensor, z: Tensor) -> Tensor:
         out = torch.empty(idx.shape[0], m, z.shape[1], dtype=z.dtype, device=z.device)
-        for part, sel, local in pieces(idx):
-            if part.example is None:
-                out[sel] = ops.jvp(_index(part.inputs, local, part.n_examples), z).to(z.dtype)
-            else:
-                assert part.position is not None
-                ex, pos = part.example[local], part.position[local]
-                uniq, inv = torch.unique(ex, return_inverse=True)
-                full = ops.jvp(_index(part.inputs, uniq, part.n_examples), z)  # [u, T, m, k]
-                out[sel] = full[inv, pos].to(z.dtype)
+        for sel, inputs, rows, numel in pieces(idx):
+            out[sel] = torch.cat(list(ops.jvp(inputs, z, numel, rows)), -1)
         return out
 
     def vjp_fn(idx: Tensor, v: Tensor) -> Tensor:
         out = torch.zeros(chosen.d, v.shape[2], dtype=v.dtype, device=v.device)
-        for part, sel, local in pieces(idx):
-            if part.example is None:
-                out += ops.vjp(_index(part.inputs, local, part.n_examples), v[sel]).to(v.dtype)
-            else:
-                assert part.position is not None
-                ex, pos = part.example[local], part.position[local]
-                uniq, inv = torch.unique(ex, return_inverse=True)
-                full = torch.zeros(
-                    uniq.shape[0], part.length, m, v.shape[2], dtype=v.dtype, device=v.device
-                )
-                full.index_put_((inv, pos), v[sel], accumulate=True)
-                out += ops.vjp(_index(part.inputs, uniq, part.n_examples), full).to(v.dtype)
+        for sel, inputs, rows, numel in pieces(idx):
+            out += ops.vjp(inputs, v[sel], numel, rows)
         return out
 
     n = int(sizes.sum())
-    return Features(jvp_fn, vjp_fn, n, m, chosen.d, dtype, device, check_finite=check_finite)
-
-
-def _device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
+    device = chosen.primals[0].device
+    return Features(jvp_fn, vjp_fn, n, m, chosen.d, chosen.dtype, device, check_finite=check_finite)
 
 
 def loader_features(
@@ -330,12 +333,13 @@ def loader_features(
     positions in row-major order). Each batch keeps its own padding length, so a loader built with
     Hugging Face's ``DataCollatorWithPadding`` works; the batches are read once and held (on the model's
     device) for as long as the features live. An operator call on indices spread over several batches
-    costs one JVP (or VJP) per batch touched, on the touched examples only.
+    costs one JVP (or VJP) per batch touched, on the touched examples only. A batch without a labelled
+    output (every label -100) is skipped, with one warning that counts them.
 
     Args:
         model: The network, in eval mode.
         batches: Batches of any kind ``partialbayes.predictive.split_batch`` reads (labels only decide which
-            token positions count).
+            outputs count).
         params: Parameter names, ``{name: bool mask}`` or a ``Subset``.
         output_fn: Maps the model output to logits (default: ``.logits``, else the first element of a
             tuple, else the tensor).
@@ -345,22 +349,14 @@ def loader_features(
         Operator features: ``n`` = number of kept outputs, ``m`` = number of logits, ``d`` = chosen entries.
 
     Raises:
-        ValueError: If the model is in training mode, ``batches`` is empty, the batches disagree on ``m``, or
-            token-level outputs come without an attention mask or labels.
+        ValueError: If the model is in training mode, ``batches`` or one of them is empty (the batch is
+            named), no batch has a labelled output, the batches disagree on ``m``, or token-level
+            outputs come without an attention mask or labels.
     """
     if model.training:
         raise ValueError("model is in training mode: call model.eval() so that dropout is off")
     ops = _Operators(model, _Chosen(model, params), output_fn)
-    parts, ms = [], set()
-    for batch in batches:
-        part, m = _part(ops, batch, _device(model))
-        parts.append(part)
-        ms.add(m)
-    if not parts:
-        raise ValueError("batches is empty")
-    if len(ms) != 1:
-        raise ValueError(f"the batches disagree on the number of logits: {sorted(ms)}")
-    return _features(ops, parts, ms.pop(), check_finite=check_finite)
+    return read_batches(ops, batches, check_finite=check_finite)[0]
 
 
 def network_features(
@@ -371,34 +367,29 @@ def network_features(
     output_fn: OutputFn | None = None,
     check_finite: bool = True,
 ) -> Features:
-    """Features ``Φ_n = ∂ f(x_n; θ) / ∂ θ_S`` of the network linearised at its current weights.
+    """Features ``Φ_n = ∂ f(x_n; θ) / ∂ θ_S`` of the network linearised at its current weights, on one batch.
 
     ``θ_S`` is the flat vector of the chosen entries (see
     [`network_parameters`][partialbayes.linear_sampling.network_parameters]). ``Φ z`` is a forward-mode
     ``torch.func.jvp`` and ``Φᵀ v`` a reverse-mode ``torch.func.vjp`` through
-    ``torch.func.functional_call`` on the minibatch; there is no ``vmap`` over the model, so Hugging Face
-    models with dict batches work. ``k`` columns cost ``k`` JVPs, or one forward and ``k`` backward passes.
-    For several batches (a loader) use [`loader_features`][partialbayes.linear_sampling.loader_features].
+    ``torch.func.functional_call``; ``k`` columns run jointly under ``vmap`` where the model allows it
+    (else one by one: Hugging Face attention masks), a few at a time so that the output tangents stay
+    small at a large vocabulary. This is [`loader_features`][partialbayes.linear_sampling.loader_features]
+    on one batch: its arguments and errors.
 
     Args:
         model: The network, in eval mode (dropout would make the features random).
-        inputs: One batch of any kind ``partialbayes.predictive.split_batch`` reads: a ``[n, ...]`` tensor,
-            an ``(inputs, labels)`` pair, or a mapping (``dict``, ``transformers.BatchEncoding``) of
-            ``[n, ...]`` tensors passed as keyword arguments (labels are not passed to the model).
-            Token-level logits ``[n, T, m]`` give one observation per kept position (attention mask 1,
-            label not -100).
-        params: Parameter names, ``{name: bool mask}`` in storage shape, or a Subset-like object with
-            ``names`` and ``mask(name)``.
-        output_fn: Maps the model output to logits (default: ``.logits``, else the first element of a
-            tuple, else the tensor; ``[b]`` becomes ``[b, 1]``).
+        inputs: One batch of any kind ``partialbayes.predictive.split_batch`` reads (labels are not
+            passed to the model). Observations: each example of ``[n, m]`` logits whose integer label
+            is not -100, each position of token-level ``[n, T, m]`` logits with attention mask 1 and
+            label not -100.
+        params: Parameter names, ``{name: bool mask}`` in storage shape, or a
+            ``partialbayes.selection.Subset``.
+        output_fn: Maps the model output to logits (``[b]`` becomes ``[b, 1]``).
         check_finite: Raise on non-finite Jacobian products.
 
     Returns:
         Operator features with ``d`` = number of chosen entries and ``m`` = number of logits.
-
-    Raises:
-        ValueError: If the model is in training mode, names are unknown or masks do not fit.
-        TypeError: If ``params`` or ``inputs`` have the wrong type.
     """
     return loader_features(model, [inputs], params, output_fn=output_fn, check_finite=check_finite)
 
@@ -422,20 +413,15 @@ def network_logits(
         ``[n, m]`` logits, one row per observation of `network_features` (for token-level logits the
         kept positions, in row-major order).
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    b = split_batch(inputs, device=_device(model))
+    check_count("batch_size", batch_size)
+    b = split_batch(inputs, device=next(model.parameters()).device)
     get = output_fn or output_logits
-    n = _n_examples(b.inputs)
+    n = n_examples(b.inputs)
     outs = []
     with torch.no_grad():
         for s in range(0, n, batch_size):
             batch = _index(b.inputs, torch.arange(s, min(s + batch_size, n)), n)
-            out = model(**batch) if isinstance(batch, Mapping) else model(batch)
-            logits = get(out)
-            outs.append(logits.unsqueeze(1) if logits.ndim == 1 else logits)
+            out = get(model(**batch) if isinstance(batch, Mapping) else model(batch))
+            outs.append(out.unsqueeze(1) if out.ndim == 1 else out)
     logits = torch.cat(outs)
-    if logits.ndim == 3:
-        keep = kept_positions(logits, attention_mask=b.attention_mask, labels=b.labels)
-        return logits[keep]
-    return logits
+    return logits[_kept(logits, b, model)]

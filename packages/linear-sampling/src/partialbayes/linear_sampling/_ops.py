@@ -1,33 +1,41 @@
-"""Full-data sums of minibatched feature products: ``ΦᵀBΦ z``, ``ΦᵀB Y``, ``ΦᵀB^½ ε``."""
+"""Full-data sums of minibatched feature products (``ΦᵀBΦ z``, ``ΦᵀB Y``, ``ΦᵀB^½ ε``) and sizing."""
 
 from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from partialbayes.linear_sampling._features import Features, batches
+from partialbayes.linear_sampling._features import WORKING_BYTES, Features, batches
 from partialbayes.linear_sampling._precision import NoisePrecision
+from partialbayes.predictive import check_count
 
 
-def check_generator(generator: object) -> None:
-    """Raise ``TypeError`` unless ``generator`` is a ``torch.Generator`` or ``None``."""
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(
-            f"generator must be a torch.Generator or None, got {type(generator).__name__}"
-        )
+def default_batch_size(features: Features, batch_size: int | None, k: int = 1) -> int:
+    """``batch_size`` validated; by default ``min(n, 256)``, fewer to keep ``[b, m, k]`` in `WORKING_BYTES`.
 
-
-def default_batch_size(features: Features, batch_size: int | None) -> int:
-    """``batch_size`` validated, defaulting to ``min(n, 256)``.
+    (Fewer observations per call matter at a large number of outputs ``m``, e.g. a vocabulary.)
 
     Raises:
         ValueError: If ``batch_size`` is not a positive int.
     """
     if batch_size is None:
-        return min(features.n, 256)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    return min(batch_size, features.n)
+        per = features.m * k * features.dtype.itemsize
+        return max(1, min(features.n, 256, WORKING_BYTES // per))
+    return min(check_count("batch_size", batch_size), features.n)
+
+
+def check_samples(samples: Tensor, d: int) -> None:
+    """Raise unless ``samples`` is a finite floating ``[d, k]`` tensor."""
+    if not isinstance(samples, Tensor) or not samples.dtype.is_floating_point:
+        raise TypeError(f"samples must be a floating [d, k] tensor, got {type(samples).__name__}")
+    if samples.ndim != 2 or samples.shape[0] != d:
+        raise ValueError(f"samples have shape {tuple(samples.shape)}, expected (d={d}, k)")
+    if not bool(torch.isfinite(samples).all()):
+        raise ValueError("samples have non-finite entries")
 
 
 def targets_3d(features: Features, targets: Tensor) -> Tensor:
@@ -59,21 +67,52 @@ def targets_3d(features: Features, targets: Tensor) -> Tensor:
 def curvature_matvec(
     features: Features, noise: NoisePrecision, z: Tensor, batch_size: int
 ) -> Tensor:
-    """``ΦᵀBΦ z = Σ_n Φ_nᵀ B_n Φ_n z`` over all observations.
-
-    Args:
-        features: Features ``Φ``.
-        noise: Noise precision ``B``.
-        z: ``[d, k]``.
-        batch_size: Observations per operator call.
-
-    Returns:
-        ``[d, k]``.
-    """
+    """``ΦᵀBΦ z = Σ_n Φ_nᵀ B_n Φ_n z`` ``[d, k]`` for ``z [d, k]``, ``batch_size`` observations a call."""
     out = torch.zeros_like(z)
     for idx in batches(features.n, batch_size, features.device):
         out += features.apply_t(idx, noise.apply(idx, features.apply(idx, z)))
     return out
+
+
+@dataclass(frozen=True)
+class Problem:
+    """``H x = c`` with ``H = ΦᵀBΦ + A``: the products every solver needs.
+
+    Attributes:
+        features: ``Φ``.
+        noise: ``B`` on the features' device.
+        a: ``[d]`` diagonal of ``A``.
+        c: ``[d, k]`` right-hand sides.
+        batch_size: Observations per operator call of the full-data products.
+    """
+
+    features: Features
+    noise: NoisePrecision
+    a: Tensor
+    c: Tensor
+    batch_size: int
+
+    @property
+    def a1(self) -> Tensor:
+        """``diag(A)`` as a ``[d, 1]`` column."""
+        return self.a.unsqueeze(1)
+
+    def data_batch(self, idx: Tensor, v: Tensor) -> Tensor:
+        """``(n/b) Φ_idxᵀ B Φ_idx v``: the data curvature of a minibatch, scaled to the full sum."""
+        f = self.features
+        return (f.n / idx.shape[0]) * f.apply_t(idx, self.noise.apply(idx, f.apply(idx, v)))
+
+    def batch_matvec(self, v: Tensor, idx: Tensor) -> Tensor:
+        """``Ĥ_idx v = (n/b) Φ_idxᵀ B Φ_idx v + A v``."""
+        return self.data_batch(idx, v) + self.a1 * v
+
+    def matvec(self, v: Tensor) -> Tensor:
+        """``H v`` over all observations."""
+        return curvature_matvec(self.features, self.noise, v, self.batch_size) + self.a1 * v
+
+    def residual(self, x: Tensor) -> Tensor:
+        """``H x − c`` over all observations."""
+        return self.matvec(x) - self.c
 
 
 def features_t_noise(
@@ -117,3 +156,28 @@ def features_t_noise_sqrt(
             eps_all[idx.cpu()] = eps
         out += features.apply_t(idx, noise.apply_sqrt(idx, eps.to(features.device)))
     return out, None if eps_all is None else eps_all.to(features.device)
+
+
+def check_memory(nbytes: int, device: torch.device, what: str, instead: str) -> None:
+    """Refuse, before allocating, a result of ``nbytes`` that the device's free memory cannot hold.
+
+    Free memory: free and cached on a GPU, ``MemAvailable`` of ``/proc/meminfo`` on a CPU (the machine's,
+    not a container's limit); no check where neither is known.
+
+    Raises:
+        ValueError: Naming ``what``, the bytes it needs, the bytes free and ``instead``.
+    """
+    if device.type == "cuda":  # free, and cached by torch's allocator
+        free = torch.cuda.mem_get_info(device)[0]
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    else:
+        meminfo = Path("/proc/meminfo")
+        found = (
+            re.search(r"MemAvailable:\s*(\d+)", meminfo.read_text()) if meminfo.exists() else None
+        )
+        free = int(found.group(1)) * 1024 if found else nbytes
+    if nbytes > free:
+        raise ValueError(
+            f"{what} needs {nbytes / 2**30:.1f} GiB ({nbytes:,} bytes) but {free / 2**30:.1f} GiB are "
+            f"free on {device}: {instead}"
+        )

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 import torch
@@ -21,16 +21,16 @@ from partialbayes.linear_sampling._io import read_posterior, write_posterior
 from partialbayes.linear_sampling._network import (
     _Chosen,
     _Operators,
-    loader_features,
-    network_logits,
     network_parameters,
+    read_batches,
 )
+from partialbayes.linear_sampling._ops import check_memory
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior, softmax_hessian
 from partialbayes.linear_sampling._sgd import SGDConfig, SolveInfo
 from partialbayes.linear_sampling._solve import posterior_samples
 from partialbayes.predictive import (
     check_count,
-    check_sample,
+    check_likelihood,
     eval_mode,
     probit,
     resolve_link,
@@ -39,16 +39,9 @@ from partialbayes.predictive import (
 )
 from partialbayes.selection import Subset
 
-LIKELIHOODS = ("classification", "regression")
-
 
 def _positive(name: str, value: Any) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return float(value)
 
@@ -87,7 +80,8 @@ class SampledLaplace:
 
     Raises:
         TypeError: If ``subset`` is not a ``Subset`` or ``model`` not a module.
-        ValueError: If the subset does not fit the model, or a setting is out of range.
+        ValueError: If the subset does not fit the model (or its parameters are on the ``meta``
+            device), or a setting is out of range.
     """
 
     links: ClassVar[tuple[str, ...]] = ("mc", "probit")
@@ -102,24 +96,14 @@ class SampledLaplace:
         sigma_noise: float = 1.0,
         jitter: float = 1e-6,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(subset, Subset):
             raise TypeError(
                 f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
             )
-        params = dict(model.named_parameters())
-        for name in subset.names:
-            if name not in params or params[name].shape != subset.shape(name):
-                got = tuple(params[name].shape) if name in params else "no such parameter"
-                raise ValueError(
-                    f"subset does not match the model: {name!r} has shape {tuple(subset.shape(name))} "
-                    f"in the subset, {got} in the model"
-                )
+        subset.parameters_of(model)
         if subset.num_entries() == 0:
             raise ValueError("subset is empty: choose at least one entry")
-        if likelihood not in LIKELIHOODS:
-            raise ValueError(f"likelihood must be one of {LIKELIHOODS}, got {likelihood!r}")
+        self.sigma_noise = check_likelihood(likelihood, sigma_noise)
         if isinstance(prior_precision, Prior):
             self.prior = prior_precision
         else:
@@ -127,7 +111,6 @@ class SampledLaplace:
         self.model = model
         self.subset = subset
         self.likelihood = likelihood
-        self.sigma_noise = _positive("sigma_noise", sigma_noise)
         self.jitter = _positive("jitter", jitter)
         self.samples: Tensor | None = None
         self.info: SolveInfo | None = None
@@ -178,7 +161,8 @@ class SampledLaplace:
 
         The model runs in eval mode (restored afterwards). The batches are read once and held while
         sampling (see [`loader_features`][partialbayes.linear_sampling.loader_features]); their labels
-        only decide which token positions count (the samples do not depend on the labels).
+        only decide which outputs count (the samples do not depend on the labels): label -100 skips an
+        output, and a batch without labelled outputs is skipped (one warning counts them).
 
         Args:
             batches: Training batches of any kind (a ``DataLoader`` with ``DataCollatorWithPadding``,
@@ -197,23 +181,19 @@ class SampledLaplace:
         Returns:
             ``self``.
 
+        Raises:
+            ValueError: If ``batches`` or a batch is empty (the batch is named), or no batch has a
+                labelled output.
+
         Warns:
             RuntimeWarning: If the solver stops before its tolerance (the samples are then approximate).
+            UserWarning: If batches without labelled outputs were skipped.
         """
         k = check_count("n_samples", n_samples)
-        data = list(batches)
-        if not data:
-            raise ValueError("batches is empty")
         with eval_mode(self.model):
-            features = loader_features(self.model, data, self.subset)
-            logits = torch.cat([network_logits(self.model, b) for b in data])
-            if logits.shape != (features.n, features.m):
-                raise ValueError(
-                    f"logits of shape {tuple(logits.shape)} do not match the features "
-                    f"(n={features.n}, m={features.m})"
-                )
+            features, logits = read_batches(self._operators(), batches)
             if self.likelihood == "classification":
-                noise = softmax_hessian(logits.to(features.dtype), jitter=self.jitter)
+                noise = softmax_hessian(logits, jitter=self.jitter)
             else:
                 noise = NoisePrecision(
                     torch.tensor(self.sigma_noise**-2, dtype=features.dtype, device=features.device)
@@ -256,10 +236,6 @@ class SampledLaplace:
         device = generator.device if generator is not None else None
         return torch.randperm(k, generator=generator, device=device)[:n]
 
-    def _split(self, flat: Tensor) -> dict[str, Tensor]:
-        sizes = [self.subset.num_entries(n) for n in self.subset.names]
-        return dict(zip(self.subset.names, flat.split(sizes, dim=-1), strict=True))
-
     def sample(self, n: int = 1, *, generator: torch.Generator | None = None) -> dict[str, Tensor]:
         """``n`` distinct stored samples ``θ* + z_j`` as ``{param name: [n, k]}`` (``Subset.gather`` order).
 
@@ -273,27 +249,16 @@ class SampledLaplace:
         check_count("n", n)
         z = self._require_fit()
         assert self._map is not None
-        cols = self._columns(n, generator).to(z.device)
-        return self._split((self._map.unsqueeze(1) + z[:, cols]).T)
+        flat = (self._map.unsqueeze(1) + z[:, self._columns(n, generator).to(z.device)]).T
+        sizes = [self.subset.num_entries(name) for name in self.subset.names]
+        return dict(zip(self.subset.names, flat.split(sizes, dim=-1), strict=True))
 
     def swapped(self, sample: Mapping[str, Tensor]) -> AbstractContextManager[nn.Module]:
-        """Write one sample ``{param name: [k]}`` into the model; restore its values on exit, even on error."""
-        one = check_sample(self.subset, sample)
-        return self._swap(one)
+        """Write one sample ``{param name: [k]}`` into the model; restore what it found on exit, even on error.
 
-    @contextmanager
-    def _swap(self, one: Mapping[str, Tensor]) -> Iterator[nn.Module]:
-        params = dict(self.model.named_parameters())
-        saved = {n: self.subset.gather(n, params[n].detach()).clone() for n in one}
-        try:
-            with torch.no_grad():
-                for n, values in one.items():
-                    params[n].copy_(self.subset.scatter(n, values, params[n].detach()))
-            yield self.model
-        finally:
-            with torch.no_grad():
-                for n, values in saved.items():
-                    params[n].copy_(self.subset.scatter(n, values, params[n].detach()))
+        See ``partialbayes.selection.Subset.swapped``.
+        """
+        return self.subset.swapped(self.model, sample)
 
     def sampled(
         self, *, generator: torch.Generator | None = None
@@ -302,19 +267,37 @@ class SampledLaplace:
         return self.swapped(rows(self.sample(1, generator=generator), 0))
 
     # ------------------------------------------------------------- predictive
-    def _linearised(self, batch: Any, cols: Tensor | None) -> tuple[Tensor, Tensor]:
-        """``f(x; θ*)`` in the model's output shape and ``J z_j`` ``[*f, s]`` for the chosen columns."""
+    def _linearised(
+        self,
+        batch: Any,
+        cols: Tensor | None,
+        each: Callable[[Tensor, Tensor], Tensor],
+        *,
+        cat: bool = False,
+        result: tuple[Callable[[Tensor], int], str, str] | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """``f(x; θ*)`` in the model's output shape and ``each(f, J z_c)`` summed (or concatenated).
+
+        The chosen columns ``z_c`` of the stored samples (all for ``cols=None``) are pushed forward a few
+        at a time (``J z_c`` is ``[*f, c]``), so no ``[*f, k]`` block is formed unless asked for.
+        ``result = (f -> floats per output, what, instead)`` sizes the result: the call is refused before
+        the first column if the device's free memory cannot hold it.
+        """
         z = self._require_fit()
         z = z if cols is None else z[:, cols.to(z.device)]
         ops = self._operators()
         inputs = split_batch(batch, device=z.device).inputs
+        parts: list[Tensor] = []
         with eval_mode(self.model):
-            with torch.no_grad():
-                f = ops.get(
-                    self.model(**inputs) if isinstance(inputs, Mapping) else self.model(inputs)
-                )
-            jz = ops.jvp(inputs, z)
-        return f, jz.reshape(*f.shape, z.shape[1])
+            f = ops.forward(inputs)
+            if result is not None:
+                per, what, instead = result
+                nbytes = f.numel() * per(f) * max(f.element_size(), z.element_size())
+                check_memory(nbytes, f.device, f"{what} of outputs {tuple(f.shape)}", instead)
+            for jz in ops.jvp(inputs, z, f.numel()):
+                part = each(f, jz.reshape(*f.shape, jz.shape[-1]))
+                parts = [*parts, part] if cat or not parts else [parts[0] + part]
+        return f, torch.cat(parts) if cat else parts[0]
 
     def predictive_samples(
         self, batch: Any, n: int, *, generator: torch.Generator | None = None
@@ -322,10 +305,19 @@ class SampledLaplace:
         """``n`` linearised logit samples ``f(x; θ*) + J(x) z_j``, ``[n, B, C]`` (or ``[n, B, T, C]``).
 
         The ``z_j`` are ``n`` distinct stored samples chosen with ``generator`` (as in `sample`).
+
+        Raises:
+            ValueError: If ``n`` exceeds the stored samples, or the result would not fit in the free
+                memory (its bytes are named, before anything is allocated).
         """
         check_count("n", n)
-        f, jz = self._linearised(batch, self._columns(n, generator))
-        return f.unsqueeze(0) + jz.movedim(-1, 0)
+
+        def draws(f: Tensor, jz: Tensor) -> Tensor:
+            return f.unsqueeze(0) + jz.movedim(-1, 0)
+
+        instead = "draw fewer samples, or pass fewer examples"
+        size = (lambda f: n, f"predictive_samples(n={n})", instead)
+        return self._linearised(batch, self._columns(n, generator), draws, cat=True, result=size)[1]
 
     def logit_mean_cov(self, batch: Any) -> tuple[Tensor, Tensor]:
         """Linearised predictive ``f(x; θ*)`` and the sample covariance ``(1/k) Σ_j (J z_j)(J z_j)ᵀ``.
@@ -335,9 +327,20 @@ class SampledLaplace:
 
         Returns:
             ``(f [..., C], cov [..., C, C])`` for outputs ``[..., C]``.
+
+        Raises:
+            ValueError: If the ``[..., C, C]`` covariances would not fit in the free memory (at a
+                50,257-token vocabulary that is 10 GB per output): the bytes are named, before
+                anything is allocated, with the alternative (`predict`, `predictive_samples`).
         """
-        f, jz = self._linearised(batch, None)
-        return f, jz @ jz.transpose(-1, -2) / jz.shape[-1]
+        k = self.n_stored
+
+        def outer(f: Tensor, jz: Tensor) -> Tensor:
+            return jz @ jz.transpose(-1, -2) / k
+
+        instead = "use predict or predictive_samples, which form no C x C blocks"
+        size = (lambda f: f.shape[-1], "logit_mean_cov", instead)
+        return self._linearised(batch, None, outer, result=size)
 
     def predict(
         self,
@@ -348,6 +351,9 @@ class SampledLaplace:
         generator: torch.Generator | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The linearised predictive for a batch (labels ignored).
+
+        The samples are pushed forward a few at a time, so memory stays a few times the output's size
+        (no ``[..., C, k]`` block at a large vocabulary).
 
         Args:
             batch: Any batch kind.
@@ -363,15 +369,21 @@ class SampledLaplace:
         link = resolve_link(link, self.links, "SampledLaplace")
         check_count("n_samples", n_samples)
         k = self.n_stored
-        cols = None if link == "probit" or n_samples >= k else self._columns(n_samples, generator)
-        f, jz = self._linearised(batch, cols)
-        acc = torch.promote_types(f.dtype, torch.float32)
-        f, jz = f.to(acc), jz.to(acc)
+        mc = link == "mc" and self.likelihood == "classification"
+        cols = None if not mc or n_samples >= k else self._columns(n_samples, generator)
+        s = k if cols is None else n_samples
+
+        def moment(f: Tensor, jz: Tensor) -> Tensor:
+            acc = torch.promote_types(f.dtype, torch.float32)
+            if mc:
+                return torch.softmax(f.to(acc).unsqueeze(-1) + jz.to(acc), dim=-2).sum(-1) / s
+            return jz.to(acc).square().sum(-1) / k
+
+        f, out = self._linearised(batch, cols, moment)
+        f = f.to(out.dtype)
         if self.likelihood == "regression":
-            return f, jz.square().mean(-1) + self.sigma_noise**2
-        if link == "probit":
-            return probit(f, jz.square().mean(-1))
-        return torch.softmax(f.unsqueeze(-1) + jz, dim=-2).mean(-1)
+            return f, out + self.sigma_noise**2
+        return out if mc else probit(f, out)
 
     # ------------------------------------------------------------------ io
     def save(self, path: str | os.PathLike[str]) -> None:

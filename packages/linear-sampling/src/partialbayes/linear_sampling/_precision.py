@@ -1,4 +1,4 @@
-"""Noise precision ``B`` (scalar, per observation, or one ``m×m`` matrix per observation) and prior ``A``."""
+"""Noise precision ``B`` (a scalar, one per observation, or the softmax Hessian) and prior ``A``."""
 
 from __future__ import annotations
 
@@ -15,14 +15,18 @@ class NoisePrecision:
 
     Attributes:
         value: ``[]`` one scalar for every output (regression), ``[n]`` one scalar per observation, or
-            ``[n, m, m]`` one symmetric positive-definite matrix per observation (linearised
-            classification; see [`softmax_hessian`][partialbayes.linear_sampling.softmax_hessian]).
-        sqrt: For matrices, the lower Cholesky factor ``L_n`` with ``L_n L_nᵀ = B_n`` (a square root
-            of ``B_n``; computed on construction). ``None`` otherwise.
+            ``[n, m]`` softmax probabilities ``p_n`` with ``jitter``: ``B_n = diag(p_n) − p_n p_nᵀ +
+            jitter·I`` (linearised classification, see
+            [`softmax_hessian`][partialbayes.linear_sampling.softmax_hessian]), never formed: every
+            product costs ``O(m)``. Probabilities are kept in float64 with rows normalised to sum to one,
+            and ``1 − pᵀ(diag(p) + jitter·I)⁻¹p`` is computed there once (the eigenvalue near ``jitter``
+            is below float32 resolution); products run in the operand's dtype.
+        jitter: For ``[n, m]`` probabilities, the positive value added to the diagonal; else ``None``.
     """
 
     value: Tensor
-    sqrt: Tensor | None = field(default=None, init=False, repr=False)
+    jitter: float | None = None
+    _rest: Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         v = self.value
@@ -31,27 +35,32 @@ class NoisePrecision:
             object.__setattr__(self, "value", v)
         if not isinstance(v, Tensor) or not v.dtype.is_floating_point:
             raise TypeError(f"noise precision must be a float or a floating tensor, got {v!r}")
-        if v.ndim not in (0, 1, 3) or (v.ndim == 3 and v.shape[1] != v.shape[2]):
+        if v.ndim > 2:
             raise ValueError(
-                f"noise precision must have shape [], [n] or [n, m, m], got {tuple(v.shape)}"
+                f"noise precision must have shape [], [n] or [n, m] (softmax probabilities, with "
+                f"jitter), got {tuple(v.shape)}; for other [m, m] precisions B_n = L_n L_nᵀ use "
+                "the features L_nᵀ Φ_n with NoisePrecision(1.0)"
             )
+        if (v.ndim == 2) != (self.jitter is not None):
+            raise ValueError("give jitter exactly when the noise precision is [n, m] probabilities")
         if not bool(torch.isfinite(v).all()):
             raise ValueError("noise precision has non-finite entries")
-        if v.ndim < 3:
+        if v.ndim < 2:
             if not bool((v > 0).all()):
-                bad = v.min().item()
-                raise ValueError(f"noise precision must be positive, got a value {bad:.3g}")
+                raise ValueError(
+                    f"noise precision must be positive, got a value {v.min().item():.3g}"
+                )
             return
-        if not torch.allclose(v, v.transpose(1, 2), rtol=1e-5, atol=1e-8):
-            raise ValueError("noise precision matrices [n, m, m] must be symmetric")
-        chol, info = torch.linalg.cholesky_ex(v)
-        if bool((info > 0).any()):
-            bad = (info > 0).nonzero().flatten()[:5].tolist()
-            raise ValueError(
-                f"noise precision matrices must be positive definite; observations {bad} are not "
-                "(add jitter, e.g. softmax_hessian(logits, jitter=1e-6))"
-            )
-        object.__setattr__(self, "sqrt", chol)
+        j = self.jitter
+        if isinstance(j, bool) or not isinstance(j, (int, float)) or not 0 < j < math.inf:
+            raise ValueError(f"jitter must be a finite number > 0, got {j!r}")
+        sums = v.sum(-1, dtype=torch.float64)
+        if bool((v < 0).any()) or not bool(((sums - 1).abs() <= 1e-3).all()):
+            raise ValueError("softmax probabilities [n, m] must be >= 0 with rows summing to one")
+        p = v.to(torch.float64) / sums.unsqueeze(1)
+        object.__setattr__(self, "value", p)
+        # 1 − ‖w‖² for w = p / √(p + j): Σ p − Σ p²/(p + j) = j Σ p/(p + j), with no cancellation
+        object.__setattr__(self, "_rest", j * (p / (p + j)).sum(-1))
 
     def check(self, n: int, m: int) -> None:
         """Raise if this precision does not fit ``n`` observations with ``m`` outputs.
@@ -64,65 +73,93 @@ class NoisePrecision:
             ValueError: On a shape mismatch, naming both shapes.
         """
         v = self.value
-        if (v.ndim == 1 and v.shape[0] != n) or (v.ndim == 3 and tuple(v.shape) != (n, m, m)):
+        if (v.ndim == 1 and v.shape[0] != n) or (v.ndim == 2 and tuple(v.shape) != (n, m)):
             raise ValueError(
                 f"noise precision has shape {tuple(v.shape)} but the features have n={n}, m={m} "
-                f"(expected [], [{n}] or [{n}, {m}, {m}])"
+                f"(expected [], [{n}] or [{n}, {m}])"
             )
 
     def to(self, dtype: torch.dtype, device: torch.device) -> NoisePrecision:
-        """Copy to ``dtype`` and ``device`` (``self`` when already there)."""
-        if self.value.dtype == dtype and self.value.device == device:
+        """Copy to ``dtype`` and ``device`` (``self`` when already there; probabilities stay float64)."""
+        v = self.value
+        if v.device == device and (v.dtype == dtype or v.ndim == 2):
             return self
-        return NoisePrecision(self.value.to(device=device, dtype=dtype))
+        return NoisePrecision(v.to(device, torch.float64 if v.ndim == 2 else dtype), self.jitter)
 
-    def _pick(self, idx: Tensor, dims: int) -> Tensor:
-        v = self.value if self.value.ndim == 0 else self.value[idx]
-        return v.reshape(v.shape + (1,) * dims) if self.value.ndim < 3 else v
+    def _scale(self, idx: Tensor) -> Tensor:
+        """Scalar kinds: ``B_idx`` as ``[b, 1, 1]`` (or ``[]``)."""
+        return self.value if self.value.ndim == 0 else self.value[idx].reshape(-1, 1, 1)
+
+    def _terms(self, idx: Tensor, like: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Softmax kind, in ``like``'s dtype: ``p``, ``p + jitter``, ``w`` ``[b, m, 1]``; ``1 − ‖w‖²``."""
+        assert self._rest is not None
+        assert self.jitter is not None
+        p = self.value[idx].unsqueeze(2)
+        e = p + self.jitter
+        rest = self._rest[idx].reshape(-1, 1, 1)
+        return tuple(t.to(like.dtype) for t in (p, e, p / e.sqrt(), rest))  # type: ignore[return-value]
 
     def apply(self, idx: Tensor, v: Tensor) -> Tensor:
         """``B_idx v`` for ``v`` of shape ``[b, m, k]``."""
-        if self.value.ndim < 3:
-            return self._pick(idx, 2) * v
-        return self.value[idx] @ v
+        if self.value.ndim < 2:
+            return self._scale(idx) * v
+        p, diag, _, _ = self._terms(idx, v)
+        return diag * v - p * (p * v).sum(1, keepdim=True)
 
     def apply_sqrt(self, idx: Tensor, e: Tensor) -> Tensor:
-        """``B_idx^½ e`` (``L e`` with ``L Lᵀ = B``) for ``e`` of shape ``[b, m, k]``."""
-        if self.value.ndim < 3:
-            return self._pick(idx, 2).sqrt() * e
-        assert self.sqrt is not None
-        return self.sqrt[idx] @ e
+        """``S_idx e`` for ``e`` of shape ``[b, m, k]``, a square root ``S Sᵀ = B``.
+
+        Softmax: with ``E = diag(p + jitter)``, ``B = E^½ (I − w wᵀ) E^½`` for ``w = E^{-½} p``
+        (``‖w‖ < 1``), and ``S = E^½ (I − c w wᵀ)`` with ``c = 1 / (1 + √(1 − ‖w‖²))``, since
+        ``(I − c w wᵀ)² = I − w wᵀ``.
+        """
+        if self.value.ndim < 2:
+            return self._scale(idx).sqrt() * e
+        _, diag, w, rest = self._terms(idx, e)
+        c = 1 / (1 + rest.sqrt())
+        return diag.sqrt() * (e - c * w * (w * e).sum(1, keepdim=True))
 
     def apply_inv_sqrt_t(self, idx: Tensor, e: Tensor) -> Tensor:
-        """``L_idx⁻ᵀ e`` for ``e`` of shape ``[b, m, k]``: maps ``N(0, I)`` to ``N(0, B⁻¹)``."""
-        if self.value.ndim < 3:
-            return e / self._pick(idx, 2).sqrt()
-        assert self.sqrt is not None
-        return torch.linalg.solve_triangular(self.sqrt[idx].transpose(1, 2), e, upper=True)
+        """``S_idx⁻ᵀ e`` for ``e`` of shape ``[b, m, k]``: maps ``N(0, I)`` to ``N(0, B⁻¹)``.
+
+        Softmax: ``S⁻ᵀ = E^{-½} (I + c' w wᵀ)`` with ``c' = 1 / (√(1 − ‖w‖²) (1 + √(1 − ‖w‖²)))``.
+        """
+        if self.value.ndim < 2:
+            return e / self._scale(idx).sqrt()
+        _, diag, w, rest = self._terms(idx, e)
+        c = 1 / (rest.sqrt() * (1 + rest.sqrt()))
+        return (e + c * w * (w * e).sum(1, keepdim=True)) / diag.sqrt()
+
+    def solve(self, idx: Tensor, g: Tensor) -> Tensor:
+        """``B_idx⁻¹ g`` for ``g`` of shape ``[b, m, k]`` (softmax: by Sherman–Morrison, ``O(m)``)."""
+        if self.value.ndim < 2:
+            return g / self._scale(idx)
+        p, diag, _, rest = self._terms(idx, g)
+        u = p / diag  # E⁻¹ p
+        return g / diag + u * (u * g).sum(1, keepdim=True) / rest
 
     def logdet(self, n: int, m: int) -> Tensor:
         """``Σ_n log det B_n`` over ``n`` observations with ``m`` outputs."""
         v = self.value
-        if v.ndim == 0:
-            return n * m * v.log()
-        if v.ndim == 1:
-            return m * v.log().sum()
-        assert self.sqrt is not None
-        return 2 * self.sqrt.diagonal(dim1=1, dim2=2).log().sum()
+        if v.ndim < 2:
+            return (n * m if v.ndim == 0 else m) * v.log().sum()
+        _, diag, _, rest = self._terms(torch.arange(n, device=v.device), v)
+        return diag.log().sum() + rest.log().sum()
 
 
 def softmax_hessian(logits: Tensor, jitter: float = 1e-6) -> NoisePrecision:
     """Hessian of the categorical negative log-likelihood in the logits: ``diag(p) − ppᵀ + jitter·I``.
 
     This is the ``B_n`` of linearised Laplace for classification (the GGN). It is singular along the
-    all-ones direction, hence the jitter.
+    all-ones direction, hence the jitter. It is kept as the probabilities ``p`` (float64, ``[n, m]``):
+    every product with it costs ``O(m)``, so a 50,257-token vocabulary needs no ``[n, m, m]`` block.
 
     Args:
         logits: ``[n, m]`` logits at the MAP.
         jitter: Positive value added to the diagonal.
 
     Returns:
-        A [`NoisePrecision`][partialbayes.linear_sampling.NoisePrecision] with ``[n, m, m]`` matrices.
+        A [`NoisePrecision`][partialbayes.linear_sampling.NoisePrecision] of ``[n, m]`` probabilities.
 
     Raises:
         ValueError: If ``logits`` is not ``[n, m]``, has non-finite entries, or ``jitter`` is not
@@ -132,14 +169,7 @@ def softmax_hessian(logits: Tensor, jitter: float = 1e-6) -> NoisePrecision:
         raise TypeError(f"logits must be a floating tensor, got {type(logits).__name__}")
     if logits.ndim != 2:
         raise ValueError(f"logits must have shape [n, m], got {tuple(logits.shape)}")
-    if isinstance(jitter, bool) or not math.isfinite(jitter) or jitter <= 0:
-        raise ValueError(f"jitter must be positive, got {jitter}")
-    if not bool(torch.isfinite(logits).all()):
-        raise ValueError("logits have non-finite entries")
-    p = logits.softmax(-1)
-    eye = torch.eye(logits.shape[1], dtype=logits.dtype, device=logits.device)
-    hess = torch.diag_embed(p) - p.unsqueeze(2) * p.unsqueeze(1) + jitter * eye
-    return NoisePrecision(0.5 * (hess + hess.transpose(1, 2)))
+    return NoisePrecision(logits.to(torch.float64).softmax(-1), jitter)
 
 
 @dataclass(frozen=True)

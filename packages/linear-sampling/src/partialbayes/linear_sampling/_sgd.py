@@ -14,23 +14,28 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from partialbayes.linear_sampling._ops import Problem
+
 GradFn = Callable[[Tensor, Tensor], Tensor]
 """``(x [d, k], idx [b]) -> stochastic gradient [d, k]`` (already scaled to the full sum)."""
-ResidualFn = Callable[[Tensor], Tensor]
-"""``x [d, k] -> Hx − c [d, k]`` over all observations (one full pass)."""
 
 
 class DivergenceError(ValueError):
     """The optimiser diverged; the message says which setting to lower."""
 
 
-def _check_number(name: str, value: object, *, integer: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"SGDConfig.{name} must be a number, got {value!r}")
-    if integer and not isinstance(value, int):
-        raise TypeError(f"SGDConfig.{name} must be an int, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"SGDConfig.{name} must be finite, got {value!r}")
+# SGDConfig fields: (name, low, high, low itself allowed, integer, None allowed); high is excluded
+_RANGES = (
+    ("lr", 0, math.inf, False, False, True),
+    ("lr_scale", 0, math.inf, False, False, False),
+    ("momentum", 0, 1, True, False, False),
+    ("polyak", 0, 1, True, False, False),
+    ("batch_size", 1, math.inf, True, True, True),
+    ("max_epochs", 1, math.inf, True, True, False),
+    ("tol", 0, math.inf, True, False, False),
+    ("check_every", 1, math.inf, True, True, True),
+    ("divergence_factor", 1, math.inf, False, False, False),
+)
 
 
 @dataclass(frozen=True)
@@ -78,36 +83,20 @@ class SGDConfig:
     divergence_factor: float = 1e4
 
     def __post_init__(self) -> None:
-        if self.lr is not None:
-            _check_number("lr", self.lr)
-            if not self.lr > 0:
-                raise ValueError(f"SGDConfig.lr must be positive, got {self.lr}")
-        for name in ("lr_scale", "momentum", "polyak", "tol", "divergence_factor"):
-            _check_number(name, getattr(self, name))
-        if not self.lr_scale > 0:
-            raise ValueError(f"SGDConfig.lr_scale must be positive, got {self.lr_scale}")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"SGDConfig.momentum must be in [0, 1), got {self.momentum}")
-        if not 0 <= self.polyak < 1:
-            raise ValueError(f"SGDConfig.polyak must be in [0, 1), got {self.polyak}")
+        for name, low, high, closed, integer, optional in _RANGES:
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            kind = int if integer else (int, float)
+            if isinstance(value, bool) or not isinstance(value, kind):
+                what = "an int" if integer else "a number"
+                raise TypeError(f"SGDConfig.{name} must be {what}, got {value!r}")
+            if not ((low <= value) if closed else (low < value)) or not value < high:
+                bounds = f"{'[' if closed else '('}{low}, {high})"
+                raise ValueError(f"SGDConfig.{name} must lie in {bounds}, got {value!r}")
         if not isinstance(self.variance_reduction, bool):
             raise TypeError(
                 f"SGDConfig.variance_reduction must be a bool, got {self.variance_reduction!r}"
-            )
-        for name in ("batch_size", "check_every"):
-            value = getattr(self, name)
-            if value is not None:
-                _check_number(name, value, integer=True)
-                if value < 1:
-                    raise ValueError(f"SGDConfig.{name} must be >= 1, got {value}")
-        _check_number("max_epochs", self.max_epochs, integer=True)
-        if self.max_epochs < 1:
-            raise ValueError(f"SGDConfig.max_epochs must be >= 1, got {self.max_epochs}")
-        if self.tol < 0:
-            raise ValueError(f"SGDConfig.tol must be >= 0, got {self.tol}")
-        if self.divergence_factor <= 1:
-            raise ValueError(
-                f"SGDConfig.divergence_factor must exceed 1, got {self.divergence_factor}"
             )
 
 
@@ -132,6 +121,11 @@ class SolveInfo:
     lr: float | None = None
     history: list[dict[str, float]] = field(default_factory=list)
     error_bound: float | None = None
+
+    def record(self, step: int, epoch: float, objective: float, bound: float, lr: float) -> None:
+        """Append one SGD check to ``history``."""
+        entry = {"step": step, "epoch": epoch, "objective": objective, "error_bound": bound}
+        self.history.append({**entry, "lr": lr})
 
 
 def error_bound(r: Tensor, x: Tensor, c: Tensor, a: Tensor) -> tuple[float, float, float]:
@@ -166,26 +160,6 @@ def error_bound(r: Tensor, x: Tensor, c: Tensor, a: Tensor) -> tuple[float, floa
     return objective, math.sqrt(num / den), num
 
 
-def record(
-    info: SolveInfo,
-    step: int,
-    steps_per_epoch: int,
-    objective: float,
-    bound: float,
-    lr: float,
-) -> None:
-    """Append one check to ``info.history``."""
-    info.history.append(
-        {
-            "step": step,
-            "epoch": step / steps_per_epoch,
-            "objective": objective,
-            "error_bound": bound,
-            "lr": lr,
-        }
-    )
-
-
 def diverged(what: str, step: int, lr: float, mu: float) -> DivergenceError:
     """A [`DivergenceError`][partialbayes.linear_sampling.DivergenceError] with the usual advice."""
     return DivergenceError(
@@ -196,12 +170,9 @@ def diverged(what: str, step: int, lr: float, mu: float) -> DivergenceError:
 
 
 def sgd_minimise(
+    problem: Problem,
     grad_fn: GradFn,
-    residual_fn: ResidualFn,
-    c: Tensor,
-    a: Tensor,
     x0: Tensor,
-    n: int,
     batch_size: int,
     config: SGDConfig,
     lr: float,
@@ -212,15 +183,13 @@ def sgd_minimise(
     Each step draws ``batch_size`` observations independently and with replacement (all of them, in
     order, when ``batch_size >= n``), so every stochastic gradient is unbiased; shuffling without
     replacement at a constant step would bias the stationary point towards the start. Every
-    ``check_every`` steps the averaged iterate is checked with one full pass.
+    ``check_every`` steps the averaged iterate is checked with one full pass (``problem.residual``).
 
     Args:
+        problem: The quadratic (its right-hand sides ``c [d, k]`` and prior diagonal ``a`` also feed
+            the error bound).
         grad_fn: Minibatch gradient estimate of ``f``.
-        residual_fn: Full-data residual ``Hx − c``.
-        c: ``[d, k]`` right-hand sides (for the diagnostics).
-        a: ``[d]`` prior precision diagonal (for the error bound).
         x0: Initial iterate ``[d, k]``.
-        n: Number of observations.
         batch_size: Observations per step.
         config: Optimiser settings.
         lr: Step size.
@@ -233,6 +202,7 @@ def sgd_minimise(
         DivergenceError: If the iterate becomes non-finite or the residual grows beyond
             ``divergence_factor`` times its initial size.
     """
+    residual_fn, c, a, n = problem.residual, problem.c, problem.a, problem.features.n
     x = x0.clone()
     vel = torch.zeros_like(x)
     avg = torch.zeros_like(x)
@@ -260,7 +230,7 @@ def sgd_minimise(
         current = avg / (1 - rho**step)
         objective, bound, num = error_bound(residual_fn(current), current, c, a)
         info.steps = step
-        record(info, step, steps_per_epoch, objective, bound, lr)
+        info.record(step, step / steps_per_epoch, objective, bound, lr)
         if not math.isfinite(num) or num > config.divergence_factor**2 * max(first, 1e-300):
             raise diverged(f"residual grew from {math.sqrt(first):.3g}", step, lr, mu)
         if bound <= config.tol:
@@ -268,37 +238,3 @@ def sgd_minimise(
             break
     info.error_bound = bound
     return current, info
-
-
-def power_max_eigenvalue(
-    matvec: Callable[[Tensor, int], Tensor],
-    d: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    iters: int = 20,
-    generator: torch.Generator | None = None,
-) -> float:
-    """Largest eigenvalue of a PSD operator by power iteration (matvec may vary with the iteration).
-
-    Args:
-        matvec: ``(v [d, 1], iteration) -> H v``.
-        d: Dimension.
-        dtype: Floating dtype.
-        device: Device.
-        iters: Iterations.
-        generator: CPU generator for the start vector.
-
-    Returns:
-        The largest Rayleigh quotient seen (an estimate from below).
-    """
-    v = torch.randn(d, 1, generator=generator, dtype=dtype).to(device)
-    v = v / v.norm()
-    best = 0.0
-    for i in range(iters):
-        hv = matvec(v, i)
-        best = max(best, float((v * hv).sum()))
-        norm = hv.norm()
-        if not bool(norm > 0):
-            break
-        v = hv / norm
-    return best

@@ -13,24 +13,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from partialbayes.linear_sampling._cg import cg_solve
+from partialbayes.linear_sampling._cg import cg_solve, check_options
 from partialbayes.linear_sampling._features import Features
 from partialbayes.linear_sampling._ops import (
-    check_generator,
-    curvature_matvec,
+    Problem,
     default_batch_size,
     features_t_noise,
     features_t_noise_sqrt,
     targets_3d,
 )
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior
-from partialbayes.linear_sampling._sgd import (
-    SGDConfig,
-    SolveInfo,
-    power_max_eigenvalue,
-    sgd_minimise,
-)
+from partialbayes.linear_sampling._sgd import SGDConfig, SolveInfo, sgd_minimise
 from partialbayes.linear_sampling._svrg import svrg_minimise
+from partialbayes.predictive import check_count, check_generator
 
 _METHODS = ("cg", "sgd")
 _OBJECTIVES = ("low_variance", "standard")
@@ -97,73 +92,28 @@ def check_problem(
     return noise, a
 
 
-def _check_solver_options(tol: float, max_iter: int | None) -> None:
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)):
-        raise TypeError(f"tol must be a number, got {tol!r}")
-    if not 0 <= tol < math.inf:
-        raise ValueError(f"tol must be finite and >= 0, got {tol}")
-    if max_iter is not None and (
-        isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1
-    ):
-        raise ValueError(f"max_iter must be a positive int or None, got {max_iter!r}")
+def _lr(problem: Problem, batch_size: int, config: SGDConfig, generator) -> float:
+    """``config.lr``, else ``lr_scale / λ̂``, ``λ̂`` estimating the largest minibatch curvature.
 
-
-@dataclass(frozen=True)
-class _Problem:
-    """``H x = c`` with ``H = ΦᵀBΦ + A``: the products every solver needs.
-
-    Attributes:
-        features: ``Φ``.
-        noise: ``B`` on the features' device.
-        a: ``[d]`` diagonal of ``A``.
-        c: ``[d, k]`` right-hand sides.
-        batch_size: Observations per operator call of the full-data products.
+    ``λ̂`` is the largest Rayleigh quotient of 20 power steps on minibatch curvatures (from below).
     """
-
-    features: Features
-    noise: NoisePrecision
-    a: Tensor
-    c: Tensor
-    batch_size: int
-
-    @property
-    def a1(self) -> Tensor:
-        """``diag(A)`` as a ``[d, 1]`` column."""
-        return self.a.unsqueeze(1)
-
-    def data_batch(self, idx: Tensor, v: Tensor) -> Tensor:
-        """``(n/b) Φ_idxᵀ B Φ_idx v``: the data curvature of a minibatch, scaled to the full sum."""
-        f = self.features
-        return (f.n / idx.shape[0]) * f.apply_t(idx, self.noise.apply(idx, f.apply(idx, v)))
-
-    def batch_matvec(self, v: Tensor, idx: Tensor) -> Tensor:
-        """``Ĥ_idx v``."""
-        return self.data_batch(idx, v) + self.a1 * v
-
-    def matvec(self, v: Tensor) -> Tensor:
-        """``H v`` over all observations."""
-        return curvature_matvec(self.features, self.noise, v, self.batch_size) + self.a1 * v
-
-    def residual(self, x: Tensor) -> Tensor:
-        """``H x − c`` over all observations."""
-        return self.matvec(x) - self.c
-
-
-def _lr(problem: _Problem, batch_size: int, config: SGDConfig, generator) -> float:
     if config.lr is not None:
         return config.lr
-    features = problem.features
-
-    def matvec(v: Tensor, _: int) -> Tensor:
-        idx = torch.randperm(features.n, generator=generator)[:batch_size].to(features.device)
-        return problem.batch_matvec(v, idx)
-
-    lam = power_max_eigenvalue(matvec, features.d, features.dtype, features.device, 20, generator)
+    f = problem.features
+    v = torch.randn(f.d, 1, generator=generator, dtype=f.dtype).to(f.device)
+    v, lam = v / v.norm(), 0.0
+    for _ in range(20):
+        idx = torch.randperm(f.n, generator=generator)[:batch_size].to(f.device)
+        hv = problem.batch_matvec(v, idx)
+        lam, norm = max(lam, float((v * hv).sum())), hv.norm()
+        if not bool(norm > 0):
+            break
+        v = hv / norm
     return config.lr_scale / lam
 
 
 def _minimise(
-    problem: _Problem,
+    problem: Problem,
     grad_fn: Callable[[Tensor, Tensor], Tensor],
     x0: Tensor | None,
     method: str,
@@ -181,27 +131,13 @@ def _minimise(
         )
     x0 = torch.zeros_like(problem.c) if x0 is None else x0
     config = sgd or SGDConfig(batch_size=problem.batch_size)
-    b = default_batch_size(features, config.batch_size)
+    b = default_batch_size(features, config.batch_size, problem.c.shape[1])
     if config.variance_reduction:
         per_step = math.ceil(features.n / math.ceil(features.n / b))  # equal-sized batches
         lr = _lr(problem, per_step, config, generator)
-        return svrg_minimise(
-            problem.batch_matvec,
-            problem.residual,
-            problem.c,
-            problem.a,
-            x0,
-            features.n,
-            b,
-            config,
-            lr,
-            config.lr is None,
-            generator,
-        )
+        return svrg_minimise(problem, x0, b, config, lr, config.lr is None, generator)
     lr = _lr(problem, b, config, generator)
-    return sgd_minimise(
-        grad_fn, problem.residual, problem.c, problem.a, x0, features.n, b, config, lr, generator
-    )
+    return sgd_minimise(problem, grad_fn, x0, b, config, lr, generator)
 
 
 def posterior_mean(
@@ -245,12 +181,12 @@ def posterior_mean(
         TypeError: If an argument has the wrong type.
     """
     noise, a = check_problem(features, noise, prior, method, sgd)
-    _check_solver_options(tol, max_iter)
+    check_options(tol, max_iter)
     check_generator(generator)
     y = targets_3d(features, targets)
     bs = default_batch_size(features, batch_size)
     x0 = _initial_mean(features, init)
-    problem = _Problem(features, noise, a, features_t_noise(features, noise, y, bs), bs)
+    problem = Problem(features, noise, a, features_t_noise(features, noise, y, bs), bs)
 
     def grad_fn(x: Tensor, idx: Tensor) -> Tensor:
         r = features.apply(idx, x) - y[idx]
@@ -325,13 +261,12 @@ def posterior_samples(
         TypeError: If an argument has the wrong type.
     """
     noise, a = check_problem(features, noise, prior, method, sgd)
-    _check_solver_options(tol, max_iter)
+    check_options(tol, max_iter)
     check_generator(generator)
     if objective not in _OBJECTIVES:
         raise ValueError(f"objective must be one of {_OBJECTIVES}, got {objective!r}")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be a positive int, got {k!r}")
-    bs = default_batch_size(features, batch_size)
+    check_count("k", k)
+    bs = default_batch_size(features, batch_size, k)
     a1 = a.unsqueeze(1)
     theta0 = torch.randn(features.d, k, generator=generator, dtype=features.dtype)
     theta0 = theta0.to(features.device) / a1.sqrt()
@@ -339,7 +274,7 @@ def posterior_samples(
     keep = objective == "standard" and plain  # only plain SGD reads ε again
     proj, eps = features_t_noise_sqrt(features, noise, k, bs, generator, keep=keep)
     theta_n = theta0 + proj / a1
-    problem = _Problem(features, noise, a, a1 * theta_n, bs)
+    problem = Problem(features, noise, a, a1 * theta_n, bs)
 
     def low_variance(z: Tensor, idx: Tensor) -> Tensor:
         return problem.data_batch(idx, z) + a1 * (z - theta_n)

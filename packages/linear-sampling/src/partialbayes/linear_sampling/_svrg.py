@@ -10,23 +10,19 @@ neighbourhood whose size is set by the step). The full pass is also the converge
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
+from partialbayes.linear_sampling._ops import Problem
 from partialbayes.linear_sampling._sgd import (
     DivergenceError,
-    ResidualFn,
     SGDConfig,
     SolveInfo,
     diverged,
     error_bound,
-    record,
 )
-
-BatchMatvec = Callable[[Tensor, Tensor], Tensor]
-"""``(v [d, k], idx [b]) -> Ĥ_idx v = (n/b) Φ_idxᵀ B Φ_idx v + A v`` ``[d, k]``."""
 
 _MAX_HALVINGS = 30
 
@@ -51,12 +47,8 @@ def shuffled_batches(
 
 
 def svrg_minimise(
-    batch_matvec: BatchMatvec,
-    residual_fn: ResidualFn,
-    c: Tensor,
-    a: Tensor,
+    problem: Problem,
     x0: Tensor,
-    n: int,
     batch_size: int,
     config: SGDConfig,
     lr: float,
@@ -72,12 +64,9 @@ def svrg_minimise(
     best snapshot.
 
     Args:
-        batch_matvec: Minibatch curvature product ``Ĥ_idx v``.
-        residual_fn: Full-data residual ``Hx − c``.
-        c: ``[d, k]`` right-hand sides.
-        a: ``[d]`` prior precision diagonal (for the error bound).
+        problem: The quadratic: minibatch products ``Ĥ_idx v``, the full-data residual, ``c`` and
+            the prior diagonal (for the error bound).
         x0: ``[d, k]`` initial iterate.
-        n: Number of observations.
         batch_size: Largest number of observations per step.
         config: Solver settings.
         lr: Initial step size.
@@ -92,6 +81,7 @@ def svrg_minimise(
             beyond ``divergence_factor`` times its initial size; with ``adapt_lr``, if 30 halvings
             did not help.
     """
+    residual_fn, c, a, n = problem.residual, problem.c, problem.a, problem.features.n
     steps_per_epoch = math.ceil(n / batch_size)
     check_every = config.check_every or steps_per_epoch
     total = config.max_epochs * steps_per_epoch
@@ -104,7 +94,7 @@ def svrg_minimise(
     objective, bound, first = error_bound(r, x, c, a)
     if not math.isfinite(first):
         raise ValueError("the residual at the initial point is not finite")
-    record(info, 0, steps_per_epoch, objective, bound, lr)
+    info.record(0, 0.0, objective, bound, lr)
     best = (objective, x, r, bound)
     vel = torch.zeros_like(x)
     step = halvings = 0
@@ -112,7 +102,7 @@ def svrg_minimise(
         snap, grad_snap = x, r
         finite = True
         for _ in range(min(check_every, total - step)):
-            grad = batch_matvec(x - snap, next(batches)) + grad_snap
+            grad = problem.batch_matvec(x - snap, next(batches)) + grad_snap
             vel = mu * vel + grad
             x = x - lr * (grad + mu * vel)
             step += 1
@@ -125,7 +115,7 @@ def svrg_minimise(
             finite = math.isfinite(num) and math.isfinite(objective)
         else:
             objective, bound, num = math.inf, math.inf, math.inf
-        record(info, step, steps_per_epoch, objective, bound, lr)
+        info.record(step, step / steps_per_epoch, objective, bound, lr)
         slack = 64 * torch.finfo(x.dtype).eps * abs(best[0])
         if finite and objective <= best[0] + slack:
             best = (objective, x, r, bound)
