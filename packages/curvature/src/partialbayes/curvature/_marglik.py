@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from partialbayes.curvature._caller import user_stacklevel
 from partialbayes.curvature._prior import check_positive
 
 
@@ -151,7 +150,7 @@ def maximize_evidence(
             f"scaled gradient is {worst:.3g} > tol={tol:g}. The last values are set; raise max_steps or "
             "lr, or loosen tol",
             UserWarning,
-            stacklevel=user_stacklevel(),
+            stacklevel=4,  # the user's optimize_prior_precision (via _gradient_prior_precision)
         )
     return MarglikFit(
         prior_precision=log_prior.detach().exp().expand(n).to("cpu", torch.float64).clone(),
