@@ -125,11 +125,7 @@ def prepared(
 
     Every module gets its own mode back (``model.train(mode)`` would impose the root's on all). With
     ``switch=False`` the model's mode is left alone.
-
-    Raises:
-        ValueError: If a target weight is tied to another module (see `check_untied`).
     """
-    check_untied(model, modules)
     modes = [(m, m.training) for m in model.modules()]
     weights: list[Tensor] = [m.weight for m in modules.values()]  # type: ignore[misc]
     flags = [(w, bool(w.requires_grad)) for w in weights]
@@ -188,7 +184,7 @@ def hooked_forward(
         need no other state), each module's gathered and detached inputs, and its output tensors.
 
     Raises:
-        ValueError: A hooked module not called by the forward pass; a tied target weight.
+        ValueError: A hooked module not called by the forward pass.
     """
     calls_in: dict[str, list[Tensor]] = {n: [] for n in modules}
     calls_out: dict[str, list[Tensor]] = {n: [] for n in modules}

@@ -16,8 +16,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.curvature._hooks import backward_passes, cotangents, hooked_forward, merge_calls
-from partialbayes.curvature._kfac import hook_targets, kron_targets
+from partialbayes.curvature._hooks import (
+    backward_passes,
+    check_untied,
+    cotangents,
+    hooked_forward,
+    merge_calls,
+)
+from partialbayes.curvature._kfac import kron_targets
 from partialbayes.curvature._likelihood import CurvatureOptions, model_device
 from partialbayes.curvature._outputs import (
     Outputs,
@@ -82,19 +88,19 @@ def logit_jacobians(
         TypeError: For a subset with mask blocks, or a batch of an unknown kind.
         ValueError: Token-level logits without an attention mask or labels.
     """
-    kmods = kron_targets(model, subset, "logit_jacobians")
+    targets = kron_targets(model, subset, "logit_jacobians")
+    kmods = targets.kmods
     shift = CurvatureOptions(shift_labels=resolve_shift_labels(model, shift_labels)).shift_labels
     inputs, outputs = read_batch(
         batch, model_device(model), likelihood="classification", shift=shift
     )
-    modules, cols, rows = hook_targets(model, kmods)
     logits, keep, blocks = output_jacobians(
         model,
         inputs,
         outputs,
-        modules,
-        cols,
-        rows,
+        targets.modules,
+        targets.cols,
+        targets.rows,
         lambda x, d: {m: block_grads(x[m], d[m], kmods[m].bias_name is not None) for m in kmods},
     )
     return output_rows(logits, keep), blocks
@@ -310,6 +316,7 @@ def param_targets(
             )
         )
     modules = {t.module: lin[t.module] for t in out}
+    check_untied(model, modules)
     return out, modules
 
 

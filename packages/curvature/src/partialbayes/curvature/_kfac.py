@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from partialbayes.curvature._distributed import all_reduce, fail_together
-from partialbayes.curvature._hooks import BatchObserver, Run, stream
+from partialbayes.curvature._hooks import BatchObserver, Run, check_untied, stream
 from partialbayes.curvature._kfac_math import input_factor, row_count, shared_rows
 from partialbayes.curvature._likelihood import CurvatureOptions, model_device
 from partialbayes.curvature._outputs import resolve_shift_labels
@@ -114,12 +114,31 @@ class FactorAccumulator:
         return gg, input_factor(xx, self.xs, self.count, bias=bias), self.count
 
 
-def kron_targets(model: nn.Module, subset: Subset, what: str) -> dict[str, KronModule]:
-    """``subset.kron_modules()`` checked against ``model``; a mask subset raises a TypeError with a pointer.
+@dataclass(frozen=True)
+class KronTargets:
+    """The linear maps of a Kronecker-structured subset, resolved once against a model.
+
+    Attributes:
+        kmods: ``subset.kron_modules()``: each map's rows ``R``, columns ``C`` and parameter names.
+        modules: Module name -> the ``nn.Linear`` / HF ``Conv1D`` to hook.
+        cols: Module -> ``C`` on the model's device (``None``: all), gathering the inputs ``x[:, C]``.
+        rows: Module -> ``R`` on the model's device (``None``: all), gathering the gradients ``δ[:, R]``.
+    """
+
+    kmods: dict[str, KronModule]
+    modules: dict[str, nn.Module]
+    cols: dict[str, Tensor | None]
+    rows: dict[str, Tensor | None]
+
+
+def kron_targets(model: nn.Module, subset: Subset, what: str) -> KronTargets:
+    """``subset.kron_modules()`` checked against ``model`` and resolved for the hooks.
 
     Raises:
-        TypeError: If ``subset`` is not a Subset or has elementwise mask blocks.
-        ValueError: If a module of the subset is not in ``model``.
+        TypeError: If ``subset`` is not a Subset or has elementwise mask blocks (with a pointer to the
+            routines that take them).
+        ValueError: If a module of the subset is not in ``model``, or its weight is tied to another module
+            (`check_untied`).
     """
     if not isinstance(subset, Subset):
         raise TypeError(
@@ -139,22 +158,15 @@ def kron_targets(model: nn.Module, subset: Subset, what: str) -> dict[str, KronM
     missing = [m for m in kmods if m not in named]
     if missing:
         raise ValueError(f"modules {missing} of the subset are not in the model")
-    return kmods
-
-
-def hook_targets(
-    model: nn.Module, kmods: dict[str, KronModule]
-) -> tuple[dict[str, nn.Module], dict[str, Tensor | None], dict[str, Tensor | None]]:
-    """What the hooks need for Kronecker modules: ``(modules, cols, rows)``, the indices on the model's device.
-
-    ``cols`` gather the inputs ``x[:, C]`` (``None``: all), ``rows`` the output gradients ``δ[:, R]``.
-    """
-    named = dict(model.named_modules())
-    device = model_device(model)
     modules = {m: named[m] for m in kmods}
-    cols = {m: None if k.cols is None else k.cols.to(device) for m, k in kmods.items()}
-    rows = {m: None if k.rows is None else k.rows.to(device) for m, k in kmods.items()}
-    return modules, cols, rows
+    check_untied(model, modules)
+    device = model_device(model)
+    return KronTargets(
+        kmods=kmods,
+        modules=modules,
+        cols={m: None if k.cols is None else k.cols.to(device) for m, k in kmods.items()},
+        rows={m: None if k.rows is None else k.rows.to(device) for m, k in kmods.items()},
+    )
 
 
 def carries_gradient(energy: Tensor, eps: float) -> Tensor:
@@ -298,7 +310,7 @@ def kfac(
 def kron_factors(
     model: nn.Module,
     loader: Iterable[Any],
-    kmods: dict[str, KronModule],
+    targets: KronTargets,
     options: CurvatureOptions,
     run: Run,
 ) -> dict[str, ModuleFactors]:
@@ -307,14 +319,14 @@ def kron_factors(
     Args:
         model: The network.
         loader: Batches (read once).
-        kmods: ``subset.kron_modules()`` (see `kron_targets`).
+        targets: The subset's linear maps (`kron_targets`).
         options: The checked options (``sharing`` ``None``: chosen from the first batch's outputs).
         run: The pass's generator, progress bar and observer.
 
     Returns:
         ``{module name: ModuleFactors}`` (see `kfac`).
     """
-    modules, cols, rows = hook_targets(model, kmods)
+    kmods, rows = targets.kmods, targets.rows
     device = model_device(model)
     acc = {
         m: FactorAccumulator(k.n_rows, k.n_cols, options.dtype, device) for m, k in kmods.items()
@@ -322,7 +334,7 @@ def kron_factors(
     n_examples = 0
     sharing = options.sharing
     with fail_together(device):
-        for bp in stream(model, loader, modules, cols, options, run):
+        for bp in stream(model, loader, targets.modules, targets.cols, options, run):
             token_level = bp.keep is not None
             if sharing is None:
                 sharing = "expand" if token_level else "reduce"

@@ -247,7 +247,7 @@ class LaplaceBase:
         self._map: dict[str, Tensor] = {}
         self._fitted = False
         self.n_data, self.n_outputs, self.map_loss = 0, 0, 0.0
-        self._sigma_fit = self.sigma_noise
+        self._sigma_fit = self.options.sigma_noise
 
     # ------------------------------------------------------------------ settings
     @property
@@ -296,7 +296,9 @@ class LaplaceBase:
 
     @prior_precision.setter
     def prior_precision(self, value: PriorSpec) -> None:
-        self._prior = prior_vector(value, self.modules, dtype=self.dtype, device=self.device)
+        self._prior = prior_vector(
+            value, self.modules, dtype=self.options.dtype, device=self.device
+        )
 
     # ------------------------------------------------------------------ structure
     def _groups(self) -> dict[str, str]:
@@ -354,20 +356,26 @@ class LaplaceBase:
     def _resolve_prior(self, prior_precision: PriorSpec | None) -> Tensor:
         if prior_precision is None:
             return self._prior
-        return prior_vector(prior_precision, self.modules, dtype=self.dtype, device=self.device)
+        return prior_vector(
+            prior_precision, self.modules, dtype=self.options.dtype, device=self.device
+        )
 
     def _scale(self, sigma_noise: float | Tensor | None) -> Tensor | float:
         """Curvature rescaling ``σ_fit² / σ²`` (regression; 1 for classification)."""
-        if self.likelihood != "regression":
+        if self.options.likelihood != "regression":
             return 1.0
-        sigma = self.sigma_noise if sigma_noise is None else sigma_noise
+        sigma = self.options.sigma_noise if sigma_noise is None else sigma_noise
         check_positive("sigma_noise", sigma)
         return self._sigma_fit**2 / sigma**2
 
     def _read(self, batch: Any, labels: bool = True) -> tuple[Tensor | dict[str, Any], Outputs]:
         """The one place a batch is read: model inputs on the posterior's device and its `Outputs`."""
         return read_batch(
-            batch, self.device, likelihood=self.likelihood, shift=self.shift_labels, labels=labels
+            batch,
+            self.device,
+            likelihood=self.options.likelihood,
+            shift=self.options.shift_labels,
+            labels=labels,
         )
 
     def fit(
@@ -403,7 +411,7 @@ class LaplaceBase:
                 loader without any labelled output.
             RuntimeError: Under ``torch.distributed``, when another rank failed on its shard.
         """
-        loss = MapLoss(self.likelihood)
+        loss = MapLoss(self.options.likelihood)
         run = Run(check_generator(generator), progress, loss)
         curvature = self._compute_curvature(loader, run)
         total, n, n_out = loss.result(self.device)
@@ -437,10 +445,11 @@ class LaplaceBase:
         params = self.subset.parameters_of(self.model)
         self._set_curvature(curvature)
         self._map = {
-            n: self.subset.gather(n, p.detach()).to(self.dtype).clone() for n, p in params.items()
+            n: self.subset.gather(n, p.detach()).to(self.options.dtype).clone()
+            for n, p in params.items()
         }
         self.map_loss, self.n_data, self.n_outputs = float(map_loss), int(n_data), int(n_outputs)
-        self._sigma_fit = self.sigma_noise
+        self._sigma_fit = self.options.sigma_noise
         self._fitted = True
         return self
 
@@ -454,7 +463,7 @@ class LaplaceBase:
 
     def _module_sums(self, values: Mapping[str, Tensor] | None) -> Tensor:
         """Per module: the number of entries (``values=None``) or ``Σ v²`` over its parameters."""
-        out = torch.zeros(len(self.modules), dtype=self.dtype, device=self.device)
+        out = torch.zeros(len(self.modules), dtype=self.options.dtype, device=self.device)
         for n, m in self._param_module.items():
             if values is None:
                 out[m] += self.subset.num_entries(n)
@@ -468,12 +477,12 @@ class LaplaceBase:
         Classification: ``-Σ CE / T``. Regression: ``-(SSE / (2σ²) + N C log(σ √(2π))) / T``.
         """
         self._require_fit()
-        if self.likelihood == "classification":
+        if self.options.likelihood == "classification":
             return torch.tensor(
-                -self.map_loss / self.temperature, dtype=self.dtype, device=self.device
+                -self.map_loss / self.temperature, dtype=self.options.dtype, device=self.device
             )
-        sigma = self.sigma_noise if sigma_noise is None else sigma_noise
-        sigma = torch.as_tensor(sigma, dtype=self.dtype, device=self.device)
+        sigma = self.options.sigma_noise if sigma_noise is None else sigma_noise
+        sigma = torch.as_tensor(sigma, dtype=self.options.dtype, device=self.device)
         norm = self.n_data * self.n_outputs * torch.log(sigma * math.sqrt(2 * math.pi))
         return -(self.map_loss / (2 * sigma**2) + norm) / self.temperature
 
@@ -668,12 +677,12 @@ class LaplaceBase:
         if not isinstance(per_module, bool):
             raise TypeError(f"per_module must be a bool, got {type(per_module).__name__}")
         if fit_sigma_noise is None:
-            fit_sigma_noise = self.likelihood == "regression"
+            fit_sigma_noise = self.options.likelihood == "regression"
         elif not isinstance(fit_sigma_noise, bool):
             raise TypeError(
                 f"fit_sigma_noise must be a bool or None, got {type(fit_sigma_noise).__name__}"
             )
-        elif fit_sigma_noise and self.likelihood != "regression":
+        elif fit_sigma_noise and self.options.likelihood != "regression":
             raise ValueError(
                 "fit_sigma_noise=True needs likelihood='regression' (classification has no noise)"
             )
@@ -688,7 +697,7 @@ class LaplaceBase:
                 start.detach(),
                 self._module_sums(None),
                 self.modules,
-                init_sigma=self.sigma_noise if fit_sigma_noise else None,
+                init_sigma=self.options.sigma_noise if fit_sigma_noise else None,
                 sigma_scale=float(self.n_data * max(self.n_outputs, 1)),
                 per_module=per_module,
                 lr=lr,
@@ -730,21 +739,21 @@ class LaplaceBase:
                     continue
                 with eval_mode(self.model):
                     logits, keep, covs = self._covariances(inputs, outputs, priors, scale)
-                f = (logits if keep is None else logits[keep]).to(self.dtype)
+                f = (logits if keep is None else logits[keep]).to(self.options.dtype)
                 if f.shape[0] == 0:
                     skipped += 1
                     continue
                 check_logits(f, None, index)
                 labels = outputs.targets(logits, keep)
                 assert labels is not None
-                labels = check_labels(labels, f, self.likelihood, index)
+                labels = check_labels(labels, f, self.options.likelihood, index)
                 for i, cov in enumerate(covs):
-                    cov = cov.to(self.dtype)
-                    if self.likelihood == "classification":
+                    cov = cov.to(self.options.dtype)
+                    if self.options.likelihood == "classification":
                         score = nll(probit(f, cov), labels, reduction="sum")
                     else:
                         mean, var = gaussian_predictive(
-                            f, cov.diagonal(dim1=-2, dim2=-1), self.sigma_noise**2
+                            f, cov.diagonal(dim1=-2, dim2=-1), self.options.sigma_noise**2
                         )
                         score = gaussian_nll(mean, var, labels.to(f.dtype), reduction="sum")
                     totals[i] += float(score)
@@ -768,7 +777,7 @@ class LaplaceBase:
     def _noise(self, shape: Sequence[int], generator: torch.Generator | None) -> Tensor:
         """Standard normal draws in the posterior's dtype, drawn on the generator's device."""
         device = generator.device if generator is not None else self.device
-        eps = torch.randn(*shape, generator=generator, dtype=self.dtype, device=device)
+        eps = torch.randn(*shape, generator=generator, dtype=self.options.dtype, device=device)
         return eps.to(self.device)
 
     def sample(self, n: int = 1, *, generator: torch.Generator | None = None) -> dict[str, Tensor]:
@@ -851,7 +860,7 @@ class LaplaceBase:
                 )
             logits.append(f.detach())
             keeps.append(keep)
-            covs.append(cov.to(self.dtype))
+            covs.append(cov.to(self.options.dtype))
         keep_all = None if keeps[0] is None else torch.cat([k for k in keeps if k is not None])
         logits_all = torch.cat(logits)
         rows = logits_all if keep_all is None else logits_all[keep_all]
@@ -934,8 +943,8 @@ class LaplaceBase:
         logits, keep, cov = self._linearised(batch, labels=False)
         full = logits.to(cov.dtype)
         f = full if keep is None else full[keep]
-        if self.likelihood == "regression":
-            noise = self.sigma_noise**2
+        if self.options.likelihood == "regression":
+            noise = self.options.sigma_noise**2
             mean, var = gaussian_predictive(f, cov.diagonal(dim1=-2, dim2=-1), noise)
             mean, var = _place(full, keep, mean), _place(torch.full_like(full, noise), keep, var)
             return mean.to(logits.dtype), var.to(logits.dtype)
@@ -990,7 +999,7 @@ class LaplaceBase:
         width = max([len("module"), *(len(m) for m, _, _ in rows)])
         lines = [
             f"{type(self).__name__}: {len(self.modules)} modules, {self.subset.num_entries()} parameters, "
-            f"likelihood={self.likelihood}, fisher={self.fisher}, T={self.temperature:g}, "
+            f"likelihood={self.options.likelihood}, fisher={self.options.fisher}, T={self.temperature:g}, "
             f"N={self.n_data}{self._settings()}",
             f"{'module'.ljust(width)}  {'structure':<40}  floats",
         ]
@@ -1013,13 +1022,13 @@ class LaplaceBase:
         tensors.update({f"map:{n}": v for n, v in self._map.items()})
         tensors["prior_precision"] = self.prior_precision
         options = {
-            "likelihood": self.likelihood,
+            "likelihood": self.options.likelihood,
             "temperature": self.temperature,
-            "sigma_noise": self.sigma_noise,
-            "fisher": self.fisher,
-            "mc_samples": self.mc_samples,
-            "num_classes": self.num_classes,
-            "shift_labels": self.shift_labels,
+            "sigma_noise": self.options.sigma_noise,
+            "fisher": self.options.fisher,
+            "mc_samples": self.options.mc_samples,
+            "num_classes": self.options.num_classes,
+            "shift_labels": self.options.shift_labels,
             **{k: getattr(self, k) for k in self._SAVED},
         }
         meta = {
@@ -1028,7 +1037,7 @@ class LaplaceBase:
             "model_class": type(self.model).__name__,
             "subset": self.subset.to_json(),
             "modules": list(self.modules),
-            "dtype": str(self.dtype),
+            "dtype": str(self.options.dtype),
             "options": options,
             "n_data": self.n_data,
             "n_outputs": self.n_outputs,

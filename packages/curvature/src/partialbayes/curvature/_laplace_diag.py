@@ -41,7 +41,7 @@ class DiagLaplace(LaplaceBase):
             )
         h = {}
         for n in self.subset.names:
-            v = curvature[n].to(device=self.device, dtype=self.dtype).reshape(-1)
+            v = curvature[n].to(device=self.device, dtype=self.options.dtype).reshape(-1)
             where = f"diagonal curvature of {n!r} (module {self.modules[self._param_module[n]]!r})"
             if v.numel() != self.subset.num_entries(n):
                 raise ValueError(
@@ -84,7 +84,7 @@ class DiagLaplace(LaplaceBase):
         """``J diag(1/P) Jᵀ`` from the Jacobians of the subset's entries (computed once for every prior)."""
         logits, keep, jac = subset_jacobians(self.model, inputs, outputs, self.subset)
         with torch.no_grad():
-            jac = {n: j.to(device=self.device, dtype=self.dtype) for n, j in jac.items()}
+            jac = {n: j.to(device=self.device, dtype=self.options.dtype) for n, j in jac.items()}
             covs = []
             for prior in priors:
                 scaled = [
@@ -99,7 +99,7 @@ class DiagLaplace(LaplaceBase):
     def _load_state(self, file: PosteriorFile) -> None:
         self._h = {
             n: file.tensor(f"curv:{n}:diag", (self.subset.num_entries(n),)).to(
-                self.device, self.dtype
+                self.device, self.options.dtype
             )
             for n in self.subset.names
         }

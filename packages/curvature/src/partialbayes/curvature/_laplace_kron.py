@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from partialbayes.curvature._hooks import Run
-from partialbayes.curvature._kfac import hook_targets, kron_factors, kron_targets
+from partialbayes.curvature._kfac import kron_factors, kron_targets
 from partialbayes.curvature._kron_algebra import (
     clamped_eigh,
     kron_log_det,
@@ -103,8 +103,8 @@ class KronLaplace(LaplaceBase):
     # ------------------------------------------------------------------ the blocks
     def _groups(self) -> dict[str, str]:
         """Resolve the Kronecker modules once (`fit` and the predictive reuse them); one prior per module."""
-        self._kmods = kron_targets(self.model, self.subset, "KronLaplace")
-        self._hooks = hook_targets(self.model, self._kmods)
+        self._targets = kron_targets(self.model, self.subset, "KronLaplace")
+        self._kmods = self._targets.kmods
         return {
             n: m
             for m, km in self._kmods.items()
@@ -121,7 +121,7 @@ class KronLaplace(LaplaceBase):
 
     def _separate(self, module: str) -> bool:
         """Whether the module's bias is in its block and kept separate (``bias="separate"``)."""
-        return self.bias == "separate" and self._kmods[module].bias_name is not None
+        return self.options.bias == "separate" and self._kmods[module].bias_name is not None
 
     def block_to_params(self, module: str, block: Tensor) -> dict[str, Tensor]:
         """Split block matrices ``[..., r, c]`` (bias column last) into the module's parameters.
@@ -153,7 +153,7 @@ class KronLaplace(LaplaceBase):
 
     # ------------------------------------------------------------------ curvature
     def _compute_curvature(self, loader: Iterable[Any], run: Run) -> Any:
-        return kron_factors(self.model, loader, self._kmods, self.options, run)
+        return kron_factors(self.model, loader, self._targets, self.options, run)
 
     def _set_curvature(self, curvature: Mapping[str, Any]) -> None:
         """``curvature``: ``{module: factors}`` with ``.G [r, r]`` (summed) and ``.A [c, c]`` (averaged).
@@ -190,20 +190,22 @@ class KronLaplace(LaplaceBase):
                     f"expected ({r}, {r}) and ({ca}, {ca}) for its block"
                 )
             try:
-                eg, qg = clamped_eigh(G, self.dtype, self.device, "G")
-                ea, qa = clamped_eigh(A, self.dtype, self.device, "A")
+                eg, qg = clamped_eigh(G, self.options.dtype, self.device, "G")
+                ea, qa = clamped_eigh(A, self.options.dtype, self.device, "A")
                 if A_bias is not None:  # separate (checked above)
                     ea, qa = _with_separate_bias(ea, qa, A_bias.to(qa))
             except ValueError as err:
                 raise ValueError(f"curvature of module {m!r}: {err}") from err
             eig[m] = (eg, qg, ea, qa)
         shared = {str(s) for m in self.modules if (s := getattr(curvature[m], "sharing", None))}
-        if len(shared) > 1 or (self.sharing is not None and shared - {self.sharing}):
+        if len(shared) > 1 or (
+            self.options.sharing is not None and shared - {self.options.sharing}
+        ):
             raise ValueError(
                 f"factors computed with sharing {sorted(shared)} do not fit this posterior "
-                f"(sharing={self.sharing!r})"
+                f"(sharing={self.options.sharing!r})"
             )
-        if self.sharing is None and shared:
+        if self.options.sharing is None and shared:
             self.options = replace(self.options, sharing=shared.pop())
         self._eig = eig
 
@@ -258,7 +260,13 @@ class KronLaplace(LaplaceBase):
                 for prior in priors
             ]
             return kron_predictive(
-                self.model, inputs, outputs, self._kmods, self._hooks, bases, inv, self.dtype
+                self.model,
+                inputs,
+                outputs,
+                self._targets,
+                bases,
+                inv,
+                self.options.dtype,
             )
         f64 = torch.float64
         bases = {}
@@ -282,15 +290,14 @@ class KronLaplace(LaplaceBase):
             self.model,
             inputs,
             outputs,
-            self._kmods,
-            self._hooks,
+            self._targets,
             bases,
             weights,
-            self.dtype,
+            self.options.dtype,
             residual=residual,
             combine_dtype=f64,
         )
-        return logits, keep, [c.to(self.dtype) for c in covs]
+        return logits, keep, [c.to(self.options.dtype) for c in covs]
 
     # ------------------------------------------------------------------ state
     def _state(self) -> dict[str, Tensor]:
@@ -313,7 +320,7 @@ class KronLaplace(LaplaceBase):
             r, cw, c = self._dims(m)
             ca = cw if self._separate(m) else c
             eg, qg, ea, qa = (
-                file.tensor(f"curv:{m}:{k}", shape).to(self.device, self.dtype)
+                file.tensor(f"curv:{m}:{k}", shape).to(self.device, self.options.dtype)
                 for k, shape in (
                     ("eig_g", (r,)),
                     ("q_g", (r, r)),

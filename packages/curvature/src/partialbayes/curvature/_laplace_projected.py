@@ -25,9 +25,9 @@ import torch
 from torch import Tensor, nn
 
 from partialbayes.curvature._jacobians import in_row_order, output_passes
+from partialbayes.curvature._kfac import KronTargets
 from partialbayes.curvature._likelihood import model_device
 from partialbayes.curvature._outputs import Outputs
-from partialbayes.selection import KronModule
 
 
 def rotate_inputs(x: Tensor, q_a: Tensor, bias: bool) -> Tensor:
@@ -238,8 +238,7 @@ def kron_predictive(
     model: nn.Module,
     inputs: Tensor | Mapping[str, Any],
     outputs: Outputs,
-    kmods: Mapping[str, KronModule],
-    hooks: tuple[Mapping[str, nn.Module], Mapping[str, Tensor | None], Mapping[str, Tensor | None]],
+    targets: KronTargets,
     bases: Mapping[str, tuple[Tensor, Tensor]],
     inv_eigenvalues: Sequence[Mapping[str, Tensor]],
     dtype: torch.dtype,
@@ -259,8 +258,7 @@ def kron_predictive(
         model: Network returning logits ``[B, C]`` or ``[B, T, C]`` (call in eval mode).
         inputs: Model inputs.
         outputs: Which positions of token-level logits count.
-        kmods: Kronecker modules of the subset.
-        hooks: Their ``(modules, cols, rows)`` on the model's device (``_kfac.hook_targets``).
+        targets: The subset's linear maps (``_kfac.kron_targets``).
         bases: ``{module: (Q_G [r, r], Q_A [c, c])}`` in ``dtype``.
         inv_eigenvalues: For each prior setting, ``{module: 1 / E [r, c]}``; with ``residual``,
             ``{module: 1/E − 1/δ}`` on the kept directions ``[|I|, |J|]`` only.
@@ -278,7 +276,8 @@ def kron_predictive(
     """
     device = model_device(model)
     out_dtype = dtype if residual is None else combine_dtype
-    ps = output_passes(model, inputs, outputs, *hooks)
+    kmods = targets.kmods
+    ps = output_passes(model, inputs, outputs, targets.modules, targets.cols, targets.rows)
     b, n_cls = ps.logits.shape[0], ps.logits.shape[-1]
     keys: list[Tensor] = []
     parts: list[list[Tensor]] = [[] for _ in inv_eigenvalues]
