@@ -1,14 +1,10 @@
-r"""Diagonal and dense GGN / Fisher of the entries of any subset of linear-map weights (masks included).
+"""Diagonal and dense GGN / Fisher of the entries of any subset of linear-map weights (masks included).
 
-Both come from the per-example gradients ``g_{n,s} = J_nᵀ v_{n,s}`` of the subset's entries, built from
-hooked activations and output gradients of the linear maps (exact, every token counts; no vmap over the
-model): the diagonal is $h = \sum_n \sum_s g_{n,s}^{\odot 2}$, the dense matrix
-$H = \sum_n \sum_s g_{n,s} g_{n,s}^\top$.
-
-Token-level outputs (logits ``[B, T, C]``) count one output per kept position (attention mask 1, label
-not -100; causal LMs: see ``shift_labels``), with exact per-position gradients: ``fisher="exact"`` costs
-``C`` backward passes per kept position (and ``"empirical"`` one), ``"mc"`` ``mc_samples`` passes per
-batch (all positions' sampled vectors at once, an unbiased estimate).
+Both come from the per-example gradients ``g = J_nᵀ v`` of the subset's entries, built from hooked
+activations and output gradients of the linear maps (exact, every token counts; no vmap over the model).
+Token-level outputs: ``"exact"`` and ``"empirical"`` need each kept position's own gradient (``S`` passes
+per position, `cotangents` ``"each"``); ``"mc"`` sums independent zero-mean samples of every position in
+one pass (``"joint"``): the cross-position terms vanish in expectation, unbiased at ``1/T`` of the cost.
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ from partialbayes.curvature._distributed import all_reduce, fail_together
 from partialbayes.curvature._hooks import BatchObserver, Run, stream
 from partialbayes.curvature._jacobians import ParamTarget, entry_grads, param_targets
 from partialbayes.curvature._likelihood import CurvatureOptions
-from partialbayes.curvature._outputs import resolve_shift_labels, token_positions
+from partialbayes.curvature._outputs import resolve_shift_labels
 from partialbayes.predictive import check_generator
 from partialbayes.selection import Subset
 
@@ -48,11 +44,9 @@ def diag_curvature(
 
     $$ h = \sum_n \sum_s (J_n^\top v_{n,s})^{\odot 2}, $$
 
-    the per-example gradients ``J_nᵀ v_{n,s}`` coming from hooked activations and output gradients of the
-    linear maps (exact, every token counts). ``fisher="exact"`` gives the GGN diagonal (one backward pass per
-    class), ``"mc"`` a sampled-label estimate, ``"empirical"`` the empirical Fisher. Token-level outputs are
-    exact per position (``C`` backward passes per kept position for ``"exact"``). Outputs labelled -100
-    are skipped, as in `kfac`.
+    ``fisher="exact"`` gives the GGN diagonal, ``"mc"`` a sampled-label estimate, ``"empirical"`` the
+    empirical Fisher. Token-level outputs are exact per position (``C`` backward passes per kept position
+    for ``"exact"``; ``"mc"`` samples all positions in one pass, unbiased). Label -100 as in `kfac`.
 
     Args:
         model: Network returning logits ``[B, C]`` or ``[B, T, C]``; evaluated in eval mode.
@@ -114,10 +108,8 @@ def dense_curvature(
 
     $$ H = \sum_n \sum_s g_{n,s} g_{n,s}^\top, \qquad g_{n,s} = J_n^\top v_{n,s}, $$
 
-    with the per-example gradients from linear-map hooks, one ``[S·B, P]`` matmul per batch. Entries are
-    ordered parameter by parameter in ``subset.names`` order, each in ``subset.gather`` order. Token-level
-    outputs are exact per position (``C`` backward passes per kept position for ``"exact"``). Outputs
-    labelled -100 are skipped, as in `kfac`.
+    one ``[S·B, P]`` matmul per batch; entries parameter by parameter in ``subset.names`` order, each in
+    ``subset.gather`` order. Token-level outputs and label -100 as in `diag_curvature`.
 
     Args:
         model: Network returning logits ``[B, C]`` or ``[B, T, C]``; evaluated in eval mode.
@@ -180,7 +172,7 @@ def diagonal(
     out = {t.name: torch.zeros(t.index.numel(), dtype=dtype, device=device) for t in targets}
     # weights of [B, d] activations: Σ_n (δ_n x_nᵀ)² = (Σ_s δ_s²)ᵀ (x ⊙ x), one matmul into the full matrix
     full_2d: dict[str, Tensor] = {}
-    positions = token_positions(options.fisher)
+    positions = "joint" if options.fisher == "mc" else "each"  # see the module notes
     with fail_together(device):
         for bp in stream(model, loader, modules, dict.fromkeys(modules), options, run, positions):
             d2: dict[str, Tensor] = {}
@@ -223,7 +215,7 @@ def dense(
     device = dict(model.named_parameters())[targets[0].name].device
     p = sum(t.index.numel() for t in targets)
     H = torch.zeros(p, p, dtype=options.dtype, device=device)
-    positions = token_positions(options.fisher)
+    positions = "joint" if options.fisher == "mc" else "each"  # see the module notes
     with fail_together(device):
         for bp in stream(model, loader, modules, dict.fromkeys(modules), options, run, positions):
             rows = [

@@ -29,12 +29,8 @@ def all_reduce(t: Tensor, op: str = "sum") -> Tensor:
 def fail_together(device: torch.device) -> Iterator[None]:
     """Run local (collective-free) work so that an error on one rank fails every rank instead of hanging.
 
-    On exit every rank all-reduces one failure flag. A rank whose body raised re-raises its own error; the
-    others raise a ``RuntimeError`` saying that another rank failed. Without an initialised process group
-    this is a no-op.
-
-    Args:
-        device: Device of the flag (the model's: a CUDA device for NCCL, the CPU for gloo).
+    On exit every rank all-reduces one failure flag on ``device`` (the model's: CUDA for NCCL, the CPU for
+    gloo). A rank whose body raised re-raises its own error; the others raise a ``RuntimeError``.
 
     Raises:
         RuntimeError: On a rank whose body succeeded when the body raised on another rank.

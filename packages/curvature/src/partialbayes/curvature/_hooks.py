@@ -1,10 +1,12 @@
-"""Forward hooks and the streamed backward passes every curvature routine is built on.
+"""Forward hooks and the backward passes that the curvature routines and the linearised predictive run.
 
 One forward pass per minibatch records, for each hooked linear map, its input ``x`` (already gathered to the
-selected columns) and its output tensor (`hooked_forward`). Then ``S`` backward passes of the logits (one per
-cotangent from :func:`partialbayes.curvature._likelihood.output_vectors`) return ``δ``, the gradient w.r.t.
-every hooked output, through ``torch.autograd.grad`` (no parameter ``.grad`` is touched, no weight gradients
-are computed). Nothing about an example is kept beyond its batch.
+selected columns) and its output tensor (`hooked_forward`). Then backward passes of the logits return
+``δ``, the gradient w.r.t. every hooked output, through ``torch.autograd.grad`` (no parameter ``.grad`` is
+touched, no weight gradients are computed); `cotangents` states once which passes run. Two users:
+`stream`, the curvature's pass over a loader (the cotangents are the fisher's output vectors), and
+`output_passes`, the per-position unit cotangents ``e_k`` of the Jacobians and of the Kronecker predictive.
+Nothing about an example is kept beyond its batch.
 
 A module called several times per forward pass (tied weights, a layer applied twice, a module reused in a
 loop) records every call; each call's ``δ`` is the gradient w.r.t. that call's own output tensor, so inputs
@@ -32,7 +34,7 @@ from partialbayes.curvature._likelihood import (
     model_device,
     output_vectors,
 )
-from partialbayes.curvature._outputs import position_plan, read_batch
+from partialbayes.curvature._outputs import Outputs, position_plan, read_batch
 from partialbayes.predictive import model_logits
 
 
@@ -91,11 +93,9 @@ def token_masks(calls: Mapping[str, list[Tensor]], mask: Tensor | None) -> dict[
 def check_untied(model: nn.Module, modules: Mapping[str, nn.Module]) -> None:
     """Refuse target weights shared with another module of ``model`` (tied parameters).
 
-    The hooks see only the target module's calls, so the curvature of a weight that another module also
-    uses (e.g. a classifier tied to an embedding, or two ``nn.Linear`` sharing one ``weight``) would
-    silently miss that module's contribution. Calling the same module several times is supported instead.
-    Only weights registered on a module itself count, so a wrapper exposing its child's weight (PEFT's
-    ``query`` wrapping ``query.base_layer``) is not mistaken for a tie.
+    The hooks see only the target module's calls, so a tied weight's curvature would silently miss the
+    other module's use. Only weights registered on a module itself count (PEFT's ``query`` exposing
+    ``query.base_layer.weight`` is no tie); calling one module several times is supported.
 
     Raises:
         ValueError: Naming the target module and the modules it shares its weight with.
@@ -170,14 +170,14 @@ def hooked_forward(
     *,
     switch: bool = True,
 ) -> tuple[Tensor, dict[str, list[Tensor]], dict[str, list[Tensor]]]:
-    """One forward pass recording every call of the hooked linear maps (inside `prepared`).
+    """One forward pass of ``inputs`` recording every call of the hooked linear maps (inside `prepared`).
 
     Args:
         model: The network.
         inputs: Model inputs (a tensor or keyword inputs).
         modules: Module name -> ``nn.Linear`` / HF ``Conv1D`` to hook.
         cols: Module -> selected input indices (``None``: all), on the model's device.
-        switch: Evaluate in eval mode (see `prepared`).
+        switch: Evaluate in eval mode.
 
     Returns:
         ``(logits, inputs per call, outputs per call)``: the logits with their graph (backward passes
@@ -330,10 +330,8 @@ class BatchPasses:
             several times merged as extra positions).
         keep: ``[B, T]`` bool mask of the kept output positions of token-level logits, ``None`` for
             ``[B, C]`` logits.
-        token_masks: Module -> float mask ``[B, T]`` of the real positions of ``inputs`` (``None`` for
-            ``[B, c]`` inputs): the attention mask, all ones without one. For token-level logits this is
-            not the kept *output* positions: a position whose output is not kept (a prompt token labelled
-            -100) still feeds the kept ones through attention.
+        token_masks: Module -> float mask ``[B, T]`` of the real positions of ``inputs`` (`token_masks`);
+            not the kept *output* positions: a prompt token labelled -100 still feeds the kept ones.
         passes: Iterator of ``{module: δ}`` (``[B, n_out]`` or ``[B, T, n_out]``, full rows), one per
             cotangent; exhaust it before advancing to the next batch.
     """
@@ -357,14 +355,10 @@ def stream(
 ) -> Iterator[BatchPasses]:
     """Stream the loader: one forward pass per batch, then the fisher's backward passes, lazily.
 
-    The loader is iterated exactly once (a generator works). Batches are read by
-    ``partialbayes.predictive.split_batch`` (tensors, pairs, any mapping). Token-level logits ``[B, T, C]``
-    count one output per kept position; sequence-level outputs labelled -100 are dropped (see
-    `partialbayes.curvature._outputs`), and a batch left with no labelled output is skipped and counted in
-    ``run.skipped``. Labels, when a batch has them, are validated by
-    :func:`~partialbayes.curvature._likelihood.check_labels` whatever the fisher type; ``run.on_batch`` (if
-    given) is called with every batch's index, detached output rows and validated labels, e.g. to
-    accumulate the training loss from the same forward pass.
+    The loader is read once (a generator works), each batch by `read_batch`. A batch left with no labelled
+    output (every label -100) is skipped and counted in ``run.skipped``. Labels, when a batch has them, are
+    validated by ``check_labels`` whatever the fisher type; ``run.on_batch`` sees every batch's output rows
+    and labels.
 
     Args:
         model: The network (evaluated in eval mode; every module's mode restored after each forward pass).
@@ -438,3 +432,108 @@ def stream(
             f"every batch of the loader ({run.batches}) has no labelled output (every label -100): "
             "nothing to compute the curvature from"
         )
+
+
+@dataclass
+class PositionGrads:
+    """The ``C`` backward passes of one output position (all positions at once for ``[B, C]`` logits).
+
+    Attributes:
+        examples: ``[n]`` indices of the examples whose output at this position is kept (all ``B`` for
+            ``[B, C]`` logits).
+        keys: ``[n]`` row-major keys ``b·T + t`` of those outputs (``b`` for ``[B, C]`` logits); sorting by
+            them puts rows in `partialbayes.predictive.flatten_outputs` order.
+        grads: Module -> one ``δ`` per class ``[B, (T',) r]`` (gathered to the selected rows, detached); the
+            gradient of logit ``(b, t, k)`` for the kept examples, zero for the others.
+    """
+
+    examples: Tensor
+    keys: Tensor
+    grads: dict[str, list[Tensor]]
+
+
+@dataclass
+class OutputPasses:
+    """One forward pass with hooks and a lazy iterator over the per-position backward passes.
+
+    Attributes:
+        logits: Detached logits as the model returns them, ``[B, C]`` or ``[B, T, C]``.
+        keep: ``[B, T]`` kept positions of token-level logits, ``None`` for ``[B, C]``.
+        inputs: Module -> recorded input ``x`` (gathered to the selected columns, calls merged).
+        positions: One `PositionGrads` per output position with a kept output.
+    """
+
+    logits: Tensor
+    keep: Tensor | None
+    inputs: dict[str, Tensor]
+    positions: Iterator[PositionGrads]
+
+
+def _position_grads(
+    logits: Tensor,
+    keep: Tensor | None,
+    calls: Mapping[str, list[Tensor]],
+    rows: Mapping[str, Tensor | None],
+) -> Iterator[PositionGrads]:
+    """The ``C`` backward passes with cotangents ``e_k`` of every kept position (`cotangents`, ``"each"``)."""
+    b, n_cls = logits.shape[0], logits.shape[-1]
+    plan = position_plan(keep, b, logits.device)
+    if not plan:  # no kept output: zero gradients of the right shapes, no backward pass
+        empty = torch.zeros(0, dtype=torch.long, device=logits.device)
+        zeros = {}
+        for m, outs in calls.items():
+            z, r = merge_calls(m, [torch.zeros_like(o) for o in outs]), rows.get(m)
+            zeros[m] = [z if r is None else z.index_select(-1, r)] * n_cls
+        yield PositionGrads(examples=empty, keys=empty, grads=zeros)
+        return
+    n_rows = b if keep is None else int(keep.sum())
+    units = torch.eye(n_cls, dtype=logits.dtype, device=logits.device)[:, None]
+    passes = backward_passes(
+        logits, calls, cotangents(logits, units.expand(n_cls, n_rows, n_cls), keep, "each")
+    )
+    for t, examples in plan:
+        grads: dict[str, list[Tensor]] = {m: [] for m in calls}
+        for _ in range(n_cls):
+            for m, g in next(passes).items():
+                r = rows.get(m)
+                grads[m].append((g if r is None else g.index_select(-1, r)).detach())
+        keys = examples if t is None else examples * logits.shape[1] + t
+        yield PositionGrads(examples=examples, keys=keys, grads=grads)
+
+
+def output_passes(
+    model: nn.Module,
+    inputs: Tensor | Mapping[str, Any],
+    outputs: Outputs,
+    modules: Mapping[str, nn.Module],
+    cols: Mapping[str, Tensor | None],
+    rows: Mapping[str, Tensor | None],
+) -> OutputPasses:
+    """Forward pass with hooks on ``modules``, then (lazily) ``C`` backward passes per kept output position.
+
+    Gradients are taken w.r.t. the hooked outputs only (no parameter ``.grad``); the model's mode is left
+    as it is.
+
+    ``outputs`` tells which positions count; ``modules`` / ``cols`` as for `hooked_forward`; ``rows``
+    gather the output gradients (``None``: all).
+
+    Raises:
+        ValueError: A hooked module not called by the forward pass; logits of an unsupported shape or
+            token-level logits without an attention mask or labels.
+    """
+    logits, calls_in, calls_out = hooked_forward(model, inputs, modules, cols, switch=False)
+    keep = outputs.keep(logits)
+    return OutputPasses(
+        logits=logits.detach(),
+        keep=keep,
+        inputs={n: merge_calls(n, xs) for n, xs in calls_in.items()},
+        positions=_position_grads(logits, keep, calls_out, rows),
+    )
+
+
+def in_row_order(keys: list[Tensor], parts: list[Tensor]) -> Tensor:
+    """Concatenate per-position results ``[n_i, ...]`` and sort their rows by key (row-major ``(b, t)``)."""
+    if len(parts) == 1:
+        return parts[0]
+    order = torch.argsort(torch.cat(keys))
+    return torch.cat(parts).index_select(0, order.to(parts[0].device))

@@ -3,31 +3,25 @@
 For a linear map with inputs ``x_t`` and output gradients ``δ_t`` over the tokens ``t`` of one example, the
 per-example gradient of its weight is ``Σ_t δ_t x_tᵀ`` (logical n_out x n_in orientation) and of its bias
 ``Σ_t δ_t``. Every token counts here (these are exact gradients); padding tokens have ``δ_t = 0`` whenever the
-logits do not depend on them.
+logits do not depend on them. The backward passes come from ``_hooks.output_passes``; parameters outside
+linear maps fall back to plain reverse mode (`param_jacobians`).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from partialbayes.curvature._hooks import (
-    backward_passes,
-    check_untied,
-    cotangents,
-    hooked_forward,
-    merge_calls,
-)
+from partialbayes.curvature._hooks import check_untied, in_row_order, output_passes
 from partialbayes.curvature._kfac import kron_targets
 from partialbayes.curvature._likelihood import CurvatureOptions, model_device
 from partialbayes.curvature._outputs import (
     Outputs,
-    output_rows,
     position_plan,
     read_batch,
     resolve_shift_labels,
@@ -103,117 +97,7 @@ def logit_jacobians(
         targets.rows,
         lambda x, d: {m: block_grads(x[m], d[m], kmods[m].bias_name is not None) for m in kmods},
     )
-    return output_rows(logits, keep), blocks
-
-
-@dataclass
-class PositionGrads:
-    """The ``C`` backward passes of one output position (all positions at once for ``[B, C]`` logits).
-
-    Attributes:
-        examples: ``[n]`` indices of the examples whose output at this position is kept (all ``B`` for
-            ``[B, C]`` logits).
-        keys: ``[n]`` row-major keys ``b·T + t`` of those outputs (``b`` for ``[B, C]`` logits); sorting by
-            them puts rows in `partialbayes.predictive.flatten_outputs` order.
-        grads: Module -> one ``δ`` per class ``[B, (T',) r]`` (gathered to the selected rows, detached); the
-            gradient of logit ``(b, t, k)`` for the kept examples, zero for the others.
-    """
-
-    examples: Tensor
-    keys: Tensor
-    grads: dict[str, list[Tensor]]
-
-
-@dataclass
-class OutputPasses:
-    """One forward pass with hooks and a lazy iterator over the per-position backward passes.
-
-    Attributes:
-        logits: Detached logits as the model returns them, ``[B, C]`` or ``[B, T, C]``.
-        keep: ``[B, T]`` kept positions of token-level logits, ``None`` for ``[B, C]``.
-        inputs: Module -> recorded input ``x`` (gathered to the selected columns, calls merged).
-        positions: One `PositionGrads` per output position with a kept output.
-    """
-
-    logits: Tensor
-    keep: Tensor | None
-    inputs: dict[str, Tensor]
-    positions: Iterator[PositionGrads]
-
-
-def _position_grads(
-    logits: Tensor,
-    keep: Tensor | None,
-    calls: Mapping[str, list[Tensor]],
-    rows: Mapping[str, Tensor | None],
-) -> Iterator[PositionGrads]:
-    """The ``C`` backward passes with cotangents ``e_k`` of every kept position (`cotangents`, ``"each"``)."""
-    b, n_cls = logits.shape[0], logits.shape[-1]
-    plan = position_plan(keep, b, logits.device)
-    if not plan:  # no kept output: zero gradients of the right shapes, no backward pass
-        empty = torch.zeros(0, dtype=torch.long, device=logits.device)
-        zeros = {}
-        for m, outs in calls.items():
-            z, r = merge_calls(m, [torch.zeros_like(o) for o in outs]), rows.get(m)
-            zeros[m] = [z if r is None else z.index_select(-1, r)] * n_cls
-        yield PositionGrads(examples=empty, keys=empty, grads=zeros)
-        return
-    n_rows = b if keep is None else int(keep.sum())
-    units = torch.eye(n_cls, dtype=logits.dtype, device=logits.device)[:, None]
-    passes = backward_passes(
-        logits, calls, cotangents(logits, units.expand(n_cls, n_rows, n_cls), keep, "each")
-    )
-    for t, examples in plan:
-        grads: dict[str, list[Tensor]] = {m: [] for m in calls}
-        for _ in range(n_cls):
-            for m, g in next(passes).items():
-                r = rows.get(m)
-                grads[m].append((g if r is None else g.index_select(-1, r)).detach())
-        keys = examples if t is None else examples * logits.shape[1] + t
-        yield PositionGrads(examples=examples, keys=keys, grads=grads)
-
-
-def output_passes(
-    model: nn.Module,
-    inputs: Tensor | Mapping[str, Any],
-    outputs: Outputs,
-    modules: Mapping[str, nn.Module],
-    cols: Mapping[str, Tensor | None],
-    rows: Mapping[str, Tensor | None],
-) -> OutputPasses:
-    """Forward pass with hooks on ``modules``, then (lazily) ``C`` backward passes per kept output position.
-
-    Gradients are taken w.r.t. the hooked outputs only (no parameter ``.grad``); the model's mode is left
-    as it is.
-
-    Args:
-        model: Network returning logits ``[B, C]`` or ``[B, T, C]``.
-        inputs: Model inputs (tensor or keyword mapping).
-        outputs: Which positions of token-level logits count (`partialbayes.curvature._outputs.Outputs`).
-        modules: Module name -> linear map to hook.
-        cols: Module -> selected input indices (``None``: all).
-        rows: Module -> selected output indices (``None``: all).
-
-    Raises:
-        ValueError: A hooked module not called by the forward pass; logits of an unsupported shape or
-            token-level logits without an attention mask or labels.
-    """
-    logits, calls_in, calls_out = hooked_forward(model, inputs, modules, cols, switch=False)
-    keep = outputs.keep(logits)
-    return OutputPasses(
-        logits=logits.detach(),
-        keep=keep,
-        inputs={n: merge_calls(n, xs) for n, xs in calls_in.items()},
-        positions=_position_grads(logits, keep, calls_out, rows),
-    )
-
-
-def in_row_order(keys: list[Tensor], parts: list[Tensor]) -> Tensor:
-    """Concatenate per-position results ``[n_i, ...]`` and sort their rows by key (row-major ``(b, t)``)."""
-    if len(parts) == 1:
-        return parts[0]
-    order = torch.argsort(torch.cat(keys))
-    return torch.cat(parts).index_select(0, order.to(parts[0].device))
+    return (logits if keep is None else logits[keep]), blocks
 
 
 def output_jacobians(

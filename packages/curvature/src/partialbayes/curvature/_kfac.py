@@ -4,12 +4,9 @@ Convention (laplace-torch): ``G`` is SUMMED over examples, ``A`` AVERAGED, so ``
 summed curvature of the block ``vec(W[R][:, C] | b[R])`` taken row-major (entry ``(i, j)`` ↔ ``i·c + j``).
 The statistics themselves are `_kfac_math`'s; this module streams them (`FactorAccumulator`).
 
-The bias is either folded into ``A`` (``x̃ = (x, 1)``; ``A`` carries the weight–bias cross terms) or kept
-separate: the weight block is ``G ⊗ A`` with ``A`` over the inputs only and the bias block is
-``G ⊗ A_bias``. The bias's input is the constant 1, so its output-gradient factor is the weight's ``G``
-(same δ, same reduce / expand treatment) and ``A_bias = [Σ 1·1 / count] = [1]`` (the average of 1 over the
-counted rows: examples for ``reduce``, unmasked positions for ``expand``). "Separate" is thus the folded
-approximation with the cross terms ``A[:c, c]`` (the mean input) set to zero: ``blockdiag(A, A_bias)``.
+A bias kept separate (``bias="separate"``) has the constant input 1, so its output-gradient factor is the
+weight's ``G`` and ``A_bias = [1]`` (the average of 1 over the counted rows): the folded approximation with
+the weight–bias cross terms ``A[:c, c]`` set to zero, ``blockdiag(A, A_bias)``.
 """
 
 from __future__ import annotations
@@ -44,11 +41,9 @@ class ModuleFactors:
         bias: ``True`` when the bias entries of ``R`` are in the block (folded into ``A`` as its last row /
             column, or kept separate with ``A_bias``).
         n_examples: Examples (sequences) the factors were computed from.
-        A_bias: ``[1, 1]`` input factor of the bias kept separate (``kfac(..., bias="separate")``): the
-            bias block is ``G ⊗ A_bias`` (``A_bias = [1]``, the average of the constant input 1) and ``A``
-            covers the weight inputs only; ``None`` when the bias is folded or not in the block.
-        sharing: The weight sharing the factors were computed with (``"reduce"`` or ``"expand"``);
-            ``None`` when the loader held no token-level or sequence-level output to decide it by.
+        A_bias: ``[1, 1]`` input factor of a bias kept separate (``bias="separate"``; the bias block is
+            ``G ⊗ A_bias`` and ``A`` covers the weight inputs only), else ``None``.
+        sharing: The weight sharing the factors were computed with, ``"reduce"`` or ``"expand"``.
 
     The block covers ``vec(W[R][:, C] | b[R])`` row-major; for HF ``Conv1D`` the logical (n_out x n_in)
     orientation.
@@ -212,38 +207,21 @@ def kfac(
        A = \frac{1}{N} \sum_n \tilde x_n[C]\,\tilde x_n[C]^\top, $$
 
     ``G`` SUMMED and ``A`` AVERAGED (the laplace-torch convention), ``x̃ = (x, 1)`` when the bias is in the
-    subset and ``bias="fold"``. With ``bias="separate"`` the weight block is ``G ⊗ A`` with ``x̃ = x[C]``
-    and the bias block is ``G ⊗ A_bias`` (``ModuleFactors.A_bias = [1]``: the bias's input is the constant
-    1, its output-gradient factor the same ``G``); the weight–bias cross terms are dropped. S-KFAC blocks
-    gather ``δ[:, R]`` and ``x[:, C]`` in the hooks: the full factors are never formed.
-    Token sequences (``[B, T, d]`` activations): ``sharing="reduce"`` sums ``δ`` and averages ``x`` over the
-    unmasked tokens of each sequence before the outer products (exact for deep linear networks with one
-    loss per sequence); ``"expand"`` treats every unmasked token as an example (``A`` averaged over tokens).
-    Padding tokens (``attention_mask == 0``) never contribute. A module called several times per forward
-    pass (a shared, tied or looped layer) contributes every call, the calls merged as extra token positions
-    of each example (its per-example gradient is ``Σ_calls Σ_t δ_t x_tᵀ``): ``reduce`` sums ``δ`` and
-    averages ``x`` over all calls' positions (exact with one datum when the calls' output gradients agree,
-    e.g. their outputs are summed; for any data in deep linear networks with MSE), ``expand`` treats each
-    call's positions as examples (exact for deep linear networks with MSE when each call feeds its own
-    outputs through the same linear path).
+    subset and ``bias="fold"``; ``bias="separate"`` gives the bias its own block ``G ⊗ A_bias``. S-KFAC
+    blocks gather ``δ[:, R]`` and ``x[:, C]`` in the hooks: the full factors are never formed.
 
-    Token-level outputs (logits ``[B, T, C]``: token classification, causal language models) count one
-    output per kept position — positions where the attention mask is 0 or the label is -100 are dropped —
-    and take ``sharing="expand"`` (the default ``None`` picks it; ``"reduce"`` assumes one loss per sequence
-    and is refused). The ``S`` backward passes carry every kept position's output vector at once (as
-    curvlinops does). Each module's examples are its real positions (attention mask 1) whose output
-    gradient ``δ`` is not zero in some pass (above rounding level, see `carries_gradient`): ``G`` sums
-    ``δδᵀ`` and ``A`` averages ``x̃x̃ᵀ`` over them. A position whose own output is not kept
-    still counts where it feeds a kept one — a prompt token labelled -100, seen through attention by the
-    answer — and a position that feeds none (the output layer away from the kept positions, tokens after
-    the last kept output of a causal model) does not. So the factors are exact in KFAC-expand's exact cases
-    (positions that do not interact, e.g. deep linear per-token networks, or one kept position) and
-    otherwise also hold cross-position terms, like any KFAC of a transformer. Causal LMs shift their labels
-    (the output at ``t`` predicts token ``t + 1``): see ``shift_labels``.
-
-    Label -100 means "no label: skip this output", for one output per example too: such examples are left
-    out. A batch left without a labelled output is skipped; one warning at the end counts them, and a loader
-    of such batches only is refused.
+    Token sequences (``[B, T, d]`` activations; padding never contributes): ``sharing="reduce"`` sums ``δ``
+    and averages ``x`` over the unmasked tokens of each sequence before the outer products (exact for deep
+    linear networks with one loss per sequence); ``"expand"`` treats every unmasked token as an example.
+    A module called several times per forward pass contributes every call, the calls merged as extra token
+    positions. Token-level outputs (logits ``[B, T, C]``) count one output per kept position (attention mask
+    1, label not -100; causal LMs: see ``shift_labels``) and take ``"expand"``, which the default
+    ``sharing=None`` picks (``"reduce"`` is refused for them): one backward pass per output vector carries
+    every kept position, and a module's examples are its real positions whose ``δ`` is not zero in some pass
+    (`carries_gradient`) — a prompt token that the answer reads through attention counts. Label -100 skips
+    an output for ``[B, C]`` logits too; a batch left without a labelled output is skipped (one warning
+    counts them; a loader of such batches only is refused). The curvature concept page derives each case
+    and its exactness.
 
     Args:
         model: Network; its forward takes a tensor or keyword inputs and returns logits ``[B, C]`` or
@@ -266,14 +244,11 @@ def kfac(
         generator: Random generator for ``fisher="mc"``.
         progress: Show a tqdm progress bar.
         num_classes: When given, the number of logits the model must output.
-        on_batch: Called as ``on_batch(index, logits, labels)`` after each batch's forward pass, with the
-            detached output rows ``[N, C]`` (``[B, C]`` logits, or the kept positions of token-level ones)
-            and their validated labels (``None`` for a batch without labels); e.g. to accumulate the
-            training loss in the same pass (``LaplaceBase.fit`` does). The loader is read once.
-        shift_labels: Token-level outputs of a causal LM: the output at ``t`` is scored against
-            ``labels[t + 1]`` and kept when tokens ``t`` and ``t + 1`` are real and that label is not
-            -100. ``None`` (default): ``True`` exactly when the model's class name ends with
-            ``ForCausalLM`` or ``LMHeadModel``.
+        on_batch: Called as ``on_batch(index, logits, labels)`` after each batch's forward pass with the
+            detached output rows ``[N, C]`` and their validated labels (``None`` without labels), e.g. to
+            accumulate the training loss in the same pass (``LaplaceBase.fit`` does).
+        shift_labels: Causal-LM outputs: the output at ``t`` is scored against ``labels[t + 1]``.
+            ``None`` (default): whether the model's class name ends with ``ForCausalLM`` / ``LMHeadModel``.
 
     Returns:
         ``{module name: ModuleFactors}`` in the subset's model order. Under ``torch.distributed`` the sums

@@ -34,14 +34,13 @@ def clamped_eigh(
     """Eigendecomposition of a symmetric PSD factor with the round-off below 0 clamped to 0.
 
     A curvature factor is a sum of outer products, so a negative eigenvalue can only be round-off:
-    ``λ_min ≥ −ε_r · max |λ|`` with ``ε_r = max(√ε, 10 n ε)`` (``ε`` the machine epsilon of the coarser
-    of the factor's and the decomposition's dtypes). Anything more negative (a factor of the wrong sign, or
-    not a Gram matrix at all) is refused rather than clamped into a wrong posterior.
+    ``λ_min ≥ −ε_r · max |λ|`` with ``ε_r = max(√ε, 10 n ε)`` (``ε`` of the coarser of the factor's and the
+    decomposition's dtypes). Anything more negative is refused rather than clamped into a wrong posterior.
 
     Args:
         matrix: Symmetric matrix, shape ``[n, n]`` (symmetrised before decomposing).
         dtype: dtype of the decomposition (default: the matrix's).
-        device: Device of the decomposition (default: the matrix's).
+        device: Its device (default: the matrix's).
         what: How errors name the matrix.
 
     Returns:

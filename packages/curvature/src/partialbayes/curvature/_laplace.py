@@ -4,15 +4,10 @@ Conventions (DESIGN): the log-likelihood is summed over the N training examples,
 summed GGN / Fisher of the subset's entries, and the posterior precision is ``P = H / T + P₀`` with
 ``P₀ = diag(δ_m)`` (one prior precision per module, or one scalar) and prior mean 0.
 
-A structure — `KronLaplace` (Kronecker eigenbases), `DiagLaplace` (a diagonal), `DenseLaplace` (a dense
-eigendecomposition) — stores one curvature representation and implements the methods marked "structure"
-below: which module each parameter's prior belongs to (`_groups`), the pass over a loader
-(`_compute_curvature`), checking and storing its result (`_set_curvature`), ``log det P`` (`_log_det`),
-zero-mean samples (`_sample`), the linearised predictive's ``J Σ Jᵀ`` of a batch (`_covariances`), the
-stored tensors (`_state`, `_load_state`) and the summary rows (`_summary_rows`). Everything else is here,
-once: fitting, the evidence and the prior's tuning (`_marglik` for the gradient ascent), samples and
-swapping (``Subset.swapped``), the predictive's links (``partialbayes.predictive``), and the file
-(``partialbayes.predictive.write_posterior_file`` / ``read_posterior_file``).
+A structure — `KronLaplace`, `DiagLaplace`, `DenseLaplace` — stores one curvature representation and
+implements the nine methods marked "structure" below. Everything else is here, once: fitting, the evidence
+and the prior's tuning (`_marglik` for the gradient ascent), samples and swapping (``Subset.swapped``), the
+predictive's links (``partialbayes.predictive``) and the file (``write_posterior_file``).
 """
 
 from __future__ import annotations
@@ -78,12 +73,9 @@ _FIELDS: dict[str, type | tuple[type, ...]] = {
 class MapLoss:
     """Training loss at the MAP, accumulated from the logits of the curvature pass (an ``on_batch`` observer).
 
-    Classification: summed cross-entropy (nats). Regression: summed squared error over all outputs. Both in
-    float64, kept on the logits' device (no synchronisation per batch). It sees output rows: for token-level
-    logits the kept positions, so the loss, ``n_data`` and ``n_outputs`` count positions as examples.
-
-    Args:
-        likelihood: ``"classification"`` or ``"regression"``.
+    Classification: summed cross-entropy (nats); regression: summed squared error. In float64 on the
+    logits' device (no synchronisation per batch). Output rows are examples (kept positions of token-level
+    logits) for the loss, ``n_data`` and ``n_outputs``. ``likelihood``: ``"classification"`` / ``"regression"``.
     """
 
     def __init__(self, likelihood: str) -> None:
@@ -151,8 +143,7 @@ def _place(full: Tensor, keep: Tensor | None, rows: Tensor) -> Tensor:
 class LaplaceBase:
     """A Laplace posterior over a `Subset`: what `KronLaplace`, `DiagLaplace` and `DenseLaplace` share.
 
-    Not used directly: build one of the three structures. Every one implements
-    ``partialbayes.predictive.Posterior``.
+    Not used directly: build one of the three (each implements ``partialbayes.predictive.Posterior``).
 
     Batches, everywhere (``fit``, ``logit_mean_cov``, ``predict``, ``optimize_prior_precision``): a tensor
     ``x``, a pair ``(inputs, labels)``, or any mapping of keyword inputs (``dict``, the ``BatchEncoding``
@@ -177,11 +168,9 @@ class LaplaceBase:
             ``fit(..., generator=...)``).
         num_classes: Expected number of logits (checked during `fit`); ``None`` to skip the check.
         dtype: dtype of the stored curvature: ``torch.float64`` (default) or ``torch.float32``.
-        shift_labels: Token-level outputs of a causal language model: the output at position ``t`` is
-            scored against ``labels[t + 1]`` (Hugging Face shifts the labels inside the model; this makes
-            the same convention explicit) and is kept when the tokens ``t`` and ``t + 1`` are real and that
-            label is not -100. ``None`` (default): ``True`` exactly when the model's class name ends with
-            ``ForCausalLM`` or ``LMHeadModel``. Stored by `save`.
+        shift_labels: Causal-LM outputs: the output at ``t`` is scored against ``labels[t + 1]``, as
+            Hugging Face shifts inside the model. ``None`` (default): whether the model's class name ends
+            with ``ForCausalLM`` or ``LMHeadModel``. Stored by `save`.
 
     Raises:
         TypeError: A model that is not an ``nn.Module``, a subset that is not a ``Subset``, a dtype other
@@ -196,8 +185,7 @@ class LaplaceBase:
     #: Constructor keywords of the structure that `save` stores (read back as attributes).
     _SAVED: ClassVar[tuple[str, ...]] = ()
 
-    #: The checked curvature settings (likelihood, fisher, ... ; see `CurvatureOptions`).
-    options: CurvatureOptions
+    _options: CurvatureOptions  # the checked settings, built once by the constructor
     #: Prior groups (modules), in the order of `prior_precision`.
     modules: tuple[str, ...]
     device: torch.device
@@ -228,7 +216,7 @@ class LaplaceBase:
             raise ValueError("subset is empty: select at least one parameter")
         params = subset.parameters_of(model)
         self.model, self.subset = model, subset
-        self.options = CurvatureOptions(
+        self._options = CurvatureOptions(
             likelihood=likelihood,
             fisher=fisher,
             mc_samples=mc_samples,
@@ -247,47 +235,47 @@ class LaplaceBase:
         self._map: dict[str, Tensor] = {}
         self._fitted = False
         self.n_data, self.n_outputs, self.map_loss = 0, 0, 0.0
-        self._sigma_fit = self.options.sigma_noise
+        self._sigma_fit = self.sigma_noise
 
     # ------------------------------------------------------------------ settings
     @property
     def likelihood(self) -> str:
         """``"classification"`` or ``"regression"``."""
-        return self.options.likelihood
+        return self._options.likelihood
 
     @property
     def fisher(self) -> str:
         """``"exact"``, ``"mc"`` or ``"empirical"``."""
-        return self.options.fisher
+        return self._options.fisher
 
     @property
     def mc_samples(self) -> int:
         """Sampled labels per output for ``fisher="mc"``."""
-        return self.options.mc_samples
+        return self._options.mc_samples
 
     @property
     def num_classes(self) -> int | None:
         """The number of logits the model must output (checked by `fit`), or ``None``."""
-        return self.options.num_classes
+        return self._options.num_classes
 
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of the stored curvature and of the predictive's computations."""
-        return self.options.dtype
+        return self._options.dtype
 
     @property
     def shift_labels(self) -> bool:
         """Whether token-level outputs follow the causal-LM convention (output ``t`` scored on token ``t + 1``)."""
-        return self.options.shift_labels
+        return self._options.shift_labels
 
     @property
     def sigma_noise(self) -> float:
         """Observation noise ``σ`` of the regression likelihood (the curvature is rescaled by ``σ_fit² / σ²``)."""
-        return self.options.sigma_noise
+        return self._options.sigma_noise
 
     @sigma_noise.setter
     def sigma_noise(self, value: float) -> None:
-        self.options = replace(self.options, sigma_noise=value)
+        self._options = replace(self._options, sigma_noise=value)
 
     @property
     def prior_precision(self) -> Tensor:
@@ -296,9 +284,7 @@ class LaplaceBase:
 
     @prior_precision.setter
     def prior_precision(self, value: PriorSpec) -> None:
-        self._prior = prior_vector(
-            value, self.modules, dtype=self.options.dtype, device=self.device
-        )
+        self._prior = prior_vector(value, self.modules, dtype=self.dtype, device=self.device)
 
     # ------------------------------------------------------------------ structure
     def _groups(self) -> dict[str, str]:
@@ -306,7 +292,7 @@ class LaplaceBase:
         return {n: n.rpartition(".")[0] for n in self.subset.names}
 
     def _compute_curvature(self, loader: Iterable[Any], run: Run) -> Any:
-        """Structure: the matching curvature routine's pass over ``loader`` (``self.options``, ``run``)."""
+        """Structure: the matching curvature routine's pass over ``loader`` (``self._options``, ``run``)."""
         raise NotImplementedError
 
     def _set_curvature(self, curvature: Any) -> None:
@@ -356,15 +342,13 @@ class LaplaceBase:
     def _resolve_prior(self, prior_precision: PriorSpec | None) -> Tensor:
         if prior_precision is None:
             return self._prior
-        return prior_vector(
-            prior_precision, self.modules, dtype=self.options.dtype, device=self.device
-        )
+        return prior_vector(prior_precision, self.modules, dtype=self.dtype, device=self.device)
 
     def _scale(self, sigma_noise: float | Tensor | None) -> Tensor | float:
         """Curvature rescaling ``σ_fit² / σ²`` (regression; 1 for classification)."""
-        if self.options.likelihood != "regression":
+        if self.likelihood != "regression":
             return 1.0
-        sigma = self.options.sigma_noise if sigma_noise is None else sigma_noise
+        sigma = self.sigma_noise if sigma_noise is None else sigma_noise
         check_positive("sigma_noise", sigma)
         return self._sigma_fit**2 / sigma**2
 
@@ -373,8 +357,8 @@ class LaplaceBase:
         return read_batch(
             batch,
             self.device,
-            likelihood=self.options.likelihood,
-            shift=self.options.shift_labels,
+            likelihood=self.likelihood,
+            shift=self.shift_labels,
             labels=labels,
         )
 
@@ -411,7 +395,7 @@ class LaplaceBase:
                 loader without any labelled output.
             RuntimeError: Under ``torch.distributed``, when another rank failed on its shard.
         """
-        loss = MapLoss(self.options.likelihood)
+        loss = MapLoss(self.likelihood)
         run = Run(check_generator(generator), progress, loss)
         curvature = self._compute_curvature(loader, run)
         total, n, n_out = loss.result(self.device)
@@ -445,11 +429,10 @@ class LaplaceBase:
         params = self.subset.parameters_of(self.model)
         self._set_curvature(curvature)
         self._map = {
-            n: self.subset.gather(n, p.detach()).to(self.options.dtype).clone()
-            for n, p in params.items()
+            n: self.subset.gather(n, p.detach()).to(self.dtype).clone() for n, p in params.items()
         }
         self.map_loss, self.n_data, self.n_outputs = float(map_loss), int(n_data), int(n_outputs)
-        self._sigma_fit = self.options.sigma_noise
+        self._sigma_fit = self.sigma_noise
         self._fitted = True
         return self
 
@@ -463,7 +446,7 @@ class LaplaceBase:
 
     def _module_sums(self, values: Mapping[str, Tensor] | None) -> Tensor:
         """Per module: the number of entries (``values=None``) or ``Σ v²`` over its parameters."""
-        out = torch.zeros(len(self.modules), dtype=self.options.dtype, device=self.device)
+        out = torch.zeros(len(self.modules), dtype=self.dtype, device=self.device)
         for n, m in self._param_module.items():
             if values is None:
                 out[m] += self.subset.num_entries(n)
@@ -477,12 +460,12 @@ class LaplaceBase:
         Classification: ``-Σ CE / T``. Regression: ``-(SSE / (2σ²) + N C log(σ √(2π))) / T``.
         """
         self._require_fit()
-        if self.options.likelihood == "classification":
+        if self.likelihood == "classification":
             return torch.tensor(
-                -self.map_loss / self.temperature, dtype=self.options.dtype, device=self.device
+                -self.map_loss / self.temperature, dtype=self.dtype, device=self.device
             )
-        sigma = self.options.sigma_noise if sigma_noise is None else sigma_noise
-        sigma = torch.as_tensor(sigma, dtype=self.options.dtype, device=self.device)
+        sigma = self.sigma_noise if sigma_noise is None else sigma_noise
+        sigma = torch.as_tensor(sigma, dtype=self.dtype, device=self.device)
         norm = self.n_data * self.n_outputs * torch.log(sigma * math.sqrt(2 * math.pi))
         return -(self.map_loss / (2 * sigma**2) + norm) / self.temperature
 
@@ -623,9 +606,27 @@ class LaplaceBase:
                 )
             if val_loader is not None or grid is not None:
                 raise ValueError("val_loader and grid are not used with optimizer='gradient'")
-            fit = self._gradient_prior_precision(
-                **{k: v for k, v in gradient_only.items() if v is not None}
-            )
+            if fit_sigma_noise is None:
+                fit_sigma_noise = self.likelihood == "regression"
+            elif not isinstance(fit_sigma_noise, bool):
+                raise TypeError(
+                    f"fit_sigma_noise must be a bool or None, got {type(fit_sigma_noise).__name__}"
+                )
+            elif fit_sigma_noise and self.likelihood != "regression":
+                raise ValueError(
+                    "fit_sigma_noise=True needs likelihood='regression' (classification has no noise)"
+                )
+            steps = ("per_module", "lr", "max_steps", "tol")
+            with torch.enable_grad():
+                fit = maximize_evidence(
+                    lambda prior, sigma: self.log_marginal_likelihood(prior, sigma),
+                    self._resolve_prior(init_prior_precision).detach(),
+                    self._module_sums(None),
+                    self.modules,
+                    init_sigma=self.sigma_noise if fit_sigma_noise else None,
+                    sigma_scale=float(self.n_data * max(self.n_outputs, 1)),
+                    **{k: gradient_only[k] for k in steps if gradient_only[k] is not None},
+                )
             self.prior_precision = fit.prior_precision
             if fit.sigma_noise is not None:
                 self.sigma_noise = fit.sigma_noise
@@ -659,51 +660,6 @@ class LaplaceBase:
             raise ValueError(f"method must be 'marglik' or 'val_nll', got {method!r}")
         self.prior_precision = float(values[best])
         return float(values[best])
-
-    def _gradient_prior_precision(
-        self,
-        *,
-        init_prior_precision: PriorSpec | None = None,
-        fit_sigma_noise: bool | None = None,
-        per_module: bool = True,
-        lr: float = 0.1,
-        max_steps: int = 1000,
-        tol: float = 1e-4,
-    ) -> MarglikFit:
-        """The gradient ascent of `optimize_prior_precision`: per-module δ (and σ) by Adam on the evidence.
-
-        Returns the fit without setting it (the caller does).
-        """
-        if not isinstance(per_module, bool):
-            raise TypeError(f"per_module must be a bool, got {type(per_module).__name__}")
-        if fit_sigma_noise is None:
-            fit_sigma_noise = self.options.likelihood == "regression"
-        elif not isinstance(fit_sigma_noise, bool):
-            raise TypeError(
-                f"fit_sigma_noise must be a bool or None, got {type(fit_sigma_noise).__name__}"
-            )
-        elif fit_sigma_noise and self.options.likelihood != "regression":
-            raise ValueError(
-                "fit_sigma_noise=True needs likelihood='regression' (classification has no noise)"
-            )
-        start = self._resolve_prior(init_prior_precision)
-
-        def evidence(prior: Tensor, sigma: Tensor | None) -> Tensor:
-            return self.log_marginal_likelihood(prior_precision=prior, sigma_noise=sigma)
-
-        with torch.enable_grad():
-            return maximize_evidence(
-                evidence,
-                start.detach(),
-                self._module_sums(None),
-                self.modules,
-                init_sigma=self.options.sigma_noise if fit_sigma_noise else None,
-                sigma_scale=float(self.n_data * max(self.n_outputs, 1)),
-                per_module=per_module,
-                lr=lr,
-                max_steps=max_steps,
-                tol=tol,
-            )
 
     def grid_val_nll(self, val_loader: Iterable[Any], grid: Tensor) -> Tensor:
         """Mean validation NLL of the linearised predictive for each scalar prior precision in ``grid``.
@@ -739,21 +695,21 @@ class LaplaceBase:
                     continue
                 with eval_mode(self.model):
                     logits, keep, covs = self._covariances(inputs, outputs, priors, scale)
-                f = (logits if keep is None else logits[keep]).to(self.options.dtype)
+                f = (logits if keep is None else logits[keep]).to(self.dtype)
                 if f.shape[0] == 0:
                     skipped += 1
                     continue
                 check_logits(f, None, index)
                 labels = outputs.targets(logits, keep)
                 assert labels is not None
-                labels = check_labels(labels, f, self.options.likelihood, index)
+                labels = check_labels(labels, f, self.likelihood, index)
                 for i, cov in enumerate(covs):
-                    cov = cov.to(self.options.dtype)
-                    if self.options.likelihood == "classification":
+                    cov = cov.to(self.dtype)
+                    if self.likelihood == "classification":
                         score = nll(probit(f, cov), labels, reduction="sum")
                     else:
                         mean, var = gaussian_predictive(
-                            f, cov.diagonal(dim1=-2, dim2=-1), self.options.sigma_noise**2
+                            f, cov.diagonal(dim1=-2, dim2=-1), self.sigma_noise**2
                         )
                         score = gaussian_nll(mean, var, labels.to(f.dtype), reduction="sum")
                     totals[i] += float(score)
@@ -777,7 +733,7 @@ class LaplaceBase:
     def _noise(self, shape: Sequence[int], generator: torch.Generator | None) -> Tensor:
         """Standard normal draws in the posterior's dtype, drawn on the generator's device."""
         device = generator.device if generator is not None else self.device
-        eps = torch.randn(*shape, generator=generator, dtype=self.options.dtype, device=device)
+        eps = torch.randn(*shape, generator=generator, dtype=self.dtype, device=device)
         return eps.to(self.device)
 
     def sample(self, n: int = 1, *, generator: torch.Generator | None = None) -> dict[str, Tensor]:
@@ -804,12 +760,10 @@ class LaplaceBase:
     def swapped(self, sample: Mapping[str, Tensor]) -> AbstractContextManager[nn.Module]:
         """Write one weight sample into the model; on exit restore what the model held, even on error.
 
-        Through ``Subset.swapped``: the subset's entries found on entry are written back, so nested swaps
-        unwind and weights the user changed since `fit` stay as they were.
+        Through ``Subset.swapped``: nested swaps unwind, and weights the user changed since `fit` stay.
 
         Args:
-            sample: ``{param name: [k]}`` (or ``[1, k]``) for every parameter of the subset, e.g. one row of
-                `sample`.
+            sample: ``{param name: [k]}`` (or ``[1, k]``) for every parameter of the subset (a row of `sample`).
 
         Returns:
             A context manager yielding the model, carrying the sample.
@@ -860,7 +814,7 @@ class LaplaceBase:
                 )
             logits.append(f.detach())
             keeps.append(keep)
-            covs.append(cov.to(self.options.dtype))
+            covs.append(cov.to(self.dtype))
         keep_all = None if keeps[0] is None else torch.cat([k for k in keeps if k is not None])
         logits_all = torch.cat(logits)
         rows = logits_all if keep_all is None else logits_all[keep_all]
@@ -882,12 +836,10 @@ class LaplaceBase:
                 activations and output gradients); ``None`` = the whole batch at once.
 
         Returns:
-            ``(f [N, C], Σ_f [N, C, C])`` in the dtype of the logits, one row per output that is not
-            skipped: for ``[B, C]`` logits the examples not labelled -100; for token-level logits
-            ``[B, T, C]`` the kept positions in row-major ``(b, t)`` order (as
-            ``partialbayes.predictive.flatten_outputs`` orders them). Each kept position costs ``C``
-            backward passes and a ``[C, C]`` covariance: with a large vocabulary, keep only the positions
-            you need (labels -100 elsewhere) or use `predictive_samples` on few positions.
+            ``(f [N, C], Σ_f [N, C, C])`` in the dtype of the logits, one row per output not skipped, in
+            row-major ``(b, t)`` order for token-level logits (as ``predictive.flatten_outputs``). Each
+            costs ``C`` backward passes and a ``[C, C]`` covariance: with a large vocabulary, keep only the
+            positions you need (labels -100 elsewhere).
 
         Raises:
             TypeError: A batch of an unknown kind (the message names its type and the accepted ones).
@@ -943,8 +895,8 @@ class LaplaceBase:
         logits, keep, cov = self._linearised(batch, labels=False)
         full = logits.to(cov.dtype)
         f = full if keep is None else full[keep]
-        if self.options.likelihood == "regression":
-            noise = self.options.sigma_noise**2
+        if self.likelihood == "regression":
+            noise = self.sigma_noise**2
             mean, var = gaussian_predictive(f, cov.diagonal(dim1=-2, dim2=-1), noise)
             mean, var = _place(full, keep, mean), _place(torch.full_like(full, noise), keep, var)
             return mean.to(logits.dtype), var.to(logits.dtype)
@@ -962,9 +914,8 @@ class LaplaceBase:
         """``n`` draws of the linearised logits ``f ~ N(f_MAP, Σ_f)`` for a batch.
 
         The input of ``partialbayes.predictive``'s uncertainty decomposition. Outputs are drawn
-        independently of each other (``Σ_f`` is per output); regression draws the function, without the
-        observation noise. Labels are ignored (every real position is drawn, as in `predict`); padding
-        positions hold ``f_MAP``.
+        independently (``Σ_f`` is per output); regression draws the function, without the noise. Labels are
+        ignored (every real position is drawn, as in `predict`); padding holds ``f_MAP``.
 
         Args:
             batch: Any accepted batch (labels are ignored).
@@ -999,7 +950,7 @@ class LaplaceBase:
         width = max([len("module"), *(len(m) for m, _, _ in rows)])
         lines = [
             f"{type(self).__name__}: {len(self.modules)} modules, {self.subset.num_entries()} parameters, "
-            f"likelihood={self.options.likelihood}, fisher={self.options.fisher}, T={self.temperature:g}, "
+            f"likelihood={self.likelihood}, fisher={self.fisher}, T={self.temperature:g}, "
             f"N={self.n_data}{self._settings()}",
             f"{'module'.ljust(width)}  {'structure':<40}  floats",
         ]
@@ -1021,23 +972,20 @@ class LaplaceBase:
         tensors = {f"curv:{k}": v for k, v in self._state().items()}
         tensors.update({f"map:{n}": v for n, v in self._map.items()})
         tensors["prior_precision"] = self.prior_precision
-        options = {
-            "likelihood": self.options.likelihood,
-            "temperature": self.temperature,
-            "sigma_noise": self.options.sigma_noise,
-            "fisher": self.options.fisher,
-            "mc_samples": self.options.mc_samples,
-            "num_classes": self.options.num_classes,
-            "shift_labels": self.options.shift_labels,
-            **{k: getattr(self, k) for k in self._SAVED},
-        }
+        skip = (
+            "dtype",
+            "sharing",
+            "bias",
+        )  # dtype is a field of its own; the rest are the structure's
+        options = {k: v for k, v in vars(self._options).items() if k not in skip}
+        options.update(temperature=self.temperature, **{k: getattr(self, k) for k in self._SAVED})
         meta = {
             "format": FORMAT.format(type(self).__name__),
             "version": VERSION,
             "model_class": type(self.model).__name__,
             "subset": self.subset.to_json(),
             "modules": list(self.modules),
-            "dtype": str(self.options.dtype),
+            "dtype": str(self.dtype),
             "options": options,
             "n_data": self.n_data,
             "n_outputs": self.n_outputs,

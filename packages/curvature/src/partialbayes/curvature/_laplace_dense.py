@@ -53,7 +53,7 @@ class DenseLaplace(LaplaceBase):
         return super()._groups()
 
     def _compute_curvature(self, loader: Iterable[Any], run: Run) -> Any:
-        return dense(self.model, loader, self.subset, self.options, run)
+        return dense(self.model, loader, self.subset, self._options, run)
 
     def _set_curvature(self, curvature: Tensor) -> None:
         """``curvature``: ``H [P, P]`` in ``subset.names`` order."""
@@ -66,7 +66,7 @@ class DenseLaplace(LaplaceBase):
             )
             raise ValueError(f"dense curvature must have shape ({p}, {p}), got {got}")
         try:
-            self._eig = clamped_eigh(curvature, self.options.dtype, self.device, "H")
+            self._eig = clamped_eigh(curvature, self.dtype, self.device, "H")
         except ValueError as err:
             raise ValueError(f"dense curvature of modules {list(self.modules)}: {err}") from err
 
@@ -131,7 +131,7 @@ class DenseLaplace(LaplaceBase):
         logits, keep, parts = subset_jacobians(self.model, inputs, outputs, self.subset)
         with torch.no_grad():
             jac = torch.cat([parts[n] for n in self.subset.names], dim=-1)
-            jac = jac.to(device=self.device, dtype=self.options.dtype)
+            jac = jac.to(device=self.device, dtype=self.dtype)
             rotated = jac @ self._eig[1]
             covs = []
             for prior in priors:
@@ -150,8 +150,8 @@ class DenseLaplace(LaplaceBase):
     def _load_state(self, file: PosteriorFile) -> None:
         p = self.subset.num_entries()
         self._eig = (
-            file.tensor("curv:eigvals", (p,)).to(self.device, self.options.dtype),
-            file.tensor("curv:eigvecs", (p, p)).to(self.device, self.options.dtype),
+            file.tensor("curv:eigvals", (p,)).to(self.device, self.dtype),
+            file.tensor("curv:eigvecs", (p, p)).to(self.device, self.dtype),
         )
 
     def _summary_rows(self) -> list[tuple[str, str, int]]:

@@ -29,7 +29,7 @@ class DiagLaplace(LaplaceBase):
     _h: dict[str, Tensor]
 
     def _compute_curvature(self, loader: Iterable[Any], run: Run) -> Any:
-        return diagonal(self.model, loader, self.subset, self.options, run)
+        return diagonal(self.model, loader, self.subset, self._options, run)
 
     def _set_curvature(self, curvature: Mapping[str, Tensor]) -> None:
         """``curvature``: ``{param name: h [k]}`` in ``subset.gather`` order, ``h ≥ 0`` up to round-off."""
@@ -41,7 +41,7 @@ class DiagLaplace(LaplaceBase):
             )
         h = {}
         for n in self.subset.names:
-            v = curvature[n].to(device=self.device, dtype=self.options.dtype).reshape(-1)
+            v = curvature[n].to(device=self.device, dtype=self.dtype).reshape(-1)
             where = f"diagonal curvature of {n!r} (module {self.modules[self._param_module[n]]!r})"
             if v.numel() != self.subset.num_entries(n):
                 raise ValueError(
@@ -84,7 +84,7 @@ class DiagLaplace(LaplaceBase):
         """``J diag(1/P) Jᵀ`` from the Jacobians of the subset's entries (computed once for every prior)."""
         logits, keep, jac = subset_jacobians(self.model, inputs, outputs, self.subset)
         with torch.no_grad():
-            jac = {n: j.to(device=self.device, dtype=self.options.dtype) for n, j in jac.items()}
+            jac = {n: j.to(device=self.device, dtype=self.dtype) for n, j in jac.items()}
             covs = []
             for prior in priors:
                 scaled = [
@@ -99,7 +99,7 @@ class DiagLaplace(LaplaceBase):
     def _load_state(self, file: PosteriorFile) -> None:
         self._h = {
             n: file.tensor(f"curv:{n}:diag", (self.subset.num_entries(n),)).to(
-                self.device, self.options.dtype
+                self.device, self.dtype
             )
             for n in self.subset.names
         }

@@ -47,10 +47,9 @@ class KronLaplace(LaplaceBase):
         model: The fine-tuned model.
         subset: A Kronecker-structured subset (``KronBlock`` blocks on linear maps).
         sharing: Weight sharing over tokens for KFAC, ``"reduce"`` or ``"expand"``; ``None`` (default):
-            chosen by `fit` from the outputs — ``"expand"`` for token-level logits ``[B, T, C]`` (token
-            classification, causal LMs: every kept position is its own output), ``"reduce"`` for one output
-            per example — and recorded (``sharing``, `summary`, the saved file). ``"reduce"`` with
-            token-level outputs is refused with a pointer.
+            chosen by `fit` from the outputs — ``"expand"`` for token-level logits ``[B, T, C]``,
+            ``"reduce"`` for one output per example — and recorded (``sharing``, `summary`, the saved
+            file). ``"reduce"`` with token-level outputs is refused with a pointer.
         bias: ``"fold"`` (bias folded into ``A``) or ``"separate"`` (own Kronecker block ``G ⊗ A_bias``);
             stored by `save` and passed to `kfac`.
         predictive_rtol: ``0`` (default): the linearised predictive is exact. ``ε > 0``: eigendirection pairs
@@ -88,17 +87,17 @@ class KronLaplace(LaplaceBase):
         self.predictive_rtol = float(predictive_rtol)
         self._eig: dict[str, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
         super().__init__(model, subset, **kwargs)
-        self.options: CurvatureOptions = replace(self.options, sharing=sharing, bias=bias)
+        self._options: CurvatureOptions = replace(self._options, sharing=sharing, bias=bias)
 
     @property
     def sharing(self) -> str | None:
         """KFAC weight sharing, ``"reduce"`` or ``"expand"`` (``None`` until `fit` chooses it)."""
-        return self.options.sharing
+        return self._options.sharing
 
     @property
     def bias(self) -> str:
         """``"fold"`` or ``"separate"``: how the bias enters its block."""
-        return self.options.bias
+        return self._options.bias
 
     # ------------------------------------------------------------------ the blocks
     def _groups(self) -> dict[str, str]:
@@ -121,7 +120,7 @@ class KronLaplace(LaplaceBase):
 
     def _separate(self, module: str) -> bool:
         """Whether the module's bias is in its block and kept separate (``bias="separate"``)."""
-        return self.options.bias == "separate" and self._kmods[module].bias_name is not None
+        return self._options.bias == "separate" and self._kmods[module].bias_name is not None
 
     def block_to_params(self, module: str, block: Tensor) -> dict[str, Tensor]:
         """Split block matrices ``[..., r, c]`` (bias column last) into the module's parameters.
@@ -153,7 +152,7 @@ class KronLaplace(LaplaceBase):
 
     # ------------------------------------------------------------------ curvature
     def _compute_curvature(self, loader: Iterable[Any], run: Run) -> Any:
-        return kron_factors(self.model, loader, self._targets, self.options, run)
+        return kron_factors(self.model, loader, self._targets, self._options, run)
 
     def _set_curvature(self, curvature: Mapping[str, Any]) -> None:
         """``curvature``: ``{module: factors}`` with ``.G [r, r]`` (summed) and ``.A [c, c]`` (averaged).
@@ -190,23 +189,21 @@ class KronLaplace(LaplaceBase):
                     f"expected ({r}, {r}) and ({ca}, {ca}) for its block"
                 )
             try:
-                eg, qg = clamped_eigh(G, self.options.dtype, self.device, "G")
-                ea, qa = clamped_eigh(A, self.options.dtype, self.device, "A")
+                eg, qg = clamped_eigh(G, self.dtype, self.device, "G")
+                ea, qa = clamped_eigh(A, self.dtype, self.device, "A")
                 if A_bias is not None:  # separate (checked above)
                     ea, qa = _with_separate_bias(ea, qa, A_bias.to(qa))
             except ValueError as err:
                 raise ValueError(f"curvature of module {m!r}: {err}") from err
             eig[m] = (eg, qg, ea, qa)
         shared = {str(s) for m in self.modules if (s := getattr(curvature[m], "sharing", None))}
-        if len(shared) > 1 or (
-            self.options.sharing is not None and shared - {self.options.sharing}
-        ):
+        if len(shared) > 1 or (self.sharing is not None and shared - {self.sharing}):
             raise ValueError(
                 f"factors computed with sharing {sorted(shared)} do not fit this posterior "
-                f"(sharing={self.options.sharing!r})"
+                f"(sharing={self.sharing!r})"
             )
-        if self.options.sharing is None and shared:
-            self.options = replace(self.options, sharing=shared.pop())
+        if self.sharing is None and shared:
+            self._options = replace(self._options, sharing=shared.pop())
         self._eig = eig
 
     def _eigenvalues(self, i: int, m: str, prior: Tensor, scale: Tensor | float) -> Tensor:
@@ -266,7 +263,7 @@ class KronLaplace(LaplaceBase):
                 self._targets,
                 bases,
                 inv,
-                self.options.dtype,
+                self.dtype,
             )
         f64 = torch.float64
         bases = {}
@@ -293,11 +290,11 @@ class KronLaplace(LaplaceBase):
             self._targets,
             bases,
             weights,
-            self.options.dtype,
+            self.dtype,
             residual=residual,
             combine_dtype=f64,
         )
-        return logits, keep, [c.to(self.options.dtype) for c in covs]
+        return logits, keep, [c.to(self.dtype) for c in covs]
 
     # ------------------------------------------------------------------ state
     def _state(self) -> dict[str, Tensor]:
@@ -320,7 +317,7 @@ class KronLaplace(LaplaceBase):
             r, cw, c = self._dims(m)
             ca = cw if self._separate(m) else c
             eg, qg, ea, qa = (
-                file.tensor(f"curv:{m}:{k}", shape).to(self.device, self.options.dtype)
+                file.tensor(f"curv:{m}:{k}", shape).to(self.device, self.dtype)
                 for k, shape in (
                     ("eig_g", (r,)),
                     ("q_g", (r, r)),

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.curvature._jacobians import in_row_order, output_passes
+from partialbayes.curvature._hooks import in_row_order, output_passes
 from partialbayes.curvature._kfac import KronTargets
 from partialbayes.curvature._likelihood import model_device
 from partialbayes.curvature._outputs import Outputs

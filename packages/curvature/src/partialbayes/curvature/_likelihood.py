@@ -33,8 +33,8 @@ DTYPES = (torch.float32, torch.float64)
 class CurvatureOptions:
     """The settings of one curvature computation, checked once where a user call enters the package.
 
-    `kfac`, `diag_curvature`, `dense_curvature` and the Laplace posteriors build one from their keyword
-    arguments (documented there) and pass it down unchanged; nothing below re-checks a setting.
+    Built from the keywords of `kfac`, `diag_curvature`, `dense_curvature` and the posteriors (documented
+    there) and passed down unchanged; nothing below re-checks a setting.
 
     Attributes:
         likelihood: ``"classification"`` or ``"regression"`` (``partialbayes.predictive.LIKELIHOODS``).
@@ -113,7 +113,7 @@ def forward_logits(model: nn.Module, batch: Any) -> Tensor:
 def check_logits(logits: Tensor, num_classes: int | None, batch_index: int) -> None:
     """Output rows must be ``[N, C]`` (with ``C == num_classes`` when given) and finite.
 
-    ``logits`` are the rows of `partialbayes.curvature._outputs.output_rows`: ``[B, C]`` logits, or the
+    ``logits`` are the output rows: ``[B, C]`` logits, or the
     kept positions of token-level ones (padding and ignored positions are not checked).
 
     Raises:
@@ -134,15 +134,9 @@ def check_logits(logits: Tensor, num_classes: int | None, batch_index: int) -> N
 def check_labels(labels: Tensor, logits: Tensor, likelihood: str, batch_index: int) -> Tensor:
     """Validate one batch's labels against its output rows ``[B, C]``; the one check every entry point uses.
 
-    For token-level outputs the rows are the ``N`` kept positions and the labels theirs (``B = N``).
-    Classification: integer class indices of shape ``[B]`` in ``[0, C)``. Regression: real targets of shape
-    ``[B, C]`` (or ``[B]`` when ``C == 1``).
-
-    Args:
-        labels: The batch's labels (on the device of ``logits``).
-        logits: The output rows ``[B, C]`` of the batch.
-        likelihood: ``"classification"`` or ``"regression"``.
-        batch_index: Position of the batch in its loader (named in the error).
+    Classification: integer class indices ``[B]`` in ``[0, C)``; regression: real targets ``[B, C]`` (or
+    ``[B]`` when ``C == 1``). For token-level outputs the rows are the kept positions (``B = N``).
+    ``batch_index`` is named in errors.
 
     Returns:
         The labels as the likelihood uses them: ``int64 [B]`` (classification) or ``[B, C]`` in their own

@@ -165,14 +165,8 @@ def read_batch(
 
     Label -100 means "no label: skip this output" for sequence-level outputs too: the examples of a
     classification batch with labels ``[B]`` whose label is -100 are dropped here (examples do not interact
-    in eval mode, so this equals dropping their outputs), which may leave none.
-
-    Args:
-        batch: The batch.
-        device: Where the model's inputs go.
-        likelihood: ``"classification"`` or ``"regression"`` (regression targets never mark outputs).
-        shift: The causal-LM convention (see `Outputs`).
-        labels: Read the labels; ``False`` (prediction): every real output counts, whatever the labels.
+    in eval mode, so this equals dropping their outputs), which may leave none. ``labels=False``
+    (prediction) ignores the labels: every real output counts. ``shift``: see `Outputs`.
 
     Raises:
         TypeError: A batch of an unknown kind (the message names its type and the accepted ones).
@@ -188,11 +182,6 @@ def read_batch(
     return b.inputs, outputs
 
 
-def output_rows(logits: Tensor, keep: Tensor | None) -> Tensor:
-    """The outputs as rows ``[N, C]``: ``[B, C]`` logits unchanged, token-level ones at the kept positions."""
-    return logits if keep is None else logits[keep]
-
-
 def position_plan(
     keep: Tensor | None, batch: int, device: torch.device
 ) -> list[tuple[int | None, Tensor]]:
@@ -205,17 +194,6 @@ def position_plan(
     if keep is None:
         return [(None, torch.arange(batch, device=device))]
     return [(t, keep[:, t].nonzero().flatten()) for t in keep.any(0).nonzero().flatten().tolist()]
-
-
-def token_positions(fisher: str) -> str:
-    """How `diag_curvature` / `dense_curvature` backpropagate token-level outputs for a fisher type.
-
-    ``"exact"`` and ``"empirical"`` need each kept position's own gradient ``J_tᵀ v_t`` (``"each"``: ``S``
-    backward passes per position, exact for any network). ``"mc"`` sums independent zero-mean samples of
-    every position in one pass (``"joint"``): the cross-position terms vanish in expectation, so the estimate
-    stays unbiased at ``1/T`` of the cost.
-    """
-    return "joint" if fisher == "mc" else "each"
 
 
 def take_examples(
