@@ -425,7 +425,7 @@ def test_token_logits_without_mask_or_labels_are_refused():
         logit_jacobians(model, batch["input_ids"], subset)
 
 
-def test_reduce_sharing_is_refused_for_token_outputs_and_expand_is_the_default():
+def test_reduce_sharing_is_refused_for_token_outputs_and_expand_is_the_default(tmp_path):
     model = bert_tagger()
     with pytest.raises(ValueError, match=r"batch 0: .*token-level logits.*Pass sharing='expand'"):
         KronLaplace(model, sparse_kfac(model, 50), sharing="reduce").fit([tagged_batch(2, 4, 0)])
@@ -435,6 +435,8 @@ def test_reduce_sharing_is_refused_for_token_outputs_and_expand_is_the_default()
     assert chosen.sharing == given.sharing == "expand"
     assert "sharing=expand" in chosen.summary()
     assert "sharing=expand" in repr(chosen)
+    chosen.save(tmp_path / "chosen.safetensors")
+    assert KronLaplace.load(tmp_path / "chosen.safetensors", model).sharing == "expand"
     torch.testing.assert_close(
         chosen.logit_mean_cov(tagged_batch(2, 4, 1)), given.logit_mean_cov(tagged_batch(2, 4, 1))
     )

@@ -1017,10 +1017,11 @@ class LaplaceBase:
         if target is None:
             raise file.error(f"holds a {saved}, not a {cls.__name__}: load it with {saved}.load")
         file.check_model(model)
+        dtype, prior = file.dtype(), file.tensor("prior_precision")
         try:
             subset = Subset.from_json(file.meta["subset"], model)
-            post: LaplaceBase = target(model, subset, dtype=file.dtype(), **file.meta["options"])
-            post.prior_precision = file.tensor("prior_precision", (len(post.modules),))
+            options = {**file.meta["options"], "dtype": dtype, "prior_precision": prior}
+            post: LaplaceBase = target(model, subset, **options)
         except (TypeError, ValueError) as err:
             raise file.error(f"the saved settings are invalid: {err}") from err
         if list(post.modules) != file.meta["modules"]:
