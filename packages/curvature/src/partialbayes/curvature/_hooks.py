@@ -34,6 +34,7 @@ from partialbayes.curvature._likelihood import (
     model_device,
     output_vectors,
 )
+from partialbayes.curvature._memory import check_exact_fisher
 from partialbayes.curvature._outputs import Outputs, position_plan, read_batch
 from partialbayes.predictive import model_logits
 
@@ -406,6 +407,9 @@ def stream(
             labels = check_labels(labels, rows, options.likelihood, index)
         if run.on_batch is not None:
             run.on_batch(index, rows.detach(), labels)
+        if options.fisher == "exact":
+            joint = keep is None or positions == "joint"
+            check_exact_fisher(rows, 1 if joint else int(keep.any(0).sum()), index)
         vectors = output_vectors(
             rows,
             labels,
