@@ -20,7 +20,7 @@ from benchharness import Bench
 from torch import nn
 
 from partialbayes.curvature import kfac
-from partialbayes.curvature._factors import FactorAccumulator
+from partialbayes.curvature._kfac import FactorAccumulator
 from partialbayes.selection import linear_modules, modules, sparse_kfac
 
 
@@ -233,8 +233,7 @@ def bench_accumulation_flops(b: Bench) -> None:
 
         def run(acc=acc, xs=xs, ds=ds, rows=rows) -> None:
             for a, x, d in zip(acc, xs, ds, strict=True):
-                a.add_inputs(x, rows)
-                a.add_grads(d)
+                a.add(x, rows, d)
 
         t = b.time(f"accumulate factors, {sharing} ({rows} rows / map)", run, group=group)
         b.metric(f"achieved, {sharing}", flops / t / 1e9, unit="GFLOP/s", group=group)

@@ -160,7 +160,7 @@ def test_garbage_files_are_refused_naming_the_file(tmp_path, blob):
 def test_missing_file_and_directory(tmp_path):
     with pytest.raises(FileNotFoundError):
         KronLaplace.load(tmp_path / "nothing.safetensors", TinyNet(0))
-    with pytest.raises(ValueError, match="not a readable safetensors file"):
+    with pytest.raises(ValueError, match="is a folder, not a saved posterior file"):
         KronLaplace.load(tmp_path, TinyNet(0))
 
 
@@ -171,21 +171,50 @@ def test_broken_metadata(tmp_path):
         with pytest.raises(ValueError, match=r"edited\.safetensors"):
             KronLaplace.load(rewrite(path, tensors, {"partialbayes": raw}), TinyNet(0))
     fields = json.loads(meta["partialbayes"])
-    for key in ("class", "subset", "dtype", "options", "modules", "n_data", "temperature"):
+    for key in ("subset", "dtype", "options", "modules", "n_data", "sigma_fit"):
         broken = {k: v for k, v in fields.items() if k != key}
         with pytest.raises(ValueError, match=f"no '{key}' field"):
             KronLaplace.load(
                 rewrite(path, tensors, {"partialbayes": json.dumps(broken)}), TinyNet(0)
             )
-    for key, value in (("dtype", "torch.float16"), ("class", "Magic"), ("n_data", "9")):
+    for key, value in (
+        ("dtype", "torch.float16"),
+        ("format", "partialbayes.curvature.Magic"),
+        ("n_data", "9"),
+        ("modules", ["l0"]),
+    ):
         broken = {**fields, key: value}
         with pytest.raises(ValueError, match=r"edited\.safetensors"):
             KronLaplace.load(
                 rewrite(path, tensors, {"partialbayes": json.dumps(broken)}), TinyNet(0)
             )
-    broken = {**fields, "likelihood": "poisson"}
+    broken = {**fields, "options": {**fields["options"], "likelihood": "poisson"}}
     with pytest.raises(ValueError, match=r"saved settings are invalid.*likelihood"):
         KronLaplace.load(rewrite(path, tensors, {"partialbayes": json.dumps(broken)}), TinyNet(0))
+
+
+def test_files_of_the_previous_format_are_refused_with_a_re_save_message(tmp_path):
+    """Version 1 (``partialbayes.curvature.Laplace``, before the shared posterior-file module): re-save."""
+    path = saved(KronLaplace, tmp_path)
+    meta, tensors = read(path)
+    old = {
+        **json.loads(meta["partialbayes"]),
+        "format": "partialbayes.curvature.Laplace",
+        "version": 1,
+    }
+    with pytest.raises(ValueError, match=r"edited\.safetensors.*version 1.*re-saved"):
+        KronLaplace.load(rewrite(path, tensors, {"partialbayes": json.dumps(old)}), TinyNet(0))
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_save_creates_the_folder_and_refuses_a_folder(cls, tmp_path):
+    """Issue #27: saving into a missing folder raised a SafetensorError naming a temporary file."""
+    la = fitted(cls)
+    path = tmp_path / "new" / "deeper" / "post.safetensors"
+    la.save(path)
+    assert type(LaplaceBase.load(path, TinyNet(0))) is cls
+    with pytest.raises(ValueError, match=r"is a folder"):
+        la.save(tmp_path / "new")
 
 
 def test_a_good_file_still_loads(tmp_path):

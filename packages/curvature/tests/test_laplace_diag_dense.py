@@ -41,7 +41,11 @@ def reference_jacobian(model, x, subset):
 def entry_prior(la, prior):
     return torch.cat(
         [
-            torch.full((la.subset.num_entries(n),), prior[la._module_of(n)], dtype=torch.float64)
+            torch.full(
+                (la.subset.num_entries(n),),
+                prior[la.modules[la._param_module[n]]],
+                dtype=torch.float64,
+            )
             for n in la.subset.names
         ]
     )

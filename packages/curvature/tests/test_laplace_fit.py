@@ -44,7 +44,7 @@ def _data(likelihood, device, n=9, seed=0):
 
 
 def _state(la):
-    return {k: v.clone() for k, v in la._curvature_state().items()}
+    return {k: v.clone() for k, v in la._state().items()}
 
 
 def _assert_same_state(a, b, **tol):
@@ -173,14 +173,15 @@ def test_val_nll_rejects_bad_labels_naming_the_batch(cls):
 
 @pytest.mark.parametrize("cls", POSTERIORS)
 def test_mc_samples_must_be_a_positive_int(cls):
+    """One options object: the posteriors refuse what kfac refuses, with the same ValueError (was TypeError)."""
     model = TinyNet(0)
     subset = kron_subset(model)
-    for bad in (True, False, 2.0, "3", None):
-        with pytest.raises(TypeError, match="mc_samples"):
+    x, y = classification_data(4, 0)
+    for bad in (True, False, 2.0, "3", None, 0, -2):
+        with pytest.raises(ValueError, match="mc_samples must be a positive int"):
             cls(model, subset, mc_samples=bad)
-    for bad in (0, -2):
-        with pytest.raises(ValueError, match="mc_samples"):
-            cls(model, subset, mc_samples=bad)
+        with pytest.raises(ValueError, match="mc_samples must be a positive int"):
+            kfac(model, [(x, y)], subset, fisher="mc", mc_samples=bad)
     assert cls(model, subset, mc_samples=3).mc_samples == 3
 
 

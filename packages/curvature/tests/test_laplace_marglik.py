@@ -205,8 +205,11 @@ def test_save_load_keeps_fitted_values(tmp_path):
 
 def test_non_convergence_is_reported():
     la, _ = _kron(0, scales=(4.0, 1.0, 0.25))
-    with pytest.warns(UserWarning, match=r"did not converge in max_steps=3 steps.*tol=1e-06"):
+    with pytest.warns(
+        UserWarning, match=r"did not converge in max_steps=3 steps.*tol=1e-06"
+    ) as rec:
         fit = la.optimize_prior_precision("marglik", optimizer="gradient", max_steps=3, tol=1e-6)
+    assert rec[0].filename == __file__  # the user's line
     assert not fit.converged
     assert fit.steps == 3
     assert fit.max_scaled_gradient > 1e-6

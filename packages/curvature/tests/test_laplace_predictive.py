@@ -157,7 +157,7 @@ def test_grid_of_priors_in_one_pass_equals_separate_calls():
     batch = _batch(3, 6, 3)
     grid = [0.2, 1.0, 7.0]
     priors = [la._resolve_prior(v) for v in grid]
-    *_, covs = la._mean_covs(*la._read(batch), priors, 1.0)
+    *_, covs = la._covariances(*la._read(batch), priors, 1.0)
     for v, cov in zip(grid, covs, strict=True):
         la.prior_precision = v
         torch.testing.assert_close(la.logit_mean_cov(batch)[1], cov)

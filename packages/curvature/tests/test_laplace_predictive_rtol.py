@@ -118,10 +118,10 @@ def test_unshared_layers_grid_and_tiny_rtol():
     exact = _fit(KronLaplace(model, subset), factors)
     for rtol in (1e-12, 0.05, 0.3):
         approx = _fit(KronLaplace(model, subset, predictive_rtol=rtol), factors)
-        *_, covs = approx._mean_covs(
+        *_, covs = approx._covariances(
             *approx._read(x), [approx._resolve_prior(v) for v in grid], 1.0
         )
-        *_, refs = exact._mean_covs(*exact._read(x), [exact._resolve_prior(v) for v in grid], 1.0)
+        *_, refs = exact._covariances(*exact._read(x), [exact._resolve_prior(v) for v in grid], 1.0)
         for cov, ref in zip(covs, refs, strict=True):
             _check_bound(cov, ref, rtol)
             if rtol == 1e-12:

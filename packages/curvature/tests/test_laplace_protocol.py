@@ -17,7 +17,7 @@ from tiny_models import tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _laplace_helpers import TinyNet, classification_data
-from _token_refs import TokenNet, bert_tagger, inputs, llama_lm, lm_batch, tagged_batch
+from _token_refs import TokenNet, bert_tagger, inputs, kept, llama_lm, lm_batch, tagged_batch
 
 from partialbayes.curvature import DenseLaplace, DiagLaplace, KronLaplace
 from partialbayes.predictive import Posterior, mc_predictive
@@ -163,18 +163,15 @@ def _hand_bridge(f, cov):
 @pytest.mark.parametrize("case", ["sequence", "tokens", "causal-lm"])
 @pytest.mark.parametrize("family", ["kron", "diag", "dense"])
 def test_links_equal_hand_computations_from_logit_mean_cov(family, case):
+    """predict ignores labels: every real position, by the links of logit_mean_cov's Gaussian (issue #25)."""
     model, train, test, likelihood, token = _case(case)
     la = _posterior(family, model, likelihood, token).fit(train)
     la.prior_precision = 0.5
-    f, cov = la.logit_mean_cov(test)
+    unlabelled = inputs(dict(test))
+    f, cov = la.logit_mean_cov(unlabelled)  # without labels: every real output
     with torch.no_grad():
-        logits = model(**inputs(dict(test))).logits
-    keep = None
-    if token:
-        from partialbayes.curvature._outputs import read_batch
-
-        _, outputs = read_batch(test, la.device, likelihood=likelihood, shift=la.shift_labels)
-        keep = outputs.keep(logits)
+        logits = model(**unlabelled).logits
+    keep = test["attention_mask"].bool() if token else None
 
     def at_kept(probs):
         if keep is None:
@@ -184,6 +181,7 @@ def test_links_equal_hand_computations_from_logit_mean_cov(family, case):
         return out
 
     torch.testing.assert_close(la.predict(test), at_kept(_hand_probit(f, cov)))
+    torch.testing.assert_close(la.predict(unlabelled), la.predict(test))
     with torch.no_grad():  # the Jacobians switch gradients on internally
         torch.testing.assert_close(la.predict(test), at_kept(_hand_probit(f, cov)))
     torch.testing.assert_close(la.predict(test, link="probit"), at_kept(_hand_probit(f, cov)))
@@ -194,8 +192,16 @@ def test_links_equal_hand_computations_from_logit_mean_cov(family, case):
     torch.testing.assert_close(mc, at_kept(ref))
     draws = la.predictive_samples(test, 7, generator=torch.Generator().manual_seed(4))
     assert draws.shape == (7, *logits.shape)
-    if keep is not None:  # skipped positions hold f_MAP
+    if keep is not None:  # padding holds f_MAP
         torch.testing.assert_close(draws[:, ~keep], logits[~keep].expand(7, -1, -1))
+    if (
+        token
+    ):  # with labels, logit_mean_cov's rows are the labelled positions only, at the same values
+        labelled = kept(dict(test), la.shift_labels)
+        f_l, cov_l = la.logit_mean_cov(test)
+        rows = labelled[keep]
+        torch.testing.assert_close(f_l, f[rows])
+        torch.testing.assert_close(cov_l, cov[rows])
 
 
 FIXTURE = settings(
@@ -324,23 +330,15 @@ def test_unknown_link_lists_the_offered_ones():
         DiagLaplace(model, last_layer(model)).predict(x)
 
 
-def test_positional_generator_is_deprecated_but_still_works():
+def test_the_generator_is_a_keyword_only():
+    """The positional generator of sample / sampled (deprecated in 0.3) is removed."""
     model = TinyNet(0).eval()
     x, y = classification_data(4, 0)
     la = KronLaplace(model, sparse_kfac(model, 60)).fit([(x, y)])
-    with pytest.warns(DeprecationWarning, match=r"sample\(\) positionally is deprecated") as rec:
-        old = la.sample(2, torch.Generator().manual_seed(1))
-    assert rec[0].filename == __file__  # the warning names the caller's line
-    new = la.sample(2, generator=torch.Generator().manual_seed(1))
-    for name in new:
-        torch.testing.assert_close(old[name], new[name])
-    with (
-        pytest.warns(DeprecationWarning, match=r"sampled\(\) positionally"),
-        la.sampled(torch.Generator().manual_seed(1)),
-    ):
-        pass
-    with pytest.raises(TypeError, match="takes the generator once"):
-        la.sample(2, torch.Generator(), generator=torch.Generator())
+    with pytest.raises(TypeError):
+        la.sample(2, torch.Generator().manual_seed(1))
+    with pytest.raises(TypeError):
+        la.sampled(torch.Generator().manual_seed(1))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         la.sample(1, generator=torch.Generator().manual_seed(0))

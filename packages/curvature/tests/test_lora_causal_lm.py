@@ -287,10 +287,12 @@ def test_answer_token_covariance_equals_dense_reference(
     assert cov.shape == (b, LM_VOCAB, LM_VOCAB)
     torch.testing.assert_close(f, logits)
     torch.testing.assert_close(cov.cpu(), ref, rtol=1e-7, atol=1e-10)
-    probs = la.predict(test)  # [B, T, V]: the answer positions by the probit, the rest at the MAP
+    probs = la.predict(test)  # [B, T, V]: every real position by the probit, padding at the MAP
     torch.testing.assert_close(probs[keep].cpu(), probit(logits.cpu(), ref))
     full = model(**inputs(test)).logits.detach()
-    torch.testing.assert_close(probs[~keep], torch.softmax(full, -1)[~keep])
+    padding = test["attention_mask"] == 0
+    torch.testing.assert_close(probs[padding], torch.softmax(full, -1)[padding])
+    torch.testing.assert_close(la.predict(inputs(test)), probs)  # labels are ignored
 
 
 class AnswerHead(nn.Module):
@@ -447,7 +449,8 @@ def test_fit_and_predict_the_answer_token(fine_tuned, tmp_path):
     keep = kept(dict(test), True)
     map_probs = torch.softmax(model(**inputs(dict(test))).logits.detach(), -1)
     assert not torch.allclose(probs[keep], map_probs[keep], atol=1e-4)  # the posterior widens them
-    torch.testing.assert_close(probs[~keep], map_probs[~keep])
+    padding = test["attention_mask"] == 0
+    torch.testing.assert_close(probs[padding], map_probs[padding])
     la.save(tmp_path / "lora.safetensors")
     again = KronLaplace.load(tmp_path / "lora.safetensors", model)
     assert torch.equal(again.predict(test), probs)

@@ -42,6 +42,7 @@ from partialbayes.curvature import (
     logit_jacobians,
 )
 from partialbayes.curvature._outputs import is_causal_lm
+from partialbayes.predictive import kept_positions, probit
 from partialbayes.selection import (
     MaskBlock,
     Subset,
@@ -355,22 +356,30 @@ def test_linearised_covariance_equals_dense_reference(
         torch.testing.assert_close(got, J)
 
 
-def test_ignored_positions_change_nothing_and_hold_the_map_prediction():
-    """Label values at kept positions do not matter for the predictive; skipped positions get softmax(f)."""
+def test_predict_treats_positions_the_same_with_or_without_labels():
+    """Issue #25: predict gave the MAP softmax at positions labelled -100 when labels were present and the
+    Bayesian predictive when absent. Labels are ignored now: every real position is predicted, padding
+    holds softmax(f); logit_mean_cov keeps only the labelled positions, at the same values."""
     model = bert_tagger(4)
     batch = tagged_batch(3, 5, 4, ignore=0.4)
-    la = KronLaplace(model, sparse_kfac(model, 50), sharing="expand").fit([batch])
+    la = KronLaplace(model, sparse_kfac(model, 50)).fit([batch])
+    assert la.sharing == "expand"  # chosen from the token-level outputs
     probs = la.predict(batch)
-    keep = kept(batch, False)
-    logits = model(**inputs(batch)).logits.detach()
-    torch.testing.assert_close(probs[~keep], torch.softmax(logits, -1)[~keep])
-    assert not torch.allclose(probs[keep], torch.softmax(logits, -1)[keep])
-    relabelled = {**batch, "labels": torch.where(keep, (batch["labels"] + 1) % 3, batch["labels"])}
+    torch.testing.assert_close(la.predict(inputs(batch)), probs)
+    relabelled = {**batch, "labels": (batch["labels"] + 1) % 3}
     torch.testing.assert_close(la.predict(relabelled), probs)
-    # without labels every real token is predicted
-    no_labels = la.predict(inputs(batch))
+    keep = kept(batch, False)
     real = batch["attention_mask"].bool()
-    assert not torch.allclose(no_labels[real & ~keep], torch.softmax(logits, -1)[real & ~keep])
+    logits = model(**inputs(batch)).logits.detach()
+    torch.testing.assert_close(probs[~real], torch.softmax(logits, -1)[~real])
+    assert not torch.allclose(probs[real & ~keep], torch.softmax(logits, -1)[real & ~keep])
+    f, cov = la.logit_mean_cov(batch)
+    torch.testing.assert_close(probs[keep], probit(f, cov))
+    # keeping only the labelled positions of predict's output: predictive.kept_positions
+    labelled = kept_positions(
+        logits, attention_mask=batch["attention_mask"], labels=batch["labels"]
+    )
+    torch.testing.assert_close(probs[labelled], probit(f, cov))
 
 
 # ----------------------------------------------------------------------------- causal LMs: the shift
@@ -416,10 +425,27 @@ def test_token_logits_without_mask_or_labels_are_refused():
         logit_jacobians(model, batch["input_ids"], subset)
 
 
-def test_reduce_sharing_is_refused_for_token_outputs():
+def test_reduce_sharing_is_refused_for_token_outputs_and_expand_is_the_default(tmp_path):
     model = bert_tagger()
     with pytest.raises(ValueError, match=r"batch 0: .*token-level logits.*Pass sharing='expand'"):
-        KronLaplace(model, sparse_kfac(model, 50)).fit([tagged_batch(2, 4, 0)])
+        KronLaplace(model, sparse_kfac(model, 50), sharing="reduce").fit([tagged_batch(2, 4, 0)])
+    subset = sparse_kfac(model, 50)
+    chosen = KronLaplace(model, subset).fit([tagged_batch(2, 4, 0)])
+    given = KronLaplace(model, subset, sharing="expand").fit([tagged_batch(2, 4, 0)])
+    assert chosen.sharing == given.sharing == "expand"
+    assert "sharing=expand" in chosen.summary()
+    assert "sharing=expand" in repr(chosen)
+    chosen.save(tmp_path / "chosen.safetensors")
+    assert KronLaplace.load(tmp_path / "chosen.safetensors", model).sharing == "expand"
+    torch.testing.assert_close(
+        chosen.logit_mean_cov(tagged_batch(2, 4, 1)), given.logit_mean_cov(tagged_batch(2, 4, 1))
+    )
+    factors = kfac(model, [tagged_batch(2, 4, 0)], subset)
+    assert {f.sharing for f in factors.values()} == {"expand"}
+    with pytest.raises(ValueError, match=r"factors computed with sharing \['expand'\]"):
+        KronLaplace(model, subset, sharing="reduce").fit_curvature(
+            factors, map_loss=1.0, n_data=2, n_outputs=3
+        )
 
 
 def test_shift_labels_needs_token_level_classification():
@@ -442,42 +468,52 @@ def test_shift_labels_needs_token_level_classification():
 
 @pytest.mark.parametrize("fisher", ["exact", "empirical"])
 @pytest.mark.parametrize("fn", ["kfac", "diag", "dense"])
-def test_a_batch_without_kept_positions_contributes_nothing(fn, fisher):
+def test_a_batch_without_kept_positions_is_skipped_with_one_warning(fn, fisher):
+    """Issue #27: a batch whose labels are all -100 is skipped and counted (one warning at the end)."""
     model = bert_tagger(6)
     good = tagged_batch(2, 4, 6)
     empty = tagged_batch(2, 4, 7)
     empty["labels"] = torch.full_like(empty["labels"], -100)
     subset = sparse_kfac(model, 40)
+    call = {
+        "kfac": lambda data: kfac(model, data, subset, sharing="expand", fisher=fisher),
+        "diag": lambda data: diag_curvature(model, data, subset, fisher=fisher),
+        "dense": lambda data: dense_curvature(model, data, subset, fisher=fisher),
+    }[fn]
+    with pytest.warns(UserWarning, match="skipped 2 of 3 batches with no labelled outputs") as rec:
+        a = call([empty, good, empty])
+    assert len(rec) == 1
+    assert rec[0].filename == __file__
+    b = call([good])
     if fn == "kfac":
-        a, b = (
-            kfac(model, data, subset, sharing="expand", fisher=fisher)
-            for data in ([good, empty], [good])
-        )
         for m in a:
             torch.testing.assert_close(a[m].G, b[m].G)
             torch.testing.assert_close(a[m].A, b[m].A)
     elif fn == "diag":
-        a, b = (
-            diag_curvature(model, data, subset, fisher=fisher) for data in ([good, empty], [good])
-        )
         for n in a:
             torch.testing.assert_close(a[n], b[n])
     else:
-        a, b = (
-            dense_curvature(model, data, subset, fisher=fisher) for data in ([good, empty], [good])
-        )
         torch.testing.assert_close(a, b)
-    la = DenseLaplace(model, subset).fit([good, empty])
+    with pytest.raises(ValueError, match=r"every batch of the loader \(2\) has no labelled output"):
+        call([empty, empty])
+    with pytest.warns(UserWarning, match="skipped 1 of 2 batches"):
+        la = DenseLaplace(model, subset).fit([good, empty])
     assert la.n_data == int(kept(good, False).sum())
-    f, cov = la.logit_mean_cov(empty)
-    assert f.shape == (0, 3)
-    assert cov.shape == (0, 3, 3)
+    with pytest.raises(ValueError, match="every output of the batch is labelled -100"):
+        la.logit_mean_cov(empty)
+    real = empty["attention_mask"].bool()
     logits = model(**inputs(empty)).logits.detach()
-    torch.testing.assert_close(la.predict(empty), torch.softmax(logits, -1))
+    probs = la.predict(empty)  # labels ignored: the predictive at every real position
+    torch.testing.assert_close(probs[~real], torch.softmax(logits, -1)[~real])
+    assert not torch.allclose(probs[real], torch.softmax(logits, -1)[real])
+    with pytest.warns(UserWarning, match="skipped 1 of 2 validation batches"):
+        la.grid_val_nll([empty, good], torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="every batch of val_loader"):
+        la.grid_val_nll([empty], torch.tensor([1.0]))
 
 
 def test_next_token_after_a_prompt_by_appending_a_labelled_token():
-    """The how-to's recipe: append any token, label only it; the prediction after the prompt is kept alone."""
+    """The how-to's recipe: append any token, label only it; logit_mean_cov computes that position alone."""
     model = llama_lm(8)
     la = KronLaplace(model, sparse_kfac(model, 50), sharing="expand").fit([lm_batch(2, 5, 8)])
     prompt = torch.randint(1, 11, (2, 4), generator=torch.Generator().manual_seed(8))
@@ -495,6 +531,7 @@ def test_next_token_after_a_prompt_by_appending_a_labelled_token():
     )
     assert f.shape == (2, 11)
     assert cov.shape == (2, 11, 11)
+    torch.testing.assert_close(probit(f, cov), every[:, 3])
 
 
 def test_generic_jacobians_of_token_outputs_for_parameters_outside_linear_maps():

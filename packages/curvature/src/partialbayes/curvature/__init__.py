@@ -1,12 +1,10 @@
 """KFAC / Sparse-KFAC / GGN / EF curvature on a parameter subset, and Laplace posteriors."""
 
-from partialbayes.curvature._dense import dense_curvature
-from partialbayes.curvature._diag import diag_curvature
-from partialbayes.curvature._factors import ModuleFactors
+from partialbayes.curvature._diag_dense import dense_curvature, diag_curvature
 from partialbayes.curvature._jacobians import logit_jacobians
-from partialbayes.curvature._kfac import kfac
+from partialbayes.curvature._kfac import ModuleFactors, kfac
 from partialbayes.curvature._kfac_math import kfac_factors
-from partialbayes.curvature._laplace_base import LaplaceBase
+from partialbayes.curvature._laplace import LaplaceBase
 from partialbayes.curvature._laplace_dense import DenseLaplace
 from partialbayes.curvature._laplace_diag import DiagLaplace
 from partialbayes.curvature._laplace_kron import KronLaplace

@@ -18,31 +18,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 
-def is_distributed() -> bool:
-    """Whether ``torch.distributed`` is available and initialised with more than one rank."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def all_reduce_sum(t: Tensor) -> Tensor:
-    """In-place ``SUM`` all-reduce of ``t`` across ranks (no-op without an initialised process group)."""
-    if is_distributed():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
-
-
-def all_reduce_int(n: int, device: torch.device) -> int:
-    """Sum of an integer over ranks."""
-    if not is_distributed():
-        return n
-    t = torch.tensor(float(n), dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return round(float(t))
-
-
-def all_reduce_max(t: Tensor) -> Tensor:
-    """In-place ``MAX`` all-reduce of ``t`` across ranks (no-op without an initialised process group)."""
-    if is_distributed():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+def all_reduce(t: Tensor, op: str = "sum") -> Tensor:
+    """In-place ``"sum"`` / ``"max"`` all-reduce of ``t`` across ranks; a no-op without a process group of 2+."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return t
 
 
@@ -50,17 +29,13 @@ def all_reduce_max(t: Tensor) -> Tensor:
 def fail_together(device: torch.device) -> Iterator[None]:
     """Run local (collective-free) work so that an error on one rank fails every rank instead of hanging.
 
-    On exit every rank all-reduces one failure flag. A rank whose body raised re-raises its own error; the
-    others raise a ``RuntimeError`` saying that another rank failed. Without an initialised process group
-    this is a no-op.
-
-    Args:
-        device: Device of the flag (the model's: a CUDA device for NCCL, the CPU for gloo).
+    On exit every rank all-reduces one failure flag on ``device`` (the model's: CUDA for NCCL, the CPU for
+    gloo). A rank whose body raised re-raises its own error; the others raise a ``RuntimeError``.
 
     Raises:
         RuntimeError: On a rank whose body succeeded when the body raised on another rank.
     """
-    if not is_distributed():
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         yield
         return
     try:

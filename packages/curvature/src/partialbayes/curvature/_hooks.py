@@ -1,9 +1,11 @@
-"""Forward hooks and the streamed backward passes every curvature routine is built on.
+"""Forward hooks and the backward passes that the curvature routines and the linearised predictive run.
 
 One forward pass per minibatch records, for each hooked linear map, its input ``x`` (already gathered to the
-selected columns) and its output tensor. Then ``S`` backward passes of the logits (one per cotangent from
-:func:`partialbayes.curvature._likelihood.output_vectors`) return ``δ``, the gradient w.r.t. every hooked
-output, through ``torch.autograd.grad`` (no parameter ``.grad`` is touched, no weight gradients are computed).
+selected columns) and its output tensor (`hooked_forward`). Then backward passes of the logits return
+``δ``, the gradient w.r.t. every hooked output, through ``torch.autograd.grad`` (no parameter ``.grad`` is
+touched, no weight gradients are computed); `cotangents` states once which passes run. Two users:
+`stream`, the curvature's pass over a loader (the cotangents are the fisher's output vectors), and
+`output_passes`, the per-position unit cotangents ``e_k`` of the Jacobians and of the Kronecker predictive.
 Nothing about an example is kept beyond its batch.
 
 A module called several times per forward pass (tied weights, a layer applied twice, a module reused in a
@@ -17,22 +19,23 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from partialbayes.curvature._caller import user_stacklevel
 from partialbayes.curvature._likelihood import (
+    CurvatureOptions,
     check_labels,
     check_logits,
     model_device,
     output_vectors,
 )
 from partialbayes.curvature._memory import check_exact_fisher
-from partialbayes.curvature._outputs import output_rows, position_plan, read_batch
+from partialbayes.curvature._outputs import Outputs, position_plan, read_batch
 from partialbayes.predictive import model_logits
 
 
@@ -60,129 +63,40 @@ def merge_calls(name: str, tensors: list[Tensor]) -> Tensor:
     return torch.cat([t[:, None] if t.ndim == 2 else t for t in tensors], dim=1)
 
 
-def call_grads(
-    logits: Tensor,
-    calls: Mapping[str, list[Tensor]],
-    cotangent: Tensor,
-    retain_graph: bool,
-) -> dict[str, Tensor]:
-    """One backward pass of ``logits`` with ``cotangent``: ``{module: δ}``, the calls merged.
+def token_masks(calls: Mapping[str, list[Tensor]], mask: Tensor | None) -> dict[str, Tensor | None]:
+    """Which positions of each module's merged inputs count: ``{module: float mask [B, T] | None}``.
 
-    Each call's output gradient comes from its own output tensor, so it is paired with that call's input
-    (no reliance on the order in which backward hooks would fire); it is the total derivative, including
-    the paths through later calls of the same module. Unused outputs get zero gradients.
+    ``None`` for a module called once with ``[B, d]`` inputs (one row per example). Otherwise one column per
+    position of the merged calls: a ``[B, d]`` call is one position (1), a ``[B, T, d]`` call takes the
+    attention mask when its shape matches, else ones.
+
+    Raises:
+        ValueError: Activations that are neither ``[B, d]`` nor ``[B, T, d]``.
     """
-    names = list(calls)
-    flat = [t for n in names for t in calls[n]]
-    grads = torch.autograd.grad(
-        logits, flat, grad_outputs=cotangent, retain_graph=retain_graph, allow_unused=True
-    )
-    out: dict[str, Tensor] = {}
-    i = 0
-    for n in names:
-        k = len(calls[n])
-        gs = [
-            torch.zeros_like(t) if g is None else g
-            for t, g in zip(calls[n], grads[i : i + k], strict=True)
-        ]
-        out[n] = merge_calls(n, gs)
-        i += k
+    out: dict[str, Tensor | None] = {}
+    for name, xs in calls.items():
+        parts = []
+        for x in xs:
+            if x.ndim not in (2, 3):
+                raise ValueError(
+                    f"linear-map activations must be [B, d] or [B, T, d], got {tuple(x.shape)}"
+                )
+            if x.ndim == 2:
+                parts.append(x.new_ones(x.shape[0], 1))
+            elif mask is not None and tuple(mask.shape) == tuple(x.shape[:2]):
+                parts.append(mask.to(x.dtype))
+            else:
+                parts.append(x.new_ones(x.shape[:2]))
+        out[name] = None if len(xs) == 1 and xs[0].ndim == 2 else torch.cat(parts, dim=1)
     return out
-
-
-class Recorder:
-    """Context manager hooking linear maps: records gathered inputs and raw outputs of one forward pass.
-
-    A module called several times in one forward pass (weight tying, a layer reused in a loop) records
-    every call; `inputs` and `token_masks` merge the calls as extra token positions
-    (see `merge_calls`).
-
-    Args:
-        modules: Module name -> ``nn.Linear`` / HF ``Conv1D``.
-        cols: Module name -> selected input indices (``None`` = all); ``x`` is gathered on the fly.
-    """
-
-    def __init__(self, modules: Mapping[str, nn.Module], cols: Mapping[str, Tensor | None]) -> None:
-        self.modules = dict(modules)
-        self.cols = {
-            k: (None if v is None else v.to(model_device(m)))
-            for k, v in cols.items()
-            for m in [modules[k]]
-        }
-        self.calls_in: dict[str, list[Tensor]] = {}
-        self.calls_out: dict[str, list[Tensor]] = {}
-        self._merged: dict[str, Tensor] | None = None
-        self._handles: list[Any] = []
-
-    def _hook(self, name: str):
-        def hook(
-            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Tensor
-        ) -> None:
-            x = args[0] if args else kwargs.get("input", kwargs.get("x"))
-            if x is None:
-                raise TypeError(f"module {name!r} was called without an input tensor")
-            x = x.detach()
-            c = self.cols[name]
-            self.calls_in.setdefault(name, []).append(x if c is None else x.index_select(-1, c))
-            self.calls_out.setdefault(name, []).append(output)
-            self._merged = None
-
-        return hook
-
-    @property
-    def inputs(self) -> dict[str, Tensor]:
-        """``{module: x}``, gathered inputs with the calls merged (``[B, c]`` or ``[B, T, c]``)."""
-        if self._merged is None:
-            self._merged = {n: merge_calls(n, xs) for n, xs in self.calls_in.items()}
-        return self._merged
-
-    def token_masks(self, mask: Tensor | None) -> dict[str, Tensor | None]:
-        """``{module: float mask [B, T] | None}`` matching `inputs` (see `token_mask`), calls merged."""
-        out: dict[str, Tensor | None] = {}
-        for n, xs in self.calls_in.items():
-            if len(xs) == 1:
-                out[n] = token_mask(xs[0], mask)
-                continue
-            parts = [token_mask(x, mask) for x in xs]
-            out[n] = torch.cat(
-                [
-                    torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device) if m is None else m
-                    for x, m in zip(xs, parts, strict=True)
-                ],
-                dim=1,
-            )
-        return out
-
-    def snapshot(self) -> dict[str, list[Tensor]]:
-        """The recorded call outputs (a copy that survives `clear`), for `call_grads`."""
-        return {n: list(v) for n, v in self.calls_out.items()}
-
-    def clear(self) -> None:
-        """Forget the last forward pass."""
-        self.calls_in = {}
-        self.calls_out = {}
-        self._merged = None
-
-    def __enter__(self) -> Recorder:
-        for name, m in self.modules.items():
-            self._handles.append(m.register_forward_hook(self._hook(name), with_kwargs=True))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self.clear()
 
 
 def check_untied(model: nn.Module, modules: Mapping[str, nn.Module]) -> None:
     """Refuse target weights shared with another module of ``model`` (tied parameters).
 
-    The hooks see only the target module's calls, so the curvature of a weight that another module also
-    uses (e.g. a classifier tied to an embedding, or two ``nn.Linear`` sharing one ``weight``) would
-    silently miss that module's contribution. Calling the same module several times is supported instead.
-    Only weights registered on a module itself count, so a wrapper exposing its child's weight (PEFT's
-    ``query`` wrapping ``query.base_layer``) is not mistaken for a tie.
+    The hooks see only the target module's calls, so a tied weight's curvature would silently miss the
+    other module's use. Only weights registered on a module itself count (PEFT's ``query`` exposing
+    ``query.base_layer.weight`` is no tie); calling one module several times is supported.
 
     Raises:
         ValueError: Naming the target module and the modules it shares its weight with.
@@ -190,8 +104,6 @@ def check_untied(model: nn.Module, modules: Mapping[str, nn.Module]) -> None:
     owner = {id(m.weight): name for name, m in modules.items()}
     tied: dict[str, list[str]] = {}
     for name, mod in model.named_modules(remove_duplicate=False):
-        # Only a weight registered on the module itself counts: wrappers that expose a child's weight as a
-        # property (PEFT's LoRA layer ``q`` returning ``q.base_layer.weight``) do not use it a second time.
         w = dict(mod.named_parameters(recurse=False)).get("weight")
         if isinstance(w, Tensor) and id(w) in owner:
             target = owner[id(w)]
@@ -210,23 +122,12 @@ def check_untied(model: nn.Module, modules: Mapping[str, nn.Module]) -> None:
 def prepared(
     model: nn.Module, modules: Mapping[str, nn.Module], switch: bool = True
 ) -> Iterator[None]:
-    """Eval mode (warning if the model was training), gradients enabled, target weights differentiable.
+    """Eval mode, gradients enabled, target weights differentiable; all restored afterwards, even on error.
 
-    Restores every module's own mode and the weights' ``requires_grad`` afterwards, even on error. With
+    Every module gets its own mode back (``model.train(mode)`` would impose the root's on all). With
     ``switch=False`` the model's mode is left alone.
-
-    Raises:
-        ValueError: If a target weight is tied to another module (see `check_untied`).
     """
-    check_untied(model, modules)
     modes = [(m, m.training) for m in model.modules()]
-    if model.training and switch:
-        warnings.warn(
-            "model is in training mode; the curvature is computed in eval mode (dropout would corrupt it) "
-            "and the mode is restored afterwards",
-            UserWarning,
-            stacklevel=user_stacklevel(),
-        )
     weights: list[Tensor] = [m.weight for m in modules.values()]  # type: ignore[misc]
     flags = [(w, bool(w.requires_grad)) for w in weights]
     if switch:
@@ -239,41 +140,71 @@ def prepared(
     finally:
         for w, flag in flags:
             w.requires_grad_(flag)
-        for m, mode in modes:  # each module its own (model.train() would impose the root's on all)
+        for m, mode in modes:
             m.training = mode
 
 
-BatchObserver = Callable[[int, Tensor, Tensor | None], None]
-"""``on_batch(index, logits, labels)``: sees each batch's detached output rows ``[N, C]`` (``[B, C]`` logits,
-or the kept positions of token-level ones) and their validated labels (``None`` when the batch has none)
-right after its forward pass, before the backward passes."""
+def _record(
+    name: str,
+    cols: Tensor | None,
+    inputs: list[Tensor],
+    outputs: list[Tensor],
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    output: Tensor,
+) -> None:
+    """Forward hook: keep the call's input (gathered to ``cols``, detached) and its output tensor."""
+    x = args[0] if args else kwargs.get("input", kwargs.get("x"))
+    if x is None:
+        raise TypeError(f"module {name!r} was called without an input tensor")
+    x = x.detach()
+    inputs.append(x if cols is None else x.index_select(-1, cols))
+    outputs.append(output)
 
 
-@dataclass
-class BatchPasses:
-    """One minibatch: recorded inputs and a lazy iterator over the backward passes.
+def hooked_forward(
+    model: nn.Module,
+    inputs: Tensor | Mapping[str, Any],
+    modules: Mapping[str, nn.Module],
+    cols: Mapping[str, Tensor | None],
+    *,
+    switch: bool = True,
+) -> tuple[Tensor, dict[str, list[Tensor]], dict[str, list[Tensor]]]:
+    """One forward pass of ``inputs`` recording every call of the hooked linear maps (inside `prepared`).
 
-    Attributes:
-        index: Batch index in the loader.
-        n_examples: Examples (sequences) in the batch, ``B``.
-        inputs: Module -> gathered input ``x`` (``[B, c]`` or ``[B, T, c]``; the calls of a module called
-            several times merged as extra positions).
-        keep: ``[B, T]`` bool mask of the kept output positions of token-level logits, ``None`` for
-            ``[B, C]`` logits.
-        token_masks: Module -> float mask ``[B, T]`` of the real positions of ``inputs`` (``None`` for
-            ``[B, c]`` inputs): the attention mask, all ones without one. For token-level logits this is
-            not the kept *output* positions: a position whose output is not kept (a prompt token labelled
-            -100) still feeds the kept ones through attention.
-        passes: Iterator of ``{module: δ}`` (``[B, n_out]`` or ``[B, T, n_out]``, full rows), one per cotangent;
-            exhaust it before advancing to the next batch.
+    Args:
+        model: The network.
+        inputs: Model inputs (a tensor or keyword inputs).
+        modules: Module name -> ``nn.Linear`` / HF ``Conv1D`` to hook.
+        cols: Module -> selected input indices (``None``: all), on the model's device.
+        switch: Evaluate in eval mode.
+
+    Returns:
+        ``(logits, inputs per call, outputs per call)``: the logits with their graph (backward passes
+        need no other state), each module's gathered and detached inputs, and its output tensors.
+
+    Raises:
+        ValueError: A hooked module not called by the forward pass.
     """
-
-    index: int
-    n_examples: int
-    inputs: dict[str, Tensor]
-    keep: Tensor | None
-    token_masks: dict[str, Tensor | None]
-    passes: Iterator[dict[str, Tensor]]
+    calls_in: dict[str, list[Tensor]] = {n: [] for n in modules}
+    calls_out: dict[str, list[Tensor]] = {n: [] for n in modules}
+    with prepared(model, modules, switch):
+        handles = [
+            m.register_forward_hook(
+                partial(_record, n, cols[n], calls_in[n], calls_out[n]), with_kwargs=True
+            )
+            for n, m in modules.items()
+        ]
+        try:
+            logits = model_logits(model, inputs)
+        finally:
+            for h in handles:
+                h.remove()
+    missing = [n for n, calls in calls_out.items() if not calls]
+    if missing:
+        raise ValueError(f"modules {missing} were not called by the model's forward pass")
+    return logits, calls_in, calls_out
 
 
 def cotangents(
@@ -282,7 +213,7 @@ def cotangents(
     """The cotangents of the backward passes, shaped like ``logits``, built one at a time.
 
     The one statement of which backward passes run: `stream` (curvature, ``vectors`` from
-    ``output_vectors``) and `output_passes` (Jacobians and the predictive, ``vectors`` the unit vectors
+    ``output_vectors``) and ``output_passes`` (Jacobians and the predictive, ``vectors`` the unit vectors
     ``e_k``) both iterate it.
 
     Args:
@@ -318,13 +249,100 @@ def cotangents(
 
 
 def backward_passes(
-    logits: Tensor, calls: dict[str, list[Tensor]], cots: Iterator[Tensor]
+    logits: Tensor, calls: Mapping[str, list[Tensor]], cots: Iterator[Tensor]
 ) -> Iterator[dict[str, Tensor]]:
-    """``{module: δ}`` for each cotangent in turn (`call_grads`), keeping the graph until the last one."""
+    """``{module: δ}`` for each cotangent in turn, the calls merged; the graph is kept until the last one.
+
+    Each call's output gradient comes from its own output tensor, so it is paired with that call's input
+    (no reliance on the order in which backward hooks would fire); it is the total derivative, including
+    the paths through later calls of the same module. Unused outputs get zero gradients.
+    """
+    flat = [t for ts in calls.values() for t in ts]
     nxt = next(cots, None)
     while nxt is not None:
         cot, nxt = nxt, next(cots, None)
-        yield call_grads(logits, calls, cot, retain_graph=nxt is not None)
+        grads = torch.autograd.grad(
+            logits, flat, grad_outputs=cot, retain_graph=nxt is not None, allow_unused=True
+        )
+        it = iter(grads)
+        yield {
+            n: merge_calls(n, [torch.zeros_like(t) if (g := next(it)) is None else g for t in ts])
+            for n, ts in calls.items()
+        }
+
+
+BatchObserver = Callable[[int, Tensor, Tensor | None], None]
+"""``on_batch(index, logits, labels)``: sees each batch's detached output rows ``[N, C]`` (``[B, C]`` logits,
+or the kept positions of token-level ones) and their validated labels (``None`` when the batch has none)
+right after its forward pass, before the backward passes."""
+
+
+@dataclass
+class Run:
+    """One streamed pass over a loader: its per-call arguments, and what it saw.
+
+    The public function that starts the pass calls `finish` when it is done, so its warnings name the line
+    of the user's call.
+
+    Attributes:
+        generator: Random generator of ``fisher="mc"``.
+        progress: Show a tqdm progress bar.
+        on_batch: Observer of each batch's output rows and labels (`BatchObserver`).
+        batches: Batches read from the loader.
+        skipped: Batches skipped because they hold no labelled output (every label -100).
+    """
+
+    generator: torch.Generator | None = None
+    progress: bool = False
+    on_batch: BatchObserver | None = None
+    batches: int = 0
+    skipped: int = 0
+
+    def finish(self, model: nn.Module) -> None:
+        """Warn once about what the pass did silently (stack level: the caller of the public function).
+
+        A model in training mode (the curvature was computed in eval mode, every module's mode restored),
+        and the batches skipped for having no labelled output.
+        """
+        if model.training:
+            warnings.warn(
+                "model is in training mode; the curvature was computed in eval mode (dropout would "
+                "corrupt it) and every module's mode restored afterwards",
+                UserWarning,
+                stacklevel=3,
+            )
+        if self.skipped:
+            warnings.warn(
+                f"skipped {self.skipped} of {self.batches} batches with no labelled outputs (every "
+                "label -100)",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
+@dataclass
+class BatchPasses:
+    """One minibatch: recorded inputs and a lazy iterator over the backward passes.
+
+    Attributes:
+        index: Batch index in the loader.
+        n_examples: Examples (sequences) in the batch, ``B``.
+        inputs: Module -> gathered input ``x`` (``[B, c]`` or ``[B, T, c]``; the calls of a module called
+            several times merged as extra positions).
+        keep: ``[B, T]`` bool mask of the kept output positions of token-level logits, ``None`` for
+            ``[B, C]`` logits.
+        token_masks: Module -> float mask ``[B, T]`` of the real positions of ``inputs`` (`token_masks`);
+            not the kept *output* positions: a prompt token labelled -100 still feeds the kept ones.
+        passes: Iterator of ``{module: δ}`` (``[B, n_out]`` or ``[B, T, n_out]``, full rows), one per
+            cotangent; exhaust it before advancing to the next batch.
+    """
+
+    index: int
+    n_examples: int
+    inputs: dict[str, Tensor]
+    keep: Tensor | None
+    token_masks: dict[str, Tensor | None]
+    passes: Iterator[dict[str, Tensor]]
 
 
 def stream(
@@ -332,126 +350,194 @@ def stream(
     loader: Iterable[Any],
     modules: Mapping[str, nn.Module],
     cols: Mapping[str, Tensor | None],
-    *,
-    likelihood: str,
-    fisher: str,
-    mc_samples: int,
-    sigma_noise: float,
-    generator: torch.Generator | None,
-    num_classes: int | None,
-    shift_labels: bool,
+    options: CurvatureOptions,
+    run: Run,
     positions: str = "joint",
-    progress: bool = False,
-    on_batch: BatchObserver | None = None,
 ) -> Iterator[BatchPasses]:
     """Stream the loader: one forward pass per batch, then the fisher's backward passes, lazily.
 
-    Must run inside :func:`prepared`. The loader is iterated exactly once (a generator works). Batches are
-    read by ``partialbayes.predictive.split_batch`` (tensors, pairs, any mapping). Token-level logits
-    ``[B, T, C]`` count one output per kept position (see `partialbayes.curvature._outputs`). Labels, when a
-    batch has them, are validated by :func:`~partialbayes.curvature._likelihood.check_labels` whatever the
-    fisher type; ``on_batch`` (if given) is called with every batch's index, detached output rows and
-    validated labels, e.g. to accumulate the training loss from the same forward pass.
+    The loader is read once (a generator works), each batch by `read_batch`. A batch left with no labelled
+    output (every label -100) is skipped and counted in ``run.skipped``. Labels, when a batch has them, are
+    validated by ``check_labels`` whatever the fisher type; ``run.on_batch`` sees every batch's output rows
+    and labels.
 
     Args:
-        model: The network (inside :func:`prepared`).
+        model: The network (evaluated in eval mode; every module's mode restored after each forward pass).
         loader: Iterable of batches (read once).
         modules: Module name -> hooked linear map.
-        cols: Module -> selected input indices (``None``: all).
-        likelihood: ``"classification"`` or ``"regression"``.
-        fisher: ``"exact"``, ``"mc"`` or ``"empirical"``.
-        mc_samples: Sampled labels per output (``fisher="mc"``).
-        sigma_noise: Regression noise.
-        generator: Random generator of ``fisher="mc"``.
-        num_classes: When given, the number of logits the model must output.
-        shift_labels: Causal-LM convention for token-level outputs (resolved, a bool).
+        cols: Module -> selected input indices (``None``: all), on the model's device.
+        options: The checked curvature options.
+        run: The pass's generator, progress bar and observer; counts the batches read and skipped.
         positions: For token-level logits, ``"joint"`` or ``"each"`` (see `cotangents`).
-        progress: Show a tqdm progress bar.
-        on_batch: Observer of each batch's output rows and labels.
 
     Raises:
-        ValueError: Empty loader, a hooked module not reached by the forward pass, bad logits / labels.
+        ValueError: Empty loader; every batch without a labelled output; a hooked module not reached by
+            the forward pass; bad logits / labels (naming the batch).
     """
     device = model_device(model)
     it: Iterable[Any] = loader
-    if progress:
+    if run.progress:
         try:
             from tqdm.auto import tqdm
 
             it = tqdm(loader, desc="curvature")
         except ImportError:  # pragma: no cover - tqdm is optional
             pass
-    seen = 0
-    with ExitStack() as stack:
-        rec = stack.enter_context(Recorder(modules, cols))
-        for index, batch in enumerate(it):
-            seen += 1
-            try:
-                inputs, outputs = read_batch(
-                    batch, device, likelihood=likelihood, shift=shift_labels
-                )
-            except (TypeError, ValueError) as err:
-                raise type(err)(f"batch {index}: {err}") from err
-            rec.clear()
-            logits = model_logits(model, inputs)
-            try:
-                keep = outputs.keep(logits)
-                rows = output_rows(logits, keep)
-                labels = outputs.targets(logits, keep)
-            except ValueError as err:
-                raise ValueError(f"batch {index}: {err}") from err
-            check_logits(rows, num_classes, index)
-            if labels is not None:
-                labels = check_labels(labels, rows, likelihood, index)
-            if on_batch is not None:
-                on_batch(index, rows.detach(), labels)
-            missing = [n for n in modules if n not in rec.calls_out]
-            if missing:
-                raise ValueError(
-                    f"batch {index}: modules {missing} were not called by the model's forward pass"
-                )
-            if fisher == "exact":
-                joint = keep is None or positions == "joint"
-                check_exact_fisher(rows, 1 if joint else int(keep.any(0).sum()), index)
-            vectors = output_vectors(
-                rows,
-                labels,
-                likelihood=likelihood,
-                fisher=fisher,
-                mc_samples=mc_samples,
-                sigma_noise=sigma_noise,
-                generator=generator,
-                batch_index=index,
+    for index, batch in enumerate(it):
+        run.batches += 1
+        try:
+            inputs, outputs = read_batch(
+                batch, device, likelihood=options.likelihood, shift=options.shift_labels
             )
-            recorded = dict(rec.inputs)  # merges repeated calls first (clear error if they differ)
-            masks = rec.token_masks(outputs.attention_mask)
-            yield BatchPasses(
-                index=index,
-                n_examples=int(logits.shape[0]),
-                inputs=recorded,
-                keep=keep,
-                token_masks=masks,
-                passes=backward_passes(
-                    logits, rec.snapshot(), cotangents(logits, vectors, keep, positions)
-                ),
-            )
-            del logits, rows
-    if seen == 0:
-        raise ValueError("loader is empty: no batch to compute the curvature from")
-
-
-def token_mask(x: Tensor, mask: Tensor | None) -> Tensor | None:
-    """Which tokens of a hooked activation count: ``None`` when ``x`` is ``[B, d]`` (one row per example).
-
-    Returns:
-        A float mask ``[B, T]`` for 3-D ``x`` (the attention mask when its shape matches, else all ones).
-    """
-    if x.ndim == 2:
-        return None
-    if x.ndim != 3:
-        raise ValueError(
-            f"linear-map activations must be [B, d] or [B, T, d], got {tuple(x.shape)}"
+            if outputs.unlabelled:
+                run.skipped += 1
+                continue
+            logits, calls_in, calls_out = hooked_forward(model, inputs, modules, cols)
+            keep = outputs.keep(logits)
+            rows = logits if keep is None else logits[keep]
+            labels = outputs.targets(logits, keep)
+        except (TypeError, ValueError) as err:
+            kind = TypeError if isinstance(err, TypeError) else ValueError
+            raise kind(f"batch {index}: {err}") from err
+        if rows.shape[0] == 0:  # token-level: no kept position (padding, -100, the causal shift)
+            run.skipped += 1
+            continue
+        check_logits(rows, options.num_classes, index)
+        if labels is not None:
+            labels = check_labels(labels, rows, options.likelihood, index)
+        if run.on_batch is not None:
+            run.on_batch(index, rows.detach(), labels)
+        if options.fisher == "exact":
+            joint = keep is None or positions == "joint"
+            check_exact_fisher(rows, 1 if joint else int(keep.any(0).sum()), index)
+        vectors = output_vectors(
+            rows,
+            labels,
+            likelihood=options.likelihood,
+            fisher=options.fisher,
+            mc_samples=options.mc_samples,
+            sigma_noise=options.sigma_noise,
+            generator=run.generator,
+            batch_index=index,
         )
-    if mask is not None and tuple(mask.shape) == tuple(x.shape[:2]):
-        return mask.to(x.dtype)
-    return torch.ones(x.shape[:2], dtype=x.dtype, device=x.device)
+        yield BatchPasses(
+            index=index,
+            n_examples=int(logits.shape[0]),
+            inputs={n: merge_calls(n, xs) for n, xs in calls_in.items()},
+            keep=keep,
+            token_masks=token_masks(calls_in, outputs.attention_mask),
+            passes=backward_passes(logits, calls_out, cotangents(logits, vectors, keep, positions)),
+        )
+        del logits, rows
+    if run.batches == 0:
+        raise ValueError("loader is empty: no batch to compute the curvature from")
+    if run.skipped == run.batches:
+        raise ValueError(
+            f"every batch of the loader ({run.batches}) has no labelled output (every label -100): "
+            "nothing to compute the curvature from"
+        )
+
+
+@dataclass
+class PositionGrads:
+    """The ``C`` backward passes of one output position (all positions at once for ``[B, C]`` logits).
+
+    Attributes:
+        examples: ``[n]`` indices of the examples whose output at this position is kept (all ``B`` for
+            ``[B, C]`` logits).
+        keys: ``[n]`` row-major keys ``b·T + t`` of those outputs (``b`` for ``[B, C]`` logits); sorting by
+            them puts rows in `partialbayes.predictive.flatten_outputs` order.
+        grads: Module -> one ``δ`` per class ``[B, (T',) r]`` (gathered to the selected rows, detached); the
+            gradient of logit ``(b, t, k)`` for the kept examples, zero for the others.
+    """
+
+    examples: Tensor
+    keys: Tensor
+    grads: dict[str, list[Tensor]]
+
+
+@dataclass
+class OutputPasses:
+    """One forward pass with hooks and a lazy iterator over the per-position backward passes.
+
+    Attributes:
+        logits: Detached logits as the model returns them, ``[B, C]`` or ``[B, T, C]``.
+        keep: ``[B, T]`` kept positions of token-level logits, ``None`` for ``[B, C]``.
+        inputs: Module -> recorded input ``x`` (gathered to the selected columns, calls merged).
+        positions: One `PositionGrads` per output position with a kept output.
+    """
+
+    logits: Tensor
+    keep: Tensor | None
+    inputs: dict[str, Tensor]
+    positions: Iterator[PositionGrads]
+
+
+def _position_grads(
+    logits: Tensor,
+    keep: Tensor | None,
+    calls: Mapping[str, list[Tensor]],
+    rows: Mapping[str, Tensor | None],
+) -> Iterator[PositionGrads]:
+    """The ``C`` backward passes with cotangents ``e_k`` of every kept position (`cotangents`, ``"each"``)."""
+    b, n_cls = logits.shape[0], logits.shape[-1]
+    plan = position_plan(keep, b, logits.device)
+    if not plan:  # no kept output: zero gradients of the right shapes, no backward pass
+        empty = torch.zeros(0, dtype=torch.long, device=logits.device)
+        zeros = {}
+        for m, outs in calls.items():
+            z, r = merge_calls(m, [torch.zeros_like(o) for o in outs]), rows.get(m)
+            zeros[m] = [z if r is None else z.index_select(-1, r)] * n_cls
+        yield PositionGrads(examples=empty, keys=empty, grads=zeros)
+        return
+    n_rows = b if keep is None else int(keep.sum())
+    units = torch.eye(n_cls, dtype=logits.dtype, device=logits.device)[:, None]
+    passes = backward_passes(
+        logits, calls, cotangents(logits, units.expand(n_cls, n_rows, n_cls), keep, "each")
+    )
+    for t, examples in plan:
+        grads: dict[str, list[Tensor]] = {m: [] for m in calls}
+        for _ in range(n_cls):
+            for m, g in next(passes).items():
+                r = rows.get(m)
+                grads[m].append((g if r is None else g.index_select(-1, r)).detach())
+        keys = examples if t is None else examples * logits.shape[1] + t
+        yield PositionGrads(examples=examples, keys=keys, grads=grads)
+
+
+def output_passes(
+    model: nn.Module,
+    inputs: Tensor | Mapping[str, Any],
+    outputs: Outputs,
+    modules: Mapping[str, nn.Module],
+    cols: Mapping[str, Tensor | None],
+    rows: Mapping[str, Tensor | None],
+) -> OutputPasses:
+    """Forward pass with hooks on ``modules``, then (lazily) ``C`` backward passes per kept output position.
+
+    Gradients are taken w.r.t. the hooked outputs only (no parameter ``.grad``); the model's mode is left
+    as it is.
+
+    ``outputs`` tells which positions count; ``modules`` / ``cols`` as for `hooked_forward`; ``rows``
+    gather the output gradients (``None``: all).
+
+    Raises:
+        ValueError: A hooked module not called by the forward pass; logits of an unsupported shape or
+            token-level logits without an attention mask or labels.
+    """
+    logits, calls_in, calls_out = hooked_forward(model, inputs, modules, cols, switch=False)
+    keep = outputs.keep(logits)
+    return OutputPasses(
+        logits=logits.detach(),
+        keep=keep,
+        inputs={n: merge_calls(n, xs) for n, xs in calls_in.items()},
+        positions=_position_grads(logits, keep, calls_out, rows),
+    )
+
+
+def in_row_order(keys: list[Tensor], parts: list[Tensor]) -> Tensor:
+    """Concatenate per-position results ``[n_i, ...]`` and sort their rows by key (row-major ``(b, t)``)."""
+    if len(parts) == 1:
+        return parts[0]
+    order = torch.argsort(torch.cat(keys))
+    return torch.cat(parts).index_select(0, order.to(parts[0].device))

@@ -3,31 +3,25 @@
 For a linear map with inputs ``x_t`` and output gradients ``δ_t`` over the tokens ``t`` of one example, the
 per-example gradient of its weight is ``Σ_t δ_t x_tᵀ`` (logical n_out x n_in orientation) and of its bias
 ``Σ_t δ_t``. Every token counts here (these are exact gradients); padding tokens have ``δ_t = 0`` whenever the
-logits do not depend on them.
+logits do not depend on them. The backward passes come from ``_hooks.output_passes``; parameters outside
+linear maps fall back to plain reverse mode (`param_jacobians`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from partialbayes.curvature._hooks import (
-    Recorder,
-    backward_passes,
-    cotangents,
-    merge_calls,
-    prepared,
-)
-from partialbayes.curvature._kfac import hook_targets, kron_targets
-from partialbayes.curvature._likelihood import model_device
+from partialbayes.curvature._hooks import check_untied, in_row_order, output_passes
+from partialbayes.curvature._kfac import kron_targets
+from partialbayes.curvature._likelihood import CurvatureOptions, model_device
 from partialbayes.curvature._outputs import (
     Outputs,
-    output_rows,
     position_plan,
     read_batch,
     resolve_shift_labels,
@@ -67,12 +61,13 @@ def logit_jacobians(
     ``C`` backward passes through the logits (one per class, cotangent ``e_c`` for every example) with
     hooks recording ``x[:, C]`` and ``δ[:, R]``; for token sequences ``J = Σ_t δ_t x_tᵀ``. Token-level
     logits ``[B, T, C]`` give one output per kept position (attention mask 1, label not -100) at ``C``
-    backward passes per kept position. The model's mode is left as it is (call it in eval mode).
+    backward passes per kept position; outputs labelled -100 are left out for ``[B, C]`` logits too. The
+    model's mode is left as it is (call it in eval mode).
 
     Args:
         model: Network returning logits ``[B, C]`` or ``[B, T, C]``.
         batch: A tensor ``x``, a pair ``(inputs, labels)`` or a mapping batch (``dict``, ``BatchEncoding``);
-            labels only mark ignored positions (-100) of token-level outputs.
+            labels only mark outputs to leave out (-100).
         subset: Kronecker-structured subset.
         shift_labels: Causal-LM convention for token-level outputs (see `kfac`); ``None``: whether the
             model is a causal LM.
@@ -87,144 +82,22 @@ def logit_jacobians(
         TypeError: For a subset with mask blocks, or a batch of an unknown kind.
         ValueError: Token-level logits without an attention mask or labels.
     """
-    kmods = kron_targets(model, subset, "logit_jacobians")
+    targets = kron_targets(model, subset, "logit_jacobians")
+    kmods = targets.kmods
+    shift = CurvatureOptions(shift_labels=resolve_shift_labels(model, shift_labels)).shift_labels
     inputs, outputs = read_batch(
-        batch,
-        model_device(model),
-        likelihood="classification",
-        shift=resolve_shift_labels(model, shift_labels),
+        batch, model_device(model), likelihood="classification", shift=shift
     )
-    modules, cols, rows = hook_targets(model, kmods)
     logits, keep, blocks = output_jacobians(
         model,
         inputs,
         outputs,
-        modules,
-        cols,
-        rows,
+        targets.modules,
+        targets.cols,
+        targets.rows,
         lambda x, d: {m: block_grads(x[m], d[m], kmods[m].bias_name is not None) for m in kmods},
     )
-    return output_rows(logits, keep), blocks
-
-
-@dataclass
-class PositionGrads:
-    """The ``C`` backward passes of one output position (all positions at once for ``[B, C]`` logits).
-
-    Attributes:
-        examples: ``[n]`` indices of the examples whose output at this position is kept (all ``B`` for
-            ``[B, C]`` logits).
-        keys: ``[n]`` row-major keys ``b·T + t`` of those outputs (``b`` for ``[B, C]`` logits); sorting by
-            them puts rows in `partialbayes.predictive.flatten_outputs` order.
-        grads: Module -> one ``δ`` per class ``[B, (T',) r]`` (gathered to the selected rows, detached); the
-            gradient of logit ``(b, t, k)`` for the kept examples, zero for the others.
-    """
-
-    examples: Tensor
-    keys: Tensor
-    grads: dict[str, list[Tensor]]
-
-
-@dataclass
-class OutputPasses:
-    """One forward pass with hooks and a lazy iterator over the per-position backward passes.
-
-    Attributes:
-        logits: Detached logits as the model returns them, ``[B, C]`` or ``[B, T, C]``.
-        keep: ``[B, T]`` kept positions of token-level logits, ``None`` for ``[B, C]``.
-        inputs: Module -> recorded input ``x`` (gathered to the selected columns, calls merged).
-        positions: One `PositionGrads` per output position with a kept output; exhaust it inside the
-            `output_passes` block.
-    """
-
-    logits: Tensor
-    keep: Tensor | None
-    inputs: dict[str, Tensor]
-    positions: Iterator[PositionGrads]
-
-
-def _position_grads(
-    logits: Tensor,
-    keep: Tensor | None,
-    rec: Recorder,
-    rows: Mapping[str, Tensor | None],
-) -> Iterator[PositionGrads]:
-    """The ``C`` backward passes with cotangents ``e_k`` of every kept position (`cotangents`, ``"each"``)."""
-    b, n_cls = logits.shape[0], logits.shape[-1]
-    calls = rec.snapshot()
-    plan = position_plan(keep, b, logits.device)
-    if not plan:  # no kept output: zero gradients of the right shapes, no backward pass
-        empty = torch.zeros(0, dtype=torch.long, device=logits.device)
-        zeros = {}
-        for m, outs in calls.items():
-            z, r = merge_calls(m, [torch.zeros_like(o) for o in outs]), rows.get(m)
-            zeros[m] = [z if r is None else z.index_select(-1, r)] * n_cls
-        yield PositionGrads(examples=empty, keys=empty, grads=zeros)
-        return
-    n_rows = b if keep is None else int(keep.sum())
-    units = torch.eye(n_cls, dtype=logits.dtype, device=logits.device)[:, None]
-    passes = backward_passes(
-        logits, calls, cotangents(logits, units.expand(n_cls, n_rows, n_cls), keep, "each")
-    )
-    for t, examples in plan:
-        grads: dict[str, list[Tensor]] = {m: [] for m in calls}
-        for _ in range(n_cls):
-            for m, g in next(passes).items():
-                r = rows.get(m)
-                grads[m].append((g if r is None else g.index_select(-1, r)).detach())
-        keys = examples if t is None else examples * logits.shape[1] + t
-        yield PositionGrads(examples=examples, keys=keys, grads=grads)
-
-
-@contextmanager
-def output_passes(
-    model: nn.Module,
-    inputs: Tensor | Mapping[str, Any],
-    outputs: Outputs,
-    modules: Mapping[str, nn.Module],
-    cols: Mapping[str, Tensor | None],
-    rows: Mapping[str, Tensor | None],
-) -> Iterator[OutputPasses]:
-    """Forward pass with hooks on ``modules``, then ``C`` backward passes per kept output position.
-
-    Gradients are taken w.r.t. the hooked outputs only (no parameter ``.grad``); weights are made
-    differentiable for the duration (see `prepared`, which leaves the model's mode alone here).
-
-    Args:
-        model: Network returning logits ``[B, C]`` or ``[B, T, C]``.
-        inputs: Model inputs (tensor or keyword mapping).
-        outputs: Which positions of token-level logits count (`partialbayes.curvature._outputs.Outputs`).
-        modules: Module name -> linear map to hook.
-        cols: Module -> selected input indices (``None``: all).
-        rows: Module -> selected output indices (``None``: all).
-
-    Yields:
-        The `OutputPasses` of the batch.
-
-    Raises:
-        ValueError: A hooked module not called by the forward pass; logits of an unsupported shape or
-            token-level logits without an attention mask or labels.
-    """
-    with prepared(model, modules, switch=False), Recorder(modules, cols) as rec:
-        logits = model_logits(model, inputs)
-        keep = outputs.keep(logits)
-        missing = [m for m in modules if m not in rec.calls_out]
-        if missing:
-            raise ValueError(f"modules {missing} were not called by the model's forward pass")
-        yield OutputPasses(
-            logits=logits.detach(),
-            keep=keep,
-            inputs=dict(rec.inputs),
-            positions=_position_grads(logits, keep, rec, rows),
-        )
-
-
-def in_row_order(keys: list[Tensor], parts: list[Tensor]) -> Tensor:
-    """Concatenate per-position results ``[n_i, ...]`` and sort their rows by key (row-major ``(b, t)``)."""
-    if len(parts) == 1:
-        return parts[0]
-    order = torch.argsort(torch.cat(keys))
-    return torch.cat(parts).index_select(0, order.to(parts[0].device))
+    return (logits if keep is None else logits[keep]), blocks
 
 
 def output_jacobians(
@@ -253,20 +126,19 @@ def output_jacobians(
         ``[B, T, C]``), the ``[B, T]`` kept positions of token-level logits (``None`` for ``[B, C]``) and
         the stacked results, one row per output (example, or kept position in row-major ``(b, t)`` order).
     """
-    with output_passes(model, inputs, outputs, modules, cols, rows) as ps:
-        parts: dict[str, list[Tensor]] = {}
-        keys: list[Tensor] = []
-        for pg in ps.positions:
-            n_cls = len(next(iter(pg.grads.values())))
-            per_class = [
-                combine(ps.inputs, {m: g[k] for m, g in pg.grads.items()}) for k in range(n_cls)
-            ]
-            for key in per_class[0]:
-                stacked = torch.stack([res[key] for res in per_class], dim=1)
-                parts.setdefault(key, []).append(stacked.index_select(0, pg.examples))
-            keys.append(pg.keys)
-        logits, keep = ps.logits, ps.keep
-    return logits, keep, {key: in_row_order(keys, v) for key, v in parts.items()}
+    ps = output_passes(model, inputs, outputs, modules, cols, rows)
+    parts: dict[str, list[Tensor]] = {}
+    keys: list[Tensor] = []
+    for pg in ps.positions:
+        n_cls = len(next(iter(pg.grads.values())))
+        per_class = [
+            combine(ps.inputs, {m: g[k] for m, g in pg.grads.items()}) for k in range(n_cls)
+        ]
+        for key in per_class[0]:
+            stacked = torch.stack([res[key] for res in per_class], dim=1)
+            parts.setdefault(key, []).append(stacked.index_select(0, pg.examples))
+        keys.append(pg.keys)
+    return ps.logits, ps.keep, {key: in_row_order(keys, v) for key, v in parts.items()}
 
 
 # ----------------------------------------------------------------------------- elementwise subsets
@@ -328,6 +200,7 @@ def param_targets(
             )
         )
     modules = {t.module: lin[t.module] for t in out}
+    check_untied(model, modules)
     return out, modules
 
 
@@ -346,3 +219,102 @@ def entry_grads(t: ParamTarget, x: Tensor, d: Tensor) -> Tensor:
     if t.transposed:
         g = g.transpose(1, 2)
     return g.reshape(g.shape[0], -1).index_select(1, t.index)
+
+
+def param_jacobians(
+    model: nn.Module, inputs: Tensor | Mapping[str, Any], outputs: Outputs, subset: Subset
+) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
+    """Per-output logit Jacobians w.r.t. the subset's entries, by reverse mode over all logits.
+
+    Generic (any parameter, any mask) but costs one batched backward pass over ``B·C`` cotangents per
+    output position (falling back to ``B·C`` plain backward passes when batching fails). Examples must not
+    interact (eval mode, no batch statistics).
+
+    Returns:
+        ``(logits, keep, {param name: J [N, C, k]})`` (see ``output_jacobians``) with ``k`` entries in
+        ``subset.gather`` order; one row per example, or per kept position (row-major) of token-level
+        logits.
+    """
+    params = dict(model.named_parameters())
+    targets = [params[n] for n in subset.names]
+    with torch.enable_grad():
+        f = model_logits(model, inputs)
+        keep = outputs.keep(f)
+        b, c = f.shape[0], f.shape[-1]
+        eye = torch.eye(b * c, dtype=f.dtype, device=f.device).reshape(b * c, b, c)
+        plan = position_plan(keep, b, f.device)
+        parts: dict[str, list[Tensor]] = {n: [] for n in subset.names}
+        keys: list[Tensor] = []
+        for t, examples in plan:
+            if t is None:
+                cot = eye
+            else:
+                cot = torch.zeros((b * c, *f.shape), dtype=f.dtype, device=f.device)
+                cot[:, :, t] = eye
+            grads = _batched_grads(f, targets, cot)
+            for name, p, g in zip(subset.names, targets, grads, strict=True):
+                if g is None:
+                    warnings.warn(f"logits do not depend on parameter {name!r}", stacklevel=2)
+                    g = torch.zeros((b * c, *p.shape), dtype=f.dtype, device=f.device)
+                mask = subset.mask(name).to(g.device)
+                jac = g.reshape(b * c, -1)[:, mask.reshape(-1)].reshape(b, c, -1)
+                parts[name].append(jac.index_select(0, examples))
+            keys.append(examples if t is None else examples * f.shape[1] + t)
+    if not plan:
+        return (
+            f.detach(),
+            keep,
+            {
+                n: torch.zeros(0, c, subset.num_entries(n), dtype=f.dtype, device=f.device)
+                for n in subset.names
+            },
+        )
+    return f.detach(), keep, {n: in_row_order(keys, v) for n, v in parts.items()}
+
+
+def _batched_grads(f: Tensor, targets: Sequence[Tensor], cot: Tensor) -> tuple[Tensor | None, ...]:
+    """Gradients of ``f`` w.r.t. ``targets`` for a batch of cotangents ``cot [K, *f.shape]``: ``[K, *p.shape]``.
+
+    ``None`` where ``f`` does not depend on a target.
+    """
+    try:
+        return torch.autograd.grad(
+            f, targets, cot, is_grads_batched=True, allow_unused=True, retain_graph=True
+        )
+    except RuntimeError:
+        pass
+    rows = [torch.autograd.grad(f, targets, e, allow_unused=True, retain_graph=True) for e in cot]
+    return tuple(
+        torch.stack([r[i] if r[i] is not None else torch.zeros_like(t) for r in rows])
+        if any(r[i] is not None for r in rows)
+        else None
+        for i, t in enumerate(targets)
+    )
+
+
+def subset_jacobians(
+    model: nn.Module, inputs: Tensor | Mapping[str, Any], outputs: Outputs, subset: Subset
+) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
+    """Per-output logit Jacobians ``{param: [N, C, k]}`` in ``subset.gather`` order.
+
+    Subsets of weights and biases of linear maps (Kronecker or elementwise blocks) use the hooks (``C``
+    backward passes per output position, per-example gradients from recorded activations); any other
+    subset falls back to `param_jacobians`.
+
+    Returns:
+        ``(logits, keep, {param name: J [N, C, k]})``: one row per example, or per kept position of
+        token-level logits (row-major).
+    """
+    try:
+        targets, modules = param_targets(model, subset)
+    except ValueError:
+        return param_jacobians(model, inputs, outputs, subset)
+    return output_jacobians(
+        model,
+        inputs,
+        outputs,
+        modules,
+        dict.fromkeys(modules),
+        dict.fromkeys(modules),
+        lambda x, d: {t.name: entry_grads(t, x[t.module], d[t.module]) for t in targets},
+    )

@@ -1,28 +1,139 @@
-"""KFAC and Sparse-KFAC factors of the linear maps of a Kronecker-structured subset."""
+"""KFAC and Sparse-KFAC factors of the linear maps of a Kronecker-structured subset, streamed over a loader.
+
+Convention (laplace-torch): ``G`` is SUMMED over examples, ``A`` AVERAGED, so ``G ⊗ A`` approximates the
+summed curvature of the block ``vec(W[R][:, C] | b[R])`` taken row-major (entry ``(i, j)`` ↔ ``i·c + j``).
+The statistics themselves are `_kfac_math`'s; this module streams them (`FactorAccumulator`).
+
+A bias kept separate (``bias="separate"``) has the constant input 1, so its output-gradient factor is the
+weight's ``G`` and ``A_bias = [1]`` (the average of 1 over the counted rows): the folded approximation with
+the weight–bias cross terms ``A[:c, c]`` set to zero, ``blockdiag(A, A_bias)``.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from partialbayes.curvature._distributed import all_reduce_int, fail_together
-from partialbayes.curvature._factors import FactorAccumulator, ModuleFactors
-from partialbayes.curvature._hooks import BatchObserver, prepared, stream
-from partialbayes.curvature._kfac_math import row_count, shared_rows
-from partialbayes.curvature._likelihood import check_options, model_device
+from partialbayes.curvature._distributed import all_reduce, fail_together
+from partialbayes.curvature._hooks import BatchObserver, Run, check_untied, stream
+from partialbayes.curvature._kfac_math import input_factor, row_count, shared_rows
+from partialbayes.curvature._likelihood import CurvatureOptions, model_device
 from partialbayes.curvature._outputs import resolve_shift_labels
+from partialbayes.predictive import check_generator
 from partialbayes.selection import KronModule, Subset
 
 
-def kron_targets(model: nn.Module, subset: Subset, what: str) -> dict[str, KronModule]:
-    """``subset.kron_modules()`` checked against ``model``; a mask subset raises a TypeError with a pointer.
+@dataclass(frozen=True)
+class ModuleFactors:
+    """Kronecker factors ``G ⊗ A`` of one linear map (or its S-KFAC block).
+
+    Attributes:
+        module: Module name in the model.
+        G: ``[r, r]``, ``r = |R|`` or ``n_out``: output-gradient factor, SUMMED over examples.
+        A: ``[c, c]``, ``c = |C|`` or ``n_in``, ``+1`` when the bias is folded in (last index = the constant
+            input 1): input factor, AVERAGED over examples (over unmasked tokens with ``sharing="expand"``).
+        rows: Selected output indices ``R`` (``None`` = all).
+        cols: Selected input indices ``C`` (``None`` = all).
+        bias: ``True`` when the bias entries of ``R`` are in the block (folded into ``A`` as its last row /
+            column, or kept separate with ``A_bias``).
+        n_examples: Examples (sequences) the factors were computed from.
+        A_bias: ``[1, 1]`` input factor of a bias kept separate (``bias="separate"``; the bias block is
+            ``G ⊗ A_bias`` and ``A`` covers the weight inputs only), else ``None``.
+        sharing: The weight sharing the factors were computed with, ``"reduce"`` or ``"expand"``.
+
+    The block covers ``vec(W[R][:, C] | b[R])`` row-major; for HF ``Conv1D`` the logical (n_out x n_in)
+    orientation.
+    """
+
+    module: str
+    G: Tensor
+    A: Tensor
+    rows: Tensor | None
+    cols: Tensor | None
+    bias: bool
+    n_examples: int
+    A_bias: Tensor | None = None
+    sharing: str | None = None
+
+    def input_factor(self) -> Tensor:
+        """The input factor of the whole block (bias column last): ``A`` folded, ``blockdiag(A, A_bias)`` separate.
+
+        Returns:
+            ``[c, c]`` with ``c = |C| (+1 with a bias)``; ``G ⊗ input_factor()`` is the block's curvature in
+            ``vec(W[R][:, C] | b[R])`` order either way.
+        """
+        if self.A_bias is None:
+            return self.A
+        return torch.block_diag(self.A, self.A_bias.to(self.A))
+
+
+class FactorAccumulator:
+    """Running sums for one module: ``Σ δδᵀ``, ``Σ xxᵀ``, ``Σ x`` and the number of rows of ``x``.
+
+    The bias column of ``A`` is assembled at the end from ``Σ x`` and the count, so ``x`` is never
+    concatenated with ones. Buffers are created by the first batch (no zero-fill pass).
+    """
+
+    def __init__(self, r: int, c: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.gg: Tensor | None = None
+        self.xx: Tensor | None = None
+        self.xs = torch.zeros(c, dtype=dtype, device=device)
+        self.count = torch.zeros((), dtype=dtype, device=device)
+        self.r, self.c, self.dtype = r, c, dtype
+
+    def add(self, x: Tensor, count: Tensor | float, d: Tensor) -> None:
+        """Add input rows ``x [m, c]`` counting ``count`` (zero rows allowed) and gradient rows ``δ [m', r]``."""
+        x, d = x.to(self.dtype), d.to(self.dtype)
+        if self.gg is None or self.xx is None:
+            self.gg, self.xx = d.T @ d, x.T @ x
+        else:
+            self.gg.addmm_(d.T, d)
+            self.xx.addmm_(x.T, x)
+        self.xs += x.sum(0)
+        self.count += count
+
+    def factors(self, bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """``(G, A, count)`` summed over ranks: ``G`` summed, ``A = Σ x̃x̃ᵀ / count`` (`input_factor`).
+
+        Args:
+            bias: Fold the bias in as the constant last input of ``A``.
+        """
+        gg = self.xs.new_zeros(self.r, self.r) if self.gg is None else self.gg
+        xx = self.xs.new_zeros(self.c, self.c) if self.xx is None else self.xx
+        for t in (gg, xx, self.xs, self.count):
+            all_reduce(t)
+        return gg, input_factor(xx, self.xs, self.count, bias=bias), self.count
+
+
+@dataclass(frozen=True)
+class KronTargets:
+    """The linear maps of a Kronecker-structured subset, resolved once against a model.
+
+    Attributes:
+        kmods: ``subset.kron_modules()``: each map's rows ``R``, columns ``C`` and parameter names.
+        modules: Module name -> the ``nn.Linear`` / HF ``Conv1D`` to hook.
+        cols: Module -> ``C`` on the model's device (``None``: all), gathering the inputs ``x[:, C]``.
+        rows: Module -> ``R`` on the model's device (``None``: all), gathering the gradients ``δ[:, R]``.
+    """
+
+    kmods: dict[str, KronModule]
+    modules: dict[str, nn.Module]
+    cols: dict[str, Tensor | None]
+    rows: dict[str, Tensor | None]
+
+
+def kron_targets(model: nn.Module, subset: Subset, what: str) -> KronTargets:
+    """``subset.kron_modules()`` checked against ``model`` and resolved for the hooks.
 
     Raises:
-        TypeError: If ``subset`` is not a Subset or has elementwise mask blocks.
-        ValueError: If a module of the subset is not in ``model``.
+        TypeError: If ``subset`` is not a Subset or has elementwise mask blocks (with a pointer to the
+            routines that take them).
+        ValueError: If a module of the subset is not in ``model``, or its weight is tied to another module
+            (`check_untied`).
     """
     if not isinstance(subset, Subset):
         raise TypeError(
@@ -42,7 +153,15 @@ def kron_targets(model: nn.Module, subset: Subset, what: str) -> dict[str, KronM
     missing = [m for m in kmods if m not in named]
     if missing:
         raise ValueError(f"modules {missing} of the subset are not in the model")
-    return kmods
+    modules = {m: named[m] for m in kmods}
+    check_untied(model, modules)
+    device = model_device(model)
+    return KronTargets(
+        kmods=kmods,
+        modules=modules,
+        cols={m: None if k.cols is None else k.cols.to(device) for m, k in kmods.items()},
+        rows={m: None if k.rows is None else k.rows.to(device) for m, k in kmods.items()},
+    )
 
 
 def carries_gradient(energy: Tensor, eps: float) -> Tensor:
@@ -69,7 +188,7 @@ def kfac(
     likelihood: str = "classification",
     fisher: str = "exact",
     mc_samples: int = 1,
-    sharing: str = "reduce",
+    sharing: str | None = None,
     bias: str = "fold",
     sigma_noise: float = 1.0,
     dtype: torch.dtype = torch.float64,
@@ -88,34 +207,21 @@ def kfac(
        A = \frac{1}{N} \sum_n \tilde x_n[C]\,\tilde x_n[C]^\top, $$
 
     ``G`` SUMMED and ``A`` AVERAGED (the laplace-torch convention), ``x̃ = (x, 1)`` when the bias is in the
-    subset and ``bias="fold"``. With ``bias="separate"`` the weight block is ``G ⊗ A`` with ``x̃ = x[C]``
-    and the bias block is ``G ⊗ A_bias`` (``ModuleFactors.A_bias = [1]``: the bias's input is the constant
-    1, its output-gradient factor the same ``G``); the weight–bias cross terms are dropped. S-KFAC blocks
-    gather ``δ[:, R]`` and ``x[:, C]`` in the hooks: the full factors are never formed.
-    Token sequences (``[B, T, d]`` activations): ``sharing="reduce"`` sums ``δ`` and averages ``x`` over the
-    unmasked tokens of each sequence before the outer products (exact for deep linear networks with one
-    loss per sequence); ``"expand"`` treats every unmasked token as an example (``A`` averaged over tokens).
-    Padding tokens (``attention_mask == 0``) never contribute. A module called several times per forward
-    pass (a shared, tied or looped layer) contributes every call, the calls merged as extra token positions
-    of each example (its per-example gradient is ``Σ_calls Σ_t δ_t x_tᵀ``): ``reduce`` sums ``δ`` and
-    averages ``x`` over all calls' positions (exact with one datum when the calls' output gradients agree,
-    e.g. their outputs are summed; for any data in deep linear networks with MSE), ``expand`` treats each
-    call's positions as examples (exact for deep linear networks with MSE when each call feeds its own
-    outputs through the same linear path).
+    subset and ``bias="fold"``; ``bias="separate"`` gives the bias its own block ``G ⊗ A_bias``. S-KFAC
+    blocks gather ``δ[:, R]`` and ``x[:, C]`` in the hooks: the full factors are never formed.
 
-    Token-level outputs (logits ``[B, T, C]``: token classification, causal language models) count one
-    output per kept position — positions where the attention mask is 0 or the label is -100 are dropped —
-    and need ``sharing="expand"`` (``"reduce"`` assumes one loss per sequence and is refused). The ``S``
-    backward passes carry every kept position's output vector at once (as curvlinops does). Each module's
-    examples are its real positions (attention mask 1) whose output gradient ``δ`` is not zero in some
-    pass (above rounding level, see `carries_gradient`): ``G`` sums ``δδᵀ`` and ``A`` averages ``x̃x̃ᵀ``
-    over them. A position whose own output is not kept
-    still counts where it feeds a kept one — a prompt token labelled -100, seen through attention by the
-    answer — and a position that feeds none (the output layer away from the kept positions, tokens after
-    the last kept output of a causal model) does not. So the factors are exact in KFAC-expand's exact cases
-    (positions that do not interact, e.g. deep linear per-token networks, or one kept position) and
-    otherwise also hold cross-position terms, like any KFAC of a transformer. Causal LMs shift their labels
-    (the output at ``t`` predicts token ``t + 1``): see ``shift_labels``.
+    Token sequences (``[B, T, d]`` activations; padding never contributes): ``sharing="reduce"`` sums ``δ``
+    and averages ``x`` over the unmasked tokens of each sequence before the outer products (exact for deep
+    linear networks with one loss per sequence); ``"expand"`` treats every unmasked token as an example.
+    A module called several times per forward pass contributes every call, the calls merged as extra token
+    positions. Token-level outputs (logits ``[B, T, C]``) count one output per kept position (attention mask
+    1, label not -100; causal LMs: see ``shift_labels``) and take ``"expand"``, which the default
+    ``sharing=None`` picks (``"reduce"`` is refused for them): one backward pass per output vector carries
+    every kept position, and a module's examples are its real positions whose ``δ`` is not zero in some pass
+    (`carries_gradient`) — a prompt token that the answer reads through attention counts. Label -100 skips
+    an output for ``[B, C]`` logits too; a batch left without a labelled output is skipped (one warning
+    counts them; a loader of such batches only is refused). The curvature concept page derives each case
+    and its exactness.
 
     Args:
         model: Network; its forward takes a tensor or keyword inputs and returns logits ``[B, C]`` or
@@ -129,21 +235,20 @@ def kfac(
         fisher: ``"exact"`` (GGN, one backward pass per class), ``"mc"`` (``mc_samples`` sampled labels) or
             ``"empirical"`` (true labels).
         mc_samples: Number of sampled labels per example for ``fisher="mc"``.
-        sharing: ``"reduce"`` or ``"expand"`` weight sharing over tokens.
+        sharing: ``"reduce"`` or ``"expand"`` weight sharing over tokens; ``None`` (default): ``"expand"``
+            for token-level logits ``[B, T, C]``, ``"reduce"`` for one output per example. Recorded in
+            ``ModuleFactors.sharing``.
         bias: ``"fold"`` (bias as the last column of ``A``) or ``"separate"`` (own block ``G ⊗ A_bias``).
         sigma_noise: Gaussian noise standard deviation (regression).
         dtype: Accumulation dtype of the factors (float32 or float64).
         generator: Random generator for ``fisher="mc"``.
         progress: Show a tqdm progress bar.
         num_classes: When given, the number of logits the model must output.
-        on_batch: Called as ``on_batch(index, logits, labels)`` after each batch's forward pass, with the
-            detached output rows ``[N, C]`` (``[B, C]`` logits, or the kept positions of token-level ones)
-            and their validated labels (``None`` for a batch without labels); e.g. to accumulate the
-            training loss in the same pass (``LaplaceBase.fit`` does). The loader is read once.
-        shift_labels: Token-level outputs of a causal LM: the output at ``t`` is scored against
-            ``labels[t + 1]`` and kept when tokens ``t`` and ``t + 1`` are real and that label is not
-            -100. ``None`` (default): ``True`` exactly when the model's class name ends with
-            ``ForCausalLM`` or ``LMHeadModel``.
+        on_batch: Called as ``on_batch(index, logits, labels)`` after each batch's forward pass with the
+            detached output rows ``[N, C]`` and their validated labels (``None`` without labels), e.g. to
+            accumulate the training loss in the same pass (``LaplaceBase.fit`` does).
+        shift_labels: Causal-LM outputs: the output at ``t`` is scored against ``labels[t + 1]``.
+            ``None`` (default): whether the model's class name ends with ``ForCausalLM`` / ``LMHeadModel``.
 
     Returns:
         ``{module name: ModuleFactors}`` in the subset's model order. Under ``torch.distributed`` the sums
@@ -152,140 +257,105 @@ def kfac(
     Raises:
         TypeError: A subset with elementwise mask blocks (use :func:`diag_curvature` /
             :func:`dense_curvature`), or a batch of unknown kind.
-        ValueError: Bad options, empty loader, labels (whenever a batch has them, whatever the fisher)
-            of the wrong dtype, shape or out of range, logits of the wrong shape, an example without
-            unmasked tokens, token-level logits with ``sharing="reduce"`` or without an attention mask or
-            labels, non-finite curvature (naming the module and batch).
+        ValueError: Bad options, empty loader or empty batch, labels (whenever a batch has them, whatever
+            the fisher) of the wrong dtype, shape or out of range, logits of the wrong shape, an example
+            without unmasked tokens, token-level logits with ``sharing="reduce"`` or without an attention
+            mask or labels, non-finite curvature (naming the module and batch), a loader without any
+            labelled output.
         RuntimeError: Under ``torch.distributed``, on every rank whose shard went through when another
             rank raised (all ranks fail instead of waiting for each other).
     """
-    check_options(
-        likelihood,
-        fisher,
-        mc_samples,
-        sigma_noise,
-        sharing,
-        dtype=dtype,
-        generator=generator,
-        num_classes=num_classes,
-    )
-    if bias not in ("fold", "separate"):
-        raise ValueError(f"bias must be 'fold' or 'separate', got {bias!r}")
-    return kron_factors(
-        model,
-        loader,
-        kron_targets(model, subset, "kfac"),
-        sharing=sharing,
-        bias=bias,
-        dtype=dtype,
+    options = CurvatureOptions(
         likelihood=likelihood,
         fisher=fisher,
         mc_samples=mc_samples,
         sigma_noise=sigma_noise,
-        generator=generator,
+        dtype=dtype,
         num_classes=num_classes,
         shift_labels=resolve_shift_labels(model, shift_labels),
-        progress=progress,
-        on_batch=on_batch,
+        sharing=sharing,
+        bias=bias,
     )
-
-
-def hook_targets(
-    model: nn.Module, kmods: dict[str, KronModule]
-) -> tuple[dict[str, nn.Module], dict[str, Tensor | None], dict[str, Tensor | None]]:
-    """What the hooks need for Kronecker modules: ``(modules, cols, rows)``, the indices on the model's device.
-
-    ``cols`` gather the inputs ``x[:, C]`` (``None``: all), ``rows`` the output gradients ``δ[:, R]``.
-    """
-    named = dict(model.named_modules())
-    device = model_device(model)
-    modules = {m: named[m] for m in kmods}
-    cols = {m: None if k.cols is None else k.cols.to(device) for m, k in kmods.items()}
-    rows = {m: None if k.rows is None else k.rows.to(device) for m, k in kmods.items()}
-    return modules, cols, rows
+    run = Run(check_generator(generator), progress, on_batch)
+    factors = kron_factors(model, loader, kron_targets(model, subset, "kfac"), options, run)
+    run.finish(model)
+    return factors
 
 
 def kron_factors(
     model: nn.Module,
     loader: Iterable[Any],
-    kmods: dict[str, KronModule],
-    *,
-    sharing: str,
-    bias: str,
-    dtype: torch.dtype,
-    **options: Any,
+    targets: KronTargets,
+    options: CurvatureOptions,
+    run: Run,
 ) -> dict[str, ModuleFactors]:
     """`kfac`'s pass over ``loader`` for Kronecker modules already resolved and options already checked.
 
     Args:
         model: The network.
         loader: Batches (read once).
-        kmods: ``subset.kron_modules()`` (see `kron_targets`).
-        sharing: ``"reduce"`` or ``"expand"``.
-        bias: ``"fold"`` or ``"separate"``.
-        dtype: Accumulation dtype.
-        **options: `stream`'s keywords (likelihood, fisher, mc_samples, sigma_noise, generator,
-            num_classes, shift_labels as a bool, progress, on_batch).
+        targets: The subset's linear maps (`kron_targets`).
+        options: The checked options (``sharing`` ``None``: chosen from the first batch's outputs).
+        run: The pass's generator, progress bar and observer.
 
     Returns:
         ``{module name: ModuleFactors}`` (see `kfac`).
     """
-    modules, cols, rows = hook_targets(model, kmods)
+    kmods, rows = targets.kmods, targets.rows
     device = model_device(model)
-    acc = {m: FactorAccumulator(k.n_rows, k.n_cols, dtype, device) for m, k in kmods.items()}
+    acc = {
+        m: FactorAccumulator(k.n_rows, k.n_cols, options.dtype, device) for m, k in kmods.items()
+    }
     n_examples = 0
-    with fail_together(device), prepared(model, modules):
-        for bp in stream(model, loader, modules, cols, positions="joint", **options):
-            if bp.keep is not None and sharing == "reduce":
+    sharing = options.sharing
+    with fail_together(device):
+        for bp in stream(model, loader, targets.modules, targets.cols, options, run):
+            token_level = bp.keep is not None
+            if sharing is None:
+                sharing = "expand" if token_level else "reduce"
+            if token_level and sharing == "reduce":
                 raise ValueError(
                     f"batch {bp.index}: the model returns token-level logits (one output per kept "
                     "position), which is KFAC's 'expand' setting; sharing='reduce' sums the output "
                     "gradients over a sequence before the outer product and so assumes one loss per "
-                    "sequence. Pass sharing='expand'"
+                    "sequence. Pass sharing='expand' (or leave sharing=None)"
                 )
             n_examples += bp.n_examples
-            token_level = bp.keep is not None
             deltas: dict[str, list[Tensor]] = {m: [] for m in kmods}
             energy: dict[str, Tensor] = {}  # token-level: the largest ‖δ_t‖² over the passes
-            eps: dict[str, float] = {}
             for grads in bp.passes:
                 for m, d in grads.items():
                     tm = bp.token_masks[m]
                     if token_level and tm is not None:
                         e = d.square().sum(-1)  # full rows, before an S-KFAC gather
                         energy[m] = torch.maximum(energy[m], e) if m in energy else e
-                        eps[m] = torch.finfo(d.dtype).eps
                     r = rows[m]
                     if r is not None:
                         d = d.index_select(-1, r)
                     deltas[m].append(shared_rows(d, tm, sharing, mean=False))
-            checks: dict[str, Tensor] = {}
+            checks: list[Tensor] = []
             for m, x in bp.inputs.items():
                 tm = bp.token_masks[m]
                 if m in energy and tm is not None:  # G is unchanged: δ ≈ 0 where this drops
-                    tm = tm * carries_gradient(energy[m], eps[m]).to(tm.dtype)
+                    eps = torch.finfo(energy[m].dtype).eps
+                    tm = tm * carries_gradient(energy[m], eps).to(tm.dtype)
                 if tm is not None and sharing == "reduce" and bool((tm.sum(1) == 0).any()):
                     raise ValueError(f"batch {bp.index}: an example has no unmasked token")
                 xr = shared_rows(x, tm, sharing, mean=True)
-                acc[m].add_inputs(xr, row_count(x, tm, sharing))
-                checks[m] = xr.sum()
-            for m, ds in deltas.items():
-                dd = torch.cat(ds) if len(ds) > 1 else ds[0]
-                acc[m].add_grads(dd)
-                checks[m] = checks[m] + dd.sum()
+                dd = deltas[m][0] if len(deltas[m]) == 1 else torch.cat(deltas[m])
+                acc[m].add(xr, row_count(x, tm, sharing), dd)
+                checks.append(xr.sum() + dd.sum())
             # finite rows give finite factors (overflow is caught on the totals below)
-            total = torch.stack(list(checks.values())).sum()
-            if not bool(torch.isfinite(total)):
-                bad = next(m for m, v in checks.items() if not bool(torch.isfinite(v)))
+            if not bool(torch.isfinite(torch.stack(checks).sum())):
+                bad = next(m for m, v in zip(kmods, checks, strict=True) if not v.isfinite())
                 raise ValueError(f"non-finite curvature in module {bad!r} at batch {bp.index}")
-    n_examples = all_reduce_int(n_examples, device)
+    n_examples = round(float(all_reduce(torch.tensor(float(n_examples), device=device))))
     out: dict[str, ModuleFactors] = {}
     for m, k in kmods.items():
-        acc[m].all_reduce()
-        has_bias = k.bias_name is not None
-        separate = has_bias and bias == "separate"
-        A_bias = acc[m].bias_factor() if separate else None
-        G, A = acc[m].factors(bias=has_bias and not separate)
+        separate = k.bias_name is not None and options.bias == "separate"
+        G, A, count = acc[m].factors(bias=k.bias_name is not None and not separate)
+        # the separate bias's input factor: the average of the constant input 1, [1] once a row counted
+        A_bias = (count / count.clamp_min(1)).reshape(1, 1) if separate else None
         if not bool(torch.isfinite(G).all() and torch.isfinite(A).all()):
             raise ValueError(
                 f"non-finite curvature in module {m!r} (overflow in the accumulated factors)"
@@ -296,8 +366,9 @@ def kron_factors(
             A=A,
             rows=k.rows,
             cols=k.cols,
-            bias=has_bias,
+            bias=k.bias_name is not None,
             n_examples=n_examples,
             A_bias=A_bias,
+            sharing=sharing,
         )
     return out

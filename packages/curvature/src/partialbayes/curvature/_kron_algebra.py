@@ -25,24 +25,47 @@ import torch
 from torch import Tensor
 
 
-def clamped_eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
-    """Eigendecomposition of a symmetric PSD factor with eigenvalues clamped at 0.
+def clamped_eigh(
+    matrix: Tensor,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+    what: str = "factor",
+) -> tuple[Tensor, Tensor]:
+    """Eigendecomposition of a symmetric PSD factor with the round-off below 0 clamped to 0.
+
+    A curvature factor is a sum of outer products, so a negative eigenvalue can only be round-off:
+    ``λ_min ≥ −ε_r · max |λ|`` with ``ε_r = max(√ε, 10 n ε)`` (``ε`` of the coarser of the factor's and the
+    decomposition's dtypes). Anything more negative is refused rather than clamped into a wrong posterior.
 
     Args:
         matrix: Symmetric matrix, shape ``[n, n]`` (symmetrised before decomposing).
+        dtype: dtype of the decomposition (default: the matrix's).
+        device: Its device (default: the matrix's).
+        what: How errors name the matrix.
 
     Returns:
         ``(eigenvalues [n], eigenvectors [n, n])`` with ``matrix ≈ Q diag(λ) Qᵀ`` and ``λ ≥ 0``.
 
     Raises:
-        ValueError: If ``matrix`` is not square or holds non-finite values.
+        ValueError: If ``matrix`` is not square, holds non-finite values, or is negative beyond round-off
+            (the message gives its most negative eigenvalue relative to the largest).
     """
     if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
-        raise ValueError(f"factor must be a square matrix, got shape {tuple(matrix.shape)}")
+        raise ValueError(f"{what} must be a square matrix, got shape {tuple(matrix.shape)}")
     if not torch.isfinite(matrix).all():
-        raise ValueError("factor holds non-finite values (NaN or inf)")
-    sym = 0.5 * (matrix + matrix.T)
-    eigenvalues, eigenvectors = torch.linalg.eigh(sym)
+        raise ValueError(f"{what} holds non-finite values (NaN or inf)")
+    m = matrix.to(device=device, dtype=dtype)
+    eigenvalues, eigenvectors = torch.linalg.eigh(0.5 * (m + m.T))
+    eps = max(torch.finfo(matrix.dtype).eps, torch.finfo(m.dtype).eps)
+    tol = max(eps**0.5, 10 * m.shape[0] * eps)
+    scale = float(eigenvalues.abs().max()) if m.numel() else 0.0
+    lowest = float(eigenvalues.min()) if m.numel() else 0.0
+    if lowest < -tol * scale:
+        raise ValueError(
+            f"{what} is not positive semi-definite: its most negative eigenvalue is {lowest:.3g}, "
+            f"{lowest / scale:.3g} times its largest in magnitude (round-off stays within {tol:.1e}); "
+            "a curvature factor is a sum of outer products"
+        )
     # row-major like a loaded posterior's tensors: matmuls then round identically before and after load
     return eigenvalues.clamp(min=0.0), eigenvectors.contiguous()
 

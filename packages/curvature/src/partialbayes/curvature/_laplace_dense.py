@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from partialbayes.curvature._dense import dense_curvature
+from partialbayes.curvature._diag_dense import dense
+from partialbayes.curvature._hooks import Run
+from partialbayes.curvature._jacobians import subset_jacobians
 from partialbayes.curvature._kron_algebra import clamped_eigh
-from partialbayes.curvature._laplace_base import LaplaceBase
-from partialbayes.curvature._laplace_data import subset_jacobians
+from partialbayes.curvature._laplace import LaplaceBase
 from partialbayes.curvature._outputs import Outputs
+from partialbayes.predictive import PosteriorFile
+from partialbayes.selection import Subset
 
 
 class DenseLaplace(LaplaceBase):
@@ -31,46 +34,26 @@ class DenseLaplace(LaplaceBase):
         **kwargs: See `LaplaceBase`.
     """
 
+    _SAVED: ClassVar[tuple[str, ...]] = ("max_entries",)
+    _eig: tuple[Tensor, Tensor]
+
     def __init__(
-        self, model: Any, subset: Any, *, max_entries: int = 20_000, **kwargs: Any
+        self, model: nn.Module, subset: Subset, *, max_entries: int = 20_000, **kwargs: Any
     ) -> None:
         self.max_entries = max_entries
-        self._eigvals: Tensor | None = None
-        self._eigvecs: Tensor | None = None
         super().__init__(model, subset, **kwargs)
 
-    def _check_subset(self) -> None:
+    def _groups(self) -> dict[str, str]:
         n = self.subset.num_entries()
         if n > self.max_entries:
             raise ValueError(
                 f"subset has {n} entries; DenseLaplace stores {n}² floats and refuses more than "
                 f"max_entries={self.max_entries}: use KronLaplace or DiagLaplace, or raise max_entries"
             )
+        return super()._groups()
 
-    def _offsets(self) -> dict[str, slice]:
-        out, start = {}, 0
-        for n in self.subset.names:
-            k = self.subset.num_entries(n)
-            out[n] = slice(start, start + k)
-            start += k
-        return out
-
-    def _entry_prior(self, prior: Tensor) -> Tensor:
-        """``[P]`` prior precision of every entry."""
-        return torch.cat(
-            [
-                prior[self._param_module[n]].expand(self.subset.num_entries(n))
-                for n in self.subset.names
-            ]
-        )
-
-    def _compute_curvature(self, loader: Iterable[Any], options: Mapping[str, Any]) -> Any:
-        return dense_curvature(
-            self.model,
-            loader,
-            self.subset,
-            **options,
-        )
+    def _compute_curvature(self, loader: Iterable[Any], run: Run) -> Any:
+        return dense(self.model, loader, self.subset, self._options, run)
 
     def _set_curvature(self, curvature: Tensor) -> None:
         """``curvature``: ``H [P, P]`` in ``subset.names`` order."""
@@ -83,25 +66,27 @@ class DenseLaplace(LaplaceBase):
             )
             raise ValueError(f"dense curvature must have shape ({p}, {p}), got {got}")
         try:
-            vals, vecs = clamped_eigh(curvature.to(device=self.device, dtype=self.dtype))
+            self._eig = clamped_eigh(curvature, self.dtype, self.device, "H")
         except ValueError as err:
             raise ValueError(f"dense curvature of modules {list(self.modules)}: {err}") from err
-        self._eigvals, self._eigvecs = vals, vecs
 
-    def _eig(self) -> tuple[Tensor, Tensor]:
-        """``(λ, Q)`` of ``H``, set by `fit` / `load` (callers check `_require_fit` first)."""
-        if self._eigvals is None or self._eigvecs is None:
-            raise RuntimeError(f"{type(self).__name__} is not fitted: call fit(loader) first")
-        return self._eigvals, self._eigvecs
+    def _entry_prior(self, prior: Tensor) -> Tensor:
+        """``[P]`` prior precision of every entry."""
+        return torch.cat(
+            [
+                prior[self._param_module[n]].expand(self.subset.num_entries(n))
+                for n in self.subset.names
+            ]
+        )
 
     def _uniform(self, prior: Tensor) -> bool:
         return not prior.requires_grad and bool((prior == prior[0]).all())
 
     def _eig_precision(self, prior: Tensor, scale: Tensor | float) -> Tensor:
-        return self._eig()[0] * (scale / self.temperature) + prior[0]
+        return self._eig[0] * (scale / self.temperature) + prior[0]
 
     def _cholesky(self, prior: Tensor, scale: Tensor | float) -> Tensor:
-        vals, q = self._eig()
+        vals, q = self._eig
         precision = (q * (vals * (scale / self.temperature))) @ q.T
         precision = precision + torch.diag(self._entry_prior(prior))
         chol, info = torch.linalg.cholesky_ex(precision)
@@ -116,11 +101,8 @@ class DenseLaplace(LaplaceBase):
             return self._eig_precision(prior, scale).log().sum()
         return 2 * torch.diagonal(self._cholesky(prior, scale)).log().sum()
 
-    def _split(self, flat: Tensor) -> dict[str, Tensor]:
-        return {n: flat[..., s] for n, s in self._offsets().items()}
-
-    def _sample_centered(self, n: int, generator: torch.Generator | None) -> dict[str, Tensor]:
-        vals, vecs = self._eig()
+    def _sample(self, n: int, generator: torch.Generator | None) -> dict[str, Tensor]:
+        vals, vecs = self._eig
         eps = self._noise((n, vals.numel()), generator)
         scale = self._scale(None)
         if self._uniform(self._prior):
@@ -128,34 +110,49 @@ class DenseLaplace(LaplaceBase):
         else:
             chol = self._cholesky(self._prior, scale)
             flat = torch.linalg.solve_triangular(chol.T, eps.T, upper=True).T
-        return self._split(flat)
+        out, start = {}, 0
+        for name in self.subset.names:
+            k = self.subset.num_entries(name)
+            out[name] = flat[:, start : start + k]
+            start += k
+        return out
 
-    def _jacobians(
-        self, inputs: Tensor | Mapping[str, Any], outputs: Outputs
-    ) -> tuple[Tensor, Tensor | None, Tensor]:
-        logits, keep, jac = subset_jacobians(self.model, inputs, outputs, self.subset)
-        return logits, keep, torch.cat([jac[n] for n in self.subset.names], dim=-1)
+    def _covariances(
+        self,
+        inputs: Tensor | Mapping[str, Any],
+        outputs: Outputs,
+        priors: Sequence[Tensor],
+        scale: Tensor | float,
+    ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
+        """``J P⁻¹ Jᵀ`` from the Jacobians ``[N, C, P]``.
 
-    def _prepare(self, jac: Tensor) -> Tensor:
-        """``J Q``: Jacobians in the eigenbasis of ``H``, ``[B, C, P]``."""
-        return jac.to(device=self.device, dtype=self.dtype) @ self._eig()[1]
+        In the eigenbasis of ``H`` with one scalar prior, else through a Cholesky factor of ``P``.
+        """
+        logits, keep, parts = subset_jacobians(self.model, inputs, outputs, self.subset)
+        with torch.no_grad():
+            jac = torch.cat([parts[n] for n in self.subset.names], dim=-1)
+            jac = jac.to(device=self.device, dtype=self.dtype)
+            rotated = jac @ self._eig[1]
+            covs = []
+            for prior in priors:
+                if self._uniform(prior):
+                    m = rotated * self._eig_precision(prior, scale).rsqrt()
+                    covs.append(m @ m.mT)
+                else:
+                    chol = self._cholesky(prior, scale)
+                    v = torch.linalg.solve_triangular(chol, jac.mT, upper=False)
+                    covs.append(v.mT @ v)
+        return logits.detach(), keep, covs
 
-    def _functional_cov(self, prepared: Tensor, prior: Tensor, scale: Tensor | float) -> Tensor:
-        if self._uniform(prior):
-            m = prepared * self._eig_precision(prior, scale).rsqrt()
-            return m @ m.transpose(1, 2)
-        chol = self._cholesky(prior, scale)
-        jac = prepared @ self._eig()[1].T
-        v = torch.linalg.solve_triangular(chol, jac.transpose(1, 2), upper=False)
-        return v.transpose(1, 2) @ v
+    def _state(self) -> dict[str, Tensor]:
+        return {"eigvals": self._eig[0], "eigvecs": self._eig[1]}
 
-    def _curvature_state(self) -> dict[str, Tensor]:
-        vals, vecs = self._eig()
-        return {"eigvals": vals, "eigvecs": vecs}
-
-    def _load_curvature_state(self, tensors: Mapping[str, Tensor]) -> None:
-        self._eigvals = tensors["eigvals"].to(device=self.device, dtype=self.dtype)
-        self._eigvecs = tensors["eigvecs"].to(device=self.device, dtype=self.dtype)
+    def _load_state(self, file: PosteriorFile) -> None:
+        p = self.subset.num_entries()
+        self._eig = (
+            file.tensor("curv:eigvals", (p,)).to(self.device, self.dtype),
+            file.tensor("curv:eigvecs", (p, p)).to(self.device, self.dtype),
+        )
 
     def _summary_rows(self) -> list[tuple[str, str, int]]:
         p = self.subset.num_entries()

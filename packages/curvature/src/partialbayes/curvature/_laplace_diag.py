@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from partialbayes.curvature._diag import diag_curvature
-from partialbayes.curvature._laplace_base import LaplaceBase
-from partialbayes.curvature._laplace_data import subset_jacobians
+from partialbayes.curvature._diag_dense import diagonal
+from partialbayes.curvature._hooks import Run
+from partialbayes.curvature._jacobians import subset_jacobians
+from partialbayes.curvature._laplace import LaplaceBase
 from partialbayes.curvature._outputs import Outputs
+from partialbayes.predictive import PosteriorFile
 
 
 class DiagLaplace(LaplaceBase):
@@ -21,23 +23,16 @@ class DiagLaplace(LaplaceBase):
     any subset, elementwise ``MaskBlock`` ones included. Prior precision: scalar or one per module (the
     module owning each parameter, e.g. ``"encoder.layer.0.output.dense"``). Token-level outputs are exact
     per position: ``fisher="exact"`` costs ``C`` backward passes per kept position and batch (see
-    ``diag_curvature``).
+    ``diag_curvature``). Arguments: see `LaplaceBase`.
     """
 
-    def __init__(self, model: Any, subset: Any, **kwargs: Any) -> None:
-        self._h: dict[str, Tensor] = {}
-        super().__init__(model, subset, **kwargs)
+    _h: dict[str, Tensor]
 
-    def _compute_curvature(self, loader: Iterable[Any], options: Mapping[str, Any]) -> Any:
-        return diag_curvature(
-            self.model,
-            loader,
-            self.subset,
-            **options,
-        )
+    def _compute_curvature(self, loader: Iterable[Any], run: Run) -> Any:
+        return diagonal(self.model, loader, self.subset, self._options, run)
 
     def _set_curvature(self, curvature: Mapping[str, Tensor]) -> None:
-        """``curvature``: ``{param name: h [k]}`` in ``subset.gather`` order."""
+        """``curvature``: ``{param name: h [k]}`` in ``subset.gather`` order, ``h ≥ 0`` up to round-off."""
         missing = [n for n in self.subset.names if n not in curvature]
         extra = [n for n in curvature if n not in self.subset.names]
         if missing or extra:
@@ -47,13 +42,19 @@ class DiagLaplace(LaplaceBase):
         h = {}
         for n in self.subset.names:
             v = curvature[n].to(device=self.device, dtype=self.dtype).reshape(-1)
+            where = f"diagonal curvature of {n!r} (module {self.modules[self._param_module[n]]!r})"
             if v.numel() != self.subset.num_entries(n):
                 raise ValueError(
-                    f"diagonal of {n!r} has {v.numel()} entries, the subset selects {self.subset.num_entries(n)}"
+                    f"{where} has {v.numel()} entries, the subset selects {self.subset.num_entries(n)}"
                 )
             if not torch.isfinite(v).all():
+                raise ValueError(f"{where} is not finite")
+            if v.numel() and float(v.min()) < -(torch.finfo(v.dtype).eps ** 0.5) * float(
+                v.abs().max()
+            ):
                 raise ValueError(
-                    f"diagonal curvature of {n!r} (module {self._module_of(n)!r}) is not finite"
+                    f"{where} has negative entries down to {float(v.min()):.3g}: a diagonal GGN / Fisher "
+                    "is a sum of squares"
                 )
             h[n] = v.clamp(min=0.0)
         self._h = h
@@ -65,7 +66,7 @@ class DiagLaplace(LaplaceBase):
         first, *rest = [self._precision(n, prior, scale).log().sum() for n in self.subset.names]
         return sum(rest, first)
 
-    def _sample_centered(self, n: int, generator: torch.Generator | None) -> dict[str, Tensor]:
+    def _sample(self, n: int, generator: torch.Generator | None) -> dict[str, Tensor]:
         scale = self._scale(None)
         return {
             name: self._noise((n, self._h[name].numel()), generator)
@@ -73,38 +74,39 @@ class DiagLaplace(LaplaceBase):
             for name in self.subset.names
         }
 
-    def _jacobians(
-        self, inputs: Tensor | Mapping[str, Any], outputs: Outputs
-    ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
-        return subset_jacobians(self.model, inputs, outputs, self.subset)
+    def _covariances(
+        self,
+        inputs: Tensor | Mapping[str, Any],
+        outputs: Outputs,
+        priors: Sequence[Tensor],
+        scale: Tensor | float,
+    ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
+        """``J diag(1/P) Jᵀ`` from the Jacobians of the subset's entries (computed once for every prior)."""
+        logits, keep, jac = subset_jacobians(self.model, inputs, outputs, self.subset)
+        with torch.no_grad():
+            jac = {n: j.to(device=self.device, dtype=self.dtype) for n, j in jac.items()}
+            covs = []
+            for prior in priors:
+                scaled = [
+                    jac[n] * self._precision(n, prior, scale).rsqrt() for n in self.subset.names
+                ]
+                covs.append(sum((j @ j.mT for j in scaled[1:]), scaled[0] @ scaled[0].mT))
+        return logits.detach(), keep, covs
 
-    def _prepare(self, jac: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        return {n: j.to(device=self.device, dtype=self.dtype) for n, j in jac.items()}
-
-    def _functional_cov(
-        self, prepared: Mapping[str, Tensor], prior: Tensor, scale: Tensor | float
-    ) -> Tensor:
-        out: Tensor | None = None
-        for n in self.subset.names:
-            j = prepared[n] * self._precision(n, prior, scale).rsqrt()
-            cov = j @ j.transpose(1, 2)
-            out = cov if out is None else out + cov
-        if out is None:
-            raise ValueError("DiagLaplace: the subset has no parameters")
-        return out
-
-    def _curvature_state(self) -> dict[str, Tensor]:
+    def _state(self) -> dict[str, Tensor]:
         return {f"{n}:diag": h for n, h in self._h.items()}
 
-    def _load_curvature_state(self, tensors: Mapping[str, Tensor]) -> None:
+    def _load_state(self, file: PosteriorFile) -> None:
         self._h = {
-            n: tensors[f"{n}:diag"].to(device=self.device, dtype=self.dtype)
+            n: file.tensor(f"curv:{n}:diag", (self.subset.num_entries(n),)).to(
+                self.device, self.dtype
+            )
             for n in self.subset.names
         }
 
     def _summary_rows(self) -> list[tuple[str, str, int]]:
         rows: dict[str, int] = {}
         for n in self.subset.names:
-            m = self._module_of(n)
+            m = self.modules[self._param_module[n]]
             rows[m] = rows.get(m, 0) + self._h[n].numel()
         return [(m, f"diagonal, {k} entries", k) for m, k in rows.items()]

@@ -1,13 +1,20 @@
-"""Kronecker-factored Laplace posterior (KFAC / S-KFAC blocks) over a Kronecker-structured `Subset`."""
+"""Kronecker-factored Laplace posterior (KFAC / S-KFAC blocks) over a Kronecker-structured `Subset`.
+
+The Kronecker structure lives here, in one place: the blocks of the subset's linear maps (`_dims`), their
+layout in the subset's parameters (`block_to_params`), the eigenbases of the factors and the precision's
+eigenvalues (`_kron_algebra`), and the streamed predictive (`_laplace_projected.kron_predictive`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from dataclasses import replace
+from typing import Any, ClassVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from partialbayes.curvature._hooks import Run
 from partialbayes.curvature._kfac import kron_factors, kron_targets
 from partialbayes.curvature._kron_algebra import (
     clamped_eigh,
@@ -15,11 +22,12 @@ from partialbayes.curvature._kron_algebra import (
     kron_sample,
     precision_eigenvalues,
 )
-from partialbayes.curvature._laplace_base import LaplaceBase
-from partialbayes.curvature._laplace_data import block_to_params, params_to_block
+from partialbayes.curvature._laplace import LaplaceBase
 from partialbayes.curvature._laplace_projected import kron_predictive
+from partialbayes.curvature._likelihood import CurvatureOptions
 from partialbayes.curvature._outputs import Outputs
-from partialbayes.predictive import eval_mode
+from partialbayes.predictive import PosteriorFile
+from partialbayes.selection import Subset
 
 
 class KronLaplace(LaplaceBase):
@@ -32,15 +40,16 @@ class KronLaplace(LaplaceBase):
     its own block ``G ⊗ A_bias`` (``A_bias = [1]``), i.e. ``A`` is replaced by ``blockdiag(A, A_bias)``:
     the weight–bias cross terms are zero and every operation below keeps working in the same layout. Only
     the eigendecompositions of ``G`` and ``A`` are stored; the prior is added exactly in their eigenbasis,
-    and inverse, log-determinant, samples and the functional covariance never form a dense covariance. Prior precision: scalar or one per module
-    (keys: module names of ``subset.kron_modules()``).
+    and inverse, log-determinant, samples and the functional covariance never form a dense covariance.
+    Prior precision: scalar or one per module (keys: module names of ``subset.kron_modules()``).
 
     Args:
         model: The fine-tuned model.
         subset: A Kronecker-structured subset (``KronBlock`` blocks on linear maps).
-        sharing: Weight sharing over tokens for KFAC, ``"reduce"`` or ``"expand"``. Token-level outputs
-            (``[B, T, C]`` logits: token classification, causal LMs) need ``"expand"``: every kept position
-            is its own output, and ``"reduce"`` (one loss per sequence) is refused with a pointer.
+        sharing: Weight sharing over tokens for KFAC, ``"reduce"`` or ``"expand"``; ``None`` (default):
+            chosen by `fit` from the outputs — ``"expand"`` for token-level logits ``[B, T, C]``,
+            ``"reduce"`` for one output per example — and recorded (``sharing``, `summary`, the saved
+            file). ``"reduce"`` with token-level outputs is refused with a pointer.
         bias: ``"fold"`` (bias folded into ``A``) or ``"separate"`` (own Kronecker block ``G ⊗ A_bias``);
             stored by `save` and passed to `kfac`.
         predictive_rtol: ``0`` (default): the linearised predictive is exact. ``ε > 0``: eigendirection pairs
@@ -57,45 +66,50 @@ class KronLaplace(LaplaceBase):
             `DenseLaplace`).
     """
 
+    _SAVED: ClassVar[tuple[str, ...]] = ("sharing", "bias", "predictive_rtol")
+
     def __init__(
         self,
-        model: Any,
-        subset: Any,
+        model: nn.Module,
+        subset: Subset,
         *,
-        sharing: str = "reduce",
+        sharing: str | None = None,
         bias: str = "fold",
         predictive_rtol: float = 0.0,
         **kwargs: Any,
     ) -> None:
-        if sharing not in ("reduce", "expand"):
-            raise ValueError(f"sharing must be 'reduce' or 'expand', got {sharing!r}")
-        if bias not in ("fold", "separate"):
-            raise ValueError(f"bias must be 'fold' or 'separate', got {bias!r}")
         if (
             isinstance(predictive_rtol, bool)
             or not isinstance(predictive_rtol, (int, float))
             or not 0 <= predictive_rtol < 1
         ):
             raise ValueError(f"predictive_rtol must be a number in [0, 1), got {predictive_rtol!r}")
-        self.sharing = sharing
-        self.bias = bias
         self.predictive_rtol = float(predictive_rtol)
         self._eig: dict[str, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
         super().__init__(model, subset, **kwargs)
+        self._options: CurvatureOptions = replace(self._options, sharing=sharing, bias=bias)
 
-    # ------------------------------------------------------------------ structure
-    def _check_subset(self) -> None:
-        """Resolve the Kronecker modules once (`fit` and the predictive reuse them)."""
-        self._kmods = kron_targets(self.model, self.subset, "KronLaplace")
+    @property
+    def sharing(self) -> str | None:
+        """KFAC weight sharing, ``"reduce"`` or ``"expand"`` (``None`` until `fit` chooses it)."""
+        return self._options.sharing
 
-    def _module_names(self) -> tuple[str, ...]:
-        return tuple(self._kmods)
+    @property
+    def bias(self) -> str:
+        """``"fold"`` or ``"separate"``: how the bias enters its block."""
+        return self._options.bias
 
-    def _module_of(self, param_name: str) -> str:
-        for m, km in self._kmods.items():
-            if param_name in (km.weight_name, km.bias_name):
-                return m
-        raise KeyError(param_name)
+    # ------------------------------------------------------------------ the blocks
+    def _groups(self) -> dict[str, str]:
+        """Resolve the Kronecker modules once (`fit` and the predictive reuse them); one prior per module."""
+        self._targets = kron_targets(self.model, self.subset, "KronLaplace")
+        self._kmods = self._targets.kmods
+        return {
+            n: m
+            for m, km in self._kmods.items()
+            for n in (km.weight_name, km.bias_name)
+            if n is not None
+        }
 
     def _dims(self, module: str) -> tuple[int, int, int]:
         """``(r, c_w, c)``: block rows, weight columns, block columns (``c_w + 1`` with a bias)."""
@@ -106,31 +120,47 @@ class KronLaplace(LaplaceBase):
 
     def _separate(self, module: str) -> bool:
         """Whether the module's bias is in its block and kept separate (``bias="separate"``)."""
-        return self.bias == "separate" and self._kmods[module].bias_name is not None
+        return self._options.bias == "separate" and self._kmods[module].bias_name is not None
 
     def block_to_params(self, module: str, block: Tensor) -> dict[str, Tensor]:
-        """Split block matrices ``[..., r, c]`` into the module's parameters in ``subset.gather`` order.
+        """Split block matrices ``[..., r, c]`` (bias column last) into the module's parameters.
 
         Returns:
-            ``{weight name: [..., r·c_w], bias name: [..., r]}`` (storage order, Conv1D transposed).
+            ``{weight name: [..., r·c_w], bias name: [..., r]}`` in ``subset.gather`` order (for a Conv1D
+            the storage is ``n_in x n_out``, so the weight part is transposed before flattening).
         """
-        return block_to_params(self._kmods[module], block)
+        km = self._kmods[module]
+        _, cw, _ = self._dims(module)
+        w = block[..., :cw]
+        if km.transposed:
+            w = w.transpose(-1, -2)
+        out = {km.weight_name: w.reshape(*block.shape[:-2], -1)}
+        if km.bias_name is not None:
+            out[km.bias_name] = block[..., cw]
+        return out
 
     def params_to_block(self, module: str, values: Mapping[str, Tensor]) -> Tensor:
         """Inverse of `block_to_params`: ``{param: [..., k]}`` -> ``[..., r, c]``."""
-        return params_to_block(self._kmods[module], values)
+        km = self._kmods[module]
+        r, cw, _ = self._dims(module)
+        w = values[km.weight_name]
+        lead = w.shape[:-1]
+        w = w.reshape(*lead, cw, r).transpose(-1, -2) if km.transposed else w.reshape(*lead, r, cw)
+        if km.bias_name is None:
+            return w
+        return torch.cat([w, values[km.bias_name].unsqueeze(-1)], dim=-1)
 
     # ------------------------------------------------------------------ curvature
-    def _compute_curvature(self, loader: Iterable[Any], options: Mapping[str, Any]) -> Any:
-        return kron_factors(
-            self.model, loader, self._kmods, sharing=self.sharing, bias=self.bias, **options
-        )
+    def _compute_curvature(self, loader: Iterable[Any], run: Run) -> Any:
+        return kron_factors(self.model, loader, self._targets, self._options, run)
 
     def _set_curvature(self, curvature: Mapping[str, Any]) -> None:
         """``curvature``: ``{module: factors}`` with ``.G [r, r]`` (summed) and ``.A [c, c]`` (averaged).
 
         With ``bias="separate"`` a module with a bias needs ``.A [c_w, c_w]`` and ``.A_bias [1, 1]`` (as from
-        ``kfac(..., bias="separate")``); factors of the other bias mode are refused.
+        ``kfac(..., bias="separate")``); factors of the other bias mode are refused. Factors that record
+        their ``sharing`` (`ModuleFactors`) set the posterior's when it is ``None``, and must agree with it
+        otherwise.
         """
         missing = [m for m in self.modules if m not in curvature]
         extra = [m for m in curvature if m not in self.modules]
@@ -140,8 +170,7 @@ class KronLaplace(LaplaceBase):
         for m in self.modules:
             r, cw, c = self._dims(m)
             separate = self._separate(m)
-            G = curvature[m].G.to(device=self.device, dtype=self.dtype)
-            A = curvature[m].A.to(device=self.device, dtype=self.dtype)
+            G, A = curvature[m].G, curvature[m].A
             A_bias = getattr(curvature[m], "A_bias", None)
             if separate and A_bias is None:
                 raise ValueError(
@@ -160,13 +189,21 @@ class KronLaplace(LaplaceBase):
                     f"expected ({r}, {r}) and ({ca}, {ca}) for its block"
                 )
             try:
-                eg, qg = clamped_eigh(G)
-                ea, qa = clamped_eigh(A)
+                eg, qg = clamped_eigh(G, self.dtype, self.device, "G")
+                ea, qa = clamped_eigh(A, self.dtype, self.device, "A")
                 if A_bias is not None:  # separate (checked above)
-                    ea, qa = _with_separate_bias(ea, qa, A_bias.to(A))
+                    ea, qa = _with_separate_bias(ea, qa, A_bias.to(qa))
             except ValueError as err:
                 raise ValueError(f"curvature of module {m!r}: {err}") from err
             eig[m] = (eg, qg, ea, qa)
+        shared = {str(s) for m in self.modules if (s := getattr(curvature[m], "sharing", None))}
+        if len(shared) > 1 or (self.sharing is not None and shared - {self.sharing}):
+            raise ValueError(
+                f"factors computed with sharing {sorted(shared)} do not fit this posterior "
+                f"(sharing={self.sharing!r})"
+            )
+        if self.sharing is None and shared:
+            self._options = replace(self._options, sharing=shared.pop())
         self._eig = eig
 
     def _eigenvalues(self, i: int, m: str, prior: Tensor, scale: Tensor | float) -> Tensor:
@@ -181,7 +218,7 @@ class KronLaplace(LaplaceBase):
             ]
         ).sum()
 
-    def _sample_centered(self, n: int, generator: torch.Generator | None) -> dict[str, Tensor]:
+    def _sample(self, n: int, generator: torch.Generator | None) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         for i, m in enumerate(self.modules):
             _, qg, _, qa = self._eig[m]
@@ -193,49 +230,43 @@ class KronLaplace(LaplaceBase):
         return out
 
     # ------------------------------------------------------------------ predictive
-    def _mean_covs(
+    def _covariances(
         self,
         inputs: Tensor | Mapping[str, Any],
         outputs: Outputs,
         priors: Sequence[Tensor],
         scale: Tensor | float,
     ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
-        """Streamed predictive: each module's ``Σ_ij M_k M_l / E`` is added as soon as its gradients exist.
+        """Streamed: each module's ``Σ_ij M_k M_l / E`` is added as soon as its gradients exist.
 
         See `kron_predictive`; ``M`` is never stored for all modules (at most one example's at a time).
-        """
-        if self.predictive_rtol > 0:
-            return self._mean_covs_truncated(inputs, outputs, priors, scale)
-        bases = {m: (self._eig[m][1], self._eig[m][3]) for m in self.modules}
-        inv = [
-            {
-                m: self._eigenvalues(i, m, prior, scale).reciprocal()
-                for i, m in enumerate(self.modules)
-            }
-            for prior in priors
-        ]
-        with eval_mode(self.model):
-            return kron_predictive(self.model, inputs, outputs, self._kmods, bases, inv, self.dtype)
-
-    def _mean_covs_truncated(
-        self,
-        inputs: Tensor | Mapping[str, Any],
-        outputs: Outputs,
-        priors: Sequence[Tensor],
-        scale: Tensor | float,
-        products_dtype: torch.dtype | None = None,
-    ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
-        """`_mean_covs` with ``predictive_rtol > 0``: only eigendirections with curvature above ``ε · δ``.
-
-        Per module, ``I`` are the eigenvectors of ``G`` and ``J`` those of ``A`` that take part in some pair
-        ``(i, j)`` with curvature ``E_ij − δ > ε δ`` for the smallest prior of ``priors`` (the curvature is an
-        outer product, so every pair outside ``I × J`` is below the threshold for every prior given).
-        The matrix products run in ``products_dtype`` (default: the posterior's dtype), the final
+        With ``predictive_rtol = ε > 0`` only the eigendirections with curvature above ``ε · δ`` are
+        rotated: per module, ``I`` are the eigenvectors of ``G`` and ``J`` those of ``A`` that take part in
+        some pair ``(i, j)`` with curvature ``E_ij − δ > ε δ`` for the smallest prior of ``priors`` (the
+        curvature is an outer product, so every pair outside ``I × J`` is below the threshold for every
+        prior given); the matrix products run in the posterior's dtype, the final
         ``‖J‖²/δ − correction`` in float64.
         """
-        eps = self.predictive_rtol
+        if self.predictive_rtol == 0:
+            bases = {m: (self._eig[m][1], self._eig[m][3]) for m in self.modules}
+            inv = [
+                {
+                    m: self._eigenvalues(i, m, prior, scale).reciprocal()
+                    for i, m in enumerate(self.modules)
+                }
+                for prior in priors
+            ]
+            return kron_predictive(
+                self.model,
+                inputs,
+                outputs,
+                self._targets,
+                bases,
+                inv,
+                self.dtype,
+            )
         f64 = torch.float64
-        bases: dict[str, tuple[Tensor, Tensor]] = {}
+        bases = {}
         weights: list[dict[str, Tensor]] = [{} for _ in priors]
         residual: list[dict[str, float]] = [{} for _ in priors]
         for i, m in enumerate(self.modules):
@@ -244,7 +275,7 @@ class KronLaplace(LaplaceBase):
             eigs = [self._eigenvalues(i, m, prior, scale).to(f64) for prior in priors]
             k = min(range(len(priors)), key=deltas.__getitem__)
             curv = eigs[k] - deltas[k]  # [r, c], the curvature part s·λG·λA (prior-free)
-            big = curv > eps * deltas[k]
+            big = curv > self.predictive_rtol * deltas[k]
             rows = big.any(dim=1).nonzero().squeeze(1)
             cols = big.any(dim=0).nonzero().squeeze(1)
             bases[m] = (qg.index_select(1, rows), qa.index_select(1, cols))
@@ -252,22 +283,21 @@ class KronLaplace(LaplaceBase):
                 kept = e.index_select(0, rows).index_select(1, cols)
                 weights[p][m] = kept.reciprocal() - 1.0 / delta
                 residual[p][m] = 1.0 / delta
-        with eval_mode(self.model):
-            logits, keep, covs = kron_predictive(
-                self.model,
-                inputs,
-                outputs,
-                self._kmods,
-                bases,
-                weights,
-                products_dtype or self.dtype,
-                residual=residual,
-                combine_dtype=f64,
-            )
+        logits, keep, covs = kron_predictive(
+            self.model,
+            inputs,
+            outputs,
+            self._targets,
+            bases,
+            weights,
+            self.dtype,
+            residual=residual,
+            combine_dtype=f64,
+        )
         return logits, keep, [c.to(self.dtype) for c in covs]
 
     # ------------------------------------------------------------------ state
-    def _curvature_state(self) -> dict[str, Tensor]:
+    def _state(self) -> dict[str, Tensor]:
         """Eigenbases per module.
 
         A separate bias stores ``Q_A`` of the weight inputs only (``[c_w, c_w]``) and
@@ -280,21 +310,21 @@ class KronLaplace(LaplaceBase):
             state.update({f"{m}:eig_g": eg, f"{m}:q_g": qg, f"{m}:eig_a": ea, f"{m}:q_a": qa})
         return state
 
-    def _load_curvature_state(self, tensors: Mapping[str, Tensor]) -> None:
-        """Inverse of `_curvature_state`; shapes are checked against the blocks and the bias mode."""
+    def _load_state(self, file: PosteriorFile) -> None:
+        """Inverse of `_state`; shapes are checked against the blocks and the bias mode."""
         eig = {}
         for m in self.modules:
-            eg, qg, ea, qa = (
-                tensors[f"{m}:{k}"].to(device=self.device, dtype=self.dtype)
-                for k in ("eig_g", "q_g", "eig_a", "q_a")
-            )
             r, cw, c = self._dims(m)
             ca = cw if self._separate(m) else c
-            if eg.shape != (r,) or qg.shape != (r, r) or ea.shape != (c,) or qa.shape != (ca, ca):
-                raise ValueError(
-                    f"saved curvature of module {m!r} (Q_A {tuple(qa.shape)}, eig_a {tuple(ea.shape)}) does "
-                    f"not match its block with bias={self.bias!r} (Q_A ({ca}, {ca}), eig_a ({c},))"
+            eg, qg, ea, qa = (
+                file.tensor(f"curv:{m}:{k}", shape).to(self.device, self.dtype)
+                for k, shape in (
+                    ("eig_g", (r,)),
+                    ("q_g", (r, r)),
+                    ("eig_a", (c,)),
+                    ("q_a", (ca, ca)),
                 )
+            )
             if self._separate(m):
                 ea, qa = _with_separate_bias(ea[:-1], qa, ea[-1:].reshape(1, 1))
             eig[m] = (eg, qg, ea, qa)

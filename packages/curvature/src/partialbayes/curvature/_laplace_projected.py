@@ -24,11 +24,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.curvature._jacobians import in_row_order, output_passes
-from partialbayes.curvature._kfac import hook_targets
+from partialbayes.curvature._hooks import in_row_order, output_passes
+from partialbayes.curvature._kfac import KronTargets
 from partialbayes.curvature._likelihood import model_device
 from partialbayes.curvature._outputs import Outputs
-from partialbayes.selection import KronModule
 
 
 def rotate_inputs(x: Tensor, q_a: Tensor, bias: bool) -> Tensor:
@@ -239,7 +238,7 @@ def kron_predictive(
     model: nn.Module,
     inputs: Tensor | Mapping[str, Any],
     outputs: Outputs,
-    kmods: Mapping[str, KronModule],
+    targets: KronTargets,
     bases: Mapping[str, tuple[Tensor, Tensor]],
     inv_eigenvalues: Sequence[Mapping[str, Tensor]],
     dtype: torch.dtype,
@@ -259,7 +258,7 @@ def kron_predictive(
         model: Network returning logits ``[B, C]`` or ``[B, T, C]`` (call in eval mode).
         inputs: Model inputs.
         outputs: Which positions of token-level logits count.
-        kmods: Kronecker modules of the subset.
+        targets: The subset's linear maps (``_kfac.kron_targets``).
         bases: ``{module: (Q_G [r, r], Q_A [c, c])}`` in ``dtype``.
         inv_eigenvalues: For each prior setting, ``{module: 1 / E [r, c]}``; with ``residual``,
             ``{module: 1/E − 1/δ}`` on the kept directions ``[|I|, |J|]`` only.
@@ -275,53 +274,52 @@ def kron_predictive(
         (``None`` for ``[B, C]``), and one covariance per output row (``N = B``, or the kept positions in
         row-major ``(b, t)`` order).
     """
-    modules, cols, rows = hook_targets(model, kmods)
     device = model_device(model)
     out_dtype = dtype if residual is None else combine_dtype
-    with output_passes(model, inputs, outputs, modules, cols, rows) as ps:
-        b, n_cls = ps.logits.shape[0], ps.logits.shape[-1]
-        keys: list[Tensor] = []
-        parts: list[list[Tensor]] = [[] for _ in inv_eigenvalues]
-        with torch.no_grad():
-            for pg in ps.positions:
-                covs = [
-                    torch.zeros(b, n_cls, n_cls, dtype=out_dtype, device=device)
-                    for _ in inv_eigenvalues
-                ]
-                for m in kmods:
-                    x = ps.inputs[m]
-                    d = torch.stack(pg.grads.pop(m))  # [C, B, (T...,) r]
-                    q_g, q_a = bases[m]
-                    inv = [e[m] for e in inv_eigenvalues]
-                    bias = kmods[m].bias_name is not None
-                    if residual is not None:
-                        if x.ndim > 2:
-                            x = x.reshape(b, -1, x.shape[-1])
-                            d = d.reshape(n_cls, b, x.shape[1], d.shape[-1])
-                        contrib = residual_covariances(
-                            x,
-                            d,
-                            q_g,
-                            q_a,
-                            bias,
-                            inv,
-                            [rs[m] for rs in residual],
-                            dtype,
-                            combine_dtype,
-                        )
-                    elif x.ndim == 2:
-                        contrib = unshared_covariances(
-                            rotate_inputs(x.to(dtype), q_a, bias), d.to(dtype) @ q_g, inv
-                        )
-                    else:
-                        x3 = x.reshape(b, -1, x.shape[-1])
-                        d4 = d.reshape(n_cls, b, x3.shape[1], d.shape[-1])
-                        contrib = shared_covariances(x3, d4, q_g, q_a, bias, inv, dtype)
-                    for cov, part in zip(covs, contrib, strict=True):
-                        cov += part
-                    del x, d
-                for acc, cov in zip(parts, covs, strict=True):
-                    acc.append(cov.index_select(0, pg.examples))
-                keys.append(pg.keys)
-        logits, keep = ps.logits, ps.keep
-    return logits, keep, [in_row_order(keys, p) for p in parts]
+    kmods = targets.kmods
+    ps = output_passes(model, inputs, outputs, targets.modules, targets.cols, targets.rows)
+    b, n_cls = ps.logits.shape[0], ps.logits.shape[-1]
+    keys: list[Tensor] = []
+    parts: list[list[Tensor]] = [[] for _ in inv_eigenvalues]
+    with torch.no_grad():
+        for pg in ps.positions:
+            covs = [
+                torch.zeros(b, n_cls, n_cls, dtype=out_dtype, device=device)
+                for _ in inv_eigenvalues
+            ]
+            for m in kmods:
+                x = ps.inputs[m]
+                d = torch.stack(pg.grads.pop(m))  # [C, B, (T...,) r]
+                q_g, q_a = bases[m]
+                inv = [e[m] for e in inv_eigenvalues]
+                bias = kmods[m].bias_name is not None
+                if residual is not None:
+                    if x.ndim > 2:
+                        x = x.reshape(b, -1, x.shape[-1])
+                        d = d.reshape(n_cls, b, x.shape[1], d.shape[-1])
+                    contrib = residual_covariances(
+                        x,
+                        d,
+                        q_g,
+                        q_a,
+                        bias,
+                        inv,
+                        [rs[m] for rs in residual],
+                        dtype,
+                        combine_dtype,
+                    )
+                elif x.ndim == 2:
+                    contrib = unshared_covariances(
+                        rotate_inputs(x.to(dtype), q_a, bias), d.to(dtype) @ q_g, inv
+                    )
+                else:
+                    x3 = x.reshape(b, -1, x.shape[-1])
+                    d4 = d.reshape(n_cls, b, x3.shape[1], d.shape[-1])
+                    contrib = shared_covariances(x3, d4, q_g, q_a, bias, inv, dtype)
+                for cov, part in zip(covs, contrib, strict=True):
+                    cov += part
+                del x, d
+            for acc, cov in zip(parts, covs, strict=True):
+                acc.append(cov.index_select(0, pg.examples))
+            keys.append(pg.keys)
+    return ps.logits, ps.keep, [in_row_order(keys, p) for p in parts]

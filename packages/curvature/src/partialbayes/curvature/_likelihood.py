@@ -15,68 +15,75 @@ is ``Σ_n Σ_s J_nᵀ v_{s,n} v_{s,n}ᵀ J_n``.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from partialbayes.predictive import check_generator, model_logits, split_batch
+from partialbayes.predictive import check_count, check_likelihood, model_logits, split_batch
 
-LIKELIHOODS = ("classification", "regression")
 FISHERS = ("exact", "mc", "empirical")
-
 
 #: The dtypes curvature is accumulated and stored in (what the factors and ``eigh`` support).
 DTYPES = (torch.float32, torch.float64)
 
 
-def check_dtype(dtype: object) -> None:
-    """``dtype`` must be float32 or float64, else a ``TypeError`` naming it."""
-    if dtype not in DTYPES:
-        raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype!r}")
+@dataclass(frozen=True)
+class CurvatureOptions:
+    """The settings of one curvature computation, checked once where a user call enters the package.
 
+    Built from the keywords of `kfac`, `diag_curvature`, `dense_curvature` and the posteriors (documented
+    there) and passed down unchanged; nothing below re-checks a setting.
 
-def check_num_classes(num_classes: object) -> None:
-    """``num_classes`` must be ``None`` or a positive ``int`` (bools refused), else a ``ValueError``."""
-    if num_classes is not None and (
-        isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1
-    ):
-        raise ValueError(f"num_classes must be a positive int or None, got {num_classes!r}")
-
-
-def check_options(
-    likelihood: str,
-    fisher: str,
-    mc_samples: int,
-    sigma_noise: float,
-    sharing: str = "reduce",
-    *,
-    dtype: object = torch.float64,
-    generator: object = None,
-    num_classes: object = None,
-) -> None:
-    """Validate the shared keyword options of the curvature functions (`kfac`, `diag_curvature`, ...).
+    Attributes:
+        likelihood: ``"classification"`` or ``"regression"`` (``partialbayes.predictive.LIKELIHOODS``).
+        fisher: ``"exact"``, ``"mc"`` or ``"empirical"``.
+        mc_samples: Sampled labels per output for ``fisher="mc"``.
+        sigma_noise: Observation noise of the regression likelihood (a float > 0).
+        dtype: ``torch.float32`` or ``torch.float64``: accumulation and storage dtype.
+        num_classes: The number of logits the model must output, or ``None``.
+        shift_labels: The causal-LM convention for token-level outputs (resolved: a bool).
+        sharing: KFAC weight sharing, ``"reduce"`` or ``"expand"``; ``None``: chosen from the outputs
+            (token-level logits ``[B, T, C]`` take ``"expand"``, one output per example ``"reduce"``).
+        bias: KFAC bias handling, ``"fold"`` or ``"separate"``.
 
     Raises:
-        ValueError: Naming the option at fault.
-        TypeError: A ``dtype`` other than float32 / float64, a ``generator`` that is not a
-            ``torch.Generator``.
+        ValueError: A setting out of its range (named).
+        TypeError: A ``dtype`` other than float32 / float64, or ``shift_labels`` that is not a bool.
     """
-    check_dtype(dtype)
-    check_generator(generator)
-    check_num_classes(num_classes)
-    if likelihood not in LIKELIHOODS:
-        raise ValueError(f"likelihood must be one of {LIKELIHOODS}, got {likelihood!r}")
-    if fisher not in FISHERS:
-        raise ValueError(f"fisher must be one of {FISHERS}, got {fisher!r}")
-    if sharing not in ("reduce", "expand"):
-        raise ValueError(f"sharing must be 'reduce' or 'expand', got {sharing!r}")
-    if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
-        raise ValueError(f"mc_samples must be a positive int, got {mc_samples!r}")
-    if not (
-        isinstance(sigma_noise, (int, float)) and math.isfinite(sigma_noise) and sigma_noise > 0
-    ):
-        raise ValueError(f"sigma_noise must be a positive finite number, got {sigma_noise!r}")
+
+    likelihood: str = "classification"
+    fisher: str = "exact"
+    mc_samples: int = 1
+    sigma_noise: float = 1.0
+    dtype: torch.dtype = torch.float64
+    num_classes: int | None = None
+    shift_labels: bool = False
+    sharing: str | None = None
+    bias: str = "fold"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sigma_noise", check_likelihood(self.likelihood, self.sigma_noise))
+        if self.fisher not in FISHERS:
+            raise ValueError(f"fisher must be one of {FISHERS}, got {self.fisher!r}")
+        check_count("mc_samples", self.mc_samples)
+        if self.dtype not in DTYPES:
+            raise TypeError(f"dtype must be torch.float32 or torch.float64, got {self.dtype!r}")
+        if self.num_classes is not None and (
+            isinstance(self.num_classes, bool)
+            or not isinstance(self.num_classes, int)
+            or self.num_classes < 1
+        ):
+            raise ValueError(
+                f"num_classes must be a positive int or None, got {self.num_classes!r}"
+            )
+        if not isinstance(self.shift_labels, bool):
+            raise TypeError(f"shift_labels must be True, False or None, got {self.shift_labels!r}")
+        if self.sharing not in (None, "reduce", "expand"):
+            raise ValueError(f"sharing must be 'reduce', 'expand' or None, got {self.sharing!r}")
+        if self.bias not in ("fold", "separate"):
+            raise ValueError(f"bias must be 'fold' or 'separate', got {self.bias!r}")
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -106,7 +113,7 @@ def forward_logits(model: nn.Module, batch: Any) -> Tensor:
 def check_logits(logits: Tensor, num_classes: int | None, batch_index: int) -> None:
     """Output rows must be ``[N, C]`` (with ``C == num_classes`` when given) and finite.
 
-    ``logits`` are the rows of `partialbayes.curvature._outputs.output_rows`: ``[B, C]`` logits, or the
+    ``logits`` are the output rows: ``[B, C]`` logits, or the
     kept positions of token-level ones (padding and ignored positions are not checked).
 
     Raises:
@@ -127,15 +134,9 @@ def check_logits(logits: Tensor, num_classes: int | None, batch_index: int) -> N
 def check_labels(labels: Tensor, logits: Tensor, likelihood: str, batch_index: int) -> Tensor:
     """Validate one batch's labels against its output rows ``[B, C]``; the one check every entry point uses.
 
-    For token-level outputs the rows are the ``N`` kept positions and the labels theirs (``B = N``).
-    Classification: integer class indices of shape ``[B]`` in ``[0, C)``. Regression: real targets of shape
-    ``[B, C]`` (or ``[B]`` when ``C == 1``).
-
-    Args:
-        labels: The batch's labels (on the device of ``logits``).
-        logits: The output rows ``[B, C]`` of the batch.
-        likelihood: ``"classification"`` or ``"regression"``.
-        batch_index: Position of the batch in its loader (named in the error).
+    Classification: integer class indices ``[B]`` in ``[0, C)``; regression: real targets ``[B, C]`` (or
+    ``[B]`` when ``C == 1``). For token-level outputs the rows are the kept positions (``B = N``).
+    ``batch_index`` is named in errors.
 
     Returns:
         The labels as the likelihood uses them: ``int64 [B]`` (classification) or ``[B, C]`` in their own

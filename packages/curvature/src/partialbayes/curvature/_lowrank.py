@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from partialbayes.curvature._caller import user_stacklevel
 from partialbayes.curvature._kron_algebra import clamped_eigh
 
 #: Sketch columns beyond the rank kept (``q = r + OVERSAMPLE``).
@@ -115,7 +114,7 @@ class NystromSketch:
         self.omega: Tensor | None = None  # None: kept whole, Y = F
         if rank >= n:
             msg = f"max_rank={rank} is not below the size of {name} ({n}): it is kept whole"
-            warnings.warn(msg, UserWarning, stacklevel=user_stacklevel())
+            warnings.warn(msg, UserWarning, stacklevel=2)  # the sketch's maker (_caller.py is gone)
         else:
             dev = generator.device if generator is not None else device
             g = torch.randn(

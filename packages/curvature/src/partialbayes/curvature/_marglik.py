@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from partialbayes.curvature._caller import user_stacklevel
 from partialbayes.curvature._prior import check_positive
 
 
@@ -57,7 +56,9 @@ class MarglikFit:
         return dict(zip(self.modules, self.prior_precision.tolist(), strict=True))
 
 
-def _check_options(lr: float, max_steps: int, tol: float) -> None:
+def _check_options(per_module: bool, lr: float, max_steps: int, tol: float) -> None:
+    if not isinstance(per_module, bool):
+        raise TypeError(f"per_module must be a bool, got {type(per_module).__name__}")
     check_positive("lr", lr)
     check_positive("tol", tol)
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
@@ -99,7 +100,7 @@ def maximize_evidence(
         ValueError: On non-positive starting values, bad options, or an evidence that becomes non-finite
             (naming the step and the values).
     """
-    _check_options(lr, max_steps, tol)
+    _check_options(per_module, lr, max_steps, tol)
     with torch.no_grad():
         if not bool(((init_prior > 0) & torch.isfinite(init_prior)).all()):
             raise ValueError(
@@ -151,7 +152,7 @@ def maximize_evidence(
             f"scaled gradient is {worst:.3g} > tol={tol:g}. The last values are set; raise max_steps or "
             "lr, or loosen tol",
             UserWarning,
-            stacklevel=user_stacklevel(),
+            stacklevel=3,  # the user's call of optimize_prior_precision
         )
     return MarglikFit(
         prior_precision=log_prior.detach().exp().expand(n).to("cpu", torch.float64).clone(),

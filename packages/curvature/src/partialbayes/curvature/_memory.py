@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.curvature._likelihood import check_options, model_device
+from partialbayes.curvature._likelihood import CurvatureOptions, model_device
 from partialbayes.curvature._lowrank import OVERSAMPLE
 from partialbayes.curvature._outputs import read_batch, resolve_shift_labels
 from partialbayes.predictive import model_logits
@@ -156,7 +156,7 @@ def memory_estimate(
     likelihood: str = "classification",
     fisher: str = "exact",
     mc_samples: int = 1,
-    sharing: str = "reduce",
+    sharing: str | None = None,
     dtype: torch.dtype = torch.float64,
     max_rank: int | None = None,
     target_ids: Sequence[int] | Tensor | None = None,
@@ -171,7 +171,7 @@ def memory_estimate(
         likelihood: ``"classification"`` or ``"regression"``.
         fisher: ``"exact"``, ``"mc"`` or ``"empirical"``.
         mc_samples: ``k`` of ``fisher="mc"``.
-        sharing: ``"reduce"`` or ``"expand"``.
+        sharing: ``"reduce"`` or ``"expand"``; ``None``: as `kfac` chooses it from the outputs.
         dtype: Accumulation dtype of the factors.
         max_rank: Factor sides larger than this are kept at this rank (``None``: all whole).
         target_ids: The outputs the predictive covers (``None``: all ``C``).
@@ -183,7 +183,9 @@ def memory_estimate(
     Raises:
         ValueError: Bad options (as `kfac`), a ``max_rank`` that is not a positive int.
     """
-    check_options(likelihood, fisher, mc_samples, 1.0, sharing, dtype=dtype)
+    CurvatureOptions(
+        likelihood=likelihood, fisher=fisher, mc_samples=mc_samples, sharing=sharing, dtype=dtype
+    )
     if max_rank is not None and (
         isinstance(max_rank, bool) or not isinstance(max_rank, int) or max_rank < 1
     ):
@@ -200,7 +202,7 @@ def memory_estimate(
     n_kept = b if keep is None else int(keep.sum())
     mask = outputs.attention_mask
     t = logits.shape[1] if keep is not None else (1 if mask is None else mask.shape[1])
-    rows = b if sharing == "reduce" else b * t
+    rows = b if (sharing or ("reduce" if keep is None else "expand")) == "reduce" else b * t
     item, mitem = torch.finfo(dtype).bits // 8, logits.element_size()
     passes = {"exact": n_cls, "mc": mc_samples}.get(fisher, 1)
     k_out = n_cls if target_ids is None else len(target_ids)

@@ -30,16 +30,8 @@ from partialbayes.predictive import (
 
 
 def resolve_shift_labels(model: nn.Module, shift_labels: bool | None) -> bool:
-    """``shift_labels`` as given, or (``None``) whether ``model`` is a causal LM (`is_causal_lm`).
-
-    Raises:
-        TypeError: If ``shift_labels`` is neither ``None`` nor a bool.
-    """
-    if shift_labels is None:
-        return is_causal_lm(model)
-    if not isinstance(shift_labels, bool):
-        raise TypeError(f"shift_labels must be True, False or None, got {shift_labels!r}")
-    return shift_labels
+    """``shift_labels`` as given (checked by `CurvatureOptions`), or (``None``) whether ``model`` is a causal LM."""
+    return is_causal_lm(model) if shift_labels is None else shift_labels
 
 
 def _shifted(t: Tensor, fill: int) -> Tensor:
@@ -63,6 +55,15 @@ class Outputs:
     labels: Tensor | None
     shift: bool
     likelihood: str
+
+    @property
+    def unlabelled(self) -> bool:
+        """Whether the batch has classification labels and none but -100 (no labelled output)."""
+        return (
+            self.labels is not None
+            and self.likelihood == "classification"
+            and not bool((self.labels != IGNORE_INDEX).any())
+        )
 
     def keep(self, logits: Tensor) -> Tensor | None:
         """``[B, T]`` bool mask of the kept positions of token-level logits; ``None`` for ``[B, C]`` logits.
@@ -129,22 +130,27 @@ class Outputs:
 
 
 def read_batch(
-    batch: Any, device: torch.device, *, likelihood: str, shift: bool
+    batch: Any, device: torch.device, *, likelihood: str, shift: bool, labels: bool = True
 ) -> tuple[Tensor | dict[str, Any], Outputs]:
     """Split a batch (any kind `partialbayes.predictive.split_batch` accepts) into model inputs and `Outputs`.
 
+    Label -100 means "no label: skip this output" for sequence-level outputs too: the examples of a
+    classification batch with labels ``[B]`` whose label is -100 are dropped here (examples do not interact
+    in eval mode, so this equals dropping their outputs), which may leave none. ``labels=False``
+    (prediction) ignores the labels: every real output counts. ``shift``: see `Outputs`.
+
     Raises:
         TypeError: A batch of an unknown kind (the message names its type and the accepted ones).
+        ValueError: An empty batch (0 examples).
     """
     b = split_batch(batch, device=device)
-    return b.inputs, Outputs(
-        attention_mask=b.attention_mask, labels=b.labels, shift=shift, likelihood=likelihood
-    )
-
-
-def output_rows(logits: Tensor, keep: Tensor | None) -> Tensor:
-    """The outputs as rows ``[N, C]``: ``[B, C]`` logits unchanged, token-level ones at the kept positions."""
-    return logits if keep is None else logits[keep]
+    y = b.labels if labels else None
+    outputs = Outputs(attention_mask=b.attention_mask, labels=y, shift=shift, likelihood=likelihood)
+    if y is not None and likelihood == "classification" and y.ndim == 1:
+        labelled = y != IGNORE_INDEX
+        if not bool(labelled.all()):
+            return take_examples(b.inputs, outputs, labelled.nonzero().squeeze(1))
+    return b.inputs, outputs
 
 
 def position_plan(
@@ -161,43 +167,41 @@ def position_plan(
     return [(t, keep[:, t].nonzero().flatten()) for t in keep.any(0).nonzero().flatten().tolist()]
 
 
-def token_positions(fisher: str) -> str:
-    """How `diag_curvature` / `dense_curvature` backpropagate token-level outputs for a fisher type.
+def take_examples(
+    inputs: Tensor | dict[str, Any], outputs: Outputs, index: slice | Tensor
+) -> tuple[Tensor | dict[str, Any], Outputs]:
+    """The examples ``index`` (a slice or an index tensor) of model inputs and of their `Outputs`.
 
-    ``"exact"`` and ``"empirical"`` need each kept position's own gradient ``J_tᵀ v_t`` (``"each"``: ``S``
-    backward passes per position, exact for any network). ``"mc"`` sums independent zero-mean samples of
-    every position in one pass (``"joint"``): the cross-position terms vanish in expectation, so the estimate
-    stays unbiased at ``1/T`` of the cost.
+    Tensors of a mapping whose leading dimension is the batch size are indexed; other values are passed
+    unchanged.
+
+    Raises:
+        ValueError: If the batch size of mapping inputs cannot be told (see ``batch_size``).
     """
-    return "joint" if fisher == "mc" else "each"
+    n = batch_size(inputs)
+    part: Tensor | dict[str, Any]
+    if isinstance(inputs, Tensor):
+        part = inputs[index]
+    else:
+        part = {
+            k: (v[index] if isinstance(v, Tensor) and v.ndim > 0 and v.shape[0] == n else v)
+            for k, v in inputs.items()
+        }
+    mask = part.get("attention_mask") if isinstance(part, dict) else None
+    labels = None if outputs.labels is None else outputs.labels[index]
+    return part, replace(outputs, attention_mask=mask, labels=labels)
 
 
 def split_chunks(
     inputs: Tensor | dict[str, Any], outputs: Outputs, chunk_size: int | None
 ) -> list[tuple[Tensor | dict[str, Any], Outputs]]:
-    """Split model inputs and their `Outputs` into chunks of at most ``chunk_size`` examples.
+    """Split model inputs and their `Outputs` into chunks of at most ``chunk_size`` examples (`take_examples`).
 
-    Tensors of a mapping whose leading dimension is the batch size are split along it; other values are
-    passed to every chunk unchanged. The chunks' outputs, concatenated, are the batch's in row-major order.
-
-    Raises:
-        ValueError: If the batch size of mapping inputs cannot be told (see ``batch_size``).
+    The chunks' outputs, concatenated, are the batch's in row-major order.
     """
     if chunk_size is None:
         return [(inputs, outputs)]
     n = batch_size(inputs)
-    out: list[tuple[Tensor | dict[str, Any], Outputs]] = []
-    for i in range(0, n, chunk_size):
-        sl = slice(i, i + chunk_size)
-        part: Tensor | dict[str, Any]
-        if isinstance(inputs, Tensor):
-            part = inputs[sl]
-        else:
-            part = {
-                k: (v[sl] if isinstance(v, Tensor) and v.ndim > 0 and v.shape[0] == n else v)
-                for k, v in inputs.items()
-            }
-        mask = part.get("attention_mask") if isinstance(part, dict) else None
-        labels = None if outputs.labels is None else outputs.labels[sl]
-        out.append((part, replace(outputs, attention_mask=mask, labels=labels)))
-    return out
+    return [
+        take_examples(inputs, outputs, slice(i, i + chunk_size)) for i in range(0, n, chunk_size)
+    ]

@@ -1,0 +1,233 @@
+"""Diagonal and dense GGN / Fisher of the entries of any subset of linear-map weights (masks included).
+
+Both come from the per-example gradients ``g = J_nᵀ v`` of the subset's entries, built from hooked
+activations and output gradients of the linear maps (exact, every token counts; no vmap over the model).
+Token-level outputs: ``"exact"`` and ``"empirical"`` need each kept position's own gradient (``S`` passes
+per position, `cotangents` ``"each"``); ``"mc"`` sums independent zero-mean samples of every position in
+one pass (``"joint"``): the cross-position terms vanish in expectation, unbiased at ``1/T`` of the cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from partialbayes.curvature._distributed import all_reduce, fail_together
+from partialbayes.curvature._hooks import BatchObserver, Run, stream
+from partialbayes.curvature._jacobians import ParamTarget, entry_grads, param_targets
+from partialbayes.curvature._likelihood import CurvatureOptions
+from partialbayes.curvature._outputs import resolve_shift_labels
+from partialbayes.predictive import check_generator
+from partialbayes.selection import Subset
+
+
+def diag_curvature(
+    model: nn.Module,
+    loader: Iterable[Any],
+    subset: Subset,
+    *,
+    likelihood: str = "classification",
+    fisher: str = "exact",
+    mc_samples: int = 1,
+    sigma_noise: float = 1.0,
+    dtype: torch.dtype = torch.float64,
+    generator: torch.Generator | None = None,
+    progress: bool = False,
+    num_classes: int | None = None,
+    on_batch: BatchObserver | None = None,
+    shift_labels: bool | None = None,
+) -> dict[str, Tensor]:
+    r"""Diagonal of the summed GGN / Fisher for every stochastic entry of ``subset``.
+
+    $$ h = \sum_n \sum_s (J_n^\top v_{n,s})^{\odot 2}, $$
+
+    ``fisher="exact"`` gives the GGN diagonal, ``"mc"`` a sampled-label estimate, ``"empirical"`` the
+    empirical Fisher. Token-level outputs are exact per position (``C`` backward passes per kept position
+    for ``"exact"``; ``"mc"`` samples all positions in one pass, unbiased). Label -100 as in `kfac`.
+
+    Args:
+        model: Network returning logits ``[B, C]`` or ``[B, T, C]``; evaluated in eval mode.
+        loader: Iterable of batches: tensors, pairs ``(inputs, labels)`` or mappings (``dict``,
+            ``BatchEncoding``) with ``"labels"`` / ``"label"``.
+        subset: Any subset (mask or Kronecker blocks) of weights / biases of ``nn.Linear`` / HF ``Conv1D``.
+        likelihood: As in `kfac`.
+        fisher: As in `kfac`.
+        mc_samples: As in `kfac`.
+        sigma_noise: As in `kfac`.
+        dtype: Accumulation dtype (float32 or float64).
+        generator: As in `kfac`.
+        progress: As in `kfac`.
+        num_classes: As in `kfac`.
+        on_batch: As in `kfac`.
+        shift_labels: As in `kfac`.
+
+    Returns:
+        ``{param name: h}`` with ``h`` 1-D in ``subset.gather`` order (summed over examples and ranks).
+
+    Raises:
+        ValueError: Parameters outside linear maps, bad options, empty loader or batch, bad labels
+            (whenever a batch has them) / logits, non-finite curvature (naming the parameter and batch).
+        RuntimeError: Under ``torch.distributed``, on every rank whose shard went through when another
+            rank raised (all ranks fail instead of waiting for each other).
+    """
+    options = CurvatureOptions(
+        likelihood=likelihood,
+        fisher=fisher,
+        mc_samples=mc_samples,
+        sigma_noise=sigma_noise,
+        dtype=dtype,
+        num_classes=num_classes,
+        shift_labels=resolve_shift_labels(model, shift_labels),
+    )
+    run = Run(check_generator(generator), progress, on_batch)
+    out = diagonal(model, loader, subset, options, run)
+    run.finish(model)
+    return out
+
+
+def dense_curvature(
+    model: nn.Module,
+    loader: Iterable[Any],
+    subset: Subset,
+    *,
+    likelihood: str = "classification",
+    fisher: str = "exact",
+    mc_samples: int = 1,
+    sigma_noise: float = 1.0,
+    dtype: torch.dtype = torch.float64,
+    generator: torch.Generator | None = None,
+    progress: bool = False,
+    num_classes: int | None = None,
+    on_batch: BatchObserver | None = None,
+    shift_labels: bool | None = None,
+) -> Tensor:
+    r"""Dense summed GGN / Fisher ``H`` ``[P, P]`` of the subset's entries (a small subset: the last layer).
+
+    $$ H = \sum_n \sum_s g_{n,s} g_{n,s}^\top, \qquad g_{n,s} = J_n^\top v_{n,s}, $$
+
+    one ``[S·B, P]`` matmul per batch; entries parameter by parameter in ``subset.names`` order, each in
+    ``subset.gather`` order. Token-level outputs and label -100 as in `diag_curvature`.
+
+    Args:
+        model: Network returning logits ``[B, C]`` or ``[B, T, C]``; evaluated in eval mode.
+        loader: Iterable of batches: tensors, pairs ``(inputs, labels)`` or mappings (``dict``,
+            ``BatchEncoding``) with ``"labels"`` / ``"label"``.
+        subset: Subset of weights / biases of ``nn.Linear`` / HF ``Conv1D`` (mask or Kronecker blocks).
+        likelihood: As in `kfac`.
+        fisher: As in `kfac`.
+        mc_samples: As in `kfac`.
+        sigma_noise: As in `kfac`.
+        dtype: Accumulation dtype (float32 or float64).
+        generator: As in `kfac`.
+        progress: As in `kfac`.
+        num_classes: As in `kfac`.
+        on_batch: As in `kfac`.
+        shift_labels: As in `kfac`.
+
+    Returns:
+        ``H`` ``[P, P]``, ``P = subset.num_entries()``, summed over examples (and ranks).
+
+    Raises:
+        ValueError: Parameters outside linear maps, bad options, empty loader or batch, bad labels
+            (whenever a batch has them) / logits, non-finite curvature (naming the parameter and batch).
+        RuntimeError: Under ``torch.distributed``, on every rank whose shard went through when another
+            rank raised (all ranks fail instead of waiting for each other).
+    """
+    options = CurvatureOptions(
+        likelihood=likelihood,
+        fisher=fisher,
+        mc_samples=mc_samples,
+        sigma_noise=sigma_noise,
+        dtype=dtype,
+        num_classes=num_classes,
+        shift_labels=resolve_shift_labels(model, shift_labels),
+    )
+    run = Run(check_generator(generator), progress, on_batch)
+    out = dense(model, loader, subset, options, run)
+    run.finish(model)
+    return out
+
+
+def _first_bad(targets: list[ParamTarget], finite: Tensor) -> str:
+    """The first parameter with a non-finite entry, from ``finite [P]`` over the concatenated entries."""
+    start = 0
+    for t in targets:
+        k = t.index.numel()
+        if not bool(finite[start : start + k].all()):
+            return t.name
+        start += k
+    return targets[0].name
+
+
+def diagonal(
+    model: nn.Module, loader: Iterable[Any], subset: Subset, options: CurvatureOptions, run: Run
+) -> dict[str, Tensor]:
+    """`diag_curvature`'s pass with the options already checked."""
+    targets, modules = param_targets(model, subset)
+    device = dict(model.named_parameters())[targets[0].name].device
+    dtype = options.dtype
+    out = {t.name: torch.zeros(t.index.numel(), dtype=dtype, device=device) for t in targets}
+    # weights of [B, d] activations: Σ_n (δ_n x_nᵀ)² = (Σ_s δ_s²)ᵀ (x ⊙ x), one matmul into the full matrix
+    full_2d: dict[str, Tensor] = {}
+    positions = "joint" if options.fisher == "mc" else "each"  # see the module notes
+    with fail_together(device):
+        for bp in stream(model, loader, modules, dict.fromkeys(modules), options, run, positions):
+            d2: dict[str, Tensor] = {}
+            inc: dict[str, Tensor] = {}
+            for grads in bp.passes:
+                for t in targets:
+                    x, d = bp.inputs[t.module], grads[t.module]
+                    if t.role == "weight" and x.ndim == 2:
+                        sq = d.to(dtype) ** 2
+                        d2[t.name] = d2[t.name] + sq if t.name in d2 else sq
+                    else:
+                        g2 = (entry_grads(t, x, d).to(dtype) ** 2).sum(0)
+                        inc[t.name] = inc[t.name] + g2 if t.name in inc else g2
+            for t in targets:
+                if t.name in d2:
+                    x = bp.inputs[t.module].to(dtype)
+                    inc[t.name] = d2[t.name].T @ (x * x)
+            for name, v in inc.items():
+                if not bool(torch.isfinite(v).all()):
+                    raise ValueError(
+                        f"non-finite curvature in parameter {name!r} at batch {bp.index}"
+                    )
+                if name in d2:
+                    full_2d[name] = full_2d[name] + v if name in full_2d else v
+                else:
+                    out[name] += v
+    for t in targets:
+        if t.name in full_2d:
+            w = full_2d[t.name].T if t.transposed else full_2d[t.name]
+            out[t.name] = w.reshape(-1).index_select(0, t.index)
+        all_reduce(out[t.name])
+    return out
+
+
+def dense(
+    model: nn.Module, loader: Iterable[Any], subset: Subset, options: CurvatureOptions, run: Run
+) -> Tensor:
+    """`dense_curvature`'s pass with the options already checked."""
+    targets, modules = param_targets(model, subset)
+    device = dict(model.named_parameters())[targets[0].name].device
+    p = sum(t.index.numel() for t in targets)
+    H = torch.zeros(p, p, dtype=options.dtype, device=device)
+    positions = "joint" if options.fisher == "mc" else "each"  # see the module notes
+    with fail_together(device):
+        for bp in stream(model, loader, modules, dict.fromkeys(modules), options, run, positions):
+            rows = [
+                torch.cat(
+                    [entry_grads(t, bp.inputs[t.module], grads[t.module]) for t in targets], dim=1
+                )
+                for grads in bp.passes
+            ]
+            g = torch.cat(rows).to(options.dtype)
+            inc = g.T @ g
+            if not bool(torch.isfinite(inc).all()):
+                bad = _first_bad(targets, torch.isfinite(g).all(0))
+                raise ValueError(f"non-finite curvature in parameter {bad!r} at batch {bp.index}")
+            H += inc
+    return all_reduce(H)

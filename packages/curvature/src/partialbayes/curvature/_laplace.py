@@ -1,0 +1,1049 @@
+"""`LaplaceBase`: a Laplace posterior over a `Subset`, whatever the structure of its curvature.
+
+Conventions (DESIGN): the log-likelihood is summed over the N training examples, the curvature ``H`` is the
+summed GGN / Fisher of the subset's entries, and the posterior precision is ``P = H / T + P₀`` with
+``P₀ = diag(δ_m)`` (one prior precision per module, or one scalar) and prior mean 0.
+
+A structure — `KronLaplace`, `DiagLaplace`, `DenseLaplace` — stores one curvature representation and
+implements the nine methods marked "structure" below. Everything else is here, once: fitting, the evidence
+and the prior's tuning (`_marglik` for the gradient ascent), samples and swapping (``Subset.swapped``), the
+predictive's links (``partialbayes.predictive``) and the file (``write_posterior_file``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import replace
+from typing import Any, ClassVar, Literal, TypeVar, overload
+
+import torch
+from torch import Tensor, nn
+
+from partialbayes.curvature._distributed import all_reduce
+from partialbayes.curvature._hooks import Run
+from partialbayes.curvature._likelihood import CurvatureOptions, check_labels, check_logits
+from partialbayes.curvature._marglik import MarglikFit, maximize_evidence
+from partialbayes.curvature._outputs import Outputs, read_batch, resolve_shift_labels, split_chunks
+from partialbayes.curvature._prior import (
+    PriorSpec,
+    check_positive,
+    gaussian_log_marglik,
+    prior_vector,
+)
+from partialbayes.predictive import (
+    PosteriorFile,
+    check_count,
+    check_generator,
+    eval_mode,
+    gaussian_nll,
+    gaussian_predictive,
+    laplace_bridge,
+    mc_predictive,
+    nll,
+    probit,
+    read_posterior_file,
+    resolve_link,
+    sample_logits,
+    write_posterior_file,
+)
+from partialbayes.selection import Subset
+
+_Posterior = TypeVar("_Posterior", bound="LaplaceBase")
+
+#: The file format (``partialbayes.curvature.<class name>``) and its version.
+FORMAT = "partialbayes.curvature.{}"
+VERSION = 2
+_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "model_class": str,
+    "subset": str,
+    "modules": list,
+    "dtype": str,
+    "options": dict,
+    "n_data": int,
+    "n_outputs": int,
+    "map_loss": (int, float),
+    "sigma_fit": (int, float),
+}
+
+
+class MapLoss:
+    """Training loss at the MAP, accumulated from the logits of the curvature pass (an ``on_batch`` observer).
+
+    Classification: summed cross-entropy (nats); regression: summed squared error. In float64 on the
+    logits' device (no synchronisation per batch). Output rows are examples (kept positions of token-level
+    logits) for the loss, ``n_data`` and ``n_outputs``. ``likelihood``: ``"classification"`` / ``"regression"``.
+    """
+
+    def __init__(self, likelihood: str) -> None:
+        self.likelihood = likelihood
+        self.total = torch.zeros((), dtype=torch.float64)
+        self.n_data = 0
+        self.n_outputs = 0
+
+    def __call__(self, index: int, logits: Tensor, labels: Tensor | None) -> None:
+        """Add one batch: output rows ``logits [N, C]`` and their labels as validated by ``check_labels``.
+
+        Raises:
+            ValueError: If the batch has no labels (the training log-likelihood needs them).
+        """
+        if labels is None:
+            raise ValueError(
+                f"batch {index}: fit needs labels (the training log-likelihood at the MAP enters the "
+                "marginal likelihood); the batch has none"
+            )
+        f = logits.detach().double()
+        if self.likelihood == "classification":
+            loss = nn.functional.cross_entropy(f, labels, reduction="sum")
+        else:
+            loss = ((f - labels.double()) ** 2).sum()
+        self.total = loss + self.total.to(loss.device)
+        self.n_data += int(f.shape[0])
+        self.n_outputs = int(f.shape[1])
+
+    def result(self, device: torch.device) -> tuple[float, int, int]:
+        """``(loss, n_examples, n_outputs)`` over the data seen, summed over ranks under ``torch.distributed``.
+
+        Every rank takes part in the same two all-reduces and gets the same values, so the checks below
+        fail on all ranks together.
+
+        Raises:
+            ValueError: If no example was seen, the ranks disagree on the number of outputs, or the loss is
+                not finite.
+        """
+        n_data = torch.tensor(float(self.n_data), dtype=torch.float64, device=device)
+        sums = all_reduce(torch.stack([self.total.to(device), n_data]))
+        # the max of C and of -C: equal on every rank iff the ranks agree
+        outs = all_reduce(torch.tensor([self.n_outputs, -self.n_outputs], device=device), "max")
+        loss, n = float(sums[0]), round(float(sums[1]))
+        if n == 0:
+            raise ValueError("the loader holds no example: the posterior needs at least one")
+        if int(outs[0]) != -int(outs[1]):
+            raise ValueError(
+                f"ranks disagree on the number of model outputs: between {-int(outs[1])} and "
+                f"{int(outs[0])}"
+            )
+        if not math.isfinite(loss):
+            raise ValueError(f"the training loss at the MAP is not finite ({loss})")
+        return loss, n, int(outs[0])
+
+
+def _place(full: Tensor, keep: Tensor | None, rows: Tensor) -> Tensor:
+    """``rows [..., N, C]`` at the kept positions of ``full [..., B, T, C]`` (``rows`` itself for ``keep=None``)."""
+    if keep is None:
+        return rows
+    out = full.clone()
+    out[..., keep, :] = rows
+    return out
+
+
+class LaplaceBase:
+    """A Laplace posterior over a `Subset`: what `KronLaplace`, `DiagLaplace` and `DenseLaplace` share.
+
+    Not used directly: build one of the three (each implements ``partialbayes.predictive.Posterior``).
+
+    Batches, everywhere (``fit``, ``logit_mean_cov``, ``predict``, ``optimize_prior_precision``): a tensor
+    ``x``, a pair ``(inputs, labels)``, or any mapping of keyword inputs (``dict``, the ``BatchEncoding``
+    of ``DataCollatorWithPadding``) with labels under ``"labels"`` or ``"label"``.
+
+    Outputs: logits ``[B, C]`` give one output per example; token-level logits ``[B, T, C]`` (token
+    classification, causal LMs) one per position. Where labels are used — the curvature, the training
+    loss, ``n_data``, validation scores and ``logit_mean_cov`` — an output labelled -100 or at padding
+    (attention mask 0) is skipped, for ``[B, C]`` logits too; a batch left without a labelled output is
+    skipped with one warning counting them. ``predict`` and ``predictive_samples`` ignore labels: every
+    real position (attention mask 1) is predicted.
+
+    Args:
+        model: The fine-tuned model (its current weights are the MAP).
+        subset: Which entries get a posterior; the rest stay at their MAP values.
+        likelihood: ``"classification"`` (softmax cross-entropy) or ``"regression"`` (Gaussian, ``sigma_noise``).
+        prior_precision: ``δ > 0``: a scalar, a tensor with one value per module, or ``{module: δ}``.
+        temperature: ``T > 0``; the posterior precision is ``H / T + δ``.
+        sigma_noise: Observation noise of the regression likelihood.
+        fisher: ``"exact"`` (GGN), ``"mc"`` or ``"empirical"``; passed to the curvature routine.
+        mc_samples: Sampled labels per example for ``fisher="mc"`` (a positive ``int``; seed the sampling with
+            ``fit(..., generator=...)``).
+        num_classes: Expected number of logits (checked during `fit`); ``None`` to skip the check.
+        dtype: dtype of the stored curvature: ``torch.float64`` (default) or ``torch.float32``.
+        shift_labels: Causal-LM outputs: the output at ``t`` is scored against ``labels[t + 1]``, as
+            Hugging Face shifts inside the model. ``None`` (default): whether the model's class name ends
+            with ``ForCausalLM`` or ``LMHeadModel``. Stored by `save`.
+
+    Raises:
+        TypeError: A model that is not an ``nn.Module``, a subset that is not a ``Subset``, a dtype other
+            than float32 / float64.
+        ValueError: A bad setting (named); an empty subset; a subset parameter missing from the model, of
+            another shape, or on the ``meta`` device.
+    """
+
+    #: Links `predict` accepts: the linearised probit (default), Monte Carlo over the linearised
+    #: Gaussian logits, and the Laplace bridge.
+    links: ClassVar[tuple[str, ...]] = ("probit", "mc", "bridge")
+    #: Constructor keywords of the structure that `save` stores (read back as attributes).
+    _SAVED: ClassVar[tuple[str, ...]] = ()
+
+    _options: CurvatureOptions  # the checked settings, built once by the constructor
+    #: Prior groups (modules), in the order of `prior_precision`.
+    modules: tuple[str, ...]
+    device: torch.device
+    n_data: int
+    n_outputs: int
+    map_loss: float
+
+    def __init__(
+        self,
+        model: nn.Module,
+        subset: Subset,
+        *,
+        likelihood: str = "classification",
+        prior_precision: PriorSpec = 1.0,
+        temperature: float = 1.0,
+        sigma_noise: float = 1.0,
+        fisher: str = "exact",
+        mc_samples: int = 1,
+        num_classes: int | None = None,
+        dtype: torch.dtype = torch.float64,
+        shift_labels: bool | None = None,
+    ) -> None:
+        if not isinstance(subset, Subset):
+            raise TypeError(
+                f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
+            )
+        if len(subset.names) == 0:
+            raise ValueError("subset is empty: select at least one parameter")
+        params = subset.parameters_of(model)
+        self.model, self.subset = model, subset
+        self._options = CurvatureOptions(
+            likelihood=likelihood,
+            fisher=fisher,
+            mc_samples=mc_samples,
+            sigma_noise=sigma_noise,
+            dtype=dtype,
+            num_classes=num_classes,
+            shift_labels=resolve_shift_labels(model, shift_labels),
+        )
+        check_positive("temperature", temperature)
+        self.temperature = float(temperature)
+        self.device = next(iter(params.values())).device
+        groups = self._groups()
+        self.modules = tuple(dict.fromkeys(groups.values()))
+        self._param_module = {n: self.modules.index(groups[n]) for n in subset.names}
+        self._prior = prior_vector(prior_precision, self.modules, dtype=dtype, device=self.device)
+        self._map: dict[str, Tensor] = {}
+        self._fitted = False
+        self.n_data, self.n_outputs, self.map_loss = 0, 0, 0.0
+        self._sigma_fit = self.sigma_noise
+
+    # ------------------------------------------------------------------ settings
+    @property
+    def likelihood(self) -> str:
+        """``"classification"`` or ``"regression"``."""
+        return self._options.likelihood
+
+    @property
+    def fisher(self) -> str:
+        """``"exact"``, ``"mc"`` or ``"empirical"``."""
+        return self._options.fisher
+
+    @property
+    def mc_samples(self) -> int:
+        """Sampled labels per output for ``fisher="mc"``."""
+        return self._options.mc_samples
+
+    @property
+    def num_classes(self) -> int | None:
+        """The number of logits the model must output (checked by `fit`), or ``None``."""
+        return self._options.num_classes
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the stored curvature and of the predictive's computations."""
+        return self._options.dtype
+
+    @property
+    def shift_labels(self) -> bool:
+        """Whether token-level outputs follow the causal-LM convention (output ``t`` scored on token ``t + 1``)."""
+        return self._options.shift_labels
+
+    @property
+    def sigma_noise(self) -> float:
+        """Observation noise ``σ`` of the regression likelihood (the curvature is rescaled by ``σ_fit² / σ²``)."""
+        return self._options.sigma_noise
+
+    @sigma_noise.setter
+    def sigma_noise(self, value: float) -> None:
+        self._options = replace(self._options, sigma_noise=value)
+
+    @property
+    def prior_precision(self) -> Tensor:
+        """Prior precision per module, shape ``[len(modules)]``."""
+        return self._prior
+
+    @prior_precision.setter
+    def prior_precision(self, value: PriorSpec) -> None:
+        self._prior = prior_vector(value, self.modules, dtype=self.dtype, device=self.device)
+
+    # ------------------------------------------------------------------ structure
+    def _groups(self) -> dict[str, str]:
+        """Structure: ``{param name: module}``, the prior group of every parameter (default: its owner)."""
+        return {n: n.rpartition(".")[0] for n in self.subset.names}
+
+    def _compute_curvature(self, loader: Iterable[Any], run: Run) -> Any:
+        """Structure: the matching curvature routine's pass over ``loader`` (``self._options``, ``run``)."""
+        raise NotImplementedError
+
+    def _set_curvature(self, curvature: Any) -> None:
+        """Structure: check a curvature routine's result against the subset and store its representation."""
+        raise NotImplementedError
+
+    def _log_det(self, prior: Tensor, scale: Tensor | float) -> Tensor:
+        """Structure: ``log det P`` for a prior vector and a curvature scale (differentiable in both)."""
+        raise NotImplementedError
+
+    def _sample(self, n: int, generator: torch.Generator | None) -> dict[str, Tensor]:
+        """Structure: ``n`` zero-mean draws ``N(0, P⁻¹)``, ``{param name: [n, k]}``."""
+        raise NotImplementedError
+
+    def _covariances(
+        self,
+        inputs: Tensor | Mapping[str, Any],
+        outputs: Outputs,
+        priors: Sequence[Tensor],
+        scale: Tensor | float,
+    ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
+        """Structure: ``(logits, keep, [Σ_f [N, C, C] per prior])`` of a batch (called in eval mode).
+
+        ``logits`` as the model returns them (``[B, C]`` or ``[B, T, C]``, detached), ``keep`` the
+        ``[B, T]`` kept positions of token-level logits (``None`` for ``[B, C]``), one ``J Σ Jᵀ`` per output
+        row and prior setting.
+        """
+        raise NotImplementedError
+
+    def _state(self) -> dict[str, Tensor]:
+        """Structure: the stored curvature tensors (saved; counted by `num_floats`)."""
+        raise NotImplementedError
+
+    def _load_state(self, file: PosteriorFile) -> None:
+        """Structure: read back `_state` from a posterior file (``file.tensor("curv:<key>", shape)``)."""
+        raise NotImplementedError
+
+    def _summary_rows(self) -> list[tuple[str, str, int]]:
+        """Structure: ``(module, stored structure, floats)`` per module."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ fitting
+    def _require_fit(self) -> None:
+        if not self._fitted:
+            raise RuntimeError(f"{type(self).__name__} is not fitted: call fit(loader) first")
+
+    def _resolve_prior(self, prior_precision: PriorSpec | None) -> Tensor:
+        if prior_precision is None:
+            return self._prior
+        return prior_vector(prior_precision, self.modules, dtype=self.dtype, device=self.device)
+
+    def _scale(self, sigma_noise: float | Tensor | None) -> Tensor | float:
+        """Curvature rescaling ``σ_fit² / σ²`` (regression; 1 for classification)."""
+        if self.likelihood != "regression":
+            return 1.0
+        sigma = self.sigma_noise if sigma_noise is None else sigma_noise
+        check_positive("sigma_noise", sigma)
+        return self._sigma_fit**2 / sigma**2
+
+    def _read(self, batch: Any, labels: bool = True) -> tuple[Tensor | dict[str, Any], Outputs]:
+        """The one place a batch is read: model inputs on the posterior's device and its `Outputs`."""
+        return read_batch(
+            batch,
+            self.device,
+            likelihood=self.likelihood,
+            shift=self.shift_labels,
+            labels=labels,
+        )
+
+    def fit(
+        self: _Posterior,
+        loader: Iterable[Any],
+        *,
+        progress: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> _Posterior:
+        """Compute the curvature of the subset over ``loader`` and the training loss at the MAP, in one pass.
+
+        The model's current weights are taken as the MAP. The model is evaluated in eval mode. ``loader`` is
+        read exactly once (a generator or any one-shot iterable works): the training loss is accumulated from
+        the logits of the curvature's forward passes. Under ``torch.distributed`` each rank passes its own
+        shard; the curvature, the training loss, ``n_data`` and ``n_outputs`` are reduced over the ranks, so
+        every rank gets the posterior of the union of the shards.
+
+        Args:
+            loader: Iterable of labelled batches: pairs ``(inputs, labels)`` or mappings (``dict``,
+                ``BatchEncoding``) with ``"labels"`` / ``"label"``. Token-level outputs count one example
+                per kept position (``n_data`` is their number); outputs labelled -100 are skipped.
+            progress: Show a progress bar while accumulating the curvature.
+            generator: Source of randomness of the sampled labels for ``fisher="mc"`` (on the model's device
+                or the CPU); same seed, same curvature. Unused by the other fisher types.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            TypeError: If ``generator`` is not a ``torch.Generator``, or a batch is of an unknown kind.
+            ValueError: On an empty loader or batch, a batch without labels, labels of the wrong dtype /
+                shape or out of range (naming the batch), non-finite curvature (naming the module), a
+                loader without any labelled output.
+            RuntimeError: Under ``torch.distributed``, when another rank failed on its shard.
+        """
+        loss = MapLoss(self.likelihood)
+        run = Run(check_generator(generator), progress, loss)
+        curvature = self._compute_curvature(loader, run)
+        total, n, n_out = loss.result(self.device)
+        run.finish(self.model)
+        return self.fit_curvature(curvature, map_loss=total, n_data=n, n_outputs=n_out)
+
+    def fit_curvature(
+        self: _Posterior, curvature: Any, *, map_loss: float, n_data: int, n_outputs: int
+    ) -> _Posterior:
+        """Fit from precomputed curvature (the output of the matching curvature routine).
+
+        Args:
+            curvature: ``kfac(...)`` factors (`KronLaplace`), ``diag_curvature(...)`` (`DiagLaplace`) or
+                ``dense_curvature(...)`` (`DenseLaplace`), computed on the model's current weights.
+            map_loss: Training loss at the MAP summed over the data: cross-entropy in nats
+                (classification) or the sum of squared errors over all outputs (regression).
+            n_data: Number of training examples ``N``.
+            n_outputs: Number of model outputs ``C``.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            ValueError: Curvature that does not match the subset, is not finite, or is negative beyond
+                round-off (naming the module); ``n_data < 1``; a non-finite ``map_loss``.
+        """
+        if n_data < 1:
+            raise ValueError(f"n_data must be positive, got {n_data}")
+        if not math.isfinite(map_loss):
+            raise ValueError(f"map_loss must be finite, got {map_loss}")
+        params = self.subset.parameters_of(self.model)
+        self._set_curvature(curvature)
+        self._map = {
+            n: self.subset.gather(n, p.detach()).to(self.dtype).clone() for n, p in params.items()
+        }
+        self.map_loss, self.n_data, self.n_outputs = float(map_loss), int(n_data), int(n_outputs)
+        self._sigma_fit = self.sigma_noise
+        self._fitted = True
+        return self
+
+    # ------------------------------------------------------------------ evidence and the prior
+    def log_det(
+        self, prior_precision: PriorSpec | None = None, sigma_noise: float | None = None
+    ) -> Tensor:
+        """``log det P`` of the posterior precision ``P = H / T + δ`` (differentiable in δ and σ)."""
+        self._require_fit()
+        return self._log_det(self._resolve_prior(prior_precision), self._scale(sigma_noise))
+
+    def _module_sums(self, values: Mapping[str, Tensor] | None) -> Tensor:
+        """Per module: the number of entries (``values=None``) or ``Σ v²`` over its parameters."""
+        out = torch.zeros(len(self.modules), dtype=self.dtype, device=self.device)
+        for n, m in self._param_module.items():
+            if values is None:
+                out[m] += self.subset.num_entries(n)
+            else:
+                out[m] += (values[n].to(self.device) ** 2).sum()
+        return out
+
+    def log_likelihood(self, sigma_noise: float | Tensor | None = None) -> Tensor:
+        """Tempered training log-likelihood at the MAP, ``log p(D | θ*) / T``.
+
+        Classification: ``-Σ CE / T``. Regression: ``-(SSE / (2σ²) + N C log(σ √(2π))) / T``.
+        """
+        self._require_fit()
+        if self.likelihood == "classification":
+            return torch.tensor(
+                -self.map_loss / self.temperature, dtype=self.dtype, device=self.device
+            )
+        sigma = self.sigma_noise if sigma_noise is None else sigma_noise
+        sigma = torch.as_tensor(sigma, dtype=self.dtype, device=self.device)
+        norm = self.n_data * self.n_outputs * torch.log(sigma * math.sqrt(2 * math.pi))
+        return -(self.map_loss / (2 * sigma**2) + norm) / self.temperature
+
+    def log_marginal_likelihood(
+        self, prior_precision: PriorSpec | None = None, sigma_noise: float | Tensor | None = None
+    ) -> Tensor:
+        """Laplace evidence ``log p(D|θ*)/T - ½ (log det P - log det P₀) - ½ θ*ᵀ P₀ θ*``.
+
+        Differentiable in ``prior_precision`` and ``sigma_noise`` (pass tensors that require grad).
+
+        Args:
+            prior_precision: Overrides the stored prior precision (scalar, per module tensor, or dict).
+            sigma_noise: Overrides the regression noise (the curvature is rescaled by ``σ_fit² / σ²``).
+
+        Returns:
+            Scalar tensor.
+        """
+        self._require_fit()
+        prior = self._resolve_prior(prior_precision)
+        log_det_prior = (self._module_sums(None) * prior.log()).sum()
+        scatter = (self._module_sums(self._map) * prior).sum()
+        return gaussian_log_marglik(
+            self.log_likelihood(sigma_noise),
+            self._log_det(prior, self._scale(sigma_noise)),
+            log_det_prior,
+            scatter,
+        )
+
+    @overload
+    def optimize_prior_precision(
+        self,
+        method: str = ...,
+        *,
+        optimizer: Literal["grid"] = ...,
+        val_loader: Iterable[Any] | None = ...,
+        grid: Tensor | Sequence[float] | None = ...,
+    ) -> float: ...
+
+    @overload
+    def optimize_prior_precision(
+        self,
+        method: Literal["marglik"] = ...,
+        *,
+        optimizer: Literal["gradient"],
+        init_prior_precision: PriorSpec | None = ...,
+        fit_sigma_noise: bool | None = ...,
+        per_module: bool | None = ...,
+        lr: float | None = ...,
+        max_steps: int | None = ...,
+        tol: float | None = ...,
+    ) -> MarglikFit: ...
+
+    @overload
+    def optimize_prior_precision(
+        self,
+        method: str = ...,
+        *,
+        optimizer: str,
+        val_loader: Iterable[Any] | None = ...,
+        grid: Tensor | Sequence[float] | None = ...,
+        init_prior_precision: PriorSpec | None = ...,
+        fit_sigma_noise: bool | None = ...,
+        per_module: bool | None = ...,
+        lr: float | None = ...,
+        max_steps: int | None = ...,
+        tol: float | None = ...,
+    ) -> float | MarglikFit: ...
+
+    def optimize_prior_precision(
+        self,
+        method: str = "marglik",
+        *,
+        optimizer: str = "grid",
+        val_loader: Iterable[Any] | None = None,
+        grid: Tensor | Sequence[float] | None = None,
+        init_prior_precision: PriorSpec | None = None,
+        fit_sigma_noise: bool | None = None,
+        per_module: bool | None = None,
+        lr: float | None = None,
+        max_steps: int | None = None,
+        tol: float | None = None,
+    ) -> float | MarglikFit:
+        """Choose the prior precision (a scalar on a grid, or one per module by gradient ascent) and set it.
+
+        Two optimizers:
+
+        * ``"grid"`` (default): one scalar prior for every module, the best of ``grid``. Each candidate
+          costs one evidence evaluation (``method="marglik"``) or one linearised predictive per validation
+          batch and candidate, with the Jacobians shared (``method="val_nll"``).
+        * ``"gradient"`` (``method="marglik"`` only): Adam on ``log δ_m``, one prior per module (or one
+          shared value with ``per_module=False``), and on ``log σ`` for regression, until the evidence is
+          stationary: every scaled gradient (``|∂L/∂log δ_m| / d_m`` with ``d_m`` the module's entries,
+          ``|∂L/∂log σ| / (N C)``) is at most ``tol``. Each step is one evidence evaluation and its
+          gradient (no data pass). Not converging within ``max_steps`` warns and returns
+          ``converged=False``; the last values are set anyway.
+
+        Args:
+            method: ``"marglik"`` (maximise `log_marginal_likelihood`) or ``"val_nll"`` (minimise the NLL of
+                the linearised probit predictive, or of the Gaussian predictive for regression, on
+                ``val_loader``; see `grid_val_nll`).
+            optimizer: ``"grid"`` or ``"gradient"``.
+            val_loader: Validation batches (``method="val_nll"`` only).
+            grid: Candidate values of the grid, default ``torch.logspace(-1, 3, 21)``.
+            init_prior_precision: Gradient start (scalar, per module tensor or dict); default the current
+                prior precision.
+            fit_sigma_noise: Also fit ``σ`` (gradient; default: for regression). The fitted value becomes
+                ``sigma_noise``; the curvature is rescaled by ``σ_fit² / σ²``.
+            per_module: One prior precision per module (gradient; default ``True``) or one shared value.
+            lr: Adam step size on the log scale (gradient; default 0.1).
+            max_steps: Most Adam steps (gradient; default 1000).
+            tol: Stationarity tolerance on the scaled gradients (gradient; default 1e-4).
+
+        Returns:
+            ``"grid"``: the chosen scalar prior precision. ``"gradient"``: a `MarglikFit` with the prior
+            precision per module, the fitted ``σ`` (or ``None``), the evidence, the steps taken, whether it
+            converged and the evidence history. Either way the values are also stored on the posterior.
+
+        Raises:
+            ValueError: On a bad ``method`` / ``optimizer`` / ``grid``, gradient options (non-positive
+                start, ``lr``, ``tol`` or ``max_steps``; ``fit_sigma_noise`` for classification; a
+                non-finite evidence), and (``"val_nll"``) an empty ``val_loader`` or labels of the wrong
+                dtype / shape or out of range (naming the batch).
+        """
+        self._require_fit()
+        gradient_only: dict[str, Any] = {
+            "init_prior_precision": init_prior_precision,
+            "fit_sigma_noise": fit_sigma_noise,
+            "per_module": per_module,
+            "lr": lr,
+            "max_steps": max_steps,
+            "tol": tol,
+        }
+        if optimizer == "gradient":
+            if method != "marglik":
+                raise ValueError(
+                    f"optimizer='gradient' needs method='marglik' (got {method!r}); "
+                    "method='val_nll' is offered on a grid"
+                )
+            if val_loader is not None or grid is not None:
+                raise ValueError("val_loader and grid are not used with optimizer='gradient'")
+            if fit_sigma_noise is None:
+                fit_sigma_noise = self.likelihood == "regression"
+            elif not isinstance(fit_sigma_noise, bool):
+                raise TypeError(
+                    f"fit_sigma_noise must be a bool or None, got {type(fit_sigma_noise).__name__}"
+                )
+            elif fit_sigma_noise and self.likelihood != "regression":
+                raise ValueError(
+                    "fit_sigma_noise=True needs likelihood='regression' (classification has no noise)"
+                )
+            steps = ("per_module", "lr", "max_steps", "tol")
+            with torch.enable_grad():
+                fit = maximize_evidence(
+                    lambda prior, sigma: self.log_marginal_likelihood(prior, sigma),
+                    self._resolve_prior(init_prior_precision).detach(),
+                    self._module_sums(None),
+                    self.modules,
+                    init_sigma=self.sigma_noise if fit_sigma_noise else None,
+                    sigma_scale=float(self.n_data * max(self.n_outputs, 1)),
+                    **{k: gradient_only[k] for k in steps if gradient_only[k] is not None},
+                )
+            self.prior_precision = fit.prior_precision
+            if fit.sigma_noise is not None:
+                self.sigma_noise = fit.sigma_noise
+            return fit
+        if optimizer != "grid":
+            raise ValueError(f"optimizer must be 'grid' or 'gradient', got {optimizer!r}")
+        given = [k for k, v in gradient_only.items() if v is not None]
+        if given:
+            raise ValueError(f"{given} are options of optimizer='gradient', not of the grid")
+        if grid is None:
+            values = torch.logspace(-1, 3, 21, dtype=torch.float64)
+        elif isinstance(grid, Tensor):
+            values = grid.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
+        else:  # Python floats straight to float64 (as_tensor would round them to float32 first)
+            values = torch.tensor(list(grid), dtype=torch.float64).reshape(-1)
+        if values.numel() == 0 or not bool(((values > 0) & torch.isfinite(values)).all()):
+            raise ValueError(f"grid must hold positive finite values, got {values.tolist()}")
+        if method == "marglik":
+            if val_loader is not None:
+                raise ValueError("val_loader is only used with method='val_nll'")
+            with torch.no_grad():
+                scores = torch.stack(
+                    [self.log_marginal_likelihood(prior_precision=float(v)) for v in values]
+                )
+            best = int(torch.argmax(scores))
+        elif method == "val_nll":
+            if val_loader is None:
+                raise ValueError("method='val_nll' needs val_loader")
+            best = int(torch.argmin(self.grid_val_nll(val_loader, values)))
+        else:
+            raise ValueError(f"method must be 'marglik' or 'val_nll', got {method!r}")
+        self.prior_precision = float(values[best])
+        return float(values[best])
+
+    def grid_val_nll(self, val_loader: Iterable[Any], grid: Tensor) -> Tensor:
+        """Mean validation NLL of the linearised predictive for each scalar prior precision in ``grid``.
+
+        Classification scores the probit predictive (``partialbayes.predictive.probit``), regression the
+        Gaussian predictive with the observation noise (``gaussian_predictive``). Jacobians are computed
+        once per batch and reused for every grid value. Token-level outputs count one example per kept
+        position; outputs labelled -100 are skipped (a batch without a labelled output is skipped, with one
+        warning counting them).
+
+        Returns:
+            ``[len(grid)]`` mean NLL per example.
+
+        Raises:
+            ValueError: On an empty ``val_loader`` (or one without any labelled output), a batch without
+                labels, or labels of the wrong dtype / shape or out of range (naming the batch).
+        """
+        self._require_fit()
+        totals = torch.zeros(len(grid), dtype=torch.float64)
+        count = batches = skipped = 0
+        priors = [self._resolve_prior(float(v)) for v in grid]
+        scale = self._scale(None)
+        with torch.no_grad():
+            for index, batch in enumerate(val_loader):
+                batches += 1
+                inputs, outputs = self._read(batch)
+                if outputs.labels is None:
+                    raise ValueError(
+                        f"batch {index}: val_loader batches need labels to score the predictive"
+                    )
+                if outputs.unlabelled:
+                    skipped += 1
+                    continue
+                with eval_mode(self.model):
+                    logits, keep, covs = self._covariances(inputs, outputs, priors, scale)
+                f = (logits if keep is None else logits[keep]).to(self.dtype)
+                if f.shape[0] == 0:
+                    skipped += 1
+                    continue
+                check_logits(f, None, index)
+                labels = outputs.targets(logits, keep)
+                assert labels is not None
+                labels = check_labels(labels, f, self.likelihood, index)
+                for i, cov in enumerate(covs):
+                    cov = cov.to(self.dtype)
+                    if self.likelihood == "classification":
+                        score = nll(probit(f, cov), labels, reduction="sum")
+                    else:
+                        mean, var = gaussian_predictive(
+                            f, cov.diagonal(dim1=-2, dim2=-1), self.sigma_noise**2
+                        )
+                        score = gaussian_nll(mean, var, labels.to(f.dtype), reduction="sum")
+                    totals[i] += float(score)
+                count += f.shape[0]
+        if batches == 0:
+            raise ValueError("val_loader is empty")
+        if skipped == batches:
+            raise ValueError(
+                f"every batch of val_loader ({batches}) has no labelled output (every label -100)"
+            )
+        if skipped:
+            warnings.warn(
+                f"skipped {skipped} of {batches} validation batches with no labelled outputs "
+                "(every label -100)",
+                UserWarning,
+                stacklevel=2,
+            )
+        return totals / count
+
+    # ------------------------------------------------------------------ samples and swapping
+    def _noise(self, shape: Sequence[int], generator: torch.Generator | None) -> Tensor:
+        """Standard normal draws in the posterior's dtype, drawn on the generator's device."""
+        device = generator.device if generator is not None else self.device
+        eps = torch.randn(*shape, generator=generator, dtype=self.dtype, device=device)
+        return eps.to(self.device)
+
+    def sample(self, n: int = 1, *, generator: torch.Generator | None = None) -> dict[str, Tensor]:
+        """Draw weight samples ``θ ~ N(θ*, P⁻¹)`` of the subset.
+
+        Args:
+            n: Number of samples.
+            generator: Source of randomness (on the model's device or the CPU); same seed, same samples.
+
+        Returns:
+            ``{param name: [n, k]}`` with the ``k`` entries of each parameter in ``subset.gather`` order,
+            parameters in ``subset.names`` order.
+
+        Raises:
+            ValueError: If ``n`` is not a positive int.
+            TypeError: If the generator is not a ``torch.Generator``.
+        """
+        check_generator(generator)
+        self._require_fit()
+        n = check_count("n", n)
+        centered = self._sample(n, generator)
+        return {name: self._map[name] + centered[name] for name in self.subset.names}
+
+    def swapped(self, sample: Mapping[str, Tensor]) -> AbstractContextManager[nn.Module]:
+        """Write one weight sample into the model; on exit restore what the model held, even on error.
+
+        Through ``Subset.swapped``: nested swaps unwind, and weights the user changed since `fit` stay.
+
+        Args:
+            sample: ``{param name: [k]}`` (or ``[1, k]``) for every parameter of the subset (a row of `sample`).
+
+        Returns:
+            A context manager yielding the model, carrying the sample.
+
+        Raises:
+            TypeError: If ``sample`` is not a mapping of tensors.
+            ValueError: If it does not cover the subset exactly, a value has the wrong size, or holds
+                NaN or inf (the parameter is named; the model is left untouched).
+        """
+        self._require_fit()
+        return self.subset.swapped(self.model, sample)
+
+    @contextmanager
+    def sampled(self, *, generator: torch.Generator | None = None) -> Iterator[nn.Module]:
+        """Draw one sample and swap it into the model (see `swapped`); what was there is restored on exit.
+
+        Args:
+            generator: Source of randomness.
+
+        Yields:
+            The model, carrying the sample.
+        """
+        one = {k: v[0] for k, v in self.sample(1, generator=generator).items()}
+        with self.swapped(one) as model:
+            yield model
+
+    # ------------------------------------------------------------------ the linearised predictive
+    def _linearised(
+        self, batch: Any, chunk_size: int | None = None, labels: bool = True
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        """``(logits [B, C] | [B, T, C], keep [B, T] | None, Σ_f [N, C, C])`` of one batch at the prior."""
+        self._require_fit()
+        if chunk_size is not None and (
+            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+        ):
+            raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+        inputs, outputs = self._read(batch, labels)
+        if outputs.unlabelled:
+            raise ValueError(
+                "every output of the batch is labelled -100: there is no labelled output to return "
+                "(pass the batch without labels to get every output)"
+            )
+        logits, keeps, covs = [], [], []
+        for part, part_outputs in split_chunks(inputs, outputs, chunk_size):
+            with eval_mode(self.model):
+                f, keep, (cov,) = self._covariances(
+                    part, part_outputs, [self._prior], self._scale(None)
+                )
+            logits.append(f.detach())
+            keeps.append(keep)
+            covs.append(cov.to(self.dtype))
+        keep_all = None if keeps[0] is None else torch.cat([k for k in keeps if k is not None])
+        logits_all = torch.cat(logits)
+        rows = logits_all if keep_all is None else logits_all[keep_all]
+        if not bool(torch.isfinite(rows).all()):
+            raise ValueError(
+                "the model's logits for this batch are not finite (NaN or inf in the inputs?): "
+                "no predictive is computed from them"
+            )
+        return logits_all, keep_all, torch.cat(covs)
+
+    def logit_mean_cov(self, batch: Any, chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
+        """Linearised predictive: ``f_MAP`` and the functional covariance ``J Σ Jᵀ`` per labelled output.
+
+        Args:
+            batch: A tensor ``x``, a pair ``(inputs, labels)`` or a mapping batch (``dict``,
+                ``BatchEncoding``). Label values are ignored, but labels of -100 (and an attention mask of
+                0) mark the outputs to skip: the cheap way to get the covariance of a few positions only.
+            chunk_size: Process at most this many examples at a time (bounds the memory of the recorded
+                activations and output gradients); ``None`` = the whole batch at once.
+
+        Returns:
+            ``(f [N, C], Σ_f [N, C, C])`` in the dtype of the logits, one row per output not skipped, in
+            row-major ``(b, t)`` order for token-level logits (as ``predictive.flatten_outputs``). Each
+            costs ``C`` backward passes and a ``[C, C]`` covariance: with a large vocabulary, keep only the
+            positions you need (labels -100 elsewhere).
+
+        Raises:
+            TypeError: A batch of an unknown kind (the message names its type and the accepted ones).
+            ValueError: Token-level logits with neither an attention mask nor labels; logits that are not
+                finite; an empty batch, or one whose every label is -100.
+        """
+        logits, keep, cov = self._linearised(batch, chunk_size)
+        f = logits if keep is None else logits[keep]
+        return f, cov.to(f.dtype)
+
+    def predict(
+        self,
+        batch: Any,
+        *,
+        link: str | None = None,
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The linearised predictive of a batch, at the model's output shape.
+
+        The logits are linearised around the MAP, ``f ~ N(f_MAP, Σ_f)`` with ``Σ_f = J Σ Jᵀ`` (see
+        `logit_mean_cov`), and integrated against the likelihood with ``partialbayes.predictive``'s
+        approximations. Labels are ignored: every real position of token-level logits (attention mask 1,
+        all positions without a mask) gets the predictive, whether or not the batch has labels. To keep only
+        the labelled positions, index the result with ``partialbayes.predictive.kept_positions(logits,
+        attention_mask=..., labels=...)``, or call `logit_mean_cov` (which computes only those).
+
+        Args:
+            batch: A tensor ``x``, a pair ``(inputs, labels)`` or a mapping batch (``dict``,
+                ``BatchEncoding``); labels are ignored.
+            link: Classification: ``"probit"`` (default; ``softmax(κ ⊙ f_MAP)`` with
+                ``κ_c = (1 + π/8 Σ_f,cc)^(-1/2)``), ``"mc"`` (``n_samples`` draws of ``f``, averaged
+                softmax) or ``"bridge"`` (the Laplace bridge). Regression: every link gives the closed-form
+                Gaussian predictive.
+            n_samples: Draws for ``link="mc"``.
+            generator: Source of randomness for ``link="mc"`` (on the model's device); same seed, same
+                result.
+
+        Returns:
+            Classification: probabilities with the logits' shape and dtype, ``[B, C]`` or ``[B, T, C]``.
+            Regression: ``(mean, variance)`` of a new target, each ``[B, C]`` (or ``[B, T, C]``); the
+            variance is ``diag Σ_f + σ²``, the observation noise included. Padding positions (attention
+            mask 0) hold the MAP prediction: ``softmax(f_MAP)``, or ``(f_MAP, σ²)``; never NaN.
+
+        Raises:
+            ValueError: A link the posterior does not offer (the message lists `links`), a bad
+                ``n_samples``, token-level logits without an attention mask, logits that are not finite.
+            TypeError: A batch of an unknown kind, a ``generator`` that is not a ``torch.Generator``.
+        """
+        link = resolve_link(link, self.links, type(self).__name__)
+        n_samples = check_count("n_samples", n_samples)
+        check_generator(generator)
+        logits, keep, cov = self._linearised(batch, labels=False)
+        full = logits.to(cov.dtype)
+        f = full if keep is None else full[keep]
+        if self.likelihood == "regression":
+            noise = self.sigma_noise**2
+            mean, var = gaussian_predictive(f, cov.diagonal(dim1=-2, dim2=-1), noise)
+            mean, var = _place(full, keep, mean), _place(torch.full_like(full, noise), keep, var)
+            return mean.to(logits.dtype), var.to(logits.dtype)
+        if link == "probit":
+            probs = probit(f, cov)
+        elif link == "bridge":
+            probs = laplace_bridge(f, cov)
+        else:
+            probs = mc_predictive(f, cov, n_samples, generator=generator)
+        return _place(torch.softmax(full, dim=-1), keep, probs).to(logits.dtype)
+
+    def predictive_samples(
+        self, batch: Any, n: int, *, generator: torch.Generator | None = None
+    ) -> Tensor:
+        """``n`` draws of the linearised logits ``f ~ N(f_MAP, Σ_f)`` for a batch.
+
+        The input of ``partialbayes.predictive``'s uncertainty decomposition. Outputs are drawn
+        independently (``Σ_f`` is per output); regression draws the function, without the noise. Labels are
+        ignored (every real position is drawn, as in `predict`); padding holds ``f_MAP``.
+
+        Args:
+            batch: Any accepted batch (labels are ignored).
+            n: Number of draws.
+            generator: Source of randomness (on the model's device).
+
+        Returns:
+            ``[n, B, C]`` (or ``[n, B, T, C]``) in the logits' dtype.
+        """
+        n = check_count("n", n)
+        check_generator(generator)
+        logits, keep, cov = self._linearised(batch, labels=False)
+        full = logits.to(cov.dtype)
+        draws = sample_logits(full if keep is None else full[keep], cov, n, generator=generator)
+        return _place(full.expand(n, *logits.shape), keep, draws).to(logits.dtype)
+
+    # ------------------------------------------------------------------ size, summary, files
+    @property
+    def num_floats(self) -> int:
+        """Floats stored for the posterior covariance (curvature representation; MAP excluded)."""
+        self._require_fit()
+        return sum(t.numel() for t in self._state().values())
+
+    def _settings(self) -> str:
+        """The structure's saved keywords, ``", sharing=expand, ..."`` (for `summary` and ``repr``)."""
+        return "".join(f", {k}={getattr(self, k)}" for k in self._SAVED)
+
+    def summary(self) -> str:
+        """A readable table: module, stored structure, floats; with totals."""
+        self._require_fit()
+        rows = self._summary_rows()
+        width = max([len("module"), *(len(m) for m, _, _ in rows)])
+        lines = [
+            f"{type(self).__name__}: {len(self.modules)} modules, {self.subset.num_entries()} parameters, "
+            f"likelihood={self.likelihood}, fisher={self.fisher}, T={self.temperature:g}, "
+            f"N={self.n_data}{self._settings()}",
+            f"{'module'.ljust(width)}  {'structure':<40}  floats",
+        ]
+        lines += [f"{m.ljust(width)}  {s:<40}  {f}" for m, s, f in rows]
+        lines.append(f"{'total'.ljust(width)}  {'':<40}  {self.num_floats}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        state = f"{self.num_floats} floats" if self._fitted else "not fitted"
+        return f"{type(self).__name__}({len(self.modules)} modules, {state}{self._settings()})"
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Save to one ``.safetensors`` file (tensors) with JSON metadata (settings, subset, model structure).
+
+        Written atomically by ``partialbayes.predictive.write_posterior_file`` (a missing parent folder is
+        created; a folder path is refused); format ``partialbayes.curvature.<class>`` version 2.
+        """
+        self._require_fit()
+        tensors = {f"curv:{k}": v for k, v in self._state().items()}
+        tensors.update({f"map:{n}": v for n, v in self._map.items()})
+        tensors["prior_precision"] = self.prior_precision
+        skip = (
+            "dtype",
+            "sharing",
+            "bias",
+        )  # dtype is a field of its own; the rest are the structure's
+        options = {k: v for k, v in vars(self._options).items() if k not in skip}
+        options.update(temperature=self.temperature, **{k: getattr(self, k) for k in self._SAVED})
+        meta = {
+            "format": FORMAT.format(type(self).__name__),
+            "version": VERSION,
+            "model_class": type(self.model).__name__,
+            "subset": self.subset.to_json(),
+            "modules": list(self.modules),
+            "dtype": str(self.dtype),
+            "options": options,
+            "n_data": self.n_data,
+            "n_outputs": self.n_outputs,
+            "map_loss": self.map_loss,
+            "sigma_fit": self._sigma_fit,
+        }
+        write_posterior_file(path, tensors, meta, model=self.model)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], model: nn.Module) -> LaplaceBase:
+        """Load a posterior saved with `save` onto ``model``.
+
+        ``LaplaceBase.load`` builds whichever posterior class the file holds. When the model's current
+        weights differ from the saved MAP, a warning says so: the posterior is centred on the saved MAP.
+
+        Raises:
+            FileNotFoundError: If there is no file at ``path``.
+            ValueError: Naming the file: not a readable posterior file of this version (garbage,
+                truncated, a missing or mistyped field, a missing tensor or one of the wrong shape, NaN or
+                inf in any tensor); ``model``'s parameter names / shapes or the saved subset do not match
+                ``model``; the file holds another posterior class than ``cls``.
+        """
+        names = ("KronLaplace", "DiagLaplace", "DenseLaplace")
+        file = read_posterior_file(
+            path, formats=[FORMAT.format(n) for n in names], version=VERSION, fields=_FIELDS
+        )
+        saved = file.meta["format"].rpartition(".")[2]
+        target = next((c for c in (cls, *cls.__subclasses__()) if c.__name__ == saved), None)
+        if target is None:
+            raise file.error(f"holds a {saved}, not a {cls.__name__}: load it with {saved}.load")
+        file.check_model(model)
+        dtype, prior = file.dtype(), file.tensor("prior_precision")
+        try:
+            subset = Subset.from_json(file.meta["subset"], model)
+            options = {**file.meta["options"], "dtype": dtype, "prior_precision": prior}
+            post: LaplaceBase = target(model, subset, **options)
+        except (TypeError, ValueError) as err:
+            raise file.error(f"the saved settings are invalid: {err}") from err
+        if list(post.modules) != file.meta["modules"]:
+            raise file.error(
+                f"saved modules {file.meta['modules']} do not match the subset's {list(post.modules)}"
+            )
+        post._load_state(file)
+        post._map = {
+            n: file.tensor(f"map:{n}", (subset.num_entries(n),)).to(post.device, post.dtype)
+            for n in subset.names
+        }
+        post.n_data, post.n_outputs = file.meta["n_data"], file.meta["n_outputs"]
+        post.map_loss, post._sigma_fit = file.meta["map_loss"], file.meta["sigma_fit"]
+        post._fitted = True
+        for n, p in subset.parameters_of(model).items():
+            if not torch.allclose(
+                subset.gather(n, p.detach()).to(post.dtype), post._map[n], rtol=1e-5, atol=1e-6
+            ):
+                warnings.warn(
+                    f"the model's current values of {n!r} differ from the saved MAP; the posterior is "
+                    "centred on the saved MAP (the model keeps its values)",
+                    stacklevel=2,
+                )
+                break
+        return post
