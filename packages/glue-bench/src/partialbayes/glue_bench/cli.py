@@ -10,20 +10,32 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from partialbayes.glue_bench import __version__
-from partialbayes.glue_bench.data_glue import TASKS, default_glue_dir, glue_missing_message
-from partialbayes.glue_bench.data_uci import UCI_DATASETS
-from partialbayes.glue_bench.experiment import CURVATURE_PASSES
+from partialbayes.glue_bench import __version__, experiment, uci
+from partialbayes.glue_bench.data_glue import (
+    TASKS,
+    default_glue_dir,
+    glue_missing_message,
+    task_spec,
+)
+from partialbayes.glue_bench.data_uci import UCI_DATASETS, num_splits, uci_folder
+from partialbayes.glue_bench.executors import EXECUTORS
+from partialbayes.glue_bench.experiment import CURVATURE_PASSES, RunConfig
+from partialbayes.glue_bench.figures import ramping_plot
 from partialbayes.glue_bench.methods import FISHERS, METHODS, Settings
-from partialbayes.glue_bench.models import DEFAULT_MODEL
+from partialbayes.glue_bench.models import DEFAULT_MODEL, minilm_path
 from partialbayes.glue_bench.quickstart import (
     QUICKSTART_ARGS,
     QUICKSTART_METHODS,
     QUICKSTART_SETTINGS,
     QUICKSTART_TRAIN,
+    order_rows,
+    read_table,
 )
-from partialbayes.glue_bench.tables import BUDGET_TOLERANCE
+from partialbayes.glue_bench.report import short_table, summarise, write_report
+from partialbayes.glue_bench.store import grid_units, iter_records, parse_shard
+from partialbayes.glue_bench.tables import BUDGET_TOLERANCE, col, markdown
 from partialbayes.glue_bench.train import OPTIMIZERS, TrainConfig
+from partialbayes.glue_bench.uci import UCI_METHODS
 
 # `glue-bench run` without --methods: the two cheap baselines of each task kind (UCI has no temperature
 # scaling, a classification method; last-layer Laplace is its cheapest calibrated alternative).
@@ -33,13 +45,19 @@ DEFAULT_METHODS = {"glue": ("map", "temperature"), "uci": ("map", "last-layer")}
 # which hold 20; fewer when a folder holds fewer).
 DEFAULT_SPLITS = {"glue": "0", "uci": "0-14"}
 TASK_KINDS = {"glue": "GLUE", "uci": "UCI"}
+# The largest split index + 1 that --splits takes: a GLUE split is the seed of a train/validation
+# permutation (the paper runs 5, each one costs a fine-tuning), a UCI folder holds 20 (checked per folder).
+MAX_SPLITS = 1000
 
 
-def parse_splits(text: str) -> list[int]:
-    """``"0-4"`` -> [0, 1, 2, 3, 4]; ``"0,2"`` -> [0, 2]."""
+def parse_splits(text: str, limit: int = MAX_SPLITS) -> list[int]:
+    """``"0-4"`` -> [0, 1, 2, 3, 4]; ``"0,2"`` -> [0, 2]; every split below ``limit``.
+
+    A range is checked against ``limit`` before it is expanded, so ``0-100000000000`` is refused at once.
+    """
     if not text.strip():
         raise argparse.ArgumentTypeError("--splits: empty (use e.g. 0-4 or 0,2)")
-    out: list[int] = []
+    out: set[int] = set()
     for part in text.split(","):
         m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
         if not m:
@@ -49,8 +67,12 @@ def parse_splits(text: str) -> list[int]:
         lo, hi = int(m[1]), int(m[2] or m[1])
         if hi < lo:
             raise argparse.ArgumentTypeError(f"--splits: empty range {part!r}")
-        out.extend(range(lo, hi + 1))
-    return sorted(set(out))
+        if hi >= limit:
+            raise argparse.ArgumentTypeError(
+                f"--splits: {part.strip()!r} goes beyond split {limit - 1} (splits are 0-{limit - 1})"
+            )
+        out.update(range(lo, hi + 1))
+    return sorted(out)
 
 
 def _names(text: str) -> list[str]:
@@ -69,13 +91,17 @@ def _floats(text: str) -> tuple[float, ...]:
     return values
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, grid: str) -> None:
+    """The options of ``run`` and ``quickstart``; help shows each command's own defaults (``%(default)s``)."""
+    train, settings = TrainConfig(), Settings()
     p.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help="Hugging Face model name or folder; default: the packaged MiniLM (extra 'minilm')",
+        help="Hugging Face model name or folder (default %(default)s: the packaged MiniLM, extra 'minilm')",
     )
-    p.add_argument("--device", default="cuda" if _cuda() else "cpu", help="torch device")
+    p.add_argument(
+        "--device", default="cuda" if _cuda() else "cpu", help="torch device (%(default)s)"
+    )
     p.add_argument(
         "--glue-dir",
         type=Path,
@@ -86,17 +112,29 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--max-train-examples",
         type=int,
         default=None,
-        help="cap the training part of each split (default: the paper's sizes)",
+        help="cap the training part of each split (default %(default)s; None: the paper's sizes)",
     )
-    p.add_argument("--max-test-examples", type=int, default=None, help="cap the test set")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-test-examples", type=int, default=None, help="cap the test set (default %(default)s)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="base seed (default %(default)s)")
     p.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
         default="adamw",
-        help="fine-tuning optimizer (ivon also yields the 'ivon' posterior)",
+        help="fine-tuning optimizer (default %(default)s; ivon also yields the 'ivon' posterior)",
     )
-    p.add_argument("--epochs", type=int, default=None, help="fine-tuning epochs (default 10)")
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=train.epochs,
+        help="fine-tuning epochs (default %(default)s); 0: take --model FOLDER, a classifier fine-tuned "
+        "for the task, as the MAP",
+    )
+    p.add_argument("--lr", type=float, default=train.lr, help="AdamW learning rate (%(default)s)")
+    p.add_argument(
+        "--batch-size", type=int, default=train.batch_size, help="fine-tuning batch (%(default)s)"
+    )
     p.add_argument(
         "--max-length",
         type=int,
@@ -107,20 +145,19 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--prior",
         choices=("val_nll", "marglik"),
         default="val_nll",
-        help="how Laplace methods choose the prior precision",
+        help="how Laplace methods choose the prior precision (default %(default)s)",
     )
     p.add_argument(
         "--prior-grid",
         type=_floats,
         default=None,
-        help="prior precisions to choose from, e.g. 1e-3,1e-2,0.1,1 (default: the paper's "
-        "10^-1 ... 10^3 in half decades)",
+        help=f"prior precisions to choose from, e.g. 1e-3,1e-2,0.1,1 (default {grid} in half decades)",
     )
     p.add_argument(
         "--fisher",
         choices=FISHERS,
         default="empirical",
-        help="fisher type of the KFAC / S-KFAC Laplace curvature (default empirical, the paper's)",
+        help="fisher type of the KFAC / S-KFAC Laplace curvature (default %(default)s, the paper's)",
     )
     p.add_argument(
         "--curvature-pass",
@@ -129,7 +166,9 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="shared (default): one curvature pass for a whole ramp of a (task, split); per-cell: "
         "each cell its own (same records, slower)",
     )
-    p.add_argument("--n-samples", type=int, default=None, help="MC samples (default 50)")
+    p.add_argument(
+        "--n-samples", type=int, default=settings.n_samples, help="MC samples (%(default)s)"
+    )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
@@ -150,21 +189,24 @@ def _cuda() -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``glue-bench`` argument parser."""
+    """The ``glue-bench`` argument parser (no option may be abbreviated: ``--task`` is not ``--tasks``)."""
     parser = argparse.ArgumentParser(
         prog="glue-bench",
         description="Stochastic-subset Bayesian transformers on GLUE (Kampen et al., UAI 2024).",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command")
 
-    run = sub.add_parser("run", help="fill (part of) the experiment grid in a results folder")
+    run = sub.add_parser(
+        "run", help="fill (part of) the experiment grid in a results folder", allow_abbrev=False
+    )
     run.add_argument(
         "--tasks",
         type=_names,
         default=["sst2"],
         help=f"GLUE tasks {list(TASKS)} and/or UCI datasets {list(UCI_DATASETS)} "
-        "(case and hyphens ignored: SST-2, Boston)",
+        "(case and hyphens ignored: SST-2, Boston; default sst2)",
     )
     run.add_argument(
         "--methods",
@@ -180,9 +222,6 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"e.g. 0-4 (default: {DEFAULT_SPLITS['glue']} for GLUE tasks, "
         f"{DEFAULT_SPLITS['uci']} for UCI datasets, the paper's 15)",
     )
-    run.add_argument(
-        "--shard", default=None, help="i/n: run the i-th of n disjoint parts of the grid"
-    )
     run.add_argument("--results", type=Path, default=Path("results"), help="results folder")
     run.add_argument(
         "--uci-dir",
@@ -190,10 +229,42 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="folder holding bostonHousing/, energy/, yacht/ (default $PARTIALBAYES_DATA/uci)",
     )
-    _common(run)
+    run.add_argument(
+        "--shard",
+        default=None,
+        help="i/n: run every n-th (task, split) unit from the i-th (n processes share the grid)",
+    )
+    run.add_argument(
+        "--unit",
+        type=int,
+        default=None,
+        help="run only unit INDEX of the grid (a Slurm array task; --list-units lists them)",
+    )
+    run.add_argument(
+        "--list-units", action="store_true", help="print the grid's units with their index and stop"
+    )
+    run.add_argument(
+        "--executor",
+        choices=EXECUTORS,
+        default="local",
+        help="local (default): the units one after another here; ray: one Ray task per unit",
+    )
+    run.add_argument(
+        "--ray-address",
+        default=None,
+        help="HOST:PORT of a running Ray cluster (default: start a local one)",
+    )
+    run.add_argument(
+        "--take-over",
+        action="store_true",
+        help="take over units claimed by a process on another host that is gone",
+    )
+    _common(run, "10^-1 ... 10^3, the paper's")
 
     rep = sub.add_parser(
-        "report", help="tables (markdown, CSV) and figures (PNG) of a results folder"
+        "report",
+        help="tables (markdown, CSV) and figures (PNG) of a results folder",
+        allow_abbrev=False,
     )
     rep.add_argument(
         "results_dir", nargs="?", type=Path, default=None, metavar="RESULTS", help="results folder"
@@ -206,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget",
         type=float,
         default=10.0,
-        help="stochastic budget of Table 2 in percent (default 10)",
+        help="stochastic budget of Table 2 in percent (default %(default)s)",
     )
     rep.add_argument(
         "--budget-tolerance",
@@ -221,44 +292,44 @@ def build_parser() -> argparse.ArgumentParser:
         help="methods of the calibration figure (default: map, temperature and the 4 best by NLL)",
     )
 
-    sub.add_parser("methods", help="list the methods")
+    sub.add_parser("methods", help="list the methods", allow_abbrev=False)
 
     quick = sub.add_parser(
         "quickstart",
         help="a CPU demo on one GLUE task: MAP, temperature scaling, last-layer and S-KFAC Laplace "
         "(about 3 min on an idle 2-core CPU: 165 s of CPU time measured; 10+ min on a busy one)",
+        allow_abbrev=False,
     )
-    quick.add_argument("--task", default=QUICKSTART_ARGS["task"], choices=list(TASKS))
+    quick.add_argument(
+        "--task", default=QUICKSTART_ARGS["task"], choices=list(TASKS), help="(default %(default)s)"
+    )
     quick.add_argument(
         "--split", type=int, default=0, help="which split (default 0; the how-to reports 0-2)"
     )
-    quick.add_argument("--results", type=Path, default=Path("glue-bench-quickstart"))
-    _common(quick)
+    quick.add_argument(
+        "--results",
+        type=Path,
+        default=Path("glue-bench-quickstart"),
+        help="results folder (default %(default)s)",
+    )
+    _common(quick, "10^-3 ... 10^3, the paper's grid extended down")
     quick.set_defaults(**{k: v for k, v in QUICKSTART_ARGS.items() if k != "task"})
     return parser
 
 
-def _configs(args: argparse.Namespace, quick: bool = False):
-    from partialbayes.glue_bench.experiment import RunConfig
-
-    train_kw: dict = {"optimizer": args.optimizer, "seed": args.seed}
+def _configs(args: argparse.Namespace, quick: bool = False) -> RunConfig:
+    train = {"optimizer": args.optimizer, "seed": args.seed, "epochs": args.epochs, "lr": args.lr}
+    train.update(batch_size=args.batch_size, max_length=args.max_length)
+    settings = {"prior": args.prior, "fisher": args.fisher, "n_samples": args.n_samples}
     if quick:
-        train_kw.update(QUICKSTART_TRAIN)
-    if args.epochs is not None:
-        train_kw["epochs"] = args.epochs
-    if args.max_length is not None:
-        train_kw["max_length"] = args.max_length
-    settings_kw: dict = {"prior": args.prior, "fisher": args.fisher}
-    if quick:
-        settings_kw.update(QUICKSTART_SETTINGS)
+        train.update(QUICKSTART_TRAIN)
+        settings.update(QUICKSTART_SETTINGS)
     if args.prior_grid is not None:
-        settings_kw["prior_grid"] = args.prior_grid
-    if args.n_samples is not None:
-        settings_kw["n_samples"] = args.n_samples
+        settings["prior_grid"] = args.prior_grid
     return RunConfig(
         model=args.model,
-        train=TrainConfig(**train_kw),
-        settings=Settings(**settings_kw),
+        train=TrainConfig(**train),
+        settings=Settings(**settings),
         max_train_examples=args.max_train_examples,
         max_test_examples=args.max_test_examples,
         seed=args.seed,
@@ -303,8 +374,6 @@ def plan_run(
         ValueError: Unknown tasks or methods, or methods without a version for a kind of task that was
             asked for (one line per kind, listing that kind's valid methods).
     """
-    from partialbayes.glue_bench.uci import UCI_METHODS
-
     valid = {"glue": list(METHODS), "uci": list(UCI_METHODS)}
     by_kind: dict[str, list[str]] = {}
     unknown = []
@@ -347,40 +416,67 @@ def plan_run(
     return plan
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    """``glue-bench run``: validate the whole request, then the GLUE grid, then the UCI grid."""
-    from partialbayes.glue_bench.experiment import run_grid
-    from partialbayes.glue_bench.store import parse_shard
-
-    plan = plan_run(args.tasks, args.methods, args.optimizer)
-    shard = parse_shard(args.shard)
+def _splits(
+    args: argparse.Namespace, plan: dict[str, tuple[list[str], list[str]]]
+) -> dict[str, list[int]]:
+    """The splits of each kind of task: ``--splits`` or the kind's default, UCI ones checked per folder."""
     splits = {
         kind: args.splits if args.splits is not None else parse_splits(DEFAULT_SPLITS[kind])
         for kind in plan
     }
-    if "uci" in plan:
-        from partialbayes.glue_bench.data_uci import num_splits, uci_folder
+    for name in plan.get("uci", ([], []))[0]:
+        folder = uci_folder(name, args.uci_dir)
+        if not folder.is_dir():
+            raise FileNotFoundError(
+                f"UCI data for {name} not found: no folder {folder} (pass --uci-dir /path/to/uci, "
+                f"a folder holding {UCI_DATASETS[name]}/data/)"
+            )
+        n = num_splits(name, args.uci_dir)
+        if args.splits is None:
+            splits["uci"] = [k for k in splits["uci"] if k < n]
+        if any(k >= n for k in splits["uci"]):
+            raise ValueError(
+                f"--splits {[k for k in splits['uci'] if k >= n]} out of range for UCI dataset "
+                f"{name} ({n} splits: 0-{n - 1})"
+            )
+    return splits
 
-        for name in plan["uci"][0]:
-            folder = uci_folder(name, args.uci_dir)
-            if not folder.is_dir():
-                raise FileNotFoundError(
-                    f"UCI data for {name} not found: no folder {folder} (pass --uci-dir /path/to/uci, "
-                    f"a folder holding {UCI_DATASETS[name]}/data/)"
-                )
-            n = num_splits(name, args.uci_dir)
-            if args.splits is None:
-                splits["uci"] = [k for k in splits["uci"] if k < n]
-            if any(k >= n for k in splits["uci"]):
-                raise ValueError(
-                    f"--splits {[k for k in splits['uci'] if k >= n]} out of range for UCI dataset "
-                    f"{name} ({n} splits: 0-{n - 1})"
-                )
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """``glue-bench run``: validate the whole request, then the GLUE units, then the UCI units.
+
+    ``--list-units`` prints the (task, split) units with their index; ``--unit INDEX`` runs one of them
+    (GLUE units first, then UCI), ``--shard i/n`` every n-th unit of each kind.
+    """
+    plan = plan_run(args.tasks, args.methods, args.optimizer)
+    shard = parse_shard(args.shard)
+    if args.unit is not None and args.shard is not None:
+        raise ValueError("give --unit or --shard, not both")
+    splits = _splits(args, plan)
+    units = [(kind, t, s) for kind in plan for t, s in grid_units(plan[kind][0], splits[kind])]
+    if args.list_units:
+        for k, (_, task, split) in enumerate(units):
+            print(f"{k}\t{task}\tsplit {split}")
+        print(f"{len(units)} units; run one with --unit INDEX (Slurm: --array=0-{len(units) - 1})")
+        return 0
+    if args.unit is not None:
+        if not 0 <= args.unit < len(units):
+            raise ValueError(
+                f"--unit {args.unit} is out of range: this grid has {len(units)} units "
+                f"(0-{len(units) - 1}; --list-units lists them)"
+            )
+        kind, task, split = units[args.unit]
+        plan, splits = {kind: ([task], plan[kind][1])}, {kind: [split]}
     config = _configs(args)
+    where = {
+        "executor": args.executor,
+        "ray_address": args.ray_address,
+        "take_over": args.take_over,
+    }
     failures: list[str] = []
     if "glue" in plan:
         tasks, methods = plan["glue"]
-        store = run_grid(
+        glue = experiment.run_grid(
             tasks,
             splits["glue"],
             methods,
@@ -391,13 +487,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             shard,
             progress=not args.no_progress,
             keep_going=True,
+            **where,
         )
-        failures += store.failures
+        failures += glue.failures
     if "uci" in plan:
-        from partialbayes.glue_bench.uci import run_uci
-
         tasks, methods = plan["uci"]
-        uci_store = run_uci(
+        uci_store = uci.run_uci(
             tasks,
             splits["uci"],
             methods,
@@ -407,6 +502,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             seed=args.seed,
             device=args.device,
             keep_going=True,
+            **where,
         )
         failures += uci_store.failures
     print(f"results in {args.results}; summarise with: glue-bench report --results {args.results}")
@@ -424,8 +520,6 @@ def _report_failures(failures: list[str]) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """``glue-bench report``."""
-    from partialbayes.glue_bench.report import write_report
-
     if args.results_dir is not None and args.results is not None:
         raise ValueError("give the results folder once: either RESULTS or --results")
     results = args.results_dir or args.results or Path("results")
@@ -446,12 +540,6 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_quickstart(args: argparse.Namespace) -> int:
     """``glue-bench quickstart``: fine-tune on a subsample, compare four methods, print, plot and read."""
-    from partialbayes.glue_bench.data_glue import task_spec
-    from partialbayes.glue_bench.experiment import run_grid
-    from partialbayes.glue_bench.quickstart import order_rows, read_table
-    from partialbayes.glue_bench.report import ramping_plot, short_table, summarise
-    from partialbayes.glue_bench.store import iter_records
-
     if args.split < 0:
         raise ValueError(f"--split must be >= 0, got {args.split}")
     folder = args.glue_dir or default_glue_dir()
@@ -460,8 +548,6 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
         print(glue_missing_message(args.task, folder), file=sys.stderr)
         return 2
     if args.model == DEFAULT_MODEL:
-        from partialbayes.glue_bench.models import minilm_path
-
         try:
             minilm_path()
         except ImportError as err:
@@ -476,7 +562,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     )
     cpu_start = time.process_time()
     timings: list[dict] = []
-    store = run_grid(
+    store = experiment.run_grid(
         [args.task],
         [args.split],
         list(QUICKSTART_METHODS),
@@ -511,6 +597,14 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     return _report_failures(store.failures)
 
 
+STAGE_COLUMNS = [
+    col("stage", "stage"),
+    col("cells", "cells", align="r"),
+    col("wall s", "wall", "{:.0f}", "r"),
+    col("CPU s", "cpu", "{:.0f}", "r"),
+]
+
+
 def stage_table(timings: list[dict], total_wall: float, total_cpu: float) -> str:
     """Markdown table of where the time went: setup, fine-tuning, each method (its cells summed).
 
@@ -523,29 +617,23 @@ def stage_table(timings: list[dict], total_wall: float, total_cpu: float) -> str
         The table; ``other`` is the rest (reading data, tokenising, loading the model, tables, plots).
         CPU time counts every thread, so on a busy machine it estimates the cost better than wall time.
     """
-    rows: dict[str, list[float]] = {}
+    rows: dict[str, dict] = {}
     for t in timings:
-        if t["stage"] == "prepare":
-            ft = rows.setdefault("fine-tuning", [0.0, 0.0, 0])
-            ft[0] += t["finetune_wall"]
-            ft[1] += t["finetune_cpu"]
-            ft[2] += 1 if t["finetune_wall"] > 0 else 0
-            continue
-        row = rows.setdefault(t["stage"], [0.0, 0.0, 0])
-        row[0] += t["wall"]
-        row[1] += t["cpu"]
-        row[2] += 1
-    lines = ["| stage | cells | wall s | CPU s |", "|---|---:|---:|---:|"]
-    for name, (wall, cpu, n) in rows.items():
-        cells = "cached" if name == "fine-tuning" and n == 0 else str(n)
-        lines.append(f"| {name} | {cells} | {wall:.0f} | {cpu:.0f} |")
-    used_wall = sum(r[0] for r in rows.values())
-    used_cpu = sum(r[1] for r in rows.values())
-    lines.append(
-        f"| other | | {max(total_wall - used_wall, 0):.0f} | {max(total_cpu - used_cpu, 0):.0f} |"
-    )
-    lines.append(f"| **total** | | {total_wall:.0f} | {total_cpu:.0f} |")
-    return "\n".join(lines)
+        tuning = t["stage"] == "prepare"
+        name = "fine-tuning" if tuning else t["stage"]
+        row = rows.setdefault(name, {"stage": name, "cells": 0, "wall": 0.0, "cpu": 0.0})
+        row["wall"] += t["finetune_wall"] if tuning else t["wall"]
+        row["cpu"] += t["finetune_cpu"] if tuning else t["cpu"]
+        row["cells"] += 1 if not tuning or t["finetune_wall"] > 0 else 0
+    if rows.get("fine-tuning", {}).get("cells") == 0:
+        rows["fine-tuning"]["cells"] = "cached"
+    wall = max(total_wall - sum(r["wall"] for r in rows.values()), 0)
+    cpu = max(total_cpu - sum(r["cpu"] for r in rows.values()), 0)
+    rest = [
+        {"stage": "other", "cells": "", "wall": wall, "cpu": cpu},
+        {"stage": "**total**", "cells": "", "wall": total_wall, "cpu": total_cpu},
+    ]
+    return markdown([*rows.values(), *rest], STAGE_COLUMNS).rstrip("\n")
 
 
 def main(argv: list[str] | None = None) -> int:

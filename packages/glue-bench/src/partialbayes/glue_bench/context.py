@@ -66,28 +66,41 @@ def prior_edge(chosen: float, grid: Sequence[float]) -> str | None:
     return None
 
 
-def _check_positive_int(owner: str, key: str, value: Any) -> None:
+def check_int(owner: str, key: str, value: Any, low: int = 1) -> None:
+    """Refuse a ``value`` of ``owner.key`` that is not an int (bools included) or is below ``low``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{owner}.{key} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{owner}.{key} must be >= 1, got {value}")
+    if value < low:
+        raise ValueError(f"{owner}.{key} must be >= {low}, got {value}")
 
 
-def _check_numbers(owner: str, key: str, values: Any, high: float = math.inf) -> tuple[float, ...]:
+def check_number(
+    owner: str, key: str, value: Any, low: float = 0.0, high: float = math.inf, closed: bool = False
+) -> float:
+    """``value`` of ``owner.key`` as a float in ``(low, high)`` (``[low, high)`` if ``closed``), or an error.
+
+    NaN and infinity are refused (an infinite ``high`` is open).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{owner}.{key} must be a number, got {value!r}")
+    if not ((value >= low if closed else value > low) and value < high):
+        bounds = f"{'[' if closed else '('}{low:g}, {high:g})"
+        raise ValueError(f"{owner}.{key} must be a number in {bounds}, got {value!r}")
+    return float(value)
+
+
+def check_numbers(owner: str, key: str, values: Any, high: float = math.inf) -> tuple[float, ...]:
+    """A non-empty sequence of distinct numbers in (0, ``high``], as floats, or an error naming the field."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise TypeError(f"{owner}.{key} must be a sequence of numbers, got {values!r}")
-    out = []
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise TypeError(f"{owner}.{key} must hold numbers, got {v!r} in {values!r}")
-        if not (0 < v <= high) or math.isnan(v):
-            raise ValueError(f"{owner}.{key} values must be in (0, {high:g}], got {v!r}")
-        out.append(float(v))
+    out = tuple(check_number(owner, key, v) for v in values)
+    if any(v > high for v in out):
+        raise ValueError(f"{owner}.{key} values must be in (0, {high:g}], got {list(values)}")
     if not out:
         raise ValueError(f"{owner}.{key} is empty")
     if len(set(out)) != len(out):
         raise ValueError(f"{owner}.{key} has repeated values: {list(values)}")
-    return tuple(out)
+    return out
 
 
 @dataclass
@@ -134,20 +147,20 @@ class Settings:
                     f"Settings.{key} must be one of {FISHERS}, got {getattr(self, key)!r}"
                 )
         for key in ("n_samples", "swag_sweep_steps", "swag_steps"):
-            _check_positive_int("Settings", key, getattr(self, key))
-        self.prior_grid = _check_numbers("Settings", "prior_grid", self.prior_grid)
+            check_int("Settings", key, getattr(self, key))
+        self.prior_grid = check_numbers("Settings", "prior_grid", self.prior_grid)
         if len(self.prior_grid) < 2:
             raise ValueError(f"Settings.prior_grid needs at least 2 values, got {self.prior_grid}")
-        self.swag_lrs = _check_numbers("Settings", "swag_lrs", self.swag_lrs)
-        self.skfac_percents = _check_numbers("Settings", "skfac_percents", self.skfac_percents, 100)
-        self.swag_l1_percents = _check_numbers(
+        self.swag_lrs = check_numbers("Settings", "swag_lrs", self.swag_lrs)
+        self.skfac_percents = check_numbers("Settings", "skfac_percents", self.skfac_percents, 100)
+        self.swag_l1_percents = check_numbers(
             "Settings", "swag_l1_percents", self.swag_l1_percents, 100
         )
         counts = self.module_counts
         if isinstance(counts, (str, bytes)) or not isinstance(counts, Sequence) or not counts:
             raise TypeError(f"Settings.module_counts must be a non-empty sequence, got {counts!r}")
         for k in counts:
-            _check_positive_int("Settings", "module_counts", k)
+            check_int("Settings", "module_counts", k)
         self.module_counts = tuple(counts)
         if not isinstance(self.linear_sampling, LinearSamplingConfig):
             raise TypeError(

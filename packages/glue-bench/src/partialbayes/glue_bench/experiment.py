@@ -1,4 +1,10 @@
-"""Run the GLUE grid: fine-tune (or reuse) one MAP per (task, split), then fill every method cell."""
+"""Run the GLUE grid, one unit per (task, split): fine-tune (or reuse) its MAP, then fill every method cell.
+
+:func:`run_grid` lists the units and hands them to an executor (:mod:`~partialbayes.glue_bench.executors`:
+this process, or Ray tasks). :func:`run_unit` is one unit: claim it, :func:`prepare_context` (data, model,
+the MAP checkpoint), then its cells, each by :func:`run_cell` or, for the KFAC-type Laplace cells, together
+from one curvature pass (:func:`partialbayes.glue_bench.ramp.run_shared`).
+"""
 
 from __future__ import annotations
 
@@ -6,14 +12,17 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from partialbayes.glue_bench.context import Context, Prediction, Settings
+from partialbayes import predictive
+from partialbayes.glue_bench.context import Context, Prediction, Settings, check_int
 from partialbayes.glue_bench.data_glue import (
+    Examples,
     count_truncated,
     data_fingerprint,
     encode,
@@ -21,11 +30,11 @@ from partialbayes.glue_bench.data_glue import (
     split_indices,
     task_spec,
 )
+from partialbayes.glue_bench.executors import UnitResult, run_units
 from partialbayes.glue_bench.methods import Method, get_methods
-from partialbayes.glue_bench.metrics import all_metrics
-from partialbayes.glue_bench.models import DEFAULT_MODEL, load_encoder
+from partialbayes.glue_bench.models import DEFAULT_MODEL, check_model_folder, load_encoder
 from partialbayes.glue_bench.ramp import run_shared
-from partialbayes.glue_bench.store import Cell, ResultStore, shard_units
+from partialbayes.glue_bench.store import Cell, ResultStore, UnitBusyError, grid_units
 from partialbayes.glue_bench.train import TrainConfig, finetune, load_checkpoint, save_checkpoint
 
 ModelFactory = Callable[[str, int, float], tuple[torch.nn.Module, Any]]
@@ -65,23 +74,15 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise TypeError(f"RunConfig.model must be a non-empty string, got {self.model!r}")
-        if not isinstance(self.train, TrainConfig):
-            raise TypeError(
-                f"RunConfig.train must be a TrainConfig, got {type(self.train).__name__}"
-            )
-        if not isinstance(self.settings, Settings):
-            raise TypeError(
-                f"RunConfig.settings must be a Settings, got {type(self.settings).__name__}"
-            )
-        for key in ("max_train_examples", "max_test_examples", "curvature_batch_size", "seed"):
-            value = getattr(self, key)
-            if value is None and key.startswith("max_"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"RunConfig.{key} must be an int, got {value!r}")
-            low = 0 if key == "seed" else 1
-            if value < low:
-                raise ValueError(f"RunConfig.{key} must be >= {low}, got {value}")
+        for key, kind in (("train", TrainConfig), ("settings", Settings)):
+            if not isinstance(getattr(self, key), kind):
+                raise TypeError(
+                    f"RunConfig.{key} must be a {kind.__name__}, got {type(getattr(self, key)).__name__}"
+                )
+        for key in ("max_train_examples", "max_test_examples", "curvature_batch_size"):
+            if getattr(self, key) is not None:
+                check_int("RunConfig", key, getattr(self, key))
+        check_int("RunConfig", "seed", self.seed, 0)
         if self.curvature_pass not in CURVATURE_PASSES:
             raise ValueError(
                 f"RunConfig.curvature_pass must be one of {CURVATURE_PASSES}, got "
@@ -118,6 +119,77 @@ def model_length_limit(model: torch.nn.Module, tokenizer: Any) -> int:
     return min(usable) if usable else 512
 
 
+@dataclass(frozen=True)
+class SplitData:
+    """The examples of one (task, split), and the fingerprint of the task's data (``data_fingerprint``)."""
+
+    train: Examples
+    val: Examples
+    test: Examples
+    fingerprint: dict[str, Any]
+
+
+def load_split(task: str, split: int, config: RunConfig, glue_dir: str | Path | None) -> SplitData:
+    """The training and validation parts of split ``split`` and the (capped) test set of ``task``."""
+    train_all, test = load_glue(task, glue_dir)
+    tr_idx, val_idx = split_indices(
+        len(train_all), task_spec(task), split, config.max_train_examples
+    )
+    if config.max_test_examples is not None:
+        test = test.take(range(min(config.max_test_examples, len(test))))
+    return SplitData(
+        train_all.take(tr_idx), train_all.take(val_idx), test, data_fingerprint(train_all, test)
+    )
+
+
+def map_checkpoint(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    data: SplitData,
+    train: TrainConfig,
+    store: ResultStore,
+    folder: Path,
+    device: torch.device,
+    progress: bool,
+    about: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
+    """Load the MAP checkpoint at ``folder`` into ``model``, fine-tuning and publishing it first if absent.
+
+    ``about`` (task, split, model name) heads the meta of a fresh checkpoint.
+
+    A fresh checkpoint is published atomically (:func:`~partialbayes.glue_bench.train.save_checkpoint`),
+    and the model always scores with the published weights: when another process published this
+    checkpoint first, ours is discarded, and every cell of the folder uses the same MAP.
+
+    Returns:
+        ``(meta, IVON Hessians or None)``: the published meta plus ``cached`` (no fine-tuning here),
+        ``finetune_seconds`` / ``finetune_cpu_seconds`` (this process's fine-tuning, 0 when cached) and,
+        after fine-tuning, ``published_here``.
+    """
+    own: dict[str, Any] = {"cached": True, "finetune_seconds": 0.0, "finetune_cpu_seconds": 0.0}
+    if load_checkpoint(model, folder) is None:
+        summary = finetune(model, tokenizer, data.train, data.val, train, device, progress=progress)
+        hess = summary.pop("ivon_hess", None)
+        parts = (("train", data.train), ("val", data.val), ("test", data.test))
+        meta = {
+            **about,
+            "max_length": train.max_length,
+            "truncated": {n: count_truncated(e, tokenizer, train.max_length) for n, e in parts},
+            **summary,
+        }
+        store.claim()
+        own = {
+            "cached": False,
+            "published_here": save_checkpoint(model, folder, meta, hess),
+            "finetune_seconds": float(summary["seconds"]),
+            "finetune_cpu_seconds": float(summary["cpu_seconds"]),
+        }
+    loaded = load_checkpoint(model, folder)
+    if loaded is None:  # pragma: no cover - save_checkpoint either published or found a checkpoint
+        raise RuntimeError(f"checkpoint {folder} vanished after it was published")
+    return {**loaded[0], **own}, loaded[1]
+
+
 def prepare_context(
     task: str,
     split: int,
@@ -137,84 +209,49 @@ def prepare_context(
         store: Results store (holds the checkpoint cache).
         device: Device of the model and batches.
         glue_dir: GLUE folder; default ``$PARTIALBAYES_DATA/glue`` (or the hub).
-        model_factory: ``(name, num_labels, dropout) -> (model, tokenizer)``; default :func:`load_encoder`.
+        model_factory: ``(name, num_labels, dropout) -> (model, tokenizer)``; default :func:`load_encoder`
+            (with ``config.train.epochs == 0`` it refuses a model that is not a fine-tuned classifier).
         progress: Show progress bars.
 
     The model is built after seeding the global generator with the split's seed, so a freshly initialised
     classification head is the same in every run with the same configuration. The data of the task are
     checked against the ones the results folder was filled with (``ResultStore.check_data``) before any
-    work. The checkpoint is fine-tuned only when ``store`` holds none for (task, split, model); it is then
-    published atomically (:func:`~partialbayes.glue_bench.train.save_checkpoint`). Either way the model is
-    loaded from the published checkpoint, so shards that fine-tuned the same checkpoint concurrently all
-    score with the one that was published first.
+    work; the checkpoint comes from :func:`map_checkpoint`.
 
     Returns:
-        ``(context, checkpoint meta)``: the published meta plus ``cached`` (no fine-tuning here),
-        ``finetune_seconds`` / ``finetune_cpu_seconds`` (this process's fine-tuning, 0 when cached) and,
-        after fine-tuning, ``published_here`` (``False``: another process published first and its
-        weights are used).
+        ``(context, checkpoint meta)`` (see :func:`map_checkpoint`).
     """
     spec = task_spec(task)
-    factory = model_factory or (lambda n, c, d: load_encoder(n, c, dropout=d))
-    train_all, test = load_glue(task, glue_dir)
-    tr_idx, val_idx = split_indices(len(train_all), spec, split, config.max_train_examples)
-    train, val = train_all.take(tr_idx), train_all.take(val_idx)
-    if config.max_test_examples is not None:
-        test = test.take(range(min(config.max_test_examples, len(test))))
+    data = load_split(task, split, config, glue_dir)
     seed = config.seed * 100 + split
     torch.manual_seed(seed)  # the new classification head (and anything else the factory draws)
+    trained = config.train.epochs == 0
+    factory = model_factory or partial(_load_encoder, trained=trained, progress=progress)
     model, tokenizer = factory(config.model, spec.num_labels, config.train.dropout)
-    # checked only now: a model that cannot be loaded leaves no results folder behind
-    store.check_data(task, data_fingerprint(train_all, test))
+    store.check_data(
+        task, data.fingerprint
+    )  # only now: a model that cannot be loaded binds nothing
     limit = model_length_limit(model, tokenizer)
     max_length = min(config.train.max_length or limit, limit)
-    tcfg = dataclasses.replace(config.train, seed=seed, max_length=max_length)
+    train = dataclasses.replace(config.train, seed=seed, max_length=max_length)
     model.to(device)
     folder = store.checkpoint_dir(task, split, config.model)
-    loaded = load_checkpoint(model, folder)
-    own: dict[str, Any] = {"cached": True, "finetune_seconds": 0.0, "finetune_cpu_seconds": 0.0}
-    if loaded is None:
-        summary = finetune(model, tokenizer, train, val, tcfg, device, progress=progress)
-        hess = summary.pop("ivon_hess", None)
-        truncated = {
-            name: count_truncated(part, tokenizer, max_length)
-            for name, part in (("train", train), ("val", val), ("test", test))
-        }
-        meta = {
-            "task": task,
-            "split": split,
-            "model": config.model,
-            "max_length": max_length,
-            "truncated": truncated,
-            **summary,
-        }
-        store.claim()
-        published = save_checkpoint(model, folder, meta, hess)
-        own = {
-            "cached": False,
-            "published_here": published,
-            "finetune_seconds": float(summary["seconds"]),
-            "finetune_cpu_seconds": float(summary["cpu_seconds"]),
-        }
-        # Score with the published weights, not the in-memory ones: when another shard published this
-        # checkpoint first, ours was discarded, and every cell of the folder must use the same MAP.
-        loaded = load_checkpoint(model, folder)
-        if (
-            loaded is None
-        ):  # pragma: no cover - save_checkpoint either published or found a checkpoint
-            raise RuntimeError(f"checkpoint {folder} vanished after it was published")
-    meta, hess = loaded
-    meta = {**meta, **own}
+    about = {"task": task, "split": split, "model": config.model}
+    meta, hess = map_checkpoint(
+        model, tokenizer, data, train, store, folder, device, progress, about
+    )
     model.eval()
     ivon = None
     if hess is not None and "ivon" in meta:
         ivon = {"hess": hess, **meta["ivon"], "finetune_seconds": float(meta["seconds"])}
-    bs = config.curvature_batch_size
+    parts = {"train": data.train, "val": data.val, "test": data.test}
+    batches = {
+        name: _to(encode(part, tokenizer, config.curvature_batch_size, max_length, True), device)
+        for name, part in parts.items()
+    }
     ctx = Context(
+        **batches,
         model=model,
-        train=_to(encode(train, tokenizer, bs, max_length, sort_by_length=True), device),
-        val=_to(encode(val, tokenizer, bs, max_length, sort_by_length=True), device),
-        test=_to(encode(test, tokenizer, bs, max_length, sort_by_length=True), device),
         num_labels=spec.num_labels,
         device=device,
         seed=seed,
@@ -223,6 +260,39 @@ def prepare_context(
         curvature_dir=folder / "curvature",
     )
     return ctx, meta
+
+
+def _load_encoder(
+    name: str, num_labels: int, dropout: float, trained: bool, progress: bool
+) -> tuple[torch.nn.Module, Any]:
+    return load_encoder(name, num_labels, dropout=dropout, trained=trained, progress=progress)
+
+
+def all_metrics(probs: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+    """The test metrics of a results record, from ``partialbayes.predictive`` (which checks the inputs).
+
+    Args:
+        probs: (N, C) predictive probabilities.
+        labels: (N,) integer labels.
+
+    Returns:
+        ``accuracy``, ``nll``, ``ece`` (20 equal-mass bins, the paper's) and ``brier`` as floats, and
+        ``reliability``: ``{"confidence", "accuracy", "count"}`` of the 20 equal-mass bins of the top-class
+        confidence, in confidence order (for calibration curves; empty bins when N < 20 have count 0).
+    """
+    p = probs.double()
+    rel = predictive.reliability(p, labels, n_bins=20, binning="equal_mass")
+    return {
+        "accuracy": float(predictive.accuracy(p, labels)),
+        "nll": float(predictive.nll(p, labels)),
+        "ece": float(rel.ece),
+        "brier": float(predictive.brier(p, labels)),
+        "reliability": {
+            "confidence": [float(v) for v in rel.confidence],
+            "accuracy": [float(v) for v in rel.accuracy],
+            "count": [int(v) for v in rel.count],
+        },
+    }
 
 
 def prediction_record(ctx: Context, method: Method, pred: Prediction, cpu: float) -> dict[str, Any]:
@@ -274,6 +344,128 @@ def shares_curvature(method: Method, config: RunConfig) -> bool:
     return config.curvature_pass == "shared" and method.kron is not None
 
 
+@dataclass(frozen=True)
+class Grid:
+    """What every unit of one :func:`run_grid` call shares (sent as it is to each worker).
+
+    Attributes:
+        methods: Method names, in the order their cells run.
+        config: The run configuration.
+        results: The results folder (absolute: workers may run elsewhere).
+        device: Torch device of the model.
+        glue_dir: GLUE folder (``None``: ``$PARTIALBAYES_DATA/glue``, or the hub).
+        model_factory: See :func:`prepare_context`.
+        progress: Show progress bars.
+        keep_going: A failing cell is reported and skipped instead of raised.
+        take_over: Take over the claim of a unit from another host (its owner is gone).
+    """
+
+    methods: tuple[str, ...]
+    config: RunConfig
+    results: Path
+    device: str = "cpu"
+    glue_dir: Path | None = None
+    model_factory: ModelFactory | None = None
+    progress: bool = True
+    keep_going: bool = False
+    take_over: bool = False
+
+
+@dataclass
+class _Unit:
+    """The cells of one (task, split) while they run: where records go and what is reported back."""
+
+    store: ResultStore
+    task: str
+    split: int
+    keep_going: bool
+    log: Callable[[str], None]
+    out: UnitResult = field(default_factory=UnitResult)
+
+    def say(self, message: str) -> None:
+        self.log(f"[{self.task} split {self.split}] {message}")
+
+    def fail(self, name: str, size: str, err: BaseException) -> None:
+        line = f"{self.task}/split{self.split}/{name}/{size}: {type(err).__name__}: {err}"
+        self.out.failures.append(line)
+        self.say(f"{name} {size}: FAILED ({line})")
+        if not self.keep_going:
+            raise err
+
+    def done(self, name: str, size: str, record: dict[str, Any]) -> None:
+        self.store.write(Cell(self.task, self.split, name, size), record)
+        wall, cpu = record["seconds"], record["cpu_seconds"]
+        self.out.timings.append(
+            {
+                "stage": name,
+                "size": size,
+                "task": self.task,
+                "split": self.split,
+                "wall": wall,
+                "cpu": cpu,
+            }
+        )
+        self.say(
+            f"{name} {size}: acc {record['accuracy']:.3f} nll {record['nll']:.3f} "
+            f"ece {record['ece']:.3f} ({wall:.1f} s)"
+        )
+
+    def todo(self, method: Method, ctx: Context) -> list[str]:
+        return [
+            s
+            for s in method.sizes(ctx)
+            if not self.store.has(Cell(self.task, self.split, method.name, s))
+        ]
+
+
+def run_unit(grid: Grid, task: str, split: int, log: Callable[[str], None] = print) -> UnitResult:
+    """One unit: claim (task, split), fine-tune or reuse its MAP, then run every cell not finished yet.
+
+    A unit claimed by another process that may still run it is left to that process (a failure line says
+    so, and nothing is written); see :meth:`~partialbayes.glue_bench.store.ResultStore.unit_claim`.
+    """
+    unit = _Unit(
+        ResultStore(grid.results, grid.config.to_dict()), task, split, grid.keep_going, log
+    )
+    try:
+        with unit.store.unit_claim(task, split, grid.take_over):
+            _fill(grid, unit)
+    except UnitBusyError as err:
+        unit.out.failures.append(f"{task}/split{split}: {err}")
+        unit.say(f"skipped: {err}")
+    return unit.out
+
+
+def _fill(grid: Grid, unit: _Unit) -> None:
+    """The cells of a claimed unit, in the order of ``grid.methods`` (a shared ramp at its first method)."""
+    ctx = _prepare(grid, unit)
+    methods = get_methods(grid.methods)
+    ramp = [
+        (m, size) for m in methods if shares_curvature(m, grid.config) for size in unit.todo(m, ctx)
+    ]
+    for method in methods:
+        if shares_curvature(method, grid.config):
+            if ramp:
+                _run_shared_group(ctx, ramp, unit)
+                ramp = []
+            continue
+        bar = tqdm(
+            unit.todo(method, ctx),
+            desc=f"{unit.task}/{unit.split}/{method.name}",
+            disable=not grid.progress,
+            leave=False,
+        )
+        for size in bar:
+            t0 = time.perf_counter()
+            try:
+                record = run_cell(ctx, method, size)
+            except Exception as err:  # one broken cell must not stop the grid
+                unit.fail(method.name, size, err)
+                continue
+            record["seconds"] = time.perf_counter() - t0
+            unit.done(method.name, size, record)
+
+
 def run_grid(
     tasks: Sequence[str],
     splits: Sequence[int],
@@ -288,175 +480,122 @@ def run_grid(
     log: Callable[[str], None] = print,
     keep_going: bool = False,
     timings: list[dict[str, Any]] | None = None,
+    executor: str = "local",
+    ray_address: str | None = None,
+    take_over: bool = False,
 ) -> ResultStore:
-    """Fill the (task, split, method, size) grid of this shard; finished cells are skipped.
+    """Fill the (task, split, method, size) grid, one (task, split) unit at a time; finished cells are skipped.
 
-    With ``config.curvature_pass="shared"`` the KFAC-type Laplace cells of a (task, split) (``kfac-full``,
+    A unit fine-tunes (or reuses) its MAP once and then runs all its cells (:func:`run_unit`), under a
+    claim that keeps other processes off it. ``shard=(i, n)`` keeps every n-th unit (sorted), so n
+    processes share a grid without repeating any work. ``executor="ray"`` runs one Ray task per unit (see
+    :func:`~partialbayes.glue_bench.executors.run_units`: ``ray_address`` or a local cluster); the results
+    folder must be one that every Ray node sees.
+
+    With ``config.curvature_pass="shared"`` the KFAC-type Laplace cells of a unit (``kfac-full``,
     ``skfac``, the ``kfac-*`` module ramps) run together from one curvature pass
     (:func:`partialbayes.glue_bench.ramp.run_shared`), at the place of the first such method; every other
     cell runs on its own (:func:`run_cell`).
 
     With ``keep_going`` a cell that raises is logged and skipped (no record is written, so a later run
-    retries it); the messages are in ``store.failures``. Otherwise the first failure propagates.
-    ``timings``, when given, receives one dict per stage run here: ``{"stage": "prepare", "task",
-    "split", "wall", "cpu", "finetune_wall", "finetune_cpu"}`` (fine-tuning times are 0 for a cached
-    checkpoint), ``{"stage": "shared passes", "task", "split", "wall", "cpu"}`` for the shared curvature
-    and predictive passes, and ``{"stage": method, "size", "task", "split", "wall", "cpu"}`` per computed
-    cell.
+    retries it); the messages are in ``store.failures``, with one line per unit that another process holds.
+    Otherwise the first failure propagates. ``timings``, when given, receives one dict per stage run:
+    ``{"stage": "prepare", "task", "split", "wall", "cpu", "finetune_wall", "finetune_cpu"}`` (fine-tuning
+    times are 0 for a cached checkpoint), ``{"stage": "shared passes", "task", "split", "wall", "cpu"}``
+    for the shared curvature and predictive passes, and ``{"stage": method, "size", "task", "split",
+    "wall", "cpu"}`` per computed cell.
 
     Returns:
         The results store.
 
     Raises:
-        ValueError: Unknown tasks or methods, no task, split or method at all, or a results folder of
-            another configuration (before any work).
+        ValueError: Unknown tasks or methods, no task, split or method at all, a ``--model`` folder that
+            is missing or has no tokenizer, or a results folder of another configuration (before any work).
     """
     for what, values in (("tasks", tasks), ("splits", splits), ("methods", method_names)):
         if len(values) == 0:
             raise ValueError(f"run_grid: {what} is empty: nothing to run")
     for t in tasks:
         task_spec(t)
-    methods = {m.name: m for m in get_methods(method_names)}
-    device = torch.device(device)
+    methods = tuple(dict.fromkeys(m.name for m in get_methods(method_names)))
+    if model_factory is None:
+        check_model_folder(config.model)
     store = ResultStore(results, config.to_dict())
-    failures = store.failures
-    units = shard_units([(t, s, m) for t in tasks for s in splits for m in methods], shard)
-    by_ts: dict[tuple[str, int], list[str]] = {}
-    for t, s, m in units:
-        by_ts.setdefault((t, s), []).append(m)
-
-    def fail(task: str, split: int, name: str, size: str, err: BaseException) -> None:
-        failures.append(f"{task}/split{split}/{name}/{size}: {type(err).__name__}: {err}")
-        log(f"[{task} split {split}] {name} {size}: FAILED ({failures[-1]})")
-        if not keep_going:
-            raise err
-
-    def done(task: str, split: int, name: str, size: str, record: dict[str, Any]) -> None:
-        store.write(Cell(task, split, name, size), record)
+    folder = Path(glue_dir).absolute() if glue_dir is not None else None
+    grid = Grid(
+        methods,
+        config,
+        Path(results).absolute(),
+        str(device),
+        folder,
+        model_factory,
+        progress,
+        keep_going,
+        take_over,
+    )
+    gpus = 1.0 if torch.device(device).type == "cuda" else 0.0
+    job = partial(run_unit, grid)
+    for unit in run_units(
+        grid_units(tasks, splits, shard),
+        job,
+        store.root,
+        executor,
+        ray_address,
+        keep_going,
+        log,
+        gpus,
+    ):
+        store.failures += unit.failures
         if timings is not None:
-            timings.append(
-                {
-                    "stage": name,
-                    "size": size,
-                    "task": task,
-                    "split": split,
-                    "wall": record["seconds"],
-                    "cpu": record["cpu_seconds"],
-                }
-            )
-        log(
-            f"[{task} split {split}] {name} {size}: acc {record['accuracy']:.3f} "
-            f"nll {record['nll']:.3f} ece {record['ece']:.3f} ({record['seconds']:.1f} s)"
-        )
-
-    for (task, split), names in by_ts.items():
-        ctx: Context | None = None
-        shared_done = False
-        for name in sorted(names, key=list(methods).index):
-            method = methods[name]
-            if ctx is None:
-                ctx = _prepare(
-                    task,
-                    split,
-                    config,
-                    store,
-                    device,
-                    glue_dir,
-                    model_factory,
-                    progress,
-                    log,
-                    timings,
-                )
-            if shares_curvature(method, config):
-                if not shared_done:
-                    shared_done = True
-                    group = [
-                        (methods[n], size)
-                        for n in sorted(names, key=list(methods).index)
-                        if shares_curvature(methods[n], config)
-                        for size in methods[n].sizes(ctx)
-                        if not store.has(Cell(task, split, n, size))
-                    ]
-                    if group:
-                        _run_shared_group(ctx, task, split, group, log, timings, fail, done)
-                continue
-            sizes = method.sizes(ctx)
-            todo = [s for s in sizes if not store.has(Cell(task, split, name, s))]
-            bar = tqdm(todo, desc=f"{task}/{split}/{name}", disable=not progress, leave=False)
-            for size in bar:
-                t0 = time.perf_counter()
-                try:
-                    record = run_cell(ctx, method, size)
-                except Exception as err:  # one broken cell must not stop the grid
-                    fail(task, split, name, size, err)
-                    continue
-                record["seconds"] = time.perf_counter() - t0
-                done(task, split, name, size, record)
+            timings += unit.timings
     return store
 
 
-def _prepare(
-    task: str,
-    split: int,
-    config: RunConfig,
-    store: ResultStore,
-    device: torch.device,
-    glue_dir: str | Path | None,
-    model_factory: ModelFactory | None,
-    progress: bool,
-    log: Callable[[str], None],
-    timings: list[dict[str, Any]] | None,
-) -> Context:
-    log(f"[{task} split {split}] preparing model {config.model}")
+def _prepare(grid: Grid, unit: _Unit) -> Context:
+    unit.say(f"preparing model {grid.config.model}")
     w0, c0 = time.perf_counter(), time.process_time()
+    device = torch.device(grid.device)
     ctx, meta = prepare_context(
-        task, split, config, store, device, glue_dir, model_factory, progress
+        unit.task,
+        unit.split,
+        grid.config,
+        unit.store,
+        device,
+        grid.glue_dir,
+        grid.model_factory,
+        grid.progress,
     )
     if meta.get("published_here") is False:
-        log(
-            f"[{task} split {split}] another process published this checkpoint first: using its weights"
-        )
-    if timings is not None:
-        timings.append(
-            {
-                "stage": "prepare",
-                "task": task,
-                "split": split,
-                "wall": time.perf_counter() - w0,
-                "cpu": time.process_time() - c0,
-                "finetune_wall": meta["finetune_seconds"],
-                "finetune_cpu": meta["finetune_cpu_seconds"],
-            }
-        )
-    log(f"[{task} split {split}] MAP val accuracy {meta['val_accuracy']:.3f}")
+        unit.say("another process published this checkpoint first: using its weights")
+    unit.out.timings.append(
+        {
+            "stage": "prepare",
+            "task": unit.task,
+            "split": unit.split,
+            "wall": time.perf_counter() - w0,
+            "cpu": time.process_time() - c0,
+            "finetune_wall": meta["finetune_seconds"],
+            "finetune_cpu": meta["finetune_cpu_seconds"],
+        }
+    )
+    unit.say(f"MAP val accuracy {meta['val_accuracy']:.3f}")
     return ctx
 
 
-def _run_shared_group(
-    ctx: Context,
-    task: str,
-    split: int,
-    group: list[tuple[Method, str]],
-    log: Callable[[str], None],
-    timings: list[dict[str, Any]] | None,
-    fail: Callable[[str, int, str, str, BaseException], None],
-    done: Callable[[str, int, str, str, dict[str, Any]], None],
-) -> None:
+def _run_shared_group(ctx: Context, group: list[tuple[Method, str]], unit: _Unit) -> None:
     """The shared ramp of one (task, split): records written as the cells finish."""
     torch.manual_seed(ctx.seed)
     w0, c0 = time.perf_counter(), time.process_time()
     own_wall = own_cpu = 0.0
     info = None
-    for method, size, result, info in run_shared(
-        ctx, group, log=lambda m: log(f"[{task} split {split}] {m}")
-    ):
+    for method, size, result, info in run_shared(ctx, group, log=unit.say):
         if isinstance(result, BaseException):
-            fail(task, split, method.name, size, result)
+            unit.fail(method.name, size, result)
             continue
         try:
             record = prediction_record(ctx, method, result, 0.0)
         except ValueError as err:
-            fail(task, split, method.name, size, err)
+            unit.fail(method.name, size, err)
             continue
         # a shared cell's own time: its posterior and its share of the predictive math (the shared
         # passes are reported once, as the "shared passes" stage and in extra.curvature_seconds)
@@ -466,13 +605,13 @@ def _run_shared_group(
         record["extra"]["shared_cells"] = info.cells
         own_wall += record["seconds"]
         own_cpu += record["cpu_seconds"]
-        done(task, split, method.name, size, record)
-    if timings is not None and info is not None:
-        timings.append(
+        unit.done(method.name, size, record)
+    if info is not None:
+        unit.out.timings.append(
             {
                 "stage": "shared passes",
-                "task": task,
-                "split": split,
+                "task": unit.task,
+                "split": unit.split,
                 "wall": max(time.perf_counter() - w0 - own_wall, 0.0),
                 "cpu": max(time.process_time() - c0 - own_cpu, 0.0),
             }

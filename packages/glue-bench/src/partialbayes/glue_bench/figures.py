@@ -1,4 +1,4 @@
-"""The report's figures (matplotlib, Agg backend): ranks, calibration curves, memory, UCI selection.
+"""The report's figures (matplotlib, Agg backend): ramping, ranks, calibration curves, memory, UCI selection.
 
 Each function draws from plain rows (see :mod:`partialbayes.glue_bench.tables` and
 :func:`partialbayes.glue_bench.report.summarise`), writes one PNG atomically and returns whether it drew
@@ -7,13 +7,12 @@ anything.
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from partialbayes.glue_bench.store import temp_path
+from partialbayes.glue_bench.store import atomic_write
 
 
 def pyplot() -> Any:
@@ -27,16 +26,57 @@ def pyplot() -> Any:
 
 
 def save_figure(fig: Any, path: Path, dpi: int = 120) -> None:
-    """Save ``fig`` as PNG at ``path`` through a unique temporary file and ``os.replace``, then close it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(path)
+    """Save ``fig`` as PNG at ``path`` atomically (``store.atomic_write``), then close it."""
     try:
-        fig.savefig(tmp, dpi=dpi, format="png")
-        os.replace(tmp, path)
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
     finally:
         pyplot().close(fig)
-        if tmp.exists():
-            tmp.unlink()
+
+
+def ramping_plot(
+    rows: Sequence[dict[str, Any]], task: str, path: Path, metric: str = "nll"
+) -> bool:
+    """NLL (or ``metric``) against percent stochastic for every method of ``task`` (Figs. 2, 3).
+
+    Single-size methods with nothing stochastic (MAP, temperature) are drawn as horizontal lines. Medians
+    with IQR bands.
+
+    Returns:
+        Whether a figure was written (``False`` when ``task`` has no rows).
+    """
+    mine = [r for r in rows if r["task"] == task and metric in r]
+    if not mine:
+        return False
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in mine:
+        by_method[r["method"]].append(r)
+    flat_styles = iter(["--", ":", "-.", (0, (5, 1)), (0, (1, 3))])
+    for method, rs in sorted(by_method.items()):
+        pts = sorted(rs, key=lambda r: r["percent_stochastic"])
+        x = [max(r["percent_stochastic"], 1e-4) for r in pts]
+        y = [r[metric] for r in pts]
+        if len(pts) == 1 and pts[0]["percent_stochastic"] == 0:
+            style = next(flat_styles, "--")
+            ax.axhline(y[0], linestyle=style, linewidth=1.2, label=method, color="0.3")
+            continue
+        line = ax.plot(x, y, marker="o", label=method)[0]
+        ax.fill_between(
+            x,
+            [r[f"{metric}_q25"] for r in pts],
+            [r[f"{metric}_q75"] for r in pts],
+            alpha=0.2,
+            color=line.get_color(),
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("percent of parameters stochastic")
+    ax.set_ylabel(f"test {metric.upper() if metric in ('nll', 'ece') else metric}")
+    ax.set_title(f"{task}: {metric} vs stochastic subset size (median, IQR over splits)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path)
+    return True
 
 
 def rank_plot(rank_rows: Sequence[dict[str, Any]], task: str, path: Path) -> bool:

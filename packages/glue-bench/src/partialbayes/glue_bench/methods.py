@@ -49,7 +49,6 @@ class Method:
         description: One line.
         sizes: ``sizes(ctx) -> list of size keys`` (``["-"]`` for single-cell methods).
         run: ``run(ctx, size) -> Prediction``.
-        requires: Sibling package the method builds its posterior with (informational).
         kron: For KFAC-type Laplace methods, ``kron(ctx, size) -> KronCell``: the cell's subset, so that a
             whole ramp can share one curvature pass (:mod:`partialbayes.glue_bench.ramp`).
     """
@@ -58,7 +57,6 @@ class Method:
     description: str
     sizes: Callable[[Context], list[str]]
     run: Callable[[Context, str], Prediction]
-    requires: str | None = None
     kron: Callable[[Context, str], KronCell] | None = None
 
 
@@ -362,8 +360,8 @@ MODULE_STRATEGIES = (
     ("max", "attention"),
     ("min", "attention"),
 )
-# family -> (posterior in words, sibling package it needs)
-RAMP_FAMILIES = {"kfac": ("KFAC Laplace", "curvature"), "swag": ("SWAG", "swag")}
+# family -> the posterior in words
+RAMP_FAMILIES = {"kfac": "KFAC Laplace", "swag": "SWAG"}
 
 
 def _ramp_name(family: str, strategy: str, group: str) -> str:
@@ -395,71 +393,41 @@ def _pct_sizes(attr: str) -> Callable[[Context], list[str]]:
 
 
 def _registry() -> dict[str, Method]:
+    skfac_sizes, l1_sizes = _pct_sizes("skfac_percents"), _pct_sizes("swag_l1_percents")
+    ls = "sampling-based linearised Laplace"
     methods = [
         Method("map", "the fine-tuned network (MAP)", _single, run_map),
         Method("temperature", "temperature scaling on validation NLL", _single, run_temperature),
         Method(
-            "last-layer",
-            "Laplace, dense GGN on the classification head",
-            _single,
-            run_last_layer,
-            "curvature",
+            "last-layer", "Laplace, dense GGN on the classification head", _single, run_last_layer
         ),
-        Method(
-            "kfac-full",
-            "KFAC Laplace on every linear map",
-            _single,
-            run_kfac_full,
-            "curvature",
-            kron_full,
-        ),
+        Method("kfac-full", "KFAC Laplace on every linear map", _single, run_kfac_full, kron_full),
         Method(
             "skfac",
             "S-KFAC Laplace ramping (percent of rows/cols)",
-            _pct_sizes("skfac_percents"),
+            skfac_sizes,
             run_skfac,
-            "curvature",
             kron_skfac,
         ),
-        Method(
-            "swag-l1",
-            "SWAG on the p % largest-magnitude weights",
-            _pct_sizes("swag_l1_percents"),
-            run_swag_l1,
-            "swag",
-        ),
-        Method("swag-full", "SWAG on every linear map", _single, run_swag_full, "swag"),
-        Method("ivon", "IVON posterior (needs --optimizer ivon)", _single, run_ivon, "ivon"),
+        Method("swag-l1", "SWAG on the p % largest-magnitude weights", l1_sizes, run_swag_l1),
+        Method("swag-full", "SWAG on every linear map", _single, run_swag_full),
+        Method("ivon", "IVON posterior (needs --optimizer ivon)", _single, run_ivon),
         Method(
             "ls-last-layer",
-            "sampling-based linearised Laplace (EM prior) on the classification head",
+            f"{ls} (EM prior) on the classification head",
             _single,
             run_ls_last_layer,
-            "linear_sampling",
         ),
         Method(
             "ls-skfac",
-            "sampling-based linearised Laplace on the S-KFAC subsets (percent of rows/cols)",
-            _pct_sizes("skfac_percents"),
+            f"{ls} on the S-KFAC subsets (percent of rows/cols)",
+            skfac_sizes,
             run_ls_skfac,
-            "linear_sampling",
         ),
-        Method(
-            "ls-random",
-            "sampling-based linearised Laplace on k random linear maps",
-            _count_sizes("all"),
-            run_ls_random,
-            "linear_sampling",
-        ),
-        Method(
-            "ls-full",
-            "sampling-based linearised Laplace on every linear map",
-            _single,
-            run_ls_full,
-            "linear_sampling",
-        ),
+        Method("ls-random", f"{ls} on k random linear maps", _count_sizes("all"), run_ls_random),
+        Method("ls-full", f"{ls} on every linear map", _single, run_ls_full),
     ]
-    for family, (posterior, requires) in RAMP_FAMILIES.items():
+    for family, posterior in RAMP_FAMILIES.items():
         for strategy, group in MODULE_STRATEGIES:
             label = "random" if strategy == "random" else f"{strategy} operator norm"
             methods.append(
@@ -468,7 +436,6 @@ def _registry() -> dict[str, Method]:
                     f"{posterior} on k linear maps ({label}, {group})",
                     _count_sizes(group),
                     _module_ramp(family, strategy, group),
-                    requires,
                     _module_kron(strategy, group) if family == "kfac" else None,
                 )
             )

@@ -2,7 +2,8 @@
 
 Every function takes plain records (dicts as written by the results store) or the rows of
 :func:`partialbayes.glue_bench.report.summarise`, and returns plain rows (lists of dicts) that the report
-writes as markdown and CSV and the figures draw. Outputs are written atomically.
+writes as markdown (:func:`markdown`, the one renderer, with column specs) and CSV (:func:`write_csv`) and
+the figures draw. Outputs are written atomically.
 """
 
 from __future__ import annotations
@@ -10,16 +11,15 @@ from __future__ import annotations
 import csv
 import io
 import math
-import os
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from partialbayes.glue_bench.store import temp_path
+from partialbayes.glue_bench.store import atomic_write
 
 # Module-ramping strategies of the paper's Fig. 4: <family>-<strategy>, sizes = module counts.
 STRATEGY_PATTERN = re.compile(
@@ -28,15 +28,28 @@ STRATEGY_PATTERN = re.compile(
 BASELINES = ("map", "temperature")
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a unique temporary file in the same folder and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(path)
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+Column = tuple[str, Callable[[dict[str, Any]], str], str]
+"""One column of a markdown table: ``(header, cell(row) -> text, alignment "l" or "r")``."""
+
+
+def markdown(rows: Iterable[dict[str, Any]], columns: Sequence[Column]) -> str:
+    """The one markdown renderer of glue-bench: a header, an alignment rule and one line per row."""
+    lines = [
+        "| " + " | ".join(head for head, _, _ in columns) + " |",
+        "|" + "".join("---:|" if align == "r" else "---|" for _, _, align in columns),
+    ]
+    for r in rows:
+        lines.append(
+            "|"
+            + "|".join(f" {text} " if text else " " for text in (c(r) for _, c, _ in columns))
+            + "|"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def col(header: str, key: str, fmt: str = "{}", align: str = "l") -> Column:
+    """A column that shows ``row[key]`` formatted with ``fmt`` (a ``str.format`` pattern)."""
+    return header, lambda row: fmt.format(row[key]), align
 
 
 def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
@@ -49,7 +62,7 @@ def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
         writer = csv.DictWriter(buf, fieldnames=list(fields), lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
-    atomic_write_text(path, buf.getvalue())
+    atomic_write(path, buf.getvalue())
 
 
 def size_key(size: str) -> tuple[int, float, str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 import shutil
 import time
@@ -19,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
+from partialbayes.glue_bench.context import check_int, check_number
 from partialbayes.glue_bench.data_glue import Examples, encode
 from partialbayes.glue_bench.store import read_json, temp_path
 from partialbayes.ivon import IVON
@@ -38,7 +38,8 @@ class TrainConfig:
         betas: AdamW betas.
         weight_decay: AdamW weight decay.
         batch_size: Training batch size.
-        epochs: Maximum number of epochs.
+        epochs: Maximum number of epochs; 0: the model is used as it is (it must be a fine-tuned
+            classifier for the task), the validation set still serves the post-hoc methods.
         patience: Stop after this many epochs without a better validation accuracy.
         max_length: Maximum sequence length in tokens; ``None`` (default): the model's own limit (its
             position embeddings, and the tokenizer's ``model_max_length``), so nothing is truncated on the
@@ -82,31 +83,21 @@ class TrainConfig:
             raise ValueError(
                 f"unknown optimizer {self.optimizer!r}; valid optimizers: {', '.join(OPTIMIZERS)}"
             )
-        for key in ("batch_size", "epochs", "patience", "max_length", "length_buckets", "seed"):
-            value = getattr(self, key)
-            if key == "max_length" and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"TrainConfig.{key} must be an int, got {value!r}")
-            low = 0 if key in ("length_buckets", "seed") else 1
-            if value < low:
-                raise ValueError(f"TrainConfig.{key} must be >= {low}, got {value}")
+        for key, low in (("batch_size", 1), ("epochs", 0), ("patience", 1), ("length_buckets", 0)):
+            check_int("TrainConfig", key, getattr(self, key), low)
+        check_int("TrainConfig", "seed", self.seed, 0)
+        if self.max_length is not None:
+            check_int("TrainConfig", "max_length", self.max_length)
         for key in ("lr", "ivon_lr", "ivon_hess_init"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"TrainConfig.{key} must be a number, got {value!r}")
-            if not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"TrainConfig.{key} must be a finite number > 0, got {value!r}")
-        for key in ("weight_decay", "dropout"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"TrainConfig.{key} must be a number, got {value!r}")
-        if not (0 <= self.weight_decay < math.inf):
-            raise ValueError(f"TrainConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"TrainConfig.dropout must be in [0, 1), got {self.dropout!r}")
+            check_number("TrainConfig", key, getattr(self, key))
+        check_number("TrainConfig", "weight_decay", self.weight_decay, closed=True)
+        check_number("TrainConfig", "dropout", self.dropout, high=1.0, closed=True)
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"TrainConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
+        if self.optimizer == "ivon" and self.epochs == 0:
+            raise ValueError(
+                "TrainConfig: optimizer 'ivon' needs epochs >= 1 (its posterior is trained)"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict."""
@@ -270,7 +261,7 @@ def finetune(
 ) -> dict[str, Any]:
     """Fine-tune ``model`` in place; keep the weights of the epoch with the best validation accuracy.
 
-    The steps run in training mode (dropout on), the validation passes in eval mode; the model is left in
+    With ``config.epochs == 0`` nothing is trained: the summary scores the model as it is. The steps run in training mode (dropout on), the validation passes in eval mode; the model is left in
     the mode the caller had it in.
 
     Returns:
@@ -304,8 +295,10 @@ def finetune(
             stale += 1
             if stale >= config.patience:
                 break
-    assert best_state is not None
-    model.load_state_dict(best_state)
+    if best_state is not None:
+        model.load_state_dict(best_state)
+    else:  # epochs=0: the model as it came, scored on the validation set
+        best_acc, best_epoch = accuracy(model, val_batches, device), 0
     summary: dict[str, Any] = {
         "best_epoch": best_epoch,
         "val_accuracy": best_acc,
