@@ -92,7 +92,7 @@ def cell() -> Callable[[], object]:
     chars = list(string.ascii_lowercase + string.punctuation)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *chars, *[f"##{c}" for c in chars]]
     (root / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    tokenizer = BertTokenizerFast(vocab_file=str(root / "vocab.txt"), do_lower_case=True)
+    tokenizer = BertTokenizerFast(vocab=str(root / "vocab.txt"), do_lower_case=True)
     (root / "glue" / "SST-2").mkdir(parents=True)
     rows = ["a charming journey .\t1", "dull and boring\t0", "the best film\t1", "bleak\t0"]
     for part, n in (("train", 48), ("dev", 8)):

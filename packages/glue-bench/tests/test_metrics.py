@@ -4,8 +4,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from partialbayes.glue_bench.methods import temperature_or_grid
 from partialbayes.glue_bench.experiment import all_metrics
+from partialbayes.glue_bench.methods import temperature_or_grid
 
 
 def _draw(seed, n, c):
@@ -43,7 +43,9 @@ def test_ece_equal_mass_bins_exact_case():
     labels = torch.tensor([0 if k % 2 == 0 or i == 0 else 1 for k in range(20) for i in range(2)])
     metrics = all_metrics(probs, labels)
     acc = [1.0 if k % 2 == 0 else 0.5 for k in range(20)]
-    assert metrics["ece"] == pytest.approx(sum(abs(a - c) for a, c in zip(acc, conf)) / 20)
+    assert metrics["ece"] == pytest.approx(
+        sum(abs(a - c) for a, c in zip(acc, conf, strict=True)) / 20
+    )
     assert metrics["reliability"]["count"] == [2] * 20
     assert set(metrics) == {"accuracy", "nll", "ece", "brier", "reliability"}
 

@@ -212,7 +212,9 @@ def test_ramp_groups_bound_the_memory(tmp_path, mini_glue, wide_bert_factory):
 )
 def test_a_folder_of_the_other_path_or_fisher_is_refused(tmp_path, change, differs):
     """Cells of the other curvature path or another fisher type never land in the same folder."""
-    ResultStore(tmp_path / "res", _config("shared").to_dict()).write(Cell("sst2", 0, "map", "-"), {})
+    ResultStore(tmp_path / "res", _config("shared").to_dict()).write(
+        Cell("sst2", 0, "map", "-"), {}
+    )
     other = _config(
         change.get("curvature_pass", "shared"), fisher=change.get("fisher", "empirical")
     )

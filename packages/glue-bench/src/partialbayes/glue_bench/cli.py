@@ -1,4 +1,4 @@
-"""Command-line entry point ``glue-bench``: ``run``, ``report`` and ``quickstart``."""
+"""Command-line entry point ``glue-bench``: ``run``, ``report``, ``methods`` and ``quickstart``."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from partialbayes.glue_bench.experiment import CURVATURE_PASSES, RunConfig
 from partialbayes.glue_bench.figures import ramping_plot
 from partialbayes.glue_bench.methods import FISHERS, METHODS, Settings
 from partialbayes.glue_bench.models import DEFAULT_MODEL, minilm_path
+from partialbayes.glue_bench.quickstart import QUICKSTART_ARGS as QUICK
 from partialbayes.glue_bench.quickstart import (
-    QUICKSTART_ARGS,
     QUICKSTART_METHODS,
     QUICKSTART_SETTINGS,
     QUICKSTART_TRAIN,
@@ -45,8 +45,8 @@ DEFAULT_METHODS = {"glue": ("map", "temperature"), "uci": ("map", "last-layer")}
 # which hold 20; fewer when a folder holds fewer).
 DEFAULT_SPLITS = {"glue": "0", "uci": "0-14"}
 TASK_KINDS = {"glue": "GLUE", "uci": "UCI"}
-# The largest split index + 1 that --splits takes: a GLUE split is the seed of a train/validation
-# permutation (the paper runs 5, each one costs a fine-tuning), a UCI folder holds 20 (checked per folder).
+# What --splits takes: a GLUE split is the seed of a train/validation permutation (the paper runs 5, each
+# costs a fine-tuning), a UCI folder holds 20 (checked per folder). Ranges are bounded before they expand.
 MAX_SPLITS = 1000
 
 
@@ -68,9 +68,7 @@ def parse_splits(text: str, limit: int = MAX_SPLITS) -> list[int]:
         if hi < lo:
             raise argparse.ArgumentTypeError(f"--splits: empty range {part!r}")
         if hi >= limit:
-            raise argparse.ArgumentTypeError(
-                f"--splits: {part.strip()!r} goes beyond split {limit - 1} (splits are 0-{limit - 1})"
-            )
+            raise argparse.ArgumentTypeError(f"--splits: {part.strip()!r} beyond 0-{limit - 1}")
         out.update(range(lo, hi + 1))
     return sorted(out)
 
@@ -85,91 +83,39 @@ def _names(text: str) -> list[str]:
 def _floats(text: str) -> tuple[float, ...]:
     """``"0.01,0.1,1"`` -> (0.01, 0.1, 1.0)."""
     try:
-        values = tuple(float(t) for t in _names(text))
+        return tuple(float(t) for t in _names(text))
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"cannot parse {text!r} as numbers ({err})") from None
-    return values
 
 
 def _common(p: argparse.ArgumentParser, grid: str) -> None:
-    """The options of ``run`` and ``quickstart``; help shows each command's own defaults (``%(default)s``)."""
-    train, settings = TrainConfig(), Settings()
-    p.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="Hugging Face model name or folder (default %(default)s: the packaged MiniLM, extra 'minilm')",
-    )
-    p.add_argument(
-        "--device", default="cuda" if _cuda() else "cpu", help="torch device (%(default)s)"
-    )
-    p.add_argument(
-        "--glue-dir",
-        type=Path,
-        default=None,
-        help="folder holding SST-2/, MRPC/, RTE/ (default $PARTIALBAYES_DATA/glue)",
-    )
-    p.add_argument(
-        "--max-train-examples",
-        type=int,
-        default=None,
-        help="cap the training part of each split (default %(default)s; None: the paper's sizes)",
-    )
-    p.add_argument(
-        "--max-test-examples", type=int, default=None, help="cap the test set (default %(default)s)"
-    )
-    p.add_argument("--seed", type=int, default=0, help="base seed (default %(default)s)")
-    p.add_argument(
-        "--optimizer",
-        choices=OPTIMIZERS,
-        default="adamw",
-        help="fine-tuning optimizer (default %(default)s; ivon also yields the 'ivon' posterior)",
-    )
-    p.add_argument(
+    """The options of ``run`` and ``quickstart``; help shows each command's own defaults."""
+    train, device = TrainConfig(), "cuda" if _cuda() else "cpu"
+    add = p.add_argument
+    add("--model", default=DEFAULT_MODEL, help="Hugging Face model name or folder (%(default)s)")
+    add("--device", default=device, help="torch device (%(default)s)")
+    add("--glue-dir", type=Path, help="folder of SST-2/, MRPC/, RTE/ ($PARTIALBAYES_DATA/glue)")
+    add("--max-train-examples", type=int, help="training cap (%(default)s; None: the paper's)")
+    add("--max-test-examples", type=int, help="test set cap (%(default)s; None: all)")
+    add("--seed", type=int, default=0, help="base seed (%(default)s)")
+    add("--optimizer", choices=OPTIMIZERS, default="adamw", help="of fine-tuning (%(default)s)")
+    add(
         "--epochs",
         type=int,
         default=train.epochs,
-        help="fine-tuning epochs (default %(default)s); 0: take --model FOLDER, a classifier fine-tuned "
-        "for the task, as the MAP",
+        help="fine-tuning (%(default)s; 0: --model is MAP)",
     )
-    p.add_argument("--lr", type=float, default=train.lr, help="AdamW learning rate (%(default)s)")
-    p.add_argument(
-        "--batch-size", type=int, default=train.batch_size, help="fine-tuning batch (%(default)s)"
-    )
-    p.add_argument(
-        "--max-length",
-        type=int,
-        default=None,
-        help="max tokens (default: the model's limit, so nothing is truncated, as in the paper)",
-    )
-    p.add_argument(
-        "--prior",
-        choices=("val_nll", "marglik"),
-        default="val_nll",
-        help="how Laplace methods choose the prior precision (default %(default)s)",
-    )
-    p.add_argument(
-        "--prior-grid",
-        type=_floats,
-        default=None,
-        help=f"prior precisions to choose from, e.g. 1e-3,1e-2,0.1,1 (default {grid} in half decades)",
-    )
-    p.add_argument(
-        "--fisher",
-        choices=FISHERS,
-        default="empirical",
-        help="fisher type of the KFAC / S-KFAC Laplace curvature (default %(default)s, the paper's)",
-    )
-    p.add_argument(
-        "--curvature-pass",
-        choices=CURVATURE_PASSES,
-        default="shared",
-        help="shared (default): one curvature pass for a whole ramp of a (task, split); per-cell: "
-        "each cell its own (same records, slower)",
-    )
-    p.add_argument(
-        "--n-samples", type=int, default=settings.n_samples, help="MC samples (%(default)s)"
-    )
-    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add("--lr", type=float, default=train.lr, help="AdamW learning rate (%(default)s)")
+    add("--batch-size", type=int, default=train.batch_size, help="fine-tuning batch (%(default)s)")
+    add("--max-length", type=int, help="max tokens (default: the model's limit, as the paper)")
+    prior = "how Laplace cells tune the prior precision (%(default)s)"
+    add("--prior", choices=("val_nll", "marglik"), default="val_nll", help=prior)
+    add("--prior-grid", type=_floats, help=f"prior precisions, e.g. 1e-3,0.1,1 (default {grid})")
+    add("--fisher", choices=FISHERS, default="empirical", help="KFAC curvature (%(default)s)")
+    passes = "shared: one pass per ramp; per-cell: one per cell, same records (%(default)s)"
+    add("--curvature-pass", choices=CURVATURE_PASSES, default="shared", help=passes)
+    add("--n-samples", type=int, default=Settings().n_samples, help="MC samples (%(default)s)")
+    add("--no-progress", action="store_true", help="hide progress bars")
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -189,7 +135,10 @@ def _cuda() -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``glue-bench`` argument parser (no option may be abbreviated: ``--task`` is not ``--tasks``)."""
+    """The ``glue-bench`` argument parser (no option may be abbreviated: ``--task`` is not ``--tasks``).
+
+    ``--epochs 0`` takes ``--model FOLDER``, a classifier fine-tuned for the task, as the MAP as it is.
+    """
     parser = argparse.ArgumentParser(
         prog="glue-bench",
         description="Stochastic-subset Bayesian transformers on GLUE (Kampen et al., UAI 2024).",
@@ -199,98 +148,34 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
 
     run = sub.add_parser(
-        "run", help="fill (part of) the experiment grid in a results folder", allow_abbrev=False
+        "run", help="fill (part of) the grid in a results folder", allow_abbrev=False
     )
-    run.add_argument(
-        "--tasks",
-        type=_names,
-        default=["sst2"],
-        help=f"GLUE tasks {list(TASKS)} and/or UCI datasets {list(UCI_DATASETS)} "
-        "(case and hyphens ignored: SST-2, Boston; default sst2)",
-    )
-    run.add_argument(
-        "--methods",
-        type=_names,
-        default=None,
-        help="methods (see `glue-bench methods`); default: "
-        + "; ".join(f"{','.join(v)} for {TASK_KINDS[k]} tasks" for k, v in DEFAULT_METHODS.items()),
-    )
-    run.add_argument(
-        "--splits",
-        type=parse_splits,
-        default=None,
-        help=f"e.g. 0-4 (default: {DEFAULT_SPLITS['glue']} for GLUE tasks, "
-        f"{DEFAULT_SPLITS['uci']} for UCI datasets, the paper's 15)",
-    )
-    run.add_argument("--results", type=Path, default=Path("results"), help="results folder")
-    run.add_argument(
-        "--uci-dir",
-        type=Path,
-        default=None,
-        help="folder holding bostonHousing/, energy/, yacht/ (default $PARTIALBAYES_DATA/uci)",
-    )
-    run.add_argument(
-        "--shard",
-        default=None,
-        help="i/n: run every n-th (task, split) unit from the i-th (n processes share the grid)",
-    )
-    run.add_argument(
-        "--unit",
-        type=int,
-        default=None,
-        help="run only unit INDEX of the grid (a Slurm array task; --list-units lists them)",
-    )
-    run.add_argument(
-        "--list-units", action="store_true", help="print the grid's units with their index and stop"
-    )
-    run.add_argument(
-        "--executor",
-        choices=EXECUTORS,
-        default="local",
-        help="local (default): the units one after another here; ray: one Ray task per unit",
-    )
-    run.add_argument(
-        "--ray-address",
-        default=None,
-        help="HOST:PORT of a running Ray cluster (default: start a local one)",
-    )
-    run.add_argument(
-        "--take-over",
-        action="store_true",
-        help="take over units claimed by a process on another host that is gone",
-    )
-    _common(run, "10^-1 ... 10^3, the paper's")
+    add = run.add_argument
+    tasks = f"GLUE tasks {list(TASKS)}, UCI datasets {list(UCI_DATASETS)} (case, hyphens ignored)"
+    add("--tasks", type=_names, default=["sst2"], help=f"{tasks} (default sst2)")
+    defaults = "; ".join(f"{','.join(v)} for {TASK_KINDS[k]}" for k, v in DEFAULT_METHODS.items())
+    add("--methods", type=_names, help=f"see `glue-bench methods` (default {defaults})")
+    add("--splits", type=parse_splits, help="e.g. 0-4 (default 0 for GLUE, 0-14 for UCI)")
+    add("--results", type=Path, default=Path("results"), help="results folder (%(default)s)")
+    add("--uci-dir", type=Path, help="folder of bostonHousing/, energy/, yacht/")
+    add("--shard", help="i/n: every n-th (task, split) unit from the i-th")
+    add("--unit", type=int, help="run only unit INDEX (a Slurm array task; see --list-units)")
+    add("--list-units", action="store_true", help="print the units with their index and stop")
+    add("--executor", choices=EXECUTORS, default="local", help="where units run (%(default)s)")
+    add("--ray-address", help="HOST:PORT of a running Ray cluster (default: start a local one)")
+    add("--take-over", action="store_true", help="take over claims of units whose owner is gone")
+    _common(run, "10^-1 ... 10^3 in half decades, the paper's")
 
     rep = sub.add_parser(
-        "report",
-        help="tables (markdown, CSV) and figures (PNG) of a results folder",
-        allow_abbrev=False,
+        "report", help="tables and figures of a results folder", allow_abbrev=False
     )
-    rep.add_argument(
-        "results_dir", nargs="?", type=Path, default=None, metavar="RESULTS", help="results folder"
-    )
-    rep.add_argument("--results", type=Path, default=None, help="results folder (default results)")
-    rep.add_argument(
-        "--out", type=Path, default=None, help="output folder (default <results>/report)"
-    )
-    rep.add_argument(
-        "--budget",
-        type=float,
-        default=10.0,
-        help="stochastic budget of Table 2 in percent (default %(default)s)",
-    )
-    rep.add_argument(
-        "--budget-tolerance",
-        type=float,
-        default=BUDGET_TOLERANCE,
-        help=f"relative slack of the budget, '≈' (default {BUDGET_TOLERANCE:g}: up to 11.5 %% for 10 %%)",
-    )
-    rep.add_argument(
-        "--calibration-methods",
-        type=_names,
-        default=None,
-        help="methods of the calibration figure (default: map, temperature and the 4 best by NLL)",
-    )
+    add = rep.add_argument
+    add("results_dir", nargs="?", type=Path, metavar="RESULTS", help="results folder")
+    add("--results", type=Path, help="results folder (default results)")
+    add("--out", type=Path, help="output folder (default <results>/report)")
+    add("--budget", type=float, default=10.0, help="Table 2's budget in percent (%(default)s)")
+    add("--budget-tolerance", type=float, default=BUDGET_TOLERANCE, help="'≈' (%(default)s)")
+    add("--calibration-methods", type=_names, help="default: map, temperature, the 4 best")
 
     sub.add_parser("methods", help="list the methods", allow_abbrev=False)
 
@@ -300,20 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(about 3 min on an idle 2-core CPU: 165 s of CPU time measured; 10+ min on a busy one)",
         allow_abbrev=False,
     )
-    quick.add_argument(
-        "--task", default=QUICKSTART_ARGS["task"], choices=list(TASKS), help="(default %(default)s)"
-    )
-    quick.add_argument(
-        "--split", type=int, default=0, help="which split (default 0; the how-to reports 0-2)"
-    )
-    quick.add_argument(
-        "--results",
-        type=Path,
-        default=Path("glue-bench-quickstart"),
-        help="results folder (default %(default)s)",
-    )
-    _common(quick, "10^-3 ... 10^3, the paper's grid extended down")
-    quick.set_defaults(**{k: v for k, v in QUICKSTART_ARGS.items() if k != "task"})
+    add = quick.add_argument
+    add("--task", default=QUICK["task"], choices=list(TASKS), help="GLUE task (%(default)s)")
+    add("--split", type=int, default=0, help="which split (%(default)s; the how-to reports 0-2)")
+    add("--results", type=Path, default=Path("glue-bench-quickstart"), help="folder (%(default)s)")
+    _common(quick, "10^-3 ... 10^3 in half decades")
+    quick.set_defaults(**{k: v for k, v in QUICK.items() if k != "task"})
     return parser
 
 
@@ -349,9 +226,9 @@ def resolve_task(name: str) -> tuple[str, str]:
     key = name.strip().lower().replace("-", "")
     if key in TASKS:
         return "glue", key
-    uci = {**{k: k for k in UCI_DATASETS}, **{v.lower(): k for k, v in UCI_DATASETS.items()}}
-    if key in uci:
-        return "uci", uci[key]
+    names = {**{k: k for k in UCI_DATASETS}, **{v.lower(): k for k, v in UCI_DATASETS.items()}}
+    if key in names:
+        return "uci", names[key]
     raise ValueError(
         f"unknown task(s) [{name!r}]; valid tasks: {', '.join([*TASKS, *UCI_DATASETS])}"
     )
@@ -389,13 +266,11 @@ def plan_run(
         raise ValueError(
             f"unknown task(s) {unknown}; valid tasks: {', '.join([*TASKS, *UCI_DATASETS])}"
         )
-    if methods is not None:
-        bad = [m for m in methods if m not in METHODS and m not in UCI_METHODS]
-        if bad:
-            raise ValueError(
-                f"unknown method(s) {bad}; valid methods: {', '.join(METHODS)} "
-                f"(UCI: {', '.join(UCI_METHODS)})"
-            )
+    bad = [m for m in methods or () if m not in METHODS and m not in UCI_METHODS]
+    if bad:
+        raise ValueError(
+            f"unknown method(s) {bad}; valid methods: {', '.join(METHODS)} (UCI: {', '.join(UCI_METHODS)})"
+        )
     plan: dict[str, tuple[list[str], list[str]]] = {}
     errors = []
     for kind, names in by_kind.items():
@@ -416,14 +291,10 @@ def plan_run(
     return plan
 
 
-def _splits(
-    args: argparse.Namespace, plan: dict[str, tuple[list[str], list[str]]]
-) -> dict[str, list[int]]:
+def _splits(args: argparse.Namespace, plan: dict[str, tuple[list[str], list[str]]]) -> dict:
     """The splits of each kind of task: ``--splits`` or the kind's default, UCI ones checked per folder."""
-    splits = {
-        kind: args.splits if args.splits is not None else parse_splits(DEFAULT_SPLITS[kind])
-        for kind in plan
-    }
+    given = args.splits
+    splits = {kind: given or parse_splits(DEFAULT_SPLITS[kind]) for kind in plan}
     for name in plan.get("uci", ([], []))[0]:
         folder = uci_folder(name, args.uci_dir)
         if not folder.is_dir():
@@ -432,8 +303,7 @@ def _splits(
                 f"a folder holding {UCI_DATASETS[name]}/data/)"
             )
         n = num_splits(name, args.uci_dir)
-        if args.splits is None:
-            splits["uci"] = [k for k in splits["uci"] if k < n]
+        splits["uci"] = splits["uci"] if given else [k for k in splits["uci"] if k < n]
         if any(k >= n for k in splits["uci"]):
             raise ValueError(
                 f"--splits {[k for k in splits['uci'] if k >= n]} out of range for UCI dataset "
@@ -476,7 +346,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     failures: list[str] = []
     if "glue" in plan:
         tasks, methods = plan["glue"]
-        glue = experiment.run_grid(
+        failures += experiment.run_grid(
             tasks,
             splits["glue"],
             methods,
@@ -488,11 +358,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             keep_going=True,
             **where,
-        )
-        failures += glue.failures
+        ).failures
     if "uci" in plan:
         tasks, methods = plan["uci"]
-        uci_store = uci.run_uci(
+        failures += uci.run_uci(
             tasks,
             splits["uci"],
             methods,
@@ -502,39 +371,35 @@ def cmd_run(args: argparse.Namespace) -> int:
             seed=args.seed,
             device=args.device,
             keep_going=True,
-            **where,
-        )
-        failures += uci_store.failures
+        ).failures
     print(f"results in {args.results}; summarise with: glue-bench report --results {args.results}")
     return _report_failures(failures)
 
 
 def _report_failures(failures: list[str]) -> int:
-    if not failures:
-        return 0
-    print(f"{len(failures)} cell(s) failed (rerun to retry them):", file=sys.stderr)
-    for f in failures:
-        print(f"  {f}", file=sys.stderr)
-    return 1
+    if failures:
+        print(f"{len(failures)} cell(s) failed (rerun to retry them):", file=sys.stderr)
+        print("\n".join(f"  {f}" for f in failures), file=sys.stderr)
+    return 1 if failures else 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     """``glue-bench report``."""
     if args.results_dir is not None and args.results is not None:
         raise ValueError("give the results folder once: either RESULTS or --results")
-    results = args.results_dir or args.results or Path("results")
     out = write_report(
-        results,
+        args.results_dir or args.results or Path("results"),
         args.out,
         budget=args.budget,
         calibration_methods=args.calibration_methods,
         budget_tolerance=args.budget_tolerance,
     )
     print(out["markdown"])
-    for f in out["files"]:
-        print(f"wrote {f}")
-    for s in out["skipped"]:
-        print(f"skipped {s}")
+    print(
+        "\n".join(
+            [*(f"wrote {f}" for f in out["files"]), *(f"skipped {s}" for s in out["skipped"])]
+        )
+    )
     return 0
 
 
@@ -543,24 +408,18 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     if args.split < 0:
         raise ValueError(f"--split must be >= 0, got {args.split}")
     folder = args.glue_dir or default_glue_dir()
-    spec = task_spec(args.task)
-    if folder is None or not (Path(folder) / spec.folder).is_dir():
+    if folder is None or not (Path(folder) / task_spec(args.task).folder).is_dir():
         print(glue_missing_message(args.task, folder), file=sys.stderr)
         return 2
     if args.model == DEFAULT_MODEL:
-        try:
-            minilm_path()
-        except ImportError as err:
-            print(str(err), file=sys.stderr)
-            return 2
+        minilm_path()  # the packaged MiniLM, or an ImportError that says how to install it
     config = _configs(args, quick=True)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     print(
         f"glue-bench quickstart: {args.task} split {args.split}, model {args.model}, "
         f"{args.max_train_examples} training examples, {config.train.epochs} epochs, "
         f"{args.max_test_examples} test examples, device {args.device}; results in {args.results}"
     )
-    cpu_start = time.process_time()
     timings: list[dict] = []
     store = experiment.run_grid(
         [args.task],
@@ -577,23 +436,19 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     records = [
         r
         for r in iter_records(args.results)
-        if r["task"] == args.task and r["split"] == args.split and r["method"] in QUICKSTART_METHODS
+        if (r["task"], r["split"]) == (args.task, args.split) and r["method"] in QUICKSTART_METHODS
     ]
-    print()
-    print(short_table(order_rows(summarise(records))))
-    args.results.mkdir(parents=True, exist_ok=True)
+    print(f"\n{short_table(order_rows(summarise(records)))}")
     plot = args.results / f"{args.task}_split{args.split}_ramping_nll.png"
     if ramping_plot(summarise(records), args.task, plot):
         print(f"wrote {plot}")
-    print()
-    print(stage_table(timings, time.perf_counter() - start, time.process_time() - cpu_start))
+    print(f"\n{stage_table(timings, time.perf_counter() - start, time.process_time() - cpu_start)}")
     print(
         f"finished in {time.perf_counter() - start:.0f} s; full tables: "
         f"glue-bench report --results {args.results}"
     )
     if any(r["method"] == "map" for r in records):
-        print()
-        print(read_table(records))
+        print(f"\n{read_table(records)}")
     return _report_failures(store.failures)
 
 
@@ -652,15 +507,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if args.command == "methods":
-        for m in METHODS.values():
-            print(f"{m.name:16s} {m.description}")
+        print("\n".join(f"{m.name:16s} {m.description}" for m in METHODS.values()))
         return 0
+    commands = {"run": cmd_run, "report": cmd_report, "quickstart": cmd_quickstart}
     try:
-        if args.command == "run":
-            return cmd_run(args)
-        if args.command == "report":
-            return cmd_report(args)
-        return cmd_quickstart(args)
+        return commands[args.command](args)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as err:
         print(f"glue-bench: error: {err}", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from partialbayes.glue_bench.linearised import LinearSamplingConfig
+from partialbayes.glue_bench.store import json_ready
 from partialbayes.predictive import model_logits, nll, split_batch
 from partialbayes.selection import Subset, grouped_linear_modules, modules
 
@@ -170,9 +171,7 @@ class Settings:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict."""
-        out = {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
-        out["linear_sampling"] = asdict(self.linear_sampling)
-        return out
+        return json_ready(self)
 
 
 @dataclass
@@ -266,19 +265,18 @@ class KronCell:
 
 # Offsets of the run's generators (``Context.generator``): one per kind of random draw, so that no two
 # draws of a run share a stream.
-SWAG_SWEEP_OFFSET, SWAG_SAMPLES_OFFSET, IVON_SAMPLES_OFFSET, MC_FISHER_OFFSET, LS_OFFSET = (
-    1,
-    2,
-    3,
-    4,
-    5,
+SWAG_SWEEP_OFFSET, SWAG_SAMPLES_OFFSET, IVON_SAMPLES_OFFSET, MC_FISHER_OFFSET, LS_OFFSET = range(
+    1, 6
 )
 
 
 @torch.no_grad()
-def batch_logits(model: nn.Module, batches: Sequence[Batch]) -> torch.Tensor:
-    """(N, C) float64 logits of ``model`` over dict batches (labels ignored), on cpu."""
-    return torch.cat([model_logits(model, split_batch(b).inputs).double().cpu() for b in batches])
+def batch_logits(
+    model: nn.Module, batches: Sequence[Batch], device: torch.device | str | None = None
+) -> torch.Tensor:
+    """(N, C) float64 logits of ``model`` over dict batches (labels ignored; moved to ``device``), on cpu."""
+    parts = [model_logits(model, split_batch(b, device=device).inputs) for b in batches]
+    return torch.cat([z.double().cpu() for z in parts])
 
 
 def val_nll(probs: torch.Tensor, labels: torch.Tensor) -> float:

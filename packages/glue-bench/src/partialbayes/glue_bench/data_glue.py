@@ -176,22 +176,24 @@ def load_glue_local(task: str, glue_dir: str | Path) -> tuple[Examples, Examples
     return read_glue_tsv(folder / "train.tsv", spec), read_glue_tsv(folder / "dev.tsv", spec)
 
 
-def load_glue_hub(task: str) -> tuple[Examples, Examples]:  # pragma: no cover - needs the hub
+def load_glue_hub(task: str) -> tuple[Examples, Examples]:
     """Download the task from the Hugging Face hub (``nyu-mll/glue``); returns ``(train, test)``.
 
-    Needs the optional ``datasets`` package (extra ``hub``) and network access to the hub.
+    Raises:
+        ImportError: ``datasets`` is not installed (the message names the ``hub`` extra).
+        OSError: The hub is switched off (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``), or unreachable.
     """
     spec = task_spec(task)
-    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
-        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
-            raise OSError(f"the Hugging Face hub is switched off ({var} is set)")
     try:
         import datasets
     except ImportError as err:
         raise ImportError(
             "loading GLUE from the hub needs `datasets`: pip install 'partialbayes-glue-bench[hub]'"
         ) from err
-    ds = datasets.load_dataset("nyu-mll/glue", spec.hub_name)
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            raise OSError(f"the Hugging Face hub is switched off ({var} is set)")
+    ds = datasets.load_dataset("nyu-mll/glue", spec.hub_name)  # pragma: no cover - needs the hub
 
     def convert(split: Any) -> Examples:
         cols = [split[c] for c in spec.hub_text_columns]
@@ -220,8 +222,9 @@ def load_glue(task: str, glue_dir: str | Path | None = None) -> tuple[Examples, 
 
     Raises:
         ValueError: Unknown task.
-        FileNotFoundError: The given folder lacks a file (named), or no folder was given and the hub is
-            unreachable (the message says where to put the data).
+        FileNotFoundError: The given folder lacks a file (named), or no folder was given and the hub
+            fallback failed (the message says where to put the data, and why the hub failed: the ``hub``
+            extra missing, the hub switched off by ``HF_HUB_OFFLINE``, or unreachable).
     """
     spec = task_spec(task)
     folder = Path(glue_dir) if glue_dir is not None else default_glue_dir()
@@ -229,8 +232,11 @@ def load_glue(task: str, glue_dir: str | Path | None = None) -> tuple[Examples, 
         return load_glue_local(task, folder)
     try:
         return load_glue_hub(task)
-    except Exception as err:
-        raise FileNotFoundError(glue_missing_message(task, folder)) from err
+    except Exception as err:  # no `datasets`, hub switched off or unreachable, ...: say which
+        raise FileNotFoundError(
+            f"{glue_missing_message(task, folder)}; the Hugging Face hub (nyu-mll/glue) was tried "
+            f"instead and failed: {type(err).__name__}: {err}"
+        ) from err
 
 
 def data_fingerprint(train: Examples, test: Examples) -> dict[str, Any]:

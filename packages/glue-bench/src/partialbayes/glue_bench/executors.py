@@ -14,6 +14,7 @@ Ray is an optional extra (``partialbayes-glue-bench[ray]``), imported only by :f
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import uuid
@@ -133,7 +134,13 @@ def on_worker(job: UnitJob, task: str, split: int, probe: str) -> UnitResult:
 
 
 def import_ray() -> Any:
-    """The ``ray`` module, or an ``ImportError`` naming the extra that installs it."""
+    """The ``ray`` module, or an ``ImportError`` naming the extra that installs it.
+
+    Ray's ``uv run`` hook is switched off (``RAY_ENABLE_UV_RUN_RUNTIME_ENV=0``, read when ray is first
+    imported), so that workers run in the cluster's Python environment as it is: under ``uv run`` the hook
+    starts every worker with its own ``uv run``, which syncs an environment without this package's extras.
+    """
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     try:
         import ray
     except ImportError as err:

@@ -34,7 +34,7 @@ from partialbayes.glue_bench.executors import UnitResult, run_units
 from partialbayes.glue_bench.methods import Method, get_methods
 from partialbayes.glue_bench.models import DEFAULT_MODEL, check_model_folder, load_encoder
 from partialbayes.glue_bench.ramp import run_shared
-from partialbayes.glue_bench.store import Cell, ResultStore, UnitBusyError, grid_units
+from partialbayes.glue_bench.store import Cell, ResultStore, UnitBusyError, grid_units, json_ready
 from partialbayes.glue_bench.train import TrainConfig, finetune, load_checkpoint, save_checkpoint
 
 ModelFactory = Callable[[str, int, float], tuple[torch.nn.Module, Any]]
@@ -91,16 +91,7 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict (the store's fingerprint is taken of it)."""
-        return {
-            "model": self.model,
-            "train": self.train.to_dict(),
-            "settings": self.settings.to_dict(),
-            "max_train_examples": self.max_train_examples,
-            "max_test_examples": self.max_test_examples,
-            "curvature_batch_size": self.curvature_batch_size,
-            "seed": self.seed,
-            "curvature_pass": self.curvature_pass,
-        }
+        return json_ready(self)
 
 
 def _to(
@@ -119,64 +110,47 @@ def model_length_limit(model: torch.nn.Module, tokenizer: Any) -> int:
     return min(usable) if usable else 512
 
 
-@dataclass(frozen=True)
-class SplitData:
-    """The examples of one (task, split), and the fingerprint of the task's data (``data_fingerprint``)."""
-
-    train: Examples
-    val: Examples
-    test: Examples
-    fingerprint: dict[str, Any]
-
-
-def load_split(task: str, split: int, config: RunConfig, glue_dir: str | Path | None) -> SplitData:
-    """The training and validation parts of split ``split`` and the (capped) test set of ``task``."""
+def split_data(
+    task: str, split: int, config: RunConfig, glue_dir: str | Path | None
+) -> tuple[dict[str, Examples], dict[str, Any]]:
+    """``({"train", "val", "test"}: examples, data fingerprint)`` of split ``split`` of ``task``."""
     train_all, test = load_glue(task, glue_dir)
-    tr_idx, val_idx = split_indices(
-        len(train_all), task_spec(task), split, config.max_train_examples
-    )
+    train, val = split_indices(len(train_all), task_spec(task), split, config.max_train_examples)
     if config.max_test_examples is not None:
         test = test.take(range(min(config.max_test_examples, len(test))))
-    return SplitData(
-        train_all.take(tr_idx), train_all.take(val_idx), test, data_fingerprint(train_all, test)
-    )
+    parts = {"train": train_all.take(train), "val": train_all.take(val), "test": test}
+    return parts, data_fingerprint(train_all, test)
 
 
 def map_checkpoint(
     model: torch.nn.Module,
     tokenizer: Any,
-    data: SplitData,
+    parts: dict[str, Examples],
     train: TrainConfig,
     store: ResultStore,
     folder: Path,
-    device: torch.device,
     progress: bool,
     about: dict[str, Any],
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
     """Load the MAP checkpoint at ``folder`` into ``model``, fine-tuning and publishing it first if absent.
 
-    ``about`` (task, split, model name) heads the meta of a fresh checkpoint.
-
-    A fresh checkpoint is published atomically (:func:`~partialbayes.glue_bench.train.save_checkpoint`),
-    and the model always scores with the published weights: when another process published this
-    checkpoint first, ours is discarded, and every cell of the folder uses the same MAP.
+    A fresh checkpoint (its meta headed by ``about``: task, split, model) is published atomically
+    (:func:`~partialbayes.glue_bench.train.save_checkpoint`), and the model always scores with the
+    published weights: when another process published first, ours is discarded, so every cell of the
+    folder uses the same MAP.
 
     Returns:
         ``(meta, IVON Hessians or None)``: the published meta plus ``cached`` (no fine-tuning here),
-        ``finetune_seconds`` / ``finetune_cpu_seconds`` (this process's fine-tuning, 0 when cached) and,
-        after fine-tuning, ``published_here``.
+        ``finetune_seconds`` / ``finetune_cpu_seconds`` (this process's, 0 when cached) and, after
+        fine-tuning, ``published_here``.
     """
     own: dict[str, Any] = {"cached": True, "finetune_seconds": 0.0, "finetune_cpu_seconds": 0.0}
     if load_checkpoint(model, folder) is None:
-        summary = finetune(model, tokenizer, data.train, data.val, train, device, progress=progress)
+        device = next(model.parameters()).device
+        summary = finetune(model, tokenizer, parts["train"], parts["val"], train, device, progress)
         hess = summary.pop("ivon_hess", None)
-        parts = (("train", data.train), ("val", data.val), ("test", data.test))
-        meta = {
-            **about,
-            "max_length": train.max_length,
-            "truncated": {n: count_truncated(e, tokenizer, train.max_length) for n, e in parts},
-            **summary,
-        }
+        cut = {n: count_truncated(e, tokenizer, train.max_length) for n, e in parts.items()}
+        meta = {**about, "max_length": train.max_length, "truncated": cut, **summary}
         store.claim()
         own = {
             "cached": False,
@@ -214,41 +188,37 @@ def prepare_context(
         progress: Show progress bars.
 
     The model is built after seeding the global generator with the split's seed, so a freshly initialised
-    classification head is the same in every run with the same configuration. The data of the task are
-    checked against the ones the results folder was filled with (``ResultStore.check_data``) before any
-    work; the checkpoint comes from :func:`map_checkpoint`.
+    classification head is the same in every run with the same configuration. The task's data are checked
+    against the ones the results folder holds results of (``ResultStore.check_data``) before any work; the
+    checkpoint comes from :func:`map_checkpoint`.
 
     Returns:
         ``(context, checkpoint meta)`` (see :func:`map_checkpoint`).
     """
     spec = task_spec(task)
-    data = load_split(task, split, config, glue_dir)
+    parts, data = split_data(task, split, config, glue_dir)
     seed = config.seed * 100 + split
     torch.manual_seed(seed)  # the new classification head (and anything else the factory draws)
     trained = config.train.epochs == 0
-    factory = model_factory or partial(_load_encoder, trained=trained, progress=progress)
+    factory = model_factory or (
+        lambda n, c, d: load_encoder(n, c, dropout=d, trained=trained, progress=progress)
+    )
     model, tokenizer = factory(config.model, spec.num_labels, config.train.dropout)
-    store.check_data(
-        task, data.fingerprint
-    )  # only now: a model that cannot be loaded binds nothing
+    store.check_data(task, data)  # only now: a model that cannot be loaded binds nothing
     limit = model_length_limit(model, tokenizer)
     max_length = min(config.train.max_length or limit, limit)
     train = dataclasses.replace(config.train, seed=seed, max_length=max_length)
-    model.to(device)
     folder = store.checkpoint_dir(task, split, config.model)
     about = {"task": task, "split": split, "model": config.model}
     meta, hess = map_checkpoint(
-        model, tokenizer, data, train, store, folder, device, progress, about
+        model.to(device), tokenizer, parts, train, store, folder, progress, about
     )
     model.eval()
     ivon = None
     if hess is not None and "ivon" in meta:
         ivon = {"hess": hess, **meta["ivon"], "finetune_seconds": float(meta["seconds"])}
-    parts = {"train": data.train, "val": data.val, "test": data.test}
-    batches = {
-        name: _to(encode(part, tokenizer, config.curvature_batch_size, max_length, True), device)
-        for name, part in parts.items()
-    }
+    bs = config.curvature_batch_size
+    batches = {k: _to(encode(e, tokenizer, bs, max_length, True), device) for k, e in parts.items()}
     ctx = Context(
         **batches,
         model=model,
@@ -260,12 +230,6 @@ def prepare_context(
         curvature_dir=folder / "curvature",
     )
     return ctx, meta
-
-
-def _load_encoder(
-    name: str, num_labels: int, dropout: float, trained: bool, progress: bool
-) -> tuple[torch.nn.Module, Any]:
-    return load_encoder(name, num_labels, dropout=dropout, trained=trained, progress=progress)
 
 
 def all_metrics(probs: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
@@ -346,18 +310,9 @@ def shares_curvature(method: Method, config: RunConfig) -> bool:
 
 @dataclass(frozen=True)
 class Grid:
-    """What every unit of one :func:`run_grid` call shares (sent as it is to each worker).
+    """What every unit of one :func:`run_grid` call shares (its arguments; sent as it is to each worker).
 
-    Attributes:
-        methods: Method names, in the order their cells run.
-        config: The run configuration.
-        results: The results folder (absolute: workers may run elsewhere).
-        device: Torch device of the model.
-        glue_dir: GLUE folder (``None``: ``$PARTIALBAYES_DATA/glue``, or the hub).
-        model_factory: See :func:`prepare_context`.
-        progress: Show progress bars.
-        keep_going: A failing cell is reported and skipped instead of raised.
-        take_over: Take over the claim of a unit from another host (its owner is gone).
+    ``results`` and ``glue_dir`` are absolute (workers may run elsewhere); ``methods`` in run order.
     """
 
     methods: tuple[str, ...]
@@ -371,16 +326,113 @@ class Grid:
     take_over: bool = False
 
 
+def run_unit(grid: Grid, task: str, split: int, log: Callable[[str], None] = print) -> UnitResult:
+    """One unit: claim (task, split), fine-tune or reuse its MAP, then run every cell not finished yet.
+
+    A unit claimed by another process that may still run it is left to that process (a failure line says
+    so, and nothing is written); see :meth:`~partialbayes.glue_bench.store.ResultStore.unit_claim`.
+    """
+    unit = _Unit(grid, task, split, log, ResultStore(grid.results, grid.config.to_dict()))
+    try:
+        with unit.store.unit_claim(task, split, grid.take_over):
+            unit.run()
+    except UnitBusyError as err:
+        unit.out.failures.append(f"{task}/split{split}: {err}")
+        unit.say(f"skipped: {err}")
+    return unit.out
+
+
 @dataclass
 class _Unit:
-    """The cells of one (task, split) while they run: where records go and what is reported back."""
+    """One (task, split) while its cells run: where records go and what is reported back."""
 
-    store: ResultStore
+    grid: Grid
     task: str
     split: int
-    keep_going: bool
     log: Callable[[str], None]
+    store: ResultStore
     out: UnitResult = field(default_factory=UnitResult)
+
+    def run(self) -> None:
+        """The cells, in the order of ``grid.methods`` (the shared ramp at its first method)."""
+        ctx = self.prepare()
+        methods = get_methods(self.grid.methods)
+        shared = [m for m in methods if shares_curvature(m, self.grid.config)]
+        ramp = [(m, size) for m in shared for size in self.todo(m, ctx)]
+        for method in methods:
+            if method in shared:
+                if ramp:
+                    self.run_ramp(ctx, ramp)
+                ramp = []
+                continue
+            name = f"{self.task}/{self.split}/{method.name}"
+            for size in tqdm(
+                self.todo(method, ctx), name, disable=not self.grid.progress, leave=False
+            ):
+                t0 = time.perf_counter()
+                try:
+                    record = run_cell(ctx, method, size)
+                except Exception as err:  # one broken cell must not stop the grid
+                    self.fail(method.name, size, err)
+                    continue
+                self.done(method.name, size, {**record, "seconds": time.perf_counter() - t0})
+
+    def prepare(self) -> Context:
+        self.say(f"preparing model {self.grid.config.model}")
+        w0, c0 = time.perf_counter(), time.process_time()
+        g = self.grid
+        device = torch.device(g.device)
+        ctx, meta = prepare_context(
+            self.task,
+            self.split,
+            g.config,
+            self.store,
+            device,
+            g.glue_dir,
+            g.model_factory,
+            g.progress,
+        )
+        if meta.get("published_here") is False:
+            self.say("another process published this checkpoint first: using its weights")
+        tuning = {
+            "finetune_wall": meta["finetune_seconds"],
+            "finetune_cpu": meta["finetune_cpu_seconds"],
+        }
+        self.timing("prepare", time.perf_counter() - w0, time.process_time() - c0, **tuning)
+        self.say(f"MAP val accuracy {meta['val_accuracy']:.3f}")
+        return ctx
+
+    def run_ramp(self, ctx: Context, ramp: list[tuple[Method, str]]) -> None:
+        """The shared ramp (:func:`~partialbayes.glue_bench.ramp.run_shared`): records as cells finish."""
+        torch.manual_seed(ctx.seed)
+        w0, c0 = time.perf_counter(), time.process_time()
+        own_wall = own_cpu = 0.0
+        info = None
+        for method, size, result, info in run_shared(ctx, ramp, log=self.say):
+            try:
+                if isinstance(result, BaseException):
+                    raise result
+                record = prediction_record(ctx, method, result, 0.0)
+            except Exception as err:
+                self.fail(method.name, size, err)
+                continue
+            # a shared cell's own time: its posterior and its share of the predictive math (the shared
+            # passes are reported once, as the "shared passes" stage and in extra.curvature_seconds)
+            record["seconds"] = result.fit_seconds + result.predict_seconds
+            record["cpu_seconds"] = result.extra.pop("cpu_seconds")
+            record["extra"].update(
+                curvature_seconds=info.curvature_seconds, shared_cells=info.cells
+            )
+            own_wall += record["seconds"]
+            own_cpu += record["cpu_seconds"]
+            self.done(method.name, size, record)
+        if info is not None:
+            wall, cpu = time.perf_counter() - w0 - own_wall, time.process_time() - c0 - own_cpu
+            self.timing("shared passes", max(wall, 0.0), max(cpu, 0.0))
+
+    def todo(self, method: Method, ctx: Context) -> list[str]:
+        cell = partial(Cell, self.task, self.split, method.name)
+        return [s for s in method.sizes(ctx) if not self.store.has(cell(s))]
 
     def say(self, message: str) -> None:
         self.log(f"[{self.task} split {self.split}] {message}")
@@ -389,81 +441,21 @@ class _Unit:
         line = f"{self.task}/split{self.split}/{name}/{size}: {type(err).__name__}: {err}"
         self.out.failures.append(line)
         self.say(f"{name} {size}: FAILED ({line})")
-        if not self.keep_going:
+        if not self.grid.keep_going:
             raise err
 
     def done(self, name: str, size: str, record: dict[str, Any]) -> None:
         self.store.write(Cell(self.task, self.split, name, size), record)
-        wall, cpu = record["seconds"], record["cpu_seconds"]
-        self.out.timings.append(
-            {
-                "stage": name,
-                "size": size,
-                "task": self.task,
-                "split": self.split,
-                "wall": wall,
-                "cpu": cpu,
-            }
-        )
+        self.timing(name, record["seconds"], record["cpu_seconds"], size=size)
         self.say(
             f"{name} {size}: acc {record['accuracy']:.3f} nll {record['nll']:.3f} "
-            f"ece {record['ece']:.3f} ({wall:.1f} s)"
+            f"ece {record['ece']:.3f} ({record['seconds']:.1f} s)"
         )
 
-    def todo(self, method: Method, ctx: Context) -> list[str]:
-        return [
-            s
-            for s in method.sizes(ctx)
-            if not self.store.has(Cell(self.task, self.split, method.name, s))
-        ]
-
-
-def run_unit(grid: Grid, task: str, split: int, log: Callable[[str], None] = print) -> UnitResult:
-    """One unit: claim (task, split), fine-tune or reuse its MAP, then run every cell not finished yet.
-
-    A unit claimed by another process that may still run it is left to that process (a failure line says
-    so, and nothing is written); see :meth:`~partialbayes.glue_bench.store.ResultStore.unit_claim`.
-    """
-    unit = _Unit(
-        ResultStore(grid.results, grid.config.to_dict()), task, split, grid.keep_going, log
-    )
-    try:
-        with unit.store.unit_claim(task, split, grid.take_over):
-            _fill(grid, unit)
-    except UnitBusyError as err:
-        unit.out.failures.append(f"{task}/split{split}: {err}")
-        unit.say(f"skipped: {err}")
-    return unit.out
-
-
-def _fill(grid: Grid, unit: _Unit) -> None:
-    """The cells of a claimed unit, in the order of ``grid.methods`` (a shared ramp at its first method)."""
-    ctx = _prepare(grid, unit)
-    methods = get_methods(grid.methods)
-    ramp = [
-        (m, size) for m in methods if shares_curvature(m, grid.config) for size in unit.todo(m, ctx)
-    ]
-    for method in methods:
-        if shares_curvature(method, grid.config):
-            if ramp:
-                _run_shared_group(ctx, ramp, unit)
-                ramp = []
-            continue
-        bar = tqdm(
-            unit.todo(method, ctx),
-            desc=f"{unit.task}/{unit.split}/{method.name}",
-            disable=not grid.progress,
-            leave=False,
-        )
-        for size in bar:
-            t0 = time.perf_counter()
-            try:
-                record = run_cell(ctx, method, size)
-            except Exception as err:  # one broken cell must not stop the grid
-                unit.fail(method.name, size, err)
-                continue
-            record["seconds"] = time.perf_counter() - t0
-            unit.done(method.name, size, record)
+    def timing(self, stage: str, wall: float, cpu: float, **extra: Any) -> None:
+        """One stage dict of ``run_grid(..., timings=...)``."""
+        where = {"task": self.task, "split": self.split}
+        self.out.timings.append({"stage": stage, **extra, **where, "wall": wall, "cpu": cpu})
 
 
 def run_grid(
@@ -490,7 +482,8 @@ def run_grid(
     claim that keeps other processes off it. ``shard=(i, n)`` keeps every n-th unit (sorted), so n
     processes share a grid without repeating any work. ``executor="ray"`` runs one Ray task per unit (see
     :func:`~partialbayes.glue_bench.executors.run_units`: ``ray_address`` or a local cluster); the results
-    folder must be one that every Ray node sees.
+    folder must be one that every Ray node sees. ``take_over`` takes over the claims of units from hosts
+    whose process is gone.
 
     With ``config.curvature_pass="shared"`` the KFAC-type Laplace cells of a unit (``kfac-full``,
     ``skfac``, the ``kfac-*`` module ramps) run together from one curvature pass
@@ -523,96 +516,14 @@ def run_grid(
     store = ResultStore(results, config.to_dict())
     folder = Path(glue_dir).absolute() if glue_dir is not None else None
     grid = Grid(
-        methods,
-        config,
-        Path(results).absolute(),
-        str(device),
-        folder,
-        model_factory,
-        progress,
-        keep_going,
-        take_over,
+        methods, config, store.root.absolute(), str(device), folder, model_factory, progress
     )
+    grid = dataclasses.replace(grid, keep_going=keep_going, take_over=take_over)
     gpus = 1.0 if torch.device(device).type == "cuda" else 0.0
+    units = grid_units(tasks, splits, shard)
     job = partial(run_unit, grid)
-    for unit in run_units(
-        grid_units(tasks, splits, shard),
-        job,
-        store.root,
-        executor,
-        ray_address,
-        keep_going,
-        log,
-        gpus,
-    ):
+    for unit in run_units(units, job, store.root, executor, ray_address, keep_going, log, gpus):
         store.failures += unit.failures
         if timings is not None:
             timings += unit.timings
     return store
-
-
-def _prepare(grid: Grid, unit: _Unit) -> Context:
-    unit.say(f"preparing model {grid.config.model}")
-    w0, c0 = time.perf_counter(), time.process_time()
-    device = torch.device(grid.device)
-    ctx, meta = prepare_context(
-        unit.task,
-        unit.split,
-        grid.config,
-        unit.store,
-        device,
-        grid.glue_dir,
-        grid.model_factory,
-        grid.progress,
-    )
-    if meta.get("published_here") is False:
-        unit.say("another process published this checkpoint first: using its weights")
-    unit.out.timings.append(
-        {
-            "stage": "prepare",
-            "task": unit.task,
-            "split": unit.split,
-            "wall": time.perf_counter() - w0,
-            "cpu": time.process_time() - c0,
-            "finetune_wall": meta["finetune_seconds"],
-            "finetune_cpu": meta["finetune_cpu_seconds"],
-        }
-    )
-    unit.say(f"MAP val accuracy {meta['val_accuracy']:.3f}")
-    return ctx
-
-
-def _run_shared_group(ctx: Context, group: list[tuple[Method, str]], unit: _Unit) -> None:
-    """The shared ramp of one (task, split): records written as the cells finish."""
-    torch.manual_seed(ctx.seed)
-    w0, c0 = time.perf_counter(), time.process_time()
-    own_wall = own_cpu = 0.0
-    info = None
-    for method, size, result, info in run_shared(ctx, group, log=unit.say):
-        if isinstance(result, BaseException):
-            unit.fail(method.name, size, result)
-            continue
-        try:
-            record = prediction_record(ctx, method, result, 0.0)
-        except ValueError as err:
-            unit.fail(method.name, size, err)
-            continue
-        # a shared cell's own time: its posterior and its share of the predictive math (the shared
-        # passes are reported once, as the "shared passes" stage and in extra.curvature_seconds)
-        record["seconds"] = result.fit_seconds + result.predict_seconds
-        record["cpu_seconds"] = result.extra.pop("cpu_seconds")
-        record["extra"]["curvature_seconds"] = info.curvature_seconds
-        record["extra"]["shared_cells"] = info.cells
-        own_wall += record["seconds"]
-        own_cpu += record["cpu_seconds"]
-        unit.done(method.name, size, record)
-    if info is not None:
-        unit.out.timings.append(
-            {
-                "stage": "shared passes",
-                "task": unit.task,
-                "split": unit.split,
-                "wall": max(time.perf_counter() - w0 - own_wall, 0.0),
-                "cpu": max(time.process_time() - c0 - own_cpu, 0.0),
-            }
-        )

@@ -18,6 +18,7 @@ the next attempt; and a folder without any record is not bound to a configuratio
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -35,7 +36,7 @@ from typing import Any
 # same settings on the same machine that may differ (everything else is bit-identical, see
 # `without_timings`).
 TIMING_FIELDS = frozenset(
-    {
+    [
         "seconds",
         "cpu_seconds",
         "fit_seconds",
@@ -44,7 +45,7 @@ TIMING_FIELDS = frozenset(
         "finetune_cpu_seconds",
         "posterior_setup_seconds",
         "curvature_seconds",
-    }
+    ]
 )
 
 
@@ -83,6 +84,11 @@ def read_json(path: Path, what: str = "file") -> Any:
 def json_text(obj: Any) -> str:
     """The JSON text every file of a results folder is written with (indented, keys sorted)."""
     return json.dumps(obj, indent=2, sort_keys=True)
+
+
+def json_ready(config: Any) -> dict[str, Any]:
+    """A configuration dataclass as plain JSON values (tuples become lists), for fingerprints and files."""
+    return json.loads(json.dumps(dataclasses.asdict(config)))
 
 
 @dataclass(frozen=True, order=True)
@@ -151,35 +157,32 @@ class UnitBusyError(RuntimeError):
     """The unit (task, split) is claimed by another process that may still be running it."""
 
 
-def _owner() -> dict[str, Any]:
-    return {"host": _host(), "pid": os.getpid(), "started": time.time(), "token": uuid.uuid4().hex}
-
-
 def owner_gone(owner: dict[str, Any]) -> bool:
-    """Whether the process of a claim is provably gone: on this host, with no live process of its pid."""
+    """Whether a claim's process is provably gone: on this host, with no live process of its pid."""
     if owner.get("host") != _host():
-        return False  # another machine's process cannot be checked from here
+        return False  # a process of another machine cannot be checked from here
     try:
         os.kill(int(owner["pid"]), 0)
     except ProcessLookupError:
         return True
-    except (PermissionError, OverflowError, ValueError):
-        return False
+    except (OSError, TypeError, ValueError, OverflowError):  # alive (another user's) or unreadable
+        pass
     return False
 
 
-def _read_owner(path: Path) -> dict[str, Any] | None:
+def _owner(path: Path) -> dict[str, Any] | None:
+    """The owner a claim file holds; ``None`` when there is none; unknown while it is being written."""
     try:
         owner = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError):  # being written right now: a live claim of unknown owner
-        return {"host": "?", "pid": "?", "started": 0.0, "token": "?"}
+    except (OSError, ValueError):
+        owner = None
     return owner if isinstance(owner, dict) else {"host": "?", "pid": "?", "token": "?"}
 
 
 def _create(path: Path, owner: dict[str, Any]) -> bool:
-    """Create the claim ``path`` holding ``owner``, unless it exists (``os.open`` with ``O_EXCL``)."""
+    """Create ``path`` holding ``owner`` unless it exists (``O_CREAT | O_EXCL``: atomic, also on NFS)."""
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
@@ -187,12 +190,6 @@ def _create(path: Path, owner: dict[str, Any]) -> bool:
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         handle.write(json.dumps(owner))
     return True
-
-
-def _describe(owner: dict[str, Any]) -> str:
-    started = owner.get("started")
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if started else "?"
-    return f"host {owner.get('host')} pid {owner.get('pid')} since {since}"
 
 
 class ResultStore:
@@ -329,13 +326,13 @@ class ResultStore:
 
     def live_claims(self) -> list[Path]:
         """Claims of units by other processes that may still be running (see :meth:`unit_claim`)."""
-        me = {"host": _host(), "pid": os.getpid()}
-        live = []
-        for path in sorted((self.root / "claims").glob("*.json")):
-            owner = _read_owner(path) or {}
-            if owner and not owner_gone(owner) and {k: owner.get(k) for k in me} != me:
-                live.append(path)
-        return live
+        me = (_host(), os.getpid())
+        return [
+            path
+            for path in sorted((self.root / "claims").glob("*.json"))
+            if (owner := _owner(path)) and not owner_gone(owner)
+            if (owner.get("host"), owner.get("pid")) != me
+        ]
 
     @contextmanager
     def unit_claim(self, task: str, split: int, take_over: bool = False) -> Iterator[None]:
@@ -352,25 +349,24 @@ class ResultStore:
             OSError: The claims folder cannot be written (the message names the folder and the host).
         """
         path = self.root / "claims" / f"{task}-split{split}.json"
-        me = _owner()
+        me = {
+            "host": _host(),
+            "pid": os.getpid(),
+            "started": time.ctime(),
+            "token": uuid.uuid4().hex,
+        }
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            for _ in range(3):
-                if _create(path, me):
-                    break
-                other = _read_owner(path)
+            while not _create(path, me):
+                other = _owner(path)
                 if other is not None and not (take_over or owner_gone(other)):
                     raise UnitBusyError(
-                        f"unit {task} split {split} is claimed by {_describe(other)} ({path}): it is "
-                        "running there; if that process is gone, rerun with --take-over (or delete the "
-                        "file)"
+                        f"unit {task} split {split} is claimed by host {other.get('host')} pid "
+                        f"{other.get('pid')} since {other.get('started')} ({path}): it runs there; if "
+                        "that process is gone, rerun with --take-over (or delete the file)"
                     )
                 if other is not None:
                     _take_over(path, other)
-            else:
-                raise UnitBusyError(
-                    f"unit {task} split {split}: another process took it over ({path})"
-                )
         except OSError as err:
             raise OSError(
                 err.errno,
@@ -380,21 +376,21 @@ class ResultStore:
         try:
             yield
         finally:
-            if (_read_owner(path) or {}).get("token") == me["token"]:
+            if (_owner(path) or {}).get("token") == me["token"]:
                 path.unlink(missing_ok=True)
 
 
 def _take_over(path: Path, stale: dict[str, Any]) -> None:
-    """Remove the stale claim ``path`` unless another process is taking it over at the same time.
+    """Remove the stale claim ``path``, unless another process is taking it over at the same time.
 
-    A second ``O_EXCL`` marker makes the removal exclusive: only its creator removes the claim, and only if
+    A second ``O_EXCL`` file makes the removal exclusive: only its creator removes the claim, and only if
     the claim still holds the stale token (not a fresh claim created meanwhile).
     """
     marker = path.with_name(path.name + ".takeover")
-    if not _create(marker, _owner()):
+    if not _create(marker, {"host": _host(), "pid": os.getpid()}):
         raise UnitBusyError(f"another process is taking over {path} (delete {marker} if none is)")
     try:
-        if (_read_owner(path) or {}).get("token") == stale.get("token"):
+        if (_owner(path) or {}).get("token") == stale.get("token"):
             path.unlink(missing_ok=True)
     finally:
         marker.unlink(missing_ok=True)

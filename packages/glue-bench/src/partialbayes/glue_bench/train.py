@@ -7,8 +7,8 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +18,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from partialbayes.glue_bench.context import check_int, check_number
+from partialbayes.glue_bench.context import batch_logits, check_int, check_number
 from partialbayes.glue_bench.data_glue import Examples, encode
-from partialbayes.glue_bench.store import read_json, temp_path
+from partialbayes.glue_bench.store import json_ready, read_json, temp_path
 from partialbayes.ivon import IVON
-from partialbayes.predictive import model_logits, split_batch
+from partialbayes.predictive import eval_mode, model_logits, split_batch
 from partialbayes.selection import countable_named_parameters
 
 Batch = Mapping[str, torch.Tensor]
@@ -101,9 +101,7 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict."""
-        d = asdict(self)
-        d["betas"] = list(self.betas)
-        return d
+        return json_ready(self)
 
 
 def logits_of(model: nn.Module, batch: Batch, device: torch.device | str) -> torch.Tensor:
@@ -111,29 +109,11 @@ def logits_of(model: nn.Module, batch: Batch, device: torch.device | str) -> tor
     return model_logits(model, split_batch(batch, device=device).inputs)
 
 
-@torch.no_grad()
-def predict_logits(
-    model: nn.Module, batches: Iterable[Batch], device: torch.device | str
-) -> torch.Tensor:
-    """(N, C) float64 logits over all batches, in eval mode (the model's mode is restored)."""
-    was_training = model.training
-    model.eval()
-    try:
-        out = [logits_of(model, b, device).double().cpu() for b in batches]
-    finally:
-        model.train(was_training)
-    return torch.cat(out)
-
-
-def labels_of(batches: Iterable[Batch]) -> torch.Tensor:
-    """(N,) int64 labels over all batches."""
-    return torch.cat([b["labels"] for b in batches])
-
-
 def accuracy(model: nn.Module, batches: Sequence[Batch], device: torch.device | str) -> float:
-    """Accuracy of the model on the batches."""
-    logits = predict_logits(model, batches, device)
-    return float((logits.argmax(-1) == labels_of(batches)).double().mean())
+    """Accuracy of ``model`` on dict batches, in eval mode (the model's mode is restored)."""
+    with eval_mode(model):
+        logits = batch_logits(model, batches, device)
+    return float((logits.argmax(-1) == torch.cat([b["labels"] for b in batches])).double().mean())
 
 
 def _epoch_batches(

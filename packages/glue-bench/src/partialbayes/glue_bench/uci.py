@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +20,8 @@ from partialbayes.curvature import DenseLaplace, KronLaplace, diag_curvature
 from partialbayes.glue_bench.context import PRIOR_GRID as PRIOR_GRID  # re-exported: the UCI grid
 from partialbayes.glue_bench.context import every_linear_map, prior_edge, prior_grid
 from partialbayes.glue_bench.data_uci import UCI_DATASETS, UCISplit, load_uci
-from partialbayes.glue_bench.executors import UnitResult, run_units
 from partialbayes.glue_bench.models import MLP
-from partialbayes.glue_bench.store import Cell, ResultStore, UnitBusyError, grid_units
+from partialbayes.glue_bench.store import Cell, ResultStore, grid_units
 from partialbayes.selection import Subset
 from partialbayes.swag import collect_swag
 
@@ -219,18 +217,15 @@ def run_uci(
     device: str = "cpu",
     log: Callable[[str], None] = print,
     keep_going: bool = False,
-    executor: str = "local",
-    ray_address: str | None = None,
-    take_over: bool = False,
 ) -> ResultStore:
-    """Fill the UCI grid (dataset, split, method, size), one (dataset, split) unit at a time.
+    """Fill the UCI grid (dataset, split, method, size) of this shard; finished cells are skipped.
 
-    A unit trains its MLP once, then runs every cell not finished yet (:func:`run_uci_unit`), under a claim
-    that keeps other processes off it; ``shard``, ``executor`` and ``ray_address`` distribute the units as
-    in :func:`partialbayes.glue_bench.experiment.run_grid`. With ``keep_going`` a cell that raises is logged
-    and skipped (no record is written, so a later run retries it); the messages are in ``store.failures``.
-    Otherwise the first failure propagates. Loading a dataset and training its MLP are not cells: their
-    errors always propagate (as GLUE fine-tuning's do).
+    One (dataset, split) unit at a time: train its MLP, then run its cells. ``shard=(i, n)`` keeps every
+    n-th unit, as in :func:`~partialbayes.glue_bench.experiment.run_grid`; the units are small CPU models,
+    so they always run in this process. With ``keep_going`` a cell that raises is logged and skipped (no
+    record is written, so a later run retries it); the messages are in ``store.failures``. Otherwise the
+    first failure propagates. Loading a dataset and training its MLP are not cells: their errors always
+    propagate (as GLUE fine-tuning's do).
 
     Raises:
         ValueError: An unknown dataset or a method that has no UCI version (the message lists the valid
@@ -246,68 +241,29 @@ def run_uci(
         )
     if str(device) != "cpu":
         log("UCI models are tiny: running them on cpu")
-    store = ResultStore(results, uci_config(seed))
-    folder = Path(uci_dir).absolute() if uci_dir is not None else None
-    job = partial(
-        run_uci_unit,
-        sorted(set(methods)),
-        Path(results).absolute(),
-        folder,
-        seed,
-        keep_going,
-        take_over,
+    store = ResultStore(
+        results, {"kind": "uci", "width": 50, "depth": 2, "steps": 2000, "seed": seed}
     )
-    for unit in run_units(
-        grid_units(datasets, splits, shard), job, store.root, executor, ray_address, keep_going, log
-    ):
-        store.failures += unit.failures
-    return store
-
-
-def uci_config(seed: int) -> dict[str, Any]:
-    """The configuration of a UCI results folder (the MLP of appendix B and the seed)."""
-    return {"kind": "uci", "width": 50, "depth": 2, "steps": 2000, "seed": seed}
-
-
-def run_uci_unit(
-    methods: Sequence[str],
-    results: Path,
-    uci_dir: Path | None,
-    seed: int,
-    keep_going: bool,
-    take_over: bool,
-    name: str,
-    split: int,
-    log: Callable[[str], None] = print,
-) -> UnitResult:
-    """One UCI unit: claim (dataset, split), train its MLP, then run every cell not finished yet."""
-    store = ResultStore(results, uci_config(seed))
-    out = UnitResult()
-    try:
-        with store.unit_claim(name, split, take_over):
-            data = load_uci(name, split, uci_dir)
-            model, sigma = train_mlp(data, seed=seed * 100 + split)
-            for method in methods:
-                for size in _sizes(model, method):
-                    cell = Cell(name, split, method, size)
-                    if store.has(cell):
-                        continue
-                    try:
-                        rec = run_uci_cell(model, sigma, data, method, size, seed * 100 + split)
-                    except Exception as err:  # one broken cell must not stop the grid
-                        out.failures.append(
-                            f"{name}/split{split}/{method}/{size}: {type(err).__name__}: {err}"
-                        )
-                        log(f"[{name} split {split}] {method} {size}: FAILED ({out.failures[-1]})")
-                        if not keep_going:
-                            raise
-                        continue
-                    store.write(cell, rec)
-                    log(
-                        f"[{name} split {split}] {method} {size}: rmse {rec['rmse']:.3f} "
-                        f"nll {rec['nll']:.3f}"
+    for name, split in grid_units(datasets, splits, shard):
+        data = load_uci(name, split, uci_dir)
+        model, sigma = train_mlp(data, seed=seed * 100 + split)
+        for method in sorted(set(methods)):
+            for size in _sizes(model, method):
+                cell = Cell(name, split, method, size)
+                if store.has(cell):
+                    continue
+                try:
+                    rec = run_uci_cell(model, sigma, data, method, size, seed * 100 + split)
+                except Exception as err:  # one broken cell must not stop the grid
+                    store.failures.append(
+                        f"{name}/split{split}/{method}/{size}: {type(err).__name__}: {err}"
                     )
-    except UnitBusyError as err:
-        out.failures.append(f"{name}/split{split}: {err}")
-        log(f"[{name} split {split}] skipped: {err}")
-    return out
+                    log(f"[{name} split {split}] {method} {size}: FAILED ({store.failures[-1]})")
+                    if not keep_going:
+                        raise
+                    continue
+                store.write(cell, rec)
+                log(
+                    f"[{name} split {split}] {method} {size}: rmse {rec['rmse']:.3f} nll {rec['nll']:.3f}"
+                )
+    return store
