@@ -23,28 +23,16 @@ from partialbayes.selection import Subset, grouped_linear_modules, modules
 
 Batch = dict[str, torch.Tensor]
 
-# Where the ramp sizes come from (every record also stores the percentage of countable parameters that was
-# actually stochastic, ``percent_stochastic`` = ``Subset.percent_of``, and the requested size):
-# * MODULE_COUNTS: the module counts of Kampen et al.'s ramping figures (``selection.PAPER_COUNTS`` without
-#   the 0, which is the MAP cell); counts above a model's number of linear maps in the group are dropped.
-# * SKFAC_PERCENTS: the S-KFAC percentages p of the paper's Table 3 (percent of the rows and of the columns
-#   kept in every linear map, DESIGN.md's S-KFAC rule) without its 0 (the MAP cell) and 100 (the
-#   ``kfac-full`` cell). A map keeps about (p/100)² of its weights (the paper's g_p), so these cover about
-#   0.01 % to 11 % of the linear weights; 33 is the ≈ 10 % cell of Table 2.
-# * SWAG_L1_PERCENTS: the paper's l1 sub-layer ramp p ∈ {1, 12, 24, 36, 48, 60, 100}: percent of the
-#   countable parameters with the largest magnitude (``selection.largest_magnitude``).
+# The ramps of the paper (sources: docs, "The paper's protocol"): its module counts without 0 (the MAP cell),
+# Table 3's S-KFAC percentages without 0 and 100 (the kfac-full cell), and the SWAG l1 sub-layer ramp.
 MODULE_COUNTS = (1, 2, 3, 4, 5, 8, 11, 17, 38)
 SKFAC_PERCENTS = (1.0, 1.8, 2.5, 3.2, 3.9, 4.6, 5.4, 6.1, 6.8, 12.6, 18.4, 24.2, 30.0, 33.0)
 SWAG_L1_PERCENTS = (1.0, 12.0, 24.0, 36.0, 48.0, 60.0, 100.0)
-# Prior precisions 10^-1, 10^-0.5, ..., 10^3: the paper's range (Table 6, "equidistant in logspace in
-# [10^-1, 10^3]"; the number of points is not given, we take half decades). Built in float64 so that
-# records store 0.1, not the float32 value 0.10000000149011612. Hand it to the Laplace posteriors as
-# :func:`prior_grid` (a float64 tensor): ``torch.as_tensor`` of a tuple of floats would round it to float32.
-# The grid is not extended beyond the paper's range: a cell whose tuned prior lands on an end of it says so
-# (``extra.prior_at_grid_edge``) and the report flags it; ``Settings.prior_grid`` changes the grid.
+# Prior precisions 10^-1, 10^-0.5, ..., 10^3: the paper's range (Table 6) in half decades, in float64 so
+# that records store 0.1, not 0.10000000149011612 (hand it to the posteriors as :func:`prior_grid`).
 PRIOR_GRID = tuple(float(v) for v in torch.logspace(-1, 3, 9, dtype=torch.float64))
-# Fisher types of the Laplace curvature (``partialbayes.curvature``): the paper's KFAC is built on the
-# empirical Fisher (its Eqs. 13-16), its last-layer Laplace on the full GGN ("exact").
+# Fisher types of the Laplace curvature: the paper's KFAC uses the empirical one (Eqs. 13-16), its
+# last-layer Laplace the full GGN ("exact").
 FISHERS = ("empirical", "exact", "mc")
 
 
@@ -56,9 +44,7 @@ def prior_grid(values: Sequence[float] = PRIOR_GRID) -> torch.Tensor:
 def prior_edge(chosen: float, grid: Sequence[float]) -> str | None:
     """``"lowest"`` / ``"highest"`` when ``chosen`` is the smallest / largest value of ``grid``, else ``None``.
 
-    A prior precision tuned to an end of its grid may not be the optimum: the validation NLL (or the
-    evidence) might still improve beyond it. The lowest prior gives the widest posterior the grid allows, the
-    highest the one closest to the MAP.
+    A prior tuned to an end of its grid may not be the optimum (the lowest gives the widest posterior).
     """
     if chosen == min(grid):
         return "lowest"
@@ -187,9 +173,8 @@ class Context:
         device: The device.
         seed: Seed of this (task, split): random module choices and sampling derive from it.
         settings: Method hyperparameters.
-        ivon: ``{"hess": {name: tensor}, "ess": float, "weight_decay": float, "finetune_seconds": float}``
-            when fine-tuned with IVON (``finetune_seconds``: wall-clock time of the IVON fine-tuning that
-            produced the checkpoint).
+        ivon: ``{"hess": {name: tensor}, "ess", "weight_decay", "finetune_seconds"}`` when fine-tuned with
+            IVON (``finetune_seconds``: the wall-clock time of that fine-tuning).
         curvature_dir: Folder of the shared curvature pass (beside the checkpoint); ``None``: not stored.
     """
 
@@ -232,10 +217,9 @@ class Prediction:
         fit_seconds: Time to build the posterior (including hyperparameter search).
         predict_seconds: Time to predict the test set.
         extra: Method-specific facts (chosen prior precision, learning rate, modules).
-        val_nll: Mean validation NLL of the method's predictive (the level of a ramp is chosen by it, as in
-            the paper's §5.4); ``None`` when not computed.
-        curvature_pass: Laplace cells: ``"per-cell"`` (curvature from the cell's own pass over the
-            training set) or ``"shared"`` (from the one pass of the whole ramp); ``None`` otherwise.
+        val_nll: Mean validation NLL of the method's predictive (chooses a ramp's level, the paper's §5.4).
+        curvature_pass: Laplace cells: ``"per-cell"`` (the cell's own pass over the training set) or
+            ``"shared"`` (the ramp's one pass); ``None`` otherwise.
     """
 
     probs: torch.Tensor
@@ -251,20 +235,16 @@ class Prediction:
 
 @dataclass(frozen=True)
 class KronCell:
-    """The subset of a KFAC-type Laplace cell, and what the shared curvature pass derives it from.
+    """A KFAC-type Laplace cell: its Kronecker-structured subset and S-KFAC level (``None``: whole maps).
 
-    Attributes:
-        subset: Kronecker-structured ``selection.Subset``.
-        skfac_percent: The S-KFAC percentage of an ``skfac`` cell (factors of that level); ``None`` for a
-            union of whole linear maps (their full factors).
+    The shared curvature pass derives the cell's factors from them (a level's, or the maps' full ones).
     """
 
     subset: Subset
     skfac_percent: float | None = None
 
 
-# Offsets of the run's generators (``Context.generator``): one per kind of random draw, so that no two
-# draws of a run share a stream.
+# Offsets of the run's generators (``Context.generator``): one stream per kind of random draw.
 SWAG_SWEEP_OFFSET, SWAG_SAMPLES_OFFSET, IVON_SAMPLES_OFFSET, MC_FISHER_OFFSET, LS_OFFSET = range(
     1, 6
 )
@@ -292,7 +272,6 @@ def modules_of(subset: Subset) -> list[str]:
 def every_linear_map(model: nn.Module) -> Subset:
     """Every candidate linear map of ``model``, weights and biases: the subset of the ``*-full`` methods.
 
-    The same subset as ``selection.max_operator_norm(model, k, group="all")`` with ``k`` = the number of
-    maps (a Subset keeps model order, so ranking every map selects them all), without computing any norm.
+    The subset of ``selection.max_operator_norm`` with every map, without computing any norm.
     """
     return modules(model, list(grouped_linear_modules(model, "all")))

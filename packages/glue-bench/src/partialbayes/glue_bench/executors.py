@@ -1,15 +1,10 @@
 """Where the units of a grid run: one after another in this process (``local``), or as Ray tasks (``ray``).
 
-A unit is one (task, split): fine-tune (or reuse) its MAP, then every cell of it (:func:`~partialbayes.
-glue_bench.experiment.run_unit`; UCI: train its MLP, then its cells). Units never repeat each other's work,
-so they are what a cluster distributes: one Ray task per unit, one Slurm array task per unit
-(``glue-bench run --unit INDEX``), or every n-th unit per process (``--shard i/n``). Every worker writes into
-the one results folder: records and tables atomically, checkpoints by one directory rename, and each unit
-under its claim (:meth:`~partialbayes.glue_bench.store.ResultStore.unit_claim`), so two workers never run
-the same unit at once.
-
-Ray is an optional extra (``partialbayes-glue-bench[ray]``), imported only by :func:`run_units` with
-``executor="ray"``.
+A unit is one (task, split): fine-tune (or reuse) its MAP, then every cell of it. Units never repeat each
+other's work, so they are what a cluster distributes: one Ray task per unit, one Slurm array task per unit
+(``glue-bench run --unit INDEX``), or every n-th unit per process (``--shard i/n``). All write into one
+results folder, each unit under its claim (``ResultStore.unit_claim``), every file atomically. Ray is an
+optional extra (``partialbayes-glue-bench[ray]``), imported only when asked for.
 """
 
 from __future__ import annotations
@@ -31,19 +26,14 @@ RAY_INSTALL = "pip install 'partialbayes-glue-bench[ray]'"
 
 @dataclass
 class UnitResult:
-    """What a unit reports back to the process that started it (records go to the results folder).
-
-    Attributes:
-        failures: One line per failed cell (or per unit that another process holds).
-        timings: The stage timings of ``run_grid(..., timings=...)``.
-    """
+    """What a unit reports back (its records are in the results folder): failed cells, stage timings."""
 
     failures: list[str] = field(default_factory=list)
     timings: list[dict[str, Any]] = field(default_factory=list)
 
 
-# job(task, split, log) -> UnitResult: the work of one unit, run where the executor puts it.
 UnitJob = Callable[[str, int, Callable[[str], None]], UnitResult]
+"""``job(task, split, log) -> UnitResult``: the work of one unit."""
 
 
 def run_units(
@@ -56,28 +46,25 @@ def run_units(
     log: Callable[[str], None] = print,
     gpus_per_unit: float = 0.0,
 ) -> list[UnitResult]:
-    """Run ``job`` for every unit with ``executor``; returns the units' results in the order they finish.
+    """Run ``job`` for every (task, split) unit; returns their results in the order they finish.
 
     Args:
-        units: The (task, split) units.
-        job: ``job(task, split, log) -> UnitResult``; picklable for ``ray`` (a module-level function or a
-            ``functools.partial`` of one).
+        units: The units.
+        job: The work of one unit; for ``ray`` picklable (a ``functools.partial`` of a module function).
         results: The results folder every unit writes to.
-        executor: ``local`` (this process, in order) or ``ray``: one Ray task per unit on the cluster at
-            ``ray_address`` (``HOST:PORT`` or ``ray://HOST:PORT``), or on a local cluster started here (and
-            shut down at the end) when no address is given and Ray is not initialised yet. Workers print
-            their progress (Ray forwards it to this process).
-        ray_address: Address of a running Ray cluster.
-        keep_going: Ray: a unit that raises is recorded as a failure and the others go on; otherwise the
-            other units are cancelled and its error is raised here (as with ``local``, where the error
-            propagates).
-        log: Progress messages of this process (and of local units).
-        gpus_per_unit: GPUs each Ray task asks for (1 when the grid runs on ``cuda``).
+        executor: ``local`` (this process, in order) or ``ray`` (one task per unit on the cluster at
+            ``ray_address``; without one, on the cluster Ray is initialised with, or on a local cluster
+            started here and shut down at the end). Ray workers print their progress.
+        ray_address: ``HOST:PORT`` or ``ray://HOST:PORT`` of a running cluster.
+        keep_going: Ray: a unit that raises becomes a failure line and the others go on; otherwise the
+            others are cancelled and its error is raised here (``local`` always raises).
+        log: Progress messages of this process.
+        gpus_per_unit: GPUs each Ray task asks for (1 on ``cuda``).
 
     Raises:
-        ValueError: Unknown executor, or no Ray cluster answers at ``ray_address`` (within seconds, before
+        ValueError: Unknown executor; no Ray cluster answers at ``ray_address`` (within seconds, before
             anything is written).
-        ImportError: ``ray`` requested but not installed (the message names the extra).
+        ImportError: Ray requested but not installed (the message names the extra).
         FileNotFoundError: A Ray worker does not see the results folder this process created.
     """
     if executor not in EXECUTORS:
@@ -106,9 +93,8 @@ def run_units(
                     for other in pending:
                         ray.cancel(other)
                     raise cause from None
-                line = f"{task}/split{split}: {type(cause).__name__}: {cause}"
-                log(f"[{task} split {split}] FAILED ({line})")
-                out.append(UnitResult(failures=[line]))
+                out.append(UnitResult([f"{task}/split{split}: {type(cause).__name__}: {cause}"]))
+                log(f"[{task} split {split}] FAILED ({out[-1].failures[0]})")
         return out
     finally:
         probe.unlink(missing_ok=True)
@@ -117,11 +103,10 @@ def run_units(
 
 
 def on_worker(job: UnitJob, task: str, split: int, probe: str) -> UnitResult:
-    """A unit on a Ray worker: check that this host sees the results folder, then run it.
+    """A unit on a Ray worker: check that this host sees the driver's results folder, then run it.
 
     Raises:
-        FileNotFoundError: The probe file the driver wrote into the results folder is not visible here
-            (the folder is not shared with this host, or is another folder of the same name).
+        FileNotFoundError: The probe file the driver wrote into the results folder is not here.
     """
     path = Path(probe)
     if not path.is_file():
@@ -136,9 +121,9 @@ def on_worker(job: UnitJob, task: str, split: int, probe: str) -> UnitResult:
 def import_ray() -> Any:
     """The ``ray`` module, or an ``ImportError`` naming the extra that installs it.
 
-    Ray's ``uv run`` hook is switched off (``RAY_ENABLE_UV_RUN_RUNTIME_ENV=0``, read when ray is first
-    imported), so that workers run in the cluster's Python environment as it is: under ``uv run`` the hook
-    starts every worker with its own ``uv run``, which syncs an environment without this package's extras.
+    Ray's ``uv run`` hook is switched off (``RAY_ENABLE_UV_RUN_RUNTIME_ENV=0``, read at the first import):
+    under ``uv run`` it starts each worker with its own ``uv run``, which syncs an environment without
+    this package's extras. Workers run in the cluster's Python environment as it is.
     """
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     try:
@@ -151,9 +136,8 @@ def import_ray() -> Any:
 def connect_ray(ray: Any, address: str | None, timeout: float = 5.0) -> bool:
     """Connect to the Ray cluster at ``address``, or start a local one; whether it was started here.
 
-    Ray itself retries an address that does not answer for minutes, so the address is tried first with a
-    plain TCP connection of at most ``timeout`` seconds. When Ray is initialised already (e.g. by the
-    caller's ``ray.init(...)``), that cluster is used as it is.
+    Ray retries an address that does not answer for minutes, so it is tried first with a plain TCP
+    connection of at most ``timeout`` seconds. An initialised Ray (the caller's ``ray.init``) is used as it is.
 
     Raises:
         ValueError: ``address`` is not ``HOST:PORT`` / ``ray://HOST:PORT``, or nothing answers there.

@@ -46,20 +46,15 @@ class RunConfig:
     """Everything that determines the results (stored as the results folder's configuration).
 
     Attributes:
-        model: Model name or path (``minilm`` is the packaged default).
+        model: Model name or folder (``minilm`` is the packaged default).
         train: Fine-tuning settings.
         settings: Method hyperparameters.
         max_train_examples: Cap on the training part of each split (``None``: the paper's sizes).
         max_test_examples: Cap on the test set (``None``: the whole GLUE dev set).
         curvature_batch_size: Batch size of the curvature, SWAG and prediction passes.
-        seed: Base seed. Split ``k`` of a run uses ``seed · 100 + k`` for everything random: the new
-            classification head, the batch order, dropout, IVON's noise, SWAG's and IVON's samples, random
-            module choices and the MC fisher (each kind of draw its own generator).
-        curvature_pass: How the KFAC / S-KFAC / module-ramp Laplace cells of a (task, split) get their
-            curvature and predictive passes: ``shared`` (default: one pass over the training set for the
-            whole ramp, stored beside the checkpoint, and one pass over the validation and test sets,
-            :mod:`partialbayes.glue_bench.ramp`) or ``per-cell`` (each cell on its own). Both give the same
-            records (up to the timing fields and this field); a results folder holds one of them.
+        seed: Base seed; split ``k`` seeds everything random with ``seed · 100 + k``.
+        curvature_pass: ``shared`` (one curvature pass per ramp of KFAC-type cells, stored beside the
+            checkpoint, :mod:`~partialbayes.glue_bench.ramp`) or ``per-cell``: the same records.
     """
 
     model: str = DEFAULT_MODEL
@@ -134,15 +129,12 @@ def map_checkpoint(
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
     """Load the MAP checkpoint at ``folder`` into ``model``, fine-tuning and publishing it first if absent.
 
-    A fresh checkpoint (its meta headed by ``about``: task, split, model) is published atomically
-    (:func:`~partialbayes.glue_bench.train.save_checkpoint`), and the model always scores with the
-    published weights: when another process published first, ours is discarded, so every cell of the
-    folder uses the same MAP.
+    A fresh checkpoint (meta headed by ``about``) is published atomically (``train.save_checkpoint``); the
+    model always scores with the published weights, so every cell of the folder uses the same MAP.
 
     Returns:
-        ``(meta, IVON Hessians or None)``: the published meta plus ``cached`` (no fine-tuning here),
-        ``finetune_seconds`` / ``finetune_cpu_seconds`` (this process's, 0 when cached) and, after
-        fine-tuning, ``published_here``.
+        ``(meta, IVON Hessians or None)``; the meta says ``cached``, ``finetune_seconds`` and
+        ``finetune_cpu_seconds`` (this process's) and, after fine-tuning, ``published_here``.
     """
     own: dict[str, Any] = {"cached": True, "finetune_seconds": 0.0, "finetune_cpu_seconds": 0.0}
     if load_checkpoint(model, folder) is None:
@@ -176,24 +168,14 @@ def prepare_context(
 ) -> tuple[Context, dict[str, Any]]:
     """Load data, fine-tune or reuse the checkpoint of (task, split), and build the method context.
 
-    Args:
-        task: GLUE task name.
-        split: Split index (seeds the train/validation permutation and the fine-tuning).
-        config: The run configuration.
-        store: Results store (holds the checkpoint cache).
-        device: Device of the model and batches.
-        glue_dir: GLUE folder; default ``$PARTIALBAYES_DATA/glue`` (or the hub).
-        model_factory: ``(name, num_labels, dropout) -> (model, tokenizer)``; default :func:`load_encoder`
-            (with ``config.train.epochs == 0`` it refuses a model that is not a fine-tuned classifier).
-        progress: Show progress bars.
-
-    The model is built after seeding the global generator with the split's seed, so a freshly initialised
-    classification head is the same in every run with the same configuration. The task's data are checked
-    against the ones the results folder holds results of (``ResultStore.check_data``) before any work; the
+    The model comes from ``model_factory(name, num_labels, dropout) -> (model, tokenizer)`` (default
+    :func:`load_encoder`, which with ``config.train.epochs == 0`` refuses a model that is not a fine-tuned
+    classifier), built after seeding with the split's seed so that a new head is the same in every run.
+    The task's data are checked against the folder's (``ResultStore.check_data``) before any work; the
     checkpoint comes from :func:`map_checkpoint`.
 
     Returns:
-        ``(context, checkpoint meta)`` (see :func:`map_checkpoint`).
+        ``(context, checkpoint meta)``.
     """
     spec = task_spec(task)
     parts, data = split_data(task, split, config, glue_dir)
@@ -233,16 +215,11 @@ def prepare_context(
 
 
 def all_metrics(probs: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
-    """The test metrics of a results record, from ``partialbayes.predictive`` (which checks the inputs).
-
-    Args:
-        probs: (N, C) predictive probabilities.
-        labels: (N,) integer labels.
+    """The test metrics of a record from ``probs`` (N, C) and ``labels`` (N,), by ``partialbayes.predictive``.
 
     Returns:
-        ``accuracy``, ``nll``, ``ece`` (20 equal-mass bins, the paper's) and ``brier`` as floats, and
-        ``reliability``: ``{"confidence", "accuracy", "count"}`` of the 20 equal-mass bins of the top-class
-        confidence, in confidence order (for calibration curves; empty bins when N < 20 have count 0).
+        ``accuracy``, ``nll``, ``ece`` (20 equal-mass bins, the paper's) and ``brier``, and ``reliability``:
+        confidence, accuracy and count of those 20 bins (for calibration curves).
     """
     p = probs.double()
     rel = predictive.reliability(p, labels, n_bins=20, binning="equal_mass")
@@ -288,10 +265,8 @@ def prediction_record(ctx: Context, method: Method, pred: Prediction, cpu: float
 def run_cell(ctx: Context, method: Method, size: str) -> dict[str, Any]:
     """Run one cell on its own and return its record (metrics, floats, times, method facts).
 
-    The global generator is seeded by the (task, split) first (SWAG's dropout draws use it), so a cell
-    gives the same record whatever ran before it. ``fit_seconds`` and ``predict_seconds`` are wall-clock
-    times measured by the method; ``cpu_seconds`` is the process CPU time of the whole cell (all threads),
-    a load-independent cost measure on a shared machine.
+    The global generator is seeded by the (task, split) first, so a cell's record does not depend on what
+    ran before it. ``cpu_seconds`` is the process CPU time of the cell (all threads).
     """
     torch.manual_seed(ctx.seed)
     cpu = time.process_time()
@@ -478,32 +453,21 @@ def run_grid(
 ) -> ResultStore:
     """Fill the (task, split, method, size) grid, one (task, split) unit at a time; finished cells are skipped.
 
-    A unit fine-tunes (or reuses) its MAP once and then runs all its cells (:func:`run_unit`), under a
-    claim that keeps other processes off it. ``shard=(i, n)`` keeps every n-th unit (sorted), so n
-    processes share a grid without repeating any work. ``executor="ray"`` runs one Ray task per unit (see
-    :func:`~partialbayes.glue_bench.executors.run_units`: ``ray_address`` or a local cluster); the results
-    folder must be one that every Ray node sees. ``take_over`` takes over the claims of units from hosts
-    whose process is gone.
+    A unit fine-tunes (or reuses) its MAP once, then runs its cells (:func:`run_unit`) under a claim that
+    keeps other processes off it. ``shard=(i, n)``: every n-th unit. ``executor="ray"``: one Ray task per
+    unit (:func:`~partialbayes.glue_bench.executors.run_units`), into a results folder every node sees.
+    ``take_over``: take over claims whose owner on another host is gone. With ``curvature_pass="shared"``
+    the KFAC-type Laplace cells of a unit run together from one curvature pass
+    (:func:`partialbayes.glue_bench.ramp.run_shared`), the others each on its own (:func:`run_cell`).
 
-    With ``config.curvature_pass="shared"`` the KFAC-type Laplace cells of a unit (``kfac-full``,
-    ``skfac``, the ``kfac-*`` module ramps) run together from one curvature pass
-    (:func:`partialbayes.glue_bench.ramp.run_shared`), at the place of the first such method; every other
-    cell runs on its own (:func:`run_cell`).
-
-    With ``keep_going`` a cell that raises is logged and skipped (no record is written, so a later run
-    retries it); the messages are in ``store.failures``, with one line per unit that another process holds.
-    Otherwise the first failure propagates. ``timings``, when given, receives one dict per stage run:
-    ``{"stage": "prepare", "task", "split", "wall", "cpu", "finetune_wall", "finetune_cpu"}`` (fine-tuning
-    times are 0 for a cached checkpoint), ``{"stage": "shared passes", "task", "split", "wall", "cpu"}``
-    for the shared curvature and predictive passes, and ``{"stage": method, "size", "task", "split",
-    "wall", "cpu"}`` per computed cell.
-
-    Returns:
-        The results store.
+    With ``keep_going`` a failing cell is logged and skipped (no record: a later run retries it); the
+    messages, and one per unit that another process holds, are in ``store.failures``. ``timings`` receives
+    one dict per stage: ``{"stage": "prepare", "task", "split", "wall", "cpu", "finetune_wall",
+    "finetune_cpu"}``, ``{"stage": "shared passes", ...}`` and ``{"stage": method, "size", ...}``.
 
     Raises:
-        ValueError: Unknown tasks or methods, no task, split or method at all, a ``--model`` folder that
-            is missing or has no tokenizer, or a results folder of another configuration (before any work).
+        ValueError: Unknown tasks or methods, none at all, a ``--model`` folder that is missing or has no
+            tokenizer, or a results folder of another configuration (before any work).
     """
     for what, values in (("tasks", tasks), ("splits", splits), ("methods", method_names)):
         if len(values) == 0:

@@ -246,24 +246,13 @@ def write_report(
 ) -> dict[str, Any]:
     """Write every table and figure of a results folder (PNG, markdown, CSV; each file atomically).
 
-    Outputs (in ``out``; a figure or table whose records are missing is skipped with its reason):
-
-    * ``report.md``: all tables below in one markdown file (printed by ``glue-bench report``).
-    * ``summary.md`` / ``.csv``: every (task, method, size) cell, median and [q25, q75] over splits.
-    * ``table1_map.md`` / ``.csv``: the MAP network per task (the paper's Table 1).
-    * ``table2_budget.md`` / ``.csv``: per task and method the level chosen by validation NLL among those
-      within ``budget`` % stochastic (:func:`partialbayes.glue_bench.tables.budget_table`; the paper's
-      Table 2), mean ± standard error over splits.
-    * ``prior_edges.md``: the cells whose tuned prior precision sat at an end of its grid.
-    * ``ranks.md`` / ``.csv``, ``<task>_ranks.png``, ``all_ranks.png``: mean rank by NLL of the module
-      strategies against the module count (:func:`~partialbayes.glue_bench.tables.strategy_ranks`; Fig. 4).
-    * ``<task>_ramping_nll.png``: NLL against percent stochastic (Figs. 2, 3).
-    * ``<task>_memory_nll.png``, ``<task>_memory_ece.png``: NLL and ECE against floats stored (Fig. 5).
-    * ``calibration.csv``, ``<task>_calibration.png``: reliability diagrams of MAP, temperature scaling and
-      selected methods at their Table 2 cell (:func:`~partialbayes.glue_bench.tables.calibration_cells`;
-      Fig. 6).
-    * ``uci_summary.md`` / ``.csv``, ``uci_<dataset>_selection.png``: UCI cells and norm- vs variance-based
-      subnetwork selection, NLL and RMSE against percent stochastic (Figs. 9, 10).
+    ``report.md`` (all tables in one page), ``summary`` (every cell: median [q25, q75] over splits),
+    ``table1_map`` (Table 1), ``table2_budget`` (Table 2, :func:`~partialbayes.glue_bench.tables.budget_table`),
+    ``prior_edges.md``, ``ranks`` and ``<task>_ranks.png`` (Fig. 4), ``<task>_ramping_nll.png`` (Figs. 2,
+    3), ``<task>_memory_nll.png`` / ``_ece.png`` (Fig. 5), ``calibration.csv`` and
+    ``<task>_calibration.png`` (Fig. 6), ``uci_summary`` and ``uci_<dataset>_selection.png`` (Figs. 9,
+    10): tables as ``.md`` and ``.csv``; the how-to lists what each holds. An output whose records are
+    missing is skipped with its reason.
 
     Args:
         results: The results folder (GLUE records under ``records/``, UCI records under ``uci/records/``).

@@ -38,29 +38,20 @@ class TrainConfig:
         betas: AdamW betas.
         weight_decay: AdamW weight decay.
         batch_size: Training batch size.
-        epochs: Maximum number of epochs; 0: the model is used as it is (it must be a fine-tuned
-            classifier for the task), the validation set still serves the post-hoc methods.
+        epochs: Maximum number of epochs; 0: the model is the MAP as it is (a classifier fine-tuned for
+            the task); the validation set still serves the post-hoc methods.
         patience: Stop after this many epochs without a better validation accuracy.
-        max_length: Maximum sequence length in tokens; ``None`` (default): the model's own limit (its
-            position embeddings, and the tokenizer's ``model_max_length``), so nothing is truncated on the
-            paper's tasks (longest examples with the MiniLM / BERT tokenizer: SST-2 66, MRPC 103, RTE 289
-            tokens). The paper does not truncate either: its Table 4 lists the longest examples (in
-            characters), not a truncation length.
+        max_length: Maximum sequence length in tokens; ``None``: the model's own limit, so nothing is
+            truncated (as in the paper, whose Table 4 gives the longest examples in characters).
         dropout: Hidden and attention dropout of the encoder.
-        optimizer: ``adamw`` or ``ivon``. With ``ivon`` the token, position and token-type embeddings are
-            still trained by AdamW (``lr``, ``betas``, ``weight_decay``) and stay deterministic: IVON (and so
-            its posterior) covers the countable parameters only (DESIGN: embeddings are never stochastic).
+        optimizer: ``adamw`` or ``ivon``; with ``ivon`` the embeddings are still trained by AdamW and stay
+            deterministic: IVON and its posterior cover the countable parameters only.
         ivon_lr: IVON learning rate.
         ivon_hess_init: IVON initial Hessian.
-        seed: Seed of the batch order, dropout and IVON's weight noise (the run seeds the classification
-            head's initialisation with it too, see ``experiment.prepare_context``).
-        freeze_embeddings: Keep the token embedding matrix fixed (about half of MiniLM's weights; the
-            quickstart does this to halve the optimizer's cost on CPU; the paper fine-tunes everything).
-        length_buckets: ``0`` (default): batches of a random permutation. ``k >= 1``: after the
-            permutation, sort each run of ``k`` batches by text length before cutting it into batches,
-            then shuffle the batch order, so that a batch holds sentences of similar length and carries
-            little padding (the quickstart uses 4: SST-2's short phrases otherwise pad to about 2.7 times
-            their tokens). Every example is still seen once per epoch.
+        seed: Seed of the batch order, dropout and IVON's weight noise.
+        freeze_embeddings: Keep the token embedding matrix fixed (the quickstart's CPU shortcut).
+        length_buckets: ``k >= 1``: sort each run of ``k`` shuffled batches by text length before cutting
+            it into batches (less padding; every example still seen once per epoch); ``0``: plain.
     """
 
     lr: float = 5e-5
@@ -137,12 +128,9 @@ def _epoch_batches(
 def _make_optimizers(
     model: nn.Module, config: TrainConfig, n_train: int
 ) -> list[torch.optim.Optimizer]:
-    """The fine-tuning optimizers: ``[AdamW]``, or ``[IVON, AdamW for the embeddings]``.
+    """``[AdamW]``, or ``[IVON on the countable parameters, AdamW on the embeddings]``.
 
-    IVON gets the countable parameters only (``selection.countable_named_parameters``: everything but the
-    ``nn.Embedding`` tables), so its posterior never covers the token embeddings; the embeddings, when
-    trainable, are fine-tuned deterministically by AdamW with the usual settings. IVON draws its weight
-    noise from its own generator seeded by ``config.seed``.
+    IVON's posterior never covers an ``nn.Embedding``; its noise has its own generator (``config.seed``).
     """
     if config.freeze_embeddings:
         get = getattr(model, "get_input_embeddings", None)
@@ -187,20 +175,9 @@ def train_epoch(
 ) -> float:
     """One epoch of optimizer steps in training mode (the caller's mode is restored, also on error).
 
-    Args:
-        model: The classifier.
-        opts: The optimizers of :func:`_make_optimizers` (with IVON first, its weight noise is sampled for
-            every step and IVON's gradients are not zeroed here: it does that itself).
-        batches: The epoch's batches, in order.
-        device: Device of the model.
-        epoch: Epoch index (0-based, for messages).
-        progress: Show a progress bar.
-
-    Returns:
-        The mean training loss over the batches.
-
-    Raises:
-        FloatingPointError: A non-finite training loss.
+    ``opts`` come from :func:`_make_optimizers` (IVON first: its weights are sampled for every step and it
+    zeroes its own gradients). Returns the mean training loss; a non-finite one raises
+    ``FloatingPointError`` (``epoch``, 0-based, names it).
     """
     ivon = opts[0] if isinstance(opts[0], IVON) else None
     was_training = model.training
@@ -241,14 +218,13 @@ def finetune(
 ) -> dict[str, Any]:
     """Fine-tune ``model`` in place; keep the weights of the epoch with the best validation accuracy.
 
-    With ``config.epochs == 0`` nothing is trained: the summary scores the model as it is. The steps run in training mode (dropout on), the validation passes in eval mode; the model is left in
-    the mode the caller had it in.
+    With ``config.epochs == 0`` nothing is trained: the summary scores the model as it is. The model is
+    left in the mode the caller had it in.
 
     Returns:
         A summary: best epoch, its validation accuracy, per-epoch history, wall-clock ``seconds`` and
-        process ``cpu_seconds`` (all threads); with
-        ``optimizer="ivon"`` also ``"ivon_hess"`` (parameter name -> Hessian estimate) and ``"ivon"``
-        (the hyperparameters needed to rebuild the posterior).
+        process ``cpu_seconds`` (all threads); with ``optimizer="ivon"`` also ``"ivon_hess"`` (parameter
+        name -> Hessian) and ``"ivon"`` (the hyperparameters that rebuild the posterior).
     """
     if len(train) == 0 or len(val) == 0:
         raise ValueError(f"need training and validation examples, got {len(train)} and {len(val)}")
@@ -309,13 +285,10 @@ def save_checkpoint(
 ) -> bool:
     """Publish a checkpoint directory ``folder`` in one atomic step, unless one is there already.
 
-    ``model.safetensors`` (the state dict), the optional ``ivon_hess.safetensors`` (``extra``) and
-    ``meta.json`` are written into a fresh temporary sibling directory (host name, pid and a random token in
-    its name), which is then renamed onto ``folder`` with one ``os.rename``. A reader therefore sees either
-    no checkpoint or a complete one whose weights and meta come from the same training. When ``folder``
-    already holds a checkpoint (another process sharing the results folder published first), the rename
-    fails, this checkpoint is discarded and ``folder`` is left as it is: load it with
-    :func:`load_checkpoint` to use the published weights.
+    ``model.safetensors``, the optional ``ivon_hess.safetensors`` (``extra``) and ``meta.json`` go into a
+    fresh temporary sibling directory, renamed onto ``folder`` with one ``os.rename``: a reader sees no
+    checkpoint or a complete one. When another process published first, the rename fails and this
+    checkpoint is discarded (load the published one with :func:`load_checkpoint`).
 
     Returns:
         ``True`` when this call published ``folder``, ``False`` when another checkpoint was already there.
@@ -353,8 +326,7 @@ def load_checkpoint(
 
     Raises:
         ValueError: The checkpoint does not match the model's parameter names or shapes, ``folder`` is
-            a non-empty directory without ``meta.json`` (not written by :func:`save_checkpoint`, e.g. an
-            interrupted write of an older version), or a file of it is damaged (the message names it).
+            a non-empty directory without ``meta.json``, or a file of it is damaged (the message names it).
     """
     if not folder.is_dir() or not any(folder.iterdir()):
         return None
