@@ -215,13 +215,10 @@ def _configs(args: argparse.Namespace, quick: bool = False) -> RunConfig:
 
 
 def resolve_task(name: str) -> tuple[str, str]:
-    """Kind (``"glue"`` or ``"uci"``) and canonical name of a ``--tasks`` entry.
+    """Kind (``"glue"`` or ``"uci"``) and canonical name of a ``--tasks`` entry; unknown: ``ValueError``.
 
-    The one place task names are normalised: case and hyphens are ignored (``SST-2`` -> ``sst2``,
-    ``Boston`` -> ``boston``), and a UCI dataset may also be named by its folder (``bostonHousing``).
-
-    Raises:
-        ValueError: An unknown name (the message lists the valid ones).
+    The one place task names are normalised: case and hyphens are ignored (``SST-2``, ``Boston``), and a UCI
+    dataset may be named by its folder (``bostonHousing``).
     """
     key = name.strip().lower().replace("-", "")
     if key in TASKS:
@@ -237,19 +234,11 @@ def resolve_task(name: str) -> tuple[str, str]:
 def plan_run(
     tasks: Sequence[str], methods: Sequence[str] | None, optimizer: str = "adamw"
 ) -> dict[str, tuple[list[str], list[str]]]:
-    """Check every (task kind, method) combination of ``glue-bench run`` before any work starts.
+    """``{kind: (canonical tasks, methods)}``: every (task kind, method) of ``glue-bench run`` checked first.
 
-    Args:
-        tasks: ``--tasks`` entries (normalised by :func:`resolve_task`).
-        methods: ``--methods``, or ``None`` for the defaults of each task kind (:data:`DEFAULT_METHODS`).
-        optimizer: The fine-tuning optimizer (the ``ivon`` method needs ``ivon``).
-
-    Returns:
-        ``{kind: (canonical tasks, methods)}`` for the kinds present, in the order given.
-
-    Raises:
-        ValueError: Unknown tasks or methods, or methods without a version for a kind of task that was
-            asked for (one line per kind, listing that kind's valid methods).
+    ``methods=None`` takes each kind's :data:`DEFAULT_METHODS`; the ``ivon`` method needs ``optimizer``
+    ``ivon``. Unknown tasks or methods, or methods without a version for a kind asked for, raise one
+    ``ValueError`` (a line per kind, listing its valid methods).
     """
     valid = {"glue": list(METHODS), "uci": list(UCI_METHODS)}
     by_kind: dict[str, list[str]] = {}
@@ -337,40 +326,27 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
         kind, task, split = units[args.unit]
         plan, splits = {kind: ([task], plan[kind][1])}, {kind: [split]}
-    config = _configs(args)
-    where = {
-        "executor": args.executor,
-        "ray_address": args.ray_address,
-        "take_over": args.take_over,
-    }
+    glue = {"executor": args.executor, "ray_address": args.ray_address, "take_over": args.take_over}
+    glue.update(device=args.device, glue_dir=args.glue_dir, progress=not args.no_progress)
     failures: list[str] = []
     if "glue" in plan:
         tasks, methods = plan["glue"]
-        failures += experiment.run_grid(
+        store = experiment.run_grid(
             tasks,
             splits["glue"],
             methods,
-            config,
+            _configs(args),
             args.results,
-            args.device,
-            args.glue_dir,
-            shard,
-            progress=not args.no_progress,
+            shard=shard,
             keep_going=True,
-            **where,
-        ).failures
+            **glue,
+        )
+        failures += store.failures
     if "uci" in plan:
         tasks, methods = plan["uci"]
+        at = {"uci_dir": args.uci_dir, "shard": shard, "seed": args.seed, "device": args.device}
         failures += uci.run_uci(
-            tasks,
-            splits["uci"],
-            methods,
-            args.results / "uci",
-            args.uci_dir,
-            shard,
-            seed=args.seed,
-            device=args.device,
-            keep_going=True,
+            tasks, splits["uci"], methods, args.results / "uci", keep_going=True, **at
         ).failures
     print(f"results in {args.results}; summarise with: glue-bench report --results {args.results}")
     return _report_failures(failures)
@@ -461,16 +437,10 @@ STAGE_COLUMNS = [
 
 
 def stage_table(timings: list[dict], total_wall: float, total_cpu: float) -> str:
-    """Markdown table of where the time went: setup, fine-tuning, each method (its cells summed).
+    """Markdown table of where the time went: fine-tuning, each method (its cells summed), the rest.
 
-    Args:
-        timings: The stage dicts collected by ``run_grid(..., timings=...)``.
-        total_wall: Wall-clock seconds of the whole command.
-        total_cpu: Process CPU seconds of the whole command (all threads).
-
-    Returns:
-        The table; ``other`` is the rest (reading data, tokenising, loading the model, tables, plots).
-        CPU time counts every thread, so on a busy machine it estimates the cost better than wall time.
+    ``timings`` from ``run_grid(..., timings=...)``; the totals are the command's wall and process CPU
+    seconds (all threads: on a busy machine a better cost measure than wall time).
     """
     rows: dict[str, dict] = {}
     for t in timings:

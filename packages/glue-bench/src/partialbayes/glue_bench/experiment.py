@@ -122,7 +122,6 @@ def map_checkpoint(
     tokenizer: Any,
     parts: dict[str, Examples],
     train: TrainConfig,
-    store: ResultStore,
     folder: Path,
     progress: bool,
     about: dict[str, Any],
@@ -143,7 +142,6 @@ def map_checkpoint(
         hess = summary.pop("ivon_hess", None)
         cut = {n: count_truncated(e, tokenizer, train.max_length) for n, e in parts.items()}
         meta = {**about, "max_length": train.max_length, "truncated": cut, **summary}
-        store.claim()
         own = {
             "cached": False,
             "published_here": save_checkpoint(model, folder, meta, hess),
@@ -192,9 +190,7 @@ def prepare_context(
     train = dataclasses.replace(config.train, seed=seed, max_length=max_length)
     folder = store.checkpoint_dir(task, split, config.model)
     about = {"task": task, "split": split, "model": config.model}
-    meta, hess = map_checkpoint(
-        model.to(device), tokenizer, parts, train, store, folder, progress, about
-    )
+    meta, hess = map_checkpoint(model.to(device), tokenizer, parts, train, folder, progress, about)
     model.eval()
     ivon = None
     if hess is not None and "ivon" in meta:

@@ -1,10 +1,8 @@
 """The posterior methods of the benchmark: a registry of plain functions ``run(ctx, size) -> Prediction``.
 
-Every method turns the fine-tuned (MAP) classifier of one (task, split) into predictive probabilities on
-the test set. Ramping methods have several sizes (module counts or percentages); the others have the
-single size ``"-"``. What a method receives and returns (:class:`Context`, :class:`Prediction`,
-:class:`Settings`) lives in :mod:`partialbayes.glue_bench.context`; the Laplace cells' steps in
-:mod:`partialbayes.glue_bench.laplace_cells`.
+Every method turns the MAP classifier of one (task, split) into test probabilities; ramps have several sizes
+(module counts or percentages), the others the size ``"-"``. Inputs and outputs (:class:`Context`,
+:class:`Prediction`, :class:`Settings`) live in :mod:`~partialbayes.glue_bench.context`.
 """
 
 from __future__ import annotations
@@ -42,15 +40,10 @@ from partialbayes.swag import collect_swag, sweep_learning_rate
 
 @dataclass(frozen=True)
 class Method:
-    """One registered method.
+    """One registered method: ``sizes(ctx) -> size keys`` (``["-"]``: one cell), ``run(ctx, size)``.
 
-    Attributes:
-        name: Command-line name.
-        description: One line.
-        sizes: ``sizes(ctx) -> list of size keys`` (``["-"]`` for single-cell methods).
-        run: ``run(ctx, size) -> Prediction``.
-        kron: For KFAC-type Laplace methods, ``kron(ctx, size) -> KronCell``: the cell's subset, so that a
-            whole ramp can share one curvature pass (:mod:`partialbayes.glue_bench.ramp`).
+    KFAC-type Laplace methods also give ``kron(ctx, size) -> KronCell``, so that a ramp shares one
+    curvature pass (:mod:`~partialbayes.glue_bench.ramp`).
     """
 
     name: str
@@ -79,15 +72,10 @@ def run_map(ctx: Context, size: str) -> Prediction:
 
 
 def temperature_or_grid(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    """``predictive.fit_temperature`` of the validation set, or the best grid temperature when it refuses.
+    """``predictive.fit_temperature`` of (N, C) validation ``logits``, or the best grid temperature.
 
-    Args:
-        logits: (N, C) validation logits.
-        labels: (N,) validation labels.
-
-    When the validation NLL has no finite optimum (an untrained model, or a separable validation set),
-    `predictive` refuses; the benchmark then takes the best T on the grid ``logspace(-2, 2, 81)`` and warns,
-    so that one degenerate cell does not stop a grid.
+    When the validation NLL has no finite optimum (``predictive`` refuses), the best T of
+    ``logspace(-2, 2, 81)`` is taken with a warning, so one degenerate cell does not stop a grid.
     """
     try:
         return float(fit_temperature(logits.double(), labels))
@@ -172,14 +160,9 @@ def run_skfac(ctx: Context, size: str) -> Prediction:
 
 # ------------------------------------------------------------------------------------------ SWAG
 def _mc_probs(ctx: Context, posterior: Posterior, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Monte Carlo predictive on the test and validation sets: ``settings.n_samples`` weight samples.
+    """``(test probs [N_test, C], validation probs [N_val, C])`` of ``settings.n_samples`` weight samples.
 
-    Each sample is swapped into ``ctx.model`` by ``posterior.sampled`` and scores both sets, so the
-    validation NLL (which chooses a ramp's level) is that of the very posterior the test probabilities
-    come from.
-
-    Returns:
-        ``(test probs [N_test, C], validation probs [N_val, C])``, float64.
+    Each sample scores both sets, so the validation NLL is that of the test probabilities' posterior.
     """
     gen = ctx.generator(offset)
     test = torch.zeros_like(ctx.logits("test"))
@@ -192,12 +175,9 @@ def _mc_probs(ctx: Context, posterior: Posterior, offset: int) -> tuple[torch.Te
 
 
 def swag_prediction(ctx: Context, subset: Subset) -> Prediction:
-    """SWAG on ``subset``: learning rate by validation NLL, then Monte Carlo predictions.
+    """SWAG on ``subset``: learning rate by validation NLL (no sweep for one rate), then MC predictions.
 
-    With a single learning rate in ``settings.swag_lrs`` there is nothing to choose: the sweep (and its
-    validation predictive) is skipped and SWAG is collected at that rate directly. The SGD steps run in
-    training mode: their dropout draws come from the global generator, which the cell seeds
-    (``experiment.run_cell``).
+    The SGD steps' dropout draws come from the global generator, which ``experiment.run_cell`` seeds.
     """
     s = ctx.settings
     t0 = time.perf_counter()
@@ -251,13 +231,9 @@ def run_swag_full(ctx: Context, size: str) -> Prediction:
 def run_ivon(ctx: Context, size: str) -> Prediction:
     """IVON's mean-field posterior N(m, 1/(ess·(h+δ))) from IVON fine-tuning, Monte Carlo predictions.
 
-    Only the countable parameters are stochastic: the token, position and token-type embeddings are never
-    sampled and never counted (DESIGN), also for checkpoints whose IVON Hessians cover them. The posterior
-    (an ``ivon.GaussianPosterior`` on the model) is built by the IVON fine-tuning, so ``fit_seconds`` is
-    that fine-tuning's wall-clock time (from the checkpoint's meta, also when the checkpoint was reused)
-    plus the few milliseconds of turning its Hessian into standard deviations; ``extra`` holds both parts.
-    Note that the ``map`` cell of the same results folder (the IVON mean) comes from the same training, at
-    ``fit_seconds`` 0.
+    Only the countable parameters are stochastic (never the embeddings, also when an old checkpoint's
+    Hessians cover them). ``fit_seconds`` is the IVON fine-tuning's wall-clock time plus the posterior's
+    set-up (both in ``extra``); the ``map`` cell of the folder (the IVON mean) is the same training.
     """
     if ctx.ivon is None:
         raise ValueError("method 'ivon' needs a model fine-tuned with --optimizer ivon")
@@ -294,12 +270,7 @@ def run_ivon(ctx: Context, size: str) -> Prediction:
 
 # ------------------------------------------------------------------------------------------ linear sampling
 def linear_sampling_prediction(ctx: Context, subset: Subset) -> Prediction:
-    """Fit sampling-based linearised Laplace on ``subset`` of ``ctx.model`` and predict ``ctx.test``.
-
-    Returns:
-        The prediction; ``floats`` counts the stored samples (``d·K``) and ``α``; ``val_nll`` is the NLL
-        of the same predictive on the validation set.
-    """
+    """Sampling-based linearised Laplace on ``subset``: ``floats`` counts the ``d·K`` samples and ``α``."""
     config = ctx.settings.linear_sampling
     t0 = time.perf_counter()
     post = fit_linearised(ctx.model, ctx.train, subset, config, ctx.generator(LS_OFFSET))
@@ -350,9 +321,8 @@ def run_ls_full(ctx: Context, size: str) -> Prediction:
 
 
 # ------------------------------------------------------------------------------------------ module ramps
-# The module-ramping strategies of the paper (its Figs. 2-4): (strategy, group) pairs, each ramped over
-# ``Settings.module_counts``. Every family (posterior) uses exactly the same module selection
-# (:func:`module_subset`), so ``kfac-max-mlp`` and ``swag-max-mlp`` put their posterior on the same maps.
+# The module-ramping strategies of the paper (Figs. 2-4), each ramped over ``Settings.module_counts``; every
+# family selects its modules with :func:`module_subset`, so kfac-max-mlp and swag-max-mlp use the same maps.
 MODULE_STRATEGIES = (
     ("random", "all"),
     ("max", "mlp"),

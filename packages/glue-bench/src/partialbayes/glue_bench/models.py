@@ -47,13 +47,8 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 def check_model_folder(name: str) -> None:
     """Refuse, before any work, a ``--model`` folder that cannot serve: missing, no config, no tokenizer.
 
-    Hub ids (``name`` or ``org/name`` that is no local folder) and ``minilm`` pass. A folder holding only
-    ``config.json`` and weights would get a tokenizer of five special tokens from transformers, which maps
-    every word to ``[UNK]``: it is refused here.
-
-    Raises:
-        ValueError: No such folder, no ``config.json`` in it, or no tokenizer file (the message lists the
-            files looked for).
+    Hub ids (``name``, ``org/name``) and ``minilm`` pass. Without a tokenizer file transformers would build
+    one of five special tokens (every word ``[UNK]``). Raises ``ValueError`` naming the folder.
     """
     path = Path(name).expanduser()
     if name == DEFAULT_MODEL or (not path.exists() and HUB_ID.fullmatch(name)):
@@ -84,22 +79,17 @@ def load_encoder(
     """Load a sequence-classification model and its tokenizer.
 
     Args:
-        name: ``minilm`` (the packaged default), a local model folder, or a hub name such as
-            ``distilbert-base-uncased`` (needs the hub or a filled local cache).
+        name: ``minilm`` (packaged), a model folder, or a hub name (needs the hub or its cache).
         num_labels: Number of classes of the classification head.
         dropout: If given, overrides the hidden and attention dropout probabilities.
-        trained: The model is used as it is (``--epochs 0``): it must be a fine-tuned classifier, with a
-            classification head of ``num_labels`` outputs stored in it. Otherwise the head is freshly
-            initialised where the checkpoint has none.
+        trained: The model is used as it is (``--epochs 0``): its checkpoint must hold a classification
+            head of ``num_labels`` outputs. Otherwise a missing head is freshly initialised.
         progress: Show transformers' "Loading weights" progress bar.
 
-    Returns:
-        ``(model, tokenizer)``.
-
     Raises:
-        ValueError: ``name`` is neither ``minilm``, a folder, nor loadable from the hub or cache; a folder
-            without a tokenizer, or whose tokenizer has more tokens than the model has embeddings; with
-            ``trained``, a model without a stored classification head or with another number of labels.
+        ValueError: A name that cannot be loaded, a folder that fails :func:`check_model_folder`, a
+            tokenizer with more tokens than the model has embeddings; with ``trained``, no stored head or
+            another number of labels.
     """
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging

@@ -11,9 +11,7 @@ Layout of a results folder::
 
 A cell whose record exists is finished and never recomputed; a folder holding records of another
 configuration, or of a task whose data changed, is refused. ``config.json`` and ``data/<task>.json`` are
-written only when the first result (a checkpoint or a record) is stored, so a run that fails before producing
-anything (a model that cannot be loaded, missing data, killed while fine-tuning) leaves nothing that refuses
-the next attempt; and a folder without any record is not bound to a configuration.
+written with the first record, and a folder without records is bound to nothing.
 """
 
 from __future__ import annotations
@@ -63,12 +61,7 @@ def without_timings(obj: Any) -> Any:
 
 
 def read_json(path: Path, what: str = "file") -> Any:
-    """Parse the JSON file ``path``; a missing, unreadable or corrupt file raises ``ValueError`` naming it.
-
-    Raises:
-        ValueError: The file cannot be read or is not valid JSON (the message names ``path`` and ``what``
-            it is, and says how to recover).
-    """
+    """Parse the JSON file ``path``; a missing, unreadable or corrupt file raises ``ValueError`` naming it."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
@@ -117,28 +110,15 @@ def _host() -> str:
 
 
 def temp_path(path: Path) -> Path:
-    """A fresh hidden sibling of ``path`` to write before an atomic rename onto ``path``.
-
-    The name ``.<name>.tmp-<host>-<pid>-<token>`` holds the host name, the process id and a random token
-    (``uuid4`` hex), so writers on several machines sharing one results folder (a network file system, where
-    process ids repeat across machines) never write the same temporary file.
-    """
+    """A fresh hidden sibling ``.<name>.tmp-<host>-<pid>-<token>`` of ``path``, unique across machines."""
     return path.with_name(f".{path.name}.tmp-{_host()}-{os.getpid()}-{uuid.uuid4().hex}")
 
 
 def atomic_write(path: Path, content: str | Callable[[Path], object]) -> Path:
-    """Write ``path`` atomically: into a :func:`temp_path` sibling, then ``os.replace`` onto ``path``.
+    """Write ``path`` (its folder created) into a :func:`temp_path` sibling, then ``os.replace``; ``path``.
 
-    The one writer of every file glue-bench stores (records, configuration, report tables and figures,
-    curvature parts): a reader, or a second process writing the same file, never sees half a file.
-
-    Args:
-        path: The target (its folder is created when missing).
-        content: The text to write, or ``write(temporary path)`` that writes the file itself (a figure's
-            ``savefig``, safetensors' ``save_file``).
-
-    Returns:
-        ``path``.
+    The one writer of every file glue-bench stores: ``content`` is the text, or ``write(temporary path)``
+    (a figure's ``savefig``, safetensors' ``save_file``). No reader ever sees half a file.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
@@ -193,15 +173,11 @@ def _create(path: Path, owner: dict[str, Any]) -> bool:
 
 
 class ResultStore:
-    """A results folder bound to one configuration.
+    """A results folder (``root``, created with the first result) bound to one configuration.
 
-    Args:
-        root: The results folder (created when the first result is stored).
-        config: The configuration that determines every result (model, training settings, data
-            caps, seed, ...); not the grid (tasks, splits, methods), which may grow between runs.
-
-    Raises:
-        ValueError: ``root`` already holds records of a different configuration.
+    ``config`` determines every result (model, training settings, data caps, seed); the grid (tasks,
+    splits, methods) may grow between runs. A ``root`` holding records of another configuration raises
+    ``ValueError``.
     """
 
     def __init__(self, root: str | Path, config: dict[str, Any]) -> None:
@@ -218,18 +194,13 @@ class ResultStore:
         return self.root / "config.json"
 
     def _stored(self, path: Path, what: str, records: Path) -> tuple[Any, bool]:
-        """``(the JSON at path or None, whether it binds the folder)``; damaged: ``ValueError`` naming it.
-
-        The file binds when a record exists under ``records`` or a unit is claimed by a live process: a run
-        that died before storing any record binds nothing.
-        """
+        """``(the JSON at path or None, whether a record under records binds the folder to it)``."""
         if not path.is_file():
             return None, False
-        old = read_json(path, what)
-        return old, (records.is_dir() and any(records.rglob("*.json"))) or bool(self.live_claims())
+        return read_json(path, what), records.is_dir() and any(records.rglob("*.json"))
 
     def _check_config(self) -> bool:
-        """Refuse a folder whose records (or running units) belong to another configuration.
+        """Refuse a folder whose records belong to another configuration.
 
         Returns:
             Whether ``config.json`` holds this configuration already.
@@ -256,19 +227,11 @@ class ResultStore:
         )
 
     def check_data(self, task: str, data: dict[str, Any]) -> bool:
-        """Refuse to mix results computed on different data for ``task``; remembered for :meth:`claim`.
+        """Refuse to mix results of ``task`` computed on other data; ``data`` is remembered for :meth:`claim`.
 
-        Args:
-            task: Task name.
-            data: The data fingerprint, e.g. ``{"sha256": ..., "n_train": ..., "n_test": ...}``
-                (:func:`partialbayes.glue_bench.data_glue.data_fingerprint`).
-
-        Returns:
-            Whether ``data/<task>.json`` holds ``data`` already.
-
-        Raises:
-            ValueError: ``data/<task>.json`` holds another fingerprint and binds the folder (records of
-                ``task``, or a running unit; the message names the task and both digests), or is damaged.
+        ``data`` is the task's fingerprint (``data_glue.data_fingerprint``). Returns whether
+        ``data/<task>.json`` holds it already; another one, with records of ``task``, raises ``ValueError``
+        naming the task and both digests.
         """
         path = self.root / "data" / f"{task}.json"
         old, binds = self._stored(path, "data fingerprint", self.root / "records" / task)
@@ -324,25 +287,14 @@ class ResultStore:
         slug = re.sub(r"[^A-Za-z0-9._-]", "_", Path(model).name or model)
         return self.root / "checkpoints" / task / f"split{split}" / f"{slug}-{self.fingerprint}"
 
-    def live_claims(self) -> list[Path]:
-        """Claims of units by other processes that may still be running (see :meth:`unit_claim`)."""
-        me = (_host(), os.getpid())
-        return [
-            path
-            for path in sorted((self.root / "claims").glob("*.json"))
-            if (owner := _owner(path)) and not owner_gone(owner)
-            if (owner.get("host"), owner.get("pid")) != me
-        ]
-
     @contextmanager
     def unit_claim(self, task: str, split: int, take_over: bool = False) -> Iterator[None]:
         """Hold the claim of the unit (task, split) while the block runs, so no other process runs it.
 
-        The claim is the file ``claims/<task>-split<k>.json``, created with ``O_CREAT | O_EXCL`` (atomic on
-        local and network file systems) and holding the host, process id, start time and a random token;
-        it is removed when the block ends, also on error. A claim left by a process that died is taken over
-        when its owner is provably gone (same host, no process with its id); a claim from another host only
-        with ``take_over`` (the caller asserts that its owner is gone), since its process cannot be checked.
+        The claim is ``claims/<task>-split<k>.json``, created with ``O_CREAT | O_EXCL`` (atomic, also on
+        network file systems), holding host, pid, start time and a token, and removed when the block ends.
+        A dead owner's claim is taken over when that is provable (same host, no process of its pid); one
+        from another host only with ``take_over``.
 
         Raises:
             UnitBusyError: Another process holds the claim (the message names it and says what to do).

@@ -1,9 +1,7 @@
 """The report's tables, computed from results records: Table 2 (≈ 10 % budget), strategy ranks, calibration.
 
-Every function takes plain records (dicts as written by the results store) or the rows of
-:func:`partialbayes.glue_bench.report.summarise`, and returns plain rows (lists of dicts) that the report
-writes as markdown (:func:`markdown`, the one renderer, with column specs) and CSV (:func:`write_csv`) and
-the figures draw. Outputs are written atomically.
+Functions take records or ``report.summarise`` rows and return plain rows, which the report writes as
+markdown (:func:`markdown`, the one renderer, with column specs) and CSV (:func:`write_csv`, atomically).
 """
 
 from __future__ import annotations
@@ -92,19 +90,10 @@ def budget_table(
     NLL (older records) fall back to the size closest to ``target``. The how-to's Table 2 section has an
     example.
 
-    Args:
-        rows: Summary rows (:func:`partialbayes.glue_bench.report.summarise`).
-        target: The stochastic budget in percent of the countable parameters.
-        tolerance: Relative slack of "≈" (default :data:`BUDGET_TOLERANCE`).
-
     Returns:
-        The selected summary rows with ``target``, ``limit`` (the largest percentage allowed),
-        ``candidates`` (sizes within the budget) and ``rule`` (``"single"``, ``"val_nll"`` or
-        ``"closest"``) added, sorted by task then method. A method without a size within the budget is
-        left out.
-
-    Raises:
-        ValueError: ``target`` outside [0, 100] or ``tolerance`` negative.
+        The chosen summary rows, with ``target``, ``limit``, ``candidates`` (sizes within the budget) and
+        ``rule`` (``single``, ``val_nll``, ``closest``), by task and method; ``target`` outside [0, 100] or
+        a negative ``tolerance`` raise ``ValueError``.
     """
     if not 0 <= target <= 100 or math.isnan(target):
         raise ValueError(f"target must be a percentage in [0, 100], got {target}")
@@ -170,22 +159,16 @@ def average_ranks(values: Sequence[float]) -> list[float]:
 def strategy_ranks(records: Iterable[dict[str, Any]], metric: str = "nll") -> list[dict[str, Any]]:
     """Ranks of the module-selection strategies, as the paper's Fig. 4 defines them.
 
-    Strategies are the module-ramping methods ``<family>-<strategy>`` with ``family`` ``kfac`` or ``swag``
-    and ``strategy`` ``random``, ``max``/``min`` (``-mlp`` / ``-attn``), whose sizes are module counts.
+    Strategies are the module ramps ``<kfac|swag>-<random|max|min>[-mlp|-attn]`` (sizes: module counts).
 
     Rule (the paper's §5.2): for every (task, family, module count) the strategies with that count are
     ranked by their median ``metric`` over splits, 0 for the lowest (ties share the mean rank); the ``"all"``
     row is the median over tasks of the per-task ranks. Extra: ``split_rank``, the mean over splits of the
     per-split ranks (splits where every strategy of the group has a record).
 
-    Args:
-        records: Results records.
-        metric: Record field to rank by (lower is better).
-
     Returns:
         Rows ``task, family, modules, strategy, rank, n_splits, n_tasks, n_strategies, split_rank,
-        <metric>_median`` sorted by task (``"all"`` last), family, module count, strategy. Groups with a
-        single strategy are left out.
+        <metric>_median`` (lower ``metric`` is better), ``"all"`` last; one-strategy groups are left out.
     """
     values: dict[tuple[str, str, int], dict[str, dict[int, float]]] = defaultdict(
         lambda: defaultdict(dict)
@@ -268,12 +251,7 @@ def calibration_curves(
     Bin ``b`` of a cell pools bin ``b`` of every split, weighted by the counts (the test set is the same
     GLUE dev set in every split). Empty pooled bins are dropped.
 
-    Args:
-        records: Results records (those without reliability bins are ignored).
-        cells: (task, method, size) triples to draw.
-
-    Returns:
-        Rows ``task, method, size, bin, confidence, accuracy, count, n_splits`` in the order of ``cells``.
+    Returns rows ``task, method, size, bin, confidence, accuracy, count, n_splits`` in ``cells`` order.
     """
     wanted = list(dict.fromkeys(cells))
     found: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
@@ -320,14 +298,8 @@ def calibration_cells(
 ) -> list[tuple[str, str, str]]:
     """Which cells the calibration figure draws, per task.
 
-    Args:
-        budget_rows: Rows of :func:`budget_table` (one cell per task and method).
-        methods: Methods to draw (their Table 2 cells). ``None``: MAP, temperature scaling and the
-            ``n_best`` other methods with the lowest median test NLL in Table 2.
-        n_best: Number of Bayesian methods drawn when ``methods`` is ``None``.
-
-    Returns:
-        (task, method, size) triples, baselines first.
+    The Table 2 cells (``budget_rows``) of ``methods``, or of MAP, temperature scaling and the ``n_best``
+    others with the lowest median test NLL; (task, method, size) triples, baselines first.
     """
     by_task: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in budget_rows:

@@ -111,18 +111,9 @@ def subnet_subset(
     """The elementwise subnetwork of the norm- vs variance-based comparison (Figs. 9, 10).
 
     ``subnet-norm`` keeps the ``percent`` % of weights and biases with the largest magnitude;
-    ``subnet-variance`` keeps those with the largest marginal variance under a diagonal GGN Laplace of all
-    parameters (Daxberger et al., 2021). With a scalar prior precision ``δ`` that variance is
-    ``1 / (h_i / σ² + δ)``, which orders the entries by ascending GGN diagonal ``h_i`` whatever ``δ`` is, so
-    no prior needs to be fitted for the selection.
-
-    Args:
-        model: The trained MLP.
-        method: ``subnet-norm`` or ``subnet-variance``.
-        percent: Percent of the parameters, in (0, 100].
-        x: (N, D) training inputs.
-        y: (N,) training targets (standardised).
-        sigma: Gaussian noise standard deviation (standardised).
+    ``subnet-variance`` those with the largest marginal variance under a diagonal GGN Laplace (Daxberger et
+    al., 2021): with a scalar prior ``δ`` that is ``1 / (h_i / σ² + δ)``, ascending GGN diagonal ``h_i``
+    whatever ``δ``, so no prior is fitted. ``x`` (N, D), ``y`` (N,) and ``sigma`` are standardised.
     """
     if method == "subnet-norm":
         return selection.largest_magnitude(model, percent)
@@ -220,12 +211,9 @@ def run_uci(
 ) -> ResultStore:
     """Fill the UCI grid (dataset, split, method, size) of this shard; finished cells are skipped.
 
-    One (dataset, split) unit at a time: train its MLP, then run its cells. ``shard=(i, n)`` keeps every
-    n-th unit, as in :func:`~partialbayes.glue_bench.experiment.run_grid`; the units are small CPU models,
-    so they always run in this process. With ``keep_going`` a cell that raises is logged and skipped (no
-    record is written, so a later run retries it); the messages are in ``store.failures``. Otherwise the
-    first failure propagates. Loading a dataset and training its MLP are not cells: their errors always
-    propagate (as GLUE fine-tuning's do).
+    One (dataset, split) unit at a time, in this process: train its MLP, run its cells. ``shard=(i, n)``
+    keeps every n-th unit. With ``keep_going`` a failing cell is logged and skipped (in ``store.failures``;
+    a later run retries it); loading data and training the MLP always raise.
 
     Raises:
         ValueError: An unknown dataset or a method that has no UCI version (the message lists the valid
