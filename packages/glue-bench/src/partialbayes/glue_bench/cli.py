@@ -482,6 +482,6 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"run": cmd_run, "report": cmd_report, "quickstart": cmd_quickstart}
     try:
         return commands[args.command](args)
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as err:
+    except (ValueError, TypeError, OSError, ImportError) as err:  # OSError: unwritable folders
         print(f"glue-bench: error: {err}", file=sys.stderr)
         return 2
