@@ -4,7 +4,9 @@ A newcomer who follows a call reads these functions. Scenarios (run after one wa
 first-call-only code does not count):
 
 * ``laplace``: ``KronLaplace(model, subset).fit(loader)`` then ``.predict(batch)`` on a tiny BERT;
-* ``ivon``: one ``IVON.step()`` (one sampled forward/backward inside ``sampled_params(train=True)``).
+* ``ivon``: one ``IVON.step()`` (one sampled forward/backward inside ``sampled_params(train=True)``);
+* ``cell``: one S-KFAC cell of a tiny glue-bench grid (``run_grid`` into a fresh results folder: data,
+  fine-tuning one epoch of a tiny BERT, the cell, its record), the default ``curvature_pass``.
 
 Other scenarios can be added to ``SCENARIOS`` (a function that returns the callable to trace).
 
@@ -77,7 +79,58 @@ def ivon() -> Callable[[], object]:
     return run
 
 
-SCENARIOS: dict[str, Callable[[], Callable[[], object]]] = {"laplace": laplace, "ivon": ivon}
+def cell() -> Callable[[], object]:
+    import string
+    import tempfile
+
+    from transformers import BertTokenizerFast
+
+    from partialbayes.glue_bench import RunConfig, Settings, TrainConfig, run_grid
+    from tiny_models import tiny_model
+
+    root = Path(tempfile.mkdtemp(prefix="call-path-cell-"))
+    chars = list(string.ascii_lowercase + string.punctuation)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *chars, *[f"##{c}" for c in chars]]
+    (root / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tokenizer = BertTokenizerFast(vocab=str(root / "vocab.txt"), do_lower_case=True)
+    (root / "glue" / "SST-2").mkdir(parents=True)
+    rows = ["a charming journey .\t1", "dull and boring\t0", "the best film\t1", "bleak\t0"]
+    for part, n in (("train", 48), ("dev", 8)):
+        body = "".join(rows[i % 4] + "\n" for i in range(n))
+        (root / "glue" / "SST-2" / f"{part}.tsv").write_text("sentence\tlabel\n" + body)
+    config = RunConfig(
+        model="tiny-bert",
+        train=TrainConfig(epochs=1, batch_size=8, max_length=16, lr=1e-3),
+        settings=Settings(skfac_percents=(10.0,)),
+        max_train_examples=16,
+    )
+    runs = iter(range(1_000))
+
+    def factory(name: str, num_labels: int, dropout: float) -> tuple[torch.nn.Module, object]:
+        return tiny_model("bert", seed=0, size="s", vocab=tokenizer.vocab_size), tokenizer
+
+    def run() -> object:  # a fresh results folder each time: nothing cached
+        results = root / f"results-{next(runs)}"
+        return run_grid(
+            ["sst2"],
+            [0],
+            ["skfac"],
+            config,
+            results,
+            glue_dir=root / "glue",
+            model_factory=factory,
+            progress=False,
+            log=lambda s: None,
+        )
+
+    return run
+
+
+SCENARIOS: dict[str, Callable[[], Callable[[], object]]] = {
+    "laplace": laplace,
+    "ivon": ivon,
+    "cell": cell,
+}
 
 
 def trace(run: Callable[[], object]) -> dict[str, set[str]]:

@@ -111,15 +111,12 @@ def test_prediction_takes_keywords_only():
     assert (pred.floats, pred.n_stochastic, pred.percent_stochastic) == (0, 0, 0.0)
 
 
-def test_the_package_namespace_is_small_and_moved_names_still_resolve():
+def test_the_package_namespace_is_small_and_the_moved_names_are_gone():
     assert len(gb.__all__) <= 25
     assert all(hasattr(gb, name) for name in gb.__all__)
-    for gone in ("probit_probs", "fit_temperature"):
+    # the 0.2 names kept importable for one minor version (0.3) left with the shim in 0.4
+    for gone in ("probit_probs", "fit_temperature", "encode", "PRIOR_GRID", "all_metrics"):
         assert not hasattr(gb, gone)
-    from partialbayes.glue_bench.data_glue import encode as real
-
-    with pytest.warns(DeprecationWarning, match="partialbayes.glue_bench.data_glue"):
-        assert gb.encode is real
     with pytest.raises(AttributeError, match="no_such_name"):
         gb.no_such_name
 

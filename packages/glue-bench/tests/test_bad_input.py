@@ -114,7 +114,7 @@ def test_a_model_that_cannot_be_loaded_leaves_no_folder_that_refuses(
     argv = ["run", "--glue-dir", str(mini_glue), "--results", str(results), "--no-progress"]
     argv += ["--max-train-examples", "32", "--epochs", "1", "--max-length", "32"]
     assert main([*argv, "--model", str(tmp_path / "no-such-model")]) == 2
-    assert "cannot load model" in capsys.readouterr().err
+    assert "no-such-model': no such folder" in capsys.readouterr().err
     assert not (results / "config.json").exists()
     model, tokenizer = tiny_bert_factory(2)
     folder = tmp_path / "tiny-bert"
@@ -208,7 +208,8 @@ def test_settings_name_the_bad_field(kwargs, error, match):
     ("kwargs", "error", "match"),
     [
         ({"optimizer": "sgd"}, ValueError, "unknown optimizer 'sgd'"),
-        ({"epochs": 0}, ValueError, "TrainConfig.epochs"),
+        ({"epochs": -1}, ValueError, "TrainConfig.epochs"),
+        ({"epochs": 0, "optimizer": "ivon"}, ValueError, "optimizer 'ivon' needs epochs >= 1"),
         ({"batch_size": 1.5}, TypeError, "TrainConfig.batch_size"),
         ({"max_length": 0}, ValueError, "TrainConfig.max_length"),
         ({"lr": 0.0}, ValueError, "TrainConfig.lr"),

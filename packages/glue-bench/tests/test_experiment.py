@@ -246,15 +246,15 @@ def test_linear_sampling_methods(tmp_path, mini_glue, tiny_bert_factory):
 
 
 def test_results_folder_of_another_configuration_is_refused(tmp_path, mini_glue):
-    from partialbayes.glue_bench.store import ResultStore
+    from partialbayes.glue_bench.store import Cell, ResultStore
 
-    ResultStore(tmp_path / "res", _config().to_dict()).claim()
+    ResultStore(tmp_path / "res", _config().to_dict()).write(Cell("sst2", 0, "map", "-"), {})
     other = _config(max_test_examples=5)
     with pytest.raises(ValueError, match=r"another configuration.*max_test_examples"):
         run_grid(
             ["sst2"], [0], ["map"], other, tmp_path / "res", glue_dir=mini_glue, progress=False
         )
-    assert not (tmp_path / "res" / "records").exists()
+    assert [p.name for p in (tmp_path / "res" / "records").rglob("*.json")] == ["-.json"]
 
 
 def test_swag_learning_rate_sweep(tmp_path, mini_glue, tiny_distilbert_factory):

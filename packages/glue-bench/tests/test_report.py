@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from partialbayes.glue_bench.cli import main
-from partialbayes.glue_bench.metrics import reliability_bins
+from partialbayes.glue_bench.experiment import all_metrics
 from partialbayes.glue_bench.report import summarise, write_report
 from partialbayes.glue_bench.store import Cell, ResultStore
 from partialbayes.glue_bench.tables import (
@@ -201,7 +201,8 @@ def test_reliability_bins_match_numpy_reference(n):
     g = torch.Generator().manual_seed(n)
     probs = torch.softmax(2 * torch.randn(n, 3, generator=g, dtype=torch.float64), -1)
     labels = torch.randint(0, 3, (n,), generator=g)
-    out = reliability_bins(probs, labels, n_bins=20)
+    metrics = all_metrics(probs, labels)
+    out = metrics["reliability"]
     p, y = probs.numpy(), labels.numpy()
     conf, right = p.max(1), (p.argmax(1) == y)
     bins = np.array_split(np.argsort(conf, kind="stable"), 20)
@@ -214,9 +215,7 @@ def test_reliability_bins_match_numpy_reference(n):
         k / n * abs(a - c)
         for c, a, k in zip(out["confidence"], out["accuracy"], out["count"], strict=True)
     )
-    from partialbayes.glue_bench.metrics import ece as ece_fn
-
-    assert ece == pytest.approx(ece_fn(probs, labels))
+    assert ece == pytest.approx(metrics["ece"])
 
 
 def test_calibration_curves_pool_bins_over_splits():

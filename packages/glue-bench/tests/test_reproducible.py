@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent(
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *chars, *[f"##{c}" for c in chars]]
     (out / "vocab.txt").parent.mkdir(parents=True, exist_ok=True)
     (out / "vocab.txt").write_text("\\n".join(vocab) + "\\n")
-    tokenizer = BertTokenizerFast(vocab_file=str(out / "vocab.txt"), do_lower_case=True)
+    tokenizer = BertTokenizerFast(vocab=str(out / "vocab.txt"), do_lower_case=True)
 
     def factory(name, num_labels, dropout):
         # no seeding here: the random weights (the "new head") must be seeded by the run itself

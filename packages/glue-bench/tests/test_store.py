@@ -6,7 +6,7 @@ import torch
 from partialbayes.glue_bench import experiment
 from partialbayes.glue_bench.experiment import RunConfig, run_grid
 from partialbayes.glue_bench.methods import Settings
-from partialbayes.glue_bench.store import Cell, ResultStore, parse_shard, shard_units
+from partialbayes.glue_bench.store import Cell, ResultStore, grid_units, parse_shard
 from partialbayes.glue_bench.train import TrainConfig
 
 TIMING = {"fit_seconds", "predict_seconds", "seconds", "cpu_seconds"}
@@ -43,14 +43,15 @@ def test_parse_shard():
             parse_shard(bad)
 
 
-def test_shards_partition_the_grid():
-    units = [(t, s, m) for t in ("rte", "sst2") for s in range(5) for m in ("map", "skfac", "swag")]
-    parts = [shard_units(units, (i, 4)) for i in range(4)]
+def test_shards_partition_the_grid_into_task_split_units():
+    units = grid_units(["rte", "sst2"], range(5))
+    assert units == sorted((t, s) for t in ("rte", "sst2") for s in range(5))
+    parts = [grid_units(["rte", "sst2"], range(5), (i, 4)) for i in range(4)]
     flat = [u for p in parts for u in p]
-    assert sorted(flat) == sorted(units)
+    assert sorted(flat) == units
     assert len(set(flat)) == len(units)
-    # independent of the order the caller lists units in
-    assert shard_units(list(reversed(units)), (1, 4)) == parts[1]
+    # independent of the order the caller lists tasks and splits in
+    assert grid_units(["sst2", "rte"], [4, 3, 2, 1, 0], (1, 4)) == parts[1]
 
 
 def _config():
@@ -146,8 +147,7 @@ def test_temporary_names_are_unique_across_machines(tmp_path, monkeypatch):
     import socket
 
     from partialbayes.glue_bench.figures import pyplot, save_figure
-    from partialbayes.glue_bench.store import atomic_write_json
-    from partialbayes.glue_bench.tables import atomic_write_text
+    from partialbayes.glue_bench.store import atomic_write
 
     monkeypatch.setattr(os, "getpid", lambda: 4242)
     monkeypatch.setattr(socket, "gethostname", lambda: "node 7")
@@ -160,8 +160,8 @@ def test_temporary_names_are_unique_across_machines(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "replace", spy)
     for _ in range(2):
-        atomic_write_json(tmp_path / "a.json", {"x": 1})
-        atomic_write_text(tmp_path / "a.md", "x")
+        atomic_write(tmp_path / "a.json", '{"x": 1}')
+        atomic_write(tmp_path / "a.md", lambda tmp: tmp.write_text("x"))
         save_figure(pyplot().figure(), tmp_path / "a.png")
     assert len(sources) == 6
     assert len(set(sources)) == 6  # a random token, not only the pid

@@ -10,10 +10,7 @@ What a user calls: the grid runners (:func:`run_grid` with :class:`RunConfig`, :
 Everything else is importable from its module (``partialbayes.glue_bench.<module>``).
 """
 
-import importlib
-import warnings
 from importlib.metadata import version
-from typing import Any
 
 from partialbayes.glue_bench.context import Context, Prediction, Settings
 from partialbayes.glue_bench.data_glue import load_glue
@@ -53,47 +50,3 @@ __all__ = [
     "summarise",
     "write_report",
 ]
-
-# Names exported by 0.2 that now live only in their modules: still importable from the package for one
-# minor version, with a DeprecationWarning naming the module.
-_MOVED = {
-    "context": ("KronCell", "PRIOR_GRID", "SKFAC_PERCENTS"),
-    "curvature_pass": ("CurvatureStore", "TrainingLoss", "compute_pass"),
-    "data_glue": (
-        "TASKS",
-        "Examples",
-        "TaskSpec",
-        "data_fingerprint",
-        "encode",
-        "read_glue_tsv",
-        "split_indices",
-        "task_spec",
-    ),
-    "data_uci": ("UCISplit",),
-    "experiment": ("CURVATURE_PASSES", "prepare_context", "run_cell"),
-    "laplace_cells": ("PriorSearch", "TestPredictive"),
-    "linearised": ("dense_jacobians", "fit_linearised", "linearised_probs", "stacked_features"),
-    "methods": ("get_methods",),
-    "metrics": ("accuracy", "all_metrics", "brier", "ece", "nll", "reliability_bins"),
-    "models": ("MLP",),
-    "ramp": ("run_shared",),
-    "replay": ("Capture", "capture_batch", "replaying"),
-    "store": ("TIMING_FIELDS", "Cell", "without_timings"),
-    "tables": ("calibration_cells",),
-    "uci": ("train_mlp",),
-}
-_MODULE_OF = {name: module for module, names in _MOVED.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'partialbayes.glue_bench' has no attribute {name!r}")
-    warnings.warn(
-        f"partialbayes.glue_bench.{name} is deprecated: import it from "
-        f"partialbayes.glue_bench.{module} (it will leave the package namespace in the next minor "
-        "version)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(f"partialbayes.glue_bench.{module}"), name)

@@ -1,4 +1,4 @@
-"""Command-line entry point ``glue-bench``: ``run``, ``report`` and ``quickstart``."""
+"""Command-line entry point ``glue-bench``: ``run``, ``report``, ``methods`` and ``quickstart``."""
 
 from __future__ import annotations
 
@@ -10,20 +10,32 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from partialbayes.glue_bench import __version__
-from partialbayes.glue_bench.data_glue import TASKS, default_glue_dir, glue_missing_message
-from partialbayes.glue_bench.data_uci import UCI_DATASETS
-from partialbayes.glue_bench.experiment import CURVATURE_PASSES
+from partialbayes.glue_bench import __version__, experiment, uci
+from partialbayes.glue_bench.data_glue import (
+    TASKS,
+    default_glue_dir,
+    glue_missing_message,
+    task_spec,
+)
+from partialbayes.glue_bench.data_uci import UCI_DATASETS, num_splits, uci_folder
+from partialbayes.glue_bench.executors import EXECUTORS
+from partialbayes.glue_bench.experiment import CURVATURE_PASSES, RunConfig
+from partialbayes.glue_bench.figures import ramping_plot
 from partialbayes.glue_bench.methods import FISHERS, METHODS, Settings
-from partialbayes.glue_bench.models import DEFAULT_MODEL
+from partialbayes.glue_bench.models import DEFAULT_MODEL, minilm_path
+from partialbayes.glue_bench.quickstart import QUICKSTART_ARGS as QUICK
 from partialbayes.glue_bench.quickstart import (
-    QUICKSTART_ARGS,
     QUICKSTART_METHODS,
     QUICKSTART_SETTINGS,
     QUICKSTART_TRAIN,
+    order_rows,
+    read_table,
 )
-from partialbayes.glue_bench.tables import BUDGET_TOLERANCE
+from partialbayes.glue_bench.report import short_table, summarise, write_report
+from partialbayes.glue_bench.store import grid_units, iter_records, parse_shard
+from partialbayes.glue_bench.tables import BUDGET_TOLERANCE, col, markdown
 from partialbayes.glue_bench.train import OPTIMIZERS, TrainConfig
+from partialbayes.glue_bench.uci import UCI_METHODS
 
 # `glue-bench run` without --methods: the two cheap baselines of each task kind (UCI has no temperature
 # scaling, a classification method; last-layer Laplace is its cheapest calibrated alternative).
@@ -33,13 +45,19 @@ DEFAULT_METHODS = {"glue": ("map", "temperature"), "uci": ("map", "last-layer")}
 # which hold 20; fewer when a folder holds fewer).
 DEFAULT_SPLITS = {"glue": "0", "uci": "0-14"}
 TASK_KINDS = {"glue": "GLUE", "uci": "UCI"}
+# What --splits takes: a GLUE split is the seed of a train/validation permutation (the paper runs 5, each
+# costs a fine-tuning), a UCI folder holds 20 (checked per folder). Ranges are bounded before they expand.
+MAX_SPLITS = 1000
 
 
-def parse_splits(text: str) -> list[int]:
-    """``"0-4"`` -> [0, 1, 2, 3, 4]; ``"0,2"`` -> [0, 2]."""
+def parse_splits(text: str, limit: int = MAX_SPLITS) -> list[int]:
+    """``"0-4"`` -> [0, 1, 2, 3, 4]; ``"0,2"`` -> [0, 2]; every split below ``limit``.
+
+    A range is checked against ``limit`` before it is expanded, so ``0-100000000000`` is refused at once.
+    """
     if not text.strip():
         raise argparse.ArgumentTypeError("--splits: empty (use e.g. 0-4 or 0,2)")
-    out: list[int] = []
+    out: set[int] = set()
     for part in text.split(","):
         m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
         if not m:
@@ -49,8 +67,10 @@ def parse_splits(text: str) -> list[int]:
         lo, hi = int(m[1]), int(m[2] or m[1])
         if hi < lo:
             raise argparse.ArgumentTypeError(f"--splits: empty range {part!r}")
-        out.extend(range(lo, hi + 1))
-    return sorted(set(out))
+        if hi >= limit:
+            raise argparse.ArgumentTypeError(f"--splits: {part.strip()!r} beyond 0-{limit - 1}")
+        out.update(range(lo, hi + 1))
+    return sorted(out)
 
 
 def _names(text: str) -> list[str]:
@@ -63,74 +83,39 @@ def _names(text: str) -> list[str]:
 def _floats(text: str) -> tuple[float, ...]:
     """``"0.01,0.1,1"`` -> (0.01, 0.1, 1.0)."""
     try:
-        values = tuple(float(t) for t in _names(text))
+        return tuple(float(t) for t in _names(text))
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"cannot parse {text!r} as numbers ({err})") from None
-    return values
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="Hugging Face model name or folder; default: the packaged MiniLM (extra 'minilm')",
-    )
-    p.add_argument("--device", default="cuda" if _cuda() else "cpu", help="torch device")
-    p.add_argument(
-        "--glue-dir",
-        type=Path,
-        default=None,
-        help="folder holding SST-2/, MRPC/, RTE/ (default $PARTIALBAYES_DATA/glue)",
-    )
-    p.add_argument(
-        "--max-train-examples",
+def _common(p: argparse.ArgumentParser, grid: str) -> None:
+    """The options of ``run`` and ``quickstart``; help shows each command's own defaults."""
+    train, device = TrainConfig(), "cuda" if _cuda() else "cpu"
+    add = p.add_argument
+    add("--model", default=DEFAULT_MODEL, help="Hugging Face model name or folder (%(default)s)")
+    add("--device", default=device, help="torch device (%(default)s)")
+    add("--glue-dir", type=Path, help="folder of SST-2/, MRPC/, RTE/ ($PARTIALBAYES_DATA/glue)")
+    add("--max-train-examples", type=int, help="training cap (%(default)s; None: the paper's)")
+    add("--max-test-examples", type=int, help="test set cap (%(default)s; None: all)")
+    add("--seed", type=int, default=0, help="base seed (%(default)s)")
+    add("--optimizer", choices=OPTIMIZERS, default="adamw", help="of fine-tuning (%(default)s)")
+    add(
+        "--epochs",
         type=int,
-        default=None,
-        help="cap the training part of each split (default: the paper's sizes)",
+        default=train.epochs,
+        help="fine-tuning (%(default)s; 0: --model is MAP)",
     )
-    p.add_argument("--max-test-examples", type=int, default=None, help="cap the test set")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--optimizer",
-        choices=OPTIMIZERS,
-        default="adamw",
-        help="fine-tuning optimizer (ivon also yields the 'ivon' posterior)",
-    )
-    p.add_argument("--epochs", type=int, default=None, help="fine-tuning epochs (default 10)")
-    p.add_argument(
-        "--max-length",
-        type=int,
-        default=None,
-        help="max tokens (default: the model's limit, so nothing is truncated, as in the paper)",
-    )
-    p.add_argument(
-        "--prior",
-        choices=("val_nll", "marglik"),
-        default="val_nll",
-        help="how Laplace methods choose the prior precision",
-    )
-    p.add_argument(
-        "--prior-grid",
-        type=_floats,
-        default=None,
-        help="prior precisions to choose from, e.g. 1e-3,1e-2,0.1,1 (default: the paper's "
-        "10^-1 ... 10^3 in half decades)",
-    )
-    p.add_argument(
-        "--fisher",
-        choices=FISHERS,
-        default="empirical",
-        help="fisher type of the KFAC / S-KFAC Laplace curvature (default empirical, the paper's)",
-    )
-    p.add_argument(
-        "--curvature-pass",
-        choices=CURVATURE_PASSES,
-        default="shared",
-        help="shared (default): one curvature pass for a whole ramp of a (task, split); per-cell: "
-        "each cell its own (same records, slower)",
-    )
-    p.add_argument("--n-samples", type=int, default=None, help="MC samples (default 50)")
-    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add("--lr", type=float, default=train.lr, help="AdamW learning rate (%(default)s)")
+    add("--batch-size", type=int, default=train.batch_size, help="fine-tuning batch (%(default)s)")
+    add("--max-length", type=int, help="max tokens (default: the model's limit, as the paper)")
+    prior = "how Laplace cells tune the prior precision (%(default)s)"
+    add("--prior", choices=("val_nll", "marglik"), default="val_nll", help=prior)
+    add("--prior-grid", type=_floats, help=f"prior precisions, e.g. 1e-3,0.1,1 (default {grid})")
+    add("--fisher", choices=FISHERS, default="empirical", help="KFAC curvature (%(default)s)")
+    passes = "shared: one pass per ramp; per-cell: one per cell, same records (%(default)s)"
+    add("--curvature-pass", choices=CURVATURE_PASSES, default="shared", help=passes)
+    add("--n-samples", type=int, default=Settings().n_samples, help="MC samples (%(default)s)")
+    add("--no-progress", action="store_true", help="hide progress bars")
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -150,115 +135,78 @@ def _cuda() -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``glue-bench`` argument parser."""
+    """The ``glue-bench`` argument parser (no option may be abbreviated: ``--task`` is not ``--tasks``).
+
+    ``--epochs 0`` takes ``--model FOLDER``, a classifier fine-tuned for the task, as the MAP as it is.
+    """
     parser = argparse.ArgumentParser(
         prog="glue-bench",
         description="Stochastic-subset Bayesian transformers on GLUE (Kampen et al., UAI 2024).",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command")
 
-    run = sub.add_parser("run", help="fill (part of) the experiment grid in a results folder")
-    run.add_argument(
-        "--tasks",
-        type=_names,
-        default=["sst2"],
-        help=f"GLUE tasks {list(TASKS)} and/or UCI datasets {list(UCI_DATASETS)} "
-        "(case and hyphens ignored: SST-2, Boston)",
+    run = sub.add_parser(
+        "run", help="fill (part of) the grid in a results folder", allow_abbrev=False
     )
-    run.add_argument(
-        "--methods",
-        type=_names,
-        default=None,
-        help="methods (see `glue-bench methods`); default: "
-        + "; ".join(f"{','.join(v)} for {TASK_KINDS[k]} tasks" for k, v in DEFAULT_METHODS.items()),
-    )
-    run.add_argument(
-        "--splits",
-        type=parse_splits,
-        default=None,
-        help=f"e.g. 0-4 (default: {DEFAULT_SPLITS['glue']} for GLUE tasks, "
-        f"{DEFAULT_SPLITS['uci']} for UCI datasets, the paper's 15)",
-    )
-    run.add_argument(
-        "--shard", default=None, help="i/n: run the i-th of n disjoint parts of the grid"
-    )
-    run.add_argument("--results", type=Path, default=Path("results"), help="results folder")
-    run.add_argument(
-        "--uci-dir",
-        type=Path,
-        default=None,
-        help="folder holding bostonHousing/, energy/, yacht/ (default $PARTIALBAYES_DATA/uci)",
-    )
-    _common(run)
+    add = run.add_argument
+    tasks = f"GLUE tasks {list(TASKS)}, UCI datasets {list(UCI_DATASETS)} (case, hyphens ignored)"
+    add("--tasks", type=_names, default=["sst2"], help=f"{tasks} (default sst2)")
+    defaults = "; ".join(f"{','.join(v)} for {TASK_KINDS[k]}" for k, v in DEFAULT_METHODS.items())
+    add("--methods", type=_names, help=f"see `glue-bench methods` (default {defaults})")
+    add("--splits", type=parse_splits, help="e.g. 0-4 (default 0 for GLUE, 0-14 for UCI)")
+    add("--results", type=Path, default=Path("results"), help="results folder (%(default)s)")
+    add("--uci-dir", type=Path, help="folder of bostonHousing/, energy/, yacht/")
+    add("--shard", help="i/n: every n-th (task, split) unit from the i-th")
+    add("--unit", type=int, help="run only unit INDEX (a Slurm array task; see --list-units)")
+    add("--list-units", action="store_true", help="print the units with their index and stop")
+    add("--executor", choices=EXECUTORS, default="local", help="where units run (%(default)s)")
+    add("--ray-address", help="HOST:PORT of a running Ray cluster (default: start a local one)")
+    add("--take-over", action="store_true", help="take over claims of units whose owner is gone")
+    _common(run, "10^-1 ... 10^3 in half decades, the paper's")
 
     rep = sub.add_parser(
-        "report", help="tables (markdown, CSV) and figures (PNG) of a results folder"
+        "report", help="tables and figures of a results folder", allow_abbrev=False
     )
-    rep.add_argument(
-        "results_dir", nargs="?", type=Path, default=None, metavar="RESULTS", help="results folder"
-    )
-    rep.add_argument("--results", type=Path, default=None, help="results folder (default results)")
-    rep.add_argument(
-        "--out", type=Path, default=None, help="output folder (default <results>/report)"
-    )
-    rep.add_argument(
-        "--budget",
-        type=float,
-        default=10.0,
-        help="stochastic budget of Table 2 in percent (default 10)",
-    )
-    rep.add_argument(
-        "--budget-tolerance",
-        type=float,
-        default=BUDGET_TOLERANCE,
-        help=f"relative slack of the budget, '≈' (default {BUDGET_TOLERANCE:g}: up to 11.5 %% for 10 %%)",
-    )
-    rep.add_argument(
-        "--calibration-methods",
-        type=_names,
-        default=None,
-        help="methods of the calibration figure (default: map, temperature and the 4 best by NLL)",
-    )
+    add = rep.add_argument
+    add("results_dir", nargs="?", type=Path, metavar="RESULTS", help="results folder")
+    add("--results", type=Path, help="results folder (default results)")
+    add("--out", type=Path, help="output folder (default <results>/report)")
+    add("--budget", type=float, default=10.0, help="Table 2's budget in percent (%(default)s)")
+    add("--budget-tolerance", type=float, default=BUDGET_TOLERANCE, help="'≈' (%(default)s)")
+    add("--calibration-methods", type=_names, help="default: map, temperature, the 4 best")
 
-    sub.add_parser("methods", help="list the methods")
+    sub.add_parser("methods", help="list the methods", allow_abbrev=False)
 
     quick = sub.add_parser(
         "quickstart",
         help="a CPU demo on one GLUE task: MAP, temperature scaling, last-layer and S-KFAC Laplace "
         "(about 3 min on an idle 2-core CPU: 165 s of CPU time measured; 10+ min on a busy one)",
+        allow_abbrev=False,
     )
-    quick.add_argument("--task", default=QUICKSTART_ARGS["task"], choices=list(TASKS))
-    quick.add_argument(
-        "--split", type=int, default=0, help="which split (default 0; the how-to reports 0-2)"
-    )
-    quick.add_argument("--results", type=Path, default=Path("glue-bench-quickstart"))
-    _common(quick)
-    quick.set_defaults(**{k: v for k, v in QUICKSTART_ARGS.items() if k != "task"})
+    add = quick.add_argument
+    add("--task", default=QUICK["task"], choices=list(TASKS), help="GLUE task (%(default)s)")
+    add("--split", type=int, default=0, help="which split (%(default)s; the how-to reports 0-2)")
+    add("--results", type=Path, default=Path("glue-bench-quickstart"), help="folder (%(default)s)")
+    _common(quick, "10^-3 ... 10^3 in half decades")
+    quick.set_defaults(**{k: v for k, v in QUICK.items() if k != "task"})
     return parser
 
 
-def _configs(args: argparse.Namespace, quick: bool = False):
-    from partialbayes.glue_bench.experiment import RunConfig
-
-    train_kw: dict = {"optimizer": args.optimizer, "seed": args.seed}
+def _configs(args: argparse.Namespace, quick: bool = False) -> RunConfig:
+    train = {"optimizer": args.optimizer, "seed": args.seed, "epochs": args.epochs, "lr": args.lr}
+    train.update(batch_size=args.batch_size, max_length=args.max_length)
+    settings = {"prior": args.prior, "fisher": args.fisher, "n_samples": args.n_samples}
     if quick:
-        train_kw.update(QUICKSTART_TRAIN)
-    if args.epochs is not None:
-        train_kw["epochs"] = args.epochs
-    if args.max_length is not None:
-        train_kw["max_length"] = args.max_length
-    settings_kw: dict = {"prior": args.prior, "fisher": args.fisher}
-    if quick:
-        settings_kw.update(QUICKSTART_SETTINGS)
+        train.update(QUICKSTART_TRAIN)
+        settings.update(QUICKSTART_SETTINGS)
     if args.prior_grid is not None:
-        settings_kw["prior_grid"] = args.prior_grid
-    if args.n_samples is not None:
-        settings_kw["n_samples"] = args.n_samples
+        settings["prior_grid"] = args.prior_grid
     return RunConfig(
         model=args.model,
-        train=TrainConfig(**train_kw),
-        settings=Settings(**settings_kw),
+        train=TrainConfig(**train),
+        settings=Settings(**settings),
         max_train_examples=args.max_train_examples,
         max_test_examples=args.max_test_examples,
         seed=args.seed,
@@ -267,20 +215,17 @@ def _configs(args: argparse.Namespace, quick: bool = False):
 
 
 def resolve_task(name: str) -> tuple[str, str]:
-    """Kind (``"glue"`` or ``"uci"``) and canonical name of a ``--tasks`` entry.
+    """Kind (``"glue"`` or ``"uci"``) and canonical name of a ``--tasks`` entry; unknown: ``ValueError``.
 
-    The one place task names are normalised: case and hyphens are ignored (``SST-2`` -> ``sst2``,
-    ``Boston`` -> ``boston``), and a UCI dataset may also be named by its folder (``bostonHousing``).
-
-    Raises:
-        ValueError: An unknown name (the message lists the valid ones).
+    The one place task names are normalised: case and hyphens are ignored (``SST-2``, ``Boston``), and a UCI
+    dataset may be named by its folder (``bostonHousing``).
     """
     key = name.strip().lower().replace("-", "")
     if key in TASKS:
         return "glue", key
-    uci = {**{k: k for k in UCI_DATASETS}, **{v.lower(): k for k, v in UCI_DATASETS.items()}}
-    if key in uci:
-        return "uci", uci[key]
+    names = {**{k: k for k in UCI_DATASETS}, **{v.lower(): k for k, v in UCI_DATASETS.items()}}
+    if key in names:
+        return "uci", names[key]
     raise ValueError(
         f"unknown task(s) [{name!r}]; valid tasks: {', '.join([*TASKS, *UCI_DATASETS])}"
     )
@@ -289,22 +234,12 @@ def resolve_task(name: str) -> tuple[str, str]:
 def plan_run(
     tasks: Sequence[str], methods: Sequence[str] | None, optimizer: str = "adamw"
 ) -> dict[str, tuple[list[str], list[str]]]:
-    """Check every (task kind, method) combination of ``glue-bench run`` before any work starts.
+    """``{kind: (canonical tasks, methods)}``: every (task kind, method) of ``glue-bench run`` checked first.
 
-    Args:
-        tasks: ``--tasks`` entries (normalised by :func:`resolve_task`).
-        methods: ``--methods``, or ``None`` for the defaults of each task kind (:data:`DEFAULT_METHODS`).
-        optimizer: The fine-tuning optimizer (the ``ivon`` method needs ``ivon``).
-
-    Returns:
-        ``{kind: (canonical tasks, methods)}`` for the kinds present, in the order given.
-
-    Raises:
-        ValueError: Unknown tasks or methods, or methods without a version for a kind of task that was
-            asked for (one line per kind, listing that kind's valid methods).
+    ``methods=None`` takes each kind's :data:`DEFAULT_METHODS`; the ``ivon`` method needs ``optimizer``
+    ``ivon``. Unknown tasks or methods, or methods without a version for a kind asked for, raise one
+    ``ValueError`` (a line per kind, listing its valid methods).
     """
-    from partialbayes.glue_bench.uci import UCI_METHODS
-
     valid = {"glue": list(METHODS), "uci": list(UCI_METHODS)}
     by_kind: dict[str, list[str]] = {}
     unknown = []
@@ -320,13 +255,11 @@ def plan_run(
         raise ValueError(
             f"unknown task(s) {unknown}; valid tasks: {', '.join([*TASKS, *UCI_DATASETS])}"
         )
-    if methods is not None:
-        bad = [m for m in methods if m not in METHODS and m not in UCI_METHODS]
-        if bad:
-            raise ValueError(
-                f"unknown method(s) {bad}; valid methods: {', '.join(METHODS)} "
-                f"(UCI: {', '.join(UCI_METHODS)})"
-            )
+    bad = [m for m in methods or () if m not in METHODS and m not in UCI_METHODS]
+    if bad:
+        raise ValueError(
+            f"unknown method(s) {bad}; valid methods: {', '.join(METHODS)} (UCI: {', '.join(UCI_METHODS)})"
+        )
     plan: dict[str, tuple[list[str], list[str]]] = {}
     errors = []
     for kind, names in by_kind.items():
@@ -347,136 +280,124 @@ def plan_run(
     return plan
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    """``glue-bench run``: validate the whole request, then the GLUE grid, then the UCI grid."""
-    from partialbayes.glue_bench.experiment import run_grid
-    from partialbayes.glue_bench.store import parse_shard
+def _splits(args: argparse.Namespace, plan: dict[str, tuple[list[str], list[str]]]) -> dict:
+    """The splits of each kind of task: ``--splits`` or the kind's default, UCI ones checked per folder."""
+    given = args.splits
+    splits = {kind: given or parse_splits(DEFAULT_SPLITS[kind]) for kind in plan}
+    for name in plan.get("uci", ([], []))[0]:
+        folder = uci_folder(name, args.uci_dir)
+        if not folder.is_dir():
+            raise FileNotFoundError(
+                f"UCI data for {name} not found: no folder {folder} (pass --uci-dir /path/to/uci, "
+                f"a folder holding {UCI_DATASETS[name]}/data/)"
+            )
+        n = num_splits(name, args.uci_dir)
+        splits["uci"] = splits["uci"] if given else [k for k in splits["uci"] if k < n]
+        if any(k >= n for k in splits["uci"]):
+            raise ValueError(
+                f"--splits {[k for k in splits['uci'] if k >= n]} out of range for UCI dataset "
+                f"{name} ({n} splits: 0-{n - 1})"
+            )
+    return splits
 
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """``glue-bench run``: validate the whole request, then the GLUE units, then the UCI units.
+
+    ``--list-units`` prints the (task, split) units with their index; ``--unit INDEX`` runs one of them
+    (GLUE units first, then UCI), ``--shard i/n`` every n-th unit of each kind.
+    """
     plan = plan_run(args.tasks, args.methods, args.optimizer)
     shard = parse_shard(args.shard)
-    splits = {
-        kind: args.splits if args.splits is not None else parse_splits(DEFAULT_SPLITS[kind])
-        for kind in plan
-    }
-    if "uci" in plan:
-        from partialbayes.glue_bench.data_uci import num_splits, uci_folder
-
-        for name in plan["uci"][0]:
-            folder = uci_folder(name, args.uci_dir)
-            if not folder.is_dir():
-                raise FileNotFoundError(
-                    f"UCI data for {name} not found: no folder {folder} (pass --uci-dir /path/to/uci, "
-                    f"a folder holding {UCI_DATASETS[name]}/data/)"
-                )
-            n = num_splits(name, args.uci_dir)
-            if args.splits is None:
-                splits["uci"] = [k for k in splits["uci"] if k < n]
-            if any(k >= n for k in splits["uci"]):
-                raise ValueError(
-                    f"--splits {[k for k in splits['uci'] if k >= n]} out of range for UCI dataset "
-                    f"{name} ({n} splits: 0-{n - 1})"
-                )
-    config = _configs(args)
+    if args.unit is not None and args.shard is not None:
+        raise ValueError("give --unit or --shard, not both")
+    splits = _splits(args, plan)
+    units = [(kind, t, s) for kind in plan for t, s in grid_units(plan[kind][0], splits[kind])]
+    if args.list_units:
+        for k, (_, task, split) in enumerate(units):
+            print(f"{k}\t{task}\tsplit {split}")
+        print(f"{len(units)} units; run one with --unit INDEX (Slurm: --array=0-{len(units) - 1})")
+        return 0
+    if args.unit is not None:
+        if not 0 <= args.unit < len(units):
+            raise ValueError(
+                f"--unit {args.unit} is out of range: this grid has {len(units)} units "
+                f"(0-{len(units) - 1}; --list-units lists them)"
+            )
+        kind, task, split = units[args.unit]
+        plan, splits = {kind: ([task], plan[kind][1])}, {kind: [split]}
+    glue = {"executor": args.executor, "ray_address": args.ray_address, "take_over": args.take_over}
+    glue.update(device=args.device, glue_dir=args.glue_dir, progress=not args.no_progress)
     failures: list[str] = []
     if "glue" in plan:
         tasks, methods = plan["glue"]
-        store = run_grid(
+        store = experiment.run_grid(
             tasks,
             splits["glue"],
             methods,
-            config,
+            _configs(args),
             args.results,
-            args.device,
-            args.glue_dir,
-            shard,
-            progress=not args.no_progress,
+            shard=shard,
             keep_going=True,
+            **glue,
         )
         failures += store.failures
     if "uci" in plan:
-        from partialbayes.glue_bench.uci import run_uci
-
         tasks, methods = plan["uci"]
-        uci_store = run_uci(
-            tasks,
-            splits["uci"],
-            methods,
-            args.results / "uci",
-            args.uci_dir,
-            shard,
-            seed=args.seed,
-            device=args.device,
-            keep_going=True,
-        )
-        failures += uci_store.failures
+        at = {"uci_dir": args.uci_dir, "shard": shard, "seed": args.seed, "device": args.device}
+        failures += uci.run_uci(
+            tasks, splits["uci"], methods, args.results / "uci", keep_going=True, **at
+        ).failures
     print(f"results in {args.results}; summarise with: glue-bench report --results {args.results}")
     return _report_failures(failures)
 
 
 def _report_failures(failures: list[str]) -> int:
-    if not failures:
-        return 0
-    print(f"{len(failures)} cell(s) failed (rerun to retry them):", file=sys.stderr)
-    for f in failures:
-        print(f"  {f}", file=sys.stderr)
-    return 1
+    if failures:
+        print(f"{len(failures)} cell(s) failed (rerun to retry them):", file=sys.stderr)
+        print("\n".join(f"  {f}" for f in failures), file=sys.stderr)
+    return 1 if failures else 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     """``glue-bench report``."""
-    from partialbayes.glue_bench.report import write_report
-
     if args.results_dir is not None and args.results is not None:
         raise ValueError("give the results folder once: either RESULTS or --results")
-    results = args.results_dir or args.results or Path("results")
     out = write_report(
-        results,
+        args.results_dir or args.results or Path("results"),
         args.out,
         budget=args.budget,
         calibration_methods=args.calibration_methods,
         budget_tolerance=args.budget_tolerance,
     )
     print(out["markdown"])
-    for f in out["files"]:
-        print(f"wrote {f}")
-    for s in out["skipped"]:
-        print(f"skipped {s}")
+    print(
+        "\n".join(
+            [*(f"wrote {f}" for f in out["files"]), *(f"skipped {s}" for s in out["skipped"])]
+        )
+    )
     return 0
 
 
 def cmd_quickstart(args: argparse.Namespace) -> int:
     """``glue-bench quickstart``: fine-tune on a subsample, compare four methods, print, plot and read."""
-    from partialbayes.glue_bench.data_glue import task_spec
-    from partialbayes.glue_bench.experiment import run_grid
-    from partialbayes.glue_bench.quickstart import order_rows, read_table
-    from partialbayes.glue_bench.report import ramping_plot, short_table, summarise
-    from partialbayes.glue_bench.store import iter_records
-
     if args.split < 0:
         raise ValueError(f"--split must be >= 0, got {args.split}")
     folder = args.glue_dir or default_glue_dir()
-    spec = task_spec(args.task)
-    if folder is None or not (Path(folder) / spec.folder).is_dir():
+    if folder is None or not (Path(folder) / task_spec(args.task).folder).is_dir():
         print(glue_missing_message(args.task, folder), file=sys.stderr)
         return 2
     if args.model == DEFAULT_MODEL:
-        from partialbayes.glue_bench.models import minilm_path
-
-        try:
-            minilm_path()
-        except ImportError as err:
-            print(str(err), file=sys.stderr)
-            return 2
+        minilm_path()  # the packaged MiniLM, or an ImportError that says how to install it
     config = _configs(args, quick=True)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     print(
         f"glue-bench quickstart: {args.task} split {args.split}, model {args.model}, "
         f"{args.max_train_examples} training examples, {config.train.epochs} epochs, "
         f"{args.max_test_examples} test examples, device {args.device}; results in {args.results}"
     )
-    cpu_start = time.process_time()
     timings: list[dict] = []
-    store = run_grid(
+    store = experiment.run_grid(
         [args.task],
         [args.split],
         list(QUICKSTART_METHODS),
@@ -491,61 +412,53 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     records = [
         r
         for r in iter_records(args.results)
-        if r["task"] == args.task and r["split"] == args.split and r["method"] in QUICKSTART_METHODS
+        if (r["task"], r["split"]) == (args.task, args.split) and r["method"] in QUICKSTART_METHODS
     ]
-    print()
-    print(short_table(order_rows(summarise(records))))
-    args.results.mkdir(parents=True, exist_ok=True)
+    print(f"\n{short_table(order_rows(summarise(records)))}")
     plot = args.results / f"{args.task}_split{args.split}_ramping_nll.png"
     if ramping_plot(summarise(records), args.task, plot):
         print(f"wrote {plot}")
-    print()
-    print(stage_table(timings, time.perf_counter() - start, time.process_time() - cpu_start))
+    print(f"\n{stage_table(timings, time.perf_counter() - start, time.process_time() - cpu_start)}")
     print(
         f"finished in {time.perf_counter() - start:.0f} s; full tables: "
         f"glue-bench report --results {args.results}"
     )
     if any(r["method"] == "map" for r in records):
-        print()
-        print(read_table(records))
+        print(f"\n{read_table(records)}")
     return _report_failures(store.failures)
 
 
+STAGE_COLUMNS = [
+    col("stage", "stage"),
+    col("cells", "cells", align="r"),
+    col("wall s", "wall", "{:.0f}", "r"),
+    col("CPU s", "cpu", "{:.0f}", "r"),
+]
+
+
 def stage_table(timings: list[dict], total_wall: float, total_cpu: float) -> str:
-    """Markdown table of where the time went: setup, fine-tuning, each method (its cells summed).
+    """Markdown table of where the time went: fine-tuning, each method (its cells summed), the rest.
 
-    Args:
-        timings: The stage dicts collected by ``run_grid(..., timings=...)``.
-        total_wall: Wall-clock seconds of the whole command.
-        total_cpu: Process CPU seconds of the whole command (all threads).
-
-    Returns:
-        The table; ``other`` is the rest (reading data, tokenising, loading the model, tables, plots).
-        CPU time counts every thread, so on a busy machine it estimates the cost better than wall time.
+    ``timings`` from ``run_grid(..., timings=...)``; the totals are the command's wall and process CPU
+    seconds (all threads: on a busy machine a better cost measure than wall time).
     """
-    rows: dict[str, list[float]] = {}
+    rows: dict[str, dict] = {}
     for t in timings:
-        if t["stage"] == "prepare":
-            ft = rows.setdefault("fine-tuning", [0.0, 0.0, 0])
-            ft[0] += t["finetune_wall"]
-            ft[1] += t["finetune_cpu"]
-            ft[2] += 1 if t["finetune_wall"] > 0 else 0
-            continue
-        row = rows.setdefault(t["stage"], [0.0, 0.0, 0])
-        row[0] += t["wall"]
-        row[1] += t["cpu"]
-        row[2] += 1
-    lines = ["| stage | cells | wall s | CPU s |", "|---|---:|---:|---:|"]
-    for name, (wall, cpu, n) in rows.items():
-        cells = "cached" if name == "fine-tuning" and n == 0 else str(n)
-        lines.append(f"| {name} | {cells} | {wall:.0f} | {cpu:.0f} |")
-    used_wall = sum(r[0] for r in rows.values())
-    used_cpu = sum(r[1] for r in rows.values())
-    lines.append(
-        f"| other | | {max(total_wall - used_wall, 0):.0f} | {max(total_cpu - used_cpu, 0):.0f} |"
-    )
-    lines.append(f"| **total** | | {total_wall:.0f} | {total_cpu:.0f} |")
-    return "\n".join(lines)
+        tuning = t["stage"] == "prepare"
+        name = "fine-tuning" if tuning else t["stage"]
+        row = rows.setdefault(name, {"stage": name, "cells": 0, "wall": 0.0, "cpu": 0.0})
+        row["wall"] += t["finetune_wall"] if tuning else t["wall"]
+        row["cpu"] += t["finetune_cpu"] if tuning else t["cpu"]
+        row["cells"] += 1 if not tuning or t["finetune_wall"] > 0 else 0
+    if rows.get("fine-tuning", {}).get("cells") == 0:
+        rows["fine-tuning"]["cells"] = "cached"
+    wall = max(total_wall - sum(r["wall"] for r in rows.values()), 0)
+    cpu = max(total_cpu - sum(r["cpu"] for r in rows.values()), 0)
+    rest = [
+        {"stage": "other", "cells": "", "wall": wall, "cpu": cpu},
+        {"stage": "**total**", "cells": "", "wall": total_wall, "cpu": total_cpu},
+    ]
+    return markdown([*rows.values(), *rest], STAGE_COLUMNS).rstrip("\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -564,15 +477,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if args.command == "methods":
-        for m in METHODS.values():
-            print(f"{m.name:16s} {m.description}")
+        print("\n".join(f"{m.name:16s} {m.description}" for m in METHODS.values()))
         return 0
+    commands = {"run": cmd_run, "report": cmd_report, "quickstart": cmd_quickstart}
     try:
-        if args.command == "run":
-            return cmd_run(args)
-        if args.command == "report":
-            return cmd_report(args)
-        return cmd_quickstart(args)
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as err:
+        return commands[args.command](args)
+    except (ValueError, TypeError, OSError, ImportError) as err:  # OSError: unwritable folders
         print(f"glue-bench: error: {err}", file=sys.stderr)
         return 2

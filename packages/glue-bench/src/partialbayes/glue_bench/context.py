@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,33 +17,22 @@ import torch
 from torch import nn
 
 from partialbayes.glue_bench.linearised import LinearSamplingConfig
+from partialbayes.glue_bench.store import json_ready
 from partialbayes.predictive import model_logits, nll, split_batch
 from partialbayes.selection import Subset, grouped_linear_modules, modules
 
 Batch = dict[str, torch.Tensor]
 
-# Where the ramp sizes come from (every record also stores the percentage of countable parameters that was
-# actually stochastic, ``percent_stochastic`` = ``Subset.percent_of``, and the requested size):
-# * MODULE_COUNTS: the module counts of Kampen et al.'s ramping figures (``selection.PAPER_COUNTS`` without
-#   the 0, which is the MAP cell); counts above a model's number of linear maps in the group are dropped.
-# * SKFAC_PERCENTS: the S-KFAC percentages p of the paper's Table 3 (percent of the rows and of the columns
-#   kept in every linear map, DESIGN.md's S-KFAC rule) without its 0 (the MAP cell) and 100 (the
-#   ``kfac-full`` cell). A map keeps about (p/100)² of its weights (the paper's g_p), so these cover about
-#   0.01 % to 11 % of the linear weights; 33 is the ≈ 10 % cell of Table 2.
-# * SWAG_L1_PERCENTS: the paper's l1 sub-layer ramp p ∈ {1, 12, 24, 36, 48, 60, 100}: percent of the
-#   countable parameters with the largest magnitude (``selection.largest_magnitude``).
+# The ramps of the paper (sources: docs, "The paper's protocol"): its module counts without 0 (the MAP cell),
+# Table 3's S-KFAC percentages without 0 and 100 (the kfac-full cell), and the SWAG l1 sub-layer ramp.
 MODULE_COUNTS = (1, 2, 3, 4, 5, 8, 11, 17, 38)
 SKFAC_PERCENTS = (1.0, 1.8, 2.5, 3.2, 3.9, 4.6, 5.4, 6.1, 6.8, 12.6, 18.4, 24.2, 30.0, 33.0)
 SWAG_L1_PERCENTS = (1.0, 12.0, 24.0, 36.0, 48.0, 60.0, 100.0)
-# Prior precisions 10^-1, 10^-0.5, ..., 10^3: the paper's range (Table 6, "equidistant in logspace in
-# [10^-1, 10^3]"; the number of points is not given, we take half decades). Built in float64 so that
-# records store 0.1, not the float32 value 0.10000000149011612. Hand it to the Laplace posteriors as
-# :func:`prior_grid` (a float64 tensor): ``torch.as_tensor`` of a tuple of floats would round it to float32.
-# The grid is not extended beyond the paper's range: a cell whose tuned prior lands on an end of it says so
-# (``extra.prior_at_grid_edge``) and the report flags it; ``Settings.prior_grid`` changes the grid.
+# Prior precisions 10^-1, 10^-0.5, ..., 10^3: the paper's range (Table 6) in half decades, in float64 so
+# that records store 0.1, not 0.10000000149011612 (hand it to the posteriors as :func:`prior_grid`).
 PRIOR_GRID = tuple(float(v) for v in torch.logspace(-1, 3, 9, dtype=torch.float64))
-# Fisher types of the Laplace curvature (``partialbayes.curvature``): the paper's KFAC is built on the
-# empirical Fisher (its Eqs. 13-16), its last-layer Laplace on the full GGN ("exact").
+# Fisher types of the Laplace curvature: the paper's KFAC uses the empirical one (Eqs. 13-16), its
+# last-layer Laplace the full GGN ("exact").
 FISHERS = ("empirical", "exact", "mc")
 
 
@@ -55,9 +44,7 @@ def prior_grid(values: Sequence[float] = PRIOR_GRID) -> torch.Tensor:
 def prior_edge(chosen: float, grid: Sequence[float]) -> str | None:
     """``"lowest"`` / ``"highest"`` when ``chosen`` is the smallest / largest value of ``grid``, else ``None``.
 
-    A prior precision tuned to an end of its grid may not be the optimum: the validation NLL (or the
-    evidence) might still improve beyond it. The lowest prior gives the widest posterior the grid allows, the
-    highest the one closest to the MAP.
+    A prior tuned to an end of its grid may not be the optimum (the lowest gives the widest posterior).
     """
     if chosen == min(grid):
         return "lowest"
@@ -66,28 +53,41 @@ def prior_edge(chosen: float, grid: Sequence[float]) -> str | None:
     return None
 
 
-def _check_positive_int(owner: str, key: str, value: Any) -> None:
+def check_int(owner: str, key: str, value: Any, low: int = 1) -> None:
+    """Refuse a ``value`` of ``owner.key`` that is not an int (bools included) or is below ``low``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{owner}.{key} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{owner}.{key} must be >= 1, got {value}")
+    if value < low:
+        raise ValueError(f"{owner}.{key} must be >= {low}, got {value}")
 
 
-def _check_numbers(owner: str, key: str, values: Any, high: float = math.inf) -> tuple[float, ...]:
+def check_number(
+    owner: str, key: str, value: Any, low: float = 0.0, high: float = math.inf, closed: bool = False
+) -> float:
+    """``value`` of ``owner.key`` as a float in ``(low, high)`` (``[low, high)`` if ``closed``), or an error.
+
+    NaN and infinity are refused (an infinite ``high`` is open).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{owner}.{key} must be a number, got {value!r}")
+    if not ((value >= low if closed else value > low) and value < high):
+        bounds = f"{'[' if closed else '('}{low:g}, {high:g})"
+        raise ValueError(f"{owner}.{key} must be a number in {bounds}, got {value!r}")
+    return float(value)
+
+
+def check_numbers(owner: str, key: str, values: Any, high: float = math.inf) -> tuple[float, ...]:
+    """A non-empty sequence of distinct numbers in (0, ``high``], as floats, or an error naming the field."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise TypeError(f"{owner}.{key} must be a sequence of numbers, got {values!r}")
-    out = []
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise TypeError(f"{owner}.{key} must hold numbers, got {v!r} in {values!r}")
-        if not (0 < v <= high) or math.isnan(v):
-            raise ValueError(f"{owner}.{key} values must be in (0, {high:g}], got {v!r}")
-        out.append(float(v))
+    out = tuple(check_number(owner, key, v) for v in values)
+    if any(v > high for v in out):
+        raise ValueError(f"{owner}.{key} values must be in (0, {high:g}], got {list(values)}")
     if not out:
         raise ValueError(f"{owner}.{key} is empty")
     if len(set(out)) != len(out):
         raise ValueError(f"{owner}.{key} has repeated values: {list(values)}")
-    return tuple(out)
+    return out
 
 
 @dataclass
@@ -134,20 +134,20 @@ class Settings:
                     f"Settings.{key} must be one of {FISHERS}, got {getattr(self, key)!r}"
                 )
         for key in ("n_samples", "swag_sweep_steps", "swag_steps"):
-            _check_positive_int("Settings", key, getattr(self, key))
-        self.prior_grid = _check_numbers("Settings", "prior_grid", self.prior_grid)
+            check_int("Settings", key, getattr(self, key))
+        self.prior_grid = check_numbers("Settings", "prior_grid", self.prior_grid)
         if len(self.prior_grid) < 2:
             raise ValueError(f"Settings.prior_grid needs at least 2 values, got {self.prior_grid}")
-        self.swag_lrs = _check_numbers("Settings", "swag_lrs", self.swag_lrs)
-        self.skfac_percents = _check_numbers("Settings", "skfac_percents", self.skfac_percents, 100)
-        self.swag_l1_percents = _check_numbers(
+        self.swag_lrs = check_numbers("Settings", "swag_lrs", self.swag_lrs)
+        self.skfac_percents = check_numbers("Settings", "skfac_percents", self.skfac_percents, 100)
+        self.swag_l1_percents = check_numbers(
             "Settings", "swag_l1_percents", self.swag_l1_percents, 100
         )
         counts = self.module_counts
         if isinstance(counts, (str, bytes)) or not isinstance(counts, Sequence) or not counts:
             raise TypeError(f"Settings.module_counts must be a non-empty sequence, got {counts!r}")
         for k in counts:
-            _check_positive_int("Settings", "module_counts", k)
+            check_int("Settings", "module_counts", k)
         self.module_counts = tuple(counts)
         if not isinstance(self.linear_sampling, LinearSamplingConfig):
             raise TypeError(
@@ -157,9 +157,7 @@ class Settings:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict."""
-        out = {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
-        out["linear_sampling"] = asdict(self.linear_sampling)
-        return out
+        return json_ready(self)
 
 
 @dataclass
@@ -175,9 +173,8 @@ class Context:
         device: The device.
         seed: Seed of this (task, split): random module choices and sampling derive from it.
         settings: Method hyperparameters.
-        ivon: ``{"hess": {name: tensor}, "ess": float, "weight_decay": float, "finetune_seconds": float}``
-            when fine-tuned with IVON (``finetune_seconds``: wall-clock time of the IVON fine-tuning that
-            produced the checkpoint).
+        ivon: ``{"hess": {name: tensor}, "ess", "weight_decay", "finetune_seconds"}`` when fine-tuned with
+            IVON (``finetune_seconds``: the wall-clock time of that fine-tuning).
         curvature_dir: Folder of the shared curvature pass (beside the checkpoint); ``None``: not stored.
     """
 
@@ -220,10 +217,9 @@ class Prediction:
         fit_seconds: Time to build the posterior (including hyperparameter search).
         predict_seconds: Time to predict the test set.
         extra: Method-specific facts (chosen prior precision, learning rate, modules).
-        val_nll: Mean validation NLL of the method's predictive (the level of a ramp is chosen by it, as in
-            the paper's §5.4); ``None`` when not computed.
-        curvature_pass: Laplace cells: ``"per-cell"`` (curvature from the cell's own pass over the
-            training set) or ``"shared"`` (from the one pass of the whole ramp); ``None`` otherwise.
+        val_nll: Mean validation NLL of the method's predictive (chooses a ramp's level, the paper's §5.4).
+        curvature_pass: Laplace cells: ``"per-cell"`` (the cell's own pass over the training set) or
+            ``"shared"`` (the ramp's one pass); ``None`` otherwise.
     """
 
     probs: torch.Tensor
@@ -239,33 +235,28 @@ class Prediction:
 
 @dataclass(frozen=True)
 class KronCell:
-    """The subset of a KFAC-type Laplace cell, and what the shared curvature pass derives it from.
+    """A KFAC-type Laplace cell: its Kronecker-structured subset and S-KFAC level (``None``: whole maps).
 
-    Attributes:
-        subset: Kronecker-structured ``selection.Subset``.
-        skfac_percent: The S-KFAC percentage of an ``skfac`` cell (factors of that level); ``None`` for a
-            union of whole linear maps (their full factors).
+    The shared curvature pass derives the cell's factors from them (a level's, or the maps' full ones).
     """
 
     subset: Subset
     skfac_percent: float | None = None
 
 
-# Offsets of the run's generators (``Context.generator``): one per kind of random draw, so that no two
-# draws of a run share a stream.
-SWAG_SWEEP_OFFSET, SWAG_SAMPLES_OFFSET, IVON_SAMPLES_OFFSET, MC_FISHER_OFFSET, LS_OFFSET = (
-    1,
-    2,
-    3,
-    4,
-    5,
+# Offsets of the run's generators (``Context.generator``): one stream per kind of random draw.
+SWAG_SWEEP_OFFSET, SWAG_SAMPLES_OFFSET, IVON_SAMPLES_OFFSET, MC_FISHER_OFFSET, LS_OFFSET = range(
+    1, 6
 )
 
 
 @torch.no_grad()
-def batch_logits(model: nn.Module, batches: Sequence[Batch]) -> torch.Tensor:
-    """(N, C) float64 logits of ``model`` over dict batches (labels ignored), on cpu."""
-    return torch.cat([model_logits(model, split_batch(b).inputs).double().cpu() for b in batches])
+def batch_logits(
+    model: nn.Module, batches: Sequence[Batch], device: torch.device | str | None = None
+) -> torch.Tensor:
+    """(N, C) float64 logits of ``model`` over dict batches (labels ignored; moved to ``device``), on cpu."""
+    parts = [model_logits(model, split_batch(b, device=device).inputs) for b in batches]
+    return torch.cat([z.double().cpu() for z in parts])
 
 
 def val_nll(probs: torch.Tensor, labels: torch.Tensor) -> float:
@@ -281,7 +272,6 @@ def modules_of(subset: Subset) -> list[str]:
 def every_linear_map(model: nn.Module) -> Subset:
     """Every candidate linear map of ``model``, weights and biases: the subset of the ``*-full`` methods.
 
-    The same subset as ``selection.max_operator_norm(model, k, group="all")`` with ``k`` = the number of
-    maps (a Subset keeps model order, so ranking every map selects them all), without computing any norm.
+    The subset of ``selection.max_operator_norm`` with every map, without computing any norm.
     """
     return modules(model, list(grouped_linear_modules(model, "all")))

@@ -26,7 +26,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -40,7 +39,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from partialbayes.curvature import ModuleFactors, kfac
-from partialbayes.glue_bench.store import temp_path
+from partialbayes.glue_bench.store import atomic_write
 from partialbayes.selection import KronBlock, Subset, linear_modules
 
 # What a fresh ``KronLaplace(model, subset, num_classes=C, fisher=...).fit(train)`` passes to ``kfac``
@@ -352,17 +351,9 @@ class CurvatureStore:
             "loss": dataclasses.asdict(loss),
             **meta,
         }
-        tmp = temp_path(path)
-        try:
-            save_file(
-                {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-                str(tmp),
-                metadata={"partialbayes": json.dumps(header, sort_keys=True)},
-            )
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return path
+        cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+        metadata = {"partialbayes": json.dumps(header, sort_keys=True)}
+        return atomic_write(path, lambda tmp: save_file(cpu, str(tmp), metadata=metadata))
 
     def _read(self, path: Path, kind: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
         try:

@@ -26,14 +26,13 @@ class TaskSpec:
     """How to read one GLUE task.
 
     Attributes:
-        name: Task name as used on the command line (``sst2``, ``mrpc``, ``rte``).
+        name: Task name on the command line (``sst2``, ``mrpc``, ``rte``) and in ``nyu-mll/glue``.
         folder: Folder name inside the GLUE directory (``SST-2``, ...).
         text_columns: Header names of the one or two text columns.
         label_column: Header name of the label column.
         labels: Label strings in class-index order.
         train_size: Training-part size of the paper's split.
         val_size: Validation-part size of the paper's split.
-        hub_name: Configuration name of the Hugging Face ``nyu-mll/glue`` dataset.
         hub_text_columns: Text column names in the Hugging Face dataset.
     """
 
@@ -44,8 +43,7 @@ class TaskSpec:
     labels: tuple[str, ...]
     train_size: int
     val_size: int
-    hub_name: str
-    hub_text_columns: tuple[str, ...]
+    hub_text_columns: tuple[str, ...] = ("sentence1", "sentence2")
 
     @property
     def num_labels(self) -> int:
@@ -53,21 +51,10 @@ class TaskSpec:
         return len(self.labels)
 
 
+BINARY = ("0", "1")
 TASKS: dict[str, TaskSpec] = {
-    "sst2": TaskSpec(
-        "sst2", "SST-2", ("sentence",), "label", ("0", "1"), 60_600, 6_700, "sst2", ("sentence",)
-    ),
-    "mrpc": TaskSpec(
-        "mrpc",
-        "MRPC",
-        ("#1 String", "#2 String"),
-        "Quality",
-        ("0", "1"),
-        3_300,
-        370,
-        "mrpc",
-        ("sentence1", "sentence2"),
-    ),
+    "sst2": TaskSpec("sst2", "SST-2", ("sentence",), "label", BINARY, 60_600, 6_700, ("sentence",)),
+    "mrpc": TaskSpec("mrpc", "MRPC", ("#1 String", "#2 String"), "Quality", BINARY, 3_300, 370),
     "rte": TaskSpec(
         "rte",
         "RTE",
@@ -76,8 +63,6 @@ TASKS: dict[str, TaskSpec] = {
         ("entailment", "not_entailment"),
         2_240,
         250,
-        "rte",
-        ("sentence1", "sentence2"),
     ),
 }
 
@@ -121,12 +106,7 @@ def default_glue_dir() -> Path | None:
 def read_glue_tsv(path: str | Path, spec: TaskSpec) -> Examples:
     """Read one GLUE TSV file (tab-separated, quoting off, optional UTF-8 BOM).
 
-    Args:
-        path: The ``train.tsv`` or ``dev.tsv`` file.
-        spec: The task, which names the text and label columns.
-
-    Returns:
-        The examples, labels mapped to indices in ``spec.labels`` order.
+    Returns the examples, labels as indices into ``spec.labels``.
 
     Raises:
         FileNotFoundError: ``path`` does not exist (the message names it).
@@ -176,22 +156,24 @@ def load_glue_local(task: str, glue_dir: str | Path) -> tuple[Examples, Examples
     return read_glue_tsv(folder / "train.tsv", spec), read_glue_tsv(folder / "dev.tsv", spec)
 
 
-def load_glue_hub(task: str) -> tuple[Examples, Examples]:  # pragma: no cover - needs the hub
+def load_glue_hub(task: str) -> tuple[Examples, Examples]:
     """Download the task from the Hugging Face hub (``nyu-mll/glue``); returns ``(train, test)``.
 
-    Needs the optional ``datasets`` package (extra ``hub``) and network access to the hub.
+    Raises:
+        ImportError: ``datasets`` is not installed (the message names the ``hub`` extra).
+        OSError: The hub is switched off (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``), or unreachable.
     """
     spec = task_spec(task)
-    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
-        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
-            raise OSError(f"the Hugging Face hub is switched off ({var} is set)")
     try:
         import datasets
     except ImportError as err:
         raise ImportError(
             "loading GLUE from the hub needs `datasets`: pip install 'partialbayes-glue-bench[hub]'"
         ) from err
-    ds = datasets.load_dataset("nyu-mll/glue", spec.hub_name)
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            raise OSError(f"the Hugging Face hub is switched off ({var} is set)")
+    ds = datasets.load_dataset("nyu-mll/glue", spec.name)  # pragma: no cover - needs the hub
 
     def convert(split: Any) -> Examples:
         cols = [split[c] for c in spec.hub_text_columns]
@@ -220,8 +202,9 @@ def load_glue(task: str, glue_dir: str | Path | None = None) -> tuple[Examples, 
 
     Raises:
         ValueError: Unknown task.
-        FileNotFoundError: The given folder lacks a file (named), or no folder was given and the hub is
-            unreachable (the message says where to put the data).
+        FileNotFoundError: The given folder lacks a file (named), or no folder was given and the hub
+            fallback failed (the message says where to put the data, and why the hub failed: the ``hub``
+            extra missing, the hub switched off by ``HF_HUB_OFFLINE``, or unreachable).
     """
     spec = task_spec(task)
     folder = Path(glue_dir) if glue_dir is not None else default_glue_dir()
@@ -229,20 +212,18 @@ def load_glue(task: str, glue_dir: str | Path | None = None) -> tuple[Examples, 
         return load_glue_local(task, folder)
     try:
         return load_glue_hub(task)
-    except Exception as err:
-        raise FileNotFoundError(glue_missing_message(task, folder)) from err
+    except Exception as err:  # no `datasets`, hub switched off or unreachable, ...: say which
+        raise FileNotFoundError(
+            f"{glue_missing_message(task, folder)}; the Hugging Face hub (nyu-mll/glue) was tried "
+            f"instead and failed: {type(err).__name__}: {err}"
+        ) from err
 
 
 def data_fingerprint(train: Examples, test: Examples) -> dict[str, Any]:
-    """What a results folder remembers about a task's data: a sha256 of every text and label read.
+    """``{"sha256", "n_train", "n_test"}``: what a results folder remembers about a task's data.
 
-    The digest covers the parsed examples (text columns and label indices of the training file and of the
-    dev/test file, in file order), so any edit that changes what the experiment sees (a flipped label, an
-    edited sentence, added or removed rows) changes it, while byte-level details that do not (a byte-order
-    mark, line endings) do not.
-
-    Returns:
-        ``{"sha256": hex digest, "n_train": rows of the training file, "n_test": rows of the test file}``.
+    The digest covers the parsed texts and labels, so an edit the experiment would see changes it, while
+    byte-level details (a byte-order mark, line endings) do not.
     """
     h = hashlib.sha256()
     for part in (train, test):
@@ -256,11 +237,9 @@ def split_indices(
 ) -> tuple[list[int], list[int]]:
     """Seeded training / validation indices into the ``n`` rows of the training file.
 
-    The validation part takes the first ``spec.val_size`` entries of a permutation seeded by ``split``,
-    the training part the next ``spec.train_size`` (fewer if the file is shorter: MRPC's published
-    sizes add up to 3,670 > 3,668, so its training part has 3,298 rows). With ``max_train`` the
-    training part is cut to its first ``max_train`` rows and the validation part in proportion (at least
-    64 rows), so smaller runs use nested subsets of the full split.
+    The validation part is the first ``spec.val_size`` entries of a permutation seeded by ``split``, the
+    training part the next ``spec.train_size`` (MRPC: 3,298, the file being short). ``max_train`` cuts the
+    training part and the validation part in proportion (at least 64): nested subsets of the full split.
 
     Returns:
         ``(train_indices, val_indices)``, disjoint.
@@ -288,16 +267,9 @@ def encode(
 ) -> list[dict[str, torch.Tensor]]:
     """Tokenise into a list of dict batches (padded to the longest sequence in each batch).
 
-    Each batch holds the tokenizer's tensors (``input_ids``, ``attention_mask``, maybe
-    ``token_type_ids``), each of shape (B, L), and ``labels`` of shape (B,).
-
-    Args:
-        examples: The examples.
-        tokenizer: A Hugging Face tokenizer.
-        batch_size: Examples per batch.
-        max_length: Truncation length in tokens (``None``: the tokenizer's ``model_max_length``).
-        sort_by_length: Order the examples by text length first (labels move with them), which cuts
-            padding for evaluation passes where the order does not matter.
+    Each batch holds the tokenizer's (B, L) tensors and ``labels`` (B,). ``max_length`` truncates (``None``:
+    the tokenizer's limit); ``sort_by_length`` orders the examples by text length first (less padding for
+    passes where the order does not matter).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")

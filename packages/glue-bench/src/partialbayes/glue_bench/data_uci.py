@@ -18,17 +18,9 @@ UCI_DATASETS: dict[str, str] = {"boston": "bostonHousing", "energy": "energy", "
 
 @dataclass(frozen=True)
 class UCISplit:
-    """One standardised train/test split.
+    """One train/test split: float64 inputs (N, D) and targets (N,), standardised by the training part.
 
-    Inputs and targets are standardised with the training part's mean and standard deviation.
-
-    Attributes:
-        x_train: (N_train, D) float64 inputs.
-        y_train: (N_train,) float64 targets.
-        x_test: (N_test, D) float64 inputs.
-        y_test: (N_test,) float64 targets.
-        y_mean: Training target mean (to undo the standardisation).
-        y_std: Training target standard deviation.
+    ``y_mean`` and ``y_std`` undo the targets' standardisation.
     """
 
     x_train: torch.Tensor
@@ -61,14 +53,7 @@ def _read_ints(path: Path) -> list[int]:
 
 
 def read_uci_matrix(path: Path) -> torch.Tensor:
-    """Read ``data.txt``: rows of whitespace-separated numbers, empty lines skipped.
-
-    Returns:
-        (rows, columns) float64 tensor.
-
-    Raises:
-        ValueError: A row with a different number of columns or a non-number (names the line).
-    """
+    """``data.txt`` as a (rows, columns) float64 tensor; a ragged row or a non-number raises, naming the line."""
     if not path.is_file():
         raise FileNotFoundError(f"UCI file not found: {path}")
     rows: list[list[float]] = []

@@ -1,4 +1,10 @@
-"""Run the GLUE grid: fine-tune (or reuse) one MAP per (task, split), then fill every method cell."""
+"""Run the GLUE grid, one unit per (task, split): fine-tune (or reuse) its MAP, then fill every method cell.
+
+:func:`run_grid` lists the units and hands them to an executor (:mod:`~partialbayes.glue_bench.executors`:
+this process, or Ray tasks). :func:`run_unit` is one unit: claim it, :func:`prepare_context` (data, model,
+the MAP checkpoint), then its cells, each by :func:`run_cell` or, for the KFAC-type Laplace cells, together
+from one curvature pass (:func:`partialbayes.glue_bench.ramp.run_shared`).
+"""
 
 from __future__ import annotations
 
@@ -6,14 +12,17 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from partialbayes.glue_bench.context import Context, Prediction, Settings
+from partialbayes import predictive
+from partialbayes.glue_bench.context import Context, Prediction, Settings, check_int
 from partialbayes.glue_bench.data_glue import (
+    Examples,
     count_truncated,
     data_fingerprint,
     encode,
@@ -21,11 +30,11 @@ from partialbayes.glue_bench.data_glue import (
     split_indices,
     task_spec,
 )
+from partialbayes.glue_bench.executors import UnitResult, run_units
 from partialbayes.glue_bench.methods import Method, get_methods
-from partialbayes.glue_bench.metrics import all_metrics
-from partialbayes.glue_bench.models import DEFAULT_MODEL, load_encoder
+from partialbayes.glue_bench.models import DEFAULT_MODEL, check_model_folder, load_encoder
 from partialbayes.glue_bench.ramp import run_shared
-from partialbayes.glue_bench.store import Cell, ResultStore, shard_units
+from partialbayes.glue_bench.store import Cell, ResultStore, UnitBusyError, grid_units, json_ready
 from partialbayes.glue_bench.train import TrainConfig, finetune, load_checkpoint, save_checkpoint
 
 ModelFactory = Callable[[str, int, float], tuple[torch.nn.Module, Any]]
@@ -37,20 +46,15 @@ class RunConfig:
     """Everything that determines the results (stored as the results folder's configuration).
 
     Attributes:
-        model: Model name or path (``minilm`` is the packaged default).
+        model: Model name or folder (``minilm`` is the packaged default).
         train: Fine-tuning settings.
         settings: Method hyperparameters.
         max_train_examples: Cap on the training part of each split (``None``: the paper's sizes).
         max_test_examples: Cap on the test set (``None``: the whole GLUE dev set).
         curvature_batch_size: Batch size of the curvature, SWAG and prediction passes.
-        seed: Base seed. Split ``k`` of a run uses ``seed · 100 + k`` for everything random: the new
-            classification head, the batch order, dropout, IVON's noise, SWAG's and IVON's samples, random
-            module choices and the MC fisher (each kind of draw its own generator).
-        curvature_pass: How the KFAC / S-KFAC / module-ramp Laplace cells of a (task, split) get their
-            curvature and predictive passes: ``shared`` (default: one pass over the training set for the
-            whole ramp, stored beside the checkpoint, and one pass over the validation and test sets,
-            :mod:`partialbayes.glue_bench.ramp`) or ``per-cell`` (each cell on its own). Both give the same
-            records (up to the timing fields and this field); a results folder holds one of them.
+        seed: Base seed; split ``k`` seeds everything random with ``seed · 100 + k``.
+        curvature_pass: ``shared`` (one curvature pass per ramp of KFAC-type cells, stored beside the
+            checkpoint, :mod:`~partialbayes.glue_bench.ramp`) or ``per-cell``: the same records.
     """
 
     model: str = DEFAULT_MODEL
@@ -65,23 +69,15 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise TypeError(f"RunConfig.model must be a non-empty string, got {self.model!r}")
-        if not isinstance(self.train, TrainConfig):
-            raise TypeError(
-                f"RunConfig.train must be a TrainConfig, got {type(self.train).__name__}"
-            )
-        if not isinstance(self.settings, Settings):
-            raise TypeError(
-                f"RunConfig.settings must be a Settings, got {type(self.settings).__name__}"
-            )
-        for key in ("max_train_examples", "max_test_examples", "curvature_batch_size", "seed"):
-            value = getattr(self, key)
-            if value is None and key.startswith("max_"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"RunConfig.{key} must be an int, got {value!r}")
-            low = 0 if key == "seed" else 1
-            if value < low:
-                raise ValueError(f"RunConfig.{key} must be >= {low}, got {value}")
+        for key, kind in (("train", TrainConfig), ("settings", Settings)):
+            if not isinstance(getattr(self, key), kind):
+                raise TypeError(
+                    f"RunConfig.{key} must be a {kind.__name__}, got {type(getattr(self, key)).__name__}"
+                )
+        for key in ("max_train_examples", "max_test_examples", "curvature_batch_size"):
+            if getattr(self, key) is not None:
+                check_int("RunConfig", key, getattr(self, key))
+        check_int("RunConfig", "seed", self.seed, 0)
         if self.curvature_pass not in CURVATURE_PASSES:
             raise ValueError(
                 f"RunConfig.curvature_pass must be one of {CURVATURE_PASSES}, got "
@@ -90,16 +86,7 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict (the store's fingerprint is taken of it)."""
-        return {
-            "model": self.model,
-            "train": self.train.to_dict(),
-            "settings": self.settings.to_dict(),
-            "max_train_examples": self.max_train_examples,
-            "max_test_examples": self.max_test_examples,
-            "curvature_batch_size": self.curvature_batch_size,
-            "seed": self.seed,
-            "curvature_pass": self.curvature_pass,
-        }
+        return json_ready(self)
 
 
 def _to(
@@ -118,6 +105,55 @@ def model_length_limit(model: torch.nn.Module, tokenizer: Any) -> int:
     return min(usable) if usable else 512
 
 
+def split_data(
+    task: str, split: int, config: RunConfig, glue_dir: str | Path | None
+) -> tuple[dict[str, Examples], dict[str, Any]]:
+    """``({"train", "val", "test"}: examples, data fingerprint)`` of split ``split`` of ``task``."""
+    train_all, test = load_glue(task, glue_dir)
+    train, val = split_indices(len(train_all), task_spec(task), split, config.max_train_examples)
+    if config.max_test_examples is not None:
+        test = test.take(range(min(config.max_test_examples, len(test))))
+    parts = {"train": train_all.take(train), "val": train_all.take(val), "test": test}
+    return parts, data_fingerprint(train_all, test)
+
+
+def map_checkpoint(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    parts: dict[str, Examples],
+    train: TrainConfig,
+    folder: Path,
+    progress: bool,
+    about: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
+    """Load the MAP checkpoint at ``folder`` into ``model``, fine-tuning and publishing it first if absent.
+
+    A fresh checkpoint (meta headed by ``about``) is published atomically (``train.save_checkpoint``); the
+    model always scores with the published weights, so every cell of the folder uses the same MAP.
+
+    Returns:
+        ``(meta, IVON Hessians or None)``; the meta says ``cached``, ``finetune_seconds`` and
+        ``finetune_cpu_seconds`` (this process's) and, after fine-tuning, ``published_here``.
+    """
+    own: dict[str, Any] = {"cached": True, "finetune_seconds": 0.0, "finetune_cpu_seconds": 0.0}
+    if load_checkpoint(model, folder) is None:
+        device = next(model.parameters()).device
+        summary = finetune(model, tokenizer, parts["train"], parts["val"], train, device, progress)
+        hess = summary.pop("ivon_hess", None)
+        cut = {n: count_truncated(e, tokenizer, train.max_length) for n, e in parts.items()}
+        meta = {**about, "max_length": train.max_length, "truncated": cut, **summary}
+        own = {
+            "cached": False,
+            "published_here": save_checkpoint(model, folder, meta, hess),
+            "finetune_seconds": float(summary["seconds"]),
+            "finetune_cpu_seconds": float(summary["cpu_seconds"]),
+        }
+    loaded = load_checkpoint(model, folder)
+    if loaded is None:  # pragma: no cover - save_checkpoint either published or found a checkpoint
+        raise RuntimeError(f"checkpoint {folder} vanished after it was published")
+    return {**loaded[0], **own}, loaded[1]
+
+
 def prepare_context(
     task: str,
     split: int,
@@ -130,91 +166,40 @@ def prepare_context(
 ) -> tuple[Context, dict[str, Any]]:
     """Load data, fine-tune or reuse the checkpoint of (task, split), and build the method context.
 
-    Args:
-        task: GLUE task name.
-        split: Split index (seeds the train/validation permutation and the fine-tuning).
-        config: The run configuration.
-        store: Results store (holds the checkpoint cache).
-        device: Device of the model and batches.
-        glue_dir: GLUE folder; default ``$PARTIALBAYES_DATA/glue`` (or the hub).
-        model_factory: ``(name, num_labels, dropout) -> (model, tokenizer)``; default :func:`load_encoder`.
-        progress: Show progress bars.
-
-    The model is built after seeding the global generator with the split's seed, so a freshly initialised
-    classification head is the same in every run with the same configuration. The data of the task are
-    checked against the ones the results folder was filled with (``ResultStore.check_data``) before any
-    work. The checkpoint is fine-tuned only when ``store`` holds none for (task, split, model); it is then
-    published atomically (:func:`~partialbayes.glue_bench.train.save_checkpoint`). Either way the model is
-    loaded from the published checkpoint, so shards that fine-tuned the same checkpoint concurrently all
-    score with the one that was published first.
+    The model comes from ``model_factory(name, num_labels, dropout) -> (model, tokenizer)`` (default
+    :func:`load_encoder`, which with ``config.train.epochs == 0`` refuses a model that is not a fine-tuned
+    classifier), built after seeding with the split's seed so that a new head is the same in every run.
+    The task's data are checked against the folder's (``ResultStore.check_data``) before any work; the
+    checkpoint comes from :func:`map_checkpoint`.
 
     Returns:
-        ``(context, checkpoint meta)``: the published meta plus ``cached`` (no fine-tuning here),
-        ``finetune_seconds`` / ``finetune_cpu_seconds`` (this process's fine-tuning, 0 when cached) and,
-        after fine-tuning, ``published_here`` (``False``: another process published first and its
-        weights are used).
+        ``(context, checkpoint meta)``.
     """
     spec = task_spec(task)
-    factory = model_factory or (lambda n, c, d: load_encoder(n, c, dropout=d))
-    train_all, test = load_glue(task, glue_dir)
-    tr_idx, val_idx = split_indices(len(train_all), spec, split, config.max_train_examples)
-    train, val = train_all.take(tr_idx), train_all.take(val_idx)
-    if config.max_test_examples is not None:
-        test = test.take(range(min(config.max_test_examples, len(test))))
+    parts, data = split_data(task, split, config, glue_dir)
     seed = config.seed * 100 + split
     torch.manual_seed(seed)  # the new classification head (and anything else the factory draws)
+    trained = config.train.epochs == 0
+    factory = model_factory or (
+        lambda n, c, d: load_encoder(n, c, dropout=d, trained=trained, progress=progress)
+    )
     model, tokenizer = factory(config.model, spec.num_labels, config.train.dropout)
-    # checked only now: a model that cannot be loaded leaves no results folder behind
-    store.check_data(task, data_fingerprint(train_all, test))
+    store.check_data(task, data)  # only now: a model that cannot be loaded binds nothing
     limit = model_length_limit(model, tokenizer)
     max_length = min(config.train.max_length or limit, limit)
-    tcfg = dataclasses.replace(config.train, seed=seed, max_length=max_length)
-    model.to(device)
+    train = dataclasses.replace(config.train, seed=seed, max_length=max_length)
     folder = store.checkpoint_dir(task, split, config.model)
-    loaded = load_checkpoint(model, folder)
-    own: dict[str, Any] = {"cached": True, "finetune_seconds": 0.0, "finetune_cpu_seconds": 0.0}
-    if loaded is None:
-        summary = finetune(model, tokenizer, train, val, tcfg, device, progress=progress)
-        hess = summary.pop("ivon_hess", None)
-        truncated = {
-            name: count_truncated(part, tokenizer, max_length)
-            for name, part in (("train", train), ("val", val), ("test", test))
-        }
-        meta = {
-            "task": task,
-            "split": split,
-            "model": config.model,
-            "max_length": max_length,
-            "truncated": truncated,
-            **summary,
-        }
-        store.claim()
-        published = save_checkpoint(model, folder, meta, hess)
-        own = {
-            "cached": False,
-            "published_here": published,
-            "finetune_seconds": float(summary["seconds"]),
-            "finetune_cpu_seconds": float(summary["cpu_seconds"]),
-        }
-        # Score with the published weights, not the in-memory ones: when another shard published this
-        # checkpoint first, ours was discarded, and every cell of the folder must use the same MAP.
-        loaded = load_checkpoint(model, folder)
-        if (
-            loaded is None
-        ):  # pragma: no cover - save_checkpoint either published or found a checkpoint
-            raise RuntimeError(f"checkpoint {folder} vanished after it was published")
-    meta, hess = loaded
-    meta = {**meta, **own}
+    about = {"task": task, "split": split, "model": config.model}
+    meta, hess = map_checkpoint(model.to(device), tokenizer, parts, train, folder, progress, about)
     model.eval()
     ivon = None
     if hess is not None and "ivon" in meta:
         ivon = {"hess": hess, **meta["ivon"], "finetune_seconds": float(meta["seconds"])}
     bs = config.curvature_batch_size
+    batches = {k: _to(encode(e, tokenizer, bs, max_length, True), device) for k, e in parts.items()}
     ctx = Context(
+        **batches,
         model=model,
-        train=_to(encode(train, tokenizer, bs, max_length, sort_by_length=True), device),
-        val=_to(encode(val, tokenizer, bs, max_length, sort_by_length=True), device),
-        test=_to(encode(test, tokenizer, bs, max_length, sort_by_length=True), device),
         num_labels=spec.num_labels,
         device=device,
         seed=seed,
@@ -223,6 +208,28 @@ def prepare_context(
         curvature_dir=folder / "curvature",
     )
     return ctx, meta
+
+
+def all_metrics(probs: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+    """The test metrics of a record from ``probs`` (N, C) and ``labels`` (N,), by ``partialbayes.predictive``.
+
+    Returns:
+        ``accuracy``, ``nll``, ``ece`` (20 equal-mass bins, the paper's) and ``brier``, and ``reliability``:
+        confidence, accuracy and count of those 20 bins (for calibration curves).
+    """
+    p = probs.double()
+    rel = predictive.reliability(p, labels, n_bins=20, binning="equal_mass")
+    return {
+        "accuracy": float(predictive.accuracy(p, labels)),
+        "nll": float(predictive.nll(p, labels)),
+        "ece": float(rel.ece),
+        "brier": float(predictive.brier(p, labels)),
+        "reliability": {
+            "confidence": [float(v) for v in rel.confidence],
+            "accuracy": [float(v) for v in rel.accuracy],
+            "count": [int(v) for v in rel.count],
+        },
+    }
 
 
 def prediction_record(ctx: Context, method: Method, pred: Prediction, cpu: float) -> dict[str, Any]:
@@ -254,10 +261,8 @@ def prediction_record(ctx: Context, method: Method, pred: Prediction, cpu: float
 def run_cell(ctx: Context, method: Method, size: str) -> dict[str, Any]:
     """Run one cell on its own and return its record (metrics, floats, times, method facts).
 
-    The global generator is seeded by the (task, split) first (SWAG's dropout draws use it), so a cell
-    gives the same record whatever ran before it. ``fit_seconds`` and ``predict_seconds`` are wall-clock
-    times measured by the method; ``cpu_seconds`` is the process CPU time of the whole cell (all threads),
-    a load-independent cost measure on a shared machine.
+    The global generator is seeded by the (task, split) first, so a cell's record does not depend on what
+    ran before it. ``cpu_seconds`` is the process CPU time of the cell (all threads).
     """
     torch.manual_seed(ctx.seed)
     cpu = time.process_time()
@@ -274,6 +279,156 @@ def shares_curvature(method: Method, config: RunConfig) -> bool:
     return config.curvature_pass == "shared" and method.kron is not None
 
 
+@dataclass(frozen=True)
+class Grid:
+    """What every unit of one :func:`run_grid` call shares (its arguments; sent as it is to each worker).
+
+    ``results`` and ``glue_dir`` are absolute (workers may run elsewhere); ``methods`` in run order.
+    """
+
+    methods: tuple[str, ...]
+    config: RunConfig
+    results: Path
+    device: str = "cpu"
+    glue_dir: Path | None = None
+    model_factory: ModelFactory | None = None
+    progress: bool = True
+    keep_going: bool = False
+    take_over: bool = False
+
+
+def run_unit(grid: Grid, task: str, split: int, log: Callable[[str], None] = print) -> UnitResult:
+    """One unit: claim (task, split), fine-tune or reuse its MAP, then run every cell not finished yet.
+
+    A unit claimed by another process that may still run it is left to that process (a failure line says
+    so, and nothing is written); see :meth:`~partialbayes.glue_bench.store.ResultStore.unit_claim`.
+    """
+    unit = _Unit(grid, task, split, log, ResultStore(grid.results, grid.config.to_dict()))
+    try:
+        with unit.store.unit_claim(task, split, grid.take_over):
+            unit.run()
+    except UnitBusyError as err:
+        unit.out.failures.append(f"{task}/split{split}: {err}")
+        unit.say(f"skipped: {err}")
+    return unit.out
+
+
+@dataclass
+class _Unit:
+    """One (task, split) while its cells run: where records go and what is reported back."""
+
+    grid: Grid
+    task: str
+    split: int
+    log: Callable[[str], None]
+    store: ResultStore
+    out: UnitResult = field(default_factory=UnitResult)
+
+    def run(self) -> None:
+        """The cells, in the order of ``grid.methods`` (the shared ramp at its first method)."""
+        ctx = self.prepare()
+        methods = get_methods(self.grid.methods)
+        shared = [m for m in methods if shares_curvature(m, self.grid.config)]
+        ramp = [(m, size) for m in shared for size in self.todo(m, ctx)]
+        for method in methods:
+            if method in shared:
+                if ramp:
+                    self.run_ramp(ctx, ramp)
+                ramp = []
+                continue
+            name = f"{self.task}/{self.split}/{method.name}"
+            for size in tqdm(
+                self.todo(method, ctx), name, disable=not self.grid.progress, leave=False
+            ):
+                t0 = time.perf_counter()
+                try:
+                    record = run_cell(ctx, method, size)
+                except Exception as err:  # one broken cell must not stop the grid
+                    self.fail(method.name, size, err)
+                    continue
+                self.done(method.name, size, {**record, "seconds": time.perf_counter() - t0})
+
+    def prepare(self) -> Context:
+        self.say(f"preparing model {self.grid.config.model}")
+        w0, c0 = time.perf_counter(), time.process_time()
+        g = self.grid
+        device = torch.device(g.device)
+        ctx, meta = prepare_context(
+            self.task,
+            self.split,
+            g.config,
+            self.store,
+            device,
+            g.glue_dir,
+            g.model_factory,
+            g.progress,
+        )
+        if meta.get("published_here") is False:
+            self.say("another process published this checkpoint first: using its weights")
+        tuning = {
+            "finetune_wall": meta["finetune_seconds"],
+            "finetune_cpu": meta["finetune_cpu_seconds"],
+        }
+        self.timing("prepare", time.perf_counter() - w0, time.process_time() - c0, **tuning)
+        self.say(f"MAP val accuracy {meta['val_accuracy']:.3f}")
+        return ctx
+
+    def run_ramp(self, ctx: Context, ramp: list[tuple[Method, str]]) -> None:
+        """The shared ramp (:func:`~partialbayes.glue_bench.ramp.run_shared`): records as cells finish."""
+        torch.manual_seed(ctx.seed)
+        w0, c0 = time.perf_counter(), time.process_time()
+        own_wall = own_cpu = 0.0
+        info = None
+        for method, size, result, info in run_shared(ctx, ramp, log=self.say):
+            try:
+                if isinstance(result, BaseException):
+                    raise result
+                record = prediction_record(ctx, method, result, 0.0)
+            except Exception as err:
+                self.fail(method.name, size, err)
+                continue
+            # a shared cell's own time: its posterior and its share of the predictive math (the shared
+            # passes are reported once, as the "shared passes" stage and in extra.curvature_seconds)
+            record["seconds"] = result.fit_seconds + result.predict_seconds
+            record["cpu_seconds"] = result.extra.pop("cpu_seconds")
+            record["extra"].update(
+                curvature_seconds=info.curvature_seconds, shared_cells=info.cells
+            )
+            own_wall += record["seconds"]
+            own_cpu += record["cpu_seconds"]
+            self.done(method.name, size, record)
+        if info is not None:
+            wall, cpu = time.perf_counter() - w0 - own_wall, time.process_time() - c0 - own_cpu
+            self.timing("shared passes", max(wall, 0.0), max(cpu, 0.0))
+
+    def todo(self, method: Method, ctx: Context) -> list[str]:
+        cell = partial(Cell, self.task, self.split, method.name)
+        return [s for s in method.sizes(ctx) if not self.store.has(cell(s))]
+
+    def say(self, message: str) -> None:
+        self.log(f"[{self.task} split {self.split}] {message}")
+
+    def fail(self, name: str, size: str, err: BaseException) -> None:
+        line = f"{self.task}/split{self.split}/{name}/{size}: {type(err).__name__}: {err}"
+        self.out.failures.append(line)
+        self.say(f"{name} {size}: FAILED ({line})")
+        if not self.grid.keep_going:
+            raise err
+
+    def done(self, name: str, size: str, record: dict[str, Any]) -> None:
+        self.store.write(Cell(self.task, self.split, name, size), record)
+        self.timing(name, record["seconds"], record["cpu_seconds"], size=size)
+        self.say(
+            f"{name} {size}: acc {record['accuracy']:.3f} nll {record['nll']:.3f} "
+            f"ece {record['ece']:.3f} ({record['seconds']:.1f} s)"
+        )
+
+    def timing(self, stage: str, wall: float, cpu: float, **extra: Any) -> None:
+        """One stage dict of ``run_grid(..., timings=...)``."""
+        where = {"task": self.task, "split": self.split}
+        self.out.timings.append({"stage": stage, **extra, **where, "wall": wall, "cpu": cpu})
+
+
 def run_grid(
     tasks: Sequence[str],
     splits: Sequence[int],
@@ -288,192 +443,47 @@ def run_grid(
     log: Callable[[str], None] = print,
     keep_going: bool = False,
     timings: list[dict[str, Any]] | None = None,
+    executor: str = "local",
+    ray_address: str | None = None,
+    take_over: bool = False,
 ) -> ResultStore:
-    """Fill the (task, split, method, size) grid of this shard; finished cells are skipped.
+    """Fill the (task, split, method, size) grid, one (task, split) unit at a time; finished cells are skipped.
 
-    With ``config.curvature_pass="shared"`` the KFAC-type Laplace cells of a (task, split) (``kfac-full``,
-    ``skfac``, the ``kfac-*`` module ramps) run together from one curvature pass
-    (:func:`partialbayes.glue_bench.ramp.run_shared`), at the place of the first such method; every other
-    cell runs on its own (:func:`run_cell`).
+    A unit fine-tunes (or reuses) its MAP once, then runs its cells (:func:`run_unit`) under a claim that
+    keeps other processes off it. ``shard=(i, n)``: every n-th unit. ``executor="ray"``: one Ray task per
+    unit (:func:`~partialbayes.glue_bench.executors.run_units`), into a results folder every node sees.
+    ``take_over``: take over claims whose owner on another host is gone. With ``curvature_pass="shared"``
+    the KFAC-type Laplace cells of a unit run together from one curvature pass
+    (:func:`partialbayes.glue_bench.ramp.run_shared`), the others each on its own (:func:`run_cell`).
 
-    With ``keep_going`` a cell that raises is logged and skipped (no record is written, so a later run
-    retries it); the messages are in ``store.failures``. Otherwise the first failure propagates.
-    ``timings``, when given, receives one dict per stage run here: ``{"stage": "prepare", "task",
-    "split", "wall", "cpu", "finetune_wall", "finetune_cpu"}`` (fine-tuning times are 0 for a cached
-    checkpoint), ``{"stage": "shared passes", "task", "split", "wall", "cpu"}`` for the shared curvature
-    and predictive passes, and ``{"stage": method, "size", "task", "split", "wall", "cpu"}`` per computed
-    cell.
-
-    Returns:
-        The results store.
+    With ``keep_going`` a failing cell is logged and skipped (no record: a later run retries it); the
+    messages, and one per unit that another process holds, are in ``store.failures``. ``timings`` receives
+    one dict per stage: ``{"stage": "prepare", "task", "split", "wall", "cpu", "finetune_wall",
+    "finetune_cpu"}``, ``{"stage": "shared passes", ...}`` and ``{"stage": method, "size", ...}``.
 
     Raises:
-        ValueError: Unknown tasks or methods, no task, split or method at all, or a results folder of
-            another configuration (before any work).
+        ValueError: Unknown tasks or methods, none at all, a ``--model`` folder that is missing or has no
+            tokenizer, or a results folder of another configuration (before any work).
     """
     for what, values in (("tasks", tasks), ("splits", splits), ("methods", method_names)):
         if len(values) == 0:
             raise ValueError(f"run_grid: {what} is empty: nothing to run")
     for t in tasks:
         task_spec(t)
-    methods = {m.name: m for m in get_methods(method_names)}
-    device = torch.device(device)
+    methods = tuple(dict.fromkeys(m.name for m in get_methods(method_names)))
+    if model_factory is None:
+        check_model_folder(config.model)
     store = ResultStore(results, config.to_dict())
-    failures = store.failures
-    units = shard_units([(t, s, m) for t in tasks for s in splits for m in methods], shard)
-    by_ts: dict[tuple[str, int], list[str]] = {}
-    for t, s, m in units:
-        by_ts.setdefault((t, s), []).append(m)
-
-    def fail(task: str, split: int, name: str, size: str, err: BaseException) -> None:
-        failures.append(f"{task}/split{split}/{name}/{size}: {type(err).__name__}: {err}")
-        log(f"[{task} split {split}] {name} {size}: FAILED ({failures[-1]})")
-        if not keep_going:
-            raise err
-
-    def done(task: str, split: int, name: str, size: str, record: dict[str, Any]) -> None:
-        store.write(Cell(task, split, name, size), record)
-        if timings is not None:
-            timings.append(
-                {
-                    "stage": name,
-                    "size": size,
-                    "task": task,
-                    "split": split,
-                    "wall": record["seconds"],
-                    "cpu": record["cpu_seconds"],
-                }
-            )
-        log(
-            f"[{task} split {split}] {name} {size}: acc {record['accuracy']:.3f} "
-            f"nll {record['nll']:.3f} ece {record['ece']:.3f} ({record['seconds']:.1f} s)"
-        )
-
-    for (task, split), names in by_ts.items():
-        ctx: Context | None = None
-        shared_done = False
-        for name in sorted(names, key=list(methods).index):
-            method = methods[name]
-            if ctx is None:
-                ctx = _prepare(
-                    task,
-                    split,
-                    config,
-                    store,
-                    device,
-                    glue_dir,
-                    model_factory,
-                    progress,
-                    log,
-                    timings,
-                )
-            if shares_curvature(method, config):
-                if not shared_done:
-                    shared_done = True
-                    group = [
-                        (methods[n], size)
-                        for n in sorted(names, key=list(methods).index)
-                        if shares_curvature(methods[n], config)
-                        for size in methods[n].sizes(ctx)
-                        if not store.has(Cell(task, split, n, size))
-                    ]
-                    if group:
-                        _run_shared_group(ctx, task, split, group, log, timings, fail, done)
-                continue
-            sizes = method.sizes(ctx)
-            todo = [s for s in sizes if not store.has(Cell(task, split, name, s))]
-            bar = tqdm(todo, desc=f"{task}/{split}/{name}", disable=not progress, leave=False)
-            for size in bar:
-                t0 = time.perf_counter()
-                try:
-                    record = run_cell(ctx, method, size)
-                except Exception as err:  # one broken cell must not stop the grid
-                    fail(task, split, name, size, err)
-                    continue
-                record["seconds"] = time.perf_counter() - t0
-                done(task, split, name, size, record)
-    return store
-
-
-def _prepare(
-    task: str,
-    split: int,
-    config: RunConfig,
-    store: ResultStore,
-    device: torch.device,
-    glue_dir: str | Path | None,
-    model_factory: ModelFactory | None,
-    progress: bool,
-    log: Callable[[str], None],
-    timings: list[dict[str, Any]] | None,
-) -> Context:
-    log(f"[{task} split {split}] preparing model {config.model}")
-    w0, c0 = time.perf_counter(), time.process_time()
-    ctx, meta = prepare_context(
-        task, split, config, store, device, glue_dir, model_factory, progress
+    folder = Path(glue_dir).absolute() if glue_dir is not None else None
+    grid = Grid(
+        methods, config, store.root.absolute(), str(device), folder, model_factory, progress
     )
-    if meta.get("published_here") is False:
-        log(
-            f"[{task} split {split}] another process published this checkpoint first: using its weights"
-        )
-    if timings is not None:
-        timings.append(
-            {
-                "stage": "prepare",
-                "task": task,
-                "split": split,
-                "wall": time.perf_counter() - w0,
-                "cpu": time.process_time() - c0,
-                "finetune_wall": meta["finetune_seconds"],
-                "finetune_cpu": meta["finetune_cpu_seconds"],
-            }
-        )
-    log(f"[{task} split {split}] MAP val accuracy {meta['val_accuracy']:.3f}")
-    return ctx
-
-
-def _run_shared_group(
-    ctx: Context,
-    task: str,
-    split: int,
-    group: list[tuple[Method, str]],
-    log: Callable[[str], None],
-    timings: list[dict[str, Any]] | None,
-    fail: Callable[[str, int, str, str, BaseException], None],
-    done: Callable[[str, int, str, str, dict[str, Any]], None],
-) -> None:
-    """The shared ramp of one (task, split): records written as the cells finish."""
-    torch.manual_seed(ctx.seed)
-    w0, c0 = time.perf_counter(), time.process_time()
-    own_wall = own_cpu = 0.0
-    info = None
-    for method, size, result, info in run_shared(
-        ctx, group, log=lambda m: log(f"[{task} split {split}] {m}")
-    ):
-        if isinstance(result, BaseException):
-            fail(task, split, method.name, size, result)
-            continue
-        try:
-            record = prediction_record(ctx, method, result, 0.0)
-        except ValueError as err:
-            fail(task, split, method.name, size, err)
-            continue
-        # a shared cell's own time: its posterior and its share of the predictive math (the shared
-        # passes are reported once, as the "shared passes" stage and in extra.curvature_seconds)
-        record["seconds"] = result.fit_seconds + result.predict_seconds
-        record["cpu_seconds"] = result.extra.pop("cpu_seconds")
-        record["extra"]["curvature_seconds"] = info.curvature_seconds
-        record["extra"]["shared_cells"] = info.cells
-        own_wall += record["seconds"]
-        own_cpu += record["cpu_seconds"]
-        done(task, split, method.name, size, record)
-    if timings is not None and info is not None:
-        timings.append(
-            {
-                "stage": "shared passes",
-                "task": task,
-                "split": split,
-                "wall": max(time.perf_counter() - w0 - own_wall, 0.0),
-                "cpu": max(time.process_time() - c0 - own_cpu, 0.0),
-            }
-        )
+    grid = dataclasses.replace(grid, keep_going=keep_going, take_over=take_over)
+    gpus = 1.0 if torch.device(device).type == "cuda" else 0.0
+    units = grid_units(tasks, splits, shard)
+    job = partial(run_unit, grid)
+    for unit in run_units(units, job, store.root, executor, ray_address, keep_going, log, gpus):
+        store.failures += unit.failures
+        if timings is not None:
+            timings += unit.timings
+    return store

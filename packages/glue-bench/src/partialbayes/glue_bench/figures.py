@@ -1,19 +1,17 @@
-"""The report's figures (matplotlib, Agg backend): ranks, calibration curves, memory, UCI selection.
+"""The report's figures (matplotlib, Agg backend): ramping, ranks, calibration curves, memory, UCI selection.
 
-Each function draws from plain rows (see :mod:`partialbayes.glue_bench.tables` and
-:func:`partialbayes.glue_bench.report.summarise`), writes one PNG atomically and returns whether it drew
-anything.
+Each function draws plain rows (``tables``, ``report.summarise``) into one PNG, written atomically, and
+returns whether it drew anything (``False``: no rows for that task).
 """
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from partialbayes.glue_bench.store import temp_path
+from partialbayes.glue_bench.store import atomic_write
 
 
 def pyplot() -> Any:
@@ -27,26 +25,58 @@ def pyplot() -> Any:
 
 
 def save_figure(fig: Any, path: Path, dpi: int = 120) -> None:
-    """Save ``fig`` as PNG at ``path`` through a unique temporary file and ``os.replace``, then close it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(path)
+    """Lay ``fig`` out, save it as PNG at ``path`` atomically (``store.atomic_write``) and close it."""
     try:
-        fig.savefig(tmp, dpi=dpi, format="png")
-        os.replace(tmp, path)
+        fig.tight_layout()
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
     finally:
         pyplot().close(fig)
-        if tmp.exists():
-            tmp.unlink()
+
+
+def _band(ax: Any, x: list[float], rows: list[dict[str, Any]], metric: str, line: Any) -> None:
+    """The interquartile band of ``metric`` over splits around ``line``."""
+    low, high = [r[f"{metric}_q25"] for r in rows], [r[f"{metric}_q75"] for r in rows]
+    ax.fill_between(x, low, high, alpha=0.2, color=line.get_color())
+
+
+def ramping_plot(
+    rows: Sequence[dict[str, Any]], task: str, path: Path, metric: str = "nll"
+) -> bool:
+    """NLL (or ``metric``) against percent stochastic for every method of ``task`` (Figs. 2, 3).
+
+    Medians with IQR bands; single-size methods with nothing stochastic (MAP, temperature) as flat lines.
+    """
+    mine = [r for r in rows if r["task"] == task and metric in r]
+    if not mine:
+        return False
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in mine:
+        by_method[r["method"]].append(r)
+    flat_styles = iter(["--", ":", "-.", (0, (5, 1)), (0, (1, 3))])
+    for method, rs in sorted(by_method.items()):
+        pts = sorted(rs, key=lambda r: r["percent_stochastic"])
+        x = [max(r["percent_stochastic"], 1e-4) for r in pts]
+        y = [r[metric] for r in pts]
+        if len(pts) == 1 and pts[0]["percent_stochastic"] == 0:
+            style = next(flat_styles, "--")
+            ax.axhline(y[0], linestyle=style, linewidth=1.2, label=method, color="0.3")
+            continue
+        _band(ax, x, pts, metric, ax.plot(x, y, marker="o", label=method)[0])
+    ax.set_xscale("log")
+    ax.set_xlabel("percent of parameters stochastic")
+    ax.set_ylabel(f"test {metric.upper() if metric in ('nll', 'ece') else metric}")
+    ax.set_title(f"{task}: {metric} vs stochastic subset size (median, IQR over splits)")
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+    return True
 
 
 def rank_plot(rank_rows: Sequence[dict[str, Any]], task: str, path: Path) -> bool:
     """Rank of every module strategy against the number of modules (the paper's Fig. 4).
 
-    One panel per family (KFAC, SWAG). Rank 0 is the lowest NLL; see
-    :func:`partialbayes.glue_bench.tables.strategy_ranks` for the rule.
-
-    Returns:
-        Whether a figure was written (``False`` when ``task`` has no rank rows).
+    One panel per family (KFAC, SWAG); rank 0 is the lowest NLL (``tables.strategy_ranks``).
     """
     mine = [r for r in rank_rows if r["task"] == task]
     if not mine:
@@ -73,7 +103,6 @@ def rank_plot(rank_rows: Sequence[dict[str, Any]], task: str, path: Path) -> boo
         ax.legend(fontsize=8)
     axes[0][0].set_ylabel("rank by median test NLL (0 = best)")
     axes[0][0].invert_yaxis()
-    fig.tight_layout()
     save_figure(fig, path)
     return True
 
@@ -81,18 +110,8 @@ def rank_plot(rank_rows: Sequence[dict[str, Any]], task: str, path: Path) -> boo
 def merged_bins(rows: Sequence[dict[str, Any]], n_bins: int) -> list[dict[str, float]]:
     """Merge consecutive reliability bins into at most ``n_bins`` bins of about equal count.
 
-    Bins are merged in confidence order; a merged bin's confidence and accuracy are the count-weighted means
-    of its parts and its count their sum, so equal-mass bins stay equal-mass.
-
-    Args:
-        rows: Reliability points with ``confidence``, ``accuracy`` and ``count`` (one curve).
-        n_bins: Largest number of bins wanted (at least 1).
-
-    Returns:
-        ``{"confidence", "accuracy", "count"}`` per merged bin, in confidence order.
-
-    Raises:
-        ValueError: If ``n_bins`` is smaller than 1.
+    ``rows`` (one curve's ``confidence``, ``accuracy``, ``count``) are merged in confidence order into
+    count-weighted means and summed counts, so equal-mass bins stay equal-mass; ``n_bins < 1`` raises.
     """
     if n_bins < 1:
         raise ValueError(f"n_bins must be at least 1, got {n_bins}")
@@ -129,13 +148,8 @@ def calibration_plot(
 ) -> bool:
     """Reliability diagram of ``task`` (the paper's Fig. 6): accuracy against confidence per bin.
 
-    One line per (method, size) of ``curve_rows``; the diagonal is perfect calibration. The records' equal-mass
-    bins (pooled over splits) are merged until a bin holds about ``per_bin`` test examples per split, so a
-    few hundred test points give a handful of bins whose accuracies are not noise; each point carries its
-    binomial standard error, and a lower panel shows how many test examples each bin holds.
-
-    Returns:
-        Whether a figure was written (``False`` when ``task`` has no curve rows).
+    One line per (method, size); the records' pooled bins are merged to about ``per_bin`` test examples
+    per split (so accuracies are not noise), with binomial standard errors and a panel of bin counts.
     """
     mine = [r for r in curve_rows if r["task"] == task]
     if not mine:
@@ -186,7 +200,6 @@ def calibration_plot(
     ax_n.set_ylim(bottom=0)
     ax_n.set_xlabel("confidence (mean per bin)")
     ax_n.set_ylabel("examples per bin")
-    fig.tight_layout()
     save_figure(fig, path)
     return True
 
@@ -194,11 +207,8 @@ def calibration_plot(
 def memory_plot(rows: Sequence[dict[str, Any]], task: str, path: Path, metric: str = "nll") -> bool:
     """``metric`` against the floats each posterior stores (the paper's Fig. 5), medians per cell.
 
-    The MAP (no posterior, 0 floats) is the dashed horizontal line every posterior is measured against, and
-    temperature scaling (one float) a dotted one, when the rows have them.
-
-    Returns:
-        Whether a figure was written (``False`` when ``task`` has no cell that stores floats).
+    The MAP (no posterior) is a dashed baseline, temperature scaling a dotted one; ``False`` when no cell
+    of ``task`` stores floats.
     """
     mine = [r for r in rows if r["task"] == task and metric in r]
     posteriors = [r for r in mine if r.get("floats", 0) > 0 and r["method"] != "temperature"]
@@ -227,7 +237,6 @@ def memory_plot(rows: Sequence[dict[str, Any]], task: str, path: Path, metric: s
     ax.set_ylabel(f"test {metric.upper()} (median over splits)")
     ax.set_title(f"{task}: {metric.upper()} vs memory")
     ax.legend(fontsize=8)
-    fig.tight_layout()
     save_figure(fig, path)
     return True
 
@@ -260,20 +269,9 @@ def uci_selection_plot(
 ) -> bool:
     """Norm- vs variance-based subnetwork selection on a UCI dataset (the paper's Figs. 9, 10).
 
-    One panel per metric (test NLL, RMSE) against percent stochastic: medians over splits with IQR bands,
-    the MAP as a horizontal line when present. Each panel's y-axis fits the medians and the MAP (the bands
-    are clipped), so small differences show; a metric that is the same at every size (the RMSE of a
-    linearised Laplace, which keeps the MAP mean) is drawn on a ±1 % axis and says so.
-
-    Args:
-        rows: UCI summary rows (:func:`partialbayes.glue_bench.report.summarise`).
-        dataset: UCI dataset name (the records' task).
-        path: PNG path.
-        methods: The ramping methods to compare.
-        metrics: Record fields to draw (those missing from the rows are skipped).
-
-    Returns:
-        Whether a figure was written (``False`` when none of ``methods`` has rows for ``dataset``).
+    One panel per metric (those in the rows) against percent stochastic: medians with IQR bands, the MAP
+    as a line. The y-axis fits the medians and the MAP (bands clipped); a metric that is the same at every
+    size (the linearised Laplace's RMSE) is drawn on a ±1 % axis and says so.
     """
     mine = [r for r in rows if r["task"] == dataset]
     ramps = {
@@ -297,13 +295,7 @@ def uci_selection_plot(
             x = [r["percent_stochastic"] for r in rs]
             line = ax.plot(x, [r[metric] for r in rs], marker="o", label=method)[0]
             if not same:  # a constant metric's bands would only fill the panel
-                ax.fill_between(
-                    x,
-                    [r[f"{metric}_q25"] for r in rs],
-                    [r[f"{metric}_q75"] for r in rs],
-                    alpha=0.2,
-                    color=line.get_color(),
-                )
+                _band(ax, x, rs, metric, line)
         if map_row is not None and metric in map_row:
             ax.axhline(map_row[metric], linestyle="--", color="0.3", linewidth=1.2, label="map")
         ax.set_ylim(*value_limits(shown))  # the medians decide the scale; wider bands are clipped
@@ -320,6 +312,5 @@ def uci_selection_plot(
     fig.suptitle(
         f"{dataset}: norm- vs variance-based selection (median, IQR over splits)", fontsize=10
     )
-    fig.tight_layout()
     save_figure(fig, path)
     return True

@@ -1,10 +1,8 @@
 """The posterior methods of the benchmark: a registry of plain functions ``run(ctx, size) -> Prediction``.
 
-Every method turns the fine-tuned (MAP) classifier of one (task, split) into predictive probabilities on
-the test set. Ramping methods have several sizes (module counts or percentages); the others have the
-single size ``"-"``. What a method receives and returns (:class:`Context`, :class:`Prediction`,
-:class:`Settings`) lives in :mod:`partialbayes.glue_bench.context`; the Laplace cells' steps in
-:mod:`partialbayes.glue_bench.laplace_cells`.
+Every method turns the MAP classifier of one (task, split) into test probabilities; ramps have several sizes
+(module counts or percentages), the others the size ``"-"``. Inputs and outputs (:class:`Context`,
+:class:`Prediction`, :class:`Settings`) live in :mod:`~partialbayes.glue_bench.context`.
 """
 
 from __future__ import annotations
@@ -42,23 +40,16 @@ from partialbayes.swag import collect_swag, sweep_learning_rate
 
 @dataclass(frozen=True)
 class Method:
-    """One registered method.
+    """One registered method: ``sizes(ctx) -> size keys`` (``["-"]``: one cell), ``run(ctx, size)``.
 
-    Attributes:
-        name: Command-line name.
-        description: One line.
-        sizes: ``sizes(ctx) -> list of size keys`` (``["-"]`` for single-cell methods).
-        run: ``run(ctx, size) -> Prediction``.
-        requires: Sibling package the method builds its posterior with (informational).
-        kron: For KFAC-type Laplace methods, ``kron(ctx, size) -> KronCell``: the cell's subset, so that a
-            whole ramp can share one curvature pass (:mod:`partialbayes.glue_bench.ramp`).
+    KFAC-type Laplace methods also give ``kron(ctx, size) -> KronCell``, so that a ramp shares one
+    curvature pass (:mod:`~partialbayes.glue_bench.ramp`).
     """
 
     name: str
     description: str
     sizes: Callable[[Context], list[str]]
     run: Callable[[Context, str], Prediction]
-    requires: str | None = None
     kron: Callable[[Context, str], KronCell] | None = None
 
 
@@ -81,15 +72,10 @@ def run_map(ctx: Context, size: str) -> Prediction:
 
 
 def temperature_or_grid(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    """``predictive.fit_temperature`` of the validation set, or the best grid temperature when it refuses.
+    """``predictive.fit_temperature`` of (N, C) validation ``logits``, or the best grid temperature.
 
-    Args:
-        logits: (N, C) validation logits.
-        labels: (N,) validation labels.
-
-    When the validation NLL has no finite optimum (an untrained model, or a separable validation set),
-    `predictive` refuses; the benchmark then takes the best T on the grid ``logspace(-2, 2, 81)`` and warns,
-    so that one degenerate cell does not stop a grid.
+    When the validation NLL has no finite optimum (``predictive`` refuses), the best T of
+    ``logspace(-2, 2, 81)`` is taken with a warning, so one degenerate cell does not stop a grid.
     """
     try:
         return float(fit_temperature(logits.double(), labels))
@@ -174,14 +160,9 @@ def run_skfac(ctx: Context, size: str) -> Prediction:
 
 # ------------------------------------------------------------------------------------------ SWAG
 def _mc_probs(ctx: Context, posterior: Posterior, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Monte Carlo predictive on the test and validation sets: ``settings.n_samples`` weight samples.
+    """``(test probs [N_test, C], validation probs [N_val, C])`` of ``settings.n_samples`` weight samples.
 
-    Each sample is swapped into ``ctx.model`` by ``posterior.sampled`` and scores both sets, so the
-    validation NLL (which chooses a ramp's level) is that of the very posterior the test probabilities
-    come from.
-
-    Returns:
-        ``(test probs [N_test, C], validation probs [N_val, C])``, float64.
+    Each sample scores both sets, so the validation NLL is that of the test probabilities' posterior.
     """
     gen = ctx.generator(offset)
     test = torch.zeros_like(ctx.logits("test"))
@@ -194,12 +175,9 @@ def _mc_probs(ctx: Context, posterior: Posterior, offset: int) -> tuple[torch.Te
 
 
 def swag_prediction(ctx: Context, subset: Subset) -> Prediction:
-    """SWAG on ``subset``: learning rate by validation NLL, then Monte Carlo predictions.
+    """SWAG on ``subset``: learning rate by validation NLL (no sweep for one rate), then MC predictions.
 
-    With a single learning rate in ``settings.swag_lrs`` there is nothing to choose: the sweep (and its
-    validation predictive) is skipped and SWAG is collected at that rate directly. The SGD steps run in
-    training mode: their dropout draws come from the global generator, which the cell seeds
-    (``experiment.run_cell``).
+    The SGD steps' dropout draws come from the global generator, which ``experiment.run_cell`` seeds.
     """
     s = ctx.settings
     t0 = time.perf_counter()
@@ -253,13 +231,9 @@ def run_swag_full(ctx: Context, size: str) -> Prediction:
 def run_ivon(ctx: Context, size: str) -> Prediction:
     """IVON's mean-field posterior N(m, 1/(ess·(h+δ))) from IVON fine-tuning, Monte Carlo predictions.
 
-    Only the countable parameters are stochastic: the token, position and token-type embeddings are never
-    sampled and never counted (DESIGN), also for checkpoints whose IVON Hessians cover them. The posterior
-    (an ``ivon.GaussianPosterior`` on the model) is built by the IVON fine-tuning, so ``fit_seconds`` is
-    that fine-tuning's wall-clock time (from the checkpoint's meta, also when the checkpoint was reused)
-    plus the few milliseconds of turning its Hessian into standard deviations; ``extra`` holds both parts.
-    Note that the ``map`` cell of the same results folder (the IVON mean) comes from the same training, at
-    ``fit_seconds`` 0.
+    Only the countable parameters are stochastic (never the embeddings, also when an old checkpoint's
+    Hessians cover them). ``fit_seconds`` is the IVON fine-tuning's wall-clock time plus the posterior's
+    set-up (both in ``extra``); the ``map`` cell of the folder (the IVON mean) is the same training.
     """
     if ctx.ivon is None:
         raise ValueError("method 'ivon' needs a model fine-tuned with --optimizer ivon")
@@ -296,12 +270,7 @@ def run_ivon(ctx: Context, size: str) -> Prediction:
 
 # ------------------------------------------------------------------------------------------ linear sampling
 def linear_sampling_prediction(ctx: Context, subset: Subset) -> Prediction:
-    """Fit sampling-based linearised Laplace on ``subset`` of ``ctx.model`` and predict ``ctx.test``.
-
-    Returns:
-        The prediction; ``floats`` counts the stored samples (``d·K``) and ``α``; ``val_nll`` is the NLL
-        of the same predictive on the validation set.
-    """
+    """Sampling-based linearised Laplace on ``subset``: ``floats`` counts the ``d·K`` samples and ``α``."""
     config = ctx.settings.linear_sampling
     t0 = time.perf_counter()
     post = fit_linearised(ctx.model, ctx.train, subset, config, ctx.generator(LS_OFFSET))
@@ -352,9 +321,8 @@ def run_ls_full(ctx: Context, size: str) -> Prediction:
 
 
 # ------------------------------------------------------------------------------------------ module ramps
-# The module-ramping strategies of the paper (its Figs. 2-4): (strategy, group) pairs, each ramped over
-# ``Settings.module_counts``. Every family (posterior) uses exactly the same module selection
-# (:func:`module_subset`), so ``kfac-max-mlp`` and ``swag-max-mlp`` put their posterior on the same maps.
+# The module-ramping strategies of the paper (Figs. 2-4), each ramped over ``Settings.module_counts``; every
+# family selects its modules with :func:`module_subset`, so kfac-max-mlp and swag-max-mlp use the same maps.
 MODULE_STRATEGIES = (
     ("random", "all"),
     ("max", "mlp"),
@@ -362,8 +330,8 @@ MODULE_STRATEGIES = (
     ("max", "attention"),
     ("min", "attention"),
 )
-# family -> (posterior in words, sibling package it needs)
-RAMP_FAMILIES = {"kfac": ("KFAC Laplace", "curvature"), "swag": ("SWAG", "swag")}
+# family -> the posterior in words
+RAMP_FAMILIES = {"kfac": "KFAC Laplace", "swag": "SWAG"}
 
 
 def _ramp_name(family: str, strategy: str, group: str) -> str:
@@ -395,71 +363,41 @@ def _pct_sizes(attr: str) -> Callable[[Context], list[str]]:
 
 
 def _registry() -> dict[str, Method]:
+    skfac_sizes, l1_sizes = _pct_sizes("skfac_percents"), _pct_sizes("swag_l1_percents")
+    ls = "sampling-based linearised Laplace"
     methods = [
         Method("map", "the fine-tuned network (MAP)", _single, run_map),
         Method("temperature", "temperature scaling on validation NLL", _single, run_temperature),
         Method(
-            "last-layer",
-            "Laplace, dense GGN on the classification head",
-            _single,
-            run_last_layer,
-            "curvature",
+            "last-layer", "Laplace, dense GGN on the classification head", _single, run_last_layer
         ),
-        Method(
-            "kfac-full",
-            "KFAC Laplace on every linear map",
-            _single,
-            run_kfac_full,
-            "curvature",
-            kron_full,
-        ),
+        Method("kfac-full", "KFAC Laplace on every linear map", _single, run_kfac_full, kron_full),
         Method(
             "skfac",
             "S-KFAC Laplace ramping (percent of rows/cols)",
-            _pct_sizes("skfac_percents"),
+            skfac_sizes,
             run_skfac,
-            "curvature",
             kron_skfac,
         ),
-        Method(
-            "swag-l1",
-            "SWAG on the p % largest-magnitude weights",
-            _pct_sizes("swag_l1_percents"),
-            run_swag_l1,
-            "swag",
-        ),
-        Method("swag-full", "SWAG on every linear map", _single, run_swag_full, "swag"),
-        Method("ivon", "IVON posterior (needs --optimizer ivon)", _single, run_ivon, "ivon"),
+        Method("swag-l1", "SWAG on the p % largest-magnitude weights", l1_sizes, run_swag_l1),
+        Method("swag-full", "SWAG on every linear map", _single, run_swag_full),
+        Method("ivon", "IVON posterior (needs --optimizer ivon)", _single, run_ivon),
         Method(
             "ls-last-layer",
-            "sampling-based linearised Laplace (EM prior) on the classification head",
+            f"{ls} (EM prior) on the classification head",
             _single,
             run_ls_last_layer,
-            "linear_sampling",
         ),
         Method(
             "ls-skfac",
-            "sampling-based linearised Laplace on the S-KFAC subsets (percent of rows/cols)",
-            _pct_sizes("skfac_percents"),
+            f"{ls} on the S-KFAC subsets (percent of rows/cols)",
+            skfac_sizes,
             run_ls_skfac,
-            "linear_sampling",
         ),
-        Method(
-            "ls-random",
-            "sampling-based linearised Laplace on k random linear maps",
-            _count_sizes("all"),
-            run_ls_random,
-            "linear_sampling",
-        ),
-        Method(
-            "ls-full",
-            "sampling-based linearised Laplace on every linear map",
-            _single,
-            run_ls_full,
-            "linear_sampling",
-        ),
+        Method("ls-random", f"{ls} on k random linear maps", _count_sizes("all"), run_ls_random),
+        Method("ls-full", f"{ls} on every linear map", _single, run_ls_full),
     ]
-    for family, (posterior, requires) in RAMP_FAMILIES.items():
+    for family, posterior in RAMP_FAMILIES.items():
         for strategy, group in MODULE_STRATEGIES:
             label = "random" if strategy == "random" else f"{strategy} operator norm"
             methods.append(
@@ -468,7 +406,6 @@ def _registry() -> dict[str, Method]:
                     f"{posterior} on k linear maps ({label}, {group})",
                     _count_sizes(group),
                     _module_ramp(family, strategy, group),
-                    requires,
                     _module_kron(strategy, group) if family == "kfac" else None,
                 )
             )

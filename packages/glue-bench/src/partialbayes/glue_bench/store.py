@@ -7,22 +7,25 @@ Layout of a results folder::
     records/<task>/split<k>/<method>/<size>.json  one record per finished cell
     checkpoints/<task>/split<k>/<model>-<fp>/    fine-tuned MAP weights (safetensors) + meta.json,
                                                  and the shared curvature pass (curvature-*.safetensors)
+    claims/<task>-split<k>.json                  while a process works on the unit (task, split): who
 
-A cell whose record exists is finished and never recomputed; a folder created with another
-configuration, or a task whose data changed, is refused. ``config.json`` is written only when the first
-result (a checkpoint or a record) is stored, so a run that fails before producing anything (a model that
-cannot be loaded, missing data) leaves no folder that would refuse the next attempt.
+A cell whose record exists is finished and never recomputed; a folder holding records of another
+configuration, or of a task whose data changed, is refused. ``config.json`` and ``data/<task>.json`` are
+written with the first record, and a folder without records is bound to nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import re
 import socket
+import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +34,7 @@ from typing import Any
 # same settings on the same machine that may differ (everything else is bit-identical, see
 # `without_timings`).
 TIMING_FIELDS = frozenset(
-    {
+    [
         "seconds",
         "cpu_seconds",
         "fit_seconds",
@@ -40,7 +43,7 @@ TIMING_FIELDS = frozenset(
         "finetune_cpu_seconds",
         "posterior_setup_seconds",
         "curvature_seconds",
-    }
+    ]
 )
 
 
@@ -58,12 +61,7 @@ def without_timings(obj: Any) -> Any:
 
 
 def read_json(path: Path, what: str = "file") -> Any:
-    """Parse the JSON file ``path``; a missing, unreadable or corrupt file raises ``ValueError`` naming it.
-
-    Raises:
-        ValueError: The file cannot be read or is not valid JSON (the message names ``path`` and ``what``
-            it is, and says how to recover).
-    """
+    """Parse the JSON file ``path``; a missing, unreadable or corrupt file raises ``ValueError`` naming it."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
@@ -74,6 +72,16 @@ def read_json(path: Path, what: str = "file") -> Any:
         raise ValueError(
             f"{what} {path} is not valid JSON ({err}); it is damaged: delete or restore it"
         ) from err
+
+
+def json_text(obj: Any) -> str:
+    """The JSON text every file of a results folder is written with (indented, keys sorted)."""
+    return json.dumps(obj, indent=2, sort_keys=True)
+
+
+def json_ready(config: Any) -> dict[str, Any]:
+    """A configuration dataclass as plain JSON values (tuples become lists), for fingerprints and files."""
+    return json.loads(json.dumps(dataclasses.asdict(config)))
 
 
 @dataclass(frozen=True, order=True)
@@ -97,38 +105,79 @@ def fingerprint(config: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
+
+
 def temp_path(path: Path) -> Path:
-    """A fresh hidden sibling of ``path`` to write before an atomic rename onto ``path``.
+    """A fresh hidden sibling ``.<name>.tmp-<host>-<pid>-<token>`` of ``path``, unique across machines."""
+    return path.with_name(f".{path.name}.tmp-{_host()}-{os.getpid()}-{uuid.uuid4().hex}")
 
-    The name ``.<name>.tmp-<host>-<pid>-<token>`` holds the host name, the process id and a random token
-    (``uuid4`` hex), so writers on several machines sharing one results folder (a network file system, where
-    process ids repeat across machines) never write the same temporary file.
+
+def atomic_write(path: Path, content: str | Callable[[Path], object]) -> Path:
+    """Write ``path`` (its folder created) into a :func:`temp_path` sibling, then ``os.replace``; ``path``.
+
+    The one writer of every file glue-bench stores: ``content`` is the text, or ``write(temporary path)``
+    (a figure's ``savefig``, safetensors' ``save_file``). No reader ever sees half a file.
     """
-    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
-    return path.with_name(f".{path.name}.tmp-{host}-{os.getpid()}-{uuid.uuid4().hex}")
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    """Write JSON to ``path`` via a unique temporary file in the same folder and ``os.replace``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
     try:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
+        if isinstance(content, str):
+            tmp.write_text(content, encoding="utf-8")
+        else:
+            content(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    return path
+
+
+class UnitBusyError(RuntimeError):
+    """The unit (task, split) is claimed by another process that may still be running it."""
+
+
+def owner_gone(owner: dict[str, Any]) -> bool:
+    """Whether a claim's process is provably gone: on this host, with no live process of its pid."""
+    if owner.get("host") != _host():
+        return False  # a process of another machine cannot be checked from here
+    try:
+        os.kill(int(owner["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, TypeError, ValueError, OverflowError):  # alive (another user's) or unreadable
+        pass
+    return False
+
+
+def _owner(path: Path) -> dict[str, Any] | None:
+    """The owner a claim file holds; ``None`` when there is none; unknown while it is being written."""
+    try:
+        owner = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        owner = None
+    return owner if isinstance(owner, dict) else {"host": "?", "pid": "?", "token": "?"}
+
+
+def _create(path: Path, owner: dict[str, Any]) -> bool:
+    """Create ``path`` holding ``owner`` unless it exists (``O_CREAT | O_EXCL``: atomic, also on NFS)."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(json.dumps(owner))
+    return True
 
 
 class ResultStore:
-    """A results folder bound to one configuration.
+    """A results folder (``root``, created with the first result) bound to one configuration.
 
-    Args:
-        root: The results folder (created if missing).
-        config: The configuration that determines every result (model, training settings, data
-            caps, seed, ...); not the grid (tasks, splits, methods), which may grow between runs.
-
-    Raises:
-        ValueError: ``root`` already holds results of a different configuration.
+    ``config`` determines every result (model, training settings, data caps, seed); the grid (tasks,
+    splits, methods) may grow between runs. A ``root`` holding records of another configuration raises
+    ``ValueError``.
     """
 
     def __init__(self, root: str | Path, config: dict[str, Any]) -> None:
@@ -136,6 +185,7 @@ class ResultStore:
         self.config = config
         self.fingerprint = fingerprint(config)
         self.failures: list[str] = []
+        self._data: dict[str, dict[str, Any]] = {}
         self._check_config()
 
     @property
@@ -143,61 +193,69 @@ class ResultStore:
         """``<root>/config.json``."""
         return self.root / "config.json"
 
-    def _check_config(self) -> bool:
-        """Refuse a folder holding another configuration; ``True`` when ``config.json`` exists (and matches)."""
-        path = self.config_path
+    def _stored(self, path: Path, what: str, records: Path) -> tuple[Any, bool]:
+        """``(the JSON at path or None, whether a record under records binds the folder to it)``."""
         if not path.is_file():
+            return None, False
+        return read_json(path, what), records.is_dir() and any(records.rglob("*.json"))
+
+    def _check_config(self) -> bool:
+        """Refuse a folder whose records belong to another configuration.
+
+        Returns:
+            Whether ``config.json`` holds this configuration already.
+        """
+        old, binds = self._stored(self.config_path, "results configuration", self.root / "records")
+        if old is None:
             return False
-        old = read_json(path, "results configuration")
         if not isinstance(old, dict) or not isinstance(old.get("config", {}), dict):
             raise ValueError(
-                f"results configuration {path} is damaged (not a JSON object with 'config'): "
-                "delete or restore it"
+                f"results configuration {self.config_path} is damaged (not a JSON object with "
+                "'config'): delete or restore it"
             )
-        if old.get("fingerprint") != self.fingerprint:
-            diff = sorted(
-                k
-                for k in set(old.get("config", {})) | set(self.config)
-                if old.get("config", {}).get(k) != self.config.get(k)
-            )
-            raise ValueError(
-                f"results folder {self.root} holds results of another configuration "
-                f"(fingerprint {old.get('fingerprint')} != {self.fingerprint}; differs in {diff}); "
-                "use a new --results folder or the same settings"
-            )
-        return True
+        if old.get("fingerprint") == self.fingerprint or not binds:
+            return old.get("fingerprint") == self.fingerprint
+        diff = sorted(
+            k
+            for k in set(old.get("config", {})) | set(self.config)
+            if old.get("config", {}).get(k) != self.config.get(k)
+        )
+        raise ValueError(
+            f"results folder {self.root} holds results of another configuration "
+            f"(fingerprint {old.get('fingerprint')} != {self.fingerprint}; differs in {diff}); "
+            "use a new --results folder or the same settings"
+        )
 
-    def claim(self) -> None:
-        """Write ``config.json`` unless it is there (checked again first): called before storing a result."""
-        if not self._check_config():
-            atomic_write_json(
-                self.config_path, {"fingerprint": self.fingerprint, "config": self.config}
-            )
+    def check_data(self, task: str, data: dict[str, Any]) -> bool:
+        """Refuse to mix results of ``task`` computed on other data; ``data`` is remembered for :meth:`claim`.
 
-    def check_data(self, task: str, data: dict[str, Any]) -> None:
-        """Refuse to mix results computed on different data for ``task``; record the data on first use.
-
-        Args:
-            task: Task name.
-            data: The data fingerprint, e.g. ``{"sha256": ..., "n_train": ..., "n_test": ...}``
-                (:func:`partialbayes.glue_bench.data_glue.data_fingerprint`).
-
-        Raises:
-            ValueError: ``<root>/data/<task>.json`` holds another fingerprint (the message names the task and
-                both digests), or is damaged.
+        ``data`` is the task's fingerprint (``data_glue.data_fingerprint``). Returns whether
+        ``data/<task>.json`` holds it already; another one, with records of ``task``, raises ``ValueError``
+        naming the task and both digests.
         """
         path = self.root / "data" / f"{task}.json"
-        if path.is_file():
-            old = read_json(path, "data fingerprint")
-            if old != data:
-                raise ValueError(
-                    f"results folder {self.root} holds {task} results computed on other data "
-                    f"({path}: sha256 {_digest(old)}, now {_digest(data)}); the {task} files changed: "
-                    "use a new --results folder, or the original data"
-                )
-            return
-        self.claim()
-        atomic_write_json(path, data)
+        old, binds = self._stored(path, "data fingerprint", self.root / "records" / task)
+        if old is not None and old != data and binds:
+            raise ValueError(
+                f"results folder {self.root} holds {task} results computed on other data "
+                f"({path}: sha256 {_digest(old)}, now {_digest(data)}); the {task} files changed: "
+                "use a new --results folder, or the original data"
+            )
+        self._data[task] = data
+        return old == data
+
+    def claim(self) -> None:
+        """Bind the folder to this configuration (and the checked data) before a result is stored.
+
+        Checks again (another process may have bound it meanwhile), then writes ``config.json`` and
+        ``data/<task>.json`` (for every task given to :meth:`check_data`) where they do not hold them yet.
+        """
+        if not self._check_config():
+            config = {"fingerprint": self.fingerprint, "config": self.config}
+            atomic_write(self.config_path, json_text(config))
+        for task, data in self._data.items():
+            if not self.check_data(task, data):
+                atomic_write(self.root / "data" / f"{task}.json", json_text(data))
 
     def record_path(self, cell: Cell) -> Path:
         """Where the record of ``cell`` lives."""
@@ -218,7 +276,7 @@ class ResultStore:
             "fingerprint": self.fingerprint,
         }
         self.claim()
-        atomic_write_json(self.record_path(cell), full)
+        atomic_write(self.record_path(cell), json_text(full))
 
     def read(self, cell: Cell) -> dict[str, Any]:
         """The record of a finished cell (``ValueError`` naming the file when it is damaged)."""
@@ -228,6 +286,66 @@ class ResultStore:
         """Folder of the fine-tuned checkpoint of (task, split, model) under this configuration."""
         slug = re.sub(r"[^A-Za-z0-9._-]", "_", Path(model).name or model)
         return self.root / "checkpoints" / task / f"split{split}" / f"{slug}-{self.fingerprint}"
+
+    @contextmanager
+    def unit_claim(self, task: str, split: int, take_over: bool = False) -> Iterator[None]:
+        """Hold the claim of the unit (task, split) while the block runs, so no other process runs it.
+
+        The claim is ``claims/<task>-split<k>.json``, created with ``O_CREAT | O_EXCL`` (atomic, also on
+        network file systems), holding host, pid, start time and a token, and removed when the block ends.
+        A dead owner's claim is taken over when that is provable (same host, no process of its pid); one
+        from another host only with ``take_over``.
+
+        Raises:
+            UnitBusyError: Another process holds the claim (the message names it and says what to do).
+            OSError: The claims folder cannot be written (the message names the folder and the host).
+        """
+        path = self.root / "claims" / f"{task}-split{split}.json"
+        me = {
+            "host": _host(),
+            "pid": os.getpid(),
+            "started": time.ctime(),
+            "token": uuid.uuid4().hex,
+        }
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            while not _create(path, me):
+                other = _owner(path)
+                if other is not None and not (take_over or owner_gone(other)):
+                    raise UnitBusyError(
+                        f"unit {task} split {split} is claimed by host {other.get('host')} pid "
+                        f"{other.get('pid')} since {other.get('started')} ({path}): it runs there; if "
+                        "that process is gone, rerun with --take-over (or delete the file)"
+                    )
+                if other is not None:
+                    _take_over(path, other)
+        except OSError as err:
+            raise OSError(
+                err.errno,
+                f"cannot claim unit {task} split {split} in the results folder {self.root} on host "
+                f"{_host()}: {err.strerror or err}; every worker needs write access to the same folder",
+            ) from err
+        try:
+            yield
+        finally:
+            if (_owner(path) or {}).get("token") == me["token"]:
+                path.unlink(missing_ok=True)
+
+
+def _take_over(path: Path, stale: dict[str, Any]) -> None:
+    """Remove the stale claim ``path``, unless another process is taking it over at the same time.
+
+    A second ``O_EXCL`` file makes the removal exclusive: only its creator removes the claim, and only if
+    the claim still holds the stale token (not a fresh claim created meanwhile).
+    """
+    marker = path.with_name(path.name + ".takeover")
+    if not _create(marker, {"host": _host(), "pid": os.getpid()}):
+        raise UnitBusyError(f"another process is taking over {path} (delete {marker} if none is)")
+    try:
+        if (_owner(path) or {}).get("token") == stale.get("token"):
+            path.unlink(missing_ok=True)
+    finally:
+        marker.unlink(missing_ok=True)
 
 
 def iter_records(root: str | Path) -> Iterator[dict[str, Any]]:
@@ -261,13 +379,14 @@ def parse_shard(text: str | None) -> tuple[int, int]:
     return int(m[1]), int(m[2])
 
 
-def shard_units(
-    units: Sequence[tuple[str, int, str]], shard: tuple[int, int]
-) -> list[tuple[str, int, str]]:
-    """The (task, split, method) units of shard ``i`` of ``n``: every n-th of the sorted units.
+def grid_units(
+    tasks: Sequence[str], splits: Sequence[int], shard: tuple[int, int] = (0, 1)
+) -> list[tuple[str, int]]:
+    """The (task, split) units of a grid, sorted, and of those shard ``i`` of ``n``: every n-th.
 
-    Every unit lands in exactly one shard, whatever order the caller listed them in.
+    A unit is what one process does at a time: fine-tune (or reuse) one MAP, then every cell of it. Every
+    unit lands in exactly one shard, whatever order the caller listed the tasks and splits in.
     """
     i, n = shard
-    ordered = sorted(set(units))
+    ordered = sorted({(t, s) for t in tasks for s in splits})
     return [u for k, u in enumerate(ordered) if k % n == i]

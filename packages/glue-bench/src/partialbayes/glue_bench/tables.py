@@ -1,8 +1,7 @@
 """The report's tables, computed from results records: Table 2 (≈ 10 % budget), strategy ranks, calibration.
 
-Every function takes plain records (dicts as written by the results store) or the rows of
-:func:`partialbayes.glue_bench.report.summarise`, and returns plain rows (lists of dicts) that the report
-writes as markdown and CSV and the figures draw. Outputs are written atomically.
+Functions take records or ``report.summarise`` rows and return plain rows, which the report writes as
+markdown (:func:`markdown`, the one renderer, with column specs) and CSV (:func:`write_csv`, atomically).
 """
 
 from __future__ import annotations
@@ -10,16 +9,15 @@ from __future__ import annotations
 import csv
 import io
 import math
-import os
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from partialbayes.glue_bench.store import temp_path
+from partialbayes.glue_bench.store import atomic_write
 
 # Module-ramping strategies of the paper's Fig. 4: <family>-<strategy>, sizes = module counts.
 STRATEGY_PATTERN = re.compile(
@@ -28,15 +26,28 @@ STRATEGY_PATTERN = re.compile(
 BASELINES = ("map", "temperature")
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a unique temporary file in the same folder and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(path)
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+Column = tuple[str, Callable[[dict[str, Any]], str], str]
+"""One column of a markdown table: ``(header, cell(row) -> text, alignment "l" or "r")``."""
+
+
+def markdown(rows: Iterable[dict[str, Any]], columns: Sequence[Column]) -> str:
+    """The one markdown renderer of glue-bench: a header, an alignment rule and one line per row."""
+    lines = [
+        "| " + " | ".join(head for head, _, _ in columns) + " |",
+        "|" + "".join("---:|" if align == "r" else "---|" for _, _, align in columns),
+    ]
+    for r in rows:
+        lines.append(
+            "|"
+            + "|".join(f" {text} " if text else " " for text in (c(r) for _, c, _ in columns))
+            + "|"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def col(header: str, key: str, fmt: str = "{}", align: str = "l") -> Column:
+    """A column that shows ``row[key]`` formatted with ``fmt`` (a ``str.format`` pattern)."""
+    return header, lambda row: fmt.format(row[key]), align
 
 
 def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
@@ -49,7 +60,7 @@ def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
         writer = csv.DictWriter(buf, fieldnames=list(fields), lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
-    atomic_write_text(path, buf.getvalue())
+    atomic_write(path, buf.getvalue())
 
 
 def size_key(size: str) -> tuple[int, float, str]:
@@ -61,10 +72,8 @@ def size_key(size: str) -> tuple[int, float, str]:
 
 
 # ------------------------------------------------------------------------------------------ Table 2
-# "≈ 10 %": a level counts as within the budget when its median percent stochastic is at most
-# target · (1 + BUDGET_TOLERANCE). The paper's ≈ 10 % cells are S-KFAC at p = 33 (g_p = 10.9 % of the linear
-# weights; 10.9-11.0 % of the countable parameters of MiniLM and DistilBERT) and, e.g., two MLP maps of
-# MiniLM (11.0 %), so a strict 10 % would leave out the very cells the paper reports.
+# "≈ 10 %": a level is within the budget when its median percent stochastic is at most target · (1 +
+# BUDGET_TOLERANCE): the paper's ≈ 10 % cells (S-KFAC p = 33, two MLP maps of MiniLM) hold about 11 %.
 BUDGET_TOLERANCE = 0.15
 
 
@@ -75,30 +84,16 @@ def budget_table(
 ) -> list[dict[str, Any]]:
     """The paper's Table 2: per (task, method) the level chosen by validation NLL within the budget.
 
-    Rule (the paper's §5.4 and Table 2): among the sizes of a method whose median percent stochastic over
-    splits is at most ``target · (1 + tolerance)`` ("approx. 10 pct."), take the one with the lowest mean
-    validation NLL over splits (``val_nll`` of the records: each cell's own validation predictive); ties go
-    to the smaller percentage, then the smaller size. Methods with one size (MAP, temperature scaling,
-    last-layer, full KFAC / SWAG, IVON) contribute their only cell whatever its percentage, so the table
-    also shows the baselines and the fully stochastic rows. Sizes without a validation NLL (records
-    written before it was stored) fall back to the size closest to ``target`` (``rule`` says which).
-    The test metrics are reported as mean ± standard error over splits (``<metric>_mean``,
-    ``<metric>_se``: sample standard deviation / √n, as the paper's Table 2), with median and
-    interquartile range as extras.
-
-    Args:
-        rows: Summary rows (:func:`partialbayes.glue_bench.report.summarise`).
-        target: The stochastic budget in percent of the countable parameters.
-        tolerance: Relative slack of "≈" (default :data:`BUDGET_TOLERANCE`).
+    Rule (the paper's §5.4): among a method's sizes whose median percent stochastic is at most
+    ``target · (1 + tolerance)``, the one with the lowest mean validation NLL over splits (ties: the smaller
+    percentage, then size). Methods with one size contribute their only cell; sizes without a validation
+    NLL (older records) fall back to the size closest to ``target``. The how-to's Table 2 section has an
+    example.
 
     Returns:
-        The selected summary rows with ``target``, ``limit`` (the largest percentage allowed),
-        ``candidates`` (sizes within the budget) and ``rule`` (``"single"``, ``"val_nll"`` or
-        ``"closest"``) added, sorted by task then method. A method without a size within the budget is
-        left out.
-
-    Raises:
-        ValueError: ``target`` outside [0, 100] or ``tolerance`` negative.
+        The chosen summary rows, with ``target``, ``limit``, ``candidates`` (sizes within the budget) and
+        ``rule`` (``single``, ``val_nll``, ``closest``), by task and method; ``target`` outside [0, 100] or
+        a negative ``tolerance`` raise ``ValueError``.
     """
     if not 0 <= target <= 100 or math.isnan(target):
         raise ValueError(f"target must be a percentage in [0, 100], got {target}")
@@ -164,25 +159,16 @@ def average_ranks(values: Sequence[float]) -> list[float]:
 def strategy_ranks(records: Iterable[dict[str, Any]], metric: str = "nll") -> list[dict[str, Any]]:
     """Ranks of the module-selection strategies, as the paper's Fig. 4 defines them.
 
-    Strategies are the module-ramping methods ``<family>-<strategy>`` with ``family`` ``kfac`` or ``swag``
-    and ``strategy`` ``random``, ``max``/``min`` (``-mlp`` / ``-attn``), whose sizes are module counts.
+    Strategies are the module ramps ``<kfac|swag>-<random|max|min>[-mlp|-attn]`` (sizes: module counts).
 
-    Rule (the paper, §5.2: "For each dataset, we compute the ranking of the 5 selection schemes. For each
-    module [count], we present the median ranking ... where 0 is optimal"): for every (task, family,
-    module count) the strategies that have that count are ranked by their **median** ``metric`` over
-    splits, 0 for the lowest (ties share the mean rank); the ``"all"`` row of a strategy and count is the
-    **median over tasks** of its per-task ranks (so a 0 there needs the best NLL on at least half of the
-    tasks). As an extra, ``split_rank`` is the mean over splits of the per-split ranks among the splits
-    where every strategy of the group has a record (0 = best; the statistic reported before).
-
-    Args:
-        records: Results records.
-        metric: Record field to rank by (lower is better).
+    Rule (the paper's §5.2): for every (task, family, module count) the strategies with that count are
+    ranked by their median ``metric`` over splits, 0 for the lowest (ties share the mean rank); the ``"all"``
+    row is the median over tasks of the per-task ranks. Extra: ``split_rank``, the mean over splits of the
+    per-split ranks (splits where every strategy of the group has a record).
 
     Returns:
         Rows ``task, family, modules, strategy, rank, n_splits, n_tasks, n_strategies, split_rank,
-        <metric>_median`` sorted by task (``"all"`` last), family, module count, strategy. Groups with a
-        single strategy are left out.
+        <metric>_median`` (lower ``metric`` is better), ``"all"`` last; one-strategy groups are left out.
     """
     values: dict[tuple[str, str, int], dict[str, dict[int, float]]] = defaultdict(
         lambda: defaultdict(dict)
@@ -262,17 +248,10 @@ def calibration_curves(
 ) -> list[dict[str, Any]]:
     """Reliability-diagram points of the chosen (task, method, size) cells, pooled over splits.
 
-    Bin ``b`` of a cell pools bin ``b`` (the ``b``-th equal-mass bin by confidence) of every split:
-    ``confidence = Σ_s n_sb conf_sb / Σ_s n_sb``, the same for accuracy, ``count = Σ_s n_sb``. With the GLUE
-    dev set as the test set of every split, bin ``b`` covers the same share of the test set in each split.
-    Empty pooled bins are dropped.
+    Bin ``b`` of a cell pools bin ``b`` of every split, weighted by the counts (the test set is the same
+    GLUE dev set in every split). Empty pooled bins are dropped.
 
-    Args:
-        records: Results records (those without reliability bins are ignored).
-        cells: (task, method, size) triples to draw.
-
-    Returns:
-        Rows ``task, method, size, bin, confidence, accuracy, count, n_splits`` in the order of ``cells``.
+    Returns rows ``task, method, size, bin, confidence, accuracy, count, n_splits`` in ``cells`` order.
     """
     wanted = list(dict.fromkeys(cells))
     found: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
@@ -319,14 +298,8 @@ def calibration_cells(
 ) -> list[tuple[str, str, str]]:
     """Which cells the calibration figure draws, per task.
 
-    Args:
-        budget_rows: Rows of :func:`budget_table` (one cell per task and method).
-        methods: Methods to draw (their Table 2 cells). ``None``: MAP, temperature scaling and the
-            ``n_best`` other methods with the lowest median test NLL in Table 2.
-        n_best: Number of Bayesian methods drawn when ``methods`` is ``None``.
-
-    Returns:
-        (task, method, size) triples, baselines first.
+    The Table 2 cells (``budget_rows``) of ``methods``, or of MAP, temperature scaling and the ``n_best``
+    others with the lowest median test NLL; (task, method, size) triples, baselines first.
     """
     by_task: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in budget_rows:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 import shutil
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +18,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
+from partialbayes.glue_bench.context import batch_logits, check_int, check_number
 from partialbayes.glue_bench.data_glue import Examples, encode
-from partialbayes.glue_bench.store import read_json, temp_path
+from partialbayes.glue_bench.store import json_ready, read_json, temp_path
 from partialbayes.ivon import IVON
-from partialbayes.predictive import model_logits, split_batch
+from partialbayes.predictive import eval_mode, model_logits, split_batch
 from partialbayes.selection import countable_named_parameters
 
 Batch = Mapping[str, torch.Tensor]
@@ -38,28 +38,20 @@ class TrainConfig:
         betas: AdamW betas.
         weight_decay: AdamW weight decay.
         batch_size: Training batch size.
-        epochs: Maximum number of epochs.
+        epochs: Maximum number of epochs; 0: the model is the MAP as it is (a classifier fine-tuned for
+            the task); the validation set still serves the post-hoc methods.
         patience: Stop after this many epochs without a better validation accuracy.
-        max_length: Maximum sequence length in tokens; ``None`` (default): the model's own limit (its
-            position embeddings, and the tokenizer's ``model_max_length``), so nothing is truncated on the
-            paper's tasks (longest examples with the MiniLM / BERT tokenizer: SST-2 66, MRPC 103, RTE 289
-            tokens). The paper does not truncate either: its Table 4 lists the longest examples (in
-            characters), not a truncation length.
+        max_length: Maximum sequence length in tokens; ``None``: the model's own limit, so nothing is
+            truncated (as in the paper, whose Table 4 gives the longest examples in characters).
         dropout: Hidden and attention dropout of the encoder.
-        optimizer: ``adamw`` or ``ivon``. With ``ivon`` the token, position and token-type embeddings are
-            still trained by AdamW (``lr``, ``betas``, ``weight_decay``) and stay deterministic: IVON (and so
-            its posterior) covers the countable parameters only (DESIGN: embeddings are never stochastic).
+        optimizer: ``adamw`` or ``ivon``; with ``ivon`` the embeddings are still trained by AdamW and stay
+            deterministic: IVON and its posterior cover the countable parameters only.
         ivon_lr: IVON learning rate.
         ivon_hess_init: IVON initial Hessian.
-        seed: Seed of the batch order, dropout and IVON's weight noise (the run seeds the classification
-            head's initialisation with it too, see ``experiment.prepare_context``).
-        freeze_embeddings: Keep the token embedding matrix fixed (about half of MiniLM's weights; the
-            quickstart does this to halve the optimizer's cost on CPU; the paper fine-tunes everything).
-        length_buckets: ``0`` (default): batches of a random permutation. ``k >= 1``: after the
-            permutation, sort each run of ``k`` batches by text length before cutting it into batches,
-            then shuffle the batch order, so that a batch holds sentences of similar length and carries
-            little padding (the quickstart uses 4: SST-2's short phrases otherwise pad to about 2.7 times
-            their tokens). Every example is still seen once per epoch.
+        seed: Seed of the batch order, dropout and IVON's weight noise.
+        freeze_embeddings: Keep the token embedding matrix fixed (the quickstart's CPU shortcut).
+        length_buckets: ``k >= 1``: sort each run of ``k`` shuffled batches by text length before cutting
+            it into batches (less padding; every example still seen once per epoch); ``0``: plain.
     """
 
     lr: float = 5e-5
@@ -82,37 +74,25 @@ class TrainConfig:
             raise ValueError(
                 f"unknown optimizer {self.optimizer!r}; valid optimizers: {', '.join(OPTIMIZERS)}"
             )
-        for key in ("batch_size", "epochs", "patience", "max_length", "length_buckets", "seed"):
-            value = getattr(self, key)
-            if key == "max_length" and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"TrainConfig.{key} must be an int, got {value!r}")
-            low = 0 if key in ("length_buckets", "seed") else 1
-            if value < low:
-                raise ValueError(f"TrainConfig.{key} must be >= {low}, got {value}")
+        for key, low in (("batch_size", 1), ("epochs", 0), ("patience", 1), ("length_buckets", 0)):
+            check_int("TrainConfig", key, getattr(self, key), low)
+        check_int("TrainConfig", "seed", self.seed, 0)
+        if self.max_length is not None:
+            check_int("TrainConfig", "max_length", self.max_length)
         for key in ("lr", "ivon_lr", "ivon_hess_init"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"TrainConfig.{key} must be a number, got {value!r}")
-            if not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"TrainConfig.{key} must be a finite number > 0, got {value!r}")
-        for key in ("weight_decay", "dropout"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"TrainConfig.{key} must be a number, got {value!r}")
-        if not (0 <= self.weight_decay < math.inf):
-            raise ValueError(f"TrainConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"TrainConfig.dropout must be in [0, 1), got {self.dropout!r}")
+            check_number("TrainConfig", key, getattr(self, key))
+        check_number("TrainConfig", "weight_decay", self.weight_decay, closed=True)
+        check_number("TrainConfig", "dropout", self.dropout, high=1.0, closed=True)
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"TrainConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
+        if self.optimizer == "ivon" and self.epochs == 0:
+            raise ValueError(
+                "TrainConfig: optimizer 'ivon' needs epochs >= 1 (its posterior is trained)"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict."""
-        d = asdict(self)
-        d["betas"] = list(self.betas)
-        return d
+        return json_ready(self)
 
 
 def logits_of(model: nn.Module, batch: Batch, device: torch.device | str) -> torch.Tensor:
@@ -120,29 +100,11 @@ def logits_of(model: nn.Module, batch: Batch, device: torch.device | str) -> tor
     return model_logits(model, split_batch(batch, device=device).inputs)
 
 
-@torch.no_grad()
-def predict_logits(
-    model: nn.Module, batches: Iterable[Batch], device: torch.device | str
-) -> torch.Tensor:
-    """(N, C) float64 logits over all batches, in eval mode (the model's mode is restored)."""
-    was_training = model.training
-    model.eval()
-    try:
-        out = [logits_of(model, b, device).double().cpu() for b in batches]
-    finally:
-        model.train(was_training)
-    return torch.cat(out)
-
-
-def labels_of(batches: Iterable[Batch]) -> torch.Tensor:
-    """(N,) int64 labels over all batches."""
-    return torch.cat([b["labels"] for b in batches])
-
-
 def accuracy(model: nn.Module, batches: Sequence[Batch], device: torch.device | str) -> float:
-    """Accuracy of the model on the batches."""
-    logits = predict_logits(model, batches, device)
-    return float((logits.argmax(-1) == labels_of(batches)).double().mean())
+    """Accuracy of ``model`` on dict batches, in eval mode (the model's mode is restored)."""
+    with eval_mode(model):
+        logits = batch_logits(model, batches, device)
+    return float((logits.argmax(-1) == torch.cat([b["labels"] for b in batches])).double().mean())
 
 
 def _epoch_batches(
@@ -166,12 +128,9 @@ def _epoch_batches(
 def _make_optimizers(
     model: nn.Module, config: TrainConfig, n_train: int
 ) -> list[torch.optim.Optimizer]:
-    """The fine-tuning optimizers: ``[AdamW]``, or ``[IVON, AdamW for the embeddings]``.
+    """``[AdamW]``, or ``[IVON on the countable parameters, AdamW on the embeddings]``.
 
-    IVON gets the countable parameters only (``selection.countable_named_parameters``: everything but the
-    ``nn.Embedding`` tables), so its posterior never covers the token embeddings; the embeddings, when
-    trainable, are fine-tuned deterministically by AdamW with the usual settings. IVON draws its weight
-    noise from its own generator seeded by ``config.seed``.
+    IVON's posterior never covers an ``nn.Embedding``; its noise has its own generator (``config.seed``).
     """
     if config.freeze_embeddings:
         get = getattr(model, "get_input_embeddings", None)
@@ -216,20 +175,9 @@ def train_epoch(
 ) -> float:
     """One epoch of optimizer steps in training mode (the caller's mode is restored, also on error).
 
-    Args:
-        model: The classifier.
-        opts: The optimizers of :func:`_make_optimizers` (with IVON first, its weight noise is sampled for
-            every step and IVON's gradients are not zeroed here: it does that itself).
-        batches: The epoch's batches, in order.
-        device: Device of the model.
-        epoch: Epoch index (0-based, for messages).
-        progress: Show a progress bar.
-
-    Returns:
-        The mean training loss over the batches.
-
-    Raises:
-        FloatingPointError: A non-finite training loss.
+    ``opts`` come from :func:`_make_optimizers` (IVON first: its weights are sampled for every step and it
+    zeroes its own gradients). Returns the mean training loss; a non-finite one raises
+    ``FloatingPointError`` (``epoch``, 0-based, names it).
     """
     ivon = opts[0] if isinstance(opts[0], IVON) else None
     was_training = model.training
@@ -270,14 +218,13 @@ def finetune(
 ) -> dict[str, Any]:
     """Fine-tune ``model`` in place; keep the weights of the epoch with the best validation accuracy.
 
-    The steps run in training mode (dropout on), the validation passes in eval mode; the model is left in
-    the mode the caller had it in.
+    With ``config.epochs == 0`` nothing is trained: the summary scores the model as it is. The model is
+    left in the mode the caller had it in.
 
     Returns:
         A summary: best epoch, its validation accuracy, per-epoch history, wall-clock ``seconds`` and
-        process ``cpu_seconds`` (all threads); with
-        ``optimizer="ivon"`` also ``"ivon_hess"`` (parameter name -> Hessian estimate) and ``"ivon"``
-        (the hyperparameters needed to rebuild the posterior).
+        process ``cpu_seconds`` (all threads); with ``optimizer="ivon"`` also ``"ivon_hess"`` (parameter
+        name -> Hessian) and ``"ivon"`` (the hyperparameters that rebuild the posterior).
     """
     if len(train) == 0 or len(val) == 0:
         raise ValueError(f"need training and validation examples, got {len(train)} and {len(val)}")
@@ -304,8 +251,10 @@ def finetune(
             stale += 1
             if stale >= config.patience:
                 break
-    assert best_state is not None
-    model.load_state_dict(best_state)
+    if best_state is not None:
+        model.load_state_dict(best_state)
+    else:  # epochs=0: the model as it came, scored on the validation set
+        best_acc, best_epoch = accuracy(model, val_batches, device), 0
     summary: dict[str, Any] = {
         "best_epoch": best_epoch,
         "val_accuracy": best_acc,
@@ -336,13 +285,10 @@ def save_checkpoint(
 ) -> bool:
     """Publish a checkpoint directory ``folder`` in one atomic step, unless one is there already.
 
-    ``model.safetensors`` (the state dict), the optional ``ivon_hess.safetensors`` (``extra``) and
-    ``meta.json`` are written into a fresh temporary sibling directory (host name, pid and a random token in
-    its name), which is then renamed onto ``folder`` with one ``os.rename``. A reader therefore sees either
-    no checkpoint or a complete one whose weights and meta come from the same training. When ``folder``
-    already holds a checkpoint (another process sharing the results folder published first), the rename
-    fails, this checkpoint is discarded and ``folder`` is left as it is: load it with
-    :func:`load_checkpoint` to use the published weights.
+    ``model.safetensors``, the optional ``ivon_hess.safetensors`` (``extra``) and ``meta.json`` go into a
+    fresh temporary sibling directory, renamed onto ``folder`` with one ``os.rename``: a reader sees no
+    checkpoint or a complete one. When another process published first, the rename fails and this
+    checkpoint is discarded (load the published one with :func:`load_checkpoint`).
 
     Returns:
         ``True`` when this call published ``folder``, ``False`` when another checkpoint was already there.
@@ -380,8 +326,7 @@ def load_checkpoint(
 
     Raises:
         ValueError: The checkpoint does not match the model's parameter names or shapes, ``folder`` is
-            a non-empty directory without ``meta.json`` (not written by :func:`save_checkpoint`, e.g. an
-            interrupted write of an older version), or a file of it is damaged (the message names it).
+            a non-empty directory without ``meta.json``, or a file of it is damaged (the message names it).
     """
     if not folder.is_dir() or not any(folder.iterdir()):
         return None

@@ -21,7 +21,7 @@ from partialbayes.glue_bench.context import PRIOR_GRID as PRIOR_GRID  # re-expor
 from partialbayes.glue_bench.context import every_linear_map, prior_edge, prior_grid
 from partialbayes.glue_bench.data_uci import UCI_DATASETS, UCISplit, load_uci
 from partialbayes.glue_bench.models import MLP
-from partialbayes.glue_bench.store import Cell, ResultStore, shard_units
+from partialbayes.glue_bench.store import Cell, ResultStore, grid_units
 from partialbayes.selection import Subset
 from partialbayes.swag import collect_swag
 
@@ -111,18 +111,9 @@ def subnet_subset(
     """The elementwise subnetwork of the norm- vs variance-based comparison (Figs. 9, 10).
 
     ``subnet-norm`` keeps the ``percent`` % of weights and biases with the largest magnitude;
-    ``subnet-variance`` keeps those with the largest marginal variance under a diagonal GGN Laplace of all
-    parameters (Daxberger et al., 2021). With a scalar prior precision ``δ`` that variance is
-    ``1 / (h_i / σ² + δ)``, which orders the entries by ascending GGN diagonal ``h_i`` whatever ``δ`` is, so
-    no prior needs to be fitted for the selection.
-
-    Args:
-        model: The trained MLP.
-        method: ``subnet-norm`` or ``subnet-variance``.
-        percent: Percent of the parameters, in (0, 100].
-        x: (N, D) training inputs.
-        y: (N,) training targets (standardised).
-        sigma: Gaussian noise standard deviation (standardised).
+    ``subnet-variance`` those with the largest marginal variance under a diagonal GGN Laplace (Daxberger et
+    al., 2021): with a scalar prior ``δ`` that is ``1 / (h_i / σ² + δ)``, ascending GGN diagonal ``h_i``
+    whatever ``δ``, so no prior is fitted. ``x`` (N, D), ``y`` (N,) and ``sigma`` are standardised.
     """
     if method == "subnet-norm":
         return selection.largest_magnitude(model, percent)
@@ -220,9 +211,9 @@ def run_uci(
 ) -> ResultStore:
     """Fill the UCI grid (dataset, split, method, size) of this shard; finished cells are skipped.
 
-    With ``keep_going`` a cell that raises is logged and skipped (no record is written, so a later run
-    retries it); the messages are in ``store.failures``. Otherwise the first failure propagates. Loading a
-    dataset and training its MLP are not cells: their errors always propagate (as GLUE fine-tuning's do).
+    One (dataset, split) unit at a time, in this process: train its MLP, run its cells. ``shard=(i, n)``
+    keeps every n-th unit. With ``keep_going`` a failing cell is logged and skipped (in ``store.failures``;
+    a later run retries it); loading data and training the MLP always raise.
 
     Raises:
         ValueError: An unknown dataset or a method that has no UCI version (the message lists the valid
@@ -241,30 +232,26 @@ def run_uci(
     store = ResultStore(
         results, {"kind": "uci", "width": 50, "depth": 2, "steps": 2000, "seed": seed}
     )
-    units = shard_units([(d, s, m) for d in datasets for s in splits for m in methods], shard)
-    cache: dict[tuple[str, int], tuple[UCISplit, MLP, float]] = {}
-    for name, split_k, method in units:
-        if (name, split_k) not in cache:
-            data = load_uci(name, split_k, uci_dir)
-            model, sigma = train_mlp(data, seed=seed * 100 + split_k)
-            cache[(name, split_k)] = (data, model, sigma)
-        data, model, sigma = cache[(name, split_k)]
-        for size in _sizes(model, method):
-            cell = Cell(name, split_k, method, size)
-            if store.has(cell):
-                continue
-            try:
-                rec = run_uci_cell(model, sigma, data, method, size, seed * 100 + split_k)
-            except Exception as err:  # one broken cell must not stop the grid
-                store.failures.append(
-                    f"{name}/split{split_k}/{method}/{size}: {type(err).__name__}: {err}"
+    for name, split in grid_units(datasets, splits, shard):
+        data = load_uci(name, split, uci_dir)
+        model, sigma = train_mlp(data, seed=seed * 100 + split)
+        for method in sorted(set(methods)):
+            for size in _sizes(model, method):
+                cell = Cell(name, split, method, size)
+                if store.has(cell):
+                    continue
+                try:
+                    rec = run_uci_cell(model, sigma, data, method, size, seed * 100 + split)
+                except Exception as err:  # one broken cell must not stop the grid
+                    store.failures.append(
+                        f"{name}/split{split}/{method}/{size}: {type(err).__name__}: {err}"
+                    )
+                    log(f"[{name} split {split}] {method} {size}: FAILED ({store.failures[-1]})")
+                    if not keep_going:
+                        raise
+                    continue
+                store.write(cell, rec)
+                log(
+                    f"[{name} split {split}] {method} {size}: rmse {rec['rmse']:.3f} nll {rec['nll']:.3f}"
                 )
-                log(f"[{name} split {split_k}] {method} {size}: FAILED ({store.failures[-1]})")
-                if not keep_going:
-                    raise
-                continue
-            store.write(cell, rec)
-            log(
-                f"[{name} split {split_k}] {method} {size}: rmse {rec['rmse']:.3f} nll {rec['nll']:.3f}"
-            )
     return store
