@@ -15,10 +15,8 @@ from partialbayes.ivon.posterior import (
     MultiIVON,
     ivon_posterior,
     load_posterior,
-    predict_mc,
     predict_mean,
     save_posterior,
-    swapped_params,
 )
 
 __all__ = [
@@ -28,8 +26,6 @@ __all__ = [
     "MultiIVON",
     "ivon_posterior",
     "load_posterior",
-    "predict_mc",
     "predict_mean",
     "save_posterior",
-    "swapped_params",
 ]
