@@ -9,6 +9,7 @@ predicts at the mean, and :func:`save_posterior` / :func:`load_posterior` store 
 with JSON metadata.
 """
 
+from partialbayes.ivon._callback import IVONCallback
 from partialbayes.ivon.optimizer import HESS_APPROX, IVON
 from partialbayes.ivon.posterior import (
     GaussianPosterior,
@@ -23,6 +24,7 @@ __all__ = [
     "HESS_APPROX",
     "IVON",
     "GaussianPosterior",
+    "IVONCallback",
     "MultiIVON",
     "ivon_posterior",
     "load_posterior",
