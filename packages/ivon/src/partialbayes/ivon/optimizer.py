@@ -243,6 +243,19 @@ class IVON(torch.optim.Optimizer):
         """Which entries of parameter ``p`` are variational: ``True`` (all), ``False`` (none) or a mask."""
         return self._masks.get(p, True)
 
+    def posterior_std(self, p: Tensor) -> Tensor:
+        """``σ = 1/√(ess·(h+δ))`` of parameter ``p`` (a new tensor), 0 outside its variational entries.
+
+        Raises:
+            KeyError: If the optimizer does not hold ``p``.
+        """
+        group = next((g for g in self.param_groups if any(q is p for q in g["params"])), None)
+        if group is None:
+            raise KeyError(f"IVON.posterior_std: the optimizer does not hold {_describe(p)}")
+        std = (self.state[p]["hess"] + group["weight_decay"]).mul(group["ess"]).rsqrt()
+        mask = self.variational_mask(p)
+        return std * mask if isinstance(mask, Tensor) else std if mask else torch.zeros_like(std)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients, as :meth:`torch.optim.Optimizer.zero_grad`, without touching collected samples.
 

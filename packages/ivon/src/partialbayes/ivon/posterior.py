@@ -358,20 +358,12 @@ def ivon_posterior(
         raise RuntimeError(
             "ivon_posterior: called inside sampled_params (parameters hold a sample)"
         )
-    group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
+    held = {p for g in optimizer.param_groups for p in g["params"]}
     mean, std = {}, {}
     for name, p in model.named_parameters():
-        if p not in group_of:
-            continue
-        g = group_of[p]
-        s = (optimizer.state[p]["hess"] + g["weight_decay"]).mul(g["ess"]).rsqrt()
-        mask = optimizer.variational_mask(p)
-        if mask is False:
-            s = torch.zeros_like(s)
-        elif isinstance(mask, Tensor):
-            s = s * mask
-        mean[name] = p.detach().clone()
-        std[name] = s
+        if p in held:
+            mean[name] = p.detach().clone()
+            std[name] = optimizer.posterior_std(p)
     if not mean:
         raise ValueError("ivon_posterior: the optimizer holds none of the model's parameters")
     return GaussianPosterior(mean, std, model, likelihood=likelihood, sigma_noise=sigma_noise)
