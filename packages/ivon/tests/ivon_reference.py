@@ -58,7 +58,10 @@ def reference_ivon(
                 e = z.half().to(torch.float64) / math.sqrt(ess) / torch.sqrt(hx + d)
                 eps.append(e if mk is None else e * mk)
             w = [(x + e).requires_grad_(True) for x, e in zip(m, eps, strict=True)]
-            grads = torch.autograd.grad(loss_fn(w), w)
+            fn = (
+                loss_fn[s] if isinstance(loss_fn, list) else loss_fn
+            )  # one loss per MC sample (rank)
+            grads = torch.autograd.grad(fn(w), w)
             for i, (g, e) in enumerate(zip(grads, eps, strict=True)):
                 gbar[i] += g * share
                 if hess_approx == "price":

@@ -278,8 +278,9 @@ class IVON(torch.optim.Optimizer):
 
         The noise is added to the parameters in place and subtracted on exit, also when the body raises (the
         sample is then discarded); so the means come back up to one rounding of the parameters' dtype (a
-        relative 6e-8 in float32). float16 and bfloat16 parameters, where that rounding would accumulate,
-        keep an exact copy of their means for the duration of the block instead. With ``train=True`` the
+        relative 6e-8 in float32). float16 and bfloat16 parameters, where that rounding would accumulate, and
+        data-parallel runs, whose replicas must stay equal to the bit, keep an exact copy of their means for
+        the duration of the block instead. With ``train=True`` the
         gradients at ``w`` (``p.grad``, accumulated over any number of backward passes in the body; missing
         gradients count as zero) are collected on exit for the next :meth:`step`. Afterwards ``p.grad`` holds
         the weighted running MC average of the gradient (the tensor :meth:`step` will use: a
@@ -344,6 +345,9 @@ class IVON(torch.optim.Optimizer):
                 p: torch.empty(p.shape, dtype=torch.float16, device=p.device)
                 for p in self._variational()
             }
+        exact = (
+            self._sync_enabled()
+        )  # replicas must stay equal to the bit: no rank-specific rounding
         for group, params in self._buckets():
             var = [p for p in params if p in self._noise]
             if not var:
@@ -353,7 +357,7 @@ class IVON(torch.optim.Optimizer):
                 mask = self.variational_mask(p)
                 if isinstance(mask, Tensor):
                     self._noise[p].mul_(mask)
-                if p.dtype in _HALF:
+                if exact or p.dtype in _HALF:
                     self._stash[p] = p.detach().clone()
             self._shift(group, var, 1.0)
 
