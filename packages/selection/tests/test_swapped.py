@@ -67,8 +67,9 @@ def test_nested_swaps_restore_the_outer_sample_and_user_edits():
     outer, inner = {"0.weight": torch.full((k,), 1.0)}, {"0.weight": torch.full((k,), 2.0)}
     with subset.swapped(model, outer):
         with subset.swapped(model, inner):
-            assert float(model[0].weight[1, 0]) == 2.0
-        assert float(model[0].weight[1, 0]) == 1.0  # the outer sample, not the values before it
+            assert float(model[0].weight.detach()[1, 0]) == 2.0
+        # the outer sample, not the values before it
+        assert float(model[0].weight.detach()[1, 0]) == 1.0
     with torch.no_grad():
         model[0].weight.add_(5.0)  # the user moves the weights after building the subset
     edited = _state(model)
@@ -143,3 +144,14 @@ def test_swapped_refuses_another_model_and_the_meta_device():
         meta = _mlp(4, 3, 4, 2)
     with pytest.raises(ValueError, match="meta device"):
         subset.parameters_of(meta)
+
+
+def test_the_body_keeps_autograd():
+    """Gradients flow inside the swap (a sampled forward/backward, as SWAG and IVON training need)."""
+    model = _mlp(5, 3, 4, 2)
+    subset = Subset.from_model(model, {"0.weight": KronBlock()})
+    with subset.swapped(model, {"0.weight": torch.ones(12)}):
+        assert torch.is_grad_enabled()
+        model(torch.ones(1, 3, dtype=torch.float64)).sum().backward()
+    assert model[0].weight.grad is not None
+    assert model[0].weight.requires_grad

@@ -16,6 +16,7 @@ from partialbayes.swag import (
     classification_loss,
     collect_swag,
     load_swag,
+    predictive_nll,
     update_moments,
 )
 
@@ -181,7 +182,7 @@ def test_non_finite_or_missing_tensors_are_refused_naming_the_file(
             broken = dict(tensors)
             broken[key] = tensors[key].clone()
             broken[key].view(-1)[0] = bad
-            with pytest.raises(ValueError, match=rf"edited\.safetensors.*'{key}' has NaN or inf"):
+            with pytest.raises(ValueError, match=rf"edited\.safetensors.*'{key}' has 1 NaN or inf"):
                 load_swag(rewrite(path, broken, meta), model)
         rest = {k: v for k, v in tensors.items() if k != key}
         with pytest.raises(ValueError, match=rf"edited\.safetensors.*'{key}' is missing"):
@@ -194,21 +195,57 @@ def test_non_finite_or_missing_tensors_are_refused_naming_the_file(
 def test_broken_metadata_is_refused_naming_the_file(helpers, tmp_path):
     model, path = saved(helpers, tmp_path)
     meta, tensors = read(path)
-    for raw in ("{oops", "[]", json.dumps({"format": "partialbayes-swag", "version": 1})):
+    for raw in ("{oops", "[]", json.dumps({"format": "partialbayes.swag.SWAG", "version": 2})):
         with pytest.raises(ValueError, match=r"edited\.safetensors"):
-            load_swag(rewrite(path, tensors, {"partialbayes_swag": raw}), model)
-    fields = json.loads(meta["partialbayes_swag"])
-    for key in ("subset", "names", "num_entries", "max_rank", "n_snapshots", "dtype"):
+            load_swag(rewrite(path, tensors, {"partialbayes": raw}), model)
+    fields = json.loads(meta["partialbayes"])
+    for key in ("subset", "structure", "max_rank", "n_snapshots", "dtype", "likelihood"):
         broken = {k: v for k, v in fields.items() if k != key}
         with pytest.raises(ValueError, match=f"no '{key}' field"):
-            load_swag(rewrite(path, tensors, {"partialbayes_swag": json.dumps(broken)}), model)
-    for key, value in (("dtype", "int64"), ("n_snapshots", "4"), ("diagonal_only", 0)):
+            load_swag(rewrite(path, tensors, {"partialbayes": json.dumps(broken)}), model)
+    for key, value in (
+        ("dtype", "int64"),
+        ("n_snapshots", "4"),
+        ("n_snapshots", 0),
+        ("diagonal_only", 0),
+        ("max_rank", 1),
+        ("likelihood", "poisson"),
+        ("sigma_noise", -1.0),
+    ):
         broken = {**fields, key: value}
         with pytest.raises(ValueError, match=r"edited\.safetensors"):
-            load_swag(rewrite(path, tensors, {"partialbayes_swag": json.dumps(broken)}), model)
+            load_swag(rewrite(path, tensors, {"partialbayes": json.dumps(broken)}), model)
     broken = {**fields, "subset": "{}"}
-    with pytest.raises(ValueError, match=r"edited\.safetensors: the saved subset"):
-        load_swag(rewrite(path, tensors, {"partialbayes_swag": json.dumps(broken)}), model)
+    with pytest.raises(ValueError, match=r"edited\.safetensors': the saved subset"):
+        load_swag(rewrite(path, tensors, {"partialbayes": json.dumps(broken)}), model)
+    too_many = {
+        **tensors,
+        "deviations": torch.zeros(tensors["mean"].shape[0], 4),
+    }  # 4 > n_snapshots
+    with pytest.raises(ValueError, match=r"edited\.safetensors.*'deviations' has shape"):
+        load_swag(rewrite(path, too_many, meta), model)
+
+
+def test_files_of_version_1_are_refused_with_a_re_save_message(helpers, tmp_path):
+    model, path = saved(helpers, tmp_path)
+    meta, tensors = read(path)
+    old = {"partialbayes_swag": json.dumps({"format": "partialbayes-swag", "version": 1})}
+    with pytest.raises(ValueError, match=r"edited\.safetensors.*earlier partialbayes; re-save it"):
+        load_swag(rewrite(path, tensors, old), model)
+    other = {"partialbayes": json.dumps({**json.loads(meta["partialbayes"]), "version": 1})}
+    with pytest.raises(ValueError, match=r"edited\.safetensors.*version 1.*re-saved"):
+        load_swag(rewrite(path, tensors, other), model)
+
+
+def test_save_creates_the_folder_is_atomic_and_refuses_a_folder(helpers, tmp_path):
+    # Before the fix: a missing folder or a folder path gave SafetensorError naming a temporary file.
+    model, _, swag = collected(helpers)
+    target = tmp_path / "new" / "deeper" / "swag.safetensors"
+    swag.save(target)
+    assert load_swag(target, model).n_snapshots == swag.n_snapshots
+    assert sorted(p.name for p in target.parent.iterdir()) == ["swag.safetensors"]
+    with pytest.raises(ValueError, match="it is a folder"):
+        swag.save(tmp_path)
 
 
 @FILES
@@ -244,13 +281,13 @@ def test_a_good_file_still_loads(helpers, tmp_path):
     assert back.n_snapshots == 4
 
 
-def test_half_precision_moments_in_an_old_file_load_as_float32(helpers, tmp_path):
+def test_half_precision_moments_in_a_file_load_as_float32(helpers, tmp_path):
     model, path = saved(helpers, tmp_path)
     meta, tensors = read(path)
-    fields = json.loads(meta["partialbayes_swag"])
+    fields = json.loads(meta["partialbayes"])
     fields["dtype"] = "float16"
     half = {k: v.half() for k, v in tensors.items()}
-    back = load_swag(rewrite(path, half, {"partialbayes_swag": json.dumps(fields)}), model)
+    back = load_swag(rewrite(path, half, {"partialbayes": json.dumps(fields)}), model)
     assert back.dtype == torch.float32
     torch.testing.assert_close(back.mean, tensors["mean"].half().float())
 
@@ -306,11 +343,106 @@ def test_swapped_refuses_non_finite_samples_and_leaves_the_model_alone(helpers):
         pass
     flat = swag.sample_flat()
     flat[3] = math.inf
-    with (
-        pytest.warns(DeprecationWarning, match=r"swapped\(model, weights\)"),
-        pytest.raises(ValueError, match="NaN or inf"),
-        swag.swapped(model, flat),
-    ):
+    with pytest.raises(ValueError, match="NaN or inf"), swag.swapped(swag.unflatten(flat)):
         pass
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n])
+
+
+# --- issue #27 -------------------------------------------------------------------------------------
+
+
+def test_too_few_snapshots_to_sample_are_refused_before_collecting(helpers):
+    # Before the fix: n_steps=3 with snapshot_every=2 returned a one-snapshot SWAG that failed at predict.
+    model = helpers.tiny_net(0)
+    subset = helpers.partial_subset(model)
+    kw = {"lr": 0.05, "snapshot_every": 2, "loss_fn": helpers.x_loss, "progress": False}
+    with pytest.raises(
+        ValueError, match=r"n_steps=3 with snapshot_every=2 gives 1 snapshot.*at least 2"
+    ):
+        collect_swag(model, subset, helpers.x_batches(model), n_steps=3, **kw)
+    diag = collect_swag(
+        model, subset, helpers.x_batches(model), n_steps=3, diagonal_only=True, **kw
+    )
+    assert diag.n_snapshots == 1
+    assert diag.sample(2)["fc1.weight"].shape == (2, 4)
+
+
+def unlabelled(batch):
+    return {**batch, "labels": torch.full_like(batch["labels"], -100)}
+
+
+@pytest.mark.parametrize("loss", ["default", "custom"])
+def test_batches_with_no_labelled_output_are_skipped_with_one_warning(helpers, loss):
+    # Before the fix: an all -100 batch made the mean cross-entropy NaN, reported as a divergence
+    # (NonFiniteLossError ... (lr=...)).
+    model = helpers.tiny_net(0)
+    subset = helpers.partial_subset(model)
+    data = helpers.x_batches(model, n_batches=3)
+    with_gaps = [data[0], unlabelled(data[1]), data[1], unlabelled(data[2]), data[2]]
+    kw = {"lr": 0.05, "n_steps": 6, "snapshot_every": 2, "max_rank": 3, "progress": False}
+    if loss == "custom":
+
+        def loss_fn(m, b):  # ignores -100 itself, like Hugging Face's loss
+            return torch.nn.functional.cross_entropy(m(b["x"]), b["labels"])
+
+        kw["loss_fn"] = loss_fn
+    with pytest.warns(RuntimeWarning, match="collect_swag skipped 4 of 10 batches") as record:
+        swag = collect_swag(model, subset, with_gaps, **kw)
+    assert len([w for w in record if "skipped" in str(w.message)]) == 1
+    ref = collect_swag(model, subset, data, **kw)  # the same steps on the labelled batches
+    torch.testing.assert_close(swag.mean, ref.mean, rtol=0, atol=0)
+    torch.testing.assert_close(swag.deviations, ref.deviations, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"every batch \(2\) has no labelled outputs"):
+        collect_swag(model, subset, [unlabelled(b) for b in data[:2]], **kw)
+
+
+def test_sequence_level_minus_100_is_no_label(helpers):
+    model = helpers.tiny_net(0)
+    batch = helpers.x_batches(model, n_batches=1)[0]
+    labels = batch["labels"].clone()
+    labels[[1, 4]] = -100
+    keep = labels != -100
+    loss = classification_loss(model, {**batch, "labels": labels})
+    ref = torch.nn.functional.cross_entropy(model(batch["x"])[keep], labels[keep])
+    torch.testing.assert_close(loss, ref)
+
+
+def test_predictive_nll_skips_unlabelled_batches_and_refuses_all_unlabelled(helpers):
+    # Before the fix: a loader of only -100 labels gave NaN silently.
+    model, _, swag = collected(helpers, dtype=torch.float64)
+    data = helpers.x_batches(model, n_batches=2)
+    val = [(b["x"], b["labels"]) for b in data]
+    gaps = [val[0], (val[1][0], torch.full_like(val[1][1], -100)), val[1]]
+    with pytest.warns(RuntimeWarning, match="predictive_nll skipped 1 of 3 batches"):
+        got = predictive_nll(swag, gaps, n_samples=3, generator=torch.Generator().manual_seed(0))
+    ref = predictive_nll(swag, val, n_samples=3, generator=torch.Generator().manual_seed(0))
+    assert got == pytest.approx(ref, rel=1e-12)
+    with pytest.raises(ValueError, match=r"every batch \(1\) has no labelled outputs"):
+        predictive_nll(swag, gaps[1:2], n_samples=2)
+
+
+def test_an_empty_batch_is_named(helpers):
+    # Before the fix: HF models failed deep inside with "cannot reshape tensor of 0 elements".
+    model = helpers.tiny_net(0)
+    subset = helpers.partial_subset(model)
+    data = helpers.x_batches(model, n_batches=2)
+    empty = {"x": data[0]["x"][:0], "labels": data[0]["labels"][:0]}
+    with pytest.raises(ValueError, match=r"SGD step 2 \(batch 1 of pass 0\): empty batch"):
+        collect_swag(model, subset, [data[0], empty], lr=0.05, n_steps=4, snapshot_every=2,
+                     loss_fn=helpers.x_loss, progress=False)  # fmt: skip
+    _, _, swag = collected(helpers, dtype=torch.float64)
+    with pytest.raises(ValueError, match="validation batch 0: empty batch"):
+        predictive_nll(swag, [(empty["x"], empty["labels"])], n_samples=2)
+
+
+def test_a_meta_device_model_is_refused_by_name(helpers):
+    # Before the fix: "Tensor.item() cannot be called on meta tensors".
+    model = helpers.tiny_net(0)
+    subset = helpers.partial_subset(model)
+    meta = helpers.tiny_net(0, device="meta")
+    with pytest.raises(ValueError, match=r"'fc1\.weight' of TinyNet is on the meta device"):
+        SWAG(meta, subset)
+    with pytest.raises(ValueError, match="meta device"):
+        collect_swag(meta, subset, helpers.x_batches(model), lr=0.1, n_steps=4, snapshot_every=2,
+                     loss_fn=helpers.x_loss, progress=False)  # fmt: skip

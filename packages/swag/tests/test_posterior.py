@@ -1,4 +1,4 @@
-"""SWAG as a partialbayes Posterior: conformance, Hugging Face batches, token outputs, deprecated forms."""
+"""SWAG as a partialbayes Posterior: conformance, Hugging Face batches, token outputs, removed forms."""
 
 import pytest
 import torch
@@ -11,7 +11,6 @@ from partialbayes.swag import (
     SWAG,
     classification_loss,
     collect_swag,
-    hf_logits,
     predictive_nll,
 )
 
@@ -218,38 +217,24 @@ def test_regression_predict_is_mean_and_variance_plus_noise(helpers):
     torch.testing.assert_close(var, outs.var(0, unbiased=False) + 0.25)
 
 
-def test_deprecated_forms_warn_and_still_work(helpers):
+def test_forms_deprecated_in_0_2_are_gone(helpers):
     model = helpers.tiny_net(0)
-    subset = helpers.partial_subset(model)
     data = pair_batches(model)
-    swag = collect_swag(model, subset, data, lr=0.1, n_steps=8, snapshot_every=2, max_rank=3,
-                        progress=False)  # fmt: skip
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with pytest.warns(DeprecationWarning, match="sample_flat"):
-        flat = swag.sample(n_samples=3, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(flat, swag.sample_flat(3, generator=torch.Generator().manual_seed(0)))
-    with pytest.warns(DeprecationWarning, match="sample_flat"):
-        assert swag.sample(n_samples=None).shape == (swag.num_entries,)
-    with pytest.warns(DeprecationWarning, match=r"swapped\(model, weights\)"):
-        cm = swag.swapped(model, flat[0])
-    with cm as w:
-        assert torch.equal(w, flat[0])
-        torch.testing.assert_close(swag.current(), flat[0])
-    with pytest.warns(DeprecationWarning, match=r"sampled\(model"):
-        cm = swag.sampled(model, generator=torch.Generator().manual_seed(1))
-    with cm as w:
-        assert w.shape == (swag.num_entries,)
-        torch.testing.assert_close(swag.current(), w)
-    with pytest.warns(DeprecationWarning, match=r"predictive_nll\(swag, batches\)"):
-        old = predictive_nll(
-            model, swag, data, n_samples=2, generator=torch.Generator().manual_seed(3)
-        )
-    new = predictive_nll(swag, data, n_samples=2, generator=torch.Generator().manual_seed(3))
-    assert old == new
-    with pytest.warns(DeprecationWarning, match="model_logits"):
-        torch.testing.assert_close(hf_logits(model, data[0]), model(data[0][0]))
-    for n, p in model.named_parameters():
-        assert torch.equal(p, before[n])
+    swag = collect_swag(model, helpers.partial_subset(model), data, lr=0.1, n_steps=8,
+                        snapshot_every=2, max_rank=3, progress=False)  # fmt: skip
+    with pytest.raises(TypeError, match="n_samples"):
+        swag.sample(n_samples=3)
+    with pytest.raises(TypeError):
+        swag.swapped(model, swag.sample_flat())
+    with pytest.raises(TypeError):
+        swag.sampled(model)
+    with pytest.raises(TypeError, match="takes 2 positional arguments"):
+        predictive_nll(model, swag, data)
+    with pytest.raises(TypeError, match="takes a SWAG"):
+        predictive_nll(model, data)
+    import partialbayes.swag
+
+    assert not hasattr(partialbayes.swag, "hf_logits")
 
 
 def test_bad_samples_and_links_are_named(helpers):
@@ -258,10 +243,13 @@ def test_bad_samples_and_links_are_named(helpers):
                         n_steps=4, snapshot_every=2, max_rank=2, progress=False)  # fmt: skip
     with pytest.raises(TypeError, match=r"swag\.swapped\(swag\.unflatten\(w\)\)"):
         swag.swapped(swag.mean)
-    with pytest.raises(ValueError, match="missing"):
-        swag.swapped({"fc1.weight": torch.zeros(4)})
-    with pytest.raises(ValueError, match=r"sample\['fc1.weight'\] has shape"):
-        swag.swapped({n: torch.zeros(3) for n in swag.subset.names})
+    with pytest.raises(ValueError, match="missing"), swag.swapped({"fc1.weight": torch.zeros(4)}):
+        pass
+    with (
+        pytest.raises(ValueError, match=r"sample\['fc1.weight'\] has shape"),
+        swag.swapped({n: torch.zeros(3) for n in swag.subset.names}),
+    ):
+        pass
     with pytest.raises(ValueError, match=r"SWAG offers \('mc',\)"):
         swag.predict(torch.zeros(2, 4, dtype=torch.float64), link="probit")
     with pytest.raises(ValueError, match="n must be a positive int"):

@@ -12,6 +12,7 @@ from partialbayes.curvature._laplace_diag import DiagLaplace
 from partialbayes.curvature._laplace_kron import KronLaplace
 from partialbayes.curvature._likelihood import forward_logits
 from partialbayes.curvature._marglik import MarglikFit
+from partialbayes.curvature._memory import MemoryEstimate, memory_estimate
 
 __all__ = [
     "DenseLaplace",
@@ -19,6 +20,7 @@ __all__ = [
     "KronLaplace",
     "LaplaceBase",
     "MarglikFit",
+    "MemoryEstimate",
     "ModuleFactors",
     "dense_curvature",
     "diag_curvature",
@@ -26,4 +28,5 @@ __all__ = [
     "kfac",
     "kfac_factors",
     "logit_jacobians",
+    "memory_estimate",
 ]

@@ -31,6 +31,7 @@ from partialbayes.curvature._likelihood import (
     model_device,
     output_vectors,
 )
+from partialbayes.curvature._memory import check_exact_fisher
 from partialbayes.curvature._outputs import output_rows, position_plan, read_batch
 from partialbayes.predictive import model_logits
 
@@ -409,6 +410,9 @@ def stream(
                 raise ValueError(
                     f"batch {index}: modules {missing} were not called by the model's forward pass"
                 )
+            if fisher == "exact":
+                joint = keep is None or positions == "joint"
+                check_exact_fisher(rows, 1 if joint else int(keep.any(0).sum()), index)
             vectors = output_vectors(
                 rows,
                 labels,

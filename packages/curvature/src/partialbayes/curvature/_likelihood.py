@@ -224,25 +224,35 @@ def output_vectors(
     """
     f = logits.detach()
     b, c = f.shape
-    eye = torch.eye(c, dtype=f.dtype, device=f.device)
     if likelihood == "classification":
         p = torch.softmax(f, dim=-1)
         if fisher == "exact":
             # m_c = √p_c (e_c - p)  for every example:  [C, B, C]
+            eye = torch.eye(c, dtype=f.dtype, device=f.device)
             return p.sqrt().T[:, :, None] * (eye[:, None, :] - p[None])
         if fisher == "empirical":
             y = _require_labels(labels, batch_index)
-            return (p - eye[y])[None]
+            return minus_one_hot(p, y[None])
         dev = generator.device if generator is not None else p.device
         ys = torch.multinomial(p.to(dev), mc_samples, replacement=True, generator=generator)
-        ys = ys.to(p.device).T  # [k, B]
-        return (p[None] - eye[ys]) / math.sqrt(mc_samples)
+        return minus_one_hot(p, ys.to(p.device).T) / math.sqrt(mc_samples)
     s = float(sigma_noise)
     if fisher == "exact":
-        return eye[:, None, :].expand(c, b, c) / s
+        return torch.eye(c, dtype=f.dtype, device=f.device)[:, None, :].expand(c, b, c) / s
     if fisher == "empirical":
         y = _require_labels(labels, batch_index).to(f.dtype)
         return ((f - y) / s**2)[None]
     dev = generator.device if generator is not None else f.device
     eps = torch.randn((mc_samples, b, c), generator=generator, dtype=f.dtype, device=dev)
     return eps.to(f.device) / (s * math.sqrt(mc_samples))
+
+
+def minus_one_hot(p: Tensor, labels: Tensor) -> Tensor:
+    """``p - e_y`` for every row of ``labels``, by a scatter (no ``[C, C]`` identity): ``[S, B, C]``.
+
+    Args:
+        p: ``[B, C]`` probabilities.
+        labels: ``[S, B]`` class indices (true or sampled labels).
+    """
+    out = p.expand(labels.shape[0], *p.shape).clone()
+    return out.scatter_add_(-1, labels[..., None], out.new_full((*labels.shape, 1), -1.0))

@@ -20,28 +20,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.predictive import IGNORE_INDEX, batch_size, kept_positions, split_batch
-
-#: Class-name endings of Hugging Face causal language models (``LlamaForCausalLM``, ``GPT2LMHeadModel``).
-CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
-
-
-def is_causal_lm(model: nn.Module) -> bool:
-    """Whether ``model`` is a causal language model, judged by class names.
-
-    True when the class of ``model`` (or of a base class, or of the model a PEFT wrapper returns from
-    ``get_base_model()``) ends with ``ForCausalLM`` or ``LMHeadModel`` — the Hugging Face naming of the
-    models that shift their labels inside ``forward``. Pass ``shift_labels`` explicitly for any other model.
-    """
-    candidates = [model]
-    get_base = getattr(model, "get_base_model", None)
-    if callable(get_base):
-        base = get_base()
-        if isinstance(base, nn.Module):
-            candidates.append(base)
-    return any(
-        cls.__name__.endswith(CAUSAL_LM_SUFFIXES) for m in candidates for cls in type(m).__mro__
-    )
+from partialbayes.predictive import (
+    IGNORE_INDEX,
+    batch_size,
+    is_causal_lm,
+    kept_positions,
+    split_batch,
+)
 
 
 def resolve_shift_labels(model: nn.Module, shift_labels: bool | None) -> bool:
@@ -111,23 +96,9 @@ class Outputs:
                     "ignored positions)"
                 )
             return kept_positions(logits, attention_mask=self.attention_mask)
-        mask, labels = self.attention_mask, self.labels
-        if self.shift and labels is not None:
-            b, t = logits.shape[:2]
-            if tuple(labels.shape) != (b, t):
-                raise ValueError(
-                    f"labels of token-level logits must have shape [B, T] = {(b, t)}, "
-                    f"got {tuple(labels.shape)}"
-                )
-            labels = _shifted(labels, IGNORE_INDEX)
-            if mask is not None:
-                if tuple(mask.shape) != (b, t):
-                    raise ValueError(
-                        f"attention_mask has shape {tuple(mask.shape)}, logits need [B, T] = {(b, t)}"
-                    )
-                real = mask != 0
-                mask = real & _shifted(real, 0)
-        keep = kept_positions(logits, attention_mask=mask, labels=labels)
+        keep = kept_positions(
+            logits, attention_mask=self.attention_mask, labels=self.labels, shift=self.shift
+        )
         assert keep is not None
         return keep
 

@@ -2,16 +2,19 @@
 
 Takes what a posterior produces — Gaussian logits ``N(mean, cov)`` or logit samples — and turns it
 into predictive distributions and scores. Defines the `Posterior` protocol every posterior family
-implements, and the one way to read a batch (`split_batch`) and call a model (`model_logits`). Depends on
+implements, the one way to read a batch (`split_batch`) and call a model (`model_logits`), and
+`PosteriorModel`, any posterior as an ``nn.Module`` for ``transformers.Trainer``. Depends on
 torch only; never imports a posterior class.
 """
 
+from partialbayes.predictive._answers import answer_logits, answer_positions, check_target_ids
 from partialbayes.predictive._auroc import auroc
 from partialbayes.predictive._batch import (
     IGNORE_INDEX,
     Batch,
     batch_size,
     flatten_outputs,
+    is_causal_lm,
     kept_positions,
     model_logits,
     move_batch,
@@ -43,6 +46,7 @@ from partialbayes.predictive._link import (
 )
 from partialbayes.predictive._mc import cholesky_jitter, mc_predictive, sample_logits
 from partialbayes.predictive._metrics import accuracy, brier, gaussian_nll, nll
+from partialbayes.predictive._model import PosteriorModel
 from partialbayes.predictive._posterior import (
     LIKELIHOODS,
     Posterior,
@@ -72,9 +76,12 @@ __all__ = [
     "MCRegression",
     "Posterior",
     "PosteriorFile",
+    "PosteriorModel",
     "ReliabilityData",
     "Uncertainty",
     "accuracy",
+    "answer_logits",
+    "answer_positions",
     "apply_temperature",
     "auroc",
     "average_softmax",
@@ -84,6 +91,7 @@ __all__ = [
     "check_generator",
     "check_likelihood",
     "check_sample",
+    "check_target_ids",
     "cholesky_jitter",
     "decompose_classification",
     "decompose_regression",
@@ -94,6 +102,7 @@ __all__ = [
     "flatten_outputs",
     "gaussian_nll",
     "gaussian_predictive",
+    "is_causal_lm",
     "kept_positions",
     "laplace_bridge",
     "laplace_bridge_alpha",

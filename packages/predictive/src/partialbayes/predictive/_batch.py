@@ -221,6 +221,7 @@ def kept_positions(
     attention_mask: Tensor | None = None,
     labels: Tensor | None = None,
     ignore_index: int = IGNORE_INDEX,
+    shift: bool = False,
 ) -> Tensor | None:
     """Which positions of token-level logits count as outputs.
 
@@ -229,6 +230,9 @@ def kept_positions(
         attention_mask: ``[B, T]``; positions where it is 0 are dropped.
         labels: ``[B, T]`` integer labels; positions labelled ``ignore_index`` are dropped.
         ignore_index: The label value of an ignored position.
+        shift: Causal-LM convention (Hugging Face shifts the labels inside the model): with labels, the
+            output at ``t`` is scored against ``labels[t + 1]`` and kept when tokens ``t`` and ``t + 1``
+            are both real and ``labels[t + 1] != ignore_index``; the last position has no target.
 
     Returns:
         ``None`` for ``[B, C]`` logits, else a ``[B, T]`` bool mask of the kept positions.
@@ -258,8 +262,26 @@ def kept_positions(
                 f"labels of token-level logits must have shape [B, T] = {(b, t)}, "
                 f"got {tuple(labels.shape)}"
             )
-        keep &= labels.to(logits.device) != ignore_index
+        kept = labels.to(logits.device) != ignore_index
+        if shift:  # position t holds what t + 1 holds; the last has no target
+            keep = keep & torch.cat([keep[:, 1:], keep[:, :1] & False], dim=1)
+            kept = torch.cat([kept[:, 1:], kept[:, :1] & False], dim=1)
+        keep &= kept
     return keep
+
+
+#: Class-name endings of Hugging Face causal language models (``LlamaForCausalLM``, ``GPT2LMHeadModel``).
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """Whether ``model`` (a base class, or a PEFT wrapper's ``get_base_model()``) is named a causal LM.
+
+    Hugging Face's causal LMs (``...ForCausalLM``, ``...LMHeadModel``) shift their labels inside ``forward``.
+    """
+    get_base = getattr(model, "get_base_model", None)
+    models = [model, get_base()] if callable(get_base) else [model]
+    return any(c.__name__.endswith(CAUSAL_LM_SUFFIXES) for m in models for c in type(m).__mro__)
 
 
 def flatten_outputs(

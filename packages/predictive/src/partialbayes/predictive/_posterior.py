@@ -16,7 +16,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from partialbayes.predictive._batch import model_logits, split_batch
+from partialbayes.predictive._answers import answer_logits
+from partialbayes.predictive._batch import is_causal_lm, model_logits, split_batch
 from partialbayes.predictive._stream import mc_predict, mc_predict_regression
 
 
@@ -182,6 +183,23 @@ def _contexts(
     return lambda s: posterior.sampled(generator=generator)
 
 
+def _forward(
+    model: nn.Module, batch: Any, target_ids: Sequence[int] | Tensor | None, causal_lm: bool | None
+) -> Callable[[], Tensor]:
+    """The model's logits on ``batch`` under its current weights, or their answer-only ``[P, K]`` part."""
+    b = split_batch(batch, device=next(model.parameters()).device)
+    if target_ids is None:
+        return lambda: model_logits(model, b.inputs)
+    shift = is_causal_lm(model) if causal_lm is None else causal_lm
+    return lambda: answer_logits(
+        model_logits(model, b.inputs),
+        target_ids,
+        labels=b.labels,
+        attention_mask=b.attention_mask,
+        causal_lm=shift,
+    )
+
+
 def sampled_logits(
     posterior: Posterior,
     batch: Any,
@@ -189,6 +207,8 @@ def sampled_logits(
     *,
     generator: torch.Generator | None = None,
     sample_ctx: SampleContext | None = None,
+    target_ids: Sequence[int] | Tensor | None = None,
+    causal_lm: bool | None = None,
 ) -> Tensor:
     """Logits of the model under ``n`` weight samples of ``posterior``, stacked: ``[n, *logits shape]``.
 
@@ -198,26 +218,29 @@ def sampled_logits(
 
     Args:
         posterior: Any `Posterior`.
-        batch: A batch in any accepted form (labels are ignored).
+        batch: A batch in any accepted form (labels only mark the answers of ``target_ids``).
         n: Number of weight samples.
         generator: Source of randomness (same seed, same logits).
         sample_ctx: ``s -> context manager`` that swaps sample ``s`` in, used instead of
             ``posterior.sampled`` (for a family's own options, e.g. SWAG's ``scale``, or stratified
             mixtures); it must restore the weights on exit.
+        target_ids: Answer-only: the ``K`` answer tokens, whose logits are kept at the answer positions
+            only (`answer_logits`; each sample is reduced before the next, so ``[n, B, T, V]`` is never
+            held).
+        causal_lm: Whether labels are shifted to find the answers (``None``: `is_causal_lm` of the model).
 
     Returns:
-        ``[n, B, C]`` (or ``[n, B, T, C]``) logits.
+        ``[n, B, C]`` (or ``[n, B, T, C]``) logits; ``[n, P, K]`` with ``target_ids``.
     """
     check_count("n", n)
     model = posterior.model
-    device = next(model.parameters()).device
-    inputs = split_batch(batch, device=device).inputs
+    forward = _forward(model, batch, target_ids, causal_lm)
     ctx = _contexts(posterior, generator, sample_ctx)
     outs = []
     with torch.no_grad(), eval_mode(model):
         for s in range(n):
             with ctx(s):
-                outs.append(model_logits(model, inputs))
+                outs.append(forward())
     return torch.stack(outs)
 
 
@@ -230,6 +253,8 @@ def sampled_predict(
     sample_ctx: SampleContext | None = None,
     regression: bool = False,
     noise_var: float | Tensor = 0.0,
+    target_ids: Sequence[int] | Tensor | None = None,
+    causal_lm: bool | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Monte Carlo predictive over ``n`` weight samples, streaming (one sample and one logit tensor at a time).
 
@@ -246,19 +271,22 @@ def sampled_predict(
         sample_ctx: ``s -> context manager`` swapping sample ``s`` in (see `sampled_logits`).
         regression: Gaussian-likelihood outputs instead of class logits.
         noise_var: Observation noise variance σ² added to the regression variance.
+        target_ids: Answer-only (classification): the distribution over the ``K`` answer tokens at the
+            answer positions, the softmax renormalised over them (see `sampled_logits`).
+        causal_lm: Whether labels are shifted to find the answers (``None``: detected).
 
     Returns:
-        Probabilities of the logits' shape, or ``(mean, variance)`` for regression.
+        Probabilities of the logits' shape (``[P, K]`` with ``target_ids``), or ``(mean, variance)``.
+
+    Raises:
+        ValueError: ``target_ids`` with ``regression``, or bad ``target_ids`` (see `check_target_ids`).
     """
     check_count("n", n)
+    if regression and target_ids is not None:
+        raise ValueError("target_ids selects answer tokens of a classifier; not for regression")
     model = posterior.model
-    device = next(model.parameters()).device
-    inputs = split_batch(batch, device=device).inputs
+    forward = _forward(model, batch, target_ids, causal_lm)
     ctx = _contexts(posterior, generator, sample_ctx)
-
-    def forward() -> Tensor:
-        return model_logits(model, inputs)
-
     with eval_mode(model):
         if regression:
             out = mc_predict_regression(ctx, forward, n, noise_var=noise_var)

@@ -407,13 +407,16 @@ class Subset:
         """
         params = self.parameters_of(model)
         new = self.check_values(values)
+        # no_grad only around the reads and writes: the body keeps autograd as the caller has it
         with torch.no_grad():
             saved = {n: self.gather(n, p.detach()).clone() for n, p in params.items()}
-            try:
+        try:
+            with torch.no_grad():
                 for name, v in new.items():
                     self._put(name, params[name].data, v)
-                yield model
-            finally:
+            yield model
+        finally:
+            with torch.no_grad():
                 for name, v in saved.items():
                     self._put(name, params[name].data, v)
 

@@ -1,7 +1,8 @@
 """SWAG (Maddox et al., 2019) on a stochastic subset of the weights; everything else stays at the MAP.
 
 Main entry points: `collect_swag` (SGD from the MAP, snapshots, returns a `SWAG`), `sweep_learning_rate`
-(the paper's learning-rate sweep by validation NLL), and the `SWAG` posterior, which implements
+(the paper's learning-rate sweep by validation NLL), `SWAGCallback` (snapshots while a Hugging Face
+``Trainer`` trains), and the `SWAG` posterior, which implements
 ``partialbayes.predictive.Posterior``: `SWAG.sample` (``{param name: [n, k]}``), `SWAG.swapped` /
 `SWAG.sampled` (swap weights into the model, restored on exit), `SWAG.predict` (Monte Carlo average of the
 softmax), `SWAG.predictive_samples`, `SWAG.save` / `SWAG.load`. Batches may be of any kind
@@ -10,17 +11,16 @@ pure functions on flat vectors (`update_moments`, `diagonal_variance`, `swag_sam
 and testing.
 """
 
-from partialbayes.swag._io import load_swag, save_swag
+from partialbayes.swag._callback import SWAGCallback
 from partialbayes.swag._layout import FlatLayout
 from partialbayes.swag._moments import diagonal_variance, update_moments
-from partialbayes.swag._posterior import SWAG
+from partialbayes.swag._posterior import SWAG, load_swag, save_swag
 from partialbayes.swag._sample import swag_sample
 from partialbayes.swag._sweep import SweepResult, predictive_nll, sweep_learning_rate
 from partialbayes.swag._train import (
     NonFiniteLossError,
     classification_loss,
     collect_swag,
-    hf_logits,
     regression_loss,
 )
 
@@ -28,11 +28,11 @@ __all__ = [
     "SWAG",
     "FlatLayout",
     "NonFiniteLossError",
+    "SWAGCallback",
     "SweepResult",
     "classification_loss",
     "collect_swag",
     "diagonal_variance",
-    "hf_logits",
     "load_swag",
     "predictive_nll",
     "regression_loss",

@@ -4,20 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-
-def _check_subset(subset: Any) -> None:
-    """Raise ``TypeError`` unless ``subset`` looks like a ``partialbayes.selection.Subset``."""
-    for attr in ("names", "mask", "shape", "num_entries"):
-        if not hasattr(subset, attr):
-            raise TypeError(
-                f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__} "
-                f"(it has no attribute {attr!r})"
-            )
+from partialbayes.selection import Subset
 
 
 @dataclass(frozen=True)
@@ -40,14 +31,17 @@ class FlatLayout:
     offsets: tuple[int, ...]
 
     @classmethod
-    def from_subset(cls, subset: Any) -> FlatLayout:
+    def from_subset(cls, subset: Subset) -> FlatLayout:
         """Build the layout of a ``partialbayes.selection.Subset``.
 
         Raises:
             TypeError: If ``subset`` is not a ``Subset``.
             ValueError: If the subset has no stochastic entries.
         """
-        _check_subset(subset)
+        if not isinstance(subset, Subset):
+            raise TypeError(
+                f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
+            )
         names = tuple(subset.names)
         shapes, indices, offsets = [], [], [0]
         for name in names:
@@ -81,31 +75,6 @@ class FlatLayout:
     def size(self) -> int:
         """Number of stochastic entries ``d``."""
         return self.offsets[-1]
-
-    def parameters(self, model: nn.Module) -> dict[str, nn.Parameter]:
-        """Return the model's parameters named by the layout, checking names and shapes.
-
-        Raises:
-            TypeError: If ``model`` is not an ``nn.Module``.
-            ValueError: If a parameter is missing or has a different shape (the subset does not match).
-        """
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        params = dict(model.named_parameters())
-        out = {}
-        for name, shape in zip(self.names, self.shapes, strict=True):
-            if name not in params:
-                raise ValueError(
-                    f"subset does not match the model: parameter {name!r} is not a parameter of "
-                    f"{type(model).__name__}"
-                )
-            if params[name].shape != shape:
-                raise ValueError(
-                    f"subset does not match the model: parameter {name!r} has shape "
-                    f"{tuple(params[name].shape)} in the model but {tuple(shape)} in the subset"
-                )
-            out[name] = params[name]
-        return out
 
     def gather(self, tensors: Mapping[str, Tensor], dtype: torch.dtype | None = None) -> Tensor:
         """Concatenate the stochastic entries of storage-shaped tensors.

@@ -54,17 +54,16 @@ def update_moments(mean: Tensor, sq_mean: Tensor, w: Tensor, n: int) -> tuple[Te
         ValueError: If ``n < 0``, or ``w`` is not finite or its squares overflow the dtype of
             ``sq_mean`` (see ``check_squares``).
     """
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
-    check_squares(w, sq_mean.dtype)
-    a = n / (n + 1)
-    return a * mean + w / (n + 1), a * sq_mean + w * w / (n + 1)
+    mean, sq_mean = mean.clone(), sq_mean.clone()
+    update_moments_(mean, sq_mean, w, n)
+    return mean, sq_mean
 
 
 def update_moments_(mean: Tensor, sq_mean: Tensor, w: Tensor, n: int) -> None:
-    """In-place `update_moments`: no temporaries of size ``d`` (used by `SWAG.collect`).
+    """In-place `update_moments`: the one statement of the update, without temporaries of size ``d``.
 
-    The moments are left untouched when it raises (same errors as `update_moments`).
+    `SWAG.collect` (so `collect_swag` and `SWAGCallback`) folds snapshots in with it; the moments are left
+    untouched when it raises.
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
 import os
-import warnings
-from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
-from typing import Any, ClassVar, overload
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -15,12 +13,14 @@ from torch import Tensor, nn
 from partialbayes.predictive import (
     check_count,
     check_generator,
-    check_sample,
+    check_likelihood,
+    read_posterior_file,
     resolve_link,
     sampled_logits,
     sampled_predict,
+    write_posterior_file,
 )
-from partialbayes.swag._file import read_saved_swag, write_swag_file
+from partialbayes.selection import Subset
 from partialbayes.swag._layout import FlatLayout
 from partialbayes.swag._moments import (
     diagonal_variance,
@@ -30,16 +30,16 @@ from partialbayes.swag._moments import (
 )
 from partialbayes.swag._sample import swag_sample
 
-LIKELIHOODS = ("classification", "regression")
-_UNSET: Any = object()
-
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(
-        f"SWAG.{old} is deprecated and will be removed in partialbayes-swag 0.3; use {new}",
-        DeprecationWarning,
-        stacklevel=3,
-    )
+FORMAT, VERSION = "partialbayes.swag.SWAG", 2
+_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "subset": str,
+    "max_rank": int,
+    "diagonal_only": bool,
+    "n_snapshots": int,
+    "dtype": str,
+    "likelihood": str,
+    "sigma_noise": (int, float),
+}
 
 
 class SWAG:
@@ -72,8 +72,8 @@ class SWAG:
     Raises:
         TypeError: If ``subset`` is not a ``Subset``, ``model`` not a module, or ``dtype`` not float32 /
             float64.
-        ValueError: If the subset does not match the model, is empty, ``max_rank < 2`` with the low-rank
-            part, or the likelihood or noise is invalid.
+        ValueError: If the subset does not match the model, is empty, or its parameters are on the ``meta``
+            device, ``max_rank < 2`` with the low-rank part, or the likelihood or noise is invalid.
     """
 
     links: ClassVar[tuple[str, ...]] = ("mc",)
@@ -81,7 +81,7 @@ class SWAG:
     def __init__(
         self,
         model: nn.Module,
-        subset: Any,
+        subset: Subset,
         *,
         max_rank: int = 20,
         diagonal_only: bool = False,
@@ -96,19 +96,10 @@ class SWAG:
                 f"max_rank must be >= 2 for the low-rank part of SWAG, got {max_rank} "
                 "(use diagonal_only=True for SWAG-Diag)"
             )
-        if likelihood not in LIKELIHOODS:
-            raise ValueError(f"likelihood must be one of {LIKELIHOODS}, got {likelihood!r}")
-        if (
-            isinstance(sigma_noise, bool)
-            or not isinstance(sigma_noise, (int, float))
-            or not math.isfinite(sigma_noise)
-            or sigma_noise <= 0
-        ):
-            raise ValueError(f"sigma_noise must be a finite number > 0, got {sigma_noise!r}")
-        self.subset = subset
+        self.sigma_noise = check_likelihood(likelihood, sigma_noise)
         self.layout = FlatLayout.from_subset(subset)
-        params = self.layout.parameters(model)
-        self.model = model
+        params = subset.parameters_of(model)
+        self.subset, self.model = subset, model
         first = params[self.layout.names[0]]
         if dtype is None:  # half-precision models keep float32 moments (squares overflow float16)
             dtype = torch.promote_types(first.dtype, torch.float32)
@@ -122,7 +113,6 @@ class SWAG:
         self.max_rank = max_rank
         self.diagonal_only = diagonal_only
         self.likelihood = likelihood
-        self.sigma_noise = float(sigma_noise)
         d = self.layout.size
         self.n_snapshots = 0
         self._mean = torch.zeros(d, dtype=self.dtype, device=self.device)
@@ -189,7 +179,7 @@ class SWAG:
         Raises:
             ValueError: If the model does not match the subset or the entries are not finite.
         """
-        params = self.layout.parameters(self.model if model is None else model)
+        params = self.subset.parameters_of(self.model if model is None else model)
         w = self.layout.gather(params, dtype=self.dtype).to(self.device)
         if not bool(torch.isfinite(w).all()):
             bad = [n for n in self.layout.names if not bool(torch.isfinite(params[n]).all())]
@@ -203,7 +193,7 @@ class SWAG:
 
     def current(self, model: nn.Module | None = None) -> Tensor:
         """The current stochastic entries of the model (default ``self.model``), ``(d,)``, moments' dtype."""
-        params = self.layout.parameters(self.model if model is None else model)
+        params = self.subset.parameters_of(self.model if model is None else model)
         return self.layout.gather(params).to(self.device, self.dtype)
 
     # --------------------------------------------------------------- sampling
@@ -242,32 +232,9 @@ class SWAG:
             generator=generator,
         )
 
-    @overload
     def sample(
-        self,
-        n: int = 1,
-        *,
-        scale: float = 1.0,
-        generator: torch.Generator | None = None,
-    ) -> dict[str, Tensor]: ...
-
-    @overload
-    def sample(
-        self,
-        *,
-        n_samples: int | None,
-        scale: float = 1.0,
-        generator: torch.Generator | None = None,
-    ) -> Tensor: ...
-
-    def sample(
-        self,
-        n: int = 1,
-        *,
-        scale: float = 1.0,
-        generator: torch.Generator | None = None,
-        n_samples: Any = _UNSET,
-    ) -> dict[str, Tensor] | Tensor:
+        self, n: int = 1, *, scale: float = 1.0, generator: torch.Generator | None = None
+    ) -> dict[str, Tensor]:
         """``n`` weight samples ``{param name: [n, k]}`` (``Subset.gather`` order, the protocol's layout).
 
         The samples are ``w = w_swa + √scale (Σ_diag^½ z₁ / √2 + D z₂ / √(2(k−1)))`` (see `swag_sample`),
@@ -278,8 +245,6 @@ class SWAG:
             n: Number of samples.
             scale: Covariance scale (SWAG-specific; ``1`` is plain SWAG).
             generator: Source of randomness (same generator state, same samples).
-            n_samples: Deprecated: ``sample(n_samples=...)`` returns flat vectors as before 0.2; use
-                `sample_flat`.
 
         Returns:
             ``{param name: [n, k]}`` on the model's device.
@@ -288,9 +253,6 @@ class SWAG:
             ValueError: Before any snapshot, with fewer than two snapshots and the low-rank part, or if
                 ``n`` is not a positive int.
         """
-        if n_samples is not _UNSET:
-            _deprecated("sample(n_samples=...)", "SWAG.sample_flat(n_samples) for flat vectors")
-            return self.sample_flat(n_samples, scale=scale, generator=generator)
         check_count("n", n)
         return self.layout.unflatten(self.sample_flat(n, scale=scale, generator=generator))
 
@@ -304,34 +266,18 @@ class SWAG:
         Raises:
             ValueError: If the sample does not cover the subset exactly or has the wrong sizes.
         """
-        one = check_sample(self.subset, sample)
+        one = self.subset.check_values(sample)
         return torch.cat([one[n].to(self.device, self.dtype) for n in self.layout.names])
 
-    @contextmanager
-    def _swap(self, model: nn.Module, flat: Tensor, yielded: Any) -> Iterator[Any]:
-        if not bool(torch.isfinite(flat).all()):
-            raise ValueError(
-                "the weights to swap in have NaN or inf entries: refusing to write them into the model"
-            )
-        params = self.layout.parameters(model)
-        saved = self.layout.gather(params)
-        self.layout.scatter_(params, flat)
-        try:
-            yield yielded
-        finally:
-            self.layout.scatter_(params, saved)
+    def swapped(self, sample: Mapping[str, Tensor]) -> AbstractContextManager[nn.Module]:
+        """Write one sample ``{param name: [k]}`` into ``self.model``; restore what was there on exit.
 
-    def swapped(self, sample: Any, weights: Tensor | None = None) -> AbstractContextManager[Any]:
-        """Write one sample ``{param name: [k]}`` into ``self.model``; restore the old values on exit.
-
-        The values present on entry (the MAP) come back even when the body raises. Entries outside the
-        subset are never touched. A flat vector ``w`` of shape ``(d,)`` goes in as
-        ``swag.swapped(swag.unflatten(w))``.
+        The values present on entry come back even when the body raises (``Subset.swapped``), so nested
+        swaps unwind correctly. Entries outside the subset are never touched. A flat vector ``w`` of shape
+        ``(d,)`` goes in as ``swag.swapped(swag.unflatten(w))``.
 
         Args:
             sample: One row of `sample`, ``{param name: [k]}`` (``[1, k]`` also accepted).
-            weights: Deprecated form ``swapped(model, weights)``: ``sample`` is then a model and ``weights`` a
-                flat ``(d,)`` vector, and the context yields ``weights``.
 
         Returns:
             A context manager yielding the model.
@@ -341,30 +287,16 @@ class SWAG:
             ValueError: If the sample does not cover the subset exactly, has the wrong sizes or NaN / inf
                 entries (the model is left untouched).
         """
-        if isinstance(sample, nn.Module):
-            if not isinstance(weights, Tensor):
-                raise TypeError(
-                    "the deprecated form is swapped(model, weights) with a flat (d,) tensor; the new form "
-                    "is swapped(sample) with sample = {param name: [k]}"
-                )
-            _deprecated("swapped(model, weights)", "SWAG.swapped(swag.unflatten(weights))")
-            return self._swap(sample, weights, weights)
-        if weights is not None:
-            raise TypeError("swapped(sample) takes one argument, {param name: [k]}")
         if isinstance(sample, Tensor):
             raise TypeError(
                 f"swapped takes one sample {{param name: [k]}}, got a tensor of shape "
                 f"{tuple(sample.shape)}; for a flat vector w use swag.swapped(swag.unflatten(w))"
             )
-        return self._swap(self.model, self.flatten(sample), self.model)
+        return self.subset.swapped(self.model, sample)
 
     def sampled(
-        self,
-        model: nn.Module | None = None,
-        *,
-        scale: float = 1.0,
-        generator: torch.Generator | None = None,
-    ) -> AbstractContextManager[Any]:
+        self, *, scale: float = 1.0, generator: torch.Generator | None = None
+    ) -> AbstractContextManager[nn.Module]:
         """Swap one SWAG sample into ``self.model``; its weights come back on exit, also on error.
 
         Example:
@@ -372,7 +304,6 @@ class SWAG:
             ...     logits = m(**inputs).logits
 
         Args:
-            model: Deprecated form ``sampled(model, ...)``: swap into ``model`` and yield the flat sample.
             scale: Covariance scale of the sample.
             generator: Source of randomness.
 
@@ -380,17 +311,9 @@ class SWAG:
             A context manager yielding the model.
         """
         w = self.sample_flat(scale=scale, generator=generator)
-        if model is not None:
-            _deprecated("sampled(model, ...)", "SWAG.sampled(...), which yields swag.model")
-            return self._swap(model, w, w)
-        return self._swap(self.model, w, self.model)
+        return self.subset.swapped(self.model, self.layout.unflatten(w))
 
     # ------------------------------------------------------------- predictive
-    def _sample_ctx(
-        self, scale: float, generator: torch.Generator | None
-    ) -> Any:  # s -> context manager
-        return lambda s: self.sampled(scale=scale, generator=generator)
-
     def predict(
         self,
         batch: Any,
@@ -425,7 +348,7 @@ class SWAG:
             self,
             batch,
             n_samples,
-            sample_ctx=self._sample_ctx(scale, generator),
+            sample_ctx=lambda s: self.sampled(scale=scale, generator=generator),
             regression=self.likelihood == "regression",
             noise_var=self.sigma_noise**2,
         )
@@ -439,24 +362,29 @@ class SWAG:
         scale: float = 1.0,
     ) -> Tensor:
         """Logits under ``n`` weight samples, ``[n, B, C]`` (or ``[n, B, T, C]``); eval mode, no gradients."""
-        return sampled_logits(self, batch, n, sample_ctx=self._sample_ctx(scale, generator))
+        sample_ctx = lambda s: self.sampled(scale=scale, generator=generator)  # noqa: E731
+        return sampled_logits(self, batch, n, sample_ctx=sample_ctx)
 
     # ------------------------------------------------------------------ io
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Save to one safetensors file with JSON metadata (see `save_swag`).
+        """Save to one safetensors file (``partialbayes.predictive.write_posterior_file``, atomic).
+
+        The tensors are ``mean``, ``sq_mean`` and, for the low-rank variant, ``deviations`` (``(d, k)``,
+        oldest column first). The metadata (format ``partialbayes.swag.SWAG``, version 2) records the
+        model's structure, the subset (``Subset.to_json``), ``max_rank``, ``diagonal_only``,
+        ``n_snapshots``, the dtype, the likelihood and ``sigma_noise``.
 
         Raises:
-            ValueError: If no snapshot has been collected.
+            ValueError: If no snapshot has been collected, or ``path`` is a folder.
         """
         self._require_snapshots(1)
-        tensors = {"mean": self.mean, "sq_mean": self.sq_mean}
+        tensors = {"mean": self._mean, "sq_mean": self._sq_mean}
         if self.deviations is not None:
             tensors["deviations"] = self.deviations
         meta = {
+            "format": FORMAT,
+            "version": VERSION,
             "subset": self.subset.to_json(),
-            "names": list(self.layout.names),
-            "shapes": [list(s) for s in self.layout.shapes],
-            "num_entries": self.num_entries,
             "max_rank": self.max_rank,
             "diagonal_only": self.diagonal_only,
             "n_snapshots": self.n_snapshots,
@@ -464,32 +392,77 @@ class SWAG:
             "likelihood": self.likelihood,
             "sigma_noise": self.sigma_noise,
         }
-        write_swag_file(path, tensors, meta)
+        write_posterior_file(path, tensors, meta, model=self.model)
 
     @classmethod
     def load(
-        cls, path: str | os.PathLike[str], model: nn.Module, subset: Any | None = None
+        cls, path: str | os.PathLike[str], model: nn.Module, subset: Subset | None = None
     ) -> SWAG:
-        """Load a saved SWAG onto ``model`` (see `load_swag`)."""
-        subset, settings, tensors, n_snapshots = read_saved_swag(path, model, subset)
-        swag = cls(model, subset, **settings)
-        if swag.num_entries != tensors["mean"].shape[0]:
-            raise ValueError(
-                f"subset does not match the saved SWAG: {swag.num_entries} entries, saved "
-                f"{tensors['mean'].shape[0]}"
+        """Load a SWAG saved by `save` onto ``model``.
+
+        Args:
+            path: The safetensors file.
+            model: The model the posterior belongs to (same parameter names and shapes as when saved).
+            subset: Optional ``Subset``; when given it must select exactly the saved entries. By default the
+                saved subset is rebuilt with ``Subset.from_json(..., model)``.
+
+        Returns:
+            The SWAG posterior, on the model's device (moments saved in half precision come back in float32).
+
+        Raises:
+            FileNotFoundError: If there is no file at ``path``.
+            ValueError: Naming the file: not a SWAG file of this version (garbage, truncated, an earlier
+                format: re-save it), metadata that lacks or mistypes a field, a missing tensor, a tensor of
+                the wrong shape or with NaN / inf entries, a model or ``subset`` that does not match.
+        """
+        file = read_posterior_file(path, formats=FORMAT, version=VERSION, fields=_FIELDS)
+        file.check_model(model)
+        try:
+            saved = Subset.from_json(file.meta["subset"], model)
+        except (TypeError, ValueError) as err:
+            raise file.error(f"the saved subset does not fit the model: {err}") from err
+        if subset is not None and not FlatLayout.from_subset(subset).same_entries(
+            FlatLayout.from_subset(saved)
+        ):
+            raise file.error("subset does not match the saved SWAG: it selects different entries")
+        n = file.meta["n_snapshots"]
+        if n < 1:
+            raise file.error(f"n_snapshots={n} (must be >= 1)")
+        try:
+            swag = cls(
+                model,
+                saved if subset is None else subset,
+                max_rank=file.meta["max_rank"],
+                diagonal_only=file.meta["diagonal_only"],
+                dtype=torch.promote_types(file.dtype(), torch.float32),
+                likelihood=file.meta["likelihood"],
+                sigma_noise=file.meta["sigma_noise"],
             )
-        swag._set_state(tensors["mean"], tensors["sq_mean"], tensors.get("deviations"), n_snapshots)
+        except (TypeError, ValueError) as err:
+            raise file.error(f"invalid SWAG settings: {err}") from err
+        d = swag.num_entries
+        mean, sq_mean = file.tensor("mean", (d,)), file.tensor("sq_mean", (d,))
+        dev = None if swag.diagonal_only else file.tensor("deviations")
+        if dev is not None and (
+            dev.ndim != 2 or dev.shape[0] != d or dev.shape[1] > min(n, swag.max_rank)
+        ):
+            raise file.error(
+                f"tensor 'deviations' has shape {tuple(dev.shape)}, expected ({d}, k) with "
+                f"k <= {min(n, swag.max_rank)}"
+            )
+        swag._mean, swag._sq_mean = (t.to(swag.device, swag.dtype) for t in (mean, sq_mean))
+        swag.n_snapshots = n
+        if swag._buffer is not None and dev is not None:
+            swag._buffer[: dev.shape[1]] = dev.T.to(swag.device, swag.dtype)
+            swag._n_columns = dev.shape[1]
         return swag
 
-    def _set_state(
-        self, mean: Tensor, sq_mean: Tensor, deviations: Tensor | None, n_snapshots: int
-    ) -> None:
-        """Restore the state from saved tensors (``deviations`` shape ``(d, k)``, oldest first)."""
-        self._mean = mean.to(self.device, self.dtype)
-        self._sq_mean = sq_mean.to(self.device, self.dtype)
-        self.n_snapshots = n_snapshots
-        if self._buffer is not None and deviations is not None:
-            k = deviations.shape[1]
-            self._buffer.zero_()
-            self._buffer[:k] = deviations.T.to(self.device, self.dtype)
-            self._n_columns = k
+
+def save_swag(swag: SWAG, path: str | os.PathLike[str]) -> None:
+    """Save ``swag`` to ``path``: the function form of `SWAG.save`."""
+    swag.save(path)
+
+
+def load_swag(path: str | os.PathLike[str], model: nn.Module, subset: Subset | None = None) -> SWAG:
+    """Load a saved SWAG onto ``model``: the function form of `SWAG.load`."""
+    return SWAG.load(path, model, subset)

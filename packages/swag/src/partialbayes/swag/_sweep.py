@@ -16,36 +16,51 @@ from partialbayes.predictive import (
     check_count,
     eval_mode,
     flatten_outputs,
+    model_logits,
     move_batch,
     split_batch,
 )
+from partialbayes.selection import Subset
 from partialbayes.swag._posterior import SWAG
 from partialbayes.swag._train import (
     Batch,
     LossFn,
     NonFiniteLossError,
-    batch_logits,
+    check_snapshots,
     collect_swag,
+    has_labelled_outputs,
+    skipped_warning,
 )
 
 LogitsFn = Callable[[nn.Module, Batch], Tensor]
 
 
+def _batch_logits(model: nn.Module, batch: Batch) -> Tensor:
+    return model_logits(model, split_batch(batch).inputs)
+
+
 def _per_example_log_probs(
     model: nn.Module, batches: Iterable[Batch], logits_fn: LogitsFn, device: torch.device
-) -> Tensor:
-    """``log p(y | x, w)`` of every kept output of ``batches``, shape ``(N,)``.
+) -> tuple[Tensor, int, int]:
+    """``log p(y | x, w)`` of every kept output of ``batches``, shape ``(N,)``; batches skipped, seen.
 
-    Labels -100 are skipped; so are token positions whose attention mask is 0.
+    Labels -100 are skipped (a batch with no other label is not run); so are token positions whose
+    attention mask is 0.
     """
-    out = []
-    for batch in batches:
-        batch = move_batch(batch, device)
-        b = split_batch(batch)
-        if b.labels is None:
-            raise ValueError("validation batch has no labels under 'labels' or 'label'")
+    out, skipped, seen = [], 0, 0
+    for i, batch in enumerate(batches):
+        seen += 1
+        try:
+            b = split_batch(batch, device=device)
+            if b.labels is None:
+                raise ValueError("it has no labels under 'labels' or 'label'")
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"validation batch {i}: {err}") from err
+        if not has_labelled_outputs(b.labels):
+            skipped += 1
+            continue
         logits, labels = flatten_outputs(
-            logits_fn(model, batch), b.labels, attention_mask=b.attention_mask
+            logits_fn(model, move_batch(batch, device)), b.labels, attention_mask=b.attention_mask
         )
         assert labels is not None
         logits = logits.reshape(-1, logits.shape[-1]).double()
@@ -53,16 +68,16 @@ def _per_example_log_probs(
         keep = labels != IGNORE_INDEX
         logp = torch.log_softmax(logits[keep], dim=-1)
         out.append(logp.gather(1, labels[keep].unsqueeze(1)).squeeze(1))
-    if not out:
+    if not seen:
         raise ValueError("validation batches are empty")
-    return torch.cat(out)
+    return (torch.cat(out) if out else torch.empty(0)), skipped, seen
 
 
 @torch.no_grad()
 def predictive_nll(
-    swag: SWAG | nn.Module,
-    batches: Iterable[Batch] | SWAG,
-    *legacy: Iterable[Batch],
+    swag: SWAG,
+    batches: Iterable[Batch],
+    *,
     n_samples: int = 50,
     scale: float = 1.0,
     generator: torch.Generator | None = None,
@@ -72,13 +87,12 @@ def predictive_nll(
 
     ``NLL = −1/N Σ_n log(1/S Σ_s softmax(f(x_n; w_s))[y_n])`` with ``S = n_samples`` samples ``w_s``, computed
     with log-sum-exp in float64, over every kept output (labels -100 and, for token-level logits, padded
-    positions are left out). ``swag.model`` runs in eval mode (restored afterwards); its weights are
-    restored.
+    positions are left out; a batch with no labelled output is skipped, with one warning that counts
+    them). ``swag.model`` runs in eval mode (restored afterwards); its weights are restored.
 
     Args:
-        swag: A collected `SWAG`. (Deprecated form: ``predictive_nll(model, swag, batches, ...)``.)
+        swag: A collected `SWAG`.
         batches: Re-iterable of labelled batches of any kind (iterated once per sample).
-        *legacy: The batches of the deprecated form.
         n_samples: ``S`` (the paper: 50).
         scale: Covariance scale of the samples.
         generator: Source of randomness.
@@ -86,32 +100,22 @@ def predictive_nll(
 
     Returns:
         The mean NLL (a Python float).
+
+    Raises:
+        TypeError: If ``swag`` is not a `SWAG`.
+        ValueError: If ``batches`` is empty or no batch has a labelled output, or a batch fails (named).
     """
-    if isinstance(swag, nn.Module):
-        warnings.warn(
-            "predictive_nll(model, swag, batches) is deprecated and will be removed in "
-            "partialbayes-swag 0.3; use predictive_nll(swag, batches) (the SWAG knows its model)",
-            DeprecationWarning,
-            stacklevel=3,  # through torch.no_grad's wrapper
-        )
-        if len(legacy) != 1 or not isinstance(batches, SWAG):
-            raise TypeError("the deprecated form is predictive_nll(model, swag, batches)")
-        model, post, data = swag, batches, legacy[0]
-    else:
-        if legacy or not isinstance(swag, SWAG):
-            raise TypeError(
-                f"predictive_nll(swag, batches) takes a SWAG and batches, got {type(swag).__name__}"
-            )
-        model, post, data = swag.model, swag, batches
-    assert isinstance(post, SWAG)
+    if not isinstance(swag, SWAG):
+        raise TypeError(f"predictive_nll takes a SWAG, got {type(swag).__name__}")
     check_count("n_samples", n_samples)
-    logits_fn = batch_logits if logits_fn is None else logits_fn
+    logits_fn = _batch_logits if logits_fn is None else logits_fn
     logps = []
-    with eval_mode(model):
+    with eval_mode(swag.model):
         for _ in range(n_samples):
-            w = post.sample_flat(scale=scale, generator=generator)
-            with post._swap(model, w, model):
-                logps.append(_per_example_log_probs(model, data, logits_fn, post.device))
+            with swag.sampled(scale=scale, generator=generator) as model:
+                logp, skipped, seen = _per_example_log_probs(model, batches, logits_fn, swag.device)
+                logps.append(logp)
+    skipped_warning("predictive_nll", skipped, seen)
     stacked = torch.stack(logps)  # (S, N)
     lp = torch.logsumexp(stacked, dim=0) - math.log(n_samples)
     return float(-lp.mean())
@@ -134,7 +138,7 @@ class SweepResult:
 
 def sweep_learning_rate(
     model: nn.Module,
-    subset: Any,
+    subset: Subset,
     train_batches: Iterable[Batch],
     val_batches: Iterable[Batch],
     *,
@@ -176,13 +180,8 @@ def sweep_learning_rate(
     """
     if len(lrs) == 0:
         raise ValueError("lrs must name at least one learning rate")
-    needed = 1 if diagonal_only else 2
     for name, steps in (("sweep_steps", sweep_steps), ("final_steps", final_steps)):
-        if snapshot_every < 1 or steps // snapshot_every < needed:
-            raise ValueError(
-                f"{name}={steps} with snapshot_every={snapshot_every} gives fewer than {needed} "
-                "snapshots, too few to sample"
-            )
+        check_snapshots(name, steps, max(snapshot_every, 1), diagonal_only)
     common: dict[str, Any] = {
         "snapshot_every": snapshot_every,
         "max_rank": max_rank,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -12,9 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from partialbayes.predictive import flatten_outputs, model_logits, move_batch, split_batch
-from partialbayes.swag._labels import check_class_labels
-from partialbayes.swag._options import check_collect_options
+from partialbayes.predictive import (
+    IGNORE_INDEX,
+    flatten_outputs,
+    model_logits,
+    move_batch,
+    split_batch,
+)
+from partialbayes.selection import Subset
 from partialbayes.swag._posterior import SWAG
 
 Batch = Any
@@ -37,30 +43,114 @@ class NonFiniteLossError(ValueError):
         self.lr = lr
 
 
-def to_device(batch: Batch, device: torch.device) -> Any:
-    """Move the tensors of a batch of any kind to ``device``, keeping its kind (see ``move_batch``)."""
-    return move_batch(batch, device)
+# ---------------------------------------------------------------------------------------- checks
+def check_int(name: str, value: object, minimum: int = 1) -> int:
+    """An ``int`` (bools refused) ``>= minimum``, else a ``TypeError`` / ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
 
 
-def batch_logits(model: nn.Module, batch: Batch) -> Tensor:
-    """Logits of ``model`` on a batch of any kind (labels left out of the inputs)."""
-    return model_logits(model, split_batch(batch).inputs)
+def _number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
 
 
-def hf_logits(model: nn.Module, batch: Batch) -> Tensor:
-    """Deprecated: ``partialbayes.predictive.model_logits(model, split_batch(batch).inputs)``.
+def check_snapshots(name: str, n_steps: int, every: int, diagonal_only: bool) -> None:
+    """Refuse ``n_steps`` that give fewer snapshots (one per ``every`` steps) than sampling needs.
 
-    Logits of a model on a batch of any kind, with the labels left out of the inputs.
+    Raises:
+        ValueError: Naming ``name``, if ``n_steps // every`` is below 2 (1 with ``diagonal_only``).
     """
-    warnings.warn(
-        "partialbayes.swag.hf_logits is deprecated and will be removed in partialbayes-swag 0.3; use "
-        "partialbayes.predictive.model_logits(model, split_batch(batch).inputs)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return batch_logits(model, batch)
+    needed = 1 if diagonal_only else 2
+    if n_steps // every < needed:
+        raise ValueError(
+            f"{name}={n_steps} with snapshot_every={every} gives {n_steps // every} snapshot(s); "
+            f"SWAG{'-Diag' if diagonal_only else ''} needs at least {needed} to sample (raise {name}"
+            f"{'' if diagonal_only else ' or use diagonal_only=True'})"
+        )
 
 
+def check_collect_options(
+    lr: object,
+    n_steps: object,
+    snapshot_every: object,
+    momentum: object,
+    weight_decay: object,
+    diagonal_only: bool,
+) -> None:
+    """Raise a ``ValueError`` / ``TypeError`` naming the first bad hyper-parameter of `collect_swag`."""
+    if not _number("lr", lr) > 0:
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+    every = check_int("snapshot_every", snapshot_every)
+    check_snapshots("n_steps", check_int("n_steps", n_steps), every, diagonal_only)
+    if not 0 <= _number("momentum", momentum) < 1:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+    if _number("weight_decay", weight_decay) < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+
+
+def check_class_labels(logits: Tensor, labels: Tensor) -> Tensor:
+    """Check integer class labels for ``logits`` ``[..., C]``: shape ``[...]``, values in ``[0, C)`` or -100.
+
+    On CPU torch raises a bare ``IndexError`` for a label out of range, on CUDA a device-side assert that
+    poisons the process; checking first gives an error that says what is wrong.
+
+    Raises:
+        TypeError: If ``labels`` is not an integer tensor.
+        ValueError: If its shape does not match the logits, or a label lies outside ``[0, C)`` and is not
+            -100.
+    """
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be integer class indices, got dtype {labels.dtype}")
+    n_classes = logits.shape[-1]
+    if labels.numel() != logits[..., 0].numel():
+        raise ValueError(
+            f"labels have shape {tuple(labels.shape)} but the logits {tuple(logits.shape)} need "
+            f"{tuple(logits.shape[:-1])}"
+        )
+    kept = labels[labels != IGNORE_INDEX]
+    if kept.numel():
+        lo, hi = int(kept.min()), int(kept.max())
+        if lo < 0 or hi >= n_classes:
+            raise ValueError(
+                f"labels must lie in [0, {n_classes}) (or be {IGNORE_INDEX} to ignore a position), "
+                f"got values in [{lo}, {hi}]"
+            )
+    return labels
+
+
+def has_labelled_outputs(labels: Tensor | None) -> bool:
+    """False when every class label of a batch is -100 (no output to score), True otherwise.
+
+    The one rule of every family (issue #27): label -100 means "no label", for token-level and
+    sequence-level outputs alike; a batch without labels or with float targets counts as labelled.
+    """
+    if labels is None or labels.is_floating_point() or labels.numel() == 0:
+        return True
+    return bool((labels != IGNORE_INDEX).any())
+
+
+def skipped_warning(what: str, skipped: int, total: int) -> None:
+    """Warn once about the batches a call skipped; refuse when it skipped every batch."""
+    if skipped and skipped == total:
+        raise ValueError(
+            f"{what}: every batch ({total}) has no labelled outputs (all labels -100): nothing to use"
+        )
+    if skipped:
+        warnings.warn(
+            f"{what} skipped {skipped} of {total} batches with no labelled outputs (all labels -100)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+# ---------------------------------------------------------------------------------------- losses
 def _labelled(batch: Batch) -> Any:
     b = split_batch(batch)
     if b.labels is None:
@@ -74,7 +164,7 @@ def classification_loss(model: nn.Module, batch: Batch) -> Tensor:
 
     Any batch kind (tensor pairs, dicts, ``BatchEncoding``; labels under ``labels`` or ``label``).
     Sequence-level logits ``[B, C]`` take labels ``[B]``; token-level logits ``[B, T, C]`` take labels
-    ``[B, T]``, and positions whose label is -100 or whose attention mask is 0 are left out.
+    ``[B, T]``. Outputs labelled -100 (and token positions whose attention mask is 0) are left out.
     """
     b = _labelled(batch)
     logits = model_logits(model, b.inputs)
@@ -99,33 +189,27 @@ def regression_loss(model: nn.Module, batch: Batch) -> Tensor:
     return F.mse_loss(out, target)
 
 
-def cycle(batches: Iterable[Batch]) -> Iterator[Batch]:
-    """Iterate over ``batches`` again and again (re-creating the iterator, so loaders reshuffle).
+# ---------------------------------------------------------------------------------------- the loop
+def numbered_cycle(batches: Iterable[Batch]) -> Iterator[tuple[int, int, Batch]]:
+    """Iterate over ``batches`` again and again, yielding ``(pass, index within the pass, batch)``.
+
+    The iterator is re-created for each pass, so loaders reshuffle.
 
     Raises:
         ValueError: If ``batches`` is empty, or yields nothing on a later pass (a generator, not a
             re-iterable).
     """
-    for _, _, b in numbered_cycle(batches):
-        yield b
-
-
-def numbered_cycle(batches: Iterable[Batch]) -> Iterator[tuple[int, int, Batch]]:
-    """`cycle` yielding ``(pass, index within the pass, batch)``, both counted from 0."""
-    passes = 0
-    while True:
-        empty = True
+    for passes in itertools.count():
+        i = -1
         for i, b in enumerate(batches):
-            empty = False
             yield passes, i, b
-        if empty:
-            if passes == 0:
-                raise ValueError("batches is empty")
+        if i < 0 and passes == 0:
+            raise ValueError("batches is empty")
+        if i < 0:
             raise ValueError(
                 "batches yielded nothing on its second pass: pass a re-iterable (a list or a DataLoader), "
                 "not a generator or iterator"
             )
-        passes += 1
 
 
 @contextmanager
@@ -157,7 +241,7 @@ def _progress(total: int, enabled: bool, desc: str) -> Any:
 
 def collect_swag(
     model: nn.Module,
-    subset: Any,
+    subset: Subset,
     batches: Iterable[Batch],
     *,
     lr: float,
@@ -182,13 +266,17 @@ def collect_swag(
     tensors, never changes. On return (or error) the stochastic entries are reset to the MAP, and the
     model's train/eval modes and ``requires_grad`` flags are restored.
 
+    A batch whose labels are all -100 (no labelled output) is skipped without taking a step; the call
+    ends with one warning that counts the skipped batches, and refuses batches that are all unlabelled.
+
     Args:
         model: The fine-tuned model.
         subset: ``partialbayes.selection.Subset`` of the model.
         batches: Re-iterable of batches of any kind (e.g. a ``DataLoader`` with Hugging Face's
             ``DataCollatorWithPadding``, or ``(inputs, labels)`` pairs), cycled as often as needed.
         lr: Constant learning rate (> 0).
-        n_steps: Number of SGD steps (the paper: 2000).
+        n_steps: Number of SGD steps (the paper: 2000); at least ``2·snapshot_every`` (``snapshot_every``
+            for SWAG-Diag), so that the posterior can sample.
         snapshot_every: Steps between snapshots (the paper: 5).
         max_rank: ``K``, deviation columns kept (the paper: 20).
         diagonal_only: SWAG-Diag.
@@ -209,11 +297,12 @@ def collect_swag(
     Raises:
         NonFiniteLossError: (a ``ValueError``) when the loss, the gradient or the weights become NaN/inf,
             or a snapshot's squares would overflow the moments' dtype; names the step.
-        ValueError: On bad hyper-parameters, empty ``batches``, a subset that does not match the model,
-            or a loss that fails on a batch (labels out of range, missing labels: the message names the
-            step and the batch).
+        ValueError: On bad hyper-parameters (too few snapshots to sample included), empty ``batches``, a
+            subset that does not match the model (or on the ``meta`` device), every batch unlabelled, or
+            a batch that fails (empty, labels out of range, missing labels: the message names the step
+            and the batch).
     """
-    check_collect_options(lr, n_steps, snapshot_every, momentum, weight_decay)
+    check_collect_options(lr, n_steps, snapshot_every, momentum, weight_decay, diagonal_only)
     swag = SWAG(
         model,
         subset,
@@ -226,26 +315,34 @@ def collect_swag(
     if loss_fn is None:
         loss_fn = regression_loss if likelihood == "regression" else classification_loss
     layout = swag.layout
-    params = layout.parameters(model)
-    device = params[layout.names[0]].device
+    params = subset.parameters_of(model)
+    device = swag.device
     w_map = layout.gather(params)
     # Master copy in at least float32, so half-precision models do not lose small momentum steps.
     w = w_map.to(torch.promote_types(w_map.dtype, torch.float32), copy=True)
     buf = torch.zeros_like(w)
     bar = _progress(n_steps, progress, f"SWAG lr={lr:g}")
+    step = drawn = skipped = 0
     try:
         with _training_state(model, set(layout.names)):
             for p in params.values():
                 p.grad = None
             data = numbered_cycle(batches)
-            for step in range(1, n_steps + 1):
+            while step < n_steps:
                 n_pass, index, batch = next(data)
+                if n_pass and not step:  # a whole pass without a labelled batch
+                    break
+                drawn += 1
                 try:
-                    loss = loss_fn(model, to_device(batch, device))
+                    if not has_labelled_outputs(split_batch(batch).labels):
+                        skipped += 1
+                        continue
+                    loss = loss_fn(model, move_batch(batch, device))
                 except (ValueError, IndexError) as err:
                     raise ValueError(
-                        f"loss at SGD step {step} (batch {index} of pass {n_pass}): {err}"
+                        f"loss at SGD step {step + 1} (batch {index} of pass {n_pass}): {err}"
                     ) from err
+                step += 1
                 loss_value = float(loss.detach())  # the one host sync per step
                 if not math.isfinite(loss_value):
                     raise NonFiniteLossError(step, lr, f"loss {loss_value}")
@@ -277,4 +374,5 @@ def collect_swag(
             p.grad = None
         if bar is not None:
             bar.close()
+    skipped_warning("collect_swag", skipped, drawn)
     return swag

@@ -1,0 +1,228 @@
+"""Memory known before it is spent: a pre-flight estimate of a Kronecker fit and predictive, and its check.
+
+For blocks ``r × c`` (S-KFAC ``|R| × |C|``; ``c + 1`` with a folded bias), ``B`` examples of ``T`` positions,
+``N`` kept outputs of ``C`` logits, ``S`` backward passes per batch (``C`` exact, ``k`` mc, 1 empirical) and
+``K`` predicted outputs (``C``, or ``len(target_ids)``), the estimate counts in bytes: **factors**, the sums
+``Σ δδᵀ``, ``Σ xxᵀ`` held through the fit (a side above ``max_rank``: its sketch and test matrix, ``2 n q``);
+**eigendecompositions**, ``n² + n`` per side (``n r + r`` low-rank) plus the transient of the largest ``eigh``
+(the symmetrised copy and LAPACK's workspace, ``3 n²``; ``3 n q`` for a sketch); the **fit**'s working set
+per batch, the output vectors ``[S, N, C]``, probabilities and a cotangent, the recorded inputs and one
+pass's output gradients ``B T (c + n_out)``, and the ``S`` passes' gradient rows ``S B T r`` (``S B r`` under
+``reduce``); the **predictive**'s per batch, ``K`` passes' output gradients ``K B T r``, the inputs and the
+covariances ``[N, K, K]``. The peak is ``factors + eigen + max(fit, predictive)``. The model and its own
+forward activations are not counted: a training step holds them already. A refusal is a ``ValueError``:
+nothing was allocated, and the fix is a choice of options.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from partialbayes.curvature._likelihood import check_options, model_device
+from partialbayes.curvature._lowrank import OVERSAMPLE
+from partialbayes.curvature._outputs import read_batch, resolve_shift_labels
+from partialbayes.predictive import model_logits
+from partialbayes.selection import Subset
+
+
+def fmt_bytes(n: float) -> str:
+    """``n`` bytes in binary units (``"1.50 GiB"``)."""
+    k = 0
+    while abs(n) >= 1024 and k < 3:
+        n, k = n / 1024, k + 1
+    return f"{n:.0f} B" if k == 0 else f"{n:.2f} {('KiB', 'MiB', 'GiB')[k - 1]}"
+
+
+#: The exact Fisher is refused above this many outputs ``C``: it costs ``C`` backward passes per batch where
+#: ``fisher="mc"`` costs ``k`` (thousands of times a training step here, for what ``mc`` estimates without
+#: bias). Every LM vocabulary is above (30k–128k tokens), every common classifier below (≤ 1,000 classes).
+EXACT_MAX_OUTPUTS = 8192
+
+
+def check_exact_fisher(rows: Tensor, groups: int, batch_index: int) -> None:
+    """Refuse ``fisher="exact"`` on a large output, from a batch's output rows ``[N, C]``, before any backward.
+
+    ``groups`` is the number of backward passes per output vector (1 when the kept positions go jointly).
+
+    Raises:
+        ValueError: Above `EXACT_MAX_OUTPUTS` outputs, or when the vectors ``[C, N, C]`` alone exceed the
+            available memory; naming the passes, the bytes and the alternatives.
+    """
+    n, c = rows.shape
+    nbytes = c * n * c * rows.element_size()
+    avail, source = available_memory(rows.device)
+    too_big = avail is not None and nbytes > avail
+    if c <= EXACT_MAX_OUTPUTS and not too_big:
+        return
+    why = f"more than the {fmt_bytes(avail or 0)} available ({source})" if too_big else "too many"
+    raise ValueError(
+        f"batch {batch_index}: fisher='exact' on {c} outputs costs {c * groups:,} backward passes for "
+        f"this batch and {fmt_bytes(nbytes)} of output vectors [C, N, C] = [{c}, {n}, {c}], {why} "
+        f"(refused above {EXACT_MAX_OUTPUTS} outputs). Use fisher='mc' (mc_samples sampled labels: that "
+        "many passes, an unbiased estimate) or fisher='empirical' (the true labels: one pass), or score "
+        "only the answer tokens (an answer-only head over target_ids: K outputs instead of C)"
+    )
+
+
+def available_memory(device: torch.device | str) -> tuple[int | None, str]:
+    """Bytes free for new tensors on ``device``, and where the number comes from (``None``: unknown)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        return free + cached, "free + cached CUDA memory"
+    if dev.type != "cpu":
+        return None, f"unknown on {dev.type}"
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free physical pages"
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return None, "unknown"
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes a Kronecker fit and its predictive allocate (each part as in the module docstring).
+
+    Attributes:
+        factors: Factor sums (or sketches), held through the fit.
+        eigen: Eigendecompositions, plus the transient of the largest.
+        fit_batch: One batch's working set of the fit (``fisher`` as given).
+        predictive: One batch's working set of the linearised predictive (``K`` outputs as given).
+        largest: The largest factor, e.g. ``"G of 'lm_head' (50257 x 50257)"``.
+        available: Free bytes on the device (``None``: unknown), and ``source``, where that comes from.
+    """
+
+    factors: int
+    eigen: int
+    fit_batch: int
+    predictive: int
+    largest: str
+    available: int | None
+    source: str
+
+    @property
+    def total(self) -> int:
+        """The peak: ``factors + eigen + max(fit_batch, predictive)``."""
+        return self.factors + self.eigen + max(self.fit_batch, self.predictive)
+
+    def __str__(self) -> str:
+        avail = "unknown" if self.available is None else fmt_bytes(self.available)
+        rows = [
+            ("factors", self.factors, f"largest: {self.largest}"),
+            ("eigendecompositions", self.eigen, ""),
+            ("fit, per batch", self.fit_batch, ""),
+            ("predictive, per batch", self.predictive, ""),
+            ("peak", self.total, f"available: {avail} ({self.source})"),
+        ]
+        return "\n".join(f"{n:22s} {fmt_bytes(b):>11s}  {note}".rstrip() for n, b, note in rows)
+
+    def check(self, max_memory: int | None = None) -> None:
+        """Refuse a run whose peak exceeds ``max_memory`` bytes (default: the available memory).
+
+        Raises:
+            ValueError: With the estimate and what to change (nothing is allocated).
+        """
+        limit = self.available if max_memory is None else max_memory
+        if limit is None or self.total <= limit:
+            return
+        raise ValueError(
+            f"the curvature needs about {fmt_bytes(self.total)} but {fmt_bytes(limit)} is "
+            f"{'available' if max_memory is None else 'allowed (max_memory)'}:\n{self}\n"
+            "Refused before allocating. Factors: keep large ones low-rank (max_rank), fit S-KFAC "
+            "(sparse_kfac(model, p): about (p/100)² of the memory) or use dtype=torch.float32 (half). "
+            "Fit: fisher='mc' or 'empirical' (k or 1 backward passes per batch, not C), smaller "
+            "batches. Predictive: only the answer tokens (target_ids: K outputs, not C)."
+        )
+
+
+def memory_estimate(
+    model: nn.Module,
+    subset: Subset,
+    batch: Any,
+    *,
+    likelihood: str = "classification",
+    fisher: str = "exact",
+    mc_samples: int = 1,
+    sharing: str = "reduce",
+    dtype: torch.dtype = torch.float64,
+    max_rank: int | None = None,
+    target_ids: Sequence[int] | Tensor | None = None,
+    logits: Tensor | None = None,
+) -> MemoryEstimate:
+    """Estimate the memory of a Kronecker Laplace fit and its predictive, before running them.
+
+    Args:
+        model: The network (a causal LM's label shift is detected from its class, as in `kfac`).
+        subset: Kronecker-structured subset.
+        batch: The loader's largest batch, of any kind ``split_batch`` accepts.
+        likelihood: ``"classification"`` or ``"regression"``.
+        fisher: ``"exact"``, ``"mc"`` or ``"empirical"``.
+        mc_samples: ``k`` of ``fisher="mc"``.
+        sharing: ``"reduce"`` or ``"expand"``.
+        dtype: Accumulation dtype of the factors.
+        max_rank: Factor sides larger than this are kept at this rank (``None``: all whole).
+        target_ids: The outputs the predictive covers (``None``: all ``C``).
+        logits: The batch's logits if known; otherwise one forward pass without gradients is run.
+
+    Returns:
+        The `MemoryEstimate`: ``print`` it; ``.check()`` refuses what does not fit.
+
+    Raises:
+        ValueError: Bad options (as `kfac`), a ``max_rank`` that is not a positive int.
+    """
+    check_options(likelihood, fisher, mc_samples, 1.0, sharing, dtype=dtype)
+    if max_rank is not None and (
+        isinstance(max_rank, bool) or not isinstance(max_rank, int) or max_rank < 1
+    ):
+        raise ValueError(f"max_rank must be a positive int or None, got {max_rank!r}")
+    kmods = subset.kron_modules()
+    device = model_device(model)
+    shift = resolve_shift_labels(model, None)
+    inputs, outputs = read_batch(batch, device, likelihood=likelihood, shift=shift)
+    if logits is None:
+        with torch.no_grad():
+            logits = model_logits(model, inputs)
+    keep = outputs.keep(logits[..., :0])
+    b, n_cls = logits.shape[0], logits.shape[-1]
+    n_kept = b if keep is None else int(keep.sum())
+    mask = outputs.attention_mask
+    t = logits.shape[1] if keep is not None else (1 if mask is None else mask.shape[1])
+    rows = b if sharing == "reduce" else b * t
+    item, mitem = torch.finfo(dtype).bits // 8, logits.element_size()
+    passes = {"exact": n_cls, "mc": mc_samples}.get(fisher, 1)
+    k_out = n_cls if target_ids is None else len(target_ids)
+    factors = eigen = transient = 0
+    largest, size = "", 0
+    fit = (passes * n_kept * n_cls + 3 * b * t * n_cls) * mitem
+    pred = n_kept * k_out * k_out * item
+    for name, k in kmods.items():
+        r, c = k.n_rows, k.n_cols + (k.bias_name is not None)
+        for side, n in (("G", r), ("A", c)):
+            if max_rank is not None and n > max_rank:
+                q = min(n, max_rank + OVERSAMPLE)
+                factors += 2 * n * q * item
+                eigen += (n * max_rank + max_rank) * item
+                transient = max(transient, 3 * n * q * item)
+            else:
+                factors += n * n * item
+                eigen += (n * n + n) * item
+                transient = max(transient, 3 * n * n * item)
+            if n > size:
+                largest, size = f"{side} of {name!r} ({n} x {n})", n
+        fit += (b * t * (c + k.n_out) + passes * rows * r) * mitem
+        pred += k_out * b * t * r * mitem + b * t * c * mitem
+    avail, source = available_memory(device)
+    return MemoryEstimate(factors, eigen + transient, fit, pred, largest, avail, source)

@@ -1,0 +1,99 @@
+"""Answer-only predictions: where a batch's answers are, and the logits of the answer tokens there.
+
+A multiple-choice answer of a language model is scored by the next-token logits of its ``K`` answer tokens
+(``target_ids``) at the answer positions only: ``[P, K]`` instead of ``[B, T, V]``, and its distribution is
+the softmax renormalised over the ``K`` tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from partialbayes.predictive._batch import kept_positions
+
+
+def check_target_ids(target_ids: Sequence[int] | Tensor, num_outputs: int) -> Tensor:
+    """``target_ids`` as an ``int64`` tensor ``[K]`` of distinct indices in ``[0, num_outputs)``.
+
+    Raises:
+        TypeError: Not integers (a bool or float tensor, a string).
+        ValueError: Empty, not 1-D, repeated or out of range, naming the value at fault.
+    """
+    try:
+        ids = torch.as_tensor(target_ids)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise TypeError(f"target_ids must be integer token ids, got {target_ids!r}") from err
+    if ids.ndim != 1 or ids.numel() == 0:
+        raise ValueError(f"target_ids must be a non-empty 1-D list of ids, got {target_ids!r}")
+    if ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.is_complex():
+        raise TypeError(f"target_ids must be integer token ids, got {target_ids!r}")
+    bad = ids[(ids < 0) | (ids >= num_outputs)]
+    if bad.numel():
+        raise ValueError(
+            f"target_ids: {int(bad[0])} is out of range for a model with {num_outputs} outputs"
+        )
+    uniq, counts = ids.unique(return_counts=True)
+    if bool((counts > 1).any()):
+        raise ValueError(f"target_ids: {int(uniq[counts > 1][0])} is repeated; give each id once")
+    return ids.long()
+
+
+def answer_positions(
+    logits: Tensor,
+    *,
+    labels: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    causal_lm: bool = False,
+) -> Tensor | None:
+    """``[B, T]`` bool mask of the positions whose outputs are answers (``None`` for ``[B, C]`` logits).
+
+    With labels: the positions they mark (label not -100), shifted for a causal LM (the output at ``t``
+    predicts token ``t + 1``, so the answer is read at the token before it). Without labels: the last real
+    position of each sequence (attention mask; either padding side) — the next-token prediction after a
+    prompt.
+
+    Raises:
+        ValueError: A sequence without any real token, or a mask / labels of the wrong shape.
+    """
+    if logits.ndim != 3 or labels is not None:
+        return kept_positions(logits, attention_mask=attention_mask, labels=labels, shift=causal_lm)
+    b, t = logits.shape[:2]
+    real = torch.ones(b, t, dtype=torch.bool, device=logits.device)
+    if attention_mask is not None:
+        real = kept_positions(logits, attention_mask=attention_mask)
+    if not bool(real.any(1).all()):
+        raise ValueError("attention_mask: a sequence has no real token, hence no answer position")
+    last = t - 1 - real.flip(1).int().argmax(1)
+    return torch.arange(t, device=real.device)[None] == last[:, None]
+
+
+def answer_logits(
+    logits: Tensor,
+    target_ids: Sequence[int] | Tensor,
+    *,
+    labels: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    causal_lm: bool = False,
+) -> Tensor:
+    """The logits of the answer tokens at the answer positions: ``[P, K]``.
+
+    Args:
+        logits: ``[B, T, V]`` (or ``[B, V]``: every row is an answer).
+        target_ids: The ``K`` answer tokens (distinct ids in ``[0, V)``).
+        labels: ``[B, T]`` labels marking the answers (-100 elsewhere), or ``None``.
+        attention_mask: ``[B, T]`` real tokens.
+        causal_lm: Shift the labels (see `answer_positions`).
+
+    Returns:
+        ``[P, K]``: the ``P`` answer positions in row-major ``(b, t)`` order; ``softmax(-1)`` of it is the
+        answer's distribution renormalised over the ``K`` tokens.
+    """
+    ids = check_target_ids(target_ids, logits.shape[-1]).to(logits.device)
+    keep = answer_positions(
+        logits, labels=labels, attention_mask=attention_mask, causal_lm=causal_lm
+    )
+    rows = logits if keep is None else logits[keep]
+    return rows.index_select(-1, ids)

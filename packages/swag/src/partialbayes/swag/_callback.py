@@ -1,0 +1,136 @@
+"""SWAG collected while a Hugging Face ``Trainer`` trains: `SWAGCallback`."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from partialbayes.selection import Subset
+from partialbayes.swag._posterior import SWAG
+from partialbayes.swag._train import check_int
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+class SWAGCallback:
+    """A ``transformers.TrainerCallback`` that collects the SWAG moments of a subset during training.
+
+    ``Trainer(..., callbacks=[cb])``: once ``start_step`` optimizer steps are done, the subset's entries of
+    the model are folded into a `SWAG` after every ``every``-th optimizer step (after steps
+    ``start_step + every``, ``start_step + 2·every``, …; gradient accumulation counts as one step), with
+    `SWAG.collect`, the update `collect_swag` uses. After ``trainer.train()``, `posterior` is the `SWAG` of
+    ``trainer.model``: weights outside the subset are whatever the model holds (its final weights), and
+    the subset's entries are replaced by SWAG samples inside `SWAG.sampled`. Each ``train()`` call starts
+    a new collection.
+
+    SWAG assumes the snapshots come from a constant learning rate around a (local) optimum: start from a
+    fine-tuned model or set ``start_step`` past the fine-tuning, and use a constant schedule
+    (``TrainingArguments(lr_scheduler_type="constant")``) for the steps collected.
+
+    ``transformers`` is not imported: the class has the ``on_*`` methods ``Trainer`` calls (the events it
+    does not use do nothing), so ``partialbayes-swag`` does not depend on it.
+
+    Args:
+        subset: The ``partialbayes.selection.Subset`` of the trained model to collect.
+        start_step: Optimizer steps to train before collecting (``>= 0``).
+        every: Optimizer steps between snapshots (``>= 1``; the paper: 5).
+        **swag_options: Keywords of `SWAG` (``max_rank``, ``diagonal_only``, ``dtype``, ``likelihood``,
+            ``sigma_noise``), checked when training begins.
+
+    Raises:
+        TypeError: If ``subset`` is not a ``Subset`` or a step count is not an int.
+        ValueError: If ``start_step < 0`` or ``every < 1``.
+
+    Example:
+        >>> cb = SWAGCallback(subset, start_step=100, every=5)  # doctest: +SKIP
+        >>> Trainer(model, args, train_dataset=train, callbacks=[cb]).train()  # doctest: +SKIP
+        >>> probs = cb.posterior.predict(batch)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self, subset: Subset, *, start_step: int = 0, every: int = 5, **swag_options: Any
+    ) -> None:
+        if not isinstance(subset, Subset):
+            raise TypeError(
+                f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
+            )
+        self.subset = subset
+        self.start_step = check_int("start_step", start_step, minimum=0)
+        self.every = check_int("every", every)
+        self.swag_options = swag_options
+        self._swag: SWAG | None = None
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        if name.startswith("on_"):  # a Trainer event this callback does not use
+            return _ignore
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def _needed(self) -> int:
+        return 1 if self.swag_options.get("diagonal_only", False) else 2
+
+    @property
+    def n_snapshots(self) -> int:
+        """Snapshots collected so far (0 before training)."""
+        return 0 if self._swag is None else self._swag.n_snapshots
+
+    @property
+    def posterior(self) -> SWAG:
+        """The collected `SWAG` posterior of the trained model.
+
+        Raises:
+            ValueError: Before training, or with fewer snapshots than sampling needs (2, or 1 for
+                ``diagonal_only=True``).
+        """
+        if self._swag is None:
+            raise ValueError(
+                "SWAGCallback has not seen a training run: pass it to Trainer(callbacks=[...]) and call "
+                "trainer.train() first"
+            )
+        if self.n_snapshots < self._needed:
+            raise ValueError(
+                f"SWAGCallback collected {self.n_snapshots} snapshot(s) (start_step={self.start_step}, "
+                f"every={self.every}); the SWAG posterior needs at least {self._needed}: lower "
+                "start_step or every, or train for more steps"
+            )
+        return self._swag
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Start a new collection on the ``model`` Trainer passes (checks the `SWAG` options)."""
+        model = kwargs.get("model")
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"SWAGCallback needs the model Trainer trains, got {type(model).__name__}"
+            )
+        self._swag = SWAG(model, self.subset, **self.swag_options)
+
+    @torch.no_grad()
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """After optimizer step ``state.global_step``: take a snapshot when one is due."""
+        done = state.global_step - self.start_step
+        if self._swag is None or done <= 0 or done % self.every:
+            return
+        try:
+            self._swag.collect()
+        except ValueError as err:
+            raise ValueError(
+                f"SWAGCallback: snapshot after optimizer step {state.global_step}: {err}"
+            ) from err
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Warn when the run gave fewer snapshots than the posterior needs (e.g. ``start_step`` too late)."""
+        if self.n_snapshots < self._needed:
+            warnings.warn(
+                f"SWAGCallback collected {self.n_snapshots} snapshot(s) in {state.global_step} optimizer "
+                f"steps (start_step={self.start_step}, every={self.every}, max_steps={state.max_steps}); "
+                f"the SWAG posterior needs at least {self._needed}: lower start_step or every, or "
+                "train for more steps",
+                RuntimeWarning,
+                stacklevel=2,
+            )
