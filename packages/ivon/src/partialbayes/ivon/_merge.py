@@ -165,10 +165,9 @@ def squared_gradients(
     model = posterior.model
     params = {n: model.get_parameter(n) for n in posterior.mean}
     total = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
-    with eval_mode(model), requiring_grad(params.values()):
+    with eval_mode(model), requiring_grad(params.values()), torch.enable_grad():
         for batch in labelled_batches(loader, model, "squared_gradients"):
-            swap = posterior.sampled(generator=generator) if sampled else nullcontext()
-            with swap, torch.enable_grad():  # (Subset.swapped runs its body without gradients)
+            with posterior.sampled(generator=generator) if sampled else nullcontext():
                 for _, inputs, label in batch:
                     logits = class_logits(model_logits(model, inputs), "squared_gradients")
                     loss = F.cross_entropy(
