@@ -149,6 +149,18 @@ def test_train_flag_must_be_bool(train):
         pass
 
 
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), True, "8", torch.tensor(8.0)])
+def test_batch_size_must_be_a_positive_number(bad):
+    model = _mlp()
+    opt = IVON(model.parameters(), lr=0.1, ess=6)
+    with (
+        pytest.raises(ValueError, match="batch_size must be a number > 0"),
+        opt.sampled_params(train=True, batch_size=bad),
+    ):
+        pass
+    assert not opt._sampling
+
+
 def test_closure_must_be_callable():
     opt = IVON(_params(), lr=0.1, ess=10)
     with pytest.raises(TypeError, match="closure"):
