@@ -280,12 +280,14 @@ class IVON(torch.optim.Optimizer):
         sample is then discarded); so the means come back up to one rounding of the parameters' dtype (a
         relative 6e-8 in float32). float16 and bfloat16 parameters, where that rounding would accumulate, and
         data-parallel runs, whose replicas must stay equal to the bit, keep an exact copy of their means for
-        the duration of the block instead. With ``train=True`` the
-        gradients at ``w`` (``p.grad``, accumulated over any number of backward passes in the body; missing
-        gradients count as zero) are collected on exit for the next :meth:`step`. Afterwards ``p.grad`` holds
-        the weighted running MC average of the gradient (the tensor :meth:`step` will use: a
-        ``torch.amp.GradScaler`` checks and unscales it there); it is detached again when the next sample is
-        drawn and after the step.
+        the duration of the block instead.
+
+        With ``train=True`` the gradients at ``w`` (``p.grad``, accumulated over any number of backward passes
+        in the body; missing gradients count as zero) are collected on exit for the next :meth:`step`.
+        Afterwards ``p.grad`` holds the weighted running MC average of the gradient (the tensor :meth:`step`
+        will use: a ``torch.amp.GradScaler`` checks and unscales it there); it is detached again when the next
+        sample is drawn and after the step. The sample's float16 noise is kept until the step when its Hessian
+        statistic needs it, and freed at once otherwise.
 
         Args:
             train: Collect the gradient sample for training.
@@ -322,17 +324,20 @@ class IVON(torch.optim.Optimizer):
         except BaseException:
             self._sampling = False
             raise
+        completed = False
         try:
             yield
+            completed = True
         finally:
-            with torch.no_grad():
-                self._leave()
-            self._sampling = False
-        with torch.no_grad():
-            if train:
-                self._collect(weight)
-            if not (self._pending and self.hess_approx == "price"):
-                self._noise = {}  # no statistic waits for this sample's noise
+            try:
+                with torch.no_grad():
+                    self._leave()
+                    if completed and train:
+                        self._collect(weight)
+            finally:
+                if not (self._pending and self.hess_approx == "price"):
+                    self._noise = {}  # no statistic waits for this sample's noise
+                self._sampling = False
 
     def _enter(self, train: bool) -> None:
         """Draw the noise ``z`` and add ``ε = z/√(λ(h+δ))`` to every variational parameter, in place."""
@@ -345,9 +350,8 @@ class IVON(torch.optim.Optimizer):
                 p: torch.empty(p.shape, dtype=torch.float16, device=p.device)
                 for p in self._variational()
             }
-        exact = (
-            self._sync_enabled()
-        )  # replicas must stay equal to the bit: no rank-specific rounding
+        # data-parallel replicas must stay equal to the bit: no rank-specific rounding of the means
+        exact = self._sync_enabled()
         for group, params in self._buckets():
             var = [p for p in params if p in self._noise]
             if not var:
