@@ -99,25 +99,29 @@ def test_loo_estimate_matches_exact_leave_one_out_retraining(n, d, seed):
     assert torch.equal(sens.index, torch.arange(n))
 
 
-def test_loo_estimate_of_an_ivon_trained_logistic_regression():
-    """The posterior of a real IVON run (full batch, ess = N), against exact leave-one-out of the MAP."""
+@pytest.mark.parametrize("tempering", [1, 10])
+def test_loo_estimate_of_an_ivon_trained_logistic_regression(tempering):
+    """The posterior of a real IVON run (full batch, ess = N, or a cold ess = 10 N read back with
+    ``rescaled(10)``), against exact leave-one-out of the MAP."""
     n, d, tau = 60, 2, 1.0
     x, y = _data(n, d, 3)
     model = Logistic(d)
-    opt = IVON(model.parameters(), lr=0.5, ess=n, hess_init=0.1, beta2=0.99, weight_decay=tau / n,
-               generator=torch.Generator().manual_seed(0))  # fmt: skip
+    opt = IVON(model.parameters(), lr=0.5, ess=n * tempering, hess_init=0.1, beta2=0.99,
+               weight_decay=tau / (n * tempering), generator=torch.Generator().manual_seed(0))  # fmt: skip
     for _ in range(3000):
         with opt.sampled_params(train=True):
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    sens = sensitivity(opt, [(x, y)], model=model)
+    cold = sensitivity(opt, [(x, y)], model=model)
+    sens = cold.rescaled(tempering)
+    torch.testing.assert_close(sens.variance, cold.variance * tempering)
     theta, _ = _newton(x, y, tau)
     exact, f_loo = _exact_loo(x, y, tau, theta)
     assert abs(sens.loo_nll - exact) <= 0.1 * exact, (sens.loo_nll, exact, sens.nll)
     assert _spearman(sens.scores, (f_loo - (x @ theta[:-1] + theta[-1])).abs()) >= 0.8
     post_sens = sensitivity(ivon_posterior(opt, model), [(x, y)])  # the same through a posterior
-    torch.testing.assert_close(post_sens.variance, sens.variance)
+    torch.testing.assert_close(post_sens.variance, cold.variance)
 
 
 @settings(
@@ -207,6 +211,8 @@ def test_bad_input_is_named():
         sensitivity(MultiIVON([post, post]), [(x, y)])
     with pytest.raises(RuntimeError, match="inside sampled_params"), opt.sampled_params():
         sensitivity(opt, [(x, y)], model=model)
+    with pytest.raises(ValueError, match="factor must be a number >= 0"):
+        sensitivity(post, [(x, y)]).rescaled(-1.0)
     token = torch.nn.Sequential(
         torch.nn.Linear(2, 3)
     ).double()  # [B, T, C] outputs from [B, T, 2] inputs

@@ -14,7 +14,7 @@ per class on the example alone (never ``vmap`` over the model).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -68,6 +68,17 @@ class Sensitivity:
     def loo_nll(self) -> float:
         """The leave-one-out estimate ``mean_i −log softmax(f_i + V_i e_i)[y_i]`` of the held-out NLL."""
         return float(F.cross_entropy(self.logits + self.shift, self.labels))
+
+    def rescaled(self, factor: float) -> Sensitivity:
+        """The sensitivities under ``factor`` times the posterior's variances (``V_i`` scaled).
+
+        A posterior trained with ``ess = λ`` is that of ``λ`` examples; ``factor = λ / N`` reads it as the
+        posterior of the ``N`` training examples the leave-one-out refers to (to the extent that the
+        curvature ``h`` does not depend on ``λ``).
+        """
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor >= 0:
+            raise ValueError(f"Sensitivity.rescaled: factor must be a number >= 0, got {factor!r}")
+        return replace(self, variance=self.variance * factor)
 
 
 def _variances(source: Any, model: nn.Module | None) -> tuple[nn.Module, dict[str, Tensor]]:
