@@ -348,7 +348,9 @@ class IVON(torch.optim.Optimizer):
         if not self._noise:
             self._noise = {
                 p: torch.empty(p.shape, dtype=torch.float16, device=p.device)
-                for p in self._variational()
+                for _group, params in self._buckets()
+                for p in params
+                if self.variational_mask(p) is not False
             }
         # data-parallel replicas must stay equal to the bit: no rank-specific rounding of the means
         exact = self._sync_enabled()
@@ -406,7 +408,9 @@ class IVON(torch.optim.Optimizer):
                 torch._foreach_lerp_([self._avg_grad[p] for p in params], grads, rate)
             for p in params:
                 p.grad = self._avg_grad[p]
-        self._pending = self._count == 1 and bool(self._variational())
+        self._pending = self._count == 1 and bool(
+            self._noise
+        )  # (noise: the variational parameters)
 
     def _materialize(self) -> None:
         """Fold the pending statistic of the first sample (``z·g`` or ``g²``) into its own zeroed buffers."""
