@@ -16,6 +16,7 @@ from partialbayes.ivon import _distributed as dist_utils
 from partialbayes.ivon._checks import check_state_dict, validate_group
 from partialbayes.ivon._math import Fold, Hyper, Shift, Update, fold_, shift_, update_
 from partialbayes.ivon._noise import normal_
+from partialbayes.predictive import check_generator
 
 if TYPE_CHECKING:  # the selection package is an optional extra: never imported at run time
     from partialbayes.selection import Subset
@@ -113,10 +114,7 @@ class IVON(torch.optim.Optimizer):
             raise ValueError(f"IVON: mc_samples must be an int >= 1, got {mc_samples!r}")
         if hess_approx not in HESS_APPROX:
             raise ValueError(f"IVON: hess_approx must be one of {HESS_APPROX}, got {hess_approx!r}")
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(
-                f"IVON: generator must be a torch.Generator, got {type(generator).__name__}"
-            )
+        check_generator(generator, "IVON: generator")
         if compiled is not None and not isinstance(compiled, bool):
             raise TypeError(f"IVON: compiled must be None, True or False, got {compiled!r}")
         self.mc_samples = mc_samples
