@@ -15,9 +15,10 @@ reported separately (it compiles its kernels on models of ``AUTO_COMPILE_MIN`` e
 ``IVON_BENCH_SKIP="IVON compiled=False,ivon-opt"`` leaves contenders out (the eager IVON collapses on an
 oversubscribed CPU: thousands of short OpenMP parallel regions, each waiting for a descheduled thread).
 
-Memory: the ``memory`` rows count the tensors the optimizer holds (state, noise, statistic and mean buffers; for
-ivon-opt also its per-group tensors), as float32 copies of the parameters (``× P``: bytes / 4 / P), between
-steps (after two steps) and inside a weight sample (after the backward pass, before ``step``).
+Memory: the ``memory`` rows count what the optimizer adds, as float32 copies of the parameters (``× P``: bytes /
+4 / P): every live tensor that did not exist before the optimizer was built and is neither a parameter nor a
+gradient (state, noise and statistic buffers, copies of the means, ivon-opt's per-group tensors and the ones
+its ``sampled_params`` keeps in its frame), between steps (after two steps) and inside a weight sample.
 """
 
 from __future__ import annotations
@@ -224,49 +225,56 @@ def _interleaved(b: Bench, base: torch.nn.Module, batch: Batch, label: str, roun
         gc.collect()
 
 
-def _tensor_floats(obj: object, seen: set[int]) -> int:
-    if isinstance(obj, torch.Tensor):
-        key = obj.untyped_storage().data_ptr()
-        if key in seen or obj.is_sparse:
-            return 0
-        seen.add(key)
-        return obj.untyped_storage().nbytes() // 4
-    if isinstance(obj, dict):
-        return sum(_tensor_floats(v, seen) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(_tensor_floats(v, seen) for v in obj)
-    return 0
+def _live_storages() -> dict[int, torch.Tensor]:
+    """``{storage address: a tensor on it}`` for every tensor alive in the process (the garbage collector's)."""
+    return {
+        obj.untyped_storage().data_ptr(): obj
+        for obj in gc.get_objects()
+        if isinstance(obj, torch.Tensor) and not obj.is_sparse and obj.device.type != "meta"
+    }
 
 
 def _memory(b: Bench, base: torch.nn.Module, batch: Batch, label: str) -> None:
-    """Float32-equivalent floats the optimizer holds between steps and inside a sample (state and buffers)."""
+    """Memory the optimizer adds, between steps and inside a weight sample, in float32 copies of the weights.
+
+    Counted as every live tensor (the garbage collector's view, so tensors a context manager keeps in its
+    frame count too: ivon-opt's copy of the means) that did not exist before the optimizer was built and is
+    neither a parameter nor a gradient at the time of counting.
+    """
     group = f"IVON memory (copies of the parameters), {label}"
     n_params = sum(p.numel() for p in base.parameters())
     for name, make_opt in _optimizers().items():
         if make_opt is None or name == FLOOR:
             continue
         model = copy.deepcopy(base).train()
+        gc.collect()
+        before = _live_storages()  # kept alive, so that no new tensor can reuse their addresses
         opt = make_opt(model)
         fn = _make_fn("update only", model, opt, batch)
         fn()
         fn()
-        seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        del fn
 
-        def held(opt: torch.optim.Optimizer = opt, seen: set[int] = seen) -> float:
-            parts = [
-                opt.state,
-                [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-                *(getattr(opt, a, None) for a in ("_noise", "_stat", "_stash")),
-            ]
-            return _tensor_floats(parts, set(seen)) / n_params
+        def added(
+            model: torch.nn.Module = model, before: dict[int, torch.Tensor] = before
+        ) -> float:
+            gc.collect()
+            own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            own |= {
+                g.untyped_storage().data_ptr()
+                for g in (p.grad for p in model.parameters())
+                if g is not None
+            }
+            new = [t for k, t in _live_storages().items() if k not in before and k not in own]
+            return sum(t.untyped_storage().nbytes() for t in new) / 4 / n_params
 
-        b.metric(f"{name}: between steps", held(), unit="× P", group=group)
+        b.metric(f"{name}: between steps", added(), unit="× P", group=group)
         if hasattr(opt, "sampled_params"):
             with opt.sampled_params(train=True):  # type: ignore[attr-defined]
                 for p in model.parameters():
                     p.grad = torch.zeros_like(p)
-                b.metric(f"{name}: inside a sample", held(), unit="× P", group=group)
-        del model, opt, fn
+                b.metric(f"{name}: inside a sample", added(), unit="× P", group=group)
+        del model, opt, before
         gc.collect()
 
 
