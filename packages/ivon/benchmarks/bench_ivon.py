@@ -226,12 +226,15 @@ def _interleaved(b: Bench, base: torch.nn.Module, batch: Batch, label: str, roun
 
 
 def _live_storages() -> dict[int, torch.Tensor]:
-    """``{storage address: a tensor on it}`` for every tensor alive in the process (the garbage collector's)."""
-    return {
-        obj.untyped_storage().data_ptr(): obj
-        for obj in gc.get_objects()
-        if isinstance(obj, torch.Tensor) and not obj.is_sparse and obj.device.type != "meta"
-    }
+    """``{storage address: a tensor on it}`` for every real tensor alive in the process (the garbage collector's)."""
+    out = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_sparse and obj.device.type != "meta":
+            try:
+                out[obj.untyped_storage().data_ptr()] = obj
+            except RuntimeError:  # fake tensors torch.compile keeps around have no storage
+                continue
+    return out
 
 
 def _memory(b: Bench, base: torch.nn.Module, batch: Batch, label: str) -> None:
