@@ -322,6 +322,24 @@ class LaplaceBase:
         """
         raise NotImplementedError
 
+    @classmethod
+    def _covariances_of(
+        cls,
+        posteriors: Sequence[LaplaceBase],
+        inputs: Tensor | Mapping[str, Any],
+        outputs: Outputs,
+        priors: Sequence[Sequence[Tensor]],
+    ) -> tuple[Tensor, Tensor | None, list[list[Tensor]]]:
+        """`_covariances` of several posteriors of one model on one batch, each at its own priors and scale.
+
+        Here one forward/backward per posterior; `KronLaplace` shares one among all of them.
+        """
+        out = [
+            p._covariances(inputs, outputs, pr, p._scale(None))
+            for p, pr in zip(posteriors, priors, strict=True)
+        ]
+        return out[0][0], out[0][1], [covs for _, _, covs in out]
+
     def _state(self) -> dict[str, Tensor]:
         """Structure: the stored curvature tensors (saved; counted by `num_floats`)."""
         raise NotImplementedError
@@ -668,7 +686,7 @@ class LaplaceBase:
         Gaussian predictive with the observation noise (``gaussian_predictive``). Jacobians are computed
         once per batch and reused for every grid value. Token-level outputs count one example per kept
         position; outputs labelled -100 are skipped (a batch without a labelled output is skipped, with one
-        warning counting them).
+        warning counting them). `grid_val_nll_many` scores several posteriors in one pass.
 
         Returns:
             ``[len(grid)]`` mean NLL per example.
@@ -677,57 +695,7 @@ class LaplaceBase:
             ValueError: On an empty ``val_loader`` (or one without any labelled output), a batch without
                 labels, or labels of the wrong dtype / shape or out of range (naming the batch).
         """
-        self._require_fit()
-        totals = torch.zeros(len(grid), dtype=torch.float64)
-        count = batches = skipped = 0
-        priors = [self._resolve_prior(float(v)) for v in grid]
-        scale = self._scale(None)
-        with torch.no_grad():
-            for index, batch in enumerate(val_loader):
-                batches += 1
-                inputs, outputs = self._read(batch)
-                if outputs.labels is None:
-                    raise ValueError(
-                        f"batch {index}: val_loader batches need labels to score the predictive"
-                    )
-                if outputs.unlabelled:
-                    skipped += 1
-                    continue
-                with eval_mode(self.model):
-                    logits, keep, covs = self._covariances(inputs, outputs, priors, scale)
-                f = (logits if keep is None else logits[keep]).to(self.dtype)
-                if f.shape[0] == 0:
-                    skipped += 1
-                    continue
-                check_logits(f, None, index)
-                labels = outputs.targets(logits, keep)
-                assert labels is not None
-                labels = check_labels(labels, f, self.likelihood, index)
-                for i, cov in enumerate(covs):
-                    cov = cov.to(self.dtype)
-                    if self.likelihood == "classification":
-                        score = nll(probit(f, cov), labels, reduction="sum")
-                    else:
-                        mean, var = gaussian_predictive(
-                            f, cov.diagonal(dim1=-2, dim2=-1), self.sigma_noise**2
-                        )
-                        score = gaussian_nll(mean, var, labels.to(f.dtype), reduction="sum")
-                    totals[i] += float(score)
-                count += f.shape[0]
-        if batches == 0:
-            raise ValueError("val_loader is empty")
-        if skipped == batches:
-            raise ValueError(
-                f"every batch of val_loader ({batches}) has no labelled output (every label -100)"
-            )
-        if skipped:
-            warnings.warn(
-                f"skipped {skipped} of {batches} validation batches with no labelled outputs "
-                "(every label -100)",
-                UserWarning,
-                stacklevel=2,
-            )
-        return totals / count
+        return _grid_val_nll([self], val_loader, grid)[0]
 
     # ------------------------------------------------------------------ samples and swapping
     def _noise(self, shape: Sequence[int], generator: torch.Generator | None) -> Tensor:
@@ -791,40 +759,6 @@ class LaplaceBase:
             yield model
 
     # ------------------------------------------------------------------ the linearised predictive
-    def _linearised(
-        self, batch: Any, chunk_size: int | None = None, labels: bool = True
-    ) -> tuple[Tensor, Tensor | None, Tensor]:
-        """``(logits [B, C] | [B, T, C], keep [B, T] | None, Σ_f [N, C, C])`` of one batch at the prior."""
-        self._require_fit()
-        if chunk_size is not None and (
-            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-        ):
-            raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-        inputs, outputs = self._read(batch, labels)
-        if outputs.unlabelled:
-            raise ValueError(
-                "every output of the batch is labelled -100: there is no labelled output to return "
-                "(pass the batch without labels to get every output)"
-            )
-        logits, keeps, covs = [], [], []
-        for part, part_outputs in split_chunks(inputs, outputs, chunk_size):
-            with eval_mode(self.model):
-                f, keep, (cov,) = self._covariances(
-                    part, part_outputs, [self._prior], self._scale(None)
-                )
-            logits.append(f.detach())
-            keeps.append(keep)
-            covs.append(cov.to(self.dtype))
-        keep_all = None if keeps[0] is None else torch.cat([k for k in keeps if k is not None])
-        logits_all = torch.cat(logits)
-        rows = logits_all if keep_all is None else logits_all[keep_all]
-        if not bool(torch.isfinite(rows).all()):
-            raise ValueError(
-                "the model's logits for this batch are not finite (NaN or inf in the inputs?): "
-                "no predictive is computed from them"
-            )
-        return logits_all, keep_all, torch.cat(covs)
-
     def logit_mean_cov(self, batch: Any, chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
         """Linearised predictive: ``f_MAP`` and the functional covariance ``J Σ Jᵀ`` per labelled output.
 
@@ -846,7 +780,7 @@ class LaplaceBase:
             ValueError: Token-level logits with neither an attention mask nor labels; logits that are not
                 finite; an empty batch, or one whose every label is -100.
         """
-        logits, keep, cov = self._linearised(batch, chunk_size)
+        logits, keep, (cov,) = _linearised([self], batch, chunk_size)
         f = logits if keep is None else logits[keep]
         return f, cov.to(f.dtype)
 
@@ -892,7 +826,7 @@ class LaplaceBase:
         link = resolve_link(link, self.links, type(self).__name__)
         n_samples = check_count("n_samples", n_samples)
         check_generator(generator)
-        logits, keep, cov = self._linearised(batch, labels=False)
+        logits, keep, (cov,) = _linearised([self], batch, labels=False)
         full = logits.to(cov.dtype)
         f = full if keep is None else full[keep]
         if self.likelihood == "regression":
@@ -927,7 +861,7 @@ class LaplaceBase:
         """
         n = check_count("n", n)
         check_generator(generator)
-        logits, keep, cov = self._linearised(batch, labels=False)
+        logits, keep, (cov,) = _linearised([self], batch, labels=False)
         full = logits.to(cov.dtype)
         draws = sample_logits(full if keep is None else full[keep], cov, n, generator=generator)
         return _place(full.expand(n, *logits.shape), keep, draws).to(logits.dtype)
@@ -1047,3 +981,200 @@ class LaplaceBase:
                 )
                 break
         return post
+
+
+def _check_posteriors(posteriors: Any) -> list[LaplaceBase]:
+    """A non-empty list of fitted posteriors of one model that read batches alike, or an error."""
+    if isinstance(posteriors, (str, bytes, LaplaceBase)) or not isinstance(posteriors, Sequence):
+        raise TypeError(
+            f"posteriors must be a list of Laplace posteriors, got {type(posteriors).__name__}"
+        )
+    if not posteriors:
+        raise ValueError("posteriors is an empty list: pass at least one posterior")
+    first = posteriors[0]
+    for i, p in enumerate(posteriors):
+        if not isinstance(p, LaplaceBase):
+            raise TypeError(f"posteriors[{i}] is a {type(p).__name__}, not a Laplace posterior")
+        p._require_fit()
+        if p.model is not first.model:
+            raise ValueError(
+                f"posteriors[{i}] is on another model than posteriors[0]: the shared passes run one model"
+            )
+        if (p.likelihood, p.shift_labels, p.device) != (
+            first.likelihood,
+            first.shift_labels,
+            first.device,
+        ):
+            raise ValueError(
+                f"posteriors[{i}] reads batches differently from posteriors[0] (likelihood, "
+                "shift_labels or device differ)"
+            )
+    return list(posteriors)
+
+
+def _covariances_of(
+    posteriors: Sequence[LaplaceBase],
+    inputs: Tensor | Mapping[str, Any],
+    outputs: Outputs,
+    priors: Sequence[Sequence[Tensor]],
+) -> tuple[Tensor, Tensor | None, list[list[Tensor]]]:
+    """The structure's `LaplaceBase._covariances_of` when all posteriors share one (else the generic one)."""
+    kind = type(posteriors[0])
+    common = kind if all(type(p) is kind for p in posteriors) else LaplaceBase
+    with eval_mode(posteriors[0].model):
+        return common._covariances_of(posteriors, inputs, outputs, priors)
+
+
+def _linearised(
+    posteriors: Sequence[LaplaceBase],
+    batch: Any,
+    chunk_size: int | None = None,
+    labels: bool = True,
+) -> tuple[Tensor, Tensor | None, list[Tensor]]:
+    """``(logits [B, C] | [B, T, C], keep [B, T] | None, [Σ_f [N, C, C] per posterior])`` at their priors."""
+    first = posteriors[0]
+    first._require_fit()
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    inputs, outputs = first._read(batch, labels)
+    if outputs.unlabelled:
+        raise ValueError(
+            "every output of the batch is labelled -100: there is no labelled output to return "
+            "(pass the batch without labels to get every output)"
+        )
+    logits, keeps = [], []
+    covs: list[list[Tensor]] = [[] for _ in posteriors]
+    for part, part_outputs in split_chunks(inputs, outputs, chunk_size):
+        f, keep, part_covs = _covariances_of(
+            posteriors, part, part_outputs, [[p._prior] for p in posteriors]
+        )
+        logits.append(f.detach())
+        keeps.append(keep)
+        for acc, (cov,), p in zip(covs, part_covs, posteriors, strict=True):
+            acc.append(cov.to(p.dtype))
+    keep_all = None if keeps[0] is None else torch.cat([k for k in keeps if k is not None])
+    logits_all = torch.cat(logits)
+    rows = logits_all if keep_all is None else logits_all[keep_all]
+    if not bool(torch.isfinite(rows).all()):
+        raise ValueError(
+            "the model's logits for this batch are not finite (NaN or inf in the inputs?): "
+            "no predictive is computed from them"
+        )
+    return logits_all, keep_all, [torch.cat(c) for c in covs]
+
+
+def logit_mean_cov_many(
+    posteriors: Sequence[LaplaceBase], batch: Any, chunk_size: int | None = None
+) -> list[tuple[Tensor, Tensor]]:
+    """`LaplaceBase.logit_mean_cov` of several posteriors of one model, sharing the network's passes.
+
+    Kronecker posteriors (`KronLaplace`, e.g. from `KronLaplace.fit_many`) run ONE forward pass and one
+    backward pass per class (per kept position) for all of them: the hooks gather the union of their rows
+    and columns, and each posterior contracts its own ``x[:, C]`` and ``δ[:, R]`` exactly as it does alone,
+    so each result equals its own ``logit_mean_cov(batch)`` bit for bit. Other structures run their own
+    passes. Working memory: the backward passes of the union (a Kronecker posterior on every map any of
+    them uses, with the union of their rows and columns), plus one posterior's gathered block at a time;
+    when the union's gradients would exceed the free memory, the posteriors go in groups, one pass each.
+
+    Args:
+        posteriors: Fitted posteriors of one model (same likelihood, ``shift_labels`` and device).
+        batch: Any batch ``logit_mean_cov`` takes (labels -100 and padding skip outputs).
+        chunk_size: At most this many examples at a time (``None``: the whole batch).
+
+    Returns:
+        One ``(f [N, C], Σ_f [N, C, C])`` per posterior, in order.
+
+    Raises:
+        TypeError: ``posteriors`` is not a list of Laplace posteriors; a batch of an unknown kind.
+        ValueError: An empty list, an unfitted posterior, posteriors of different models or settings,
+            and whatever ``logit_mean_cov`` refuses.
+    """
+    posteriors = _check_posteriors(posteriors)
+    logits, keep, covs = _linearised(posteriors, batch, chunk_size)
+    f = logits if keep is None else logits[keep]
+    return [(f, cov.to(f.dtype)) for cov in covs]
+
+
+def grid_val_nll_many(
+    posteriors: Sequence[LaplaceBase], val_loader: Iterable[Any], grid: Tensor
+) -> Tensor:
+    """`LaplaceBase.grid_val_nll` of several posteriors of one model, reading ``val_loader`` once.
+
+    Each batch's network passes are shared as in `logit_mean_cov_many`, so row ``i`` equals
+    ``posteriors[i].grid_val_nll(val_loader, grid)`` bit for bit. The validation-NLL prior search of a
+    whole ramp: ``grid[nll.argmin(1)]`` is each posterior's best prior.
+
+    Args:
+        posteriors: Fitted posteriors of one model (same likelihood, ``shift_labels`` and device).
+        val_loader: Labelled validation batches (read once).
+        grid: ``[G]`` scalar prior precisions.
+
+    Returns:
+        ``[len(posteriors), G]`` mean NLL per example.
+
+    Raises:
+        TypeError: ``posteriors`` is not a list of Laplace posteriors.
+        ValueError: An empty list, an unfitted posterior, posteriors of different models or settings,
+            and whatever ``grid_val_nll`` refuses.
+    """
+    return torch.stack(_grid_val_nll(_check_posteriors(posteriors), val_loader, grid))
+
+
+def _grid_val_nll(
+    posteriors: Sequence[LaplaceBase], val_loader: Iterable[Any], grid: Tensor
+) -> list[Tensor]:
+    """`grid_val_nll` of each posterior, the network's passes shared (warnings at the public caller's caller)."""
+    first = posteriors[0]
+    first._require_fit()
+    totals = torch.zeros(len(posteriors), len(grid), dtype=torch.float64)
+    count = batches = skipped = 0
+    priors = [[p._resolve_prior(float(v)) for v in grid] for p in posteriors]
+    with torch.no_grad():
+        for index, batch in enumerate(val_loader):
+            batches += 1
+            inputs, outputs = first._read(batch)
+            if outputs.labels is None:
+                raise ValueError(
+                    f"batch {index}: val_loader batches need labels to score the predictive"
+                )
+            if outputs.unlabelled:
+                skipped += 1
+                continue
+            logits, keep, covs = _covariances_of(posteriors, inputs, outputs, priors)
+            rows = logits if keep is None else logits[keep]
+            if rows.shape[0] == 0:
+                skipped += 1
+                continue
+            check_logits(rows, None, index)
+            labels = outputs.targets(logits, keep)
+            assert labels is not None
+            for i, (p, p_covs) in enumerate(zip(posteriors, covs, strict=True)):
+                f = rows.to(p.dtype)
+                y = check_labels(labels, f, p.likelihood, index)
+                for j, cov in enumerate(p_covs):
+                    cov = cov.to(p.dtype)
+                    if p.likelihood == "classification":
+                        score = nll(probit(f, cov), y, reduction="sum")
+                    else:
+                        mean, var = gaussian_predictive(
+                            f, cov.diagonal(dim1=-2, dim2=-1), p.sigma_noise**2
+                        )
+                        score = gaussian_nll(mean, var, y.to(f.dtype), reduction="sum")
+                    totals[i, j] += float(score)
+            count += rows.shape[0]
+    if batches == 0:
+        raise ValueError("val_loader is empty")
+    if skipped == batches:
+        raise ValueError(
+            f"every batch of val_loader ({batches}) has no labelled output (every label -100)"
+        )
+    if skipped:
+        warnings.warn(
+            f"skipped {skipped} of {batches} validation batches with no labelled outputs "
+            "(every label -100)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return list(totals / count)

@@ -15,18 +15,18 @@ import torch
 from torch import Tensor, nn
 
 from partialbayes.curvature._hooks import Run
-from partialbayes.curvature._kfac import kron_factors, kron_targets
+from partialbayes.curvature._kfac import kron_factors, kron_targets, subset_list
 from partialbayes.curvature._kron_algebra import (
     clamped_eigh,
     kron_log_det,
     kron_sample,
     precision_eigenvalues,
 )
-from partialbayes.curvature._laplace import LaplaceBase
-from partialbayes.curvature._laplace_projected import kron_predictive
+from partialbayes.curvature._laplace import LaplaceBase, MapLoss
+from partialbayes.curvature._laplace_projected import KronBlocks, kron_predictive
 from partialbayes.curvature._likelihood import CurvatureOptions
 from partialbayes.curvature._outputs import Outputs
-from partialbayes.predictive import PosteriorFile
+from partialbayes.predictive import PosteriorFile, check_generator
 from partialbayes.selection import Subset
 
 
@@ -152,7 +152,59 @@ class KronLaplace(LaplaceBase):
 
     # ------------------------------------------------------------------ curvature
     def _compute_curvature(self, loader: Iterable[Any], run: Run) -> Any:
-        return kron_factors(self.model, loader, self._targets, self._options, run)
+        return kron_factors(self.model, loader, [self._targets], self._options, run)[0]
+
+    @classmethod
+    def fit_many(
+        cls,
+        model: nn.Module,
+        subsets: Sequence[Subset],
+        loader: Iterable[Any],
+        *,
+        progress: bool = False,
+        generator: torch.Generator | None = None,
+        **kwargs: Any,
+    ) -> list[KronLaplace]:
+        """One posterior per subset, all fitted in ONE pass over ``loader`` (an S-KFAC ramp, module ramps).
+
+        ``KronLaplace.fit_many(model, [s1, s2], loader, fisher=...)`` equals
+        ``[KronLaplace(model, s, fisher=...).fit(loader) for s in (s1, s2)]`` bit for bit, at the cost of
+        one pass: the forward and backward passes are shared (`kfac` with a list of subsets: each subset
+        gathers its rows and columns of the recorded ``x`` and ``δ`` and accumulates as a fit of its own
+        would), and the training loss at the MAP and ``n_data`` are computed once. With ``fisher="mc"``
+        the labels are drawn once per batch from ``generator`` and shared, as each separate fit would draw
+        them from a generator in the same state.
+
+        Memory: every subset's factor sums at once during the pass, then the eigendecompositions one
+        posterior at a time (each posterior's factors are released once it is fitted).
+
+        Args:
+            model: The fine-tuned model (its current weights are the MAP).
+            subsets: Kronecker-structured subsets, one posterior each.
+            loader: Labelled training batches (read once), as for `fit`.
+            progress: Show a progress bar.
+            generator: Randomness of ``fisher="mc"``.
+            **kwargs: Constructor settings shared by every posterior (``fisher``, ``prior_precision``,
+                ``sharing``, ...).
+
+        Returns:
+            The fitted posteriors, in the order of ``subsets``.
+
+        Raises:
+            TypeError: ``subsets`` is not a list of subsets (one ``Subset`` goes to the constructor).
+            ValueError: An empty list, and everything `fit` and the constructor refuse.
+        """
+        posteriors = [cls(model, s, **kwargs) for s in subset_list(subsets, "subsets")]
+        first = posteriors[0]
+        loss = MapLoss(first.likelihood)
+        run = Run(check_generator(generator), progress, loss)
+        targets = [p._targets for p in posteriors]
+        factors = kron_factors(model, loader, targets, first._options, run)
+        total, n, n_out = loss.result(first.device)
+        run.finish(model)
+        for p in posteriors:
+            p.fit_curvature(factors.pop(0), map_loss=total, n_data=n, n_outputs=n_out)
+        return posteriors
 
     def _set_curvature(self, curvature: Mapping[str, Any]) -> None:
         """``curvature``: ``{module: factors}`` with ``.G [r, r]`` (summed) and ``.A [c, c]`` (averaged).
@@ -237,7 +289,32 @@ class KronLaplace(LaplaceBase):
         priors: Sequence[Tensor],
         scale: Tensor | float,
     ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
-        """Streamed: each module's ``Σ_ij M_k M_l / E`` is added as soon as its gradients exist.
+        """Streamed: each module's ``Σ_ij M_k M_l / E`` is added as soon as its gradients exist (`_blocks`)."""
+        logits, keep, (covs,) = kron_predictive(
+            self.model, inputs, outputs, [self._blocks(priors, scale)]
+        )
+        return logits, keep, [c.to(self.dtype) for c in covs]
+
+    @classmethod
+    def _covariances_of(
+        cls,
+        posteriors: Sequence[LaplaceBase],
+        inputs: Tensor | Mapping[str, Any],
+        outputs: Outputs,
+        priors: Sequence[Sequence[Tensor]],
+    ) -> tuple[Tensor, Tensor | None, list[list[Tensor]]]:
+        """One forward pass and one backward pass per class for all the posteriors (`kron_predictive`)."""
+        posts = [p for p in posteriors if isinstance(p, KronLaplace)]
+        parts = [p._blocks(pr, p._scale(None)) for p, pr in zip(posts, priors, strict=True)]
+        logits, keep, covs = kron_predictive(posts[0].model, inputs, outputs, parts)
+        return (
+            logits,
+            keep,
+            [[c.to(p.dtype) for c in cs] for p, cs in zip(posts, covs, strict=True)],
+        )
+
+    def _blocks(self, priors: Sequence[Tensor], scale: Tensor | float) -> KronBlocks:
+        """This posterior's share of `kron_predictive`, for each prior setting of ``priors``.
 
         See `kron_predictive`; ``M`` is never stored for all modules (at most one example's at a time).
         With ``predictive_rtol = ε > 0`` only the eigendirections with curvature above ``ε · δ`` are
@@ -256,15 +333,7 @@ class KronLaplace(LaplaceBase):
                 }
                 for prior in priors
             ]
-            return kron_predictive(
-                self.model,
-                inputs,
-                outputs,
-                self._targets,
-                bases,
-                inv,
-                self.dtype,
-            )
+            return KronBlocks(self._targets, bases, inv, self.dtype)
         f64 = torch.float64
         bases = {}
         weights: list[dict[str, Tensor]] = [{} for _ in priors]
@@ -283,18 +352,7 @@ class KronLaplace(LaplaceBase):
                 kept = e.index_select(0, rows).index_select(1, cols)
                 weights[p][m] = kept.reciprocal() - 1.0 / delta
                 residual[p][m] = 1.0 / delta
-        logits, keep, covs = kron_predictive(
-            self.model,
-            inputs,
-            outputs,
-            self._targets,
-            bases,
-            weights,
-            self.dtype,
-            residual=residual,
-            combine_dtype=f64,
-        )
-        return logits, keep, [c.to(self.dtype) for c in covs]
+        return KronBlocks(self._targets, bases, weights, self.dtype, residual, f64)
 
     # ------------------------------------------------------------------ state
     def _state(self) -> dict[str, Tensor]:
