@@ -232,11 +232,9 @@ def test_bad_lists_are_refused_by_name():
     s = sparse_kfac(model, 10.0)
     with pytest.raises(ValueError, match="subset is an empty list"):
         kfac(model, data, [])
-    with pytest.raises(
-        TypeError, match=r"subset must be a list of partialbayes\.selection\.Subset"
-    ):
+    with pytest.raises(TypeError, match="subset must be a list of Subset, got dict"):
         kfac(model, data, {"a": s})
-    with pytest.raises(TypeError, match=r"subset must be a partialbayes\.selection\.Subset"):
+    with pytest.raises(TypeError, match=r"subset\[1\] is a str, not a Subset"):
         kfac(model, data, [s, "not a subset"])
     with pytest.raises(TypeError, match="subsets must be a list"):
         KronLaplace.fit_many(model, s, data)
@@ -246,16 +244,18 @@ def test_bad_lists_are_refused_by_name():
     other = KronLaplace(wide_bert(1), sparse_kfac(wide_bert(1), 10.0))
     with pytest.raises(ValueError, match="posteriors is an empty list"):
         logit_mean_cov_many([], data[0])
-    with pytest.raises(TypeError, match=r"posteriors\[1\] is a str"):
+    with pytest.raises(TypeError, match=r"posteriors\[1\] is a str, not a LaplaceBase"):
         logit_mean_cov_many([la, "la"], data[0])
     with pytest.raises(TypeError, match="posteriors must be a list"):
         grid_val_nll_many(la, data, torch.ones(1))
     with pytest.raises(RuntimeError, match="not fitted"):
         logit_mean_cov_many([la, other], data[0])
     other.fit(data)
-    with pytest.raises(ValueError, match=r"posteriors\[1\] is on another model"):
+    with pytest.raises(
+        ValueError, match=r"posteriors\[1\] differs from posteriors\[0\] in its model"
+    ):
         grid_val_nll_many([la, other], data, torch.ones(1))
     regression = KronLaplace(model, s, likelihood="regression")
     regression.fit_curvature(kfac(model, data, s), map_loss=1.0, n_data=10, n_outputs=3)
-    with pytest.raises(ValueError, match=r"posteriors\[1\] reads batches differently"):
+    with pytest.raises(ValueError, match=r"posteriors\[1\] differs from posteriors\[0\]"):
         logit_mean_cov_many([la, regression], data[0])

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from partialbayes.curvature._distributed import all_reduce, fail_together
 from partialbayes.curvature._hooks import BatchObserver, Run, check_untied, stream
 from partialbayes.curvature._kfac_math import input_factor, row_count, shared_rows
-from partialbayes.curvature._likelihood import CurvatureOptions, model_device
+from partialbayes.curvature._likelihood import CurvatureOptions, check_list, model_device
 from partialbayes.curvature._outputs import resolve_shift_labels
 from partialbayes.predictive import check_generator
 from partialbayes.selection import KronModule, Subset
@@ -164,24 +164,6 @@ def kron_targets(model: nn.Module, subset: Subset, what: str) -> KronTargets:
     )
 
 
-def subset_list(subsets: Any, what: str) -> list[Subset]:
-    """``subsets`` as a non-empty list (several subsets in one pass), or an error naming ``what``.
-
-    The items are checked where they are resolved (`kron_targets`).
-
-    Raises:
-        TypeError: Not a sequence (a mapping, a string, one ``Subset`` where a list is needed).
-        ValueError: An empty sequence.
-    """
-    if isinstance(subsets, (str, bytes, Subset)) or not isinstance(subsets, Sequence):
-        raise TypeError(
-            f"{what} must be a list of partialbayes.selection.Subset, got {type(subsets).__name__}"
-        )
-    if not subsets:
-        raise ValueError(f"{what} is an empty list: pass at least one subset")
-    return list(subsets)
-
-
 def carries_gradient(energy: Tensor, eps: float) -> Tensor:
     """``[B, T]`` bool: the positions whose output gradient ``δ`` is not zero, up to rounding.
 
@@ -241,12 +223,10 @@ def kfac(
     counts them; a loader of such batches only is refused). The curvature concept page derives each case
     and its exactness.
 
-    **Several subsets in one pass** (an S-KFAC ramp, module ramps): pass a list of subsets. The hooks record
-    each linear map's ``x`` and ``δ`` once, for the union of the maps, and each subset gathers its own
-    ``δ[:, R]`` and ``x[:, C]`` from them and accumulates exactly as a pass of its own would: its factors
-    are bit-identical to ``kfac`` on that subset alone (with ``fisher="mc"``, when the generator starts in
-    the same state: the labels are drawn once per batch and shared). Memory: every subset's factor sums at
-    once.
+    **Several subsets in one pass** (a ramp): pass a list. Each map's ``x`` and ``δ`` are recorded once and
+    each subset gathers its ``δ[:, R]``, ``x[:, C]`` and accumulates as alone: its factors are bit-identical
+    to ``kfac`` on that subset (``fisher="mc"``: labels drawn once per batch, as from a generator in the
+    same state). Memory: every subset's factor sums at once.
 
     Args:
         model: Network; its forward takes a tensor or keyword inputs and returns logits ``[B, C]`` or
@@ -276,9 +256,8 @@ def kfac(
             ``None`` (default): whether the model's class name ends with ``ForCausalLM`` / ``LMHeadModel``.
 
     Returns:
-        ``{module name: ModuleFactors}`` in the subset's model order; for a list of subsets, one such dict
-        per subset, in order. Under ``torch.distributed`` the sums
-        are reduced across ranks, giving the factors of the union of the shards.
+        ``{module name: ModuleFactors}`` in the subset's model order (a list of them for a list of subsets).
+        Under ``torch.distributed`` the sums are reduced across ranks (the factors of the union of shards).
 
     Raises:
         TypeError: A subset with elementwise mask blocks (use :func:`diag_curvature` /
@@ -303,7 +282,7 @@ def kfac(
         bias=bias,
     )
     run = Run(check_generator(generator), progress, on_batch)
-    subsets = [subset] if isinstance(subset, Subset) else subset_list(subset, "subset")
+    subsets = [subset] if isinstance(subset, Subset) else check_list(subset, "subset", Subset)
     targets = [kron_targets(model, s, "kfac") for s in subsets]
     factors = kron_factors(model, loader, targets, options, run)
     run.finish(model)
@@ -319,9 +298,8 @@ def kron_factors(
 ) -> list[dict[str, ModuleFactors]]:
     """`kfac`'s pass over ``loader`` for the maps of one or more subsets, resolved and checked already.
 
-    The hooks record the ungathered ``x`` of every map of the union once (a view of the input that autograd
-    keeps anyway) and the backward passes give each map's full ``δ``; each subset then gathers its own rows
-    and columns and accumulates as if it were alone, so its factors do not depend on the other subsets.
+    Each map's whole ``x`` (a view autograd keeps) and ``δ`` are recorded once; each subset gathers its own
+    rows and columns and accumulates as if it were alone.
 
     Args:
         model: The network.
@@ -345,7 +323,7 @@ def kron_factors(
     n_examples = 0
     sharing = options.sharing
     with fail_together(device):
-        for bp in stream(model, loader, modules, dict.fromkeys(modules), options, run):
+        for bp in stream(model, loader, modules, options, run):
             token_level = bp.keep is not None
             if sharing is None:
                 sharing = "expand" if token_level else "reduce"
@@ -392,39 +370,28 @@ def kron_factors(
                 bad = next(m for m, v in checks if not v.isfinite())
                 raise ValueError(f"non-finite curvature in module {bad!r} at batch {bp.index}")
     n_examples = round(float(all_reduce(torch.tensor(float(n_examples), device=device))))
-    return [
-        _module_factors(t, acc, options, n_examples, sharing)
-        for t, acc in zip(targets, accs, strict=True)
-    ]
-
-
-def _module_factors(
-    targets: KronTargets,
-    acc: dict[str, FactorAccumulator],
-    options: CurvatureOptions,
-    n_examples: int,
-    sharing: str | None,
-) -> dict[str, ModuleFactors]:
-    """One subset's `ModuleFactors` from its accumulators (reduced over ranks, checked finite)."""
-    out: dict[str, ModuleFactors] = {}
-    for m, k in targets.kmods.items():
-        separate = k.bias_name is not None and options.bias == "separate"
-        G, A, count = acc[m].factors(bias=k.bias_name is not None and not separate)
-        # the separate bias's input factor: the average of the constant input 1, [1] once a row counted
-        A_bias = (count / count.clamp_min(1)).reshape(1, 1) if separate else None
-        if not bool(torch.isfinite(G).all() and torch.isfinite(A).all()):
-            raise ValueError(
-                f"non-finite curvature in module {m!r} (overflow in the accumulated factors)"
+    out: list[dict[str, ModuleFactors]] = []
+    for t, acc in zip(targets, accs, strict=True):
+        factors = {}
+        for m, k in t.kmods.items():
+            separate = k.bias_name is not None and options.bias == "separate"
+            G, A, count = acc[m].factors(bias=k.bias_name is not None and not separate)
+            # the separate bias's input factor: the average of the constant input 1, [1] once a row counted
+            A_bias = (count / count.clamp_min(1)).reshape(1, 1) if separate else None
+            if not bool(torch.isfinite(G).all() and torch.isfinite(A).all()):
+                raise ValueError(
+                    f"non-finite curvature in module {m!r} (overflow in the accumulated factors)"
+                )
+            factors[m] = ModuleFactors(
+                module=m,
+                G=G,
+                A=A,
+                rows=k.rows,
+                cols=k.cols,
+                bias=k.bias_name is not None,
+                n_examples=n_examples,
+                A_bias=A_bias,
+                sharing=sharing,
             )
-        out[m] = ModuleFactors(
-            module=m,
-            G=G,
-            A=A,
-            rows=k.rows,
-            cols=k.cols,
-            bias=k.bias_name is not None,
-            n_examples=n_examples,
-            A_bias=A_bias,
-            sharing=sharing,
-        )
+        out.append(factors)
     return out

@@ -25,7 +25,12 @@ from torch import Tensor, nn
 
 from partialbayes.curvature._distributed import all_reduce
 from partialbayes.curvature._hooks import Run
-from partialbayes.curvature._likelihood import CurvatureOptions, check_labels, check_logits
+from partialbayes.curvature._likelihood import (
+    CurvatureOptions,
+    check_labels,
+    check_list,
+    check_logits,
+)
 from partialbayes.curvature._marglik import MarglikFit, maximize_evidence
 from partialbayes.curvature._outputs import Outputs, read_batch, resolve_shift_labels, split_chunks
 from partialbayes.curvature._prior import (
@@ -330,14 +335,9 @@ class LaplaceBase:
         outputs: Outputs,
         priors: Sequence[Sequence[Tensor]],
     ) -> tuple[Tensor, Tensor | None, list[list[Tensor]]]:
-        """`_covariances` of several posteriors of one model on one batch, each at its own priors and scale.
-
-        Here one forward/backward per posterior; `KronLaplace` shares one among all of them.
-        """
-        out = [
-            p._covariances(inputs, outputs, pr, p._scale(None))
-            for p, pr in zip(posteriors, priors, strict=True)
-        ]
+        """`_covariances` of posteriors of one model on one batch, each its own passes (`KronLaplace` shares)."""
+        pairs = zip(posteriors, priors, strict=True)
+        out = [p._covariances(inputs, outputs, pr, p._scale(None)) for p, pr in pairs]
         return out[0][0], out[0][1], [covs for _, _, covs in out]
 
     def _state(self) -> dict[str, Tensor]:
@@ -985,44 +985,17 @@ class LaplaceBase:
 
 def _check_posteriors(posteriors: Any) -> list[LaplaceBase]:
     """A non-empty list of fitted posteriors of one model that read batches alike, or an error."""
-    if isinstance(posteriors, (str, bytes, LaplaceBase)) or not isinstance(posteriors, Sequence):
-        raise TypeError(
-            f"posteriors must be a list of Laplace posteriors, got {type(posteriors).__name__}"
-        )
-    if not posteriors:
-        raise ValueError("posteriors is an empty list: pass at least one posterior")
+    posteriors = check_list(posteriors, "posteriors", LaplaceBase)
     first = posteriors[0]
+    reads = (first.model, first.likelihood, first.shift_labels)
     for i, p in enumerate(posteriors):
-        if not isinstance(p, LaplaceBase):
-            raise TypeError(f"posteriors[{i}] is a {type(p).__name__}, not a Laplace posterior")
         p._require_fit()
-        if p.model is not first.model:
+        if p.model is not reads[0] or (p.likelihood, p.shift_labels) != reads[1:]:
             raise ValueError(
-                f"posteriors[{i}] is on another model than posteriors[0]: the shared passes run one model"
+                f"posteriors[{i}] differs from posteriors[0] in its model, likelihood or shift_labels: "
+                "the shared passes read one batch into one model"
             )
-        if (p.likelihood, p.shift_labels, p.device) != (
-            first.likelihood,
-            first.shift_labels,
-            first.device,
-        ):
-            raise ValueError(
-                f"posteriors[{i}] reads batches differently from posteriors[0] (likelihood, "
-                "shift_labels or device differ)"
-            )
-    return list(posteriors)
-
-
-def _covariances_of(
-    posteriors: Sequence[LaplaceBase],
-    inputs: Tensor | Mapping[str, Any],
-    outputs: Outputs,
-    priors: Sequence[Sequence[Tensor]],
-) -> tuple[Tensor, Tensor | None, list[list[Tensor]]]:
-    """The structure's `LaplaceBase._covariances_of` when all posteriors share one (else the generic one)."""
-    kind = type(posteriors[0])
-    common = kind if all(type(p) is kind for p in posteriors) else LaplaceBase
-    with eval_mode(posteriors[0].model):
-        return common._covariances_of(posteriors, inputs, outputs, priors)
+    return posteriors
 
 
 def _linearised(
@@ -1047,9 +1020,10 @@ def _linearised(
     logits, keeps = [], []
     covs: list[list[Tensor]] = [[] for _ in posteriors]
     for part, part_outputs in split_chunks(inputs, outputs, chunk_size):
-        f, keep, part_covs = _covariances_of(
-            posteriors, part, part_outputs, [[p._prior] for p in posteriors]
-        )
+        with eval_mode(first.model):
+            f, keep, part_covs = type(first)._covariances_of(
+                posteriors, part, part_outputs, [[p._prior] for p in posteriors]
+            )
         logits.append(f.detach())
         keeps.append(keep)
         for acc, (cov,), p in zip(covs, part_covs, posteriors, strict=True):
@@ -1070,26 +1044,23 @@ def logit_mean_cov_many(
 ) -> list[tuple[Tensor, Tensor]]:
     """`LaplaceBase.logit_mean_cov` of several posteriors of one model, sharing the network's passes.
 
-    Kronecker posteriors (`KronLaplace`, e.g. from `KronLaplace.fit_many`) run ONE forward pass and one
-    backward pass per class (per kept position) for all of them: the hooks gather the union of their rows
-    and columns, and each posterior contracts its own ``x[:, C]`` and ``δ[:, R]`` exactly as it does alone,
-    so each result equals its own ``logit_mean_cov(batch)`` bit for bit. Other structures run their own
-    passes. Working memory: the backward passes of the union (a Kronecker posterior on every map any of
-    them uses, with the union of their rows and columns), plus one posterior's gathered block at a time;
-    when the union's gradients would exceed the free memory, the posteriors go in groups, one pass each.
+    Kronecker posteriors (e.g. from `KronLaplace.fit_many`) share ONE forward pass and one backward pass
+    per class (per kept position), each result equal to its ``logit_mean_cov(batch, chunk_size)`` bit for
+    bit; other structures run their own passes. Memory: the backward passes of the union of the blocks,
+    plus one posterior's block at a time (each runs alone when the union would not fit the free memory).
 
     Args:
-        posteriors: Fitted posteriors of one model (same likelihood, ``shift_labels`` and device).
-        batch: Any batch ``logit_mean_cov`` takes (labels -100 and padding skip outputs).
+        posteriors: Fitted posteriors of one model (same likelihood and ``shift_labels``).
+        batch: Any batch ``logit_mean_cov`` takes.
         chunk_size: At most this many examples at a time (``None``: the whole batch).
 
     Returns:
         One ``(f [N, C], Σ_f [N, C, C])`` per posterior, in order.
 
     Raises:
-        TypeError: ``posteriors`` is not a list of Laplace posteriors; a batch of an unknown kind.
-        ValueError: An empty list, an unfitted posterior, posteriors of different models or settings,
-            and whatever ``logit_mean_cov`` refuses.
+        TypeError: Not a list of Laplace posteriors, and as ``logit_mean_cov``.
+        ValueError: An empty list, posteriors of different models or settings, and as ``logit_mean_cov``.
+        RuntimeError: An unfitted posterior.
     """
     posteriors = _check_posteriors(posteriors)
     logits, keep, covs = _linearised(posteriors, batch, chunk_size)
@@ -1102,22 +1073,15 @@ def grid_val_nll_many(
 ) -> Tensor:
     """`LaplaceBase.grid_val_nll` of several posteriors of one model, reading ``val_loader`` once.
 
-    Each batch's network passes are shared as in `logit_mean_cov_many`, so row ``i`` equals
-    ``posteriors[i].grid_val_nll(val_loader, grid)`` bit for bit. The validation-NLL prior search of a
-    whole ramp: ``grid[nll.argmin(1)]`` is each posterior's best prior.
-
-    Args:
-        posteriors: Fitted posteriors of one model (same likelihood, ``shift_labels`` and device).
-        val_loader: Labelled validation batches (read once).
-        grid: ``[G]`` scalar prior precisions.
+    The passes are shared as in `logit_mean_cov_many`: row ``i`` equals
+    ``posteriors[i].grid_val_nll(val_loader, grid)`` bit for bit, and ``grid[nll.argmin(1)]`` is each
+    posterior's prior by validation NLL.
 
     Returns:
-        ``[len(posteriors), G]`` mean NLL per example.
+        ``[len(posteriors), len(grid)]`` mean NLL per example.
 
     Raises:
-        TypeError: ``posteriors`` is not a list of Laplace posteriors.
-        ValueError: An empty list, an unfitted posterior, posteriors of different models or settings,
-            and whatever ``grid_val_nll`` refuses.
+        TypeError, ValueError, RuntimeError: As `logit_mean_cov_many` and ``grid_val_nll``.
     """
     return torch.stack(_grid_val_nll(_check_posteriors(posteriors), val_loader, grid))
 
@@ -1142,7 +1106,10 @@ def _grid_val_nll(
             if outputs.unlabelled:
                 skipped += 1
                 continue
-            logits, keep, covs = _covariances_of(posteriors, inputs, outputs, priors)
+            with eval_mode(first.model):
+                logits, keep, covs = type(first)._covariances_of(
+                    posteriors, inputs, outputs, priors
+                )
             rows = logits if keep is None else logits[keep]
             if rows.shape[0] == 0:
                 skipped += 1

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from partialbayes.curvature._hooks import Run
-from partialbayes.curvature._kfac import kron_factors, kron_targets, subset_list
+from partialbayes.curvature._kfac import kron_factors, kron_targets
 from partialbayes.curvature._kron_algebra import (
     clamped_eigh,
     kron_log_det,
@@ -24,7 +24,7 @@ from partialbayes.curvature._kron_algebra import (
 )
 from partialbayes.curvature._laplace import LaplaceBase, MapLoss
 from partialbayes.curvature._laplace_projected import KronBlocks, kron_predictive
-from partialbayes.curvature._likelihood import CurvatureOptions
+from partialbayes.curvature._likelihood import CurvatureOptions, check_list
 from partialbayes.curvature._outputs import Outputs
 from partialbayes.predictive import PosteriorFile, check_generator
 from partialbayes.selection import Subset
@@ -167,16 +167,10 @@ class KronLaplace(LaplaceBase):
     ) -> list[KronLaplace]:
         """One posterior per subset, all fitted in ONE pass over ``loader`` (an S-KFAC ramp, module ramps).
 
-        ``KronLaplace.fit_many(model, [s1, s2], loader, fisher=...)`` equals
-        ``[KronLaplace(model, s, fisher=...).fit(loader) for s in (s1, s2)]`` bit for bit, at the cost of
-        one pass: the forward and backward passes are shared (`kfac` with a list of subsets: each subset
-        gathers its rows and columns of the recorded ``x`` and ``δ`` and accumulates as a fit of its own
-        would), and the training loss at the MAP and ``n_data`` are computed once. With ``fisher="mc"``
-        the labels are drawn once per batch from ``generator`` and shared, as each separate fit would draw
-        them from a generator in the same state.
-
-        Memory: every subset's factor sums at once during the pass, then the eigendecompositions one
-        posterior at a time (each posterior's factors are released once it is fitted).
+        Equals ``[KronLaplace(model, s, **kwargs).fit(loader, generator=...) for s in subsets]`` bit for
+        bit (`kfac` with a list of subsets; ``fisher="mc"`` draws the labels once per batch, as each fit
+        would from a generator in the same state), the training loss and ``n_data`` computed once. Memory:
+        every subset's factor sums during the pass, then one eigendecomposition at a time.
 
         Args:
             model: The fine-tuned model (its current weights are the MAP).
@@ -184,22 +178,20 @@ class KronLaplace(LaplaceBase):
             loader: Labelled training batches (read once), as for `fit`.
             progress: Show a progress bar.
             generator: Randomness of ``fisher="mc"``.
-            **kwargs: Constructor settings shared by every posterior (``fisher``, ``prior_precision``,
-                ``sharing``, ...).
+            **kwargs: Constructor settings shared by every posterior (``fisher``, ``prior_precision``, ...).
 
         Returns:
             The fitted posteriors, in the order of ``subsets``.
 
         Raises:
-            TypeError: ``subsets`` is not a list of subsets (one ``Subset`` goes to the constructor).
-            ValueError: An empty list, and everything `fit` and the constructor refuse.
+            TypeError: ``subsets`` is not a list of subsets.
+            ValueError: An empty list, and whatever the constructor and `fit` refuse.
         """
-        posteriors = [cls(model, s, **kwargs) for s in subset_list(subsets, "subsets")]
+        posteriors = [cls(model, s, **kwargs) for s in check_list(subsets, "subsets", Subset)]
         first = posteriors[0]
         loss = MapLoss(first.likelihood)
         run = Run(check_generator(generator), progress, loss)
-        targets = [p._targets for p in posteriors]
-        factors = kron_factors(model, loader, targets, first._options, run)
+        factors = kron_factors(model, loader, [p._targets for p in posteriors], first._options, run)
         total, n, n_out = loss.result(first.device)
         run.finish(model)
         for p in posteriors:
@@ -305,6 +297,8 @@ class KronLaplace(LaplaceBase):
     ) -> tuple[Tensor, Tensor | None, list[list[Tensor]]]:
         """One forward pass and one backward pass per class for all the posteriors (`kron_predictive`)."""
         posts = [p for p in posteriors if isinstance(p, KronLaplace)]
+        if len(posts) < len(posteriors):  # a mix of structures: each runs its own passes
+            return super()._covariances_of(posteriors, inputs, outputs, priors)
         parts = [p._blocks(pr, p._scale(None)) for p, pr in zip(posts, priors, strict=True)]
         logits, keep, covs = kron_predictive(posts[0].model, inputs, outputs, parts)
         return (

@@ -27,7 +27,6 @@ from torch import Tensor, nn
 
 from partialbayes.curvature._hooks import in_row_order, output_passes
 from partialbayes.curvature._kfac import KronTargets
-from partialbayes.curvature._likelihood import model_device
 from partialbayes.curvature._memory import available_memory
 from partialbayes.curvature._outputs import Outputs
 
@@ -238,18 +237,11 @@ def residual_covariances(
 
 @dataclass(frozen=True)
 class KronBlocks:
-    """One Kronecker posterior's share of `kron_predictive`: its maps, eigenbases and eigenvalue weights.
+    """One Kronecker posterior's share of `kron_predictive`.
 
-    Attributes:
-        targets: The subset's linear maps (``_kfac.kron_targets``).
-        bases: ``{module: (Q_G [r, r], Q_A [c, c])}`` in ``dtype``.
-        inv_eigenvalues: For each prior setting, ``{module: 1 / E [r, c]}``; with ``residual``,
-            ``{module: 1/E − 1/δ}`` on the kept directions ``[|I|, |J|]`` only.
-        dtype: Dtype of the computation and of the result.
-        residual: For each prior setting, ``{module: 1/δ}``: the bases in ``bases`` are then truncated to the
-            kept directions ``I`` / ``J`` (``[r, |I|]``, ``[c, |J|]``) and every other direction counts at its
-            prior value (`residual_covariances`); the result is then in ``combine_dtype``.
-        combine_dtype: With ``residual``, dtype of the final combination and of the result.
+    ``bases``: ``{module: (Q_G, Q_A)}``; ``inv_eigenvalues``: per prior setting, ``{module: 1 / E}`` —
+    with ``residual`` (per prior setting, ``{module: 1/δ}``), the bases are truncated to the kept directions
+    ``I``, ``J`` and the weights are ``1/E − 1/δ`` there (`residual_covariances`, in ``combine_dtype``).
     """
 
     targets: KronTargets
@@ -259,12 +251,16 @@ class KronBlocks:
     residual: Sequence[Mapping[str, float]] | None = None
     combine_dtype: torch.dtype = torch.float64
 
+    @property
+    def out_dtype(self) -> torch.dtype:
+        """The dtype of the covariances."""
+        return self.combine_dtype if self.residual is not None else self.dtype
+
 
 def union_index(indices: Sequence[Tensor | None]) -> tuple[Tensor | None, list[Tensor | None]]:
-    """The union ``U`` of index sets (``None``: all) and where each set sits in ``U`` (``None``: all of it).
+    """The union ``U`` of index sets (``None``: all) and each set's place in it (``None``: all of ``U``).
 
-    ``x[..., U][..., where]`` is ``x[..., index]`` exactly (gathers copy values): the hooks gather ``U``
-    once for several posteriors, and each takes its own entries from it. One set is its own union.
+    ``x[..., U][..., place]`` is ``x[..., index]`` exactly (gathers copy values).
     """
     if len(indices) == 1:
         return indices[0], [None]
@@ -282,15 +278,13 @@ def kron_predictive(
 ) -> tuple[Tensor, Tensor | None, list[list[Tensor]]]:
     """Logits and the functional covariances ``J Σ Jᵀ`` of Kronecker posteriors, streamed module by module.
 
-    One forward pass with hooks (inputs gathered to the selected columns) and one backward pass per class
-    (gradients w.r.t. the hooked outputs only, gathered to the selected rows) — per kept position for
-    token-level logits — shared by every posterior in ``parts``: the hooks gather the union of their columns
-    and rows, and each posterior takes its own from it. Then each module's contribution
-    ``Σ_ij M_k,ij M_l,ij / E_ij`` (``M = Q_Gᵀ J Q_A``) is added to each posterior's running ``[B, C, C]``
-    covariance and the module's gradients are freed: rank-1 contraction for unshared layers
-    (`unshared_covariances`), one example at a time for token sequences (`shared_covariances`). ``J`` is
-    never formed and at most one example's ``M`` lives at a time. A posterior's result does not depend on
-    the others: each computes exactly what it computes alone.
+    One forward pass with hooks and one backward pass per class (per kept position for token-level
+    logits), gradients w.r.t. the hooked outputs only, shared by all ``parts``: the hooks gather the union
+    of their columns and rows, and each posterior takes its own ``x[:, C]``, ``δ[:, R]`` from it, so its
+    result is exactly what it computes alone. Each module's ``Σ_ij M_k,ij M_l,ij / E_ij``
+    (``M = Q_Gᵀ J Q_A``) is added to each posterior's ``[B, C, C]`` covariance, then its gradients are
+    freed (`unshared_covariances`, `shared_covariances`); ``J`` is never formed. Each posterior runs its
+    own passes when the union's gradients would not fit the free memory (`fits_memory`).
 
     Args:
         model: Network returning logits ``[B, C]`` or ``[B, T, C]`` (call in eval mode).
@@ -300,11 +294,9 @@ def kron_predictive(
 
     Returns:
         ``(logits, keep, [[Σ_f [N, C, C] per prior setting] per posterior])``: the logits as the model
-        returns them (``[B, C]`` or ``[B, T, C]``, detached), the ``[B, T]`` kept positions of token-level
-        logits (``None`` for ``[B, C]``), and one covariance per output row (``N = B``, or the kept positions
-        in row-major ``(b, t)`` order).
+        returns them (detached), the ``[B, T]`` kept positions of token-level logits (``None`` for
+        ``[B, C]``), one covariance per output row (``N = B``, or the kept positions, row-major).
     """
-    device = model_device(model)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     names = sorted({m for p in parts for m in p.targets.kmods}, key=order.__getitem__)
     users = {m: [i for i, p in enumerate(parts) if m in p.targets.kmods] for m in names}
@@ -318,27 +310,17 @@ def kron_predictive(
     modules = {m: parts[users[m][0]].targets.modules[m] for m in names}
     ps = output_passes(model, inputs, outputs, modules, cols, rows)
     b, n_cls = ps.logits.shape[0], ps.logits.shape[-1]
-    groups = memory_groups(ps.inputs, rows, parts, n_cls, device)
-    if len(groups) > 1:  # the union's gradients would not fit: one forward/backward per group
+    if not fits_memory(ps.inputs, rows, parts, n_cls, ps.logits.device):
         del ps
-        out: list[list[Tensor]] = [[] for _ in parts]
-        for group in groups:
-            logits, keep, part_covs = kron_predictive(
-                model, inputs, outputs, [parts[i] for i in group]
-            )
-            for i, cs in zip(group, part_covs, strict=True):
-                out[i] = cs
-        return logits, keep, out
+        alone = [kron_predictive(model, inputs, outputs, [p]) for p in parts]
+        return alone[0][0], alone[0][1], [covs for _, _, (covs,) in alone]
     keys: list[Tensor] = []
     results: list[list[list[Tensor]]] = [[[] for _ in p.inv_eigenvalues] for p in parts]
     with torch.no_grad():
         for pg in ps.positions:
+            new = ps.logits.new_zeros
             covs = [
-                [
-                    torch.zeros(b, n_cls, n_cls, dtype=_out_dtype(p), device=device)
-                    for _ in p.inv_eigenvalues
-                ]
-                for p in parts
+                [new(b, n_cls, n_cls, dtype=p.out_dtype) for _ in p.inv_eigenvalues] for p in parts
             ]
             for m in names:
                 x_u, d_u = ps.inputs[m], torch.stack(pg.grads.pop(m))  # d: [C, B, (T...,) r]
@@ -346,11 +328,10 @@ def kron_predictive(
                     c, r = where[i][m]
                     x = x_u if c is None else x_u.index_select(-1, c)
                     d = d_u if r is None else d_u.index_select(-1, r)
-                    for cov, part in zip(
-                        covs[i], _contributions(parts[i], m, x, d, b), strict=True
-                    ):
-                        cov += part
-                    del x, d
+                    terms = _contributions(parts[i], m, x, d, b)
+                    for cov, term in zip(covs[i], terms, strict=True):
+                        cov += term
+                    del x, d, terms
                 del x_u, d_u
             for per_prior, now in zip(results, covs, strict=True):
                 for rows_so_far, cov in zip(per_prior, now, strict=True):
@@ -359,73 +340,32 @@ def kron_predictive(
     return ps.logits, ps.keep, [[in_row_order(keys, c) for c in r] for r in results]
 
 
-def memory_groups(
+def fits_memory(
     inputs: Mapping[str, Tensor],
     rows: Mapping[str, Tensor | None],
     parts: Sequence[KronBlocks],
     n_outputs: int,
     device: torch.device,
-) -> list[list[int]]:
-    """Groups of ``parts`` whose shared backward passes fit the free memory (one group when they all do).
+) -> bool:
+    """Whether the backward passes shared by several ``parts`` fit the free memory (one part always does).
 
-    A position's ``C`` output gradients over the union's rows ``r`` and its input over the columns ``c``
-    cost ``C r + c`` floats per map (the predictive term of ``_memory.memory_estimate``), counted over the
-    positions the forward pass recorded. When the union of all ``parts`` does not fit the device's free
-    memory, consecutive parts are grouped by their own blocks' sizes (an upper bound of their union's); a
-    part too large for the memory alone is a group of its own (as it would be on its own).
-
-    Args:
-        inputs: The recorded inputs of the union's maps (gathered to its columns).
-        rows: The union's rows per map (``None``: all).
-        parts: The posteriors.
-        n_outputs: ``C``.
-        device: Where the passes run.
+    Per position and map of the union (``inputs`` as recorded, ``rows`` its rows), ``C`` output gradients
+    over ``r`` rows and the input over ``c`` columns: the predictive term of ``_memory.memory_estimate``.
     """
-
-    def cost(blocks: Sequence[KronBlocks] | None) -> int:
-        total = 0
-        for m, x in inputs.items():
-            per = x.numel() // max(x.shape[-1], 1) * x.element_size()  # positions × bytes per float
-            if blocks is None:
-                r_u = rows[m]
-                n_out = next(p.targets.kmods[m].n_out for p in parts if m in p.targets.kmods)
-                r = n_out if r_u is None else int(r_u.numel())
-                total += per * (n_outputs * r + x.shape[-1])
-                continue
-            for p in blocks:
-                if (k := p.targets.kmods.get(m)) is not None:
-                    total += per * (n_outputs * k.n_rows + k.n_cols)
-        return total
-
+    total = 0
+    for m, x in inputs.items():
+        r_u = rows[m]
+        n_out = next(p.targets.kmods[m].n_out for p in parts if m in p.targets.kmods)
+        r = n_out if r_u is None else int(r_u.numel())
+        total += x.numel() // max(x.shape[-1], 1) * x.element_size() * (n_outputs * r + x.shape[-1])
     available, _ = available_memory(device)
-    if len(parts) == 1 or available is None or cost(None) <= available:
-        return [list(range(len(parts)))]
-    groups: list[list[int]] = []
-    used = 0
-    for i, part in enumerate(parts):
-        need = cost([part])
-        if groups and used + need <= available:
-            groups[-1].append(i)
-            used += need
-        else:
-            groups.append([i])
-            used = need
-    return groups
-
-
-def _out_dtype(part: KronBlocks) -> torch.dtype:
-    return part.dtype if part.residual is None else part.combine_dtype
+    return len(parts) == 1 or available is None or total <= available
 
 
 def _contributions(part: KronBlocks, m: str, x: Tensor, d: Tensor, b: int) -> list[Tensor]:
-    """Module ``m``'s ``[B, C, C]`` terms of one posterior's covariances, one per prior setting.
+    """Module ``m``'s ``[B, C, C]`` terms of ``part``'s covariances, one per prior setting.
 
-    Args:
-        part: The posterior.
-        m: The module.
-        x: Its inputs gathered to its columns, ``[B, c_w]`` or ``[B, T..., c_w]``.
-        d: Its output gradients gathered to its rows, ``[C, B, r]`` or ``[C, B, T..., r]``.
-        b: The batch size ``B``.
+    ``x [B, (T...,) c_w]`` and ``d [C, B, (T...,) r]`` are gathered to the posterior's block of ``m``.
     """
     q_g, q_a = part.bases[m]
     inv = [e[m] for e in part.inv_eigenvalues]
@@ -435,17 +375,8 @@ def _contributions(part: KronBlocks, m: str, x: Tensor, d: Tensor, b: int) -> li
         if x.ndim > 2:
             x = x.reshape(b, -1, x.shape[-1])
             d = d.reshape(n_cls, b, x.shape[1], d.shape[-1])
-        return residual_covariances(
-            x,
-            d,
-            q_g,
-            q_a,
-            bias,
-            inv,
-            [rs[m] for rs in part.residual],
-            part.dtype,
-            part.combine_dtype,
-        )
+        res, dt = [rs[m] for rs in part.residual], part.dtype
+        return residual_covariances(x, d, q_g, q_a, bias, inv, res, dt, part.combine_dtype)
     if x.ndim == 2:
         return unshared_covariances(
             rotate_inputs(x.to(part.dtype), q_a, bias), d.to(part.dtype) @ q_g, inv
