@@ -3,7 +3,7 @@
 :func:`run_grid` lists the units and hands them to an executor (:mod:`~partialbayes.glue_bench.executors`:
 this process, or Ray tasks). :func:`run_unit` is one unit: claim it, :func:`prepare_context` (data, model,
 the MAP checkpoint), then its cells, each by :func:`run_cell` or, for the KFAC-type Laplace cells, together
-from one curvature pass (:func:`partialbayes.glue_bench.ramp.run_shared`).
+from shared passes (:func:`partialbayes.glue_bench.ramp.run_shared`).
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ class RunConfig:
         max_test_examples: Cap on the test set (``None``: the whole GLUE dev set).
         curvature_batch_size: Batch size of the curvature, SWAG and prediction passes.
         seed: Base seed; split ``k`` seeds everything random with ``seed · 100 + k``.
-        curvature_pass: ``shared`` (one curvature pass per ramp of KFAC-type cells, stored beside the
-            checkpoint, :mod:`~partialbayes.glue_bench.ramp`) or ``per-cell``: the same records.
+        curvature_pass: ``shared`` (the KFAC-type cells of a unit share their training, validation and
+            test passes, :mod:`~partialbayes.glue_bench.ramp`) or ``per-cell``: the same records.
     """
 
     model: str = DEFAULT_MODEL
@@ -205,7 +205,6 @@ def prepare_context(
         seed=seed,
         settings=config.settings,
         ivon=ivon,
-        curvature_dir=folder / "curvature",
     )
     return ctx, meta
 
@@ -374,32 +373,23 @@ class _Unit:
         return ctx
 
     def run_ramp(self, ctx: Context, ramp: list[tuple[Method, str]]) -> None:
-        """The shared ramp (:func:`~partialbayes.glue_bench.ramp.run_shared`): records as cells finish."""
+        """The shared ramp (:func:`~partialbayes.glue_bench.ramp.run_shared`): records as groups finish.
+
+        A shared cell's times are its share of its group's passes (``extra.curvature_seconds`` is the
+        group's curvature pass and eigendecompositions, ``extra.shared_cells`` its size).
+        """
         torch.manual_seed(ctx.seed)
-        w0, c0 = time.perf_counter(), time.process_time()
-        own_wall = own_cpu = 0.0
-        info = None
         for method, size, result, info in run_shared(ctx, ramp, log=self.say):
             try:
                 if isinstance(result, BaseException):
                     raise result
-                record = prediction_record(ctx, method, result, 0.0)
+                record = prediction_record(ctx, method, result, info.cpu_seconds / info.cells)
             except Exception as err:
                 self.fail(method.name, size, err)
                 continue
-            # a shared cell's own time: its posterior and its share of the predictive math (the shared
-            # passes are reported once, as the "shared passes" stage and in extra.curvature_seconds)
             record["seconds"] = result.fit_seconds + result.predict_seconds
-            record["cpu_seconds"] = result.extra.pop("cpu_seconds")
-            record["extra"].update(
-                curvature_seconds=info.curvature_seconds, shared_cells=info.cells
-            )
-            own_wall += record["seconds"]
-            own_cpu += record["cpu_seconds"]
+            record["extra"].update(curvature_seconds=info.fit_seconds, shared_cells=info.cells)
             self.done(method.name, size, record)
-        if info is not None:
-            wall, cpu = time.perf_counter() - w0 - own_wall, time.process_time() - c0 - own_cpu
-            self.timing("shared passes", max(wall, 0.0), max(cpu, 0.0))
 
     def todo(self, method: Method, ctx: Context) -> list[str]:
         cell = partial(Cell, self.task, self.split, method.name)
@@ -453,13 +443,13 @@ def run_grid(
     keeps other processes off it. ``shard=(i, n)``: every n-th unit. ``executor="ray"``: one Ray task per
     unit (:func:`~partialbayes.glue_bench.executors.run_units`), into a results folder every node sees.
     ``take_over``: take over claims whose owner on another host is gone. With ``curvature_pass="shared"``
-    the KFAC-type Laplace cells of a unit run together from one curvature pass
+    the KFAC-type Laplace cells of a unit run together from shared passes
     (:func:`partialbayes.glue_bench.ramp.run_shared`), the others each on its own (:func:`run_cell`).
 
     With ``keep_going`` a failing cell is logged and skipped (no record: a later run retries it); the
     messages, and one per unit that another process holds, are in ``store.failures``. ``timings`` receives
     one dict per stage: ``{"stage": "prepare", "task", "split", "wall", "cpu", "finetune_wall",
-    "finetune_cpu"}``, ``{"stage": "shared passes", ...}`` and ``{"stage": method, "size", ...}``.
+    "finetune_cpu"}`` and ``{"stage": method, "size", ...}``.
 
     Raises:
         ValueError: Unknown tasks or methods, none at all, a ``--model`` folder that is missing or has no

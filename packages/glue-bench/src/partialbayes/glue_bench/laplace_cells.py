@@ -1,17 +1,16 @@
-"""One Laplace cell in steps: the posterior, its prior precision, its test predictive.
+"""One Laplace cell: the posterior, its prior precision, its test predictive, its record.
 
-A grid cell of a Laplace method is split into small steps so that the two ways of running a ramp share
-every line of code after the curvature: a cell fitted on its own (``curvature_pass="per-cell"``:
-:func:`fit_per_cell` streams the training set for its subset) and a cell derived from the shared pass
-(:mod:`partialbayes.glue_bench.ramp`: ``KronLaplace.fit_curvature`` with factors from one pass for the whole
-ramp) both choose their prior with :class:`PriorSearch` and predict with :class:`TestPredictive`, batch by
-batch, in the same order, so that equal factors give equal records.
+A cell fitted on its own (``curvature_pass="per-cell"``, :func:`laplace_prediction`) and the cells of a
+shared ramp (:mod:`partialbayes.glue_bench.ramp`, through the curvature library's several-posterior calls)
+build their posteriors with the same options (:func:`kron_options`), choose the prior with the same rule
+(:func:`choose_prior`) from the same validation NLLs, and report the same fields (:func:`laplace_result`):
+equal factors give equal records.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -34,102 +33,49 @@ def mc_generator(ctx: Context, fisher: str) -> torch.Generator | None:
     return ctx.generator(MC_FISHER_OFFSET) if fisher == "mc" else None
 
 
-def kron_posterior(ctx: Context, subset: Subset) -> KronLaplace:
-    """An unfitted ``KronLaplace`` on ``subset`` of ``ctx.model`` with fisher ``settings.fisher``."""
-    return KronLaplace(ctx.model, subset, num_classes=ctx.num_labels, fisher=ctx.settings.fisher)
+def kron_options(ctx: Context) -> dict[str, Any]:
+    """The ``KronLaplace`` settings of a KFAC-type cell (``settings.fisher``; the library's defaults else)."""
+    return {"num_classes": ctx.num_labels, "fisher": ctx.settings.fisher}
 
 
-def dense_posterior(ctx: Context, subset: Subset) -> DenseLaplace:
-    """An unfitted ``DenseLaplace`` on ``subset`` with fisher ``settings.last_layer_fisher``."""
-    return DenseLaplace(
-        ctx.model, subset, num_classes=ctx.num_labels, fisher=ctx.settings.last_layer_fisher
-    )
-
-
-def fit_per_cell(ctx: Context, la: LaplaceBase) -> LaplaceBase:
-    """Fit ``la`` by its own pass over the training batches (the MC fisher seeded by the run)."""
-    la.fit(ctx.train, generator=mc_generator(ctx, la.fisher))
-    return la
-
-
-class PriorSearch:
-    """The validation NLL of every prior of the grid, accumulated batch by batch.
-
-    Each batch's mean NLL per grid value (``grid_val_nll`` of the posterior on that one batch) is weighted
-    by the batch size and summed; :meth:`choose` then sets the prior of the posterior. Used identically by
-    both curvature paths, so the chosen prior and the validation NLL do not depend on the path.
+def choose_prior(
+    la: LaplaceBase, nll: torch.Tensor, grid: Sequence[float], method: str
+) -> dict[str, Any]:
+    """Set the prior precision of ``la`` by ``method`` and describe the choice.
 
     Args:
+        la: The fitted posterior.
+        nll: ``[len(grid)]`` its mean validation NLL per prior (``grid_val_nll``).
         grid: The prior precisions (``Settings.prior_grid``).
+        method: ``val_nll`` (lowest validation NLL on the grid, ties to the smaller prior) or
+            ``marglik`` (largest marginal likelihood on the grid, the library's rule).
+
+    Returns:
+        ``{"prior_precision", "prior_method", "prior_at_grid_edge", "val_nll_grid"}`` and ``"val_nll"``
+        (the validation NLL at the chosen prior).
     """
-
-    def __init__(self, grid: Sequence[float]) -> None:
-        self.grid = tuple(float(v) for v in grid)
-        self._grid = prior_grid(self.grid)
-        self.totals = torch.zeros(len(self.grid), dtype=torch.float64)
-        self.count = 0
-
-    def add(self, la: LaplaceBase, batch: Mapping[str, torch.Tensor]) -> None:
-        """Add one validation batch (with ``labels``) of the posterior ``la``."""
-        n = int(batch["labels"].shape[0])
-        self.totals += la.grid_val_nll([batch], self._grid) * n
-        self.count += n
-
-    def nll(self) -> torch.Tensor:
-        """``[len(grid)]`` mean validation NLL per prior."""
-        if self.count == 0:
-            raise ValueError("PriorSearch: no validation batch was added")
-        return self.totals / self.count
-
-    def choose(self, la: LaplaceBase, method: str) -> dict[str, Any]:
-        """Set the prior precision of ``la`` by ``method`` and describe the choice.
-
-        Args:
-            la: The fitted posterior.
-            method: ``val_nll`` (lowest validation NLL on the grid, ties to the smaller prior) or
-                ``marglik`` (largest marginal likelihood on the grid, the library's rule).
-
-        Returns:
-            ``{"prior_precision", "prior_method", "prior_at_grid_edge", "val_nll_grid"}`` and
-            ``"val_nll"`` (the validation NLL at the chosen prior).
-        """
-        nll = self.nll()
-        if method == "val_nll":
-            best = int(torch.argmin(nll))
-            chosen = self.grid[best]
-            la.prior_precision = chosen
-        else:
-            chosen = la.optimize_prior_precision("marglik", grid=self._grid)
-            best = self.grid.index(chosen)
-        return {
-            "prior_precision": chosen,
-            "prior_method": method,
-            "prior_at_grid_edge": prior_edge(chosen, self.grid),
-            "val_nll_grid": [float(v) for v in nll],
-            "val_nll": float(nll[best]),
-        }
+    if method == "val_nll":
+        best = int(torch.argmin(nll))
+        la.prior_precision = grid[best]
+    else:
+        best = list(grid).index(la.optimize_prior_precision("marglik", grid=prior_grid(grid)))
+    return {
+        "prior_precision": grid[best],
+        "prior_method": method,
+        "prior_at_grid_edge": prior_edge(grid[best], grid),
+        "val_nll_grid": [float(v) for v in nll],
+        "val_nll": float(nll[best]),
+    }
 
 
-class TestPredictive:
-    """The linearised probit predictive of one posterior, batch by batch (float64, on the CPU)."""
-
-    def __init__(self) -> None:
-        self.parts: list[torch.Tensor] = []
-
-    def add(self, la: LaplaceBase, batch: Mapping[str, torch.Tensor]) -> None:
-        """Add one test batch of the posterior ``la`` (at its current prior precision)."""
-        mean, cov = la.logit_mean_cov(batch)
-        self.parts.append(probit(mean.double(), cov.double()).cpu())
-
-    def probs(self) -> torch.Tensor:
-        """``[N, C]`` predictive probabilities of every batch added, in order."""
-        return torch.cat(self.parts)
+def probit_probs(mean: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
+    """The linearised probit predictive ``[N, C]`` of one batch's ``logit_mean_cov`` (float64, on the CPU)."""
+    return probit(mean.double(), cov.double()).cpu()
 
 
 def laplace_result(
     ctx: Context,
     la: LaplaceBase,
-    subset: Subset,
     probs: torch.Tensor,
     prior: dict[str, Any],
     fit_seconds: float,
@@ -138,12 +84,12 @@ def laplace_result(
 ) -> Prediction:
     """The :class:`Prediction` of a finished Laplace cell (the same fields whichever path fitted it)."""
     extra = {k: v for k, v in prior.items() if k != "val_nll"}
-    extra.update({"fisher": la.fisher, "modules": modules_of(subset)})
+    extra.update({"fisher": la.fisher, "modules": modules_of(la.subset)})
     return Prediction(
         probs=probs,
         floats=int(la.num_floats),
-        n_stochastic=subset.num_entries(),
-        percent_stochastic=float(subset.percent_of(ctx.model)),
+        n_stochastic=la.subset.num_entries(),
+        percent_stochastic=float(la.subset.percent_of(ctx.model)),
         fit_seconds=fit_seconds,
         predict_seconds=predict_seconds,
         extra=extra,
@@ -157,25 +103,26 @@ def laplace_prediction(ctx: Context, subset: Subset, kind: str = "kron") -> Pred
 
     The cell's own curvature pass over the training set (``curvature_pass="per-cell"``), the validation NLL
     of every prior of ``settings.prior_grid``, the prior chosen by validation NLL or by the marginal
-    likelihood (``settings.prior``), then the linearised probit predictive on the test set.
+    likelihood (``settings.prior``), then the linearised probit predictive on the test set. ``kron`` uses
+    :func:`kron_options`; ``dense`` (the last layer) ``settings.last_layer_fisher``.
 
     Raises:
         ValueError: If ``kind`` is neither ``kron`` nor ``dense``.
     """
-    if kind not in ("kron", "dense"):
-        raise ValueError(f"kind must be 'kron' or 'dense', got {kind!r}")
+    s = ctx.settings
     t0 = time.perf_counter()
-    unfitted = kron_posterior(ctx, subset) if kind == "kron" else dense_posterior(ctx, subset)
-    la = fit_per_cell(ctx, unfitted)
-    search = PriorSearch(ctx.settings.prior_grid)
-    for batch in ctx.val:
-        search.add(la, batch)
-    prior = search.choose(la, ctx.settings.prior)
+    if kind == "kron":
+        la: LaplaceBase = KronLaplace(ctx.model, subset, **kron_options(ctx))
+    elif kind == "dense":
+        fisher = s.last_layer_fisher
+        la = DenseLaplace(ctx.model, subset, num_classes=ctx.num_labels, fisher=fisher)
+    else:
+        raise ValueError(f"kind must be 'kron' or 'dense', got {kind!r}")
+    la.fit(ctx.train, generator=mc_generator(ctx, la.fisher))
+    prior = choose_prior(
+        la, la.grid_val_nll(ctx.val, prior_grid(s.prior_grid)), s.prior_grid, s.prior
+    )
     fit = time.perf_counter() - t0
     t0 = time.perf_counter()
-    test = TestPredictive()
-    for batch in ctx.test:
-        test.add(la, batch)
-    return laplace_result(
-        ctx, la, subset, test.probs(), prior, fit, time.perf_counter() - t0, "per-cell"
-    )
+    probs = torch.cat([probit_probs(*la.logit_mean_cov(batch)) for batch in ctx.test])
+    return laplace_result(ctx, la, probs, prior, fit, time.perf_counter() - t0, "per-cell")
