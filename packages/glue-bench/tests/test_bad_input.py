@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from partialbayes.glue_bench.cli import main, parse_splits
+from partialbayes.glue_bench.context import Settings
 from partialbayes.glue_bench.experiment import RunConfig, run_grid
-from partialbayes.glue_bench.methods import Settings
 from partialbayes.glue_bench.store import Cell, ResultStore, iter_records
 from partialbayes.glue_bench.train import TrainConfig, load_checkpoint
 

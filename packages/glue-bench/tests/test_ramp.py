@@ -5,8 +5,9 @@ import dataclasses
 import pytest
 import torch
 
+from partialbayes.glue_bench.context import Settings
 from partialbayes.glue_bench.experiment import RunConfig, prepare_context, run_grid
-from partialbayes.glue_bench.methods import METHODS, Settings
+from partialbayes.glue_bench.methods import METHODS
 from partialbayes.glue_bench.store import Cell, ResultStore, iter_records, without_timings
 from partialbayes.glue_bench.train import TrainConfig
 from tiny_models import tiny_model
@@ -107,7 +108,7 @@ def test_a_resumed_ramp_runs_its_missing_cells_in_one_pass(
 ):
     """A rerun computes only the cells without a record, all in one pass, with the same records."""
     from partialbayes.curvature import KronLaplace
-    from partialbayes.glue_bench import ramp
+    from partialbayes.glue_bench import laplace_cells
 
     root = tmp_path / "res"
     first = _grid(root, mini_glue, wide_bert_factory, "shared")
@@ -119,7 +120,7 @@ def test_a_resumed_ramp_runs_its_missing_cells_in_one_pass(
             passes.append(len(subsets))
             return KronLaplace.fit_many(model, subsets, loader, **kw)
 
-    monkeypatch.setattr(ramp, "KronLaplace", Counting)
+    monkeypatch.setattr(laplace_cells, "KronLaplace", Counting)
     assert _grid(root, mini_glue, wide_bert_factory, "shared").keys() == first.keys()
     assert passes == []  # every cell has its record
     for rec in (root / "records" / "sst2" / "split0").rglob("*.json"):
@@ -133,8 +134,8 @@ def test_a_resumed_ramp_runs_its_missing_cells_in_one_pass(
 
 
 def test_ramp_groups_bound_the_memory(tmp_path, mini_glue, wide_bert_factory):
-    """Cells are processed in groups whose eigenbases fit the budget; the records do not change."""
-    from partialbayes.glue_bench import ramp
+    """Cells are processed in groups whose posteriors fit the budget; the records do not change."""
+    from partialbayes.glue_bench.laplace_cells import groups_of, shared_predictions
 
     torch.set_num_threads(1)
     config = _config("shared")
@@ -149,18 +150,18 @@ def test_ramp_groups_bound_the_memory(tmp_path, mini_glue, wide_bert_factory):
         model_factory=lambda n, c, d: wide_bert_factory(c),
         progress=False,
     )
-    cells = [(METHODS["skfac"], s) for s in ("1", "33")] + [(METHODS["kfac-full"], "-")]
-    logs = []
-    one = {(m.name, s): p for m, s, p, _ in ramp.run_shared(ctx, cells, log=logs.append)}
-    assert any("group 1/1 of 3 cells" in line for line in logs)
-    small = {
-        (m.name, s): p
-        for m, s, p, _ in ramp.run_shared(ctx, cells, log=logs.append, memory_floats=1)
-    }
-    assert any("group 3/3" in line for line in logs)
-    for key, pred in one.items():
-        assert torch.equal(pred.probs, small[key].probs), key
-        assert pred.extra["prior_precision"] == small[key].extra["prior_precision"]
+    cells = [METHODS["skfac"].kron(ctx, s) for s in ("1", "33")] + [
+        METHODS["kfac-full"].kron(ctx, "-")
+    ]
+    assert groups_of(cells) == [[0, 1, 2]]
+    assert groups_of(cells, memory_floats=1) == [[0], [1], [2]]
+    together, took = shared_predictions(ctx, cells)
+    assert set(took) == {"fit", "prior", "predict", "cpu"}
+    for cell, pred in zip(cells, together, strict=True):
+        (alone,), _ = shared_predictions(ctx, [cell])
+        assert torch.equal(pred.probs, alone.probs)
+        assert pred.extra["prior_precision"] == alone.extra["prior_precision"]
+        assert pred.extra.get("skfac_percent") == cell.skfac_percent
 
 
 @pytest.mark.parametrize(

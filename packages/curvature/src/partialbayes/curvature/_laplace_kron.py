@@ -184,8 +184,7 @@ class KronLaplace(LaplaceBase):
             The fitted posteriors, in the order of ``subsets``.
 
         Raises:
-            TypeError: ``subsets`` is not a list of subsets.
-            ValueError: An empty list, and whatever the constructor and `fit` refuse.
+            TypeError, ValueError: Not a non-empty list of subsets; what the constructor and `fit` refuse.
         """
         posteriors = [cls(model, s, **kwargs) for s in check_list(subsets, "subsets", Subset)]
         first = posteriors[0]

@@ -352,6 +352,8 @@ def fits_memory(
     Per position and map of the union (``inputs`` as recorded, ``rows`` its rows), ``C`` output gradients
     over ``r`` rows and the input over ``c`` columns: the predictive term of ``_memory.memory_estimate``.
     """
+    if len(parts) == 1:
+        return True
     total = 0
     for m, x in inputs.items():
         r_u = rows[m]
@@ -359,7 +361,7 @@ def fits_memory(
         r = n_out if r_u is None else int(r_u.numel())
         total += x.numel() // max(x.shape[-1], 1) * x.element_size() * (n_outputs * r + x.shape[-1])
     available, _ = available_memory(device)
-    return len(parts) == 1 or available is None or total <= available
+    return available is None or total <= available
 
 
 def _contributions(part: KronBlocks, m: str, x: Tensor, d: Tensor, b: int) -> list[Tensor]:

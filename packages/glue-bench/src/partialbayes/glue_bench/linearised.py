@@ -98,11 +98,6 @@ class LinearSamplingConfig:
                 )
 
 
-def model_inputs(batch: Batch) -> dict[str, Tensor]:
-    """The model's keyword tensors of a batch (everything but ``labels``)."""
-    return {k: v for k, v in batch.items() if k != "labels"}
-
-
 def dense_jacobians(model: nn.Module, batch: Batch, subset: Subset) -> tuple[Tensor, Tensor]:
     """Logits ``[b, m]`` and per-example logit Jacobians ``[b, m, d]`` in a Kronecker ``subset``.
 
@@ -119,7 +114,7 @@ def dense_jacobians(model: nn.Module, batch: Batch, subset: Subset) -> tuple[Ten
     Raises:
         TypeError: If ``subset`` has mask blocks.
     """
-    logits, jac = logit_jacobians(model, model_inputs(batch), subset)
+    logits, jac = logit_jacobians(model, batch, subset)
     owner = {}
     for mod in subset.kron_modules().values():
         owner[mod.weight_name] = (mod.module_name, "weight", mod)
@@ -187,14 +182,14 @@ def fit_linearised(
     """
     theta = network_parameters(model, params)
     n, d = sum(int(b["labels"].shape[0]) for b in train), theta.shape[0]
-    m = network_logits(model, {k: v[:1] for k, v in model_inputs(train[0]).items()}).shape[1]
+    m = network_logits(model, {k: v[:1] for k, v in train[0].items()}).shape[1]
     if isinstance(params, Subset) and params.is_kronecker and n * m * d <= config.dense_max_floats:
         pairs = [dense_jacobians(model, b, params) for b in train]
         logits = torch.cat([p[0] for p in pairs])
         feats = Features.dense(torch.cat([p[1] for p in pairs]).to(theta.dtype))
         del pairs
     else:
-        logits = torch.cat([network_logits(model, model_inputs(b)) for b in train])
+        logits = torch.cat([network_logits(model, b) for b in train])
         feats = loader_features(model, train, params)
     logits = logits.to(feats.dtype)
     labels = torch.cat([b["labels"] for b in train]).to(logits.device)
@@ -255,7 +250,7 @@ def linearised_probs(
     out = []
     d = samples.shape[0]
     for b in batches:
-        inputs = model_inputs(b)
+        inputs = {k: v for k, v in b.items() if k != "labels"}
         n = next(iter(inputs.values())).shape[0]
         m = network_logits(model, {k: v[:1] for k, v in inputs.items()}).shape[1]
         if isinstance(params, Subset) and params.is_kronecker and n * m * d <= dense_max_floats:
