@@ -22,6 +22,7 @@ from partialbayes.curvature._distributed import all_reduce, fail_together
 from partialbayes.curvature._hooks import BatchObserver, Run, check_untied, stream
 from partialbayes.curvature._kfac_math import input_factor, row_count, shared_rows
 from partialbayes.curvature._likelihood import CurvatureOptions, model_device
+from partialbayes.curvature._lowrank import LowRankFactor, NystromSketch
 from partialbayes.curvature._outputs import resolve_shift_labels
 from partialbayes.predictive import check_generator
 from partialbayes.selection import KronModule, Subset
@@ -45,13 +46,14 @@ class ModuleFactors:
             ``G ⊗ A_bias`` and ``A`` covers the weight inputs only), else ``None``.
         sharing: The weight sharing the factors were computed with, ``"reduce"`` or ``"expand"``.
 
-    The block covers ``vec(W[R][:, C] | b[R])`` row-major; for HF ``Conv1D`` the logical (n_out x n_in)
+    ``G`` / ``A`` are low-rank (rank-``r`` eigenpairs plus an isotropic remainder) only inside
+    ``KronLaplace(max_rank=...)``, for a side larger than ``max_rank``; `kfac` returns matrices. The block covers ``vec(W[R][:, C] | b[R])`` row-major; for HF ``Conv1D`` the logical (n_out x n_in)
     orientation.
     """
 
     module: str
-    G: Tensor
-    A: Tensor
+    G: Tensor | LowRankFactor
+    A: Tensor | LowRankFactor
     rows: Tensor | None
     cols: Tensor | None
     bias: bool
@@ -75,38 +77,77 @@ class FactorAccumulator:
     """Running sums for one module: ``Σ δδᵀ``, ``Σ xxᵀ``, ``Σ x`` and the number of rows of ``x``.
 
     The bias column of ``A`` is assembled at the end from ``Σ x`` and the count, so ``x`` is never
-    concatenated with ones. Buffers are created by the first batch (no zero-fill pass).
+    concatenated with ones. Buffers are created by the first batch (no zero-fill pass). A side larger than
+    ``max_rank`` is a streamed `NystromSketch` instead (``A``'s over ``x̃ = (x, w)`` with ``bias``, ``w`` the
+    rows' weight: 1, or the token mask under ``expand``), never ``n × n``; its ``Ω`` is seeded, the same on
+    every rank.
     """
 
-    def __init__(self, r: int, c: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        r: int,
+        c: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_rank: int | None = None,
+        bias: bool = False,
+        name: str = "",
+    ) -> None:
         self.gg: Tensor | None = None
         self.xx: Tensor | None = None
         self.xs = torch.zeros(c, dtype=dtype, device=device)
         self.count = torch.zeros((), dtype=dtype, device=device)
         self.r, self.c, self.dtype = r, c, dtype
+        self.sketch: dict[str, NystromSketch] = {}
+        for side, n in (("G", r), ("A", c + bias)):
+            if max_rank is not None and n > max_rank:
+                g = torch.Generator().manual_seed(0)
+                self.sketch[side] = NystromSketch(
+                    n, max_rank, dtype=dtype, device=device, generator=g
+                )
 
-    def add(self, x: Tensor, count: Tensor | float, d: Tensor) -> None:
-        """Add input rows ``x [m, c]`` counting ``count`` (zero rows allowed) and gradient rows ``δ [m', r]``."""
+    def add(self, x: Tensor, count: Tensor | float, d: Tensor, w: Tensor | None = None) -> None:
+        """Add input rows ``x [m, c]`` counting ``count`` (zero rows allowed) and gradient rows ``δ [m', r]``.
+
+        ``w [m, 1]``: the rows' weights, the bias column of a sketched ``A`` with a folded bias.
+        """
         x, d = x.to(self.dtype), d.to(self.dtype)
-        if self.gg is None or self.xx is None:
-            self.gg, self.xx = d.T @ d, x.T @ x
+        if "G" in self.sketch:
+            self.sketch["G"].add(d)
+        elif self.gg is None:
+            self.gg = d.T @ d
         else:
             self.gg.addmm_(d.T, d)
+        if "A" in self.sketch:
+            self.sketch["A"].add(x if w is None else torch.cat([x, w.to(x)], dim=1))
+        elif self.xx is None:
+            self.xx = x.T @ x
+        else:
             self.xx.addmm_(x.T, x)
         self.xs += x.sum(0)
         self.count += count
 
-    def factors(self, bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    def factors(self, bias: bool) -> tuple[Tensor | LowRankFactor, Tensor | LowRankFactor, Tensor]:
         """``(G, A, count)`` summed over ranks: ``G`` summed, ``A = Σ x̃x̃ᵀ / count`` (`input_factor`).
+
+        A sketched side is a `LowRankFactor` of the same (summed or averaged) factor.
 
         Args:
             bias: Fold the bias in as the constant last input of ``A``.
         """
-        gg = self.xs.new_zeros(self.r, self.r) if self.gg is None else self.gg
-        xx = self.xs.new_zeros(self.c, self.c) if self.xx is None else self.xx
-        for t in (gg, xx, self.xs, self.count):
+        sums = [self.xs, self.count, *(t for k in self.sketch.values() for t in (k.y, k.trace))]
+        if "G" not in self.sketch:
+            self.gg = self.xs.new_zeros(self.r, self.r) if self.gg is None else self.gg
+            sums.append(self.gg)
+        if "A" not in self.sketch:
+            self.xx = self.xs.new_zeros(self.c, self.c) if self.xx is None else self.xx
+            sums.append(self.xx)
+        for t in sums:
             all_reduce(t)
-        return gg, input_factor(xx, self.xs, self.count, bias=bias), self.count
+        G = self.sketch["G"].factor() if "G" in self.sketch else self.gg
+        if "A" in self.sketch:
+            return G, self.sketch["A"].factor(1 / float(self.count.clamp_min(1))), self.count
+        return G, input_factor(self.xx, self.xs, self.count, bias=bias), self.count
 
 
 @dataclass(frozen=True)
@@ -303,8 +344,10 @@ def kron_factors(
     """
     kmods, rows = targets.kmods, targets.rows
     device = model_device(model)
+    fold = {m: k.bias_name is not None and options.bias == "fold" for m, k in kmods.items()}
     acc = {
-        m: FactorAccumulator(k.n_rows, k.n_cols, options.dtype, device) for m, k in kmods.items()
+        m: FactorAccumulator(k.n_rows, k.n_cols, options.dtype, device, options.max_rank, fold[m])
+        for m, k in kmods.items()
     }
     n_examples = 0
     sharing = options.sharing
@@ -343,7 +386,10 @@ def kron_factors(
                     raise ValueError(f"batch {bp.index}: an example has no unmasked token")
                 xr = shared_rows(x, tm, sharing, mean=True)
                 dd = deltas[m][0] if len(deltas[m]) == 1 else torch.cat(deltas[m])
-                acc[m].add(xr, row_count(x, tm, sharing), dd)
+                w = None  # a sketched A with a folded bias: the bias column, the rows' weights
+                if fold[m] and "A" in acc[m].sketch:
+                    w = shared_rows(torch.ones_like(x[..., :1]), tm, sharing, mean=True)
+                acc[m].add(xr, row_count(x, tm, sharing), dd, w)
                 checks.append(xr.sum() + dd.sum())
             # finite rows give finite factors (overflow is caught on the totals below)
             if not bool(torch.isfinite(torch.stack(checks).sum())):
@@ -353,10 +399,15 @@ def kron_factors(
     out: dict[str, ModuleFactors] = {}
     for m, k in kmods.items():
         separate = k.bias_name is not None and options.bias == "separate"
-        G, A, count = acc[m].factors(bias=k.bias_name is not None and not separate)
+        G, A, count = acc[m].factors(bias=fold[m])
         # the separate bias's input factor: the average of the constant input 1, [1] once a row counted
         A_bias = (count / count.clamp_min(1)).reshape(1, 1) if separate else None
-        if not bool(torch.isfinite(G).all() and torch.isfinite(A).all()):
+        parts = [
+            t
+            for f in (G, A)
+            for t in ((f.U, f.s, f.rest) if isinstance(f, LowRankFactor) else (f,))
+        ]
+        if not all(bool(torch.isfinite(t).all()) for t in parts):
             raise ValueError(
                 f"non-finite curvature in module {m!r} (overflow in the accumulated factors)"
             )

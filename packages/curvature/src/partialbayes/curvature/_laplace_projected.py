@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from partialbayes.curvature._hooks import in_row_order, output_passes
 from partialbayes.curvature._kfac import KronTargets
 from partialbayes.curvature._likelihood import model_device
+from partialbayes.curvature._lowrank import LowRankFactor, lowrank_covariance
 from partialbayes.curvature._outputs import Outputs
 
 
@@ -244,6 +245,7 @@ def kron_predictive(
     dtype: torch.dtype,
     residual: Sequence[Mapping[str, float]] | None = None,
     combine_dtype: torch.dtype = torch.float64,
+    lowrank: Mapping[str, tuple[LowRankFactor, LowRankFactor]] | None = None,
 ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
     """Logits and the functional covariance ``J Σ Jᵀ`` of a Kronecker posterior, streamed module by module.
 
@@ -267,6 +269,9 @@ def kron_predictive(
             kept directions ``I`` / ``J`` (``[r, |I|]``, ``[c, |J|]``) and every other direction counts at its
             prior value (`residual_covariances`); the result is then in ``combine_dtype``.
         combine_dtype: With ``residual``, dtype of the final combination and of the result.
+        lowrank: ``{module: (G, A)}`` of the modules with a low-rank factor: their ``inv_eigenvalues`` are
+            ``1 / E`` on the extended grid ``[r_G + 1, r_A + 1]`` and their covariance is
+            ``_lowrank.lowrank_covariance`` (exact, also under ``residual``).
 
     Returns:
         ``(logits, keep, [Σ_f [N, C, C] per prior setting])``: the logits as the model returns them
@@ -278,7 +283,8 @@ def kron_predictive(
     out_dtype = dtype if residual is None else combine_dtype
     kmods = targets.kmods
     ps = output_passes(model, inputs, outputs, targets.modules, targets.cols, targets.rows)
-    b, n_cls = ps.logits.shape[0], ps.logits.shape[-1]
+    b = ps.logits.shape[0]
+    n_cls = ps.logits.shape[-1] if outputs.target_ids is None else len(outputs.target_ids)
     keys: list[Tensor] = []
     parts: list[list[Tensor]] = [[] for _ in inv_eigenvalues]
     with torch.no_grad():
@@ -293,7 +299,13 @@ def kron_predictive(
                 q_g, q_a = bases[m]
                 inv = [e[m] for e in inv_eigenvalues]
                 bias = kmods[m].bias_name is not None
-                if residual is not None:
+                if lowrank is not None and m in lowrank:
+                    x3 = x.reshape(b, -1, x.shape[-1]).to(dtype)
+                    if bias:
+                        x3 = torch.cat([x3, torch.ones_like(x3[..., :1])], dim=-1)
+                    d4 = d.reshape(n_cls, b, x3.shape[1], d.shape[-1]).to(dtype)
+                    contrib = [lowrank_covariance(x3, d4, *lowrank[m], e) for e in inv]
+                elif residual is not None:
                     if x.ndim > 2:
                         x = x.reshape(b, -1, x.shape[-1])
                         d = d.reshape(n_cls, b, x.shape[1], d.shape[-1])

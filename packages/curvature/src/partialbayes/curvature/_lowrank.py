@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -59,10 +60,20 @@ class LowRankFactor:
         return torch.cat([self.s, self.rest.reshape(1)]), mult
 
 
-def whole_factor(matrix: Tensor) -> LowRankFactor:
-    """A factor kept whole: its clamped eigendecomposition (``r = n``, no remainder)."""
-    s, u = clamped_eigh(matrix)
+def whole_factor(matrix: Tensor, *args: Any) -> LowRankFactor:
+    """A factor kept whole: its clamped eigendecomposition (``r = n``, no remainder; ``args``: `clamped_eigh`'s)."""
+    s, u = clamped_eigh(matrix, *args)
     return LowRankFactor(u, s, s.new_zeros(()))
+
+
+def truncated(f: LowRankFactor, rank: int) -> LowRankFactor:
+    """A whole factor's ``rank`` largest eigenpairs, the others as the remainder (their mean: trace kept)."""
+    n = f.U.shape[0]
+    if rank >= n:
+        return f
+    top = f.s.argsort(descending=True)[:rank]
+    rest = ((f.s.sum() - f.s[top].sum()) / (n - rank)).clamp_min(0.0)
+    return LowRankFactor(f.U[:, top].contiguous(), f.s[top], rest)
 
 
 def nystrom_factor(y: Tensor, omega: Tensor, trace: Tensor | float, rank: int) -> LowRankFactor:

@@ -7,7 +7,12 @@ implements, the one way to read a batch (`split_batch`) and call a model (`model
 torch only; never imports a posterior class.
 """
 
-from partialbayes.predictive._answers import answer_logits, answer_positions, check_target_ids
+from partialbayes.predictive._answers import (
+    answer_index,
+    answer_logits,
+    answer_positions,
+    check_target_ids,
+)
 from partialbayes.predictive._auroc import auroc
 from partialbayes.predictive._batch import (
     IGNORE_INDEX,
@@ -50,6 +55,7 @@ from partialbayes.predictive._model import PosteriorModel
 from partialbayes.predictive._posterior import (
     LIKELIHOODS,
     Posterior,
+    available_memory,
     check_count,
     check_generator,
     check_likelihood,
@@ -80,10 +86,12 @@ __all__ = [
     "ReliabilityData",
     "Uncertainty",
     "accuracy",
+    "answer_index",
     "answer_logits",
     "answer_positions",
     "apply_temperature",
     "auroc",
+    "available_memory",
     "average_softmax",
     "batch_size",
     "brier",

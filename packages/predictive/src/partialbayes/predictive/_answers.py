@@ -91,9 +91,32 @@ def answer_logits(
         ``[P, K]``: the ``P`` answer positions in row-major ``(b, t)`` order; ``softmax(-1)`` of it is the
         answer's distribution renormalised over the ``K`` tokens.
     """
+    return logits[
+        answer_index(
+            logits, target_ids, labels=labels, attention_mask=attention_mask, causal_lm=causal_lm
+        )
+    ]
+
+
+def answer_index(
+    logits: Tensor,
+    target_ids: Sequence[int] | Tensor,
+    *,
+    labels: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    causal_lm: bool = False,
+) -> tuple[Tensor, ...]:
+    """The index of the answer logits: ``logits[answer_index(logits, ...)]`` is `answer_logits`, ``[P, K]``.
+
+    Arguments as for `answer_logits`; the index tuple (example, position, token) broadcasts to ``[P, K]``
+    (example, token for ``[B, V]`` logits), for indexing the logits or an output of their shape.
+    """
     ids = check_target_ids(target_ids, logits.shape[-1]).to(logits.device)
     keep = answer_positions(
         logits, labels=labels, attention_mask=attention_mask, causal_lm=causal_lm
     )
-    rows = logits if keep is None else logits[keep]
-    return rows.index_select(-1, ids)
+    if keep is None:
+        rows: tuple[Tensor, ...] = (torch.arange(logits.shape[0], device=logits.device),)
+    else:
+        rows = keep.nonzero(as_tuple=True)
+    return (*(r[:, None] for r in rows), ids[None])

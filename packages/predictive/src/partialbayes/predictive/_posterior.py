@@ -65,20 +65,29 @@ class Posterior(Protocol):
         link: str | None = None,
         n_samples: int = 100,
         generator: torch.Generator | None = None,
+        target_ids: Sequence[int] | Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Predictive for a batch of any kind (labels in it are ignored), in eval mode, without gradients.
+        """Predictive for a batch of any kind, in eval mode, without gradients.
 
         Classification: probabilities with the logits' shape, ``[B, C]`` or ``[B, T, C]``. Regression:
         ``(mean, variance)`` of the predictive, each of the outputs' shape, the variance including the
         observation noise σ². ``n_samples`` counts Monte Carlo samples where the link uses them; an unknown
-        ``link`` is a ``ValueError`` listing `links`.
+        ``link`` is a ``ValueError`` listing `links`. Labels are ignored, except with ``target_ids``
+        (answer-only): the ``K`` answer tokens' distribution at the answer positions (`answer_positions`:
+        the labelled ones, shifted for a causal LM), renormalised over them, ``[P, K]``; ids out of range or
+        repeated are a ``ValueError``.
         """
         ...
 
     def predictive_samples(
-        self, batch: Any, n: int, *, generator: torch.Generator | None = None
+        self,
+        batch: Any,
+        n: int,
+        *,
+        generator: torch.Generator | None = None,
+        target_ids: Sequence[int] | Tensor | None = None,
     ) -> Tensor:
-        """``n`` logit samples ``[n, B, C]`` (or ``[n, B, T, C]``) for a batch."""
+        """``n`` logit samples ``[n, B, C]`` (or ``[n, B, T, C]``; ``[n, P, K]`` with ``target_ids``)."""
         ...
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -144,6 +153,33 @@ def check_generator(generator: object, name: str = "generator") -> torch.Generat
             f"{generator!r} (for a seed s pass torch.Generator().manual_seed(s))"
         )
     return generator
+
+
+def available_memory(device: torch.device | str) -> tuple[int | None, str]:
+    """Bytes free for new tensors on ``device``, and where the number comes from (``None``: unknown).
+
+    CUDA: free plus cached by torch's allocator; CPU: ``MemAvailable`` of ``/proc/meminfo`` (the machine's,
+    not a container's limit), else the free physical pages. Families size a large result with it before
+    allocating.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        return free + cached, "free + cached CUDA memory"
+    if dev.type != "cpu":
+        return None, f"unknown on {dev.type}"
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free physical pages"
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return None, "unknown"
 
 
 def rows(sample: Mapping[str, Tensor], i: int) -> dict[str, Tensor]:
