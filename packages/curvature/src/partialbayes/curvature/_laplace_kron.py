@@ -331,9 +331,10 @@ class KronLaplace(LaplaceBase):
         bases = {}
         residual: list[dict[str, float]] = [{} for _ in priors]
         for i, m in enumerate(self.modules):
-            if m in lowrank:
-                continue
             g, a = self._eig[m]
+            bases[m] = (g.U, a.U)
+            if m in lowrank:  # exact (lowrank_covariance)
+                continue
             deltas = [float(prior[i]) for prior in priors]
             eigs = [self._eigenvalues(i, m, prior, scale).to(f64) for prior in priors]
             k = min(range(len(priors)), key=deltas.__getitem__)

@@ -115,13 +115,18 @@ class MemoryEstimate:
         limit = self.available if max_memory is None else max_memory
         if limit is None or self.total <= limit:
             return
+        fixes = {
+            "Factors: keep large ones low-rank (max_rank), fit S-KFAC (sparse_kfac(model, p): about "
+            "(p/100)² of the memory) or use dtype=torch.float32 (half).": self.factors + self.eigen,
+            "Fit: fisher='mc' or 'empirical' (k or 1 backward passes per batch, not C), smaller "
+            "batches.": self.fit_batch,
+            "Predictive: only the answer tokens (target_ids: K outputs, not C), fewer examples at a "
+            "time (chunk_size).": self.predictive,
+        }
         raise ValueError(
             f"this needs about {fmt_bytes(self.total)} but {fmt_bytes(limit)} is "
             f"{'available' if max_memory is None else 'allowed (max_memory)'}:\n{self}\n"
-            "Refused before allocating. Factors: keep large ones low-rank (max_rank), fit S-KFAC "
-            "(sparse_kfac(model, p): about (p/100)² of the memory) or use dtype=torch.float32 (half). "
-            "Fit: fisher='mc' or 'empirical' (k or 1 backward passes per batch, not C), smaller "
-            "batches. Predictive: only the answer tokens (target_ids: K outputs, not C)."
+            f"Refused before allocating. {' '.join(fix for fix, n in fixes.items() if n)}"
         )
 
 
