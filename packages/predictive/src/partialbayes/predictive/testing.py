@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.predictive._batch import model_logits, split_batch
+from partialbayes.predictive._answers import answer_positions
+from partialbayes.predictive._batch import is_causal_lm, model_logits, split_batch
 from partialbayes.predictive._posterior import Posterior, rows
 
 
@@ -152,6 +153,48 @@ def _check_predict(post: Posterior, batch: Any, regression: bool, seed: int) -> 
     return out
 
 
+def _check_answers(post: Posterior, batch: Any, seed: int) -> None:
+    """``target_ids``: ``[P, K]`` answer probabilities in the ids' order, ``[n, P, K]`` draws, bad ids refused."""
+    b = split_batch(batch, device=next(post.model.parameters()).device)
+    with torch.no_grad():
+        logits = model_logits(post.model, b.inputs)
+    c = logits.shape[-1]
+    if c < 2:
+        return
+    keep = answer_positions(
+        logits, labels=b.labels, attention_mask=b.attention_mask, causal_lm=is_causal_lm(post.model)
+    )
+    shape = (logits.shape[0] if keep is None else int(keep.sum()), 2)
+    probs = [
+        post.predict(batch, target_ids=ids, n_samples=8, generator=_generator(seed, post.model))
+        for ids in ([c - 1, 0], [0, c - 1])
+    ]
+    if not isinstance(probs[0], Tensor) or tuple(probs[0].shape) != shape:
+        got = getattr(probs[0], "shape", type(probs[0]).__name__)
+        raise AssertionError(
+            f"predict(target_ids=[{c - 1}, 0]) must be [P, K] = {shape}, got {got}"
+        )
+    if float((probs[0].sum(-1) - 1).abs().max()) > 1e-5 or bool((probs[0] < 0).any()):
+        raise AssertionError("predict(target_ids=...) must renormalise over the answer tokens")
+    if not torch.allclose(probs[0], probs[1].flip(-1), rtol=1e-4, atol=1e-6):
+        raise AssertionError("predict(target_ids=...) must follow the order of target_ids")
+    draws = post.predictive_samples(
+        batch, 3, target_ids=[c - 1, 0], generator=_generator(seed, post.model)
+    )
+    if tuple(draws.shape) != (3, *shape):
+        raise AssertionError(
+            f"predictive_samples(..., target_ids) must be [n, P, K], got {tuple(draws.shape)}"
+        )
+    for bad in ([0, 0], [c]):
+        try:
+            post.predict(batch, target_ids=bad)
+        except ValueError:
+            continue
+        raise AssertionError(
+            f"predict(target_ids={bad}) must raise ValueError (repeated / out of range)"
+        )
+
+
 def check_posterior(
     posterior: Posterior,
     batch: Any,
@@ -168,7 +211,11 @@ def check_posterior(
     ``sampled``), and refuses a sample with NaN entries with a ``ValueError``; ``predict`` with every offered link returns probabilities of the logits' shape that sum
     to one (regression: a mean and a non-negative variance of that shape); an unknown link is a
     ``ValueError`` listing the offered ones; ``predictive_samples`` has shape ``[n, *logits]``; and
-    ``save`` → ``load`` onto the same model gives identical predictions.
+    ``save`` → ``load`` onto the same model gives identical predictions. Classification with two or more
+    outputs: ``predict(target_ids=ids)`` is ``[P, K]`` (the answer positions of
+    ``partialbayes.predictive.answer_positions``) of probabilities that sum to one and follow the order of
+    ``ids``, ``predictive_samples(..., target_ids=ids)`` is ``[n, P, K]``, and repeated or out-of-range ids
+    are a ``ValueError``.
 
     Args:
         posterior: A fitted posterior.
@@ -203,6 +250,8 @@ def check_posterior(
     draws = _check_samples(posterior, 3, seed)
     _check_swapping(posterior, draws, seed)
     before = _check_predict(posterior, batch, regression, seed)
+    if not regression:
+        _check_answers(posterior, batch, seed)
     posterior.save(path)
     loaded = type(posterior).load(path, posterior.model)
     after = _check_predict(loaded, batch, regression, seed)
