@@ -77,7 +77,7 @@ def dense_posterior_covariance(la) -> torch.Tensor:
     for i, m in enumerate(la.modules):
         g, a = la._eig[m]
         qg, qa = g.U, a.U
-        eigenvalues = la._eigenvalues(i, m, la.prior_precision, la._scale(None))
+        eigenvalues = la._eigenvalues(i, m, la.prior_precision, la._scale(None))[:-1, :-1]
         blocks.append(dense_kron_covariance(qg, qa, eigenvalues))
     return torch.block_diag(*blocks)
 

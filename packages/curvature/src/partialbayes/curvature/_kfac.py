@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from partialbayes.curvature._distributed import all_reduce, fail_together
 from partialbayes.curvature._hooks import BatchObserver, Run, check_untied, stream
-from partialbayes.curvature._kfac_math import input_factor, row_count, shared_rows
+from partialbayes.curvature._kfac_math import row_count, shared_rows
 from partialbayes.curvature._likelihood import CurvatureOptions, model_device
 from partialbayes.curvature._lowrank import LowRankFactor, NystromSketch
 from partialbayes.curvature._outputs import resolve_shift_labels
@@ -74,13 +74,11 @@ class ModuleFactors:
 
 
 class FactorAccumulator:
-    """Running sums for one module: ``Σ δδᵀ``, ``Σ xxᵀ``, ``Σ x`` and the number of rows of ``x``.
+    """Running sums for one module: ``Σ δδᵀ``, ``Σ x̃x̃ᵀ`` and the number of rows of ``x``.
 
-    The bias column of ``A`` is assembled at the end from ``Σ x`` and the count, so ``x`` is never
-    concatenated with ones. Buffers are created by the first batch (no zero-fill pass). A side larger than
-    ``max_rank`` is a streamed `NystromSketch` instead (``A``'s over ``x̃ = (x, w)`` with ``bias``, ``w`` the
-    rows' weight: 1, or the token mask under ``expand``), never ``n × n``; its ``Ω`` is seeded, the same on
-    every rank.
+    Each side is a `NystromSketch`: summed whole, or sketched when larger than ``max_rank`` (never
+    ``n × n``), allocated by the first batch. With ``bias`` the input rows are ``x̃ = (x, w)``, ``w`` their
+    weights (1, or the token mask under ``expand``), so that ``Σ x̃x̃ᵀ / count`` is `input_factor`'s ``A``.
     """
 
     def __init__(
@@ -91,63 +89,27 @@ class FactorAccumulator:
         device: torch.device,
         max_rank: int | None = None,
         bias: bool = False,
-        name: str = "",
     ) -> None:
-        self.gg: Tensor | None = None
-        self.xx: Tensor | None = None
-        self.xs = torch.zeros(c, dtype=dtype, device=device)
+        self.sides = [
+            NystromSketch(
+                n, max_rank, dtype=dtype, device=device, generator=torch.Generator().manual_seed(0)
+            )
+            for n in (r, c + bias)
+        ]
         self.count = torch.zeros((), dtype=dtype, device=device)
-        self.r, self.c, self.dtype = r, c, dtype
-        self.sketch: dict[str, NystromSketch] = {}
-        for side, n in (("G", r), ("A", c + bias)):
-            if max_rank is not None and n > max_rank:
-                g = torch.Generator().manual_seed(0)
-                self.sketch[side] = NystromSketch(
-                    n, max_rank, dtype=dtype, device=device, generator=g
-                )
 
     def add(self, x: Tensor, count: Tensor | float, d: Tensor, w: Tensor | None = None) -> None:
-        """Add input rows ``x [m, c]`` counting ``count`` (zero rows allowed) and gradient rows ``δ [m', r]``.
-
-        ``w [m, 1]``: the rows' weights, the bias column of a sketched ``A`` with a folded bias.
-        """
-        x, d = x.to(self.dtype), d.to(self.dtype)
-        if "G" in self.sketch:
-            self.sketch["G"].add(d)
-        elif self.gg is None:
-            self.gg = d.T @ d
-        else:
-            self.gg.addmm_(d.T, d)
-        if "A" in self.sketch:
-            self.sketch["A"].add(x if w is None else torch.cat([x, w.to(x)], dim=1))
-        elif self.xx is None:
-            self.xx = x.T @ x
-        else:
-            self.xx.addmm_(x.T, x)
-        self.xs += x.sum(0)
+        """Add input rows ``x [m, c]`` counting ``count`` and gradient rows ``δ [m', r]`` (``w``: see above)."""
+        self.sides[0].add(d)
+        self.sides[1].add(x if w is None else torch.cat([x, w.to(x)], dim=1))
         self.count += count
 
-    def factors(self, bias: bool) -> tuple[Tensor | LowRankFactor, Tensor | LowRankFactor, Tensor]:
-        """``(G, A, count)`` summed over ranks: ``G`` summed, ``A = Σ x̃x̃ᵀ / count`` (`input_factor`).
-
-        A sketched side is a `LowRankFactor` of the same (summed or averaged) factor.
-
-        Args:
-            bias: Fold the bias in as the constant last input of ``A``.
-        """
-        sums = [self.xs, self.count, *(t for k in self.sketch.values() for t in (k.y, k.trace))]
-        if "G" not in self.sketch:
-            self.gg = self.xs.new_zeros(self.r, self.r) if self.gg is None else self.gg
-            sums.append(self.gg)
-        if "A" not in self.sketch:
-            self.xx = self.xs.new_zeros(self.c, self.c) if self.xx is None else self.xx
-            sums.append(self.xx)
-        for t in sums:
+    def factors(self) -> tuple[Tensor | LowRankFactor, Tensor | LowRankFactor, Tensor]:
+        """``(G, A, count)`` summed over ranks: ``G`` summed, ``A`` averaged (a sketched side: low-rank)."""
+        for t in [*self.sides[0].sums(), *self.sides[1].sums(), self.count]:
             all_reduce(t)
-        G = self.sketch["G"].factor() if "G" in self.sketch else self.gg
-        if "A" in self.sketch:
-            return G, self.sketch["A"].factor(1 / float(self.count.clamp_min(1))), self.count
-        return G, input_factor(self.xx, self.xs, self.count, bias=bias), self.count
+        g, a = self.sides
+        return g.factor(), a.factor(1 / float(self.count.clamp_min(1))), self.count
 
 
 @dataclass(frozen=True)
@@ -386,10 +348,8 @@ def kron_factors(
                     raise ValueError(f"batch {bp.index}: an example has no unmasked token")
                 xr = shared_rows(x, tm, sharing, mean=True)
                 dd = deltas[m][0] if len(deltas[m]) == 1 else torch.cat(deltas[m])
-                w = None  # a sketched A with a folded bias: the bias column, the rows' weights
-                if fold[m] and "A" in acc[m].sketch:
-                    w = shared_rows(torch.ones_like(x[..., :1]), tm, sharing, mean=True)
-                acc[m].add(xr, row_count(x, tm, sharing), dd, w)
+                w = shared_rows(torch.ones_like(x[..., :1]), tm, sharing, mean=True)  # bias column
+                acc[m].add(xr, row_count(x, tm, sharing), dd, w if fold[m] else None)
                 checks.append(xr.sum() + dd.sum())
             # finite rows give finite factors (overflow is caught on the totals below)
             if not bool(torch.isfinite(torch.stack(checks).sum())):
@@ -399,7 +359,7 @@ def kron_factors(
     out: dict[str, ModuleFactors] = {}
     for m, k in kmods.items():
         separate = k.bias_name is not None and options.bias == "separate"
-        G, A, count = acc[m].factors(bias=fold[m])
+        G, A, count = acc[m].factors()
         # the separate bias's input factor: the average of the constant input 1, [1] once a row counted
         A_bias = (count / count.clamp_min(1)).reshape(1, 1) if separate else None
         parts = [

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from partialbayes.curvature._hooks import Run
 from partialbayes.curvature._kfac import kron_factors, kron_targets
-from partialbayes.curvature._kron_algebra import kron_log_det, kron_sample, precision_eigenvalues
+from partialbayes.curvature._kron_algebra import precision_eigenvalues
 from partialbayes.curvature._laplace import LaplaceBase
 from partialbayes.curvature._laplace_projected import kron_predictive
 from partialbayes.curvature._likelihood import CurvatureOptions
@@ -254,32 +254,26 @@ class KronLaplace(LaplaceBase):
         return out
 
     def _eigenvalues(self, i: int, m: str, prior: Tensor, scale: Tensor | float) -> Tensor:
-        """``E`` ``[r, c]``; with a low-rank side, on the extended grid ``[r_G + 1, r_A + 1]`` (`_lowrank`)."""
+        """``E`` on the extended grid ``[r_G + 1, r_A + 1]`` (`_lowrank`; ``[:-1, :-1]`` for whole factors)."""
         g, a = self._eig[m]
-        low = not (g.full and a.full)
-        eg, ea = (f.extended()[0] if low else f.s for f in (g, a))
-        return precision_eigenvalues(eg, ea, prior[i], self.temperature, scale)
+        return precision_eigenvalues(
+            g.extended()[0], a.extended()[0], prior[i], self.temperature, scale
+        )
 
     def _log_det(self, prior: Tensor, scale: Tensor | float) -> Tensor:
-        out = []
-        for i, m in enumerate(self.modules):
-            g, a = self._eig[m]
-            e = self._eigenvalues(i, m, prior, scale)
-            out.append(kron_log_det(e) if g.full and a.full else lowrank_log_det(e, g, a))
-        return torch.stack(out).sum()
+        dets = [
+            lowrank_log_det(self._eigenvalues(i, m, prior, scale), *self._eig[m])
+            for i, m in enumerate(self.modules)
+        ]
+        return torch.stack(dets).sum()
 
     def _sample(self, n: int, generator: torch.Generator | None) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         for i, m in enumerate(self.modules):
-            g, a = self._eig[m]
             r, _, c = self._dims(m)
-            E = self._eigenvalues(i, m, self._prior, self._scale(None))
+            w = self._eigenvalues(i, m, self._prior, self._scale(None)).rsqrt()
             eps = self._noise((n, r, c), generator)
-            if g.full and a.full:
-                block = kron_sample(g.U, a.U, E, eps)
-            else:
-                block = scale_in_basis(eps, g, a, E.rsqrt())
-            out.update(self.block_to_params(m, block))
+            out.update(self.block_to_params(m, scale_in_basis(eps, *self._eig[m], w)))
         return out
 
     def _estimate(
@@ -307,9 +301,10 @@ class KronLaplace(LaplaceBase):
         """
         lowrank = {m: (g, a) for m, (g, a) in self._eig.items() if not (g.full and a.full)}
         exact = self.predictive_rtol == 0
+        cut = {m: slice(None) if m in lowrank else slice(None, -1) for m in self.modules}
         inv = [
             {
-                m: self._eigenvalues(i, m, prior, scale).reciprocal()
+                m: self._eigenvalues(i, m, prior, scale).reciprocal()[cut[m], cut[m]]
                 for i, m in enumerate(self.modules)
                 if exact or m in lowrank
             }
@@ -336,7 +331,7 @@ class KronLaplace(LaplaceBase):
             if m in lowrank:  # exact (lowrank_covariance)
                 continue
             deltas = [float(prior[i]) for prior in priors]
-            eigs = [self._eigenvalues(i, m, prior, scale).to(f64) for prior in priors]
+            eigs = [self._eigenvalues(i, m, prior, scale)[:-1, :-1].to(f64) for prior in priors]
             k = min(range(len(priors)), key=deltas.__getitem__)
             curv = eigs[k] - deltas[k]  # [r, c], the curvature part s·λG·λA (prior-free)
             big = curv > self.predictive_rtol * deltas[k]

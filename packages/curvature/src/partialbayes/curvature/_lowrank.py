@@ -20,7 +20,6 @@ nuclear-norm error at most ``1 + r / (q − r − 1)`` times that of the best ra
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,51 +101,55 @@ def nystrom_factor(y: Tensor, omega: Tensor, trace: Tensor | float, rank: int) -
 
 
 class NystromSketch:
-    """Streamed rank-``r`` sketch of ``F = Σ_m d_m d_mᵀ``: ``Y = F Ω`` ``[n, q]``, ``q = r + OVERSAMPLE``.
+    """Streamed ``F = Σ_m d_m d_mᵀ``: whole (``Y = F``), or sketched (``Y = F Ω`` ``[n, q]``) with ``tr F``.
 
-    With ``rank ≥ n`` the factor is kept whole instead (summed densely, decomposed exactly), with a warning
-    naming it (``name``, e.g. ``"G of 'lm_head'"``). ``Ω`` is drawn from ``generator`` (any device).
+    Sketched when ``rank < n``, ``q = min(n, rank + OVERSAMPLE)``, ``Ω`` drawn from ``generator`` (any device;
+    seeded, it is the same on every rank); ``Y`` is allocated by the first rows.
     """
 
     def __init__(
         self,
         n: int,
-        rank: int,
+        rank: int | None = None,
         *,
         dtype: torch.dtype = torch.float64,
         device: torch.device | str = "cpu",
         generator: torch.Generator | None = None,
-        name: str = "factor",
     ) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"max_rank must be a positive int, got {rank!r}")
-        self.rank = min(rank, n)
+        self.n, self.rank = n, n if rank is None else min(rank, n)
         self.trace = torch.zeros((), dtype=dtype, device=device)
+        self.y: Tensor | None = None
         self.omega: Tensor | None = None  # None: kept whole, Y = F
-        if rank >= n:
-            msg = f"max_rank={rank} is not below the size of {name} ({n}): it is kept whole"
-            warnings.warn(msg, UserWarning, stacklevel=2)  # the sketch's maker (_caller.py is gone)
-        else:
+        if self.rank < n:
             dev = generator.device if generator is not None else device
-            g = torch.randn(
-                n, min(n, rank + OVERSAMPLE), generator=generator, dtype=dtype, device=dev
-            )
+            q = min(n, self.rank + OVERSAMPLE)
+            g = torch.randn(n, q, generator=generator, dtype=dtype, device=dev)
             self.omega = torch.linalg.qr(g.to(device)).Q
-        self.y = torch.zeros(
-            n, n if self.omega is None else self.omega.shape[1], dtype=dtype, device=device
-        )
 
     def add(self, d: Tensor) -> None:
         """Add rows ``d`` ``[m, n]``: ``F += dᵀ d``."""
         d = d.to(self.trace.dtype)
-        self.trace += d.square().sum()
-        self.y.addmm_(d.T, d if self.omega is None else d @ self.omega)
+        if self.omega is not None:
+            self.trace += d.square().sum()
+        dd = d if self.omega is None else d @ self.omega
+        if self.y is None:
+            self.y = d.T @ dd
+        else:
+            self.y.addmm_(d.T, dd)
 
-    def factor(self, scale: float = 1.0) -> LowRankFactor:
-        """The `LowRankFactor` of ``scale · F`` (e.g. ``1 / count`` for an averaged input factor)."""
+    def sums(self) -> list[Tensor]:
+        """The running sums ``[Y, tr F]`` (to reduce over ranks)."""
+        if self.y is None:
+            q = self.n if self.omega is None else self.omega.shape[1]
+            self.y = self.trace.new_zeros(self.n, q)
+        return [self.y, self.trace]
+
+    def factor(self, scale: float = 1.0) -> Tensor | LowRankFactor:
+        """``scale · F`` (e.g. ``1 / count`` for an averaged factor): the matrix, or its `LowRankFactor`."""
+        y = self.sums()[0] * scale
         if self.omega is None:
-            return whole_factor(self.y * scale)
-        return nystrom_factor(self.y * scale, self.omega, self.trace * scale, self.rank)
+            return y
+        return nystrom_factor(y, self.omega, self.trace * scale, self.rank)
 
 
 def lowrank_log_det(eigenvalues: Tensor, g: LowRankFactor, a: LowRankFactor) -> Tensor:

@@ -56,8 +56,6 @@ from partialbayes.predictive._posterior import (
     LIKELIHOODS,
     Posterior,
     available_memory,
-    check_count,
-    check_generator,
     check_likelihood,
     check_sample,
     eval_mode,
@@ -73,6 +71,7 @@ from partialbayes.predictive._stream import (
     mc_predict_regression,
 )
 from partialbayes.predictive._temperature import apply_temperature, fit_temperature
+from partialbayes.predictive._validate import check_count, check_generator
 
 __all__ = [
     "IGNORE_INDEX",

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from partialbayes.predictive._answers import answer_logits
 from partialbayes.predictive._batch import is_causal_lm, model_logits, split_batch
 from partialbayes.predictive._stream import mc_predict, mc_predict_regression
+from partialbayes.predictive._validate import check_count
 
 
 @runtime_checkable
@@ -138,29 +139,11 @@ def check_likelihood(likelihood: object, sigma_noise: object = 1.0) -> float:
     return float(sigma_noise)
 
 
-def check_count(name: str, n: object) -> int:
-    """A positive ``int`` (bools refused), else a ``ValueError`` naming ``name``."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"{name} must be a positive int, got {n!r}")
-    return n
-
-
-def check_generator(generator: object, name: str = "generator") -> torch.Generator | None:
-    """``None`` or a ``torch.Generator``, else a ``TypeError`` naming ``name`` (a seed is not a generator)."""
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(
-            f"{name} must be a torch.Generator or None, got {type(generator).__name__} "
-            f"{generator!r} (for a seed s pass torch.Generator().manual_seed(s))"
-        )
-    return generator
-
-
 def available_memory(device: torch.device | str) -> tuple[int | None, str]:
     """Bytes free for new tensors on ``device``, and where the number comes from (``None``: unknown).
 
     CUDA: free plus cached by torch's allocator; CPU: ``MemAvailable`` of ``/proc/meminfo`` (the machine's,
-    not a container's limit), else the free physical pages. Families size a large result with it before
-    allocating.
+    not a container's limit). Families size a large result with it before allocating.
     """
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -176,10 +159,7 @@ def available_memory(device: torch.device | str) -> tuple[int | None, str]:
                     return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
     except OSError:
         pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free physical pages"
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return None, "unknown"
+    return None, "unknown (no /proc/meminfo)"
 
 
 def rows(sample: Mapping[str, Tensor], i: int) -> dict[str, Tensor]:
