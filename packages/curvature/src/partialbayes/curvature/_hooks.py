@@ -222,8 +222,8 @@ def cotangents(
         keep: ``[B, T]`` kept positions of token-level logits (``None`` for ``[B, C]``).
         positions: ``"joint"``: ``S`` passes, each carrying every kept position's vector (cross-position
             terms ``J_tᵀ v_t v_uᵀ J_u`` enter the outer products, except where positions do not interact);
-            ``"each"``: ``S`` passes per kept position ``t`` in `position_plan` order (every other position
-            zero), which gives the exact per-output gradients ``J_tᵀ v_t``.
+            ``"each"``: ``S`` passes per round of `position_plan` (one kept position ``t`` per example,
+            every other position zero), which gives the exact per-output gradients ``J_tᵀ v_t``.
 
     Yields:
         Cotangents ``[B, C]`` / ``[B, T, C]``.
@@ -412,7 +412,7 @@ def stream(
             run.on_batch(index, rows.detach(), labels)
         if options.fisher == "exact":
             joint = keep is None or positions == "joint"
-            check_exact_fisher(rows, 1 if joint else int(keep.any(0).sum()), index)
+            check_exact_fisher(rows, 1 if joint else int(keep.sum(1).max()), index)
         if run.preflight is not None:
             run.preflight(logits.detach(), keep, outputs.attention_mask)
             run.preflight = None  # the first batch only
@@ -446,11 +446,11 @@ def stream(
 
 @dataclass
 class PositionGrads:
-    """The ``C`` backward passes of one output position (all positions at once for ``[B, C]`` logits).
+    """The ``K`` backward passes of one round of `position_plan` (one kept position per example).
 
     Attributes:
-        examples: ``[n]`` indices of the examples whose output at this position is kept (all ``B`` for
-            ``[B, C]`` logits).
+        examples: ``[n]`` indices of the examples with an output in this round (all ``B`` for ``[B, C]``
+            logits).
         keys: ``[n]`` row-major keys ``b·T + t`` of those outputs (``b`` for ``[B, C]`` logits); sorting by
             them puts rows in `partialbayes.predictive.flatten_outputs` order.
         grads: Module -> one ``δ`` per logit ``k`` of ``Outputs.ids`` ``[B, (T',) r]`` (gathered to the
@@ -471,7 +471,7 @@ class OutputPasses:
         logits: Detached logits as the model returns them, ``[B, C]`` or ``[B, T, C]``.
         keep: ``[B, T]`` kept positions of token-level logits, ``None`` for ``[B, C]``.
         inputs: Module -> recorded input ``x`` (gathered to the selected columns, calls merged).
-        positions: One `PositionGrads` per output position with a kept output.
+        positions: One `PositionGrads` per round of `position_plan`.
     """
 
     logits: Tensor

@@ -255,7 +255,7 @@ def param_jacobians(
                 cot = eye
             else:
                 cot = torch.zeros((b * c, *f.shape), dtype=f.dtype, device=f.device)
-                cot[:, :, t] = eye
+                cot[:, examples, t] = eye[:, examples]
             grads = _batched_grads(f, targets, cot)
             for name, p, g in zip(subset.names, targets, grads, strict=True):
                 if g is None:

@@ -177,16 +177,19 @@ def read_batch(
 
 def position_plan(
     keep: Tensor | None, batch: int, device: torch.device
-) -> list[tuple[int | None, Tensor]]:
-    """The output positions backpropagated one at a time, with the examples whose output there counts.
+) -> list[tuple[Tensor | None, Tensor]]:
+    """The output positions backpropagated together: at most one per example (examples do not interact).
 
     Returns:
-        ``[(None, arange(B))]`` for ``[B, C]`` logits (``keep=None``); else ``(t, examples kept at t)`` for
-        every column ``t`` holding a kept position, in increasing ``t``.
+        ``[(None, arange(B))]`` for ``[B, C]`` logits (``keep=None``); else for ``r = 0, 1, …`` the ``r``-th
+        kept position of every example that has one, ``(positions t [n], examples [n])``: one round when
+        each example has one answer, wherever it stands.
     """
     if keep is None:
         return [(None, torch.arange(batch, device=device))]
-    return [(t, keep[:, t].nonzero().flatten()) for t in keep.any(0).nonzero().flatten().tolist()]
+    rank = keep.cumsum(1) - 1  # the index of each kept position within its example
+    rounds = int(keep.sum(1).max()) if keep.numel() else 0
+    return [(t, b) for b, t in ((keep & (rank == r)).nonzero(as_tuple=True) for r in range(rounds))]
 
 
 def take_examples(
