@@ -3,8 +3,8 @@
 A GPT-2-shaped causal LM built in code (vocabulary 50,257, 2 layers of width 256, 4 heads, untied head,
 random weights: memory and speed do not depend on the values), LoRA r=8 on ``c_attn``, ``c_proj`` and
 ``c_fc`` (peft), 8 answer-only sequences of 64 tokens (labels -100 except one answer token per sequence).
-Fits a `SampledLaplace` on the LoRA subset and predicts, in this process, and prints the peak resident
-memory (``VmHWM`` of ``/proc/self/status``) after each step. Run it in a fresh process::
+Fits a `SampledLaplace` on the LoRA subset and predicts (``--answers``: 5 answer tokens, ``target_ids``), in
+this process, and prints the peak resident memory (``VmHWM`` of ``/proc/self/status``) after each step. Run it in a fresh process::
 
     python packages/linear-sampling/benchmarks/vocab_memory.py --n-samples 32 --max-iter 3
 
@@ -34,6 +34,9 @@ def main() -> None:
     parser.add_argument("--max-iter", type=int, default=3)
     parser.add_argument("--method", default="cg", choices=["cg", "sgd"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--answers", action="store_true", help="predict 5 answer tokens only (target_ids)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -81,14 +84,12 @@ def main() -> None:
             generator=torch.Generator().manual_seed(0),
         )
     fit_s = time.perf_counter() - start
-    print(f"fit ({post.info.steps} steps, {fit_s:.0f} s): peak {peak_gib():.2f} GiB", flush=True)
+    print(f"fit ({post.info.steps} steps): {fit_s:.1f} s, peak {peak_gib():.2f} GiB", flush=True)
     start = time.perf_counter()
-    probs = post.predict(batches[0])
+    probs = post.predict(batches[0], target_ids=[262, 290, 286, 257, 284] if args.answers else None)
     predict_s = time.perf_counter() - start
     assert bool(torch.isfinite(probs).all())
-    print(
-        f"predict {tuple(probs.shape)} ({predict_s:.0f} s): peak {peak_gib():.2f} GiB", flush=True
-    )
+    print(f"predict {tuple(probs.shape)}: {predict_s:.1f} s, peak {peak_gib():.2f} GiB", flush=True)
 
 
 if __name__ == "__main__":
