@@ -32,48 +32,26 @@ from types import SimpleNamespace
 
 import torch
 from benchharness import Bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # tiny_models, at the repository root
 from torch import nn
 
 from partialbayes.curvature import KronLaplace, memory_estimate
 from partialbayes.selection import lora_subset
-
-VOCAB = 50257
+from tiny_models import answer_batches, lora_gpt2
 
 
 def _gpt2(b: Bench, *, layers: int, width: int, tied: bool = True) -> nn.Module:
-    import peft
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    if b.quick:
-        layers, width = 2, 32
-    cfg = GPT2Config(
-        vocab_size=VOCAB,
-        n_layer=layers,
-        n_embd=width,
-        n_head=max(1, width // 64),
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        tie_word_embeddings=tied,
-    )
-    torch.manual_seed(0)
-    lora = peft.LoraConfig(r=8, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True)
-    return peft.get_peft_model(GPT2LMHeadModel(cfg), lora).to(b.device).eval()
+    return lora_gpt2(*((2, 32) if b.quick else (layers, width)), tied=tied).to(b.device)
 
 
 def _batches(b: Bench, n_batches: int, batch: int, length: int) -> list[dict[str, torch.Tensor]]:
     """Full-length random sequences whose last token is the answer (labels -100 elsewhere)."""
     if b.quick:
         n_batches, batch, length = 1, 2, 16
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(n_batches):
-        ids = torch.randint(0, VOCAB, (batch, length), generator=g)
-        labels = torch.full_like(ids, -100)
-        labels[:, -1] = ids[:, -1]
-        batch_ = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
-        out.append({k: v.to(b.device) for k, v in batch_.items()})
-    return out
+    return [
+        {k: v.to(b.device) for k, v in x.items()} for x in answer_batches(n_batches, batch, length)
+    ]
 
 
 def _step(model: nn.Module, loader) -> None:

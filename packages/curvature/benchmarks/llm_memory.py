@@ -17,45 +17,16 @@ Each prints ``<step>: <seconds> s, peak <GiB> GiB``.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # tiny_models, at the repository root
+from tiny_models import answer_batches, lora_gpt2, peak_gib
+
 ANSWERS = [262, 290, 286, 257, 284]  # five token ids
-
-
-def peak_gib() -> float:
-    """Peak resident memory of this process so far, GiB."""
-    with open("/proc/self/status") as f:
-        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-    return kib / 2**20
-
-
-def issue_model() -> tuple[torch.nn.Module, list[dict[str, torch.Tensor]]]:
-    """The LoRA GPT-2 of issue #23 and its two answer-only batches."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=50257, n_layer=2, n_embd=256, n_head=4, tie_word_embeddings=False
-    )
-    lora = LoraConfig(
-        r=8,
-        target_modules=["c_attn", "c_proj", "c_fc"],
-        fan_in_fan_out=True,
-        init_lora_weights=False,
-    )
-    model = get_peft_model(GPT2LMHeadModel(config), lora).eval()
-    g = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(2):
-        ids = torch.randint(0, 50257, (4, 64), generator=g)
-        labels = torch.full_like(ids, -100)
-        answer = torch.randint(40, 64, (4,), generator=g)
-        labels[torch.arange(4), answer] = ids[torch.arange(4), answer]
-        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
-    return model, batches
 
 
 def main() -> None:
@@ -70,7 +41,7 @@ def main() -> None:
     from partialbayes.curvature import KronLaplace
     from partialbayes.selection import lora_subset, modules
 
-    model, batches = issue_model()
+    model, batches = lora_gpt2(), answer_batches(2, 4, 64, span=24)
     subset = lora_subset(model)
     options: dict = {"fisher": "mc" if args.case.startswith("head") else args.case}
     if args.case.startswith("head"):
