@@ -245,13 +245,10 @@ class KronLaplace(LaplaceBase):
         self._eig = eig
 
     def _factor(self, f: Tensor | LowRankFactor, n: int, what: str) -> LowRankFactor:
-        """A factor as stored, in the posterior's dtype: eigenpairs, at most ``max_rank`` of them."""
+        """A factor as stored (eigenpairs, at most ``max_rank``), in the posterior's dtype and device."""
         if not isinstance(f, LowRankFactor):
             return truncated(whole_factor(f, self.dtype, self.device, what), self._rank(n))
-        out = LowRankFactor(*(t.to(self.device, self.dtype) for t in (f.U, f.s, f.rest)))
-        if not all(bool(torch.isfinite(t).all()) for t in (out.U, out.s, out.rest)):
-            raise ValueError(f"{what} holds non-finite values (NaN or inf)")
-        return out
+        return LowRankFactor(*(t.to(self.device, self.dtype) for t in (f.U, f.s, f.rest)))
 
     def _eigenvalues(self, i: int, m: str, prior: Tensor, scale: Tensor | float) -> Tensor:
         """``E`` on the extended grid ``[r_G + 1, r_A + 1]`` (`_lowrank`; ``[:-1, :-1]`` for whole factors)."""

@@ -73,10 +73,8 @@ class Posterior(Protocol):
         Classification: probabilities with the logits' shape, ``[B, C]`` or ``[B, T, C]``. Regression:
         ``(mean, variance)`` of the predictive, each of the outputs' shape, the variance including the
         observation noise σ². ``n_samples`` counts Monte Carlo samples where the link uses them; an unknown
-        ``link`` is a ``ValueError`` listing `links`. Labels are ignored, except with ``target_ids``
-        (answer-only): the ``K`` answer tokens' distribution at the answer positions (`answer_positions`:
-        the labelled ones, shifted for a causal LM), renormalised over them, ``[P, K]``; ids out of range or
-        repeated are a ``ValueError``.
+        ``link`` is a ``ValueError`` listing `links`. Labels are ignored but for ``target_ids``: the ``K``
+        answer tokens' distribution at the answer positions (`answer_positions`), renormalised, ``[P, K]``.
         """
         ...
 
@@ -140,10 +138,9 @@ def check_likelihood(likelihood: object, sigma_noise: object = 1.0) -> float:
 
 
 def available_memory(device: torch.device | str) -> tuple[int | None, str]:
-    """Bytes free for new tensors on ``device``, and where the number comes from (``None``: unknown).
+    """Bytes free for new tensors on ``device`` (``None``: unknown), and where the number comes from.
 
-    CUDA: free plus cached by torch's allocator; CPU: ``MemAvailable`` of ``/proc/meminfo`` (the machine's,
-    not a container's limit). Families size a large result with it before allocating.
+    CUDA: free plus cached by torch's allocator; CPU: ``MemAvailable`` (the machine's, not a container's).
     """
     dev = torch.device(device)
     if dev.type == "cuda":
