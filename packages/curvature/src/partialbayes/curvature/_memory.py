@@ -250,12 +250,13 @@ def entries_estimate(
     """The estimate of a diagonal (``dense=False``) or dense curvature over ``P = n_entries`` entries.
 
     Stored ``P`` (or ``P²``, its eigendecomposition and ``eigh``'s transient ``3 P²``); the fit's gradient
-    rows ``S B P`` per position; the predictive's Jacobians ``[N, K, P]`` (three copies) and ``[N, K, K]``.
+    rows (dense: every pass's, ``S B P`` per round of positions; diagonal: one pass's and their squares);
+    the predictive's Jacobians ``[N, K, P]`` (three copies) and ``[N, K, K]``.
     """
-    b, t, n_kept, passes, fit = _batch_bytes(logits, keep, mask, options)
+    b, _, n_kept, passes, fit = _batch_bytes(logits, keep, mask, options)
     item, p = torch.finfo(options.dtype).bits // 8, n_entries
-    positions = 1 if keep is None or options.fisher == "mc" else t
-    fit += (passes * positions * b * p + (p * p if dense else p)) * item
+    rounds = 1 if keep is None or options.fisher == "mc" else int(keep.sum(1).max())
+    fit += ((passes * rounds * b if dense else 2 * b) * p + (p * p if dense else p)) * item
     pred = (3 * n_kept * k_out * p + n_kept * k_out * k_out) * item
     stored = p * p if dense else p
     avail, source = available_memory(logits.device)
