@@ -95,9 +95,9 @@ def test_lowrank_algebra_equals_dense(device, ng, na, cut_g, cut_a, seed, T, del
     b, t, k = 2, 3, 4
     x = torch.randn(b, t, na, generator=g, dtype=F64).to(device)
     d = torch.randn(k, b, t, ng, generator=g, dtype=F64).to(device)
-    torch.testing.assert_close(
-        lowrank_covariance(x, d, fg, fa, 1 / E), _dense_covariance(x, d, p_inv)
-    )
+    want = _dense_covariance(x, d, p_inv)
+    for jacobians in (True, False):  # formed Jacobians, or token Gram matrices
+        torch.testing.assert_close(lowrank_covariance(x, d, fg, fa, 1 / E, jacobians), want)
 
 
 @FIXTURE_OK

@@ -288,8 +288,8 @@ class Run:
         generator: Random generator of ``fisher="mc"``.
         progress: Show a tqdm progress bar.
         on_batch: Observer of each batch's output rows and labels (`BatchObserver`).
-        preflight: Called once, with the first batch's detached logits, kept positions and attention mask,
-            before its backward passes (the memory check of a fit); ``None``: none.
+        preflight: Called once with the first batch's logits, kept positions and mask, before its backward
+            passes (the memory check of a fit).
         batches: Batches read from the loader.
         skipped: Batches skipped because they hold no labelled output (every label -100).
     """

@@ -174,11 +174,9 @@ class LaplaceBase:
         shift_labels: Causal-LM outputs: the output at ``t`` is scored against ``labels[t + 1]``, as
             Hugging Face shifts inside the model. ``None`` (default): whether the model's class name ends
             with ``ForCausalLM`` or ``LMHeadModel``. Stored by `save`.
-        max_memory: Bytes a fit or a predictive may allocate (``None``: the device's available memory,
-            ``partialbayes.predictive.available_memory``). `fit` sizes itself at its first batch, and
-            every predictive (`predict`, `logit_mean_cov`, ...) right after its forward pass; one above the
-            limit is a ``ValueError`` with the estimate (as ``memory_estimate`` prints it) and what to
-            change, before anything large is allocated. Not saved (a property of the machine).
+        max_memory: Bytes a fit (checked at its first batch) or a predictive (after its forward pass) may
+            allocate, else a ``ValueError`` with the estimate and what to change, before anything large is
+            allocated; ``None``: ``partialbayes.predictive.available_memory``. Not saved.
 
     Raises:
         TypeError: A model that is not an ``nn.Module``, a subset that is not a ``Subset``, a dtype other
@@ -381,10 +379,6 @@ class LaplaceBase:
             target_ids=target_ids,
         )
 
-    def _preflight(self, logits: Tensor, keep: Tensor | None, mask: Tensor | None) -> None:
-        """Refuse a fit whose estimate (from its first batch) exceeds ``max_memory`` or the free memory."""
-        self._estimate(logits, keep, mask, 0).check(self.max_memory)
-
     @contextmanager
     def _sized(self, outputs: Outputs) -> Iterator[None]:
         """Refuse, right after the model's forward pass, a predictive that the memory cannot hold."""
@@ -436,7 +430,10 @@ class LaplaceBase:
             RuntimeError: Under ``torch.distributed``, when another rank failed on its shard.
         """
         loss = MapLoss(self.likelihood)
-        run = Run(check_generator(generator), progress, loss, self._preflight)
+        run = Run(check_generator(generator), progress, loss)
+        run.preflight = lambda f, keep, mask: self._estimate(f, keep, mask, 0).check(
+            self.max_memory
+        )
         curvature = self._compute_curvature(loader, run)
         total, n, n_out = loss.result(self.device)
         run.finish(self.model)

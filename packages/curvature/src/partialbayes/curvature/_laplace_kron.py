@@ -63,12 +63,10 @@ class KronLaplace(LaplaceBase):
             ``1 + ε`` (variances are overestimated, never underestimated, by at most that relative amount),
             up to rounding (products in the posterior's dtype, the final ``‖J‖²/δ − correction`` in
             float64). Stored by `save`. Modules with a low-rank factor are computed exactly.
-        max_rank: Keep a factor side larger than this (``n > max_rank``: the 50,257 × 50,257 ``G`` of an LM
-            head) as its ``max_rank`` leading eigenpairs plus an isotropic remainder (``_lowrank``): a
-            streamed Nyström sketch during `fit`, ``O(n · max_rank)`` memory, never ``n × n``. Log
-            determinant, samples, predictive, evidence and files work on it; ``None`` (default): every
-            factor whole. A ``max_rank`` at least every factor's size changes nothing (a warning says so).
-            Stored by `save`.
+        max_rank: Keep a factor side larger than this (the 50,257² ``G`` of an LM head) as its ``max_rank``
+            leading eigenpairs plus an isotropic remainder: a streamed Nyström sketch in `fit`, never
+            ``n × n`` (``_lowrank``). ``None`` (default): every factor whole; one not below any factor's
+            size warns. Stored by `save`.
         **kwargs: See `LaplaceBase` (likelihood, prior_precision, temperature, sigma_noise, fisher, ...).
 
     Raises:
@@ -103,12 +101,11 @@ class KronLaplace(LaplaceBase):
         )
         sizes = {f"{s} of {m!r} ({n})": n for m in self.modules for s, n in self._sides(m).items()}
         if max_rank is not None and max(sizes.values()) <= max_rank:
-            warnings.warn(
-                f"max_rank={max_rank} is not below the size of any factor (the largest: "
-                f"{max(sizes, key=sizes.__getitem__)}): every factor is kept whole",
-                UserWarning,
-                stacklevel=2,
+            largest = max(sizes, key=sizes.__getitem__)
+            msg = (
+                f"max_rank={max_rank} is not below the size of any factor (the largest: {largest})"
             )
+            warnings.warn(msg + ": every factor is kept whole", UserWarning, stacklevel=2)
 
     @property
     def sharing(self) -> str | None:
@@ -397,10 +394,8 @@ class KronLaplace(LaplaceBase):
                 k = self._rank(n)
                 text.append(f"{key} {n}x{n}" + (f" rank {k}" if k < n else ""))
                 floats += n * k + k + (k < n)
-            if self._separate(m):
-                rows.append((m, " ⊗ ".join(text) + ", bias G ⊗ [1]", floats + 1))
-            else:
-                rows.append((m, " ⊗ ".join(text), floats))
+            sep = self._separate(m)  # the separate bias's eigenvalue: one float more
+            rows.append((m, " ⊗ ".join(text) + (", bias G ⊗ [1]" if sep else ""), floats + sep))
         return rows
 
 

@@ -269,8 +269,7 @@ def kron_predictive(
             kept directions ``I`` / ``J`` (``[r, |I|]``, ``[c, |J|]``) and every other direction counts at its
             prior value (`residual_covariances`); the result is then in ``combine_dtype``.
         combine_dtype: With ``residual``, dtype of the final combination and of the result.
-        lowrank: ``{module: (G, A)}`` of the modules with a low-rank factor: their ``inv_eigenvalues`` are
-            ``1 / E`` on the extended grid ``[r_G + 1, r_A + 1]`` and their covariance is
+        lowrank: ``{module: (G, A)}`` with a low-rank factor: ``1 / E`` on the extended grid, and
             ``_lowrank.lowrank_covariance`` (exact, also under ``residual``).
 
     Returns:

@@ -193,14 +193,20 @@ def scale_in_basis(z: Tensor, g: LowRankFactor, a: LowRankFactor, w: Tensor) -> 
 
 
 def lowrank_covariance(
-    x: Tensor, d: Tensor, g: LowRankFactor, a: LowRankFactor, inv_eigenvalues: Tensor
+    x: Tensor,
+    d: Tensor,
+    g: LowRankFactor,
+    a: LowRankFactor,
+    inv_eigenvalues: Tensor,
+    jacobians: bool | None = None,
 ) -> Tensor:
-    """``J Σ Jᵀ`` of one block for Jacobians ``J_k = Σ_t d_k,t x_tᵀ`` per example, without forming ``J``.
+    """``J Σ Jᵀ`` of one block for Jacobians ``J_k = Σ_t d_k,t x_tᵀ`` per example.
 
-    With coordinates ``D = d U_G``, ``X = x U_A`` and the remainders ``d⊥ = d − D U_Gᵀ``, ``x⊥ = x − X U_Aᵀ``,
-    ``(J Σ Jᵀ)_kl = Σ_ij M_k,ij M_l,ij w_ij`` (``M_k = Dᵀ_k X``, ``w = 1/E``) plus, for a low-rank side, the
-    remainder blocks from the token Gram matrices ``x⊥ x⊥ᵀ`` and ``d⊥ d⊥ᵀ``. Cost per example
-    ``K T (n_G r_G + n_A r_A) + K² T² n_G``: pass only the tokens whose output gradient is non-zero.
+    With ``jacobians`` (a LoRA map: ``J`` ``[n_G, n_A]``, one side its rank, is smaller than the token Gram
+    matrices), ``(J Σ Jᵀ)_kl = <J_k, Σ J_l>_F`` with ``Σ J_l`` by `scale_in_basis` (``w = 1/E``). Else (an
+    LM head), with ``D = d U_G``, ``X = x U_A`` and the remainders ``d⊥ = d − D U_Gᵀ``, ``x⊥ = x − X U_Aᵀ``:
+    ``Σ_ij M_k,ij M_l,ij w_ij`` (``M_k = Dᵀ_k X``) plus the remainder blocks from the token Gram matrices
+    ``x⊥ x⊥ᵀ`` and ``d⊥ d⊥ᵀ``, at ``K T (n_G r_G + n_A r_A) + K² T² n_G`` per example.
 
     Args:
         x: ``[B, T, n_A]`` inputs (with the constant 1 last when the bias is folded in).
@@ -208,11 +214,16 @@ def lowrank_covariance(
         g: Output factor.
         a: Input factor.
         inv_eigenvalues: ``1 / E`` ``[r_G + 1, r_A + 1]``.
+        jacobians: Form ``J`` (``None``: when smaller than the Gram matrices).
 
     Returns:
         ``[B, K, K]``.
     """
     w = inv_eigenvalues
+    k, _, t, n_g = d.shape
+    if jacobians or (jacobians is None and n_g * x.shape[-1] <= (k * t) ** 2):
+        jac = torch.einsum("kbti,btj->bkij", d, x)  # [B, K, n_G, n_A]
+        return torch.einsum("bkij,blij->bkl", jac, scale_in_basis(jac, g, a, w))
     dc, xc = d @ g.U, x @ a.U  # [K, B, T, r_G], [B, T, r_A]
     m = torch.einsum("kbti,btj->bkij", dc, xc)
     cov = torch.einsum("bkij,blij->bkl", m * w[:-1, :-1], m)

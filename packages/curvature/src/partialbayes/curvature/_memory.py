@@ -120,8 +120,7 @@ class MemoryEstimate:
             "(p/100)² of the memory) or use dtype=torch.float32 (half).": self.factors + self.eigen,
             "Fit: fisher='mc' or 'empirical' (k or 1 backward passes per batch, not C), smaller "
             "batches.": self.fit_batch,
-            "Predictive: only the answer tokens (target_ids: K outputs, not C), fewer examples at a "
-            "time (chunk_size).": self.predictive,
+            "Predictive: only the answer tokens (target_ids), or chunk_size.": self.predictive,
         }
         raise ValueError(
             f"this needs about {fmt_bytes(self.total)} but {fmt_bytes(limit)} is "
@@ -258,8 +257,6 @@ def entries_estimate(
     rounds = 1 if keep is None or options.fisher == "mc" else int(keep.sum(1).max())
     fit += ((passes * rounds * b if dense else 2 * b) * p + (p * p if dense else p)) * item
     pred = (3 * n_kept * k_out * p + n_kept * k_out * k_out) * item
-    stored = p * p if dense else p
-    avail, source = available_memory(logits.device)
+    stored, eigen = (p * p * item, (4 * p * p + p) * item) if dense else (p * item, 0)
     largest = f"{'H' if dense else 'diagonal'} of {p} entries"
-    eigen = (4 * p * p + p) * item if dense else 0
-    return MemoryEstimate(stored * item, eigen, fit, pred, largest, avail, source)
+    return MemoryEstimate(stored, eigen, fit, pred, largest, *available_memory(logits.device))
