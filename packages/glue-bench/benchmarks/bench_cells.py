@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from benchharness import Bench
 
-from partialbayes.glue_bench.methods import METHODS, Context, Settings
+from partialbayes.glue_bench.context import Context, Settings
+from partialbayes.glue_bench.methods import METHODS
 
 
 def _model(quick: bool, device: torch.device):

@@ -8,12 +8,11 @@ import torch
 
 import partialbayes.glue_bench as gb
 from partialbayes import selection
-from partialbayes.glue_bench.context import Prediction, every_linear_map
+from partialbayes.glue_bench.context import Prediction, Settings, every_linear_map
 from partialbayes.glue_bench.data_glue import Examples, encode
 from partialbayes.glue_bench.data_uci import UCISplit
 from partialbayes.glue_bench.experiment import RunConfig, run_grid
 from partialbayes.glue_bench.linearised import LinearSamplingConfig
-from partialbayes.glue_bench.methods import Settings
 from partialbayes.glue_bench.models import MLP
 from partialbayes.glue_bench.store import iter_records
 from partialbayes.glue_bench.train import TrainConfig, _make_optimizers, finetune, train_epoch

@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from partialbayes.glue_bench.cli import main, parse_splits
+from partialbayes.glue_bench.context import Settings
 from partialbayes.glue_bench.experiment import RunConfig, run_grid
-from partialbayes.glue_bench.methods import Settings
 from partialbayes.glue_bench.store import Cell, ResultStore, iter_records
 from partialbayes.glue_bench.train import TrainConfig, load_checkpoint
 
@@ -318,32 +318,3 @@ def test_damaged_checkpoints_are_named(tmp_path, tiny_bert_factory, which, conte
     (folder / which).write_bytes(content)
     with pytest.raises(ValueError, match=str(folder / which)):
         load_checkpoint(model, folder)
-
-
-def test_damaged_or_foreign_curvature_parts_are_named(tmp_path):
-    from partialbayes.curvature import ModuleFactors
-    from partialbayes.glue_bench.curvature_pass import CurvatureStore, TrainingLoss
-
-    store = CurvatureStore(tmp_path, {"fisher": "empirical", "map": "abc"})
-    f = ModuleFactors(
-        "lin",
-        torch.eye(2, dtype=torch.float64),
-        torch.eye(3, dtype=torch.float64),
-        None,
-        None,
-        True,
-        4,
-    )
-    loss = TrainingLoss(1.0, 4, 2)
-    (path,) = store.save({"lin": f}, {}, loss)
-    full, _, got = store.load(["lin"], [])
-    assert torch.equal(full["lin"].G, f.G)
-    assert got == loss
-    other = CurvatureStore(tmp_path, {"fisher": "empirical", "map": "abc"})
-    other.key = {"fisher": "exact", "map": "abc"}  # same file, another key
-    with pytest.raises(ValueError, match=r"was computed for .*delete it"):
-        other.load(["lin"], [])
-    for content in (b"", b"garbage", path.read_bytes()[:40]):
-        path.write_bytes(content)
-        with pytest.raises(ValueError, match=str(path)):
-            store.load(["lin"], [])

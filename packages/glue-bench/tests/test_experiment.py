@@ -4,9 +4,9 @@ import json
 import pytest
 import torch
 
+from partialbayes.glue_bench.context import Settings
 from partialbayes.glue_bench.experiment import RunConfig, run_grid
 from partialbayes.glue_bench.linearised import LinearSamplingConfig
-from partialbayes.glue_bench.methods import Settings
 from partialbayes.glue_bench.store import iter_records
 from partialbayes.glue_bench.train import TrainConfig
 

@@ -1,17 +1,15 @@
 """Sampling-based linearised Laplace in the benchmark: dense float64 references for the glue-bench code
-(features stacked over batches of different lengths, one EM step, the predictive), and bad settings."""
+(one EM step, the predictive, the dense Jacobians), and bad settings."""
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, settings
 from torch import nn
 
 from partialbayes.glue_bench.linearised import (
     LinearSamplingConfig,
     fit_linearised,
     linearised_probs,
-    stacked_features,
 )
 
 F64 = torch.float64
@@ -98,31 +96,6 @@ def _dense_jacobian(model, batches, params):
     return torch.stack(rows), theta
 
 
-@FIXTURE_OK
-@given(
-    sizes=st.lists(st.integers(1, 4), min_size=1, max_size=3),
-    dim=st.integers(1, 4),
-    classes=st.integers(2, 3),
-    seed=st.integers(0, 2**16),
-)
-def test_stacked_features_match_dense_jacobian(sizes, dim, classes, seed, device):
-    lengths = [2 + (i % 3) for i in range(len(sizes))]
-    batches = _batches(sizes, lengths, dim, classes, seed, device)
-    model = _toy(dim, 3, classes, seed, device)
-    params = _params(model, seed)
-    phi, _ = _dense_jacobian(model, batches, params)
-    feats = stacked_features(model, batches, params)
-    n, m, d = phi.shape
-    assert (feats.n, feats.m, feats.d) == (n, m, d)
-    gen = torch.Generator().manual_seed(seed + 1)
-    z = torch.randn(d, 2, generator=gen, dtype=F64).to(device)
-    v = torch.randn(n, m, 2, generator=gen, dtype=F64).to(device)
-    # a shuffled index set that spans several batches, in a mixed order
-    idx = torch.randperm(n, generator=gen).to(device)
-    torch.testing.assert_close(feats.apply(idx, z), torch.einsum("nmd,dk->nmk", phi[idx], z))
-    torch.testing.assert_close(feats.apply_t(idx, v), torch.einsum("nmd,nmk->dk", phi[idx], v))
-
-
 def test_one_em_step_matches_dense_formulas(device):
     """α₁ = γ̂ / ‖θ̄‖² with θ̄ = H⁻¹ΦᵀBY exact and γ̂ a k-sample estimate of tr(H⁻¹ΦᵀBΦ)."""
     classes, k, alpha0 = 3, 400, 2.0
@@ -195,14 +168,10 @@ def test_bad_settings_name_the_field(key, value):
         LinearSamplingConfig(**{key: value})
 
 
-def test_stacked_features_refuses_no_batches():
-    with pytest.raises(ValueError, match="batches is empty"):
-        stacked_features(_toy(2, 3, 2, 0, "cpu"), [], {"head.bias": None})
-
-
 def test_dense_jacobians_match_the_operator_features(tiny_bert_factory, tiny_tokenizer):
-    """The hook-based dense Φ (curvature.logit_jacobians) equals network_features' Φ, column order too."""
+    """The hook-based dense Φ (curvature.logit_jacobians) equals loader_features' Φ, column order too."""
     from partialbayes.glue_bench.linearised import dense_jacobians
+    from partialbayes.linear_sampling import loader_features
     from partialbayes.selection import last_layer, sparse_kfac
 
     model, tok = tiny_bert_factory(3)
@@ -214,7 +183,7 @@ def test_dense_jacobians_match_the_operator_features(tiny_bert_factory, tiny_tok
         enc["labels"] = torch.tensor([i, 2])
         batches.append(enc)
     subset = sparse_kfac(model, 40.0) | last_layer(model)
-    feats = stacked_features(model, batches, subset)
+    feats = loader_features(model, batches, subset)
     pairs = [dense_jacobians(model, b, subset) for b in batches]
     phi = torch.cat([p[1] for p in pairs])
     with torch.no_grad():

@@ -1,12 +1,13 @@
-"""A whole ramp from one curvature pass: the shared path gives the per-cell path's factors and records."""
+"""A whole ramp from shared passes: the shared path gives the per-cell path's records, bit for bit."""
 
 import dataclasses
 
 import pytest
 import torch
 
+from partialbayes.glue_bench.context import Settings
 from partialbayes.glue_bench.experiment import RunConfig, prepare_context, run_grid
-from partialbayes.glue_bench.methods import METHODS, Settings
+from partialbayes.glue_bench.methods import METHODS
 from partialbayes.glue_bench.store import Cell, ResultStore, iter_records, without_timings
 from partialbayes.glue_bench.train import TrainConfig
 from tiny_models import tiny_model
@@ -98,87 +99,43 @@ def test_shared_pass_gives_the_per_cell_records(
         assert per_cell[key]["curvature_pass"] == "per-cell", key
         assert rec["extra"]["fisher"] == fisher
         assert _comparable(rec) == _comparable(per_cell[key]), key
-    # the factors were stored beside the checkpoint: one part per linear map and per S-KFAC level
-    parts = sorted(p.name for p in (tmp_path / "shared" / "checkpoints").rglob("*.safetensors"))
-    assert sum(p.startswith("skfac-") for p in parts) == 4
-    assert sum(p.startswith("module-") for p in parts) == 14
+        if key[0] != "map":
+            assert rec["extra"]["shared_cells"] == len(shared) - 1
 
 
-def test_shared_factors_equal_a_fresh_fit(tmp_path, mini_glue, wide_bert_factory):
-    """The stored parts are bit for bit what KronLaplace.fit computes for each cell's subset."""
+def test_a_resumed_ramp_runs_its_missing_cells_in_one_pass(
+    tmp_path, mini_glue, wide_bert_factory, monkeypatch
+):
+    """A rerun computes only the cells without a record, all in one pass, with the same records."""
     from partialbayes.curvature import KronLaplace
-    from partialbayes.glue_bench.curvature_pass import CurvatureStore
-    from partialbayes.glue_bench.ramp import curvature_key
-
-    torch.set_num_threads(1)
-    _grid(tmp_path / "res", mini_glue, wide_bert_factory, "shared")
-    config = _config("shared")
-    store = ResultStore(tmp_path / "res", config.to_dict())
-    ctx, _ = prepare_context(
-        "sst2",
-        0,
-        config,
-        store,
-        torch.device("cpu"),
-        mini_glue,
-        model_factory=lambda n, c, d: wide_bert_factory(c),
-        progress=False,
-    )
-    parts = CurvatureStore(ctx.curvature_dir, curvature_key(ctx))
-    cells = [(METHODS["skfac"], s) for s in ("1", "6.8", "33", "60")]
-    cells += [(METHODS["kfac-full"], "-"), (METHODS["kfac-random"], "2")]
-    for method, size in cells:
-        kron = method.kron(ctx, size)
-        modules = list(kron.subset.kron_modules())
-        percents = [] if kron.skfac_percent is None else [kron.skfac_percent]
-        full, by_level, loss = parts.load([] if percents else modules, percents)
-        stored = by_level[kron.skfac_percent] if percents else full
-        captured = {}
-
-        def keep(curvature, captured=captured, **info):
-            captured.update(curvature=curvature, **info)
-
-        fresh = KronLaplace(ctx.model, kron.subset, num_classes=2, fisher="empirical")
-        fresh.fit_curvature = (
-            keep  # the factors a fresh fit computes, before its eigendecomposition
-        )
-        fresh.fit(ctx.train)
-        assert set(captured["curvature"]) == set(stored) == set(modules)
-        for m, f in captured["curvature"].items():
-            assert torch.equal(f.G, stored[m].G), (method.name, size, m)
-            assert torch.equal(f.A, stored[m].A), (method.name, size, m)
-            assert f.bias == stored[m].bias
-        assert captured["map_loss"] == loss.map_loss
-        assert (captured["n_data"], captured["n_outputs"]) == (loss.n_data, loss.n_outputs)
-
-
-def test_a_ramp_resumes_from_the_stored_pass(tmp_path, mini_glue, wide_bert_factory, monkeypatch):
-    """A rerun that needs no new part never streams the training set again; a new level costs one pass."""
-    from partialbayes.glue_bench import curvature_pass
+    from partialbayes.glue_bench import laplace_cells
 
     root = tmp_path / "res"
     first = _grid(root, mini_glue, wide_bert_factory, "shared")
-    calls = []
-    real = curvature_pass.compute_pass
+    passes = []
 
-    def counting(model, batches, modules, levels, **kw):
-        calls.append((list(modules), sorted(levels)))
-        return real(model, batches, modules, levels, **kw)
+    class Counting(KronLaplace):
+        @classmethod
+        def fit_many(cls, model, subsets, loader, **kw):
+            passes.append(len(subsets))
+            return KronLaplace.fit_many(model, subsets, loader, **kw)
 
-    monkeypatch.setattr(curvature_pass, "compute_pass", counting)
+    monkeypatch.setattr(laplace_cells, "KronLaplace", Counting)
+    assert _grid(root, mini_glue, wide_bert_factory, "shared").keys() == first.keys()
+    assert passes == []  # every cell has its record
     for rec in (root / "records" / "sst2" / "split0").rglob("*.json"):
         if rec.parent.name in ("skfac", "kfac-full"):
             rec.unlink()
     again = _grid(root, mini_glue, wide_bert_factory, "shared")
-    assert calls == []
+    assert passes == [4 + 1]
     assert {k: _comparable(v) for k, v in again.items()} == {
         k: _comparable(v) for k, v in first.items()
     }
 
 
 def test_ramp_groups_bound_the_memory(tmp_path, mini_glue, wide_bert_factory):
-    """Cells are processed in groups whose eigenbases fit the budget; the records do not change."""
-    from partialbayes.glue_bench import ramp
+    """Cells are processed in groups whose posteriors fit the budget; the records do not change."""
+    from partialbayes.glue_bench.laplace_cells import groups_of, shared_predictions
 
     torch.set_num_threads(1)
     config = _config("shared")
@@ -193,17 +150,18 @@ def test_ramp_groups_bound_the_memory(tmp_path, mini_glue, wide_bert_factory):
         model_factory=lambda n, c, d: wide_bert_factory(c),
         progress=False,
     )
-    cells = [(METHODS["skfac"], s) for s in ("1", "33")] + [(METHODS["kfac-full"], "-")]
-    logs = []
-    one = {(m.name, s): p for m, s, p, _ in ramp.run_shared(ctx, cells, log=logs.append)}
-    small = {
-        (m.name, s): p
-        for m, s, p, _ in ramp.run_shared(ctx, cells, log=logs.append, memory_floats=1)
-    }
-    assert any("group 3/3" in line for line in logs)
-    for key, pred in one.items():
-        assert torch.equal(pred.probs, small[key].probs), key
-        assert pred.extra["prior_precision"] == small[key].extra["prior_precision"]
+    cells = [METHODS["skfac"].kron(ctx, s) for s in ("1", "33")] + [
+        METHODS["kfac-full"].kron(ctx, "-")
+    ]
+    assert groups_of(cells) == [[0, 1, 2]]
+    assert groups_of(cells, memory_floats=1) == [[0], [1], [2]]
+    together, took = shared_predictions(ctx, cells)
+    assert set(took) == {"fit", "prior", "predict", "cpu"}
+    for cell, pred in zip(cells, together, strict=True):
+        (alone,), _ = shared_predictions(ctx, [cell])
+        assert torch.equal(pred.probs, alone.probs)
+        assert pred.extra["prior_precision"] == alone.extra["prior_precision"]
+        assert pred.extra.get("skfac_percent") == cell.skfac_percent
 
 
 @pytest.mark.parametrize(

@@ -392,8 +392,8 @@ def test_uci_report_from_records(tmp_path):
 # ------------------------------------------------------------------------------------------ end to end
 def test_tiny_grid_then_report(tmp_path, mini_glue, tiny_bert_factory):
     pytest.importorskip("partialbayes.curvature")
+    from partialbayes.glue_bench.context import Settings
     from partialbayes.glue_bench.experiment import RunConfig, run_grid
-    from partialbayes.glue_bench.methods import Settings
     from partialbayes.glue_bench.store import iter_records
     from partialbayes.glue_bench.train import TrainConfig
 

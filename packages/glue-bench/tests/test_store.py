@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from partialbayes.glue_bench import experiment
+from partialbayes.glue_bench.context import Settings
 from partialbayes.glue_bench.experiment import RunConfig, run_grid
-from partialbayes.glue_bench.methods import Settings
 from partialbayes.glue_bench.store import Cell, ResultStore, grid_units, parse_shard
 from partialbayes.glue_bench.train import TrainConfig
 

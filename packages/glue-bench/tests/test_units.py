@@ -12,8 +12,8 @@ import torch
 
 from partialbayes.glue_bench import experiment
 from partialbayes.glue_bench.cli import main, parse_splits
+from partialbayes.glue_bench.context import Settings
 from partialbayes.glue_bench.experiment import RunConfig, run_grid
-from partialbayes.glue_bench.methods import Settings
 from partialbayes.glue_bench.store import (
     ResultStore,
     UnitBusyError,

@@ -21,17 +21,25 @@ def _setup():
     return model, x, y
 
 
+#: Rank r's examples in the weighted run: rank 0 the first 5, rank 1 the last 3.
+SPLIT = (slice(0, 5), slice(5, 8))
+
+
 def _worker(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        model, x, y = _setup()
-        opt = IVON(model.parameters(), generator=torch.Generator().manual_seed(100 + rank), **HYPER)
-        for _ in range(3):
-            with opt.sampled_params(train=True):
-                ((model(x) - y) ** 2).mean().backward()
-            opt.step()
-        torch.save(
-            [p.detach() for p in model.parameters()], os.path.join(out_dir, f"rank{rank}.pt")
-        )
+        for weighted in (False, True):
+            model, x, y = _setup()
+            if weighted:  # each rank its own minibatch, of its own size
+                x, y = x[SPLIT[rank]], y[SPLIT[rank]]
+            opt = IVON(
+                model.parameters(), generator=torch.Generator().manual_seed(100 + rank), **HYPER
+            )
+            for _ in range(3):
+                with opt.sampled_params(train=True, batch_size=len(x) if weighted else None):
+                    ((model(x) - y) ** 2).mean().backward()
+                opt.step()
+            name = f"rank{rank}{'-weighted' if weighted else ''}.pt"
+            torch.save([p.detach() for p in model.parameters()], os.path.join(out_dir, name))
     finally:
         dist.destroy_process_group()

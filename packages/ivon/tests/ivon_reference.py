@@ -28,37 +28,46 @@ def reference_ivon(
     generator=None,
     masks=None,
     generators=None,
+    weights=None,
 ):
     """Run Alg. 1 for ``steps`` steps from ``params0`` (list of tensors); returns (means, hess) lists.
 
-    Noise: for each sample, for each parameter in order, ``z ~ N(0, 1/ess)`` drawn with ``generator`` in the
-    parameter's shape (the order the optimizer documents); entries outside ``masks`` get no noise and keep h.
-    With ``generators``, MC sample ``s`` draws from ``generators[s]`` (one generator per data-parallel rank).
+    Noise: for each sample, for each parameter in order, float32 standard normals drawn with ``generator`` in
+    the parameter's shape and rounded to float16 (the construction the optimizer documents), divided by
+    ``√(ess·(h+δ))``; entries outside ``masks`` get no noise and keep h. With ``generators``, MC sample ``s``
+    draws from ``generators[s]`` (one generator per data-parallel rank). ``weights`` (one per MC sample,
+    e.g. batch sizes) weigh the samples' gradients and statistics (Alg. 1 note); default: equal.
     """
     m = [p.detach().to(torch.float64).clone() for p in params0]
     h = [torch.full_like(x, hess_init) for x in m]
     mu = [torch.zeros_like(x) for x in m]
     d = weight_decay
     masks = masks or [None] * len(m)
+    weights = [1.0] * mc_samples if weights is None else weights
     for t in range(1, steps + 1):
         gbar = [torch.zeros_like(x) for x in m]
         hhat = [torch.zeros_like(x) for x in m]
         for s in range(mc_samples):
             gen = generator if generators is None else generators[s]
+            share = weights[s] / sum(weights)
             eps = []
             for x, hx, mk in zip(m, h, masks, strict=True):
-                z = torch.empty(x.shape, dtype=torch.float64, device=x.device)
-                z.normal_(0.0, 1.0 / math.sqrt(ess), generator=gen)
-                e = z / torch.sqrt(hx + d)
+                z = torch.empty(x.shape, dtype=torch.float32, device=x.device).normal_(
+                    generator=gen
+                )
+                e = z.half().to(torch.float64) / math.sqrt(ess) / torch.sqrt(hx + d)
                 eps.append(e if mk is None else e * mk)
             w = [(x + e).requires_grad_(True) for x, e in zip(m, eps, strict=True)]
-            grads = torch.autograd.grad(loss_fn(w), w)
+            fn = (
+                loss_fn[s] if isinstance(loss_fn, list) else loss_fn
+            )  # one loss per MC sample (rank)
+            grads = torch.autograd.grad(fn(w), w)
             for i, (g, e) in enumerate(zip(grads, eps, strict=True)):
-                gbar[i] += g / mc_samples
+                gbar[i] += g * share
                 if hess_approx == "price":
-                    hhat[i] += e * g * ess * (h[i] + d) / mc_samples
+                    hhat[i] += e * g * ess * (h[i] + d) * share
                 else:
-                    hhat[i] += g * g / mc_samples
+                    hhat[i] += g * g * share
         for i in range(len(m)):
             mu[i] = beta1 * mu[i] + (1 - beta1) * gbar[i]
             hh = hhat[i] if masks[i] is None else torch.where(masks[i], hhat[i], h[i])

@@ -50,9 +50,13 @@ def _snapshot(model, opt):
 
 
 def _same(a, b):
+    """Equal states; the means up to the rounding of the samples' round trips m + ε − ε (float64)."""
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
-        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+        if isinstance(x, torch.Tensor):
+            torch.testing.assert_close(x, y, rtol=1e-15, atol=1e-16)
+        else:
+            assert x == y
 
 
 def _train_step(model, opt, x, y, scale=1.0):
@@ -143,6 +147,18 @@ def test_train_flag_must_be_bool(train):
     opt = IVON(_params(), lr=0.1, ess=10)
     with pytest.raises(TypeError, match="train"), opt.sampled_params(train=train):
         pass
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), True, "8", torch.tensor(8.0)])
+def test_batch_size_must_be_a_positive_number(bad):
+    model = _mlp()
+    opt = IVON(model.parameters(), lr=0.1, ess=6)
+    with (
+        pytest.raises(ValueError, match="batch_size must be a number > 0"),
+        opt.sampled_params(train=True, batch_size=bad),
+    ):
+        pass
+    assert not opt._sampling
 
 
 def test_closure_must_be_callable():

@@ -6,8 +6,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from partialbayes.ivon import IVON, _blocked, _kernels
-from partialbayes.ivon._math import Hyper, ivon_update
+from partialbayes.ivon import IVON, _blocked
+from partialbayes.ivon._math import Hyper, Update, ivon_update, update_
 
 HYPER = Hyper(
     lr=0.1, beta1=0.9, beta2=0.8, weight_decay=0.01, ess=7.0, bias_correction=0.5, clip_radius=None
@@ -25,11 +25,11 @@ def test_hessian_stays_positive_and_fixes_h_hat_equal_h(h, h_hat, beta2, delta):
     t = torch.tensor([h], dtype=torch.float64)
     hyper = HYPER._replace(beta2=beta2, weight_decay=delta)
     zero = torch.zeros_like(t)
-    _, _, new = ivon_update(
-        zero, zero, t, zero, torch.tensor([h_hat]).double(), None, hyper, hess_approx="gradsq"
-    )
+    kw = dict(hess_approx="gradsq", learn_hess=True)
+    stat = torch.tensor([h_hat]).double()
+    _, _, new = ivon_update(Update(zero, zero, t, zero, None, stat, None), hyper, **kw)
     assert new.item() > 0
-    _, _, same = ivon_update(zero, zero, t, zero, t, None, hyper, hess_approx="gradsq")
+    _, _, same = ivon_update(Update(zero, zero, t, zero, None, t, None), hyper, **kw)
     torch.testing.assert_close(same, t, rtol=1e-12, atol=0)
 
 
@@ -38,9 +38,11 @@ def test_fixed_hessian_and_mask_keep_h():
     m, mu, g_, stat = (torch.randn(6, generator=g, dtype=torch.float64) for _ in range(4))
     h = torch.rand(6, generator=g, dtype=torch.float64) + 0.5
     mask = torch.tensor([True, False, True, False, False, True])
-    _, _, fixed = ivon_update(m, mu, h, g_, None, None, HYPER, hess_approx="price")
+    kw = dict(hess_approx="price")
+    _, _, fixed = ivon_update(Update(m, mu, h, g_, None, None, None), HYPER, learn_hess=False, **kw)
     assert fixed is h
-    _, _, masked = ivon_update(m, mu, h, g_, stat, mask, HYPER, hess_approx="price")
+    u = Update(m, mu, h, g_, None, stat, mask)
+    _, _, masked = ivon_update(u, HYPER, learn_hess=True, **kw)
     assert torch.equal(masked[~mask], h[~mask])
     assert (masked[mask] != h[mask]).all()
 
@@ -52,7 +54,7 @@ def test_fixed_hessian_and_mask_keep_h():
     seed=st.integers(0, 1000),
     case=st.sampled_from(
         [
-            ("price", "sample"),
+            ("price", "noise"),
             ("price", "stat"),
             ("gradsq", None),
             ("gradsq", "stat"),
@@ -74,9 +76,7 @@ def test_packed_and_chunked_update_equals_whole_tensor_update(
     means, mom, grads, extra = make(), make(), make(), make()
     hess = [torch.rand(n, generator=g, dtype=torch.float64) + 0.1 for n in sizes]
     masks = [torch.rand(n, generator=g) < 0.5 if masked else None for n in sizes]
-    samples = (
-        [m + 0.1 * e for m, e in zip(means, extra, strict=True)] if source == "sample" else None
-    )
+    noises = [e.half() for e in extra] if source == "noise" else None
     stats = extra if source == "stat" else None
     learn = hess_approx != "fixed"
     kwargs = dict(
@@ -88,20 +88,20 @@ def test_packed_and_chunked_update_equals_whole_tensor_update(
     def items(lists):
         m, mu, h = lists
         return [
-            (m[i], mu[i], h[i], grads[i], samples and samples[i], stats and stats[i],
-             masks[i] if learn else None)
+            Update(m[i], mu[i], h[i], grads[i], noises and noises[i], stats and stats[i],
+                   masks[i] if learn else None)
             for i in range(len(sizes))
         ]  # fmt: skip
 
     copies = [[t.clone() for t in lst] for lst in (means, mom, hess)]
     saved = _blocked.CHUNK, _blocked.SMALL
-    _blocked.CHUNK, _blocked.SMALL = chunk, small
+    _blocked.CHUNK, _blocked.SMALL = chunk, {False: small, True: small}
     try:
-        _blocked.apply(_kernels.update_, items(copies), writes=3, **kwargs)
+        _blocked.apply(update_, items(copies), **kwargs)
     finally:
         _blocked.CHUNK, _blocked.SMALL = saved
     for it in items((means, mom, hess)):
-        _kernels.update_(*it, **kwargs)
+        update_(it, **kwargs)
     for a_list, b_list in zip(copies, (means, mom, hess), strict=True):
         for a, b in zip(a_list, b_list, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -114,7 +114,7 @@ def test_chunked_draw_and_update_equal_whole_tensor_ones(n_hidden, seed, monkeyp
     finals = []
     for chunk, small in ((1 << 22, 0), (32, 0), (7, 0), (32, 40), (1 << 22, 1 << 22)):
         monkeypatch.setattr(_blocked, "CHUNK", chunk)
-        monkeypatch.setattr(_blocked, "SMALL", small)
+        monkeypatch.setattr(_blocked, "SMALL", {False: small, True: small})
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(3, n_hidden), torch.nn.Tanh()).double()
         x = torch.randn(4, 3, dtype=torch.float64)

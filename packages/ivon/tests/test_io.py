@@ -70,14 +70,27 @@ def test_refuses_mismatched_models_and_foreign_files(tmp_path):
     _, post = _trained_posterior("cpu", 0)
     save_posterior(post, tmp_path / "post.safetensors")
     wider = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
-    with pytest.raises(ValueError, match=r"'0\.weight' has shape \(5, 3\)"):
+    with pytest.raises(ValueError, match=r"0\.weight: saved \(4, 3\), model \(5, 3\)"):
         load_posterior(tmp_path / "post.safetensors", wider)
-    with pytest.raises(ValueError, match=r"no parameter '2\.weight'"):
+    with pytest.raises(ValueError, match=r"missing parameters \['2\.bias', '2\.weight'\]"):
         load_posterior(tmp_path / "post.safetensors", torch.nn.Sequential(torch.nn.Linear(3, 4)))
     from safetensors.torch import save_file
 
     save_file({"w": torch.zeros(2)}, tmp_path / "other.safetensors")
-    with pytest.raises(ValueError, match="not an IVON posterior"):
+    with pytest.raises(ValueError, match="not a saved partialbayes posterior"):
         load_posterior(tmp_path / "other.safetensors")
     with pytest.raises(TypeError, match="GaussianPosterior or MultiIVON"):
         save_posterior({"w": torch.zeros(1)}, tmp_path / "x.safetensors")
+
+
+def test_save_creates_the_folder_refuses_a_folder_and_needs_the_model(tmp_path):
+    """Issue #27: a missing folder or a folder path raised SafetensorError naming a random temp file."""
+    model, post = _trained_posterior("cpu", 0)
+    target = tmp_path / "new" / "deeper" / "post.safetensors"
+    post.save(target)
+    _assert_same(post, GaussianPosterior.load(target, model))
+    with pytest.raises(ValueError, match=r"it is a folder; give a file path"):
+        post.save(tmp_path / "new")
+    free = GaussianPosterior(post.mean, post.std)
+    with pytest.raises(ValueError, match="has no model"):
+        free.save(tmp_path / "free.safetensors")

@@ -210,10 +210,25 @@ def test_bad_input_is_named(device, tmp_path):
     post = GaussianPosterior(mean, std, model)
     with pytest.raises(ValueError, match=r"GaussianPosterior offers \('mc',\)"):
         post.predict(torch.zeros(2, 4, dtype=torch.float64, device=device), link="probit")
-    with pytest.raises(ValueError, match="missing"):
-        post.swapped({"0.weight": torch.zeros(24)})
+    with pytest.raises(ValueError, match="missing"), post.swapped({"0.weight": torch.zeros(24)}):
+        pass
     with pytest.raises(ValueError, match="likelihood"):
         GaussianPosterior(mean, std, model, likelihood="ordinal")
     save_posterior(MultiIVON([post, post]), tmp_path / "mix.safetensors")
     with pytest.raises(ValueError, match=r"MultiIVON\.load"):
         GaussianPosterior.load(tmp_path / "mix.safetensors", model)
+
+
+def test_an_empty_batch_is_refused_by_name(device):
+    """Issue #27: an empty batch failed inside the model (HF: `cannot reshape tensor of 0 elements`)."""
+    model = _mlp(device)
+    post = GaussianPosterior(
+        {n: p.detach().clone() for n, p in model.named_parameters()},
+        {n: torch.full_like(p, 0.1) for n, p in model.named_parameters()},
+        model,
+    )
+    empty = torch.zeros(0, 4, dtype=torch.float64, device=device)
+    with pytest.raises(ValueError, match="empty batch"):
+        post.predict(empty, n_samples=2)
+    with pytest.raises(ValueError, match="empty batch"):
+        post.predictive_samples(empty, 2)

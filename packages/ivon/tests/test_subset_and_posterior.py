@@ -9,9 +9,7 @@ from partialbayes.ivon import (
     GaussianPosterior,
     MultiIVON,
     ivon_posterior,
-    predict_mc,
     predict_mean,
-    swapped_params,
 )
 
 
@@ -184,49 +182,46 @@ def test_predictions_mean_mc_and_multi_ivon(device):
             assert torch.equal(p.detach(), b.detach())  # sampling restored the means
 
 
-def test_deprecated_predict_mc_and_full_samples_warn_and_still_work(device):
-    x = torch.randn(4, 3, dtype=torch.float64, device=device)
-    posts = []
-    for seed in range(2):
-        m = _model(device, seed)
-        posts.append(ivon_posterior(IVON(m.parameters(), lr=0.1, ess=1e6), m))
-    model = _model(device, seed=7)
-    with pytest.warns(DeprecationWarning, match="predict_mc"):
-        outs = predict_mc(
-            model, MultiIVON(posts), lambda m: m(x), 4, torch.Generator(device).manual_seed(0)
-        )
-    for i in range(4):  # the old rule: sample i from component i mod K
-        torch.testing.assert_close(outs[i], _model(device, i % 2)(x).detach(), atol=0.05, rtol=0)
-    with pytest.warns(DeprecationWarning, match="sample_full"):
-        old = posts[0].sample(torch.Generator(device).manual_seed(1))
-    new = posts[0].sample_full(torch.Generator(device).manual_seed(1))
-    assert all(torch.equal(old[n], new[n]) for n in new)
-    assert old["0.weight"].shape == (4, 3)
-    with pytest.warns(DeprecationWarning, match="sample_full"):
-        old = MultiIVON(posts).sample(torch.Generator(device).manual_seed(2), component=1)
-    new = posts[1].sample_full(torch.Generator(device).manual_seed(2))
-    assert all(torch.equal(old[n], new[n]) for n in new)
+def test_removed_shims_are_gone(device):
+    """predict_mc, swapped_params and the full-shape sample(generator) forms were removed in 0.4."""
+    import partialbayes.ivon as ivon
+
+    assert not hasattr(ivon, "predict_mc")
+    assert not hasattr(ivon, "swapped_params")
+    m = _model(device)
+    post = ivon_posterior(IVON(m.parameters(), lr=0.1, ess=1e6), m)
+    with pytest.raises(ValueError, match="n must be a positive int"):
+        post.sample(torch.Generator(device).manual_seed(1))
+    with pytest.raises(TypeError):
+        MultiIVON([post]).sample(torch.Generator(device).manual_seed(1), component=0)
+    full = post.sample_full(torch.Generator(device).manual_seed(1))  # what the old form returned
+    assert full["0.weight"].shape == (4, 3)
 
 
-def test_swapped_params_restores_on_error_and_validates():
-    model = _model("cpu")
-    before = model[0].weight.detach().clone()
-
-    def fail():
-        with swapped_params(model, {"0.weight": torch.zeros(4, 3, dtype=torch.float64)}):
-            assert (model[0].weight == 0).all()
+def test_nested_swaps_restore_what_they_found(device):
+    """Cross-family rule (issue #27): leaving a swap restores the values found on entry, not the means."""
+    model = _model(device)
+    post = ivon_posterior(IVON(model.parameters(), lr=0.1, ess=10), model)
+    means = [p.detach().clone() for p in model.parameters()]
+    gen = torch.Generator(device).manual_seed(0)
+    with post.sampled(generator=gen):
+        outer = [p.detach().clone() for p in model.parameters()]
+        with post.sampled(generator=gen):
+            assert not torch.equal(model[0].weight.detach(), outer[0])
+        for p, o in zip(model.parameters(), outer, strict=True):
+            assert torch.equal(p.detach(), o)
+        with pytest.raises(KeyError), post.sampled(generator=gen):
             raise KeyError("boom")
-
-    with pytest.raises(KeyError):
-        fail()
-    assert torch.equal(model[0].weight.detach(), before)
-    with pytest.raises(ValueError, match="nope"), swapped_params(model, {"nope": torch.zeros(1)}):
+        for p, o in zip(model.parameters(), outer, strict=True):
+            assert torch.equal(p.detach(), o)
+    for p, m in zip(model.parameters(), means, strict=True):
+        assert torch.equal(p.detach(), m)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # a user edit after building the posterior stays
+    edited = model[0].weight.detach().clone()
+    with post.sampled(generator=gen):
         pass
-    with (
-        pytest.raises(ValueError, match="shape"),
-        swapped_params(model, {"0.weight": torch.zeros(1)}),
-    ):
-        pass
+    assert torch.equal(model[0].weight.detach(), edited)
 
 
 def test_posterior_bad_input():
@@ -243,17 +238,24 @@ def test_posterior_bad_input():
     with pytest.raises(ValueError, match="component must be"):
         MultiIVON([a]).sample_full(component=3)
     model = _model("cpu")
-    with (
-        pytest.raises(ValueError, match="n_samples"),
-        pytest.warns(DeprecationWarning, match="predict_mc"),
-    ):
-        predict_mc(model, a, lambda m: m, 0)
     other = IVON([torch.nn.Parameter(torch.zeros(2))], lr=0.1, ess=1)
     with pytest.raises(ValueError, match="none of the model"):
         ivon_posterior(other, model)
     opt = IVON(model.parameters(), lr=0.1, ess=1)
     with pytest.raises(RuntimeError, match="inside sampled_params"), opt.sampled_params():
         ivon_posterior(opt, model)
+
+
+def test_a_model_on_the_meta_device_is_refused_by_name():
+    """Issue #27: a meta model failed deep inside (`Tensor.item() cannot be called on meta tensors`)."""
+    real = _model("cpu")
+    with torch.device("meta"):
+        meta = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    post = ivon_posterior(IVON(real.parameters(), lr=0.1, ess=10), real)
+    with pytest.raises(ValueError, match=r"parameter '0\.weight' .*meta device"):
+        GaussianPosterior(post.mean, post.std, meta)
+    with pytest.raises(ValueError, match=r"parameter '0\.weight' .*meta device"):
+        IVON(meta.named_parameters(), lr=0.1, ess=10)
 
 
 def test_multi_ivon_draws_reproducible_on_the_generator_device(device):

@@ -9,7 +9,6 @@ from torch import nn
 
 from partialbayes.predictive import (
     average_softmax,
-    check_sample,
     resolve_link,
     rows,
     sampled_logits,
@@ -43,7 +42,7 @@ class DiagBias:
     @contextmanager
     def swapped(self, sample):
         if self.check:
-            sample = check_sample(self.subset, sample)
+            sample = self.subset.check_values(sample)
         with torch.no_grad():
             self.model.bias.copy_(sample["bias"])
         if self.restore_on_error:

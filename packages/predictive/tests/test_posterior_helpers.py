@@ -1,4 +1,4 @@
-"""Helpers the sample-based families share: sampled_predict, check_sample, eval_mode, move_batch."""
+"""Helpers the sample-based families share: sampled_predict, eval_mode, move_batch."""
 
 from contextlib import contextmanager
 
@@ -9,7 +9,6 @@ from torch import nn
 from partialbayes.predictive import (
     average_softmax,
     check_generator,
-    check_sample,
     eval_mode,
     move_batch,
     rows,
@@ -43,7 +42,7 @@ class NoisyBias:
 
     @contextmanager
     def swapped(self, sample):
-        one = check_sample(self.subset, sample)
+        one = self.subset.check_values(sample)
         with torch.no_grad():
             self.model[2].bias.copy_(one["2.bias"])
         try:

@@ -4,7 +4,7 @@ from partialbayes.curvature._diag_dense import dense_curvature, diag_curvature
 from partialbayes.curvature._jacobians import logit_jacobians
 from partialbayes.curvature._kfac import ModuleFactors, kfac
 from partialbayes.curvature._kfac_math import kfac_factors
-from partialbayes.curvature._laplace import LaplaceBase
+from partialbayes.curvature._laplace import LaplaceBase, grid_val_nll_many, logit_mean_cov_many
 from partialbayes.curvature._laplace_dense import DenseLaplace
 from partialbayes.curvature._laplace_diag import DiagLaplace
 from partialbayes.curvature._laplace_kron import KronLaplace
@@ -23,8 +23,10 @@ __all__ = [
     "dense_curvature",
     "diag_curvature",
     "forward_logits",
+    "grid_val_nll_many",
     "kfac",
     "kfac_factors",
     "logit_jacobians",
+    "logit_mean_cov_many",
     "memory_estimate",
 ]

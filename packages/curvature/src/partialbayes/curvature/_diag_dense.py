@@ -174,7 +174,7 @@ def diagonal(
     full_2d: dict[str, Tensor] = {}
     positions = "joint" if options.fisher == "mc" else "each"  # see the module notes
     with fail_together(device):
-        for bp in stream(model, loader, modules, dict.fromkeys(modules), options, run, positions):
+        for bp in stream(model, loader, modules, options, run, positions):
             d2: dict[str, Tensor] = {}
             inc: dict[str, Tensor] = {}
             for grads in bp.passes:
@@ -217,7 +217,7 @@ def dense(
     H = torch.zeros(p, p, dtype=options.dtype, device=device)
     positions = "joint" if options.fisher == "mc" else "each"  # see the module notes
     with fail_together(device):
-        for bp in stream(model, loader, modules, dict.fromkeys(modules), options, run, positions):
+        for bp in stream(model, loader, modules, options, run, positions):
             rows = [
                 torch.cat(
                     [entry_grads(t, bp.inputs[t.module], grads[t.module]) for t in targets], dim=1

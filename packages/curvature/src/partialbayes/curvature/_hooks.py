@@ -352,7 +352,6 @@ def stream(
     model: nn.Module,
     loader: Iterable[Any],
     modules: Mapping[str, nn.Module],
-    cols: Mapping[str, Tensor | None],
     options: CurvatureOptions,
     run: Run,
     positions: str = "joint",
@@ -367,8 +366,7 @@ def stream(
     Args:
         model: The network (evaluated in eval mode; every module's mode restored after each forward pass).
         loader: Iterable of batches (read once).
-        modules: Module name -> hooked linear map.
-        cols: Module -> selected input indices (``None``: all), on the model's device.
+        modules: Module name -> hooked linear map (inputs recorded whole: a view autograd keeps).
         options: The checked curvature options.
         run: The pass's generator, progress bar and observer; counts the batches read and skipped.
         positions: For token-level logits, ``"joint"`` or ``"each"`` (see `cotangents`).
@@ -395,7 +393,9 @@ def stream(
             if outputs.unlabelled:
                 run.skipped += 1
                 continue
-            logits, calls_in, calls_out = hooked_forward(model, inputs, modules, cols)
+            logits, calls_in, calls_out = hooked_forward(
+                model, inputs, modules, dict.fromkeys(modules)
+            )
             keep = outputs.keep(logits)
             rows = logits if keep is None else logits[keep]
             labels = outputs.targets(logits, keep)

@@ -11,7 +11,7 @@ the weight–bias cross terms ``A[:c, c]`` set to zero, ``blockdiag(A, A_bias)``
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from partialbayes.curvature._distributed import all_reduce, fail_together
 from partialbayes.curvature._hooks import BatchObserver, Run, check_untied, stream
 from partialbayes.curvature._kfac_math import row_count, shared_rows
-from partialbayes.curvature._likelihood import CurvatureOptions, model_device
+from partialbayes.curvature._likelihood import CurvatureOptions, check_list, model_device
 from partialbayes.curvature._lowrank import LowRankFactor, NystromSketch
 from partialbayes.curvature._outputs import resolve_shift_labels
 from partialbayes.predictive import check_generator
@@ -97,9 +97,10 @@ class FactorAccumulator:
             for n in (r, c + bias)
         ]
         self.count = torch.zeros((), dtype=dtype, device=device)
+        self.bias = bias  # add() then needs ``w``
 
     def add(self, x: Tensor, count: Tensor | float, d: Tensor, w: Tensor | None = None) -> None:
-        """Add input rows ``x [m, c]`` counting ``count`` and gradient rows ``δ [m', r]`` (``w``: see above)."""
+        """Add input rows ``x [m, c]`` (weights ``w [m, 1]``) counting ``count``, gradient rows ``δ [m', r]``."""
         self.sides[0].add(d)
         self.sides[1].add(x if w is None else torch.cat([x, w.to(x)], dim=1))
         self.count += count
@@ -186,7 +187,7 @@ def carries_gradient(energy: Tensor, eps: float) -> Tensor:
 def kfac(
     model: nn.Module,
     loader: Iterable[Any],
-    subset: Subset,
+    subset: Subset | Sequence[Subset],
     *,
     likelihood: str = "classification",
     fisher: str = "exact",
@@ -200,7 +201,7 @@ def kfac(
     num_classes: int | None = None,
     on_batch: BatchObserver | None = None,
     shift_labels: bool | None = None,
-) -> dict[str, ModuleFactors]:
+) -> dict[str, ModuleFactors] | list[dict[str, ModuleFactors]]:
     r"""KFAC (or Sparse-KFAC) factors of every linear map of a Kronecker-structured subset.
 
     For each module the summed curvature of its selected block ``vec(W[R][:, C] | b[R])`` (row-major) is
@@ -226,6 +227,11 @@ def kfac(
     counts them; a loader of such batches only is refused). The curvature concept page derives each case
     and its exactness.
 
+    **Several subsets in one pass** (a ramp): pass a list. Each map's ``x`` and ``δ`` are recorded once and
+    each subset gathers its ``δ[:, R]``, ``x[:, C]`` and accumulates as alone: its factors are bit-identical
+    to ``kfac`` on that subset (``fisher="mc"``: labels drawn once per batch, as from a generator in the
+    same state). Memory: every subset's factor sums at once.
+
     Args:
         model: Network; its forward takes a tensor or keyword inputs and returns logits ``[B, C]`` or
             ``[B, T, C]`` (or an output with ``.logits``). Run in eval mode (a training-mode model is
@@ -233,7 +239,7 @@ def kfac(
         loader: Iterable of batches: tensors, pairs ``(inputs, labels)``, or mappings (``dict``, the
             ``BatchEncoding`` of ``DataCollatorWithPadding``) with ``"labels"`` / ``"label"`` and an
             ``"attention_mask"``.
-        subset: Kronecker-structured :class:`~partialbayes.selection.Subset`.
+        subset: Kronecker-structured :class:`~partialbayes.selection.Subset`, or a list of them (one pass).
         likelihood: ``"classification"`` (softmax cross-entropy) or ``"regression"`` (Gaussian).
         fisher: ``"exact"`` (GGN, one backward pass per class), ``"mc"`` (``mc_samples`` sampled labels) or
             ``"empirical"`` (true labels).
@@ -254,8 +260,8 @@ def kfac(
             ``None`` (default): whether the model's class name ends with ``ForCausalLM`` / ``LMHeadModel``.
 
     Returns:
-        ``{module name: ModuleFactors}`` in the subset's model order. Under ``torch.distributed`` the sums
-        are reduced across ranks, giving the factors of the union of the shards.
+        ``{module name: ModuleFactors}`` in the subset's model order (a list of them for a list of subsets).
+        Under ``torch.distributed`` the sums are reduced across ranks (the factors of the union of shards).
 
     Raises:
         TypeError: A subset with elementwise mask blocks (use :func:`diag_curvature` /
@@ -280,41 +286,55 @@ def kfac(
         bias=bias,
     )
     run = Run(check_generator(generator), progress, on_batch)
-    factors = kron_factors(model, loader, kron_targets(model, subset, "kfac"), options, run)
+    subsets = [subset] if isinstance(subset, Subset) else check_list(subset, "subset", Subset)
+    targets = [kron_targets(model, s, "kfac") for s in subsets]
+    factors = kron_factors(model, loader, targets, options, run)
     run.finish(model)
-    return factors
+    return factors[0] if isinstance(subset, Subset) else factors
 
 
 def kron_factors(
     model: nn.Module,
     loader: Iterable[Any],
-    targets: KronTargets,
+    targets: Sequence[KronTargets],
     options: CurvatureOptions,
     run: Run,
-) -> dict[str, ModuleFactors]:
-    """`kfac`'s pass over ``loader`` for Kronecker modules already resolved and options already checked.
+) -> list[dict[str, ModuleFactors]]:
+    """`kfac`'s pass over ``loader`` for the maps of one or more subsets, resolved and checked already.
+
+    Each map's whole ``x`` (a view autograd keeps) and ``δ`` are recorded once; each subset gathers its own
+    rows and columns and accumulates as if it were alone.
 
     Args:
         model: The network.
         loader: Batches (read once).
-        targets: The subset's linear maps (`kron_targets`).
+        targets: Each subset's linear maps (`kron_targets`).
         options: The checked options (``sharing`` ``None``: chosen from the first batch's outputs).
         run: The pass's generator, progress bar and observer.
 
     Returns:
-        ``{module name: ModuleFactors}`` (see `kfac`).
+        One ``{module name: ModuleFactors}`` per subset (see `kfac`).
     """
-    kmods, rows = targets.kmods, targets.rows
+    modules = {m: mod for t in targets for m, mod in t.modules.items()}
     device = model_device(model)
-    fold = {m: k.bias_name is not None and options.bias == "fold" for m, k in kmods.items()}
-    acc = {
-        m: FactorAccumulator(k.n_rows, k.n_cols, options.dtype, device, options.max_rank, fold[m])
-        for m, k in kmods.items()
-    }
+    accs = [
+        {
+            m: FactorAccumulator(
+                k.n_rows,
+                k.n_cols,
+                options.dtype,
+                device,
+                options.max_rank,
+                bias=k.bias_name is not None and options.bias == "fold",
+            )
+            for m, k in t.kmods.items()
+        }
+        for t in targets
+    ]
     n_examples = 0
     sharing = options.sharing
     with fail_together(device):
-        for bp in stream(model, loader, targets.modules, targets.cols, options, run):
+        for bp in stream(model, loader, modules, options, run):
             token_level = bp.keep is not None
             if sharing is None:
                 sharing = "expand" if token_level else "reduce"
@@ -326,7 +346,7 @@ def kron_factors(
                     "sequence. Pass sharing='expand' (or leave sharing=None)"
                 )
             n_examples += bp.n_examples
-            deltas: dict[str, list[Tensor]] = {m: [] for m in kmods}
+            deltas: list[dict[str, list[Tensor]]] = [{m: [] for m in t.kmods} for t in targets]
             energy: dict[str, Tensor] = {}  # token-level: the largest ‖δ_t‖² over the passes
             for grads in bp.passes:
                 for m, d in grads.items():
@@ -334,52 +354,62 @@ def kron_factors(
                     if token_level and tm is not None:
                         e = d.square().sum(-1)  # full rows, before an S-KFAC gather
                         energy[m] = torch.maximum(energy[m], e) if m in energy else e
-                    r = rows[m]
-                    if r is not None:
-                        d = d.index_select(-1, r)
-                    deltas[m].append(shared_rows(d, tm, sharing, mean=False))
-            checks: list[Tensor] = []
-            for m, x in bp.inputs.items():
-                tm = bp.token_masks[m]
+                    for t, rows in zip(targets, deltas, strict=True):
+                        if m in rows:
+                            r = t.rows[m]
+                            dr = d if r is None else d.index_select(-1, r)
+                            rows[m].append(shared_rows(dr, tm, sharing, mean=False))
+            masks = dict(bp.token_masks)
+            for m, tm in masks.items():
                 if m in energy and tm is not None:  # G is unchanged: δ ≈ 0 where this drops
                     eps = torch.finfo(energy[m].dtype).eps
-                    tm = tm * carries_gradient(energy[m], eps).to(tm.dtype)
+                    masks[m] = tm = tm * carries_gradient(energy[m], eps).to(tm.dtype)
                 if tm is not None and sharing == "reduce" and bool((tm.sum(1) == 0).any()):
                     raise ValueError(f"batch {bp.index}: an example has no unmasked token")
-                xr = shared_rows(x, tm, sharing, mean=True)
-                dd = deltas[m][0] if len(deltas[m]) == 1 else torch.cat(deltas[m])
-                w = shared_rows(torch.ones_like(x[..., :1]), tm, sharing, mean=True)  # bias column
-                acc[m].add(xr, row_count(x, tm, sharing), dd, w if fold[m] else None)
-                checks.append(xr.sum() + dd.sum())
+            checks: list[tuple[str, Tensor]] = []
+            for t, rows, acc in zip(targets, deltas, accs, strict=True):
+                for m in t.kmods:
+                    x, c, tm = bp.inputs[m], t.cols[m], masks[m]
+                    if c is not None:
+                        x = x.index_select(-1, c)
+                    xr = shared_rows(x, tm, sharing, mean=True)
+                    dd = rows[m][0] if len(rows[m]) == 1 else torch.cat(rows[m])
+                    ones = torch.ones_like(x[..., :1])  # the folded bias's input column
+                    w = shared_rows(ones, tm, sharing, mean=True) if acc[m].bias else None
+                    acc[m].add(xr, row_count(x, tm, sharing), dd, w)
+                    checks.append((m, xr.sum() + dd.sum()))
             # finite rows give finite factors (overflow is caught on the totals below)
-            if not bool(torch.isfinite(torch.stack(checks).sum())):
-                bad = next(m for m, v in zip(kmods, checks, strict=True) if not v.isfinite())
+            if not bool(torch.isfinite(torch.stack([v for _, v in checks]).sum())):
+                bad = next(m for m, v in checks if not v.isfinite())
                 raise ValueError(f"non-finite curvature in module {bad!r} at batch {bp.index}")
     n_examples = round(float(all_reduce(torch.tensor(float(n_examples), device=device))))
-    out: dict[str, ModuleFactors] = {}
-    for m, k in kmods.items():
-        separate = k.bias_name is not None and options.bias == "separate"
-        G, A, count = acc[m].factors()
-        # the separate bias's input factor: the average of the constant input 1, [1] once a row counted
-        A_bias = (count / count.clamp_min(1)).reshape(1, 1) if separate else None
-        parts = [
-            t
-            for f in (G, A)
-            for t in ((f.U, f.s, f.rest) if isinstance(f, LowRankFactor) else (f,))
-        ]
-        if not all(bool(torch.isfinite(t).all()) for t in parts):
-            raise ValueError(
-                f"non-finite curvature in module {m!r} (overflow in the accumulated factors)"
+    out: list[dict[str, ModuleFactors]] = []
+    for t, acc in zip(targets, accs, strict=True):
+        factors = {}
+        for m, k in t.kmods.items():
+            separate = k.bias_name is not None and options.bias == "separate"
+            G, A, count = acc[m].factors()
+            # the separate bias's input factor: the average of the constant input 1, [1] once a row counted
+            A_bias = (count / count.clamp_min(1)).reshape(1, 1) if separate else None
+            parts = [
+                p
+                for f in (G, A)
+                for p in ((f.U, f.s, f.rest) if isinstance(f, LowRankFactor) else (f,))
+            ]
+            if not all(bool(torch.isfinite(p).all()) for p in parts):
+                raise ValueError(
+                    f"non-finite curvature in module {m!r} (overflow in the accumulated factors)"
+                )
+            factors[m] = ModuleFactors(
+                module=m,
+                G=G,
+                A=A,
+                rows=k.rows,
+                cols=k.cols,
+                bias=k.bias_name is not None,
+                n_examples=n_examples,
+                A_bias=A_bias,
+                sharing=sharing,
             )
-        out[m] = ModuleFactors(
-            module=m,
-            G=G,
-            A=A,
-            rows=k.rows,
-            cols=k.cols,
-            bias=k.bias_name is not None,
-            n_examples=n_examples,
-            A_bias=A_bias,
-            sharing=sharing,
-        )
+        out.append(factors)
     return out

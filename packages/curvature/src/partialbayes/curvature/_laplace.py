@@ -25,7 +25,12 @@ from torch import Tensor, nn
 
 from partialbayes.curvature._distributed import all_reduce
 from partialbayes.curvature._hooks import Run
-from partialbayes.curvature._likelihood import CurvatureOptions, check_labels, check_logits
+from partialbayes.curvature._likelihood import (
+    CurvatureOptions,
+    check_labels,
+    check_list,
+    check_logits,
+)
 from partialbayes.curvature._marglik import MarglikFit, maximize_evidence
 from partialbayes.curvature._memory import MemoryEstimate
 from partialbayes.curvature._outputs import Outputs, read_batch, resolve_shift_labels, split_chunks
@@ -336,6 +341,19 @@ class LaplaceBase:
         """Structure: the memory of a fit, and of a predictive of ``k_out`` logits, for a batch's logits."""
         raise NotImplementedError
 
+    @classmethod
+    def _covariances_of(
+        cls,
+        posteriors: Sequence[LaplaceBase],
+        inputs: Tensor | Mapping[str, Any],
+        outputs: Outputs,
+        priors: Sequence[Sequence[Tensor]],
+    ) -> tuple[Tensor, Tensor | None, list[list[Tensor]]]:
+        """`_covariances` of posteriors of one model on one batch, each its own passes (`KronLaplace` shares)."""
+        pairs = zip(posteriors, priors, strict=True)
+        out = [p._covariances(inputs, outputs, pr, p._scale(None)) for p, pr in pairs]
+        return out[0][0], out[0][1], [covs for _, _, covs in out]
+
     def _state(self) -> dict[str, Tensor]:
         """Structure: the stored curvature tensors (saved; counted by `num_floats`)."""
         raise NotImplementedError
@@ -378,22 +396,6 @@ class LaplaceBase:
             labels=labels,
             target_ids=target_ids,
         )
-
-    @contextmanager
-    def _sized(self, outputs: Outputs) -> Iterator[None]:
-        """Refuse, right after the model's forward pass, a predictive that the memory cannot hold."""
-
-        def check(module: nn.Module, args: Any, output: Any) -> None:
-            logits = output_logits(output)
-            k = logits.shape[-1] if outputs.target_ids is None else len(outputs.target_ids)
-            est = self._estimate(logits, outputs.keep(logits), outputs.attention_mask, k)
-            replace(est, factors=0, eigen=0, fit_batch=0).check(self.max_memory)
-
-        handle = self.model.register_forward_hook(check)
-        try:
-            yield
-        finally:
-            handle.remove()
 
     def fit(
         self: _Posterior,
@@ -705,7 +707,7 @@ class LaplaceBase:
         Gaussian predictive with the observation noise (``gaussian_predictive``). Jacobians are computed
         once per batch and reused for every grid value. Token-level outputs count one example per kept
         position; outputs labelled -100 are skipped (a batch without a labelled output is skipped, with one
-        warning counting them).
+        warning counting them). `grid_val_nll_many` scores several posteriors in one pass.
 
         Returns:
             ``[len(grid)]`` mean NLL per example.
@@ -714,57 +716,7 @@ class LaplaceBase:
             ValueError: On an empty ``val_loader`` (or one without any labelled output), a batch without
                 labels, or labels of the wrong dtype / shape or out of range (naming the batch).
         """
-        self._require_fit()
-        totals = torch.zeros(len(grid), dtype=torch.float64)
-        count = batches = skipped = 0
-        priors = [self._resolve_prior(float(v)) for v in grid]
-        scale = self._scale(None)
-        with torch.no_grad():
-            for index, batch in enumerate(val_loader):
-                batches += 1
-                inputs, outputs = self._read(batch)
-                if outputs.labels is None:
-                    raise ValueError(
-                        f"batch {index}: val_loader batches need labels to score the predictive"
-                    )
-                if outputs.unlabelled:
-                    skipped += 1
-                    continue
-                with eval_mode(self.model), self._sized(outputs):
-                    logits, keep, covs = self._covariances(inputs, outputs, priors, scale)
-                f = (logits if keep is None else logits[keep]).to(self.dtype)
-                if f.shape[0] == 0:
-                    skipped += 1
-                    continue
-                check_logits(f, None, index)
-                labels = outputs.targets(logits, keep)
-                assert labels is not None
-                labels = check_labels(labels, f, self.likelihood, index)
-                for i, cov in enumerate(covs):
-                    cov = cov.to(self.dtype)
-                    if self.likelihood == "classification":
-                        score = nll(probit(f, cov), labels, reduction="sum")
-                    else:
-                        mean, var = gaussian_predictive(
-                            f, cov.diagonal(dim1=-2, dim2=-1), self.sigma_noise**2
-                        )
-                        score = gaussian_nll(mean, var, labels.to(f.dtype), reduction="sum")
-                    totals[i] += float(score)
-                count += f.shape[0]
-        if batches == 0:
-            raise ValueError("val_loader is empty")
-        if skipped == batches:
-            raise ValueError(
-                f"every batch of val_loader ({batches}) has no labelled output (every label -100)"
-            )
-        if skipped:
-            warnings.warn(
-                f"skipped {skipped} of {batches} validation batches with no labelled outputs "
-                "(every label -100)",
-                UserWarning,
-                stacklevel=2,
-            )
-        return totals / count
+        return _grid_val_nll([self], val_loader, grid)[0]
 
     # ------------------------------------------------------------------ samples and swapping
     def _noise(self, shape: Sequence[int], generator: torch.Generator | None) -> Tensor:
@@ -828,54 +780,6 @@ class LaplaceBase:
             yield model
 
     # ------------------------------------------------------------------ the linearised predictive
-    def _linearised(
-        self,
-        batch: Any,
-        chunk_size: int | None = None,
-        labels: bool = True,
-        target_ids: Sequence[int] | Tensor | None = None,
-    ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
-        """``(logits [B, (T,) C], keep [B, T] | None, f [N, K], Σ_f [N, K, K])`` of one batch at the prior.
-
-        ``f``: the kept output rows, all ``C`` logits or the ``K`` of ``target_ids`` (answer-only: the rows
-        are the answer positions, the labels only mark them).
-        """
-        self._require_fit()
-        if chunk_size is not None:
-            check_count("chunk_size", chunk_size)
-        ids = None
-        if target_ids is not None:
-            if self.likelihood == "regression":
-                raise ValueError(
-                    "target_ids selects answer tokens of a classifier; not for regression"
-                )
-            ids = check_target_ids(target_ids, self.n_outputs).to(self.device)
-        inputs, outputs = self._read(batch, labels or ids is not None, ids)
-        if outputs.unlabelled:
-            raise ValueError(
-                "every output of the batch is labelled -100: there is no labelled output to return "
-                "(pass the batch without labels to get every output)"
-            )
-        logits, keeps, covs = [], [], []
-        for part, part_outputs in split_chunks(inputs, outputs, chunk_size):
-            with eval_mode(self.model), self._sized(part_outputs):
-                f, keep, (cov,) = self._covariances(
-                    part, part_outputs, [self._prior], self._scale(None)
-                )
-            logits.append(f.detach())
-            keeps.append(keep)
-            covs.append(cov.to(self.dtype))
-        keep_all = None if keeps[0] is None else torch.cat([k for k in keeps if k is not None])
-        logits_all = torch.cat(logits)
-        rows = logits_all if keep_all is None else logits_all[keep_all]
-        if not bool(torch.isfinite(rows).all()):
-            raise ValueError(
-                "the model's logits for this batch are not finite (NaN or inf in the inputs?): "
-                "no predictive is computed from them"
-            )
-        f_rows = rows if ids is None else rows.index_select(-1, ids)
-        return logits_all, keep_all, f_rows, torch.cat(covs)
-
     def logit_mean_cov(
         self,
         batch: Any,
@@ -908,7 +812,7 @@ class LaplaceBase:
                 finite; an empty batch, or one whose every label is -100; ``target_ids`` out of range,
                 repeated, or with regression; a predictive above ``max_memory`` (or the free memory).
         """
-        _, _, f, cov = self._linearised(batch, chunk_size, target_ids=target_ids)
+        _, _, f, (cov,) = _linearised([self], batch, chunk_size, target_ids=target_ids)
         return f, cov.to(f.dtype)
 
     def predict(
@@ -959,7 +863,7 @@ class LaplaceBase:
         link = resolve_link(link, self.links, type(self).__name__)
         n_samples = check_count("n_samples", n_samples)
         check_generator(generator)
-        logits, keep, f, cov = self._linearised(batch, labels=False, target_ids=target_ids)
+        logits, keep, f, (cov,) = _linearised([self], batch, labels=False, target_ids=target_ids)
         full, f = logits.to(cov.dtype), f.to(cov.dtype)
         if self.likelihood == "regression":
             noise = self.sigma_noise**2
@@ -1003,7 +907,7 @@ class LaplaceBase:
         """
         n = check_count("n", n)
         check_generator(generator)
-        logits, keep, f, cov = self._linearised(batch, labels=False, target_ids=target_ids)
+        logits, keep, f, (cov,) = _linearised([self], batch, labels=False, target_ids=target_ids)
         draws = sample_logits(f.to(cov.dtype), cov, n, generator=generator)
         if target_ids is not None:
             return draws.to(logits.dtype)
@@ -1121,3 +1025,204 @@ class LaplaceBase:
                 )
                 break
         return post
+
+
+def _check_posteriors(posteriors: Any) -> list[LaplaceBase]:
+    """A non-empty list of fitted posteriors of one model that read batches alike, or an error."""
+    posteriors = check_list(posteriors, "posteriors", LaplaceBase)
+    first = posteriors[0]
+    reads = (first.model, first.likelihood, first.shift_labels)
+    for i, p in enumerate(posteriors):
+        p._require_fit()
+        if p.model is not reads[0] or (p.likelihood, p.shift_labels) != reads[1:]:
+            raise ValueError(
+                f"posteriors[{i}] differs from posteriors[0] in its model, likelihood or shift_labels: "
+                "the shared passes read one batch into one model"
+            )
+    return posteriors
+
+
+def _linearised(
+    posteriors: Sequence[LaplaceBase],
+    batch: Any,
+    chunk_size: int | None = None,
+    labels: bool = True,
+    target_ids: Sequence[int] | Tensor | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor, list[Tensor]]:
+    """``(logits [B, (T,) C], keep [B, T] | None, f [N, K], [Σ_f [N, K, K] per posterior])`` at the priors.
+
+    ``f``: the kept output rows, all ``C`` logits or the ``K`` of ``target_ids`` (answer-only: the rows
+    are the answer positions, the labels only mark them).
+    """
+    first = posteriors[0]
+    first._require_fit()
+    if chunk_size is not None:
+        check_count("chunk_size", chunk_size)
+    ids = None
+    if target_ids is not None:
+        if first.likelihood == "regression":
+            raise ValueError("target_ids selects answer tokens of a classifier; not for regression")
+        ids = check_target_ids(target_ids, first.n_outputs).to(first.device)
+    inputs, outputs = first._read(batch, labels or ids is not None, ids)
+    if outputs.unlabelled:
+        raise ValueError(
+            "every output of the batch is labelled -100: there is no labelled output to return "
+            "(pass the batch without labels to get every output)"
+        )
+    logits, keeps = [], []
+    covs: list[list[Tensor]] = [[] for _ in posteriors]
+    for part, part_outputs in split_chunks(inputs, outputs, chunk_size):
+        with eval_mode(first.model), _sized(posteriors, part_outputs):
+            f, keep, part_covs = type(first)._covariances_of(
+                posteriors, part, part_outputs, [[p._prior] for p in posteriors]
+            )
+        logits.append(f.detach())
+        keeps.append(keep)
+        for acc, (cov,), p in zip(covs, part_covs, posteriors, strict=True):
+            acc.append(cov.to(p.dtype))
+    keep_all = None if keeps[0] is None else torch.cat([k for k in keeps if k is not None])
+    logits_all = torch.cat(logits)
+    rows = logits_all if keep_all is None else logits_all[keep_all]
+    if not bool(torch.isfinite(rows).all()):
+        raise ValueError(
+            "the model's logits for this batch are not finite (NaN or inf in the inputs?): "
+            "no predictive is computed from them"
+        )
+    f_rows = rows if ids is None else rows.index_select(-1, ids)
+    return logits_all, keep_all, f_rows, [torch.cat(c) for c in covs]
+
+
+@contextmanager
+def _sized(posteriors: Sequence[LaplaceBase], outputs: Outputs) -> Iterator[None]:
+    """Refuse, right after the model's forward pass, a predictive that the memory cannot hold.
+
+    Each posterior's own predictive is checked (the passes shared by several fall back to one posterior
+    at a time when the free memory is short: `_laplace_projected.fits_memory`).
+    """
+
+    def check(module: nn.Module, args: Any, output: Any) -> None:
+        logits = output_logits(output)
+        k = logits.shape[-1] if outputs.target_ids is None else len(outputs.target_ids)
+        for p in posteriors:
+            est = p._estimate(logits, outputs.keep(logits), outputs.attention_mask, k)
+            replace(est, factors=0, eigen=0, fit_batch=0).check(p.max_memory)
+
+    handle = posteriors[0].model.register_forward_hook(check)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def logit_mean_cov_many(
+    posteriors: Sequence[LaplaceBase],
+    batch: Any,
+    chunk_size: int | None = None,
+    *,
+    target_ids: Sequence[int] | Tensor | None = None,
+) -> list[tuple[Tensor, Tensor]]:
+    """`LaplaceBase.logit_mean_cov` of several posteriors of one model, sharing the network's passes.
+
+    Kronecker posteriors (e.g. from `KronLaplace.fit_many`) share ONE forward pass and one backward pass
+    per logit (class, or answer token of ``target_ids``) and kept position, each result equal to its
+    ``logit_mean_cov(batch, chunk_size, target_ids=target_ids)`` bit for bit; other structures run their
+    own passes. Memory: the backward passes of the union of the blocks, plus one posterior's block at a
+    time (each runs alone when the union would not fit the free memory); each posterior's own predictive
+    is checked against its ``max_memory`` first.
+
+    Args:
+        posteriors: Fitted posteriors of one model (same likelihood and ``shift_labels``).
+        batch: Any batch ``logit_mean_cov`` takes.
+        chunk_size: At most this many examples at a time (``None``: the whole batch).
+        target_ids: Answer-only: the ``K`` logits of these tokens (as ``logit_mean_cov``).
+
+    Returns:
+        One ``(f [N, K], Σ_f [N, K, K])`` per posterior, in order (``K = C`` without ``target_ids``).
+
+    Raises:
+        TypeError: Not a list of Laplace posteriors, and as ``logit_mean_cov``.
+        ValueError: An empty list, posteriors of different models or settings, and as ``logit_mean_cov``.
+        RuntimeError: An unfitted posterior.
+    """
+    posteriors = _check_posteriors(posteriors)
+    _, _, f, covs = _linearised(posteriors, batch, chunk_size, target_ids=target_ids)
+    return [(f, cov.to(f.dtype)) for cov in covs]
+
+
+def grid_val_nll_many(
+    posteriors: Sequence[LaplaceBase], val_loader: Iterable[Any], grid: Tensor
+) -> Tensor:
+    """`LaplaceBase.grid_val_nll` of several posteriors of one model, reading ``val_loader`` once.
+
+    The passes are shared as in `logit_mean_cov_many`: row ``i`` equals
+    ``posteriors[i].grid_val_nll(val_loader, grid)`` bit for bit, and ``grid[nll.argmin(1)]`` is each
+    posterior's prior by validation NLL.
+
+    Returns:
+        ``[len(posteriors), len(grid)]`` mean NLL per example.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: As `logit_mean_cov_many` and ``grid_val_nll``.
+    """
+    return torch.stack(_grid_val_nll(_check_posteriors(posteriors), val_loader, grid))
+
+
+def _grid_val_nll(
+    posteriors: Sequence[LaplaceBase], val_loader: Iterable[Any], grid: Tensor
+) -> list[Tensor]:
+    """`grid_val_nll` of each posterior, the network's passes shared (warnings at the public caller's caller)."""
+    first = posteriors[0]
+    first._require_fit()
+    totals = torch.zeros(len(posteriors), len(grid), dtype=torch.float64)
+    count = batches = skipped = 0
+    priors = [[p._resolve_prior(float(v)) for v in grid] for p in posteriors]
+    with torch.no_grad():
+        for index, batch in enumerate(val_loader):
+            batches += 1
+            inputs, outputs = first._read(batch)
+            if outputs.labels is None:
+                raise ValueError(
+                    f"batch {index}: val_loader batches need labels to score the predictive"
+                )
+            if outputs.unlabelled:
+                skipped += 1
+                continue
+            with eval_mode(first.model), _sized(posteriors, outputs):
+                logits, keep, covs = type(first)._covariances_of(
+                    posteriors, inputs, outputs, priors
+                )
+            rows = logits if keep is None else logits[keep]
+            if rows.shape[0] == 0:
+                skipped += 1
+                continue
+            check_logits(rows, None, index)
+            labels = outputs.targets(logits, keep)
+            assert labels is not None
+            for i, (p, p_covs) in enumerate(zip(posteriors, covs, strict=True)):
+                f = rows.to(p.dtype)
+                y = check_labels(labels, f, p.likelihood, index)
+                for j, cov in enumerate(p_covs):
+                    cov = cov.to(p.dtype)
+                    if p.likelihood == "classification":
+                        score = nll(probit(f, cov), y, reduction="sum")
+                    else:
+                        mean, var = gaussian_predictive(
+                            f, cov.diagonal(dim1=-2, dim2=-1), p.sigma_noise**2
+                        )
+                        score = gaussian_nll(mean, var, y.to(f.dtype), reduction="sum")
+                    totals[i, j] += float(score)
+            count += rows.shape[0]
+    if batches == 0:
+        raise ValueError("val_loader is empty")
+    if skipped == batches:
+        raise ValueError(
+            f"every batch of val_loader ({batches}) has no labelled output (every label -100)"
+        )
+    if skipped:
+        warnings.warn(
+            f"skipped {skipped} of {batches} validation batches with no labelled outputs "
+            "(every label -100)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return list(totals / count)

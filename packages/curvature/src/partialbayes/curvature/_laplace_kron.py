@@ -18,9 +18,9 @@ from torch import Tensor, nn
 from partialbayes.curvature._hooks import Run
 from partialbayes.curvature._kfac import kron_factors, kron_targets
 from partialbayes.curvature._kron_algebra import precision_eigenvalues
-from partialbayes.curvature._laplace import LaplaceBase
-from partialbayes.curvature._laplace_projected import kron_predictive
-from partialbayes.curvature._likelihood import CurvatureOptions
+from partialbayes.curvature._laplace import LaplaceBase, MapLoss
+from partialbayes.curvature._laplace_projected import KronBlocks, kron_predictive
+from partialbayes.curvature._likelihood import CurvatureOptions, check_list
 from partialbayes.curvature._lowrank import (
     LowRankFactor,
     lowrank_log_det,
@@ -30,7 +30,7 @@ from partialbayes.curvature._lowrank import (
 )
 from partialbayes.curvature._memory import MemoryEstimate, kron_estimate
 from partialbayes.curvature._outputs import Outputs
-from partialbayes.predictive import PosteriorFile
+from partialbayes.predictive import PosteriorFile, check_generator
 from partialbayes.selection import Subset
 
 
@@ -184,7 +184,60 @@ class KronLaplace(LaplaceBase):
 
     # ------------------------------------------------------------------ curvature
     def _compute_curvature(self, loader: Iterable[Any], run: Run) -> Any:
-        return kron_factors(self.model, loader, self._targets, self._options, run)
+        return kron_factors(self.model, loader, [self._targets], self._options, run)[0]
+
+    @classmethod
+    def fit_many(
+        cls,
+        model: nn.Module,
+        subsets: Sequence[Subset],
+        loader: Iterable[Any],
+        *,
+        progress: bool = False,
+        generator: torch.Generator | None = None,
+        **kwargs: Any,
+    ) -> list[KronLaplace]:
+        """One posterior per subset, all fitted in ONE pass over ``loader`` (an S-KFAC ramp, module ramps).
+
+        Equals ``[KronLaplace(model, s, **kwargs).fit(loader, generator=...) for s in subsets]`` bit for
+        bit (`kfac` with a list of subsets; ``fisher="mc"`` draws the labels once per batch, as each fit
+        would from a generator in the same state), the training loss and ``n_data`` computed once. Memory:
+        every subset's factor sums during the pass, then one eigendecomposition at a time; checked before
+        the first batch's backward passes against ``max_memory`` (or the free memory) as the sum of the
+        subsets' factors and eigenpairs plus the largest batch working set of one subset.
+
+        Args:
+            model: The fine-tuned model (its current weights are the MAP).
+            subsets: Kronecker-structured subsets, one posterior each.
+            loader: Labelled training batches (read once), as for `fit`.
+            progress: Show a progress bar.
+            generator: Randomness of ``fisher="mc"``.
+            **kwargs: Constructor settings shared by every posterior (``fisher``, ``prior_precision``, ...).
+
+        Returns:
+            The fitted posteriors, in the order of ``subsets``.
+
+        Raises:
+            TypeError, ValueError: Not a non-empty list of subsets; what the constructor and `fit` refuse.
+        """
+        posteriors = [cls(model, s, **kwargs) for s in check_list(subsets, "subsets", Subset)]
+        first = posteriors[0]
+        loss = MapLoss(first.likelihood)
+        run = Run(check_generator(generator), progress, loss)
+
+        def preflight(f: Tensor, keep: Tensor | None, mask: Tensor | None) -> None:
+            ests = [p._estimate(f, keep, mask, 0) for p in posteriors]
+            factors, eigen = sum(e.factors for e in ests), sum(e.eigen for e in ests)
+            fit = max(e.fit_batch for e in ests)
+            replace(ests[0], factors=factors, eigen=eigen, fit_batch=fit).check(first.max_memory)
+
+        run.preflight = preflight
+        factors = kron_factors(model, loader, [p._targets for p in posteriors], first._options, run)
+        total, n, n_out = loss.result(first.device)
+        run.finish(model)
+        for p in posteriors:
+            p.fit_curvature(factors.pop(0), map_loss=total, n_data=n, n_outputs=n_out)
+        return posteriors
 
     def _set_curvature(self, curvature: Mapping[str, Any]) -> None:
         """``curvature``: ``{module: factors}`` with ``.G [r, r]`` (summed) and ``.A [c, c]`` (averaged).
@@ -283,7 +336,34 @@ class KronLaplace(LaplaceBase):
         priors: Sequence[Tensor],
         scale: Tensor | float,
     ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
-        """Streamed: each module's ``Σ_ij M_k M_l / E`` is added as soon as its gradients exist.
+        """Streamed: each module's ``Σ_ij M_k M_l / E`` is added as soon as its gradients exist (`_blocks`)."""
+        logits, keep, (covs,) = kron_predictive(
+            self.model, inputs, outputs, [self._blocks(priors, scale)]
+        )
+        return logits, keep, [c.to(self.dtype) for c in covs]
+
+    @classmethod
+    def _covariances_of(
+        cls,
+        posteriors: Sequence[LaplaceBase],
+        inputs: Tensor | Mapping[str, Any],
+        outputs: Outputs,
+        priors: Sequence[Sequence[Tensor]],
+    ) -> tuple[Tensor, Tensor | None, list[list[Tensor]]]:
+        """One forward pass and one backward pass per class for all the posteriors (`kron_predictive`)."""
+        posts = [p for p in posteriors if isinstance(p, KronLaplace)]
+        if len(posts) < len(posteriors):  # a mix of structures: each runs its own passes
+            return super()._covariances_of(posteriors, inputs, outputs, priors)
+        parts = [p._blocks(pr, p._scale(None)) for p, pr in zip(posts, priors, strict=True)]
+        logits, keep, covs = kron_predictive(posts[0].model, inputs, outputs, parts)
+        return (
+            logits,
+            keep,
+            [[c.to(p.dtype) for c in cs] for p, cs in zip(posts, covs, strict=True)],
+        )
+
+    def _blocks(self, priors: Sequence[Tensor], scale: Tensor | float) -> KronBlocks:
+        """This posterior's share of `kron_predictive`, for each prior setting of ``priors``.
 
         See `kron_predictive`; ``M`` is never stored for all modules (at most one example's at a time).
         With ``predictive_rtol = ε > 0`` only the eigendirections with curvature above ``ε · δ`` are
@@ -306,16 +386,7 @@ class KronLaplace(LaplaceBase):
         ]
         if exact:
             bases = {m: (g.U, a.U) for m, (g, a) in self._eig.items()}
-            return kron_predictive(
-                self.model,
-                inputs,
-                outputs,
-                self._targets,
-                bases,
-                inv,
-                self.dtype,
-                lowrank=lowrank,
-            )
+            return KronBlocks(self._targets, bases, inv, self.dtype, lowrank=lowrank)
         f64 = torch.float64
         bases = {}
         residual: list[dict[str, float]] = [{} for _ in priors]
@@ -336,19 +407,7 @@ class KronLaplace(LaplaceBase):
                 kept = e.index_select(0, rows).index_select(1, cols)
                 inv[p][m] = kept.reciprocal() - 1.0 / delta
                 residual[p][m] = 1.0 / delta
-        logits, keep, covs = kron_predictive(
-            self.model,
-            inputs,
-            outputs,
-            self._targets,
-            bases,
-            inv,
-            self.dtype,
-            residual=residual,
-            combine_dtype=f64,
-            lowrank=lowrank,
-        )
-        return logits, keep, [c.to(self.dtype) for c in covs]
+        return KronBlocks(self._targets, bases, inv, self.dtype, residual, f64, lowrank)
 
     # ------------------------------------------------------------------ state
     def _state(self) -> dict[str, Tensor]:

@@ -19,6 +19,7 @@ directions, and every pair outside ``I × J`` is counted at its prior value ``1/
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,9 +27,9 @@ from torch import Tensor, nn
 
 from partialbayes.curvature._hooks import in_row_order, output_passes
 from partialbayes.curvature._kfac import KronTargets
-from partialbayes.curvature._likelihood import model_device
 from partialbayes.curvature._lowrank import LowRankFactor, lowrank_covariance
 from partialbayes.curvature._outputs import Outputs
+from partialbayes.predictive import available_memory
 
 
 def rotate_inputs(x: Tensor, q_a: Tensor, bias: bool) -> Tensor:
@@ -235,102 +236,165 @@ def residual_covariances(
     return out
 
 
+@dataclass(frozen=True)
+class KronBlocks:
+    """One Kronecker posterior's share of `kron_predictive`.
+
+    ``bases``: ``{module: (Q_G, Q_A)}``; ``inv_eigenvalues``: per prior setting, ``{module: 1 / E}`` —
+    with ``residual`` (per prior setting, ``{module: 1/δ}``), the bases are truncated to the kept directions
+    ``I``, ``J`` and the weights are ``1/E − 1/δ`` there (`residual_covariances`, in ``combine_dtype``).
+    ``lowrank``: ``{module: (G, A)}`` with a low-rank factor, ``1 / E`` on its extended grid, computed
+    exactly by ``_lowrank.lowrank_covariance`` (also under ``residual``).
+    """
+
+    targets: KronTargets
+    bases: Mapping[str, tuple[Tensor, Tensor]]
+    inv_eigenvalues: Sequence[Mapping[str, Tensor]]
+    dtype: torch.dtype
+    residual: Sequence[Mapping[str, float]] | None = None
+    combine_dtype: torch.dtype = torch.float64
+    lowrank: Mapping[str, tuple[LowRankFactor, LowRankFactor]] = field(default_factory=dict)
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        """The dtype of the covariances."""
+        return self.combine_dtype if self.residual is not None else self.dtype
+
+
+def union_index(indices: Sequence[Tensor | None]) -> tuple[Tensor | None, list[Tensor | None]]:
+    """The union ``U`` of index sets (``None``: all) and each set's place in it (``None``: all of ``U``).
+
+    ``x[..., U][..., place]`` is ``x[..., index]`` exactly (gathers copy values).
+    """
+    if len(indices) == 1:
+        return indices[0], [None]
+    if any(i is None for i in indices):
+        return None, list(indices)
+    union = torch.unique(torch.cat([i for i in indices if i is not None]))
+    return union, [torch.searchsorted(union, i) for i in indices if i is not None]
+
+
 def kron_predictive(
     model: nn.Module,
     inputs: Tensor | Mapping[str, Any],
     outputs: Outputs,
-    targets: KronTargets,
-    bases: Mapping[str, tuple[Tensor, Tensor]],
-    inv_eigenvalues: Sequence[Mapping[str, Tensor]],
-    dtype: torch.dtype,
-    residual: Sequence[Mapping[str, float]] | None = None,
-    combine_dtype: torch.dtype = torch.float64,
-    lowrank: Mapping[str, tuple[LowRankFactor, LowRankFactor]] | None = None,
-) -> tuple[Tensor, Tensor | None, list[Tensor]]:
-    """Logits and the functional covariance ``J Σ Jᵀ`` of a Kronecker posterior, streamed module by module.
+    parts: Sequence[KronBlocks],
+) -> tuple[Tensor, Tensor | None, list[list[Tensor]]]:
+    """Logits and the functional covariances ``J Σ Jᵀ`` of Kronecker posteriors, streamed module by module.
 
-    One forward pass with hooks (inputs gathered to the selected columns) and one backward pass per class
-    (gradients w.r.t. the hooked outputs only, gathered to the selected rows) — per kept position for
-    token-level logits. Then each module's contribution ``Σ_ij M_k,ij M_l,ij / E_ij``
-    (``M = Q_Gᵀ J Q_A``) is added to the running ``[B, C, C]`` covariance and its gradients are freed:
-    rank-1 contraction for unshared layers (`unshared_covariances`), one example at a time for token
-    sequences (`shared_covariances`). ``J`` is never formed and at most one example's ``M`` lives at a time.
+    One forward pass with hooks and one backward pass per logit (each class, or each of
+    ``outputs.target_ids``; per kept position for token-level logits), gradients w.r.t. the hooked outputs
+    only, shared by all ``parts``: the hooks gather the union of their columns and rows, and each posterior
+    takes its own ``x[:, C]``, ``δ[:, R]`` from it, so its result is exactly what it computes alone. Each
+    module's ``Σ_ij M_k,ij M_l,ij / E_ij`` (``M = Q_Gᵀ J Q_A``) is added to each posterior's ``[B, K, K]``
+    covariance, then its gradients are
+    freed (`unshared_covariances`, `shared_covariances`); ``J`` is never formed. Each posterior runs its
+    own passes when the union's gradients would not fit the free memory (`fits_memory`).
 
     Args:
         model: Network returning logits ``[B, C]`` or ``[B, T, C]`` (call in eval mode).
         inputs: Model inputs.
         outputs: Which positions of token-level logits count.
-        targets: The subset's linear maps (``_kfac.kron_targets``).
-        bases: ``{module: (Q_G [r, r], Q_A [c, c])}`` in ``dtype``.
-        inv_eigenvalues: For each prior setting, ``{module: 1 / E [r, c]}``; with ``residual``,
-            ``{module: 1/E − 1/δ}`` on the kept directions ``[|I|, |J|]`` only.
-        dtype: Dtype of the computation and of the result.
-        residual: For each prior setting, ``{module: 1/δ}``: the bases in ``bases`` are then truncated to the
-            kept directions ``I`` / ``J`` (``[r, |I|]``, ``[c, |J|]``) and every other direction counts at its
-            prior value (`residual_covariances`); the result is then in ``combine_dtype``.
-        combine_dtype: With ``residual``, dtype of the final combination and of the result.
-        lowrank: ``{module: (G, A)}`` with a low-rank factor: ``1 / E`` on the extended grid, and
-            ``_lowrank.lowrank_covariance`` (exact, also under ``residual``).
+        parts: One `KronBlocks` per posterior.
 
     Returns:
-        ``(logits, keep, [Σ_f [N, C, C] per prior setting])``: the logits as the model returns them
-        (``[B, C]`` or ``[B, T, C]``, detached), the ``[B, T]`` kept positions of token-level logits
-        (``None`` for ``[B, C]``), and one covariance per output row (``N = B``, or the kept positions in
-        row-major ``(b, t)`` order).
+        ``(logits, keep, [[Σ_f [N, C, C] per prior setting] per posterior])``: the logits as the model
+        returns them (detached), the ``[B, T]`` kept positions of token-level logits (``None`` for
+        ``[B, C]``), one covariance per output row (``N = B``, or the kept positions, row-major).
     """
-    device = model_device(model)
-    out_dtype = dtype if residual is None else combine_dtype
-    kmods = targets.kmods
-    ps = output_passes(model, inputs, outputs, targets.modules, targets.cols, targets.rows)
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    names = sorted({m for p in parts for m in p.targets.kmods}, key=order.__getitem__)
+    users = {m: [i for i, p in enumerate(parts) if m in p.targets.kmods] for m in names}
+    cols, rows = {}, {}
+    where: list[dict[str, tuple[Tensor | None, Tensor | None]]] = [{} for _ in parts]
+    for m, idx in users.items():
+        cols[m], cw = union_index([parts[i].targets.cols[m] for i in idx])
+        rows[m], rw = union_index([parts[i].targets.rows[m] for i in idx])
+        for i, c, r in zip(idx, cw, rw, strict=True):
+            where[i][m] = (c, r)
+    modules = {m: parts[users[m][0]].targets.modules[m] for m in names}
+    ps = output_passes(model, inputs, outputs, modules, cols, rows)
     b = ps.logits.shape[0]
     n_cls = ps.logits.shape[-1] if outputs.target_ids is None else len(outputs.target_ids)
+    if not fits_memory(ps.inputs, rows, parts, n_cls, ps.logits.device):
+        del ps
+        alone = [kron_predictive(model, inputs, outputs, [p]) for p in parts]
+        return alone[0][0], alone[0][1], [covs for _, _, (covs,) in alone]
     keys: list[Tensor] = []
-    parts: list[list[Tensor]] = [[] for _ in inv_eigenvalues]
+    results: list[list[list[Tensor]]] = [[[] for _ in p.inv_eigenvalues] for p in parts]
     with torch.no_grad():
         for pg in ps.positions:
+            new = ps.logits.new_zeros
             covs = [
-                torch.zeros(b, n_cls, n_cls, dtype=out_dtype, device=device)
-                for _ in inv_eigenvalues
+                [new(b, n_cls, n_cls, dtype=p.out_dtype) for _ in p.inv_eigenvalues] for p in parts
             ]
-            for m in kmods:
-                x = ps.inputs[m]
-                d = torch.stack(pg.grads.pop(m))  # [C, B, (T...,) r]
-                q_g, q_a = bases[m]
-                inv = [e[m] for e in inv_eigenvalues]
-                bias = kmods[m].bias_name is not None
-                if lowrank is not None and m in lowrank:
-                    x3 = x.reshape(b, -1, x.shape[-1]).to(dtype)
-                    if bias:
-                        x3 = torch.cat([x3, torch.ones_like(x3[..., :1])], dim=-1)
-                    d4 = d.reshape(n_cls, b, x3.shape[1], d.shape[-1]).to(dtype)
-                    contrib = [lowrank_covariance(x3, d4, *lowrank[m], e) for e in inv]
-                elif residual is not None:
-                    if x.ndim > 2:
-                        x = x.reshape(b, -1, x.shape[-1])
-                        d = d.reshape(n_cls, b, x.shape[1], d.shape[-1])
-                    contrib = residual_covariances(
-                        x,
-                        d,
-                        q_g,
-                        q_a,
-                        bias,
-                        inv,
-                        [rs[m] for rs in residual],
-                        dtype,
-                        combine_dtype,
-                    )
-                elif x.ndim == 2:
-                    contrib = unshared_covariances(
-                        rotate_inputs(x.to(dtype), q_a, bias), d.to(dtype) @ q_g, inv
-                    )
-                else:
-                    x3 = x.reshape(b, -1, x.shape[-1])
-                    d4 = d.reshape(n_cls, b, x3.shape[1], d.shape[-1])
-                    contrib = shared_covariances(x3, d4, q_g, q_a, bias, inv, dtype)
-                for cov, part in zip(covs, contrib, strict=True):
-                    cov += part
-                del x, d
-            for acc, cov in zip(parts, covs, strict=True):
-                acc.append(cov.index_select(0, pg.examples))
+            for m in names:
+                x_u, d_u = ps.inputs[m], torch.stack(pg.grads.pop(m))  # d: [K, B, (T...,) r]
+                for i in users[m]:
+                    c, r = where[i][m]
+                    x = x_u if c is None else x_u.index_select(-1, c)
+                    d = d_u if r is None else d_u.index_select(-1, r)
+                    terms = _contributions(parts[i], m, x, d, b)
+                    for cov, term in zip(covs[i], terms, strict=True):
+                        cov += term
+                    del x, d, terms
+                del x_u, d_u
+            for per_prior, now in zip(results, covs, strict=True):
+                for rows_so_far, cov in zip(per_prior, now, strict=True):
+                    rows_so_far.append(cov.index_select(0, pg.examples))
             keys.append(pg.keys)
-    return ps.logits, ps.keep, [in_row_order(keys, p) for p in parts]
+    return ps.logits, ps.keep, [[in_row_order(keys, c) for c in r] for r in results]
+
+
+def fits_memory(
+    inputs: Mapping[str, Tensor],
+    rows: Mapping[str, Tensor | None],
+    parts: Sequence[KronBlocks],
+    n_outputs: int,
+    device: torch.device,
+) -> bool:
+    """Whether the backward passes shared by several ``parts`` fit the free memory (one part always does).
+
+    Per position and map of the union (``inputs`` as recorded, ``rows`` its rows), ``K`` output gradients
+    over ``r`` rows and the input over ``c`` columns: the predictive term of ``_memory.memory_estimate``.
+    """
+    if len(parts) == 1:
+        return True
+    total = 0
+    for m, x in inputs.items():
+        r_u = rows[m]
+        n_out = next(p.targets.kmods[m].n_out for p in parts if m in p.targets.kmods)
+        r = n_out if r_u is None else int(r_u.numel())
+        total += x.numel() // max(x.shape[-1], 1) * x.element_size() * (n_outputs * r + x.shape[-1])
+    available, _ = available_memory(device)
+    return available is None or total <= available
+
+
+def _contributions(part: KronBlocks, m: str, x: Tensor, d: Tensor, b: int) -> list[Tensor]:
+    """Module ``m``'s ``[B, C, C]`` terms of ``part``'s covariances, one per prior setting.
+
+    ``x [B, (T...,) c_w]`` and ``d [C, B, (T...,) r]`` are gathered to the posterior's block of ``m``.
+    """
+    q_g, q_a = part.bases[m]
+    inv = [e[m] for e in part.inv_eigenvalues]
+    bias = part.targets.kmods[m].bias_name is not None
+    n_cls = d.shape[0]
+    if m in part.lowrank:
+        x3 = x.reshape(b, -1, x.shape[-1]).to(part.dtype)
+        if bias:
+            x3 = torch.cat([x3, torch.ones_like(x3[..., :1])], dim=-1)
+        d4 = d.reshape(n_cls, b, x3.shape[1], d.shape[-1]).to(part.dtype)
+        return [lowrank_covariance(x3, d4, *part.lowrank[m], e) for e in inv]
+    if part.residual is not None:
+        if x.ndim > 2:
+            x = x.reshape(b, -1, x.shape[-1])
+            d = d.reshape(n_cls, b, x.shape[1], d.shape[-1])
+        res, dt = [rs[m] for rs in part.residual], part.dtype
+        return residual_covariances(x, d, q_g, q_a, bias, inv, res, dt, part.combine_dtype)
+    if x.ndim == 2:
+        return unshared_covariances(
+            rotate_inputs(x.to(part.dtype), q_a, bias), d.to(part.dtype) @ q_g, inv
+        )
+    x3 = x.reshape(b, -1, x.shape[-1])
+    d4 = d.reshape(n_cls, b, x3.shape[1], d.shape[-1])
+    return shared_covariances(x3, d4, q_g, q_a, bias, inv, part.dtype)

@@ -15,6 +15,7 @@ is ``Σ_n Σ_s J_nᵀ v_{s,n} v_{s,n}ᵀ J_n``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +89,18 @@ class CurvatureOptions:
             raise ValueError(f"bias must be 'fold' or 'separate', got {self.bias!r}")
         if self.max_rank is not None:
             check_count("max_rank", self.max_rank)
+
+
+def check_list(items: Any, what: str, kind: type) -> list[Any]:
+    """``items`` as a non-empty list of ``kind`` (several subsets or posteriors), or an error naming ``what``."""
+    if isinstance(items, (str, bytes, kind)) or not isinstance(items, Sequence):
+        raise TypeError(f"{what} must be a list of {kind.__name__}, got {type(items).__name__}")
+    if not items:
+        raise ValueError(f"{what} is an empty list: pass at least one {kind.__name__}")
+    for i, item in enumerate(items):
+        if not isinstance(item, kind):
+            raise TypeError(f"{what}[{i}] is a {type(item).__name__}, not a {kind.__name__}")
+    return list(items)
 
 
 def model_device(model: nn.Module) -> torch.device:

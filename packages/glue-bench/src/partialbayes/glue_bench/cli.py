@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from partialbayes.glue_bench import __version__, experiment, uci
+from partialbayes.glue_bench.context import FISHERS, Settings
 from partialbayes.glue_bench.data_glue import (
     TASKS,
     default_glue_dir,
@@ -21,7 +22,7 @@ from partialbayes.glue_bench.data_uci import UCI_DATASETS, num_splits, uci_folde
 from partialbayes.glue_bench.executors import EXECUTORS
 from partialbayes.glue_bench.experiment import CURVATURE_PASSES, RunConfig
 from partialbayes.glue_bench.figures import ramping_plot
-from partialbayes.glue_bench.methods import FISHERS, METHODS, Settings
+from partialbayes.glue_bench.methods import METHODS
 from partialbayes.glue_bench.models import DEFAULT_MODEL, minilm_path
 from partialbayes.glue_bench.quickstart import QUICKSTART_ARGS as QUICK
 from partialbayes.glue_bench.quickstart import (

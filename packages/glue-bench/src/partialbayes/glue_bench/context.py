@@ -1,8 +1,7 @@
 """What a method of the benchmark receives and returns: its settings, its context, its prediction.
 
 The lowest module of the method layer: :mod:`~partialbayes.glue_bench.laplace_cells`,
-:mod:`~partialbayes.glue_bench.methods`, :mod:`~partialbayes.glue_bench.ramp` and
-:mod:`~partialbayes.glue_bench.uci` build on it, and it imports none of them.
+:mod:`~partialbayes.glue_bench.methods` and :mod:`~partialbayes.glue_bench.uci` build on it.
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -175,7 +173,6 @@ class Context:
         settings: Method hyperparameters.
         ivon: ``{"hess": {name: tensor}, "ess", "weight_decay", "finetune_seconds"}`` when fine-tuned with
             IVON (``finetune_seconds``: the wall-clock time of that fine-tuning).
-        curvature_dir: Folder of the shared curvature pass (beside the checkpoint); ``None``: not stored.
     """
 
     model: nn.Module
@@ -187,7 +184,6 @@ class Context:
     seed: int
     settings: Settings = field(default_factory=Settings)
     ivon: dict[str, Any] | None = None
-    curvature_dir: Path | None = None
     _cache: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def labels(self, which: str) -> torch.Tensor:
@@ -235,10 +231,7 @@ class Prediction:
 
 @dataclass(frozen=True)
 class KronCell:
-    """A KFAC-type Laplace cell: its Kronecker-structured subset and S-KFAC level (``None``: whole maps).
-
-    The shared curvature pass derives the cell's factors from them (a level's, or the maps' full ones).
-    """
+    """A KFAC-type Laplace cell: its Kronecker-structured subset and S-KFAC level (``None``: whole maps)."""
 
     subset: Subset
     skfac_percent: float | None = None

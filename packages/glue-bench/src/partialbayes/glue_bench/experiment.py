@@ -3,7 +3,7 @@
 :func:`run_grid` lists the units and hands them to an executor (:mod:`~partialbayes.glue_bench.executors`:
 this process, or Ray tasks). :func:`run_unit` is one unit: claim it, :func:`prepare_context` (data, model,
 the MAP checkpoint), then its cells, each by :func:`run_cell` or, for the KFAC-type Laplace cells, together
-from one curvature pass (:func:`partialbayes.glue_bench.ramp.run_shared`).
+from shared passes (:func:`partialbayes.glue_bench.laplace_cells.shared_predictions`).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from partialbayes.glue_bench.data_glue import (
     task_spec,
 )
 from partialbayes.glue_bench.executors import UnitResult, run_units
+from partialbayes.glue_bench.laplace_cells import groups_of, shared_predictions
 from partialbayes.glue_bench.methods import Method, get_methods
 from partialbayes.glue_bench.models import DEFAULT_MODEL, check_model_folder, load_encoder
-from partialbayes.glue_bench.ramp import run_shared
 from partialbayes.glue_bench.store import Cell, ResultStore, UnitBusyError, grid_units, json_ready
 from partialbayes.glue_bench.train import TrainConfig, finetune, load_checkpoint, save_checkpoint
 
@@ -53,8 +53,8 @@ class RunConfig:
         max_test_examples: Cap on the test set (``None``: the whole GLUE dev set).
         curvature_batch_size: Batch size of the curvature, SWAG and prediction passes.
         seed: Base seed; split ``k`` seeds everything random with ``seed · 100 + k``.
-        curvature_pass: ``shared`` (one curvature pass per ramp of KFAC-type cells, stored beside the
-            checkpoint, :mod:`~partialbayes.glue_bench.ramp`) or ``per-cell``: the same records.
+        curvature_pass: ``shared`` (the KFAC-type cells of a unit share their training, validation and
+            test passes, :mod:`~partialbayes.glue_bench.laplace_cells`) or ``per-cell``: the same records.
     """
 
     model: str = DEFAULT_MODEL
@@ -205,7 +205,6 @@ def prepare_context(
         seed=seed,
         settings=config.settings,
         ivon=ivon,
-        curvature_dir=folder / "curvature",
     )
     return ctx, meta
 
@@ -274,11 +273,6 @@ def run_cell(ctx: Context, method: Method, size: str) -> dict[str, Any]:
         raise ValueError(f"{err} (size {size})") from None
 
 
-def shares_curvature(method: Method, config: RunConfig) -> bool:
-    """Whether ``method``'s cells run in the shared ramp (``curvature_pass="shared"`` and a KFAC subset)."""
-    return config.curvature_pass == "shared" and method.kron is not None
-
-
 @dataclass(frozen=True)
 class Grid:
     """What every unit of one :func:`run_grid` call shares (its arguments; sent as it is to each worker).
@@ -328,7 +322,8 @@ class _Unit:
         """The cells, in the order of ``grid.methods`` (the shared ramp at its first method)."""
         ctx = self.prepare()
         methods = get_methods(self.grid.methods)
-        shared = [m for m in methods if shares_curvature(m, self.grid.config)]
+        sharing = self.grid.config.curvature_pass == "shared"
+        shared = [m for m in methods if sharing and m.kron is not None]
         ramp = [(m, size) for m in shared for size in self.todo(m, ctx)]
         for method in methods:
             if method in shared:
@@ -374,32 +369,39 @@ class _Unit:
         return ctx
 
     def run_ramp(self, ctx: Context, ramp: list[tuple[Method, str]]) -> None:
-        """The shared ramp (:func:`~partialbayes.glue_bench.ramp.run_shared`): records as cells finish."""
+        """The KFAC-type cells from shared passes, a group at a time (:func:`shared_predictions`).
+
+        A shared cell's times are its share of its group's passes (``extra.curvature_seconds``: the
+        group's curvature pass and eigendecompositions; ``extra.shared_cells``: its size). A failure of a
+        group's passes fails each of its cells.
+        """
         torch.manual_seed(ctx.seed)
-        w0, c0 = time.perf_counter(), time.process_time()
-        own_wall = own_cpu = 0.0
-        info = None
-        for method, size, result, info in run_shared(ctx, ramp, log=self.say):
+        cells = []
+        for method, size in ramp:
             try:
-                if isinstance(result, BaseException):
-                    raise result
-                record = prediction_record(ctx, method, result, 0.0)
-            except Exception as err:
+                assert method.kron is not None
+                cells.append((method, size, method.kron(ctx, size)))
+            except Exception as err:  # one broken cell must not stop the ramp
                 self.fail(method.name, size, err)
+        groups = groups_of([kron for _, _, kron in cells])
+        for i, group in enumerate(groups):
+            members = [cells[j] for j in group]
+            self.say(f"shared passes: group {i + 1}/{len(groups)}, {len(group)} cells")
+            try:
+                preds, took = shared_predictions(ctx, [kron for _, _, kron in members])
+            except Exception as err:
+                for method, size, _ in members:
+                    self.fail(method.name, size, err)
                 continue
-            # a shared cell's own time: its posterior and its share of the predictive math (the shared
-            # passes are reported once, as the "shared passes" stage and in extra.curvature_seconds)
-            record["seconds"] = result.fit_seconds + result.predict_seconds
-            record["cpu_seconds"] = result.extra.pop("cpu_seconds")
-            record["extra"].update(
-                curvature_seconds=info.curvature_seconds, shared_cells=info.cells
-            )
-            own_wall += record["seconds"]
-            own_cpu += record["cpu_seconds"]
-            self.done(method.name, size, record)
-        if info is not None:
-            wall, cpu = time.perf_counter() - w0 - own_wall, time.process_time() - c0 - own_cpu
-            self.timing("shared passes", max(wall, 0.0), max(cpu, 0.0))
+            for (method, size, _), pred in zip(members, preds, strict=True):
+                try:
+                    record = prediction_record(ctx, method, pred, took["cpu"] / len(group))
+                except Exception as err:
+                    self.fail(method.name, size, err)
+                    continue
+                record["seconds"] = pred.fit_seconds + pred.predict_seconds
+                record["extra"].update(curvature_seconds=took["fit"], shared_cells=len(group))
+                self.done(method.name, size, record)
 
     def todo(self, method: Method, ctx: Context) -> list[str]:
         cell = partial(Cell, self.task, self.split, method.name)
@@ -453,13 +455,14 @@ def run_grid(
     keeps other processes off it. ``shard=(i, n)``: every n-th unit. ``executor="ray"``: one Ray task per
     unit (:func:`~partialbayes.glue_bench.executors.run_units`), into a results folder every node sees.
     ``take_over``: take over claims whose owner on another host is gone. With ``curvature_pass="shared"``
-    the KFAC-type Laplace cells of a unit run together from one curvature pass
-    (:func:`partialbayes.glue_bench.ramp.run_shared`), the others each on its own (:func:`run_cell`).
+    the KFAC-type Laplace cells of a unit run together from shared passes
+    (:func:`~partialbayes.glue_bench.laplace_cells.shared_predictions`), the others each on its own
+    (:func:`run_cell`).
 
     With ``keep_going`` a failing cell is logged and skipped (no record: a later run retries it); the
     messages, and one per unit that another process holds, are in ``store.failures``. ``timings`` receives
     one dict per stage: ``{"stage": "prepare", "task", "split", "wall", "cpu", "finetune_wall",
-    "finetune_cpu"}``, ``{"stage": "shared passes", ...}`` and ``{"stage": method, "size", ...}``.
+    "finetune_cpu"}`` and ``{"stage": method, "size", ...}``.
 
     Raises:
         ValueError: Unknown tasks or methods, none at all, a ``--model`` folder that is missing or has no

@@ -1,32 +1,39 @@
-"""One Laplace cell in steps: the posterior, its prior precision, its test predictive.
+"""Laplace cells: the posterior, its prior precision, its test predictive, its record; alone or shared.
 
-A grid cell of a Laplace method is split into small steps so that the two ways of running a ramp share
-every line of code after the curvature: a cell fitted on its own (``curvature_pass="per-cell"``:
-:func:`fit_per_cell` streams the training set for its subset) and a cell derived from the shared pass
-(:mod:`partialbayes.glue_bench.ramp`: ``KronLaplace.fit_curvature`` with factors from one pass for the whole
-ramp) both choose their prior with :class:`PriorSearch` and predict with :class:`TestPredictive`, batch by
-batch, in the same order, so that equal factors give equal records.
+A cell on its own (``curvature_pass="per-cell"``, :func:`kron_prediction`) streams the training set for
+its curvature and the validation and test sets for its predictive. The KFAC, S-KFAC and module-ramp cells
+of a (task, split) can instead share those passes (``curvature_pass="shared"``,
+:func:`shared_predictions`) through the curvature library's several-posterior calls:
+``KronLaplace.fit_many`` (one training pass for every cell's factors, each bit for bit its own fit's, and
+the training loss), ``grid_val_nll_many`` (one forward and backward pass per validation batch for every
+cell's prior grid) and ``logit_mean_cov_many`` (the same per test batch). Both paths build their posteriors
+with :func:`kron_options`, choose the prior with :func:`choose_prior` and report with
+:func:`laplace_result`, so the records are equal. A group's posteriors live in memory together; cells are
+grouped (:func:`groups_of`) so that a group's eigenbases and MAP entries stay below :data:`MEMORY_FLOATS`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from partialbayes.curvature import DenseLaplace, KronLaplace, LaplaceBase
+from partialbayes.curvature import KronLaplace, LaplaceBase, grid_val_nll_many, logit_mean_cov_many
 from partialbayes.glue_bench.context import (
     MC_FISHER_OFFSET,
     Context,
+    KronCell,
     Prediction,
     modules_of,
     prior_edge,
     prior_grid,
 )
 from partialbayes.predictive import probit
-from partialbayes.selection import Subset
+
+# Floats a group of shared cells may hold at once (eigenbases and MAP entries; float64: 1.6 GB).
+MEMORY_FLOATS = 200_000_000
 
 
 def mc_generator(ctx: Context, fisher: str) -> torch.Generator | None:
@@ -34,148 +41,157 @@ def mc_generator(ctx: Context, fisher: str) -> torch.Generator | None:
     return ctx.generator(MC_FISHER_OFFSET) if fisher == "mc" else None
 
 
-def kron_posterior(ctx: Context, subset: Subset) -> KronLaplace:
-    """An unfitted ``KronLaplace`` on ``subset`` of ``ctx.model`` with fisher ``settings.fisher``."""
-    return KronLaplace(ctx.model, subset, num_classes=ctx.num_labels, fisher=ctx.settings.fisher)
+def kron_options(ctx: Context) -> dict[str, Any]:
+    """The ``KronLaplace`` settings of a KFAC-type cell (``settings.fisher``; the library's defaults else)."""
+    return {"num_classes": ctx.num_labels, "fisher": ctx.settings.fisher}
 
 
-def dense_posterior(ctx: Context, subset: Subset) -> DenseLaplace:
-    """An unfitted ``DenseLaplace`` on ``subset`` with fisher ``settings.last_layer_fisher``."""
-    return DenseLaplace(
-        ctx.model, subset, num_classes=ctx.num_labels, fisher=ctx.settings.last_layer_fisher
-    )
-
-
-def fit_per_cell(ctx: Context, la: LaplaceBase) -> LaplaceBase:
-    """Fit ``la`` by its own pass over the training batches (the MC fisher seeded by the run)."""
-    la.fit(ctx.train, generator=mc_generator(ctx, la.fisher))
-    return la
-
-
-class PriorSearch:
-    """The validation NLL of every prior of the grid, accumulated batch by batch.
-
-    Each batch's mean NLL per grid value (``grid_val_nll`` of the posterior on that one batch) is weighted
-    by the batch size and summed; :meth:`choose` then sets the prior of the posterior. Used identically by
-    both curvature paths, so the chosen prior and the validation NLL do not depend on the path.
+def choose_prior(
+    la: LaplaceBase, nll: torch.Tensor, grid: Sequence[float], method: str
+) -> dict[str, Any]:
+    """Set the prior precision of ``la`` by ``method`` and describe the choice.
 
     Args:
+        la: The fitted posterior.
+        nll: ``[len(grid)]`` its mean validation NLL per prior (``grid_val_nll``).
         grid: The prior precisions (``Settings.prior_grid``).
+        method: ``val_nll`` (lowest validation NLL on the grid, ties to the smaller prior) or
+            ``marglik`` (largest marginal likelihood on the grid, the library's rule).
+
+    Returns:
+        ``{"prior_precision", "prior_method", "prior_at_grid_edge", "val_nll_grid"}`` and ``"val_nll"``
+        (the validation NLL at the chosen prior).
     """
-
-    def __init__(self, grid: Sequence[float]) -> None:
-        self.grid = tuple(float(v) for v in grid)
-        self._grid = prior_grid(self.grid)
-        self.totals = torch.zeros(len(self.grid), dtype=torch.float64)
-        self.count = 0
-
-    def add(self, la: LaplaceBase, batch: Mapping[str, torch.Tensor]) -> None:
-        """Add one validation batch (with ``labels``) of the posterior ``la``."""
-        n = int(batch["labels"].shape[0])
-        self.totals += la.grid_val_nll([batch], self._grid) * n
-        self.count += n
-
-    def nll(self) -> torch.Tensor:
-        """``[len(grid)]`` mean validation NLL per prior."""
-        if self.count == 0:
-            raise ValueError("PriorSearch: no validation batch was added")
-        return self.totals / self.count
-
-    def choose(self, la: LaplaceBase, method: str) -> dict[str, Any]:
-        """Set the prior precision of ``la`` by ``method`` and describe the choice.
-
-        Args:
-            la: The fitted posterior.
-            method: ``val_nll`` (lowest validation NLL on the grid, ties to the smaller prior) or
-                ``marglik`` (largest marginal likelihood on the grid, the library's rule).
-
-        Returns:
-            ``{"prior_precision", "prior_method", "prior_at_grid_edge", "val_nll_grid"}`` and
-            ``"val_nll"`` (the validation NLL at the chosen prior).
-        """
-        nll = self.nll()
-        if method == "val_nll":
-            best = int(torch.argmin(nll))
-            chosen = self.grid[best]
-            la.prior_precision = chosen
-        else:
-            chosen = la.optimize_prior_precision("marglik", grid=self._grid)
-            best = self.grid.index(chosen)
-        return {
-            "prior_precision": chosen,
-            "prior_method": method,
-            "prior_at_grid_edge": prior_edge(chosen, self.grid),
-            "val_nll_grid": [float(v) for v in nll],
-            "val_nll": float(nll[best]),
-        }
+    if method == "val_nll":
+        best = int(torch.argmin(nll))
+        la.prior_precision = grid[best]
+    else:
+        best = list(grid).index(la.optimize_prior_precision("marglik", grid=prior_grid(grid)))
+    return {
+        "prior_precision": grid[best],
+        "prior_method": method,
+        "prior_at_grid_edge": prior_edge(grid[best], grid),
+        "val_nll_grid": [float(v) for v in nll],
+        "val_nll": float(nll[best]),
+    }
 
 
-class TestPredictive:
-    """The linearised probit predictive of one posterior, batch by batch (float64, on the CPU)."""
-
-    def __init__(self) -> None:
-        self.parts: list[torch.Tensor] = []
-
-    def add(self, la: LaplaceBase, batch: Mapping[str, torch.Tensor]) -> None:
-        """Add one test batch of the posterior ``la`` (at its current prior precision)."""
-        mean, cov = la.logit_mean_cov(batch)
-        self.parts.append(probit(mean.double(), cov.double()).cpu())
-
-    def probs(self) -> torch.Tensor:
-        """``[N, C]`` predictive probabilities of every batch added, in order."""
-        return torch.cat(self.parts)
+def probit_probs(mean: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
+    """The linearised probit predictive ``[N, C]`` of one batch's ``logit_mean_cov`` (float64, on the CPU)."""
+    return probit(mean.double(), cov.double()).cpu()
 
 
 def laplace_result(
     ctx: Context,
     la: LaplaceBase,
-    subset: Subset,
     probs: torch.Tensor,
     prior: dict[str, Any],
-    fit_seconds: float,
-    predict_seconds: float,
+    seconds: tuple[float, float],
     curvature_pass: str,
+    skfac_percent: float | None = None,
 ) -> Prediction:
-    """The :class:`Prediction` of a finished Laplace cell (the same fields whichever path fitted it)."""
+    """The :class:`Prediction` of a finished Laplace cell (the same fields whichever path fitted it).
+
+    ``seconds``: its fit (prior search included) and predict times.
+    """
     extra = {k: v for k, v in prior.items() if k != "val_nll"}
-    extra.update({"fisher": la.fisher, "modules": modules_of(subset)})
+    extra.update({"fisher": la.fisher, "modules": modules_of(la.subset)})
+    if skfac_percent is not None:
+        extra["skfac_percent"] = skfac_percent
     return Prediction(
         probs=probs,
         floats=int(la.num_floats),
-        n_stochastic=subset.num_entries(),
-        percent_stochastic=float(subset.percent_of(ctx.model)),
-        fit_seconds=fit_seconds,
-        predict_seconds=predict_seconds,
+        n_stochastic=la.subset.num_entries(),
+        percent_stochastic=float(la.subset.percent_of(ctx.model)),
+        fit_seconds=seconds[0],
+        predict_seconds=seconds[1],
         extra=extra,
         val_nll=prior["val_nll"],
         curvature_pass=curvature_pass,
     )
 
 
-def laplace_prediction(ctx: Context, subset: Subset, kind: str = "kron") -> Prediction:
-    """Fit a Laplace posterior of ``kind`` (``kron`` or ``dense``) on ``subset``, tune the prior, predict.
+def laplace_prediction(
+    ctx: Context, la: LaplaceBase, skfac_percent: float | None = None
+) -> Prediction:
+    """Fit the posterior ``la`` on its own, tune its prior, predict (``curvature_pass="per-cell"``).
 
-    The cell's own curvature pass over the training set (``curvature_pass="per-cell"``), the validation NLL
-    of every prior of ``settings.prior_grid``, the prior chosen by validation NLL or by the marginal
+    The cell's own curvature pass over the training set (the MC fisher seeded by the run), the validation
+    NLL of every prior of ``settings.prior_grid``, the prior chosen by validation NLL or by the marginal
     likelihood (``settings.prior``), then the linearised probit predictive on the test set.
-
-    Raises:
-        ValueError: If ``kind`` is neither ``kron`` nor ``dense``.
     """
-    if kind not in ("kron", "dense"):
-        raise ValueError(f"kind must be 'kron' or 'dense', got {kind!r}")
+    s = ctx.settings
     t0 = time.perf_counter()
-    unfitted = kron_posterior(ctx, subset) if kind == "kron" else dense_posterior(ctx, subset)
-    la = fit_per_cell(ctx, unfitted)
-    search = PriorSearch(ctx.settings.prior_grid)
-    for batch in ctx.val:
-        search.add(la, batch)
-    prior = search.choose(la, ctx.settings.prior)
+    la.fit(ctx.train, generator=mc_generator(ctx, la.fisher))
+    prior = choose_prior(
+        la, la.grid_val_nll(ctx.val, prior_grid(s.prior_grid)), s.prior_grid, s.prior
+    )
     fit = time.perf_counter() - t0
     t0 = time.perf_counter()
-    test = TestPredictive()
-    for batch in ctx.test:
-        test.add(la, batch)
-    return laplace_result(
-        ctx, la, subset, test.probs(), prior, fit, time.perf_counter() - t0, "per-cell"
+    probs = torch.cat([probit_probs(*la.logit_mean_cov(batch)) for batch in ctx.test])
+    seconds = (fit, time.perf_counter() - t0)
+    return laplace_result(ctx, la, probs, prior, seconds, "per-cell", skfac_percent)
+
+
+def kron_prediction(ctx: Context, cell: KronCell) -> Prediction:
+    """A KFAC-type cell on its own: ``KronLaplace`` on its subset (:func:`kron_options`)."""
+    la = KronLaplace(ctx.model, cell.subset, **kron_options(ctx))
+    return laplace_prediction(ctx, la, cell.skfac_percent)
+
+
+def floats_of(cell: KronCell) -> int:
+    """Floats a cell's posterior holds: its Kronecker eigenbases (``num_floats``) and its MAP entries."""
+    total = cell.subset.num_entries()
+    for km in cell.subset.kron_modules().values():
+        r, c = km.n_rows, km.n_cols + (km.bias_name is not None)
+        total += r * r + r + c * c + c
+    return total
+
+
+def groups_of(cells: Sequence[KronCell], memory_floats: int = MEMORY_FLOATS) -> list[list[int]]:
+    """Consecutive groups of cell indices whose floats sum to at most ``memory_floats`` (at least one)."""
+    out: list[list[int]] = []
+    used = 0
+    for i, cell in enumerate(cells):
+        need = floats_of(cell)
+        if out and used + need <= memory_floats:
+            out[-1].append(i)
+            used += need
+        else:
+            out.append([i])
+            used = need
+    return out
+
+
+def shared_predictions(
+    ctx: Context, cells: Sequence[KronCell]
+) -> tuple[list[Prediction], dict[str, float]]:
+    """The cells' predictions from one training, one validation and one test pass for them all.
+
+    Returns:
+        The predictions, and the group's seconds: ``fit`` (``fit_many``: the curvature pass and the
+        eigendecompositions), ``prior``, ``predict`` (wall clock) and ``cpu`` (process CPU time). A cell's
+        ``fit_seconds`` / ``predict_seconds`` are its share of the group's, so a ramp's records add up.
+    """
+    s, c0, t0 = ctx.settings, time.process_time(), time.perf_counter()
+    subsets = [c.subset for c in cells]
+    generator = mc_generator(ctx, s.fisher)
+    posts = KronLaplace.fit_many(
+        ctx.model, subsets, ctx.train, generator=generator, **kron_options(ctx)
     )
+    t1 = time.perf_counter()
+    nll = grid_val_nll_many(posts, ctx.val, prior_grid(s.prior_grid))
+    priors = [choose_prior(la, v, s.prior_grid, s.prior) for la, v in zip(posts, nll, strict=True)]
+    t2 = time.perf_counter()
+    probs: list[list[torch.Tensor]] = [[] for _ in posts]
+    for batch in ctx.test:
+        for part, (mean, cov) in zip(probs, logit_mean_cov_many(posts, batch), strict=True):
+            part.append(probit_probs(mean, cov))
+    t3 = time.perf_counter()
+    took = {"fit": t1 - t0, "prior": t2 - t1, "predict": t3 - t2, "cpu": time.process_time() - c0}
+    share = ((t2 - t0) / len(cells), (t3 - t2) / len(cells))
+    preds = [
+        laplace_result(ctx, la, torch.cat(p), prior, share, "shared", cell.skfac_percent)
+        for la, p, prior, cell in zip(posts, probs, priors, cells, strict=True)
+    ]
+    return preds, took

@@ -7,17 +7,16 @@ fitted by EM with MacKay updates, effective dimensions estimated from sample-the
 predictive averages ``softmax(f(x; θ*) + J(x) z_j)`` over ``z_j ~ N(0, H⁻¹)``,
 ``H = Σ_n J_nᵀ B_n J_n + α I``. Nothing of size ``d × d`` is formed: ``J`` is used through JVPs and VJPs.
 
-``network_features`` of ``linear_sampling`` takes one input dict of ``[n, ...]`` tensors, but the
-benchmark's batches are padded to different lengths; :func:`stacked_features` joins per-batch features into
-one operator instead of padding everything to the longest sequence. On Hugging Face models its forward-mode
-JVPs cost about 16 forward passes per column (measured on MiniLM, CPU), so when the training Jacobian fits
-in memory (``dense_max_floats``) it is computed once with one backward pass per class
-(:func:`dense_jacobians`) and handed to ``linear_sampling`` as ``Features.dense``.
+The training features are ``linear_sampling.loader_features`` over the benchmark's batches (each padded to
+its own length). On Hugging Face models its forward-mode JVPs cost about 16 forward passes per column
+(measured on MiniLM, CPU), so when the training Jacobian fits in memory (``dense_max_floats``) it is computed
+once with one backward pass per class (:func:`dense_jacobians`) and handed to ``linear_sampling`` as
+``Features.dense``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias, TypedDict
 
@@ -31,8 +30,8 @@ from partialbayes.linear_sampling import (
     effective_dimension,
     linearised_logit_samples,
     linearised_targets,
+    loader_features,
     mackay_update,
-    network_features,
     network_logits,
     network_parameters,
     posterior_mean,
@@ -71,7 +70,7 @@ class LinearSamplingConfig:
         dense_max_floats: Materialise the training Jacobian ``Φ`` (``n·m·d`` floats) when it has at most
             this many entries and the subset is Kronecker-structured: per-example Jacobians from one
             backward pass per class (``curvature.logit_jacobians``), then every product is a matmul. Larger
-            problems use ``linear_sampling.network_features`` (a forward-mode JVP per column, much slower on
+            problems use ``linear_sampling.loader_features`` (a forward-mode JVP per column, much slower on
             Hugging Face models, but memory ``O(d·k)``); ``0`` always uses the operators. Test batches follow
             the same rule per batch.
     """
@@ -99,62 +98,6 @@ class LinearSamplingConfig:
                 )
 
 
-def model_inputs(batch: Batch) -> dict[str, Tensor]:
-    """The model's keyword tensors of a batch (everything but ``labels``)."""
-    return {k: v for k, v in batch.items() if k != "labels"}
-
-
-def stacked_features(model: nn.Module, batches: Sequence[Batch], params: Params) -> Features:
-    """One ``linear_sampling.Features`` over all examples of ``batches`` (each padded to its own length).
-
-    Example ``i`` of the result is the ``i``-th example in batch order. Each operator call groups its
-    indices by batch and calls that batch's ``network_features`` operator, so contiguous index ranges that
-    match the batches (conjugate gradients' full-data passes) cost one call per batch.
-
-    Args:
-        model: The classifier at its MAP weights, in eval mode.
-        batches: Dict batches (``labels`` ignored); every batch's tensors are ``[b, L_batch]``.
-        params: The stochastic parameters (a ``Subset``, names, or ``{name: bool mask}``).
-
-    Returns:
-        Features ``Φ`` with ``n = Σ b``, ``m`` = number of classes, ``d`` = number of chosen entries.
-
-    Raises:
-        ValueError: If ``batches`` is empty or the per-batch features disagree on ``m`` or ``d``.
-    """
-    if not batches:
-        raise ValueError("stacked_features: batches is empty")
-    parts = [network_features(model, model_inputs(b), params) for b in batches]
-    m, d = parts[0].m, parts[0].d
-    if any(p.m != m or p.d != d for p in parts):
-        raise ValueError("stacked_features: batches disagree on the number of logits or parameters")
-    sizes = torch.tensor([p.n for p in parts])
-    starts = torch.cumsum(sizes, 0) - sizes
-    owner = torch.repeat_interleave(torch.arange(len(parts)), sizes)
-    device, dtype = parts[0].device, parts[0].dtype
-
-    def groups(idx: Tensor) -> Iterator[tuple[int, Tensor, Tensor]]:
-        cpu = idx.cpu()
-        who = owner[cpu]
-        for b in torch.unique(who).tolist():
-            pos = (who == b).nonzero().flatten()
-            yield b, pos.to(idx.device), (cpu[pos] - starts[b]).to(device)
-
-    def jvp(idx: Tensor, z: Tensor) -> Tensor:
-        out = torch.empty(idx.shape[0], m, z.shape[1], dtype=z.dtype, device=z.device)
-        for b, pos, local in groups(idx):
-            out[pos] = parts[b].jvp(local, z).to(z.dtype)
-        return out
-
-    def vjp(idx: Tensor, v: Tensor) -> Tensor:
-        out = torch.zeros(d, v.shape[2], dtype=v.dtype, device=v.device)
-        for b, pos, local in groups(idx):
-            out += parts[b].vjp(local, v[pos]).to(v.dtype)
-        return out
-
-    return Features(jvp, vjp, int(sizes.sum()), m, d, dtype, device)
-
-
 def dense_jacobians(model: nn.Module, batch: Batch, subset: Subset) -> tuple[Tensor, Tensor]:
     """Logits ``[b, m]`` and per-example logit Jacobians ``[b, m, d]`` in a Kronecker ``subset``.
 
@@ -171,7 +114,7 @@ def dense_jacobians(model: nn.Module, batch: Batch, subset: Subset) -> tuple[Ten
     Raises:
         TypeError: If ``subset`` has mask blocks.
     """
-    logits, jac = logit_jacobians(model, model_inputs(batch), subset)
+    logits, jac = logit_jacobians(model, batch, subset)
     owner = {}
     for mod in subset.kron_modules().values():
         owner[mod.weight_name] = (mod.module_name, "weight", mod)
@@ -239,15 +182,15 @@ def fit_linearised(
     """
     theta = network_parameters(model, params)
     n, d = sum(int(b["labels"].shape[0]) for b in train), theta.shape[0]
-    m = network_logits(model, {k: v[:1] for k, v in model_inputs(train[0]).items()}).shape[1]
+    m = network_logits(model, {k: v[:1] for k, v in train[0].items()}).shape[1]
     if isinstance(params, Subset) and params.is_kronecker and n * m * d <= config.dense_max_floats:
         pairs = [dense_jacobians(model, b, params) for b in train]
         logits = torch.cat([p[0] for p in pairs])
         feats = Features.dense(torch.cat([p[1] for p in pairs]).to(theta.dtype))
         del pairs
     else:
-        logits = torch.cat([network_logits(model, model_inputs(b)) for b in train])
-        feats = stacked_features(model, train, params)
+        logits = torch.cat([network_logits(model, b) for b in train])
+        feats = loader_features(model, train, params)
     logits = logits.to(feats.dtype)
     labels = torch.cat([b["labels"] for b in train]).to(logits.device)
     noise = softmax_hessian(logits.double(), jitter=config.jitter).to(feats.dtype, feats.device)
@@ -307,7 +250,7 @@ def linearised_probs(
     out = []
     d = samples.shape[0]
     for b in batches:
-        inputs = model_inputs(b)
+        inputs = {k: v for k, v in b.items() if k != "labels"}
         n = next(iter(inputs.values())).shape[0]
         m = network_logits(model, {k: v[:1] for k, v in inputs.items()}).shape[1]
         if isinstance(params, Subset) and params.is_kronecker and n * m * d <= dense_max_floats:

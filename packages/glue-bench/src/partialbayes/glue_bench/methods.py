@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from partialbayes import selection
-from partialbayes.glue_bench.context import (  # FISHERS, Settings: re-exported, defined here before 0.3
-    FISHERS,  # noqa: F401
+from partialbayes.curvature import DenseLaplace
+from partialbayes.glue_bench.context import (
     IVON_SAMPLES_OFFSET,
     LS_OFFSET,
     SWAG_SAMPLES_OFFSET,
@@ -24,13 +24,12 @@ from partialbayes.glue_bench.context import (  # FISHERS, Settings: re-exported,
     Context,
     KronCell,
     Prediction,
-    Settings,  # noqa: F401
     batch_logits,
     every_linear_map,
     modules_of,
     val_nll,
 )
-from partialbayes.glue_bench.laplace_cells import laplace_prediction
+from partialbayes.glue_bench.laplace_cells import kron_prediction, laplace_prediction
 from partialbayes.glue_bench.linearised import fit_linearised, linearised_probs
 from partialbayes.ivon import GaussianPosterior
 from partialbayes.predictive import Posterior, fit_temperature
@@ -132,8 +131,10 @@ def module_subset(ctx: Context, strategy: str, group: str, k: int) -> Subset:
 
 # ------------------------------------------------------------------------------------------ Laplace
 def run_last_layer(ctx: Context, size: str) -> Prediction:
-    """Dense-GGN Laplace on the classification head."""
-    return laplace_prediction(ctx, selection.last_layer(ctx.model), kind="dense")
+    """Dense-GGN Laplace on the classification head (``settings.last_layer_fisher``)."""
+    subset, fisher = selection.last_layer(ctx.model), ctx.settings.last_layer_fisher
+    la = DenseLaplace(ctx.model, subset, num_classes=ctx.num_labels, fisher=fisher)
+    return laplace_prediction(ctx, la)
 
 
 def kron_full(ctx: Context, size: str) -> KronCell:
@@ -146,16 +147,14 @@ def kron_skfac(ctx: Context, size: str) -> KronCell:
     return KronCell(selection.sparse_kfac(ctx.model, float(size)), float(size))
 
 
-def run_kfac_full(ctx: Context, size: str) -> Prediction:
-    """KFAC Laplace on every linear map."""
-    return laplace_prediction(ctx, kron_full(ctx, size).subset)
-
-
-def run_skfac(ctx: Context, size: str) -> Prediction:
-    """S-KFAC Laplace keeping ``size`` % of the rows and columns of every linear map."""
-    pred = laplace_prediction(ctx, kron_skfac(ctx, size).subset)
-    pred.extra["skfac_percent"] = float(size)
-    return pred
+def kron_method(
+    name: str,
+    description: str,
+    sizes: Callable[[Context], list[str]],
+    kron: Callable[[Context, str], KronCell],
+) -> Method:
+    """A KFAC-type Laplace method: its cells' subsets (``kron``), each cell on its own by ``run``."""
+    return Method(name, description, sizes, lambda c, size: kron_prediction(c, kron(c, size)), kron)
 
 
 # ------------------------------------------------------------------------------------------ SWAG
@@ -341,20 +340,16 @@ def _ramp_name(family: str, strategy: str, group: str) -> str:
     return f"{family}-{strategy}-{'attn' if group == 'attention' else group}"
 
 
-def _module_ramp(family: str, strategy: str, group: str) -> Callable[[Context, str], Prediction]:
-    predict = swag_prediction if family == "swag" else laplace_prediction
+def _module_ramp(family: str, strategy: str, group: str, about: str) -> Method:
+    """The ``family`` ramp (``kfac`` or ``swag``) of ``strategy`` on ``group``'s linear maps."""
+    name, sizes = _ramp_name(family, strategy, group), _count_sizes(group)
 
-    def run(ctx: Context, size: str) -> Prediction:
-        return predict(ctx, module_subset(ctx, strategy, group, int(size)))
+    def subset(ctx: Context, size: str) -> Subset:
+        return module_subset(ctx, strategy, group, int(size))
 
-    return run
-
-
-def _module_kron(strategy: str, group: str) -> Callable[[Context, str], KronCell]:
-    def kron(ctx: Context, size: str) -> KronCell:
-        return KronCell(module_subset(ctx, strategy, group, int(size)))
-
-    return kron
+    if family == "kfac":
+        return kron_method(name, about, sizes, lambda ctx, size: KronCell(subset(ctx, size)))
+    return Method(name, about, sizes, lambda ctx, size: swag_prediction(ctx, subset(ctx, size)))
 
 
 # ------------------------------------------------------------------------------------------ registry
@@ -371,13 +366,9 @@ def _registry() -> dict[str, Method]:
         Method(
             "last-layer", "Laplace, dense GGN on the classification head", _single, run_last_layer
         ),
-        Method("kfac-full", "KFAC Laplace on every linear map", _single, run_kfac_full, kron_full),
-        Method(
-            "skfac",
-            "S-KFAC Laplace ramping (percent of rows/cols)",
-            skfac_sizes,
-            run_skfac,
-            kron_skfac,
+        kron_method("kfac-full", "KFAC Laplace on every linear map", _single, kron_full),
+        kron_method(
+            "skfac", "S-KFAC Laplace ramping (percent of rows/cols)", skfac_sizes, kron_skfac
         ),
         Method("swag-l1", "SWAG on the p % largest-magnitude weights", l1_sizes, run_swag_l1),
         Method("swag-full", "SWAG on every linear map", _single, run_swag_full),
@@ -400,15 +391,8 @@ def _registry() -> dict[str, Method]:
     for family, posterior in RAMP_FAMILIES.items():
         for strategy, group in MODULE_STRATEGIES:
             label = "random" if strategy == "random" else f"{strategy} operator norm"
-            methods.append(
-                Method(
-                    _ramp_name(family, strategy, group),
-                    f"{posterior} on k linear maps ({label}, {group})",
-                    _count_sizes(group),
-                    _module_ramp(family, strategy, group),
-                    _module_kron(strategy, group) if family == "kfac" else None,
-                )
-            )
+            about = f"{posterior} on k linear maps ({label}, {group})"
+            methods.append(_module_ramp(family, strategy, group, about))
     return {m.name: m for m in methods}
 
 

@@ -40,7 +40,7 @@ QUICKSTART_SETTINGS: dict[str, Any] = {
     "skfac_percents": (1.0, 6.8),
     "prior_grid": QUICKSTART_PRIOR_GRID,
 }
-""":class:`~partialbayes.glue_bench.methods.Settings` fields the quickstart sets (two S-KFAC levels and the
+""":class:`~partialbayes.glue_bench.context.Settings` fields the quickstart sets (two S-KFAC levels and the
 wider prior grid)."""
 
 LABELS = {

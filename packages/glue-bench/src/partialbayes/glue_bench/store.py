@@ -5,8 +5,7 @@ Layout of a results folder::
     config.json                                  the run configuration and its fingerprint
     data/<task>.json                             fingerprint of the data each task was run on
     records/<task>/split<k>/<method>/<size>.json  one record per finished cell
-    checkpoints/<task>/split<k>/<model>-<fp>/    fine-tuned MAP weights (safetensors) + meta.json,
-                                                 and the shared curvature pass (curvature-*.safetensors)
+    checkpoints/<task>/split<k>/<model>-<fp>/    fine-tuned MAP weights (safetensors) + meta.json
     claims/<task>-split<k>.json                  while a process works on the unit (task, split): who
 
 A cell whose record exists is finished and never recomputed; a folder holding records of another

@@ -6,30 +6,37 @@ mean-field Gaussian posterior over the weights at about the cost of AdamW. :clas
 :class:`MultiIVON` mixes several runs. Both implement ``partialbayes.predictive.Posterior`` (``sample``,
 ``swapped`` / ``sampled``, ``predict``, ``predictive_samples``, ``save`` / ``load``); :func:`predict_mean`
 predicts at the mean, and :func:`save_posterior` / :func:`load_posterior` store either as safetensors
-with JSON metadata.
+with JSON metadata. The paper's uses of the posterior: :func:`merge` (uncertainty-weighted merging of
+fine-tunes, with :func:`squared_gradients` as the alternative precision) and :func:`sensitivity`
+(per-example sensitivities and the leave-one-out estimate). :class:`IVONCallback` trains with IVON inside a
+Hugging Face ``Trainer``.
 """
 
+from partialbayes.ivon._callback import IVONCallback
+from partialbayes.ivon._merge import merge, squared_gradients
+from partialbayes.ivon._sensitivity import Sensitivity, sensitivity
 from partialbayes.ivon.optimizer import HESS_APPROX, IVON
 from partialbayes.ivon.posterior import (
     GaussianPosterior,
     MultiIVON,
     ivon_posterior,
     load_posterior,
-    predict_mc,
     predict_mean,
     save_posterior,
-    swapped_params,
 )
 
 __all__ = [
     "HESS_APPROX",
     "IVON",
     "GaussianPosterior",
+    "IVONCallback",
     "MultiIVON",
+    "Sensitivity",
     "ivon_posterior",
     "load_posterior",
-    "predict_mc",
+    "merge",
     "predict_mean",
     "save_posterior",
-    "swapped_params",
+    "sensitivity",
+    "squared_gradients",
 ]

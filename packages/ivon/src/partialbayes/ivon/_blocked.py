@@ -1,27 +1,35 @@
-"""Apply an in-place kernel to every parameter: large ones directly, the others packed into one call.
+"""Run an in-place kernel of :mod:`partialbayes.ivon._math` on every parameter: compiled or eager, direct or packed.
 
-Run eagerly, a kernel of :mod:`partialbayes.ivon._kernels` makes one pass (and, on a GPU, one kernel launch)
-per torch operation, with a temporary per operation. So:
+A kernel takes one named tuple of tensors (`~partialbayes.ivon._math.Update` and its siblings) and overwrites
+the fields its ``written`` property names.
 
-* a large contiguous parameter (more than :data:`SMALL` entries) goes directly, eagerly in chunks: of
-  :data:`CHUNK` entries on a CPU, so that the intermediates stay in the caches between the passes, and of
-  :data:`GPU_CHUNK` entries on a GPU, which bounds the temporaries; compiled, it goes whole;
-* every other parameter (small ones, strided ones) is concatenated with the others into one flat tensor per
-  argument, the kernel runs once on those, and the results are copied back: one call instead of one per
-  tensor.
+* **Compiled** (:func:`call`): ``torch.compile`` of the very kernel, one fused pass per call, compiled once per
+  structural key (kernel, item type, dtype, device type, absent fields, static options) with dynamic shapes;
+  float hyperparameters are passed as 0-d tensors so that a changing value never recompiles. If compiling
+  fails (no C++ compiler on a CPU, an unsupported backend or Python) the process falls back to eager.
+* **Eager**: one pass per torch operation, so a large parameter goes in chunks: of :data:`CHUNK` entries on a
+  CPU (the intermediates stay in the caches between the passes) and of :data:`GPU_CHUNK` on a GPU (bounded
+  temporaries).
+* A parameter of more than ``small`` entries that is contiguous goes **direct**; the others (biases,
+  LayerNorm, strided tensors) are **packed**: concatenated into one flat tensor per field, one kernel call,
+  and the written fields copied back.
 
 Every entry gets the same arithmetic whichever way it is cut.
 """
 
 from __future__ import annotations
 
+import logging
+import operator
+import types
+import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from partialbayes.ivon import _compiled
+from partialbayes.ivon._math import Hyper
 
 #: Entries per eager chunk on a CPU.
 CHUNK = 1 << 18
@@ -29,78 +37,86 @@ CHUNK = 1 << 18
 #: Entries per eager chunk on a GPU.
 GPU_CHUNK = 1 << 24
 
-#: Parameters of at most this many entries are packed together.
-SMALL = 1 << 16
+#: Parameters of at most this many entries are packed together: eagerly (where each call costs one
+#: dispatch per operation) and compiled (one dispatch per call).
+SMALL = {False: 1 << 16, True: 1 << 14}
 
-Item = Sequence[Tensor | None]  # one parameter's tensors, in the kernel's argument order
+_STATE: dict[str, Any] = {"ok": None, "fns": {}}
+_LOG = logging.getLogger("partialbayes.ivon")
 
 
 def apply(
     kernel: Callable[..., None],
-    items: Sequence[Item],
+    items: Sequence[Any],
     *,
-    writes: int,
     compiled: bool = False,
     warn: bool = False,
     **kwargs: Any,
 ) -> None:
-    """Call ``kernel(*item, **kwargs)`` for every item, directly or packed (see the module docstring).
+    """Call ``kernel(item, **kwargs)`` for every item, directly or packed (see the module docstring).
 
     Args:
-        kernel: Element-wise in-place kernel; its first ``writes`` arguments are written.
-        items: Per parameter, the kernel's tensor arguments (same number of entries each, or ``None``), all
-            on one device.
-        writes: How many leading arguments the kernel writes.
-        compiled: Run the compiled kernel (falls back to eager where it is unavailable).
-        warn: Warn when compilation fails (see :func:`partialbayes.ivon._compiled.call`).
+        kernel: An in-place kernel of :mod:`partialbayes.ivon._math`.
+        items: Named tuples of the kernel's item type, one per parameter (tensors of one shape per item, or
+            ``None``), all on one device.
+        compiled: Run the compiled kernel (falls back to eager where compiling fails).
+        warn: Warn (once per process) when compiling fails; otherwise fall back silently.
         **kwargs: The kernel's keyword arguments.
     """
     if not items:
         return
-    prepared = _compiled.prepare(kwargs, _first(items[0])) if compiled else None
-    by_pattern: dict[tuple[bool, ...], list[Item]] = {}
+    prepared = (
+        _prepare(kwargs, _first(items[0])) if compiled and _STATE["ok"] is not False else None
+    )
+    small = SMALL[prepared is not None]
+    by_pattern: dict[tuple[bool, ...], list[Any]] = {}
     for item in items:
         by_pattern.setdefault(tuple(t is None for t in item), []).append(item)
     for group in by_pattern.values():
         packed = []
         for item in group:
-            if _direct(item):
-                flat = [None if t is None else t.view(-1) for t in item]
-                _flat(kernel, flat, prepared, warn, kwargs)
+            present = [t for t in item if t is not None]
+            if present[0].numel() > small and all(t.is_contiguous() for t in present):
+                _flat(kernel, _map(item, lambda t: t.view(-1)), prepared, warn, kwargs)
             else:
                 packed.append(item)
         if packed:
-            _packed(kernel, packed, writes, prepared, warn, kwargs)
+            _packed(kernel, packed, prepared, warn, kwargs)
 
 
-def _first(item: Item) -> Tensor:
+def available() -> bool:
+    """Whether compiled kernels may be used (``False`` after a failed compilation in this process)."""
+    return _STATE["ok"] is not False
+
+
+def _first(item: Any) -> Tensor:
     return next(t for t in item if t is not None)
 
 
-def _direct(item: Item) -> bool:
-    present = [t for t in item if t is not None]
-    return present[0].numel() > SMALL and all(t.is_contiguous() for t in present)
+def _map(item: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """The same kind of named tuple with ``fn`` applied to each tensor."""
+    return type(item)(*(None if t is None else fn(t) for t in item))
 
 
 def _packed(
     kernel: Callable[..., None],
-    items: list[Item],
-    writes: int,
-    prepared: _compiled.Prepared | None,
+    items: list[Any],
+    prepared: _Prepared | None,
     warn: bool,
     kwargs: dict[str, Any],
 ) -> None:
-    """One call on the concatenation of the items, written back into each."""
+    """One call on the concatenation of the items, its written fields copied back into each item."""
     if len(items) == 1 and all(t is None or t.is_contiguous() for t in items[0]):
-        _flat(kernel, [None if t is None else t.view(-1) for t in items[0]], prepared, warn, kwargs)
+        _flat(kernel, _map(items[0], lambda t: t.view(-1)), prepared, warn, kwargs)
         return
     columns = list(zip(*items, strict=True))
-    flat = [None if col[0] is None else torch.cat([t.reshape(-1) for t in col]) for col in columns]
+    flat = type(items[0])(
+        *(None if col[0] is None else torch.cat([t.reshape(-1) for t in col]) for col in columns)
+    )
     _flat(kernel, flat, prepared, warn, kwargs)
     sizes = [_first(it).numel() for it in items]
-    for col, packed in zip(columns[:writes], flat[:writes], strict=True):
-        assert packed is not None
-        dst = [t for t in col if t is not None]
+    for k, packed in enumerate(flat.written):
+        dst = [it.written[k] for it in items]
         torch._foreach_copy_(
             dst, [s.view(t.shape) for s, t in zip(packed.split(sizes), dst, strict=True)]
         )
@@ -108,18 +124,95 @@ def _packed(
 
 def _flat(
     kernel: Callable[..., None],
-    flat: list[Tensor | None],
-    prepared: _compiled.Prepared | None,
+    item: Any,
+    prepared: _Prepared | None,
     warn: bool,
     kwargs: dict[str, Any],
 ) -> None:
-    """The kernel on flat tensors: compiled whole, or eagerly (in chunks on a CPU)."""
-    first = _first(flat)
+    """The kernel on an item of flat tensors: compiled whole, or eagerly (in chunks on a CPU)."""
+    first = _first(item)
     n = first.numel()
     if n == 0:
         return
-    if prepared is not None and _compiled.call(kernel, flat, prepared, warn=warn):
+    if prepared is not None and call(kernel, item, prepared, warn=warn):
         return
     step = CHUNK if first.device.type == "cpu" else GPU_CHUNK
     for start in range(0, n, step):
-        kernel(*[None if t is None else t[start : start + step] for t in flat], **kwargs)
+        kernel(_map(item, operator.itemgetter(slice(start, start + step))), **kwargs)
+
+
+# ------------------------------------------------------------------------------------------ torch.compile
+class _Prepared(NamedTuple):
+    """A kernel's keyword arguments for compiled calls: floats as 0-d tensors, and what selects the code."""
+
+    kwargs: dict[str, Any]
+    static: tuple[Any, ...]
+
+
+def _as_tensor(value: Any, like: Tensor) -> Any:
+    """Floats as 0-d tensors on ``like``'s device (float32 for half types); other values unchanged."""
+    if isinstance(value, Hyper):
+        return Hyper(*(_as_tensor(v, like) for v in value))
+    if isinstance(value, float):
+        dtype = like.dtype if like.dtype in (torch.float32, torch.float64) else torch.float32
+        return torch.tensor(value, dtype=dtype, device=like.device)
+    return value
+
+
+def _static(value: Any) -> Any:
+    """The part of a keyword argument that decides the compiled code (not the float values)."""
+    if isinstance(value, Hyper):
+        return value.clip_radius is None
+    return None if isinstance(value, float) else value
+
+
+def _prepare(kwargs: dict[str, Any], like: Tensor) -> _Prepared:
+    """Convert ``kwargs`` once for every compiled call on tensors like ``like`` (one device and dtype)."""
+    static = tuple(sorted((k, _static(v)) for k, v in kwargs.items()))
+    return _Prepared({k: _as_tensor(v, like) for k, v in kwargs.items()}, static)
+
+
+def _compiled(key: tuple[Any, ...], fn: Callable[..., None]) -> Callable[..., None]:
+    """``torch.compile(fn)`` with a code object of its own per ``key``.
+
+    Dynamo caches compiled graphs per code object and recompiles when a guard (flag, dtype, device) fails,
+    up to a small limit; one copy of the code per key keeps each cache at one entry.
+    """
+    fns = _STATE["fns"]
+    if key not in fns:
+        name = f"{fn.__name__}_{len(fns)}"
+        code = fn.__code__.replace(co_name=name)
+        copy = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+        copy.__kwdefaults__ = fn.__kwdefaults__
+        fns[key] = torch.compile(copy, dynamic=True, fullgraph=True)
+    return fns[key]
+
+
+def call(fn: Callable[..., None], item: Any, prepared: _Prepared, *, warn: bool) -> bool:
+    """Run the compiled ``fn(item, **kwargs)`` on an item of flat tensors; ``False`` if compiling fails.
+
+    Returns:
+        Whether the compiled kernel ran (if not, nothing was written).
+    """
+    if _STATE["ok"] is False:
+        return False
+    like = _first(item)
+    absent = tuple(t is None for t in item)
+    key = (fn.__name__, type(item).__name__, like.dtype, like.device.type, absent, prepared.static)
+    try:
+        _compiled(key, fn)(item, **prepared.kwargs)
+    except Exception as err:  # any compiler or backend failure means: run eagerly
+        _STATE["ok"] = False
+        _LOG.info(
+            "torch.compile failed (%s: %s); IVON uses the eager kernels", type(err).__name__, err
+        )
+        if warn:
+            warnings.warn(
+                f"IVON(compiled=True): torch.compile failed ({type(err).__name__}: {err}); "
+                "using the eager kernels",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+        return False
+    _STATE["ok"] = True
+    return True

@@ -1,4 +1,4 @@
-"""torch.distributed helpers: per-rank noise seeds and averaging of gradient samples across ranks."""
+"""torch.distributed helpers: per-rank noise seeds and the weighted average of gradient samples across ranks."""
 
 from __future__ import annotations
 
@@ -17,19 +17,20 @@ def rank_seed(base: int) -> int:
     return (base + 7919 * rank) % (2**63)
 
 
-def all_reduce_mean_(tensors: list[Tensor]) -> None:
-    """Average a list of same-device, same-dtype tensors over all ranks, in place, with one all-reduce.
+def all_reduce_weighted_mean_(tensors: list[Tensor], weight: float) -> None:
+    """Replace each tensor ``t_r`` of rank ``r`` by ``Σ_r w_r·t_r / Σ_r w_r``, in place, with one all-reduce.
 
     Args:
-        tensors: Tensors to average; flattened into one buffer for the collective.
+        tensors: Same-device, same-dtype tensors (flattened into one buffer for the collective).
+        weight: This rank's weight ``w_r`` (e.g. the number of examples behind its gradients).
     """
     if not tensors:
         return
-    world = torch.distributed.get_world_size()
-    flat = torch._utils._flatten_dense_tensors(tensors)
+    flat = torch._utils._flatten_dense_tensors(tensors).mul_(weight)
+    flat = torch.cat([flat, flat.new_full((1,), weight)])
     torch.distributed.all_reduce(flat)
-    flat.div_(world)
+    values = flat[:-1].div_(flat[-1])
     for t, reduced in zip(
-        tensors, torch._utils._unflatten_dense_tensors(flat, tensors), strict=True
+        tensors, torch._utils._unflatten_dense_tensors(values, tensors), strict=True
     ):
         t.copy_(reduced)

@@ -1,12 +1,16 @@
-"""IVON's arithmetic (Shen et al., 2024, Alg. 1) as pure element-wise functions: the one statement of it.
+"""IVON's arithmetic (Shen et al., 2024, Alg. 1) and its update contract: the one statement of both.
 
-The eager path calls these functions on chunks of the parameters, the compiled path calls ``torch.compile``
-of the very same functions (see :mod:`partialbayes.ivon._kernels`). They take tensors of one shape (or
-broadcastable masks) and return new tensors; hyperparameters are Python floats, or 0-d tensors inside
-compiled kernels (so that a changing bias correction never recompiles).
+Notation per entry: ``m`` the mean (held in the parameter), ``μ`` the gradient momentum, ``h`` the Hessian
+estimate, ``δ`` the weight decay, ``λ`` the effective sample size ``ess``, ``σ = 1/√(λ(h+δ))`` the posterior
+standard deviation and ``z ~ N(0, 1)`` the noise of a weight sample, so that the sample is
+``w = m + ε`` with ``ε = σ·z``.
 
-Notation per entry: ``m`` the mean, ``μ`` the gradient momentum, ``h`` the Hessian estimate, ``δ`` the
-weight decay, ``λ`` the effective sample size ``ess``, ``σ = 1/√(λ(h+δ))`` the posterior standard deviation.
+What a kernel reads and writes is a named tuple (`Shift`, `Fold`, `Update`), one tensor per field, all of one
+shape (``None`` where a field is absent); its `written` property names the fields the kernel overwrites. The
+pure functions return new tensors; the kernels (``*_``) write them back in place. The optimizer runs the
+kernels eagerly on chunks or as ``torch.compile``'d fused passes (:mod:`partialbayes.ivon._blocked`); both
+execute these very functions. Hyperparameters are Python floats, or 0-d tensors inside compiled kernels (so
+that a changing bias correction never recompiles).
 """
 
 from __future__ import annotations
@@ -39,95 +43,152 @@ class Hyper(NamedTuple):
     """Element-wise clipping radius of the preconditioned step (``None``: no clipping)."""
 
 
-def weight_sample(
-    mean: Tensor, hess: Tensor, noise: Tensor, mask: Tensor | None, *, weight_decay: Scalar
-) -> Tensor:
-    """A weight sample ``w = m + z/√(h+δ)`` from noise ``z ~ N(0, 1/λ)``, so ``w ~ N(m, σ²)``.
+class Shift(NamedTuple):
+    """Entering or leaving a weight sample: ``param`` ← ``param ± ε`` (writes ``param``)."""
+
+    param: Tensor
+    """``m`` on entry (``w`` on exit)."""
+    hess: Tensor
+    """``h``."""
+    noise: Tensor
+    """``z`` (float16; zero outside the variational entries)."""
+
+    @property
+    def written(self) -> tuple[Tensor, ...]:
+        """The tensors the kernel overwrites."""
+        return (self.param,)
+
+
+class Fold(NamedTuple):
+    """Folding one more MC sample's Hessian statistic into the running mean ``stat`` (writes ``stat``)."""
+
+    stat: Tensor
+    """The weighted running mean of the statistic so far."""
+    grad: Tensor
+    """The new sample's gradient ``g``."""
+    noise: Tensor | None
+    """The new sample's ``z`` (``None`` for ``"gradsq"``)."""
+
+    @property
+    def written(self) -> tuple[Tensor, ...]:
+        """The tensors the kernel overwrites."""
+        return (self.stat,)
+
+
+class Update(NamedTuple):
+    """One IVON step of one tensor of entries (writes ``mean``, ``momentum`` and ``hess``)."""
+
+    mean: Tensor
+    """``m``: the parameter."""
+    momentum: Tensor
+    """``μ``."""
+    hess: Tensor
+    """``h > 0``."""
+    grad: Tensor
+    """``ĝ``: the gradient, averaged over the step's MC samples."""
+    noise: Tensor | None
+    """``z`` of the step's one sample whose statistic is still pending (``"price"`` only), else ``None``."""
+    stat: Tensor | None
+    """The statistic averaged over the step's samples, when already folded; else computed here."""
+    mask: Tensor | None
+    """Entries whose ``h`` is learned (elsewhere ``h`` stays fixed), or ``None`` for all."""
+
+    @property
+    def written(self) -> tuple[Tensor, ...]:
+        """The tensors the kernel overwrites."""
+        return (self.mean, self.momentum, self.hess)
+
+
+def perturbation(hess: Tensor, noise: Tensor, *, scale: Scalar, weight_decay: Scalar) -> Tensor:
+    """``scale·z/√(h+δ)``: with ``scale = ±1/√λ`` the perturbation ``±ε`` of a weight sample.
 
     Args:
-        mean: Means ``m``, any shape.
-        hess: Hessian estimates ``h``, same shape.
-        noise: ``z``, drawn from ``N(0, 1/ess)``, same shape.
-        mask: Variational entries (``True``: gets noise), same shape, or ``None`` for all.
+        hess: ``h``, any shape.
+        noise: ``z``, same shape (any floating dtype; the result has ``hess``'s dtype).
+        scale: ``±1/√λ``.
         weight_decay: δ.
-
-    Returns:
-        ``w``, the shape of ``mean`` (equal to ``m`` outside ``mask``).
     """
-    if mask is not None:
-        noise = noise * mask
-    return mean + noise * torch.rsqrt(hess + weight_decay)
+    return noise.to(hess.dtype) * torch.rsqrt(hess + weight_decay) * scale
 
 
-def hess_statistic(
-    grad: Tensor, sample: Tensor | None, mean: Tensor, *, hess_approx: str
-) -> Tensor:
-    """One MC sample's Hessian statistic: ``ε·g`` with ``ε = w − m`` (``"price"``) or ``g²`` (``"gradsq"``).
+def hess_statistic(grad: Tensor, noise: Tensor | None, *, hess_approx: str) -> Tensor:
+    """One MC sample's Hessian statistic: ``z·g`` (``"price"``) or ``g²`` (``"gradsq"``).
+
+    The Price estimate of the diagonal Hessian is ``ε·g/σ² = √(λ(h+δ))·z·g``; the factor is applied in
+    :func:`ivon_update` (``h`` does not change between the samples of one step).
 
     Args:
-        grad: Gradient ``g`` at the sample, any shape.
-        sample: The weight sample ``w``, same shape (not needed for ``"gradsq"``).
-        mean: Means ``m``, same shape.
+        grad: The gradient ``g`` at the sample, any shape.
+        noise: The sample's ``z``, same shape (``None`` for ``"gradsq"``).
         hess_approx: ``"price"`` or ``"gradsq"``.
-
-    Returns:
-        The statistic, the shape of ``grad``.
     """
     if hess_approx == "gradsq":
         return grad * grad
-    if sample is None:
-        raise ValueError("hess_statistic: 'price' needs the weight sample")
-    return (sample - mean) * grad
+    if noise is None:
+        raise ValueError("hess_statistic: 'price' needs the sample's noise")
+    return noise.to(grad.dtype) * grad
 
 
 def ivon_update(
-    mean: Tensor,
-    momentum: Tensor,
-    hess: Tensor,
-    grad: Tensor,
-    stat: Tensor | None,
-    mask: Tensor | None,
-    hyper: Hyper,
-    *,
-    hess_approx: str,
+    u: Update, hyper: Hyper, *, hess_approx: str, learn_hess: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """One IVON step (Alg. 1, lines 5–8) for one tensor of entries; returns the new ``(m, μ, h)``.
+    """One IVON step (Alg. 1, lines 5–8) of one tensor of entries; returns the new ``(m, μ, h)``.
 
-    With ``ĝ = grad`` (the gradient averaged over the MC samples) and ``stat`` averaged likewise::
+    With ``ĝ = u.grad`` and ``s̄`` the statistic averaged over the step's samples (:func:`hess_statistic`)::
 
-        ĥ = λ·(h+δ)·stat                        ("price": stat = ε·g, so ĥ = ε·g/σ²)   or   ĥ = stat ("gradsq")
+        ĥ = √(λ(h+δ))·s̄   ("price": s̄ = mean z·g, so ĥ = mean ε·g/σ²)   or   ĥ = s̄   ("gradsq")
         μ ← β1·μ + (1−β1)·ĝ
         h ← β2·h + (1−β2)·ĥ + ½(1−β2)²·(h−ĥ)²/(h+δ)          (h stays positive even where ĥ < 0)
         m ← m − α·clip((μ/(1−β1ᵗ) + δ·m)/(h+δ), ±clip_radius)
 
     Args:
-        mean: Means ``m``, any shape.
-        momentum: Momentum ``μ``, same shape.
-        hess: Hessian estimates ``h > 0``, same shape.
-        grad: MC-averaged gradient ``ĝ``, same shape.
-        stat: MC-averaged statistic of :func:`hess_statistic`, same shape; ``None`` keeps ``h`` fixed (entries
-            that are not variational).
-        mask: Entries whose ``h`` is learned (elsewhere ``h`` stays fixed), or ``None`` for all.
+        u: The entries (see `Update`).
         hyper: The hyperparameters.
-        hess_approx: ``"price"`` or ``"gradsq"``: what ``stat`` holds.
+        hess_approx: ``"price"`` or ``"gradsq"``.
+        learn_hess: ``False`` keeps ``h`` fixed (entries that are not variational).
 
     Returns:
-        The new mean, momentum and Hessian estimate, each the shape of ``mean``.
+        The new mean, momentum and Hessian estimate, each the shape of ``u.mean``.
     """
-    momentum = hyper.beta1 * momentum + (1 - hyper.beta1) * grad
-    if stat is not None:
+    hess = u.hess
+    momentum = hyper.beta1 * u.momentum + (1 - hyper.beta1) * u.grad
+    if learn_hess:
+        stat = (
+            u.stat
+            if u.stat is not None
+            else hess_statistic(u.grad, u.noise, hess_approx=hess_approx)
+        )
         h_plus_delta = hess + hyper.weight_decay
-        h_hat = hyper.ess * h_plus_delta * stat if hess_approx == "price" else stat
+        h_hat = torch.sqrt(hyper.ess * h_plus_delta) * stat if hess_approx == "price" else stat
         one_minus_beta2 = 1 - hyper.beta2
         new_hess = (
             hyper.beta2 * hess
             + one_minus_beta2 * h_hat
             + 0.5 * one_minus_beta2**2 * (hess - h_hat) ** 2 / h_plus_delta
         )
-        hess = new_hess if mask is None else torch.where(mask, new_hess, hess)
-    direction = (momentum / hyper.bias_correction + hyper.weight_decay * mean) / (
+        hess = new_hess if u.mask is None else torch.where(u.mask, new_hess, hess)
+    direction = (momentum / hyper.bias_correction + hyper.weight_decay * u.mean) / (
         hess + hyper.weight_decay
     )
     if hyper.clip_radius is not None:
         direction = direction.clamp(-hyper.clip_radius, hyper.clip_radius)  # type: ignore[arg-type]
-    return mean - hyper.lr * direction, momentum, hess
+    return u.mean - hyper.lr * direction, momentum, hess
+
+
+def shift_(s: Shift, *, scale: Scalar, weight_decay: Scalar) -> None:
+    """``param ← param + perturbation(...)`` in place (``scale = +1/√λ`` enters a sample, ``−1/√λ`` leaves)."""
+    s.param.copy_(s.param + perturbation(s.hess, s.noise, scale=scale, weight_decay=weight_decay))
+
+
+def fold_(f: Fold, *, hess_approx: str, rate: Scalar) -> None:
+    """``stat ← stat + rate·(statistic − stat)`` in place (``rate = w_k / Σ_{j≤k} w_j`` for sample ``k``)."""
+    new = hess_statistic(f.grad, f.noise, hess_approx=hess_approx)
+    f.stat.copy_(f.stat + rate * (new - f.stat))
+
+
+def update_(u: Update, *, hyper: Hyper, hess_approx: str, learn_hess: bool) -> None:
+    """:func:`ivon_update` in place on ``u.mean``, ``u.momentum`` and ``u.hess``."""
+    new = ivon_update(u, hyper, hess_approx=hess_approx, learn_hess=learn_hess)
+    for dst, src in zip(u.written, new, strict=True):
+        if src is not dst:
+            dst.copy_(src)

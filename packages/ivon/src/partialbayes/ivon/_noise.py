@@ -1,6 +1,8 @@
-"""The normal draw of IVON's weight samples, on CPUs in parallel pieces.
+"""The normal draw of IVON's weight samples: float32 standard normals, on CPUs in parallel pieces.
 
-torch's CPU ``normal_`` runs on one thread (a Mersenne twister behind a lock) at 3–4 ns per entry, which on
+Every draw is a float32 ``normal_`` (whatever the dtype of the tensor it fills, so the noise stream does not
+depend on the dtype the optimizer stores it in), written into the target with a cast. torch's CPU
+``normal_`` runs on one thread (a Mersenne twister behind a lock) at 3–4 ns per entry, which on
 a large model costs more than the whole rest of the update. So on CPUs a tensor of more than :data:`PIECE`
 entries is drawn in pieces of :data:`PIECE` entries, piece ``k`` from a CPU generator seeded with the
 ``k``-th of a list of seeds drawn from the optimizer's generator; the pieces are drawn on a pool of
@@ -23,28 +25,22 @@ PIECE = 1 << 18
 _POOL: dict[str, ThreadPoolExecutor | int | None] = {"pool": None, "workers": 0}
 
 
-def normal_(tensors: list[Tensor], std: float, generator: torch.Generator | None) -> None:
-    """Fill each tensor with ``N(0, std²)`` noise (same generator state, same noise).
+def normal_(tensors: list[Tensor], generator: torch.Generator | None) -> None:
+    """Fill each tensor with standard normal noise, drawn in float32 (same generator state, same noise).
 
     Args:
-        tensors: Tensors to overwrite, all on one device.
-        std: Standard deviation.
+        tensors: Tensors to overwrite, all on one device, any floating dtype.
         generator: Generator; ``None`` draws from the device's global RNG. Noise for a tensor on another
             device than the generator is drawn on the generator's device and copied.
     """
     pending: list[Future[None]] = []
     try:
         for z in tensors:
-            if generator is not None and not _same_device(torch.device(generator.device), z.device):
-                z.copy_(
-                    _draw(
-                        torch.empty(z.shape, dtype=z.dtype, device=generator.device), std, generator
-                    )
-                )
-            elif z.device.type != "cpu" or z.numel() <= PIECE or not z.is_contiguous():
-                z.normal_(0.0, std, generator=generator)
+            on_cpu = generator is None or torch.device(generator.device).type == "cpu"
+            if z.device.type != "cpu" or not on_cpu or z.numel() <= PIECE or not z.is_contiguous():
+                _draw(z, generator)
             else:
-                pending += _pieces(z.view(-1), std, generator)
+                pending += _pieces(z.view(-1), generator)
     finally:
         for f in pending:
             f.result()
@@ -61,7 +57,7 @@ def piece_seeds(n: int, generator: torch.Generator | None) -> list[int]:
     return seeds
 
 
-def _pieces(flat: Tensor, std: float, generator: torch.Generator | None) -> list[Future[None]]:
+def _pieces(flat: Tensor, generator: torch.Generator | None) -> list[Future[None]]:
     starts = range(0, flat.numel(), PIECE)
     seeds = piece_seeds(len(starts), generator)
     pool = _pool()
@@ -69,18 +65,20 @@ def _pieces(flat: Tensor, std: float, generator: torch.Generator | None) -> list
     for start, seed in zip(starts, seeds, strict=True):
         piece = flat[start : start + PIECE]
         if pool is None:
-            _draw(piece, std, torch.Generator().manual_seed(seed))
+            _draw(piece, torch.Generator().manual_seed(seed))
         else:
-            jobs.append(pool.submit(_draw_seeded, piece, std, seed))
+            jobs.append(pool.submit(_draw_seeded, piece, seed))
     return jobs
 
 
-def _draw_seeded(piece: Tensor, std: float, seed: int) -> None:
-    _draw(piece, std, torch.Generator().manual_seed(seed))
+def _draw_seeded(piece: Tensor, seed: int) -> None:
+    _draw(piece, torch.Generator().manual_seed(seed))
 
 
-def _draw(t: Tensor, std: float, generator: torch.Generator | None) -> Tensor:
-    return t.normal_(0.0, std, generator=generator)
+def _draw(t: Tensor, generator: torch.Generator | None) -> None:
+    """``t ← N(0, 1)`` drawn as float32 on the generator's device (the global RNG's: ``t``'s device)."""
+    device = t.device if generator is None else generator.device
+    t.copy_(torch.empty(t.shape, dtype=torch.float32, device=device).normal_(generator=generator))
 
 
 def _pool() -> ThreadPoolExecutor | None:
@@ -102,7 +100,3 @@ def _forget_pool() -> None:  # a forked child has none of the parent's threads
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool)
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.index or 0) == (b.index or 0)

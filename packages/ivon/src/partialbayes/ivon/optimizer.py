@@ -12,12 +12,11 @@ import torch
 from torch import Tensor, nn
 
 from partialbayes.ivon import _blocked as blocked
-from partialbayes.ivon import _compiled as compiled_kernels
 from partialbayes.ivon import _distributed as dist_utils
-from partialbayes.ivon import _kernels as kernels
 from partialbayes.ivon._checks import check_state_dict, validate_group
-from partialbayes.ivon._math import Hyper
+from partialbayes.ivon._math import Fold, Hyper, Shift, Update, fold_, shift_, update_
 from partialbayes.ivon._noise import normal_
+from partialbayes.predictive import check_generator
 
 if TYPE_CHECKING:  # the selection package is an optional extra: never imported at run time
     from partialbayes.selection import Subset
@@ -25,8 +24,11 @@ if TYPE_CHECKING:  # the selection package is an optional extra: never imported 
 HESS_APPROX = ("price", "gradsq")
 
 #: With ``compiled=None``, a (device, dtype) bucket uses the compiled kernels when its parameters of more than
-#: ``_blocked.SMALL`` entries hold at least this many entries in all (below, compiling does not pay).
-AUTO_COMPILE_MIN = 1 << 22
+#: ``_blocked.SMALL[True]`` entries hold at least this many entries in all (below, compiling does not pay).
+AUTO_COMPILE_MIN = 1 << 20
+
+#: Parameters of these dtypes keep an exact copy of their means inside a sample (see `IVON.sampled_params`).
+_HALF = (torch.float16, torch.bfloat16)
 
 _Mask = Tensor | bool  # True: all entries variational; False: none; BoolTensor: those entries
 
@@ -48,9 +50,12 @@ class IVON(torch.optim.Optimizer):
     or ``optimizer.step(closure)`` with a closure that computes the loss and calls ``backward()`` (the
     optimizer wraps each of its ``mc_samples`` calls in ``sampled_params(train=True)``).
 
-    The update is :func:`partialbayes.ivon._math.ivon_update`, run as fused ``torch.compile``'d kernels on
-    large models when a compiler is available, else eagerly (``compiled``). ``torch.amp.GradScaler`` and
-    ``torch.distributed`` data parallelism are supported; non-finite gradients raise in :meth:`step`. The
+    Between steps IVON keeps AdamW's memory: momentum and ``h`` (two copies of the parameters); a sample adds
+    its noise to the parameters in place and subtracts it on exit. The update is
+    :func:`partialbayes.ivon._math.ivon_update`, run as fused ``torch.compile``'d kernels on models of
+    ``AUTO_COMPILE_MIN`` entries or more when a compiler is available, else eagerly (``compiled``).
+    ``torch.amp.GradScaler``, ``torch.distributed`` data parallelism and the Hugging Face ``Trainer`` (with
+    :class:`~partialbayes.ivon.IVONCallback`) are supported; non-finite gradients raise in :meth:`step`. The
     concept page (``docs/pages/concepts/ivon.md``) states the algorithm, the differences from ``ivon-opt``,
     the cost and the errors you may see.
     """
@@ -97,9 +102,9 @@ class IVON(torch.optim.Optimizer):
             generator: Generator for the noise (same seed, same trajectory); ``None``: the global RNG.
             compiled: ``None`` (default): fused ``torch.compile``'d kernels for models of at least
                 ``AUTO_COMPILE_MIN`` entries per device and dtype, falling back silently to the eager kernels
-                where compilation fails; ``True``: compiled kernels for every parameter of more than 65,536
-                entries (warns once if compilation fails); ``False``: eager kernels only. Both compute the
-                same update (to rounding) from the same noise.
+                where compilation fails; ``True``: compiled kernels whatever the size (warns once if
+                compilation fails); ``False``: eager kernels only. Both compute the same update (to
+                rounding) from the same noise.
 
         Raises:
             ValueError: If a hyperparameter is out of range or ``hess_approx`` is unknown.
@@ -109,10 +114,7 @@ class IVON(torch.optim.Optimizer):
             raise ValueError(f"IVON: mc_samples must be an int >= 1, got {mc_samples!r}")
         if hess_approx not in HESS_APPROX:
             raise ValueError(f"IVON: hess_approx must be one of {HESS_APPROX}, got {hess_approx!r}")
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(
-                f"IVON: generator must be a torch.Generator, got {type(generator).__name__}"
-            )
+        check_generator(generator, "IVON: generator")
         if compiled is not None and not isinstance(compiled, bool):
             raise TypeError(f"IVON: compiled must be None, True or False, got {compiled!r}")
         self.mc_samples = mc_samples
@@ -127,19 +129,20 @@ class IVON(torch.optim.Optimizer):
         self._names: dict[Tensor, str] = {}
         self._sampling = False
         self._count = 0  # gradient samples collected since the last step
+        self._weight = 0.0  # their total weight (batch sizes)
         self._pending = (
-            False  # one sample collected, its Hessian statistic not yet computed (see _collect)
+            False  # one sample collected, its Hessian statistic not yet folded (see _collect)
         )
         self._avg_grad: dict[
             Tensor, Tensor
-        ] = {}  # running MC mean of the gradient, exposed as p.grad
+        ] = {}  # weighted MC mean of the gradient, exposed as p.grad
         self._stat: dict[
             Tensor, Tensor
-        ] = {}  # running MC mean of the Hessian statistic (ε·g or g²)
-        self._samples: dict[Tensor, Tensor] = {}  # the last weight sample, views into _sample_bufs
-        self._sample_bufs: dict[Any, Tensor] = {}  # (device, dtype) -> one flat buffer
-        self._stat_bufs: dict[Any, Tensor] = {}
-        self._layout_cache: Any = None
+        ] = {}  # weighted MC mean of the Hessian statistic (z·g or g²)
+        self._noise: dict[
+            Tensor, Tensor
+        ] = {}  # z of the current sample (float16), only during a step
+        self._stash: dict[Tensor, Tensor] = {}  # means of half-precision parameters inside a sample
         defaults = {
             "lr": lr,
             "ess": ess,
@@ -162,10 +165,14 @@ class IVON(torch.optim.Optimizer):
             for p in group["params"]:
                 if not p.is_floating_point():
                     raise TypeError(f"IVON: parameters must be floating point, got dtype {p.dtype}")
+                if p.is_meta:
+                    raise ValueError(
+                        f"IVON: {self._label(p)} is on the meta device (no values): load the real weights "
+                        "(e.g. from_pretrained without device_map='meta') before building the optimizer"
+                    )
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
-        self._layout_cache = None
         group.setdefault("step", 0)
         for p in group["params"]:
             self.state[p] = {
@@ -228,12 +235,24 @@ class IVON(torch.optim.Optimizer):
         opt = cls(params, **kwargs)
         opt._masks = {p: masks.get(p, False) for p in params}
         opt._names = {p: n for n, p in named.items()}
-        opt._layout_cache = None
         return opt
 
     def variational_mask(self, p: Tensor) -> _Mask:
         """Which entries of parameter ``p`` are variational: ``True`` (all), ``False`` (none) or a mask."""
         return self._masks.get(p, True)
+
+    def posterior_std(self, p: Tensor) -> Tensor:
+        """``σ = 1/√(ess·(h+δ))`` of parameter ``p`` (a new tensor), 0 outside its variational entries.
+
+        Raises:
+            KeyError: If the optimizer does not hold ``p``.
+        """
+        group = next((g for g in self.param_groups if any(q is p for q in g["params"])), None)
+        if group is None:
+            raise KeyError(f"IVON.posterior_std: the optimizer does not hold {_describe(p)}")
+        std = (self.state[p]["hess"] + group["weight_decay"]).mul(group["ess"]).rsqrt()
+        mask = self.variational_mask(p)
+        return std * mask if isinstance(mask, Tensor) else std if mask else torch.zeros_like(std)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients, as :meth:`torch.optim.Optimizer.zero_grad`, without touching collected samples.
@@ -250,19 +269,29 @@ class IVON(torch.optim.Optimizer):
 
     # --------------------------------------------------------------------------------------------- sampling
     @contextmanager
-    def sampled_params(self, train: bool = False) -> Iterator[None]:
-        """Swap a weight sample ``w ~ N(m, σ²)`` into the parameters; restore the means on exit.
+    def sampled_params(
+        self, train: bool = False, *, batch_size: float | None = None
+    ) -> Iterator[None]:
+        """Put a weight sample ``w = m + ε``, ``ε ~ N(0, σ²)``, into the parameters; restore the means on exit.
 
-        The means are restored even if the body raises (the sample is then discarded). With
-        ``train=True`` the gradients at ``w`` (``p.grad``, accumulated over any number of backward passes in
-        the body; missing gradients count as zero) are collected on exit for the next :meth:`step`.
-        Afterwards ``p.grad`` holds the running MC average of the gradient (the tensor :meth:`step` will
-        use: a ``torch.amp.GradScaler`` checks and unscales it there); it is detached again when the next
-        sample is drawn and after the step. The samples live in one reused buffer per (device, dtype): a
-        reference to a parameter kept from inside the block is overwritten by the next sample.
+        The noise is added to the parameters in place and subtracted on exit, also when the body raises (the
+        sample is then discarded); so the means come back up to one rounding of the parameters' dtype (a
+        relative 6e-8 in float32). float16 and bfloat16 parameters, where that rounding would accumulate, and
+        data-parallel runs, whose replicas must stay equal to the bit, keep an exact copy of their means for
+        the duration of the block instead.
+
+        With ``train=True`` the gradients at ``w`` (``p.grad``, accumulated over any number of backward passes
+        in the body; missing gradients count as zero) are collected on exit for the next :meth:`step`.
+        Afterwards ``p.grad`` holds the weighted running MC average of the gradient (the tensor :meth:`step`
+        will use: a ``torch.amp.GradScaler`` checks and unscales it there); it is detached again when the next
+        sample is drawn and after the step. The sample's float16 noise is kept until the step when its Hessian
+        statistic needs it, and freed at once otherwise.
 
         Args:
             train: Collect the gradient sample for training.
+            batch_size: The number of examples behind this sample's gradient: the samples of a step, and the
+                ranks of a data-parallel run, are averaged weighted by it (Shen et al., 2024, Alg. 1 note).
+                ``None`` weighs every sample alike.
 
         Yields:
             Nothing; the model's parameters hold the sample inside the block.
@@ -270,98 +299,134 @@ class IVON(torch.optim.Optimizer):
         Raises:
             RuntimeError: If already inside ``sampled_params`` of this optimizer.
             TypeError: If ``train`` is not a bool.
+            ValueError: If ``batch_size`` is not a number > 0.
         """
         if not isinstance(train, bool):
             raise TypeError(f"IVON.sampled_params: train must be a bool, got {train!r}")
+        if batch_size is not None and (
+            isinstance(batch_size, bool)
+            or not isinstance(batch_size, int | float)
+            or not 0 < batch_size < math.inf
+        ):
+            raise ValueError(
+                f"IVON.sampled_params: batch_size must be a number > 0 (the examples behind the "
+                f"gradient), got {batch_size!r}"
+            )
+        weight = 1.0 if batch_size is None else float(batch_size)
         if self._sampling:
             raise RuntimeError("IVON.sampled_params: already inside sampled_params (nested use)")
         self._sampling = True
         try:
             with torch.no_grad():
-                means = self._draw(train)
+                self._enter(train)
         except BaseException:
             self._sampling = False
             raise
+        completed = False
         try:
             yield
+            completed = True
         finally:
-            for p, m in means.items():
-                p.data = m
-            self._sampling = False
-        if train:
-            with torch.no_grad():
-                self._collect()
+            try:
+                with torch.no_grad():
+                    self._leave()
+                    if completed and train:
+                        self._collect(weight)
+            finally:
+                if not (self._pending and self.hess_approx == "price"):
+                    self._noise = {}  # no statistic waits for this sample's noise
+                self._sampling = False
 
-    def _draw(self, train: bool) -> dict[Tensor, Tensor]:
-        """Put a weight sample into every variational parameter; returns their means."""
+    def _enter(self, train: bool) -> None:
+        """Draw the noise ``z`` and add ``ε = z/√(λ(h+δ))`` to every variational parameter, in place."""
         if self._pending:
-            self._materialize()  # the first sample's statistic must leave the sample buffer
+            self._materialize()  # the first sample's statistic needs its noise, which is redrawn now
         if train:
             self._release_grads()
-        self._samples = self._views(self._sample_bufs)
-        means: dict[Tensor, Tensor] = {}
+        if not self._noise:
+            self._noise = {
+                p: torch.empty(p.shape, dtype=torch.float16, device=p.device)
+                for _group, params in self._buckets()
+                for p in params
+                if self.variational_mask(p) is not False
+            }
+        # data-parallel replicas must stay equal to the bit: no rank-specific rounding of the means
+        exact = self._sync_enabled()
         for group, params in self._buckets():
-            var = [p for p in params if p in self._samples]
+            var = [p for p in params if p in self._noise]
             if not var:
                 continue
-            noise = [self._samples[p] for p in var]
-            normal_(noise, 1.0 / math.sqrt(group["ess"]), self._generator_for(var[0].device))
-            items = [
-                (z, p.data, self.state[p]["hess"], self._mask_tensor(p))
-                for z, p in zip(noise, var, strict=True)
-            ]
-            blocked.apply(
-                kernels.sample_,
-                items,
-                writes=1,
-                weight_decay=float(group["weight_decay"]),
-                **self._compile_opts(var),
-            )
-            for p, w in zip(var, noise, strict=True):
-                means[p] = p.data
-                p.data = w
-        return means
+            normal_([self._noise[p] for p in var], self._generator_for(var[0].device))
+            for p in var:
+                mask = self.variational_mask(p)
+                if isinstance(mask, Tensor):
+                    self._noise[p].mul_(mask)
+                if exact or p.dtype in _HALF:
+                    self._stash[p] = p.detach().clone()
+            self._shift(group, var, 1.0)
 
-    def _collect(self) -> None:
-        """Fold the gradients at the sample into the running means; expose the gradient mean as ``p.grad``.
+    def _leave(self) -> None:
+        """Take the sample's noise out of the parameters again (half precision: copy the means back)."""
+        for p, mean in self._stash.items():
+            p.detach().copy_(mean)
+        for group, params in self._buckets():
+            self._shift(
+                group, [p for p in params if p in self._noise and p not in self._stash], -1.0
+            )
+        self._stash = {}
+
+    def _shift(self, group: dict[str, Any], params: list[Tensor], sign: float) -> None:
+        items = [Shift(p.detach(), self.state[p]["hess"], self._noise[p]) for p in params]
+        blocked.apply(
+            shift_, items, scale=sign / math.sqrt(group["ess"]),
+            weight_decay=float(group["weight_decay"]), **self._compile_opts(params),
+        )  # fmt: skip
+
+    def _collect(self, weight: float) -> None:
+        """Fold the gradients at the sample into the weighted running means; expose the mean as ``p.grad``.
 
         The first sample's Hessian statistic is left pending (``_pending``): with one MC sample per step it is
-        computed inside the update, from the sample buffer and the gradient, which saves a pass. A second
-        sample first moves it into its own buffer (:meth:`_materialize`).
+        computed inside the update, from the noise and the gradient, which saves a pass and a buffer. A
+        second sample first folds it into a buffer of its own (:meth:`_materialize`).
         """
         self._count += 1
-        k = self._count
+        self._weight += weight
+        rate = weight / self._weight
         for _group, params in self._buckets():
             grads = [self._take_grad(p) for p in params]
-            if k == 1:
+            if self._count == 1:
                 self._avg_grad.update(zip(params, grads, strict=True))
             else:
-                var = [(p, g) for p, g in zip(params, grads, strict=True) if p in self._stat]
-                items = [(self._stat[p], g, self._sample_of(p), p.data) for p, g in var]
-                blocked.apply(kernels.stat_, items, writes=1, hess_approx=self.hess_approx, count=k)
-                torch._foreach_lerp_([self._avg_grad[p] for p in params], grads, 1.0 / k)
+                items = [
+                    Fold(self._stat[p], g, self._noise_of(p))
+                    for p, g in zip(params, grads, strict=True)
+                    if p in self._stat
+                ]
+                blocked.apply(fold_, items, hess_approx=self.hess_approx, rate=rate)
+                torch._foreach_lerp_([self._avg_grad[p] for p in params], grads, rate)
             for p in params:
                 p.grad = self._avg_grad[p]
-        self._pending = k == 1 and bool(self._samples)
+        self._pending = self._count == 1 and bool(
+            self._noise
+        )  # (noise: the variational parameters)
 
     def _materialize(self) -> None:
-        """Compute the pending statistic of the first sample (``ε·g`` or ``g²``) into its own buffers."""
-        self._stat = self._views(self._stat_bufs)
-        items = [(s, self._avg_grad[p], self._sample_of(p), p.data) for p, s in self._stat.items()]
-        blocked.apply(kernels.stat_, items, writes=1, hess_approx=self.hess_approx, count=1)
+        """Fold the pending statistic of the first sample (``z·g`` or ``g²``) into its own zeroed buffers."""
+        self._stat = {p: torch.zeros_like(p) for p in self._variational()}
+        items = [Fold(s, self._avg_grad[p], self._noise_of(p)) for p, s in self._stat.items()]
+        blocked.apply(fold_, items, hess_approx=self.hess_approx, rate=1.0)
         self._pending = False
 
-    def _sample_of(self, p: Tensor) -> Tensor | None:
-        """The weight sample of ``p`` if the Hessian statistic needs it (``"price"``)."""
-        return self._samples[p] if self.hess_approx == "price" else None
+    def _noise_of(self, p: Tensor) -> Tensor | None:
+        """The current noise of ``p`` if the Hessian statistic needs it (``"price"``)."""
+        return self._noise[p] if self.hess_approx == "price" else None
 
     def _discard(self) -> None:
-        """Forget the collected samples (after a step, or a skipped one)."""
+        """Forget the collected samples and free their buffers (after a step, or a skipped one)."""
         self._release_grads()
-        self._count = 0
-        self._pending = False
+        self._count, self._weight, self._pending = 0, 0.0, False
         self._avg_grad.clear()
-        self._stat = {}
+        self._stat, self._noise = {}, {}
 
     # ------------------------------------------------------------------------------------------------- step
     @torch.no_grad()
@@ -382,8 +447,9 @@ class IVON(torch.optim.Optimizer):
             The average closure loss, or ``None`` without a closure (or if the closure returns ``None``).
 
         Raises:
-            RuntimeError: If called inside ``sampled_params`` or with no gradient sample collected, or if a
-                ``GradScaler`` unscaled the gradients of several MC samples before the step (call
+            RuntimeError: If called inside ``sampled_params`` or with no gradient sample collected (the
+                message says how to collect one, in a plain loop and with the Hugging Face ``Trainer``), or
+                if a ``GradScaler`` unscaled the gradients of several MC samples before the step (call
                 ``scaler.unscale_`` only with one sample per step).
             ValueError: If the collected gradient of a parameter holds NaN or inf (no GradScaler); the
                 message names the parameters.
@@ -395,10 +461,14 @@ class IVON(torch.optim.Optimizer):
             )
         loss = None if closure is None else self._run_closure(closure)
         if self._count == 0:
+            outside = any(p.grad is not None for g in self.param_groups for p in g["params"])
             raise RuntimeError(
-                "IVON.step() needs at least one gradient sample: run forward/backward inside "
-                "`with optimizer.sampled_params(train=True):` first (or pass a closure)"
-            )
+                "IVON.step() needs at least one gradient sample: "
+                + ("the gradients in p.grad were computed outside sampled_params (at the means, not at a "
+                   "weight sample); " if outside else "")
+                + "run forward/backward inside `with optimizer.sampled_params(train=True):` first (or pass "
+                "a closure); with the Hugging Face Trainer, pass callbacks=[partialbayes.ivon.IVONCallback()]"
+            )  # fmt: skip
         found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step
         if found_inf is not None and float(found_inf) != 0.0:
             self._discard()
@@ -444,12 +514,14 @@ class IVON(torch.optim.Optimizer):
                 torch._foreach_mul_(stats, inv if self.hess_approx == "price" else inv * inv)
 
     def _all_reduce(self) -> None:
-        """Average the gradient and Hessian statistics over the ranks (one all-reduce per bucket)."""
+        """Average gradient and Hessian statistics over the ranks, weighted by their samples' batch sizes."""
         if self._pending:
             self._materialize()
         for _group, params in self._buckets():
-            dist_utils.all_reduce_mean_([self._avg_grad[p] for p in params])
-            dist_utils.all_reduce_mean_([self._stat[p] for p in params if p in self._stat])
+            tensors = [self._avg_grad[p] for p in params] + [
+                self._stat[p] for p in params if p in self._stat
+            ]
+            dist_utils.all_reduce_weighted_mean_(tensors, self._weight)
 
     def _check_finite(self) -> None:
         """Raise, naming the parameters, if a collected gradient holds NaN or inf; the samples are dropped."""
@@ -475,22 +547,47 @@ class IVON(torch.optim.Optimizer):
 
     def _update(self, group: dict[str, Any], params: list[Tensor]) -> None:
         """The IVON update of one bucket, in place: learned ``h`` on variational entries, fixed elsewhere."""
-        hyper = self._hyper(group)
         learn, fixed = [], []
         for p in params:
             state = self.state[p]
-            head = (p.data, state["momentum"], state["hess"], self._avg_grad[p])
-            if self.variational_mask(p) is False:
-                fixed.append((*head, None, None, None))
+            mask = self.variational_mask(p)
+            if mask is False:
+                fixed.append(
+                    Update(
+                        p.detach(),
+                        state["momentum"],
+                        state["hess"],
+                        self._avg_grad[p],
+                        None,
+                        None,
+                        None,
+                    )
+                )
                 continue
-            sample = self._sample_of(p) if self._pending else None
-            learn.append((*head, sample, self._stat.get(p), self._mask_tensor(p)))
-        opts = self._compile_opts(params)
+            pending = self._pending and self.hess_approx == "price"
+            noise = self._noise[p] if pending else None
+            mask_tensor = mask if isinstance(mask, Tensor) else None
+            learn.append(
+                Update(
+                    p.detach(),
+                    state["momentum"],
+                    state["hess"],
+                    self._avg_grad[p],
+                    noise,
+                    self._stat.get(p),
+                    mask_tensor,
+                )
+            )
+        hyper, opts = self._hyper(group), self._compile_opts(params)
         for items, learn_hess in ((learn, True), (fixed, False)):
             blocked.apply(
-                kernels.update_, items, writes=3, hyper=hyper, hess_approx=self.hess_approx,
-                learn_hess=learn_hess, **opts,
-            )  # fmt: skip
+                update_,
+                items,
+                hyper=hyper,
+                hess_approx=self.hess_approx,
+                learn_hess=learn_hess,
+                **opts,
+            )
 
     def _hyper(self, group: dict[str, Any]) -> Hyper:
         delta = float(group["weight_decay"])
@@ -516,17 +613,22 @@ class IVON(torch.optim.Optimizer):
             for params in by_key.values():
                 yield group, params
 
-    def _mask_tensor(self, p: Tensor) -> Tensor | None:
-        mask = self.variational_mask(p)
-        return mask if isinstance(mask, Tensor) else None
+    def _variational(self) -> list[Tensor]:
+        """The parameters with variational entries, in bucket order."""
+        return [
+            p
+            for _g, params in self._buckets()
+            for p in params
+            if self.variational_mask(p) is not False
+        ]
 
     def _compile_opts(self, params: list[Tensor]) -> dict[str, bool]:
         """Whether a bucket runs the compiled kernels (see ``compiled``), and whether a failure warns."""
-        if self.compiled is False or not compiled_kernels.available():
+        if self.compiled is False or not blocked.available():
             return {"compiled": False, "warn": False}
         if self.compiled:
             return {"compiled": True, "warn": True}
-        large = sum(p.numel() for p in params if p.numel() > blocked.SMALL)
+        large = sum(p.numel() for p in params if p.numel() > blocked.SMALL[True])
         return {"compiled": large >= AUTO_COMPILE_MIN, "warn": False}
 
     def _generator_for(self, device: torch.device) -> torch.Generator | None:
@@ -556,26 +658,6 @@ class IVON(torch.optim.Optimizer):
         for p, g in self._avg_grad.items():
             if p.grad is g:
                 p.grad = None
-
-    def _views(self, store: dict[Any, Tensor]) -> dict[Tensor, Tensor]:
-        """Views, shaped like each variational parameter, into one reused flat buffer per (device, dtype)."""
-        if self._layout_cache is None:
-            layout: dict[Tensor, tuple[tuple[torch.device, torch.dtype], int]] = {}
-            sizes: dict[tuple[torch.device, torch.dtype], int] = {}
-            for _group, params in self._buckets():
-                for p in params:
-                    if self.variational_mask(p) is not False:
-                        key = (p.device, p.dtype)
-                        layout[p] = (key, sizes.get(key, 0))
-                        sizes[key] = sizes.get(key, 0) + p.numel()
-            self._layout_cache = (layout, sizes)
-        layout, sizes = self._layout_cache
-        for key, size in sizes.items():
-            if key not in store or store[key].numel() != size:
-                store[key] = torch.empty(size, device=key[0], dtype=key[1])
-        return {
-            p: store[key][off : off + p.numel()].view(p.shape) for p, (key, off) in layout.items()
-        }
 
     def _label(self, p: Tensor) -> str:
         """``param_groups[g]['params'][i]`` with the parameter's name (when known) and shape, for messages."""

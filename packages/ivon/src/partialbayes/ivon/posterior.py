@@ -1,73 +1,52 @@
-"""Posterior use of an IVON run: the learned Gaussian, weight samples, predictions, Multi-IVON.
+"""Posterior use of an IVON run: the learned Gaussian, weight samples, predictions, Multi-IVON, files.
 
 `GaussianPosterior` and `MultiIVON` implement ``partialbayes.predictive.Posterior``: the subset is the
 entries with σ > 0 (for a mixture: the entries where the runs differ), samples are ``{param name: [n, k]}``
-in ``Subset.gather`` order, and `predict` averages the softmax over weight samples.
+in ``Subset.gather`` order, swaps go through ``Subset.swapped`` (what was there on entry is restored), and
+`predict` averages the softmax over weight samples. Files are ``partialbayes.predictive`` posterior files
+(formats ``partialbayes.ivon.GaussianPosterior`` and ``partialbayes.ivon.MultiIVON``, version 2).
 """
 
 from __future__ import annotations
 
-import math
 import os
-import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
-from typing import Any, ClassVar, overload
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from partialbayes.ivon._io import Run, read_posterior_file, write_posterior_file
 from partialbayes.ivon.optimizer import IVON
 from partialbayes.predictive import (
+    PosteriorFile,
     check_count,
-    check_sample,
+    check_likelihood,
+    read_posterior_file,
     resolve_link,
     rows,
     sampled_logits,
     sampled_predict,
+    write_posterior_file,
 )
 from partialbayes.selection import Block, KronBlock, MaskBlock, Subset
 
-LIKELIHOODS = ("classification", "regression")
+#: The file format of each class (``partialbayes.predictive`` posterior files).
+FORMATS = {
+    "GaussianPosterior": "partialbayes.ivon.GaussianPosterior",
+    "MultiIVON": "partialbayes.ivon.MultiIVON",
+}
+VERSION = 2
 
-
-def _deprecated(old: str, new: str, stacklevel: int = 3) -> None:
-    warnings.warn(
-        f"{old} is deprecated and will be removed in partialbayes-ivon 0.4; use {new}",
-        DeprecationWarning,
-        stacklevel=stacklevel,
-    )
-
-
-def _check_likelihood(likelihood: str, sigma_noise: float) -> float:
-    if likelihood not in LIKELIHOODS:
-        raise ValueError(f"likelihood must be one of {LIKELIHOODS}, got {likelihood!r}")
-    if (
-        isinstance(sigma_noise, bool)
-        or not isinstance(sigma_noise, (int, float))
-        or not math.isfinite(sigma_noise)
-        or sigma_noise <= 0
-    ):
-        raise ValueError(f"sigma_noise must be a finite number > 0, got {sigma_noise!r}")
-    return float(sigma_noise)
-
-
-def _normal_(t: Tensor, generator: torch.Generator | None) -> None:
-    if generator is None or torch.device(generator.device).type == t.device.type:
-        t.normal_(generator=generator)
-    else:
-        z = torch.empty(t.shape, dtype=t.dtype, device=generator.device).normal_(
-            generator=generator
-        )
-        t.copy_(z)
+#: One run's ``(mean, std)``: parameter name -> tensor in the parameter's storage shape.
+Run = tuple[dict[str, Tensor], dict[str, Tensor]]
 
 
 def _randn(shape: tuple[int, ...], like: Tensor, generator: torch.Generator | None) -> Tensor:
     """Standard normal noise of ``shape`` in ``like``'s dtype and device, drawn on the generator's device."""
-    z = torch.empty(shape, dtype=like.dtype, device=like.device)
-    _normal_(z, generator)
-    return z
+    device = like.device if generator is None else generator.device
+    z = torch.empty(shape, dtype=like.dtype, device=device).normal_(generator=generator)
+    return z.to(like.device)
 
 
 def _check_model(model: nn.Module, shapes: Mapping[str, torch.Size], who: str) -> None:
@@ -98,64 +77,23 @@ def _subset_of(model: nn.Module, masks: Mapping[str, Tensor], who: str) -> Subse
     return Subset.from_model(model, blocks)
 
 
-class _Entries:
-    """Where the subset's entries sit in each parameter: ``None`` (all) or flat int64 indices."""
-
-    def __init__(self, model: nn.Module, subset: Subset) -> None:
-        params = dict(model.named_parameters())
-        self.index: dict[str, Tensor | None] = {}
-        for name in subset.names:
-            p = params[name]
-            if isinstance(subset.block(name), KronBlock) and subset.num_entries(name) == p.numel():
-                self.index[name] = None
-            else:
-                self.index[name] = subset.mask(name).reshape(-1).nonzero().squeeze(1).to(p.device)
-
-    def gather(self, name: str, t: Tensor, *, copy: bool = True) -> Tensor:
-        """The entries of ``t`` as ``[k]``: a copy, or (``copy=False``, all entries) a view when possible."""
-        idx = self.index[name]
-        flat = t.detach().reshape(-1)
-        if idx is None:
-            return flat.clone() if copy else flat
-        return flat.index_select(0, idx.to(flat.device))
-
-    def write_(self, p: Tensor, name: str, values: Tensor) -> None:
-        idx = self.index[name]
-        values = values.to(device=p.device, dtype=p.dtype)
-        if idx is None:
-            p.copy_(values.view(p.shape))
-        elif p.is_contiguous():
-            p.view(-1).index_copy_(0, idx, values)
-        else:
-            tmp = p.detach().reshape(-1).clone()
-            tmp.index_copy_(0, idx, values)
-            p.copy_(tmp.view(p.shape))
-
-    @contextmanager
-    def swapped(self, model: nn.Module, sample: Mapping[str, Tensor]) -> Iterator[nn.Module]:
-        params = dict(model.named_parameters())
-        saved = {name: self.gather(name, params[name]) for name in sample}
-        try:
-            with torch.no_grad():
-                for name, values in sample.items():
-                    self.write_(params[name], name, values)
-            yield model
-        finally:
-            with torch.no_grad():
-                for name, values in saved.items():
-                    self.write_(params[name], name, values)
-
-
 class _SampledFamily:
     """What GaussianPosterior and MultiIVON share: the model binding, swapping, predicting, saving."""
 
     links: ClassVar[tuple[str, ...]] = ("mc",)
-    _kind: ClassVar[str]  # what the file format calls the class
     likelihood: str
     sigma_noise: float
     _model: nn.Module | None
     _subset: Subset | None
-    _entries: _Entries | None
+
+    def _bind(self, model: nn.Module | None, shapes: Mapping[str, torch.Size]) -> None:
+        """Record ``model`` (checked: every parameter present, same shape, not on the meta device)."""
+        self._model, self._subset = model, None
+        if model is not None:
+            _check_model(model, shapes, type(self).__name__)
+            self.subset.parameters_of(
+                model
+            )  # refuses a model on the meta device, by parameter name
 
     @property
     def model(self) -> nn.Module:
@@ -177,25 +115,21 @@ class _SampledFamily:
     def _build_subset(self) -> Subset:
         raise NotImplementedError
 
-    @property
-    def entries(self) -> _Entries:
-        if self._entries is None:
-            self._entries = _Entries(self.model, self.subset)
-        return self._entries
+    def _runs(self) -> list[Run]:
+        raise NotImplementedError
 
     def sample(self, n: int = 1, *, generator: torch.Generator | None = None) -> dict[str, Tensor]:
         raise NotImplementedError
 
     def swapped(self, sample: Mapping[str, Tensor]) -> AbstractContextManager[nn.Module]:
-        """Write one sample ``{param name: [k]}`` into the model; restore its values on exit, even on error.
+        """Write one sample ``{param name: [k]}`` into the model; restore what was there on exit, even on error.
 
         Entries outside the subset are never touched (the model holds the posterior mean there).
 
         Raises:
             ValueError: If the sample does not cover the subset exactly or has the wrong sizes.
         """
-        one = check_sample(self.subset, sample)
-        return self.entries.swapped(self.model, one)
+        return self.subset.swapped(self.model, sample)
 
     def sampled(
         self, *, generator: torch.Generator | None = None
@@ -245,25 +179,32 @@ class _SampledFamily:
     ) -> Tensor:
         """Logits under ``n`` weight samples, ``[n, B, C]`` (or ``[n, B, T, C]``); eval mode, no gradients."""
         return sampled_logits(
-            self,
-            batch,
-            n,
-            generator=generator,
-            sample_ctx=self._sample_ctx(generator),
+            self, batch, n, generator=generator, sample_ctx=self._sample_ctx(generator)
         )
-
-    def _runs(self) -> list[Run]:
-        raise NotImplementedError
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Save as one safetensors file with JSON metadata (see `save_posterior`)."""
-        write_posterior_file(
-            path,
-            self._runs(),
-            kind=type(self)._kind,
-            likelihood=self.likelihood,
-            sigma_noise=self.sigma_noise,
-        )
+        """Save as one safetensors file with JSON metadata (see `save_posterior`).
+
+        Raises:
+            ValueError: If the posterior has no model (the file records the model's structure), or ``path``
+                is a folder.
+        """
+        runs = self._runs()
+        tensors = {
+            f"{k}/{what}/{name}": t
+            for k, (mean, std) in enumerate(runs)
+            for what, part in (("mean", mean), ("std", std))
+            for name, t in part.items()
+        }
+        meta = {
+            "format": FORMATS[type(self).__name__],
+            "version": VERSION,
+            "components": len(runs),
+            "parameters": list(runs[0][0]),
+            "likelihood": self.likelihood,
+            "sigma_noise": self.sigma_noise,
+        }
+        write_posterior_file(path, tensors, meta, model=self.model)
 
 
 class GaussianPosterior(_SampledFamily):
@@ -282,7 +223,7 @@ class GaussianPosterior(_SampledFamily):
 
     Raises:
         ValueError: If ``mean`` and ``std`` name different parameters or shapes, a ``std`` is negative or
-            not finite, or ``model`` lacks a parameter.
+            not finite, ``model`` lacks a parameter or holds it on the meta device.
     """
 
     def __init__(
@@ -307,14 +248,10 @@ class GaussianPosterior(_SampledFamily):
                 raise ValueError(f"GaussianPosterior: std of {name!r} is negative or not finite")
         self._mean = dict(mean)
         self._std = dict(std)
-        self.sigma_noise = _check_likelihood(likelihood, sigma_noise)
+        self.sigma_noise = check_likelihood(likelihood, sigma_noise)
         self.likelihood = likelihood
-        if model is not None:
-            _check_model(model, {n: m.shape for n, m in mean.items()}, "GaussianPosterior")
-        self._model = model
-        self._subset: Subset | None = None
-        self._entries: _Entries | None = None
         self._gathered: dict[str, tuple[Tensor, Tensor]] | None = None
+        self._bind(model, {n: m.shape for n, m in mean.items()})
 
     @property
     def mean(self) -> dict[str, Tensor]:
@@ -326,8 +263,6 @@ class GaussianPosterior(_SampledFamily):
         """Parameter name -> standard deviation, storage shape (0 outside the subset)."""
         return self._std
 
-    _kind = "GaussianPosterior"
-
     @property
     def num_floats(self) -> int:
         """Floats of the standard deviations (the means are the MAP weights the model holds)."""
@@ -337,21 +272,16 @@ class GaussianPosterior(_SampledFamily):
         return [(self._mean, self._std)]
 
     def _build_subset(self) -> Subset:
-        model = self.model
-        names = [n for n, _ in model.named_parameters() if n in self._std]
-        return _subset_of(model, {n: self._std[n] != 0 for n in names}, "GaussianPosterior")
+        names = [n for n, _ in self.model.named_parameters() if n in self._std]
+        return _subset_of(self.model, {n: self._std[n] != 0 for n in names}, "GaussianPosterior")
 
     def _moments(self) -> dict[str, tuple[Tensor, Tensor]]:
         """``{name: (mean [k], std [k])}`` of the subset's entries, on the parameters' devices."""
         if self._gathered is None:
-            params = dict(self.model.named_parameters())
-            self._gathered = {
-                n: (
-                    self.entries.gather(n, self._mean[n], copy=False).to(params[n].device),
-                    self.entries.gather(n, self._std[n], copy=False).to(params[n].device),
-                )
-                for n in self.subset.names
-            }
+            self._gathered = {}
+            for n, p in self.subset.parameters_of(self.model).items():
+                mean = self.subset.gather(n, self._mean[n]).to(p.device)
+                self._gathered[n] = (mean, self.subset.gather(n, self._std[n]).to(p.device))
         return self._gathered
 
     def sample_full(self, generator: torch.Generator | None = None) -> dict[str, Tensor]:
@@ -363,47 +293,27 @@ class GaussianPosterior(_SampledFamily):
         Returns:
             Parameter name -> sampled tensor.
         """
-        out = {}
-        for name, m in self._mean.items():
-            z = torch.empty_like(m)
-            _normal_(z, generator)
-            out[name] = torch.addcmul(m, self._std[name], z)
-        return out
+        return {
+            name: torch.addcmul(m, self._std[name], _randn(tuple(m.shape), m, generator))
+            for name, m in self._mean.items()
+        }
 
-    @overload
-    def sample(
-        self, n: int = 1, *, generator: torch.Generator | None = None
-    ) -> dict[str, Tensor]: ...
-
-    @overload
-    def sample(self, n: torch.Generator | None) -> dict[str, Tensor]: ...
-
-    def sample(
-        self, n: int | torch.Generator | None = 1, *, generator: torch.Generator | None = None
-    ) -> dict[str, Tensor]:
+    def sample(self, n: int = 1, *, generator: torch.Generator | None = None) -> dict[str, Tensor]:
         """``n`` weight samples ``{param name: [n, k]}`` of the subset's entries (``Subset.gather`` order).
 
         Args:
-            n: Number of samples. (Deprecated: a generator or ``None`` in its place draws one full-shape
-                sample as before 0.3; use `sample_full`.)
+            n: Number of samples.
             generator: Source of randomness (same generator state, same samples); noise is drawn on its
                 device, parameter by parameter in ``subset.names`` order.
 
         Returns:
             ``{param name: [n, k]}`` on the parameters' devices.
         """
-        if n is None or isinstance(n, torch.Generator):
-            _deprecated(
-                "GaussianPosterior.sample(generator) (one full-shape sample)",
-                "GaussianPosterior.sample_full(generator), or sample(n, generator=...) for the "
-                "{name: [n, k]} layout",
-            )
-            return self.sample_full(n)
         check_count("n", n)
-        out = {}
-        for name, (m, s) in self._moments().items():
-            out[name] = torch.addcmul(m, s, _randn((n, m.shape[0]), m, generator))
-        return out
+        return {
+            name: torch.addcmul(m, s, _randn((n, m.shape[0]), m, generator))
+            for name, (m, s) in self._moments().items()
+        }
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: nn.Module) -> GaussianPosterior:
@@ -414,7 +324,7 @@ class GaussianPosterior(_SampledFamily):
         """
         post = load_posterior(path, model)
         if not isinstance(post, GaussianPosterior):
-            raise ValueError(f"{os.fspath(path)} holds a MultiIVON; load it with MultiIVON.load")
+            raise ValueError(f"{os.fspath(path)!r} holds a MultiIVON; load it with MultiIVON.load")
         return post
 
 
@@ -448,56 +358,15 @@ def ivon_posterior(
         raise RuntimeError(
             "ivon_posterior: called inside sampled_params (parameters hold a sample)"
         )
-    group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
+    held = {p for g in optimizer.param_groups for p in g["params"]}
     mean, std = {}, {}
     for name, p in model.named_parameters():
-        if p not in group_of:
-            continue
-        g = group_of[p]
-        s = (optimizer.state[p]["hess"] + g["weight_decay"]).mul(g["ess"]).rsqrt()
-        mask = optimizer.variational_mask(p)
-        if mask is False:
-            s = torch.zeros_like(s)
-        elif isinstance(mask, Tensor):
-            s = s * mask
-        mean[name] = p.detach().clone()
-        std[name] = s
+        if p in held:
+            mean[name] = p.detach().clone()
+            std[name] = optimizer.posterior_std(p)
     if not mean:
         raise ValueError("ivon_posterior: the optimizer holds none of the model's parameters")
     return GaussianPosterior(mean, std, model, likelihood=likelihood, sigma_noise=sigma_noise)
-
-
-@contextmanager
-def swapped_params(model: nn.Module, values: Mapping[str, Tensor]) -> Iterator[nn.Module]:
-    """Temporarily replace named parameters of ``model`` by ``values``; restore them even on error.
-
-    Args:
-        model: The model.
-        values: Parameter name -> tensor of the parameter's shape.
-
-    Yields:
-        The model, holding ``values``.
-
-    Raises:
-        ValueError: If a name is unknown or a shape does not match.
-    """
-    named = dict(model.named_parameters())
-    for name, v in values.items():
-        if name not in named:
-            raise ValueError(f"swapped_params: model has no parameter {name!r}")
-        if v.shape != named[name].shape:
-            raise ValueError(
-                f"swapped_params: value for {name!r} has shape {tuple(v.shape)}, "
-                f"parameter has {tuple(named[name].shape)}"
-            )
-    saved = {name: named[name].data for name in values}
-    try:
-        for name, v in values.items():
-            named[name].data = v.to(device=named[name].device, dtype=named[name].dtype)
-        yield model
-    finally:
-        for name, d in saved.items():
-            named[name].data = d
 
 
 class MultiIVON(_SampledFamily):
@@ -537,17 +406,13 @@ class MultiIVON(_SampledFamily):
                 raise ValueError(f"MultiIVON: component {i} names other parameters or shapes")
         self.components = tuple(components)
         self.likelihood = first.likelihood if likelihood is None else likelihood
-        self.sigma_noise = _check_likelihood(
+        self.sigma_noise = check_likelihood(
             self.likelihood, first.sigma_noise if sigma_noise is None else sigma_noise
         )
-        if model is None:
-            model = first._model
-        if model is not None:
-            _check_model(model, {n: m.shape for n, m in first.mean.items()}, "MultiIVON")
-        self._model = model
-        self._subset: Subset | None = None
-        self._entries: _Entries | None = None
         self._gathered: dict[str, tuple[Tensor, Tensor]] | None = None
+        self._bind(
+            first._model if model is None else model, {n: m.shape for n, m in first.mean.items()}
+        )
 
     @property
     def mean(self) -> dict[str, Tensor]:
@@ -555,8 +420,6 @@ class MultiIVON(_SampledFamily):
         first, rest = self.components[0], self.components[1:]
         k = len(self.components)
         return {n: sum((c.mean[n] for c in rest), first.mean[n]) / k for n in first.mean}
-
-    _kind = "MultiIVON"
 
     @property
     def num_floats(self) -> int:
@@ -568,10 +431,9 @@ class MultiIVON(_SampledFamily):
         return [(c.mean, c.std) for c in self.components]
 
     def _build_subset(self) -> Subset:
-        model = self.model
         first = self.components[0]
         masks = {}
-        for name, _ in model.named_parameters():
+        for name, _ in self.model.named_parameters():
             if name not in first.mean:
                 continue
             varies = torch.zeros(first.mean[name].shape, dtype=torch.bool)
@@ -579,29 +441,16 @@ class MultiIVON(_SampledFamily):
                 varies |= (c.std[name] != 0).cpu()
                 varies |= (c.mean[name] != first.mean[name].to(c.mean[name].device)).cpu()
             masks[name] = varies
-        return _subset_of(model, masks, "MultiIVON")
+        return _subset_of(self.model, masks, "MultiIVON")
 
     def _moments(self) -> dict[str, tuple[Tensor, Tensor]]:
         """``{name: (means [K, k], stds [K, k])}`` of the subset's entries per run."""
         if self._gathered is None:
-            params = dict(self.model.named_parameters())
-            self._gathered = {
-                n: (
-                    torch.stack(
-                        [
-                            self.entries.gather(n, c.mean[n]).to(params[n].device)
-                            for c in self.components
-                        ]
-                    ),
-                    torch.stack(
-                        [
-                            self.entries.gather(n, c.std[n]).to(params[n].device)
-                            for c in self.components
-                        ]
-                    ),
-                )
-                for n in self.subset.names
-            }
+            self._gathered = {}
+            for n, p in self.subset.parameters_of(self.model).items():
+                means = [self.subset.gather(n, c.mean[n]).to(p.device) for c in self.components]
+                stds = [self.subset.gather(n, c.std[n]).to(p.device) for c in self.components]
+                self._gathered[n] = (torch.stack(means), torch.stack(stds))
         return self._gathered
 
     def _offset(self, generator: torch.Generator | None) -> int:
@@ -633,48 +482,24 @@ class MultiIVON(_SampledFamily):
         if component is None:
             component = self._offset(generator)
         if not 0 <= component < k:
-            raise ValueError(f"MultiIVON.sample: component must be in [0, {k}), got {component}")
+            raise ValueError(
+                f"MultiIVON.sample_full: component must be in [0, {k}), got {component}"
+            )
         return self.components[component].sample_full(generator)
 
-    @overload
-    def sample(
-        self, n: int = 1, *, generator: torch.Generator | None = None
-    ) -> dict[str, Tensor]: ...
-
-    @overload
-    def sample(
-        self, n: torch.Generator | None, component: int | None = None
-    ) -> dict[str, Tensor]: ...
-
-    def sample(
-        self,
-        n: int | torch.Generator | None = 1,
-        component: int | None = None,
-        *,
-        generator: torch.Generator | None = None,
-    ) -> dict[str, Tensor]:
+    def sample(self, n: int = 1, *, generator: torch.Generator | None = None) -> dict[str, Tensor]:
         """``n`` stratified mixture samples ``{param name: [n, k]}`` (``Subset.gather`` order).
 
         The offset ``o`` is drawn first, then the noise parameter by parameter; sample ``i`` comes from run
         ``(o + i) mod K``.
 
         Args:
-            n: Number of samples. (Deprecated: a generator or ``None`` in its place, optionally with
-                ``component``, draws one full-shape sample as before 0.3; use `sample_full`.)
-            component: Only with the deprecated form.
+            n: Number of samples.
             generator: Source of randomness (same generator state, same samples).
 
         Returns:
             ``{param name: [n, k]}`` on the parameters' devices.
         """
-        if n is None or isinstance(n, torch.Generator) or component is not None:
-            _deprecated(
-                "MultiIVON.sample(generator, component) (one full-shape sample)",
-                "MultiIVON.sample_full(generator, component), or sample(n, generator=...) for the "
-                "{name: [n, k]} layout",
-            )
-            gen = n if isinstance(n, torch.Generator) else generator
-            return self.sample_full(gen, component)
         check_count("n", n)
         k = len(self.components)
         runs = (self._offset(generator) + torch.arange(n)) % k
@@ -709,24 +534,57 @@ IVONPosterior = GaussianPosterior | MultiIVON
 def save_posterior(posterior: IVONPosterior, path: str | os.PathLike[str]) -> None:
     """Write a :class:`GaussianPosterior` or :class:`MultiIVON` to ``path`` (one ``.safetensors`` file).
 
-    Tensors ``"<component>/mean/<name>"`` and ``"<component>/std/<name>"`` (moved to the CPU), plus JSON
-    metadata naming the format, the kind, the number of components, every parameter's shape and dtype, the
-    likelihood and ``sigma_noise``.
-    The file is written to a temporary sibling and renamed into place, so an interrupted save never leaves
-    a truncated file behind.
+    A ``partialbayes.predictive`` posterior file (written atomically; a missing parent folder is created):
+    tensors ``"<run>/mean/<name>"`` and ``"<run>/std/<name>"`` (on the CPU), metadata with the format
+    (``partialbayes.ivon.GaussianPosterior`` or ``partialbayes.ivon.MultiIVON``), version 2, the model's
+    structure, the number of runs, the parameter names, the likelihood and ``sigma_noise``.
 
     Args:
-        posterior: The posterior to save.
+        posterior: The posterior to save (bound to its model).
         path: Destination file.
 
     Raises:
         TypeError: If ``posterior`` is neither a :class:`GaussianPosterior` nor a :class:`MultiIVON`.
+        ValueError: If the posterior has no model, or ``path`` is a folder.
     """
     if not isinstance(posterior, (GaussianPosterior, MultiIVON)):
         raise TypeError(
             f"save_posterior: expected a GaussianPosterior or MultiIVON, got {type(posterior).__name__}"
         )
     posterior.save(path)
+
+
+def _read_runs(file: PosteriorFile) -> list[Run]:
+    """Every run's checked CPU tensors: named by the metadata, of the saved shapes, floating, ``std >= 0``."""
+    shapes = {name: shape for name, shape in file.meta["structure"]}
+    names, count = file.meta["parameters"], file.meta["components"]
+    bad = [n for n in names if not isinstance(n, str) or n not in shapes]
+    if not names or bad or len(set(names)) != len(names):
+        raise file.error(
+            f"metadata field 'parameters' must name distinct parameters of the saved structure, got {bad or names}"
+        )
+    if count < 1 or (file.meta["format"] == FORMATS["GaussianPosterior"] and count != 1):
+        raise file.error(
+            f"metadata field 'components' is {count}, which does not fit {file.meta['format']!r}"
+        )
+    expected = {f"{k}/{w}/{n}" for k in range(count) for w in ("mean", "std") for n in names}
+    unexpected = sorted(set(file.tensors) - expected)
+    if unexpected:
+        raise file.error(f"tensors {unexpected[:3]} are not named by the metadata ({count} runs)")
+    runs: list[Run] = []
+    for k in range(count):
+        run: Run = ({}, {})
+        for what, part in zip(("mean", "std"), run, strict=True):
+            for name in names:
+                key = f"{k}/{what}/{name}"
+                t = file.tensor(key, shapes[name])
+                if not t.is_floating_point() or (what == "std" and bool((t < 0).any())):
+                    raise file.error(
+                        f"tensor {key!r} is not a floating tensor of standard deviations >= 0"
+                    )
+                part[name] = t
+        runs.append(run)
+    return runs
 
 
 def load_posterior(
@@ -738,8 +596,8 @@ def load_posterior(
 
     Args:
         path: The ``.safetensors`` file.
-        model: If given, every saved parameter must exist in ``model.named_parameters()`` with the saved
-            shape; the tensors are then placed on that parameter's device (unless ``device`` is given).
+        model: If given, its parameter names and shapes must be the saved structure; the tensors are then
+            placed on each parameter's device (unless ``device`` is given).
         device: Device for the loaded tensors; default: the model's parameters' devices, else the CPU.
 
     Returns:
@@ -748,12 +606,24 @@ def load_posterior(
 
     Raises:
         FileNotFoundError: If there is no file at ``path``.
-        ValueError: Naming the file: if it is not a readable IVON posterior of a known version (garbage,
-            truncated, metadata that is not JSON or lacks a field, a missing or unexpected tensor, a tensor
-            of the wrong shape or dtype, NaN or inf means, NaN, inf or negative standard deviations, an
-            invalid likelihood or ``sigma_noise``), or does not fit ``model`` (the parameter is named).
+        ValueError: Naming the file: if it is not a readable IVON posterior of version 2 (garbage,
+            truncated, an earlier version, metadata that is not JSON or lacks a field, a missing or unexpected
+            tensor, a tensor of the wrong shape or dtype, NaN or inf entries, negative standard deviations, an
+            invalid likelihood or ``sigma_noise``), or does not fit ``model``.
     """
-    saved = read_posterior_file(path, model)
+    file = read_posterior_file(
+        path,
+        formats=tuple(FORMATS.values()),
+        version=VERSION,
+        fields={
+            "components": int,
+            "parameters": list,
+            "likelihood": str,
+            "sigma_noise": (int, float),
+        },
+    )
+    if model is not None:
+        file.check_model(model)
     params = dict(model.named_parameters()) if model is not None else {}
 
     def place(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -768,23 +638,23 @@ def load_posterior(
                 place(mean),
                 place(std),
                 model,
-                likelihood=saved.likelihood,
-                sigma_noise=saved.sigma_noise,
+                likelihood=file.meta["likelihood"],
+                sigma_noise=file.meta["sigma_noise"],
             )
-            for mean, std in saved.runs
+            for mean, std in _read_runs(file)
         ]
     except ValueError as err:
-        raise ValueError(f"{os.fspath(path)!r}: the saved settings are invalid: {err}") from err
-    return MultiIVON(runs, model) if saved.kind == "MultiIVON" else runs[0]
+        raise file.error(f"the saved settings are invalid: {err}") from err
+    return MultiIVON(runs, model) if file.meta["format"] == FORMATS["MultiIVON"] else runs[0]
 
 
 def predict_mean(
     model: nn.Module, posterior: IVONPosterior, fn: Callable[[nn.Module], Tensor]
 ) -> Tensor:
-    """``fn(model)`` with the posterior mean swapped in, without gradients.
+    """``fn(model)`` with the posterior mean swapped in (``Subset.swapped``), without gradients.
 
     Args:
-        model: The model.
+        model: The model (any model with the posterior's parameter names and shapes).
         posterior: A :class:`GaussianPosterior`, or a :class:`MultiIVON` of one component. The mean of a
             mixture of several runs is refused: independent runs sit in different modes (and permutations)
             of the weights, so their averaged weights are no meaningful network. Use ``posterior.predict``,
@@ -795,7 +665,7 @@ def predict_mean(
         The output at the mean.
 
     Raises:
-        ValueError: For a :class:`MultiIVON` of several components.
+        ValueError: For a :class:`MultiIVON` of several components, or a model that lacks a parameter.
     """
     if isinstance(posterior, MultiIVON) and len(posterior.components) > 1:
         raise ValueError(
@@ -803,50 +673,10 @@ def predict_mean(
             "network (averaged weights of independent runs); use posterior.predict, or predict_mean on "
             "each of posterior.components"
         )
-    with torch.no_grad(), swapped_params(model, posterior.mean):
-        return fn(model)
-
-
-def predict_mc(
-    model: nn.Module,
-    posterior: IVONPosterior,
-    fn: Callable[[nn.Module], Tensor],
-    n_samples: int,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """Deprecated: use ``posterior.predictive_samples(batch, n)`` or ``posterior.predict(batch)``.
-
-    Outputs of ``fn`` under ``n_samples`` full-shape weight samples, stacked: shape ``(n_samples, *out)``.
-    For :class:`MultiIVON` the samples cycle through the components (sample ``i`` from component
-    ``i mod K``).
-
-    Args:
-        model: The model.
-        posterior: A :class:`GaussianPosterior` or :class:`MultiIVON`.
-        fn: Computes the output from the model.
-        n_samples: Number of samples, >= 1.
-        generator: Random generator (same seed, same result).
-
-    Returns:
-        The stacked outputs.
-
-    Raises:
-        ValueError: If ``n_samples < 1``.
-    """
-    _deprecated(
-        "partialbayes.ivon.predict_mc",
-        "posterior.predictive_samples(batch, n) (logit samples) or posterior.predict(batch)",
-        stacklevel=3,
+    mean = posterior.mean
+    _check_model(model, {n: m.shape for n, m in mean.items()}, "predict_mean")
+    whole = _subset_of(
+        model, {n: torch.ones(m.shape, dtype=torch.bool) for n, m in mean.items()}, "predict_mean"
     )
-    if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
-        raise ValueError(f"predict_mc: n_samples must be an int >= 1, got {n_samples!r}")
-    outs = []
-    with torch.no_grad():
-        for i in range(n_samples):
-            if isinstance(posterior, MultiIVON):
-                w = posterior.sample_full(generator, component=i % len(posterior.components))
-            else:
-                w = posterior.sample_full(generator)
-            with swapped_params(model, w):
-                outs.append(fn(model))
-    return torch.stack(outs)
+    with torch.no_grad(), whole.swapped(model, {n: m.reshape(-1) for n, m in mean.items()}):
+        return fn(model)

@@ -164,11 +164,6 @@ def rows(sample: Mapping[str, Tensor], i: int) -> dict[str, Tensor]:
     return {name: values[i] for name, values in sample.items()}
 
 
-def check_sample(subset: Any, sample: Any) -> dict[str, Tensor]:
-    """Validate one weight sample ``{param name: [k]}``: ``subset.check_values(sample)`` (see ``Subset``)."""
-    return subset.check_values(sample)
-
-
 @contextmanager
 def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
     """Put every module of ``model`` in eval mode (dropout off); restore each module's mode on exit."""

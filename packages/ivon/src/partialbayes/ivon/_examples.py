@@ -1,0 +1,105 @@
+"""A loader read example by example: the labelled examples of every batch, as batches of one.
+
+Per-example Jacobians and gradients of Hugging Face models come from backward passes on one example at a
+time (``torch.func.vmap`` over an HF model fails on transformers' attention masks). The cross-family rules
+(issue #27) hold: an example labelled -100 has no label and is skipped; a batch without any labelled example is
+skipped, and one warning counts them at the end; a loader with no labelled example at all is refused.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import Tensor, nn
+
+from partialbayes.predictive import IGNORE_INDEX, split_batch
+
+
+def _row(inputs: Tensor | dict[str, Any], j: int, size: int) -> Tensor | dict[str, Any]:
+    """Example ``j`` of model inputs, as a batch of one."""
+    if isinstance(inputs, Tensor):
+        return inputs[j : j + 1]
+    return {
+        k: v[j : j + 1] if isinstance(v, Tensor) and v.ndim and v.shape[0] == size else v
+        for k, v in inputs.items()
+    }
+
+
+Example = tuple[
+    int, Tensor | dict[str, Any], int
+]  # (position in the loader, inputs of one example, label)
+
+
+def labelled_batches(loader: Iterable[Any], model: nn.Module, who: str) -> Iterator[list[Example]]:
+    """The labelled examples of each batch of ``loader`` that has any: ``(position, inputs, label)``.
+
+    The position counts every example of the loader in order, the unlabelled ones included; the inputs are
+    the example's model inputs as a batch of one.
+
+    Args:
+        loader: Batches of any kind ``predictive.split_batch`` reads, with class labels ``[B]``.
+        model: The model (the inputs are moved to the device of its first parameter).
+        who: The caller, for messages.
+
+    Raises:
+        ValueError: Naming the batch: a batch without labels, labels that are not one class index per
+            example, an empty batch; or a loader without any labelled example.
+    """
+    device = next(model.parameters()).device
+    seen = skipped = position = 0
+    for i, raw in enumerate(loader):
+        seen += 1
+        try:
+            batch = split_batch(raw, device=device)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{who}: batch {i}: {err}") from None
+        labels, size = batch.labels, batch.size
+        if labels is None:
+            raise ValueError(
+                f"{who}: batch {i} has no labels; the sensitivities compare predictions with labels: give "
+                "(inputs, labels) pairs or a mapping with 'labels'"
+            )
+        if labels.ndim != 1 or labels.shape[0] != size or labels.is_floating_point():
+            raise ValueError(
+                f"{who}: batch {i}: labels must be one class index per example ([B] = [{size}] integers, "
+                f"sequence-level outputs), got {labels.dtype} of shape {tuple(labels.shape)}"
+            )
+        kept = (labels != IGNORE_INDEX).nonzero().flatten().tolist()
+        skipped += not kept
+        if kept:
+            yield [(position + j, _row(batch.inputs, j, size), int(labels[j])) for j in kept]
+        position += size
+    if skipped == seen:
+        raise ValueError(
+            f"{who}: the loader has no labelled example ({seen} batches, every label -100 or none at all)"
+        )
+    if skipped:
+        warnings.warn(
+            f"{who}: skipped {skipped} of {seen} batches with no labelled outputs", stacklevel=3
+        )
+
+
+def class_logits(logits: Tensor, who: str) -> Tensor:
+    """The ``[C]`` logits of a batch of one, refusing outputs that are not one vector of classes."""
+    if logits.ndim != 2 or logits.shape[0] != 1 or logits.shape[1] < 2:
+        raise ValueError(
+            f"{who}: needs sequence-level classification logits [B, C] with C >= 2, got shape "
+            f"{tuple(logits.shape)} (token-level and single-output models are not supported)"
+        )
+    return logits[0]
+
+
+@contextmanager
+def requiring_grad(params: Iterable[nn.Parameter]) -> Iterator[None]:
+    """Let every parameter require gradients inside the block (frozen ones too); restore the flags after."""
+    flags = [(p, p.requires_grad) for p in params]
+    try:
+        for p, _ in flags:
+            p.requires_grad_(True)
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
