@@ -65,7 +65,9 @@ def test_answer_only_predictive_equals_the_explicit_reference(seed, b, t, device
         for _ in range(n):
             with post.sampled(generator=g):
                 logits = model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            ref.append(logits[torch.arange(b), answer - 1][:, ids])  # the position before the answer
+            ref.append(
+                logits[torch.arange(b), answer - 1][:, ids]
+            )  # the position before the answer
     torch.testing.assert_close(draws, torch.stack(ref), rtol=0, atol=0)
     probs = post.predict(batch, target_ids=ids, n_samples=n, generator=g.manual_seed(seed))
     assert isinstance(probs, torch.Tensor)
