@@ -150,3 +150,57 @@ def tiny_model(
     if seed is not None:
         torch.manual_seed(seed)
     return getattr(transformers, name)(cfg)
+
+
+def lora_gpt2(layers: int = 2, width: int = 256, *, tied: bool = False, seed: int = 0) -> nn.Module:
+    """A GPT-2-shaped causal LM with GPT-2's 50,257-token vocabulary and PEFT LoRA r=8, in eval mode.
+
+    Random weights (memory and time depend on the sizes, not the values): ``layers`` blocks of ``width``
+    (``width // 64`` heads, at least 4), a head tied to the embeddings or not, and random rank-8 adapters on
+    ``c_attn``, ``c_proj`` and ``c_fc``. The defaults are the model of issue #23; ``layers=12, width=768,
+    tied=True`` is GPT-2 small (124M parameters). Needs ``peft``.
+    """
+    import peft
+
+    base = tiny_model(
+        "gpt2",
+        "causal-lm",
+        seed=seed,
+        vocab=50257,
+        hidden=width,
+        layers=layers,
+        heads=max(4, width // 64),
+        positions=1024,
+        tie_word_embeddings=tied,
+    )
+    targets = ["c_attn", "c_proj", "c_fc"]
+    lora = peft.LoraConfig(
+        r=8, target_modules=targets, fan_in_fan_out=True, init_lora_weights=False
+    )
+    return peft.get_peft_model(base, lora).eval()
+
+
+def answer_batches(
+    n_batches: int, size: int, length: int, *, span: int = 1, vocab: int = 50257, seed: int = 0
+) -> list[dict[str, torch.Tensor]]:
+    """Batches of ``size`` random sequences of ``length`` tokens with one answer token each.
+
+    The answer stands in the last ``span`` positions (at random); every other label is -100, the attention
+    mask is all ones.
+    """
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_batches):
+        ids = torch.randint(0, vocab, (size, length), generator=g)
+        labels = torch.full_like(ids, -100)
+        answer = torch.randint(length - span, length, (size,), generator=g)
+        labels[torch.arange(size), answer] = ids[torch.arange(size), answer]
+        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+    return out
+
+
+def peak_gib() -> float:
+    """Peak resident memory of this process so far, GiB (``VmHWM``; the memory scripts' measure)."""
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return kib / 2**20

@@ -75,8 +75,9 @@ def dense_posterior_covariance(la) -> torch.Tensor:
     """A fitted `KronLaplace`'s covariance at its prior, dense: block diagonal, modules in order."""
     blocks = []
     for i, m in enumerate(la.modules):
-        _, qg, _, qa = la._eig[m]
-        eigenvalues = la._eigenvalues(i, m, la.prior_precision, la._scale(None))
+        g, a = la._eig[m]
+        qg, qa = g.U, a.U
+        eigenvalues = la._eigenvalues(i, m, la.prior_precision, la._scale(None))[:-1, :-1]
         blocks.append(dense_kron_covariance(qg, qa, eigenvalues))
     return torch.block_diag(*blocks)
 

@@ -328,3 +328,11 @@ def test_swapped_refuses_a_non_finite_sample_and_leaves_the_model_alone(cls):
         pass
     for n, p in la.model.named_parameters():
         assert torch.equal(p, before[n])
+
+
+def test_target_ids_are_for_classification():
+    model = TinyNet(0)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    la = DiagLaplace(model, kron_subset(model), likelihood="regression").fit([(x, x)])
+    with pytest.raises(ValueError, match="target_ids selects answer tokens of a classifier"):
+        la.predict(x, target_ids=[0])

@@ -203,7 +203,7 @@ def test_round_off_below_zero_is_still_clamped():
     la = KronLaplace(model, kron_subset(model))
     factors = random_factors(la, 3, rank=1)  # rank 1: every other eigenvalue is 0 up to round-off
     la.fit_curvature(factors, map_loss=1.0, n_data=4, n_outputs=3)
-    assert all(bool((e >= 0).all()) for eg, _, ea, _ in la._eig.values() for e in (eg, ea))
+    assert all(bool((f.s >= 0).all()) for g, a in la._eig.values() for f in (g, a))
 
 
 # ----------------------------------------------------------------------------- the meta device

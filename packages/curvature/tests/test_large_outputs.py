@@ -16,8 +16,8 @@ from tiny_models import tiny_model
 sys.path.insert(0, str(Path(__file__).parent))
 from _alloc_guard import LargestTensor
 
+from partialbayes.curvature import DenseLaplace, DiagLaplace, KronLaplace, kfac, memory_estimate
 from partialbayes.curvature import _memory as memory_module
-from partialbayes.curvature import kfac, memory_estimate
 from partialbayes.selection import modules
 
 VOCAB = 50257
@@ -110,7 +110,7 @@ _MEASURE = textwrap.dedent(
     """
     import json, torch
     from torch import nn
-    from partialbayes.curvature import kfac, memory_estimate
+    from partialbayes.curvature import DenseLaplace, DiagLaplace, KronLaplace, kfac, memory_estimate
     from partialbayes.curvature._kron_algebra import clamped_eigh
     from partialbayes.selection import modules
 
@@ -150,3 +150,54 @@ def test_memory_estimate_within_a_factor_two_of_the_measured_peak():
     numbers = json.loads(out.stdout.strip().splitlines()[-1])
     ratio = numbers["measured"] / numbers["estimate"]
     assert 0.5 <= ratio <= 2.0, numbers
+
+
+def _answer_loader(device):
+    return [_batch(device)]
+
+
+def test_lm_head_fit_is_refused_before_allocating_and_fits_low_rank(device):
+    """An untied 50k head in the subset: refused at the first batch, before its 50257² factor; then fitted
+    with ``max_rank`` (a sketch, never V²) and predicted answer-only, under the allocation guard."""
+    model = _lm(device, tie_word_embeddings=False)
+    subset = modules(model, [*MAPS, "lm_head"])
+    g = torch.Generator(device).manual_seed(0)
+    with LargestTensor(limit=VOCAB**2 // 1000):
+        la = KronLaplace(model, subset, fisher="mc", max_memory=4 * 2**30)
+        with pytest.raises(ValueError, match=r"allowed \(max_memory\)") as err:
+            la.fit(_answer_loader(device), generator=g)
+        for hint in ("G of 'lm_head' (50257 x 50257)", "max_rank", "Refused before allocating"):
+            assert hint in str(err.value)
+        low = KronLaplace(model, subset, fisher="mc", max_rank=16, max_memory=2**30)
+        low.fit(_answer_loader(device), generator=g)
+        assert "G 50257x50257 rank 16" in low.summary()
+        probs = low.predict(_batch(device), target_ids=[5, 7, 11])
+    assert probs.shape == (2, 3)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, device=device, dtype=probs.dtype))
+
+
+@pytest.mark.parametrize("family", [KronLaplace, DiagLaplace, DenseLaplace])
+def test_answer_only_predictive_builds_nothing_of_vocabulary_squared(device, family):
+    """``target_ids``: K backward passes and ``[P, K, K]``; the whole vocabulary's ``[P, C, C]`` is refused first."""
+    model = _lm(device)
+    subset = modules(model, MAPS[:1])
+    la = family(model, subset, fisher="empirical", max_memory=8 * 2**30)
+    la.fit(_answer_loader(device))
+    with LargestTensor(limit=VOCAB**2 // 1000) as guard:
+        f, cov = la.logit_mean_cov(_batch(device), target_ids=[3, 1, 4])
+        with pytest.raises(ValueError, match=r"(?s)predictive, per batch .*target_ids") as err:
+            la.logit_mean_cov(_batch(device))  # [2, 50257, 50257] covariances: 40 GB
+    assert f.shape == (2, 3)
+    assert cov.shape == (2, 3, 3)
+    assert guard.largest <= 2 * 6 * VOCAB  # the logits
+    assert "Refused before allocating" in str(err.value)
+
+
+def test_a_fit_above_max_memory_is_refused_for_every_structure(device):
+    model = _lm(device)
+    subset = modules(model, MAPS[:1])
+    for family in (KronLaplace, DiagLaplace, DenseLaplace):
+        with pytest.raises(ValueError, match=r"Fit: fisher='mc'"):
+            family(model, subset, fisher="mc", max_memory=1000).fit(_answer_loader(device))
+    with pytest.raises(ValueError, match="max_memory must be a positive int"):
+        KronLaplace(model, subset, max_memory=0)

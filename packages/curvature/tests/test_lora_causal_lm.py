@@ -25,7 +25,13 @@ peft = pytest.importorskip("peft")
 sys.path.insert(0, str(Path(__file__).parent))
 from _token_refs import LM_VOCAB, ggn, inputs, kept, llama_lm, output_jacobian, targets  # noqa: E402
 
-from partialbayes.curvature import DenseLaplace, KronLaplace, dense_curvature, kfac  # noqa: E402
+from partialbayes.curvature import (  # noqa: E402
+    DenseLaplace,
+    DiagLaplace,
+    KronLaplace,
+    dense_curvature,
+    kfac,
+)
 from partialbayes.predictive import Posterior, probit  # noqa: E402
 from partialbayes.predictive.testing import check_posterior  # noqa: E402
 from partialbayes.selection import lora_modules, lora_subset, sparse_kfac  # noqa: E402
@@ -293,6 +299,89 @@ def test_answer_token_covariance_equals_dense_reference(
     padding = test["attention_mask"] == 0
     torch.testing.assert_close(probs[padding], torch.softmax(full, -1)[padding])
     torch.testing.assert_close(la.predict(inputs(test)), probs)  # labels are ignored
+
+
+@FIXTURE
+@given(
+    seed=st.integers(0, 2**10),
+    b=st.integers(1, 3),
+    t=st.integers(3, 6),
+    family=st.sampled_from(["kron", "kron-low-rank", "diag", "dense"]),
+    ids=st.lists(st.integers(0, LM_VOCAB - 1), min_size=1, max_size=4, unique=True),
+    chunk=st.sampled_from([None, 1]),
+)
+def test_answer_only_predictive_equals_the_dense_reference(device, seed, b, t, family, ids, chunk):
+    """``target_ids``: ``J_K P⁻¹ J_Kᵀ`` of the answer tokens' logits at the answer positions, ``K`` passes.
+
+    ``J_K`` (the rows ``ids`` of the Jacobian, by plain autograd) at the positions the labels mark (the
+    causal shift), or without labels at each sequence's last real token; the probit of that Gaussian is
+    `predict`'s distribution over the ``K`` tokens; draws are ``[n, P, K]``.
+    """
+    model = peft_llama(seed, 2).to(device)
+    subset = lora_subset(model)
+    train = _on(answer_batch(3, t, seed), device)
+    if family == "dense":
+        la = DenseLaplace(model, subset, prior_precision=0.6).fit([train])
+        P = dense_curvature(model, [train], subset).cpu() + 0.6 * torch.eye(subset.num_entries())
+        order = subset.names
+    elif family == "diag":
+        la = DiagLaplace(model, subset, prior_precision=0.6).fit([train])
+        P = torch.diag(torch.cat([la._h[n] for n in subset.names]).cpu() + 0.6)
+        order = subset.names
+    else:
+        la = KronLaplace(
+            model, subset, prior_precision=0.6, max_rank=2 if family == "kron-low-rank" else None
+        )
+        la.fit_curvature(random_factors(la, seed), map_loss=1.0, n_data=5, n_outputs=LM_VOCAB)
+        P = torch.block_diag(*[dense_block(la, m) for m in la.modules])
+        order = la.modules
+    test = _on(answer_batch(b, t, seed + 1), device)
+    keep = kept(test, True)
+    logits, J = output_jacobian(model, test, keep, subset)
+    if family != "dense" and family != "diag":
+        J = jacobian_by_module(J.cpu(), subset, order)
+    sub = torch.tensor(ids)
+    J = J.cpu()[:, sub]
+    ref = J @ torch.linalg.solve(P, J.mT)
+    f, cov = la.logit_mean_cov(test, chunk_size=chunk, target_ids=ids)
+    assert f.shape == (b, len(ids))
+    assert cov.shape == (b, len(ids), len(ids))
+    torch.testing.assert_close(f.cpu(), logits.cpu()[:, sub])
+    torch.testing.assert_close(cov.cpu(), ref, rtol=1e-7, atol=1e-10)
+    probs = la.predict(test, target_ids=ids)
+    torch.testing.assert_close(probs.cpu(), probit(logits.cpu()[:, sub], ref))
+    # without labels: the answer is read at the last real token (the prompt alone, right-padded)
+    last = keep.int().argmax(1)
+    prompts = {
+        "input_ids": test["input_ids"],
+        "attention_mask": (torch.arange(t, device=device)[None] <= last[:, None]).long(),
+    }
+    torch.testing.assert_close(la.predict(prompts, target_ids=ids), probs)
+    draws = la.predictive_samples(test, 5, target_ids=ids, generator=torch.Generator(device))
+    assert draws.shape == (5, b, len(ids))
+
+
+def dense_block(la: KronLaplace, m: str) -> Tensor:
+    """The dense precision block ``G ⊗ A + δ I`` of module ``m`` from its stored (maybe low-rank) factors."""
+    mats = []
+    for f in la._eig[m]:
+        eye = torch.eye(f.U.shape[0], dtype=f.U.dtype, device=f.U.device)
+        mats.append((f.U * f.s) @ f.U.T + f.rest * (eye - f.U @ f.U.T))
+    k = torch.kron(*mats).cpu()
+    return k + la.prior_precision[la.modules.index(m)].cpu() * torch.eye(k.shape[0]).double()
+
+
+def test_answer_only_bad_input_is_named():
+    model = peft_llama(0, 2)
+    la = KronLaplace(model, lora_subset(model), sharing="expand")
+    la.fit_curvature(random_factors(la, 0), map_loss=1.0, n_data=5, n_outputs=LM_VOCAB)
+    batch = answer_batch(2, 5, 0)
+    with pytest.raises(ValueError, match="target_ids: 3 is repeated"):
+        la.predict(batch, target_ids=[3, 1, 3])
+    with pytest.raises(ValueError, match=rf"target_ids: {LM_VOCAB} is out of range .* {LM_VOCAB}"):
+        la.logit_mean_cov(batch, target_ids=[0, LM_VOCAB])
+    with pytest.raises(TypeError, match="integer token ids"):
+        la.predictive_samples(batch, 2, target_ids=[0.5, 1.0])
 
 
 class AnswerHead(nn.Module):

@@ -14,8 +14,6 @@ from _alloc_guard import LargestTensor
 
 from partialbayes.curvature._kron_algebra import (
     clamped_eigh,
-    kron_log_det,
-    kron_sample,
     precision_eigenvalues,
 )
 from partialbayes.curvature._lowrank import (
@@ -97,28 +95,27 @@ def test_lowrank_algebra_equals_dense(device, ng, na, cut_g, cut_a, seed, T, del
     b, t, k = 2, 3, 4
     x = torch.randn(b, t, na, generator=g, dtype=F64).to(device)
     d = torch.randn(k, b, t, ng, generator=g, dtype=F64).to(device)
-    torch.testing.assert_close(
-        lowrank_covariance(x, d, fg, fa, 1 / E), _dense_covariance(x, d, p_inv)
-    )
+    want = _dense_covariance(x, d, p_inv)
+    for jacobians in (True, False):  # formed Jacobians, or token Gram matrices
+        torch.testing.assert_close(lowrank_covariance(x, d, fg, fa, 1 / E, jacobians), want)
 
 
 @FIXTURE_OK
 @given(**shapes)
 def test_rank_full_is_the_exact_kron_algebra(device, ng, na, cut_g, cut_a, seed, T, delta):
-    """Factors kept whole: the same eigenvalues, log det, samples (same noise) as `_kron_algebra`."""
+    """Factors kept whole: the eigenvalues of `_kron_algebra`, and log det and ``P^{-1/2}`` of the dense ``P``."""
     g = torch.Generator().manual_seed(seed)
     G, A = _psd(ng, 1 + cut_g, g, device), _psd(na, 1 + cut_a, g, device) / 5
     fg, fa = whole_factor(G), whole_factor(A)
-    eg, qg = clamped_eigh(G)
-    ea, qa = clamped_eigh(A)
-    E_exact = precision_eigenvalues(eg, ea, delta, T)
+    eg, ea = clamped_eigh(G)[0], clamped_eigh(A)[0]
     E = _extended_e(fg, fa, delta, T)
-    torch.testing.assert_close(E[:-1, :-1], E_exact)
-    torch.testing.assert_close(lowrank_log_det(E, fg, fa), kron_log_det(E_exact))
+    torch.testing.assert_close(E[:-1, :-1], precision_eigenvalues(eg, ea, delta, T))
+    P = torch.kron(G, A) / T + delta * torch.eye(ng * na, dtype=F64, device=device)
+    torch.testing.assert_close(lowrank_log_det(E, fg, fa), torch.logdet(P))
+    lam, q = torch.linalg.eigh(P)
     z = torch.randn(3, ng, na, generator=g, dtype=F64).to(device)
-    torch.testing.assert_close(
-        scale_in_basis(z, fg, fa, E.rsqrt()), kron_sample(qg, qa, E_exact, qg.T @ z @ qa)
-    )
+    want = (z.reshape(3, -1) @ (q * lam.rsqrt()) @ q.T).reshape(3, ng, na)
+    torch.testing.assert_close(scale_in_basis(z, fg, fa, E.rsqrt()), want)
 
 
 def test_isotropic_remainder_over_estimates_log_det(device):
@@ -173,17 +170,16 @@ def test_nystrom_error_within_the_streaming_bound(device):
     assert float(torch.stack(errs).mean()) <= (1 + r / (q - r - 1)) * float(best)
 
 
-def test_max_rank_above_the_factor_keeps_it_whole_with_a_warning(device):
+def test_a_rank_at_least_the_size_keeps_the_sum_whole(device):
+    """No rank, or one not below ``n``: the exact sum, returned as the matrix (allocated by the first rows)."""
     g = torch.Generator().manual_seed(1)
     d = torch.randn(7, 5, generator=g, dtype=F64).to(device)
-    with pytest.warns(UserWarning, match=r"max_rank=8 is not below the size of G of 'head' \(5\)"):
-        sk = NystromSketch(5, 8, device=device, name="G of 'head'")
-    sk.add(d)
-    f = sk.factor()
-    assert f.full
-    torch.testing.assert_close(_dense(f), d.T @ d)
-    with pytest.raises(ValueError, match="max_rank must be a positive int"):
-        NystromSketch(5, 0)
+    for rank in (None, 5, 8):
+        sk = NystromSketch(5, rank, device=device)
+        assert sk.y is None
+        sk.add(d[:3])
+        sk.add(d[3:])
+        torch.testing.assert_close(sk.factor(0.5), 0.5 * d.T @ d)
 
 
 def test_sketch_of_a_50k_factor_never_forms_it(device):

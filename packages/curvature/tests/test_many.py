@@ -22,12 +22,13 @@ from partialbayes.curvature import (
     grid_val_nll_many,
     kfac,
     logit_mean_cov_many,
+    memory_estimate,
 )
 from partialbayes.selection import Subset, linear_modules, modules, sparse_kfac
 from tiny_models import tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _token_refs import bert_tagger, tagged_batch
+from _token_refs import bert_tagger, llama_lm, lm_batch, tagged_batch
 
 FIXTURE = settings(
     max_examples=8,
@@ -195,6 +196,47 @@ def test_predictive_of_several_posteriors_with_token_outputs(device):
         assert torch.equal(f, f1)
         assert torch.equal(cov, cov1)
         assert torch.equal(row, la.grid_val_nll(data, grid))
+
+
+@given(seed=st.integers(0, 2**16), fisher=st.sampled_from(["mc", "empirical"]))
+@FIXTURE
+def test_low_rank_factors_and_answer_only_predictives_equal_each_alone(seed, fisher, device):
+    """Issue #23's features on the shared paths: ``max_rank`` in `fit_many`, ``target_ids`` shared."""
+    model = llama_lm(seed % 7, layers=2).to(device)
+    data = on(device, [lm_batch(3, 6, seed + i) for i in range(2)])
+    maps = list(linear_modules(model))
+    subsets = [modules(model, maps[-3:]), sparse_kfac(model, 40.0), modules(model, maps)]
+    options = {"fisher": fisher, "max_rank": 3}
+    posts = KronLaplace.fit_many(
+        model, subsets, data, generator=torch.Generator(device).manual_seed(seed), **options
+    )
+    ids = [7, 2, 5]
+    many = logit_mean_cov_many(posts, data[0], chunk_size=2, target_ids=ids)
+    for s, la, (f, cov) in zip(subsets, posts, many, strict=True):
+        alone = KronLaplace(model, s, **options).fit(
+            data, generator=torch.Generator(device).manual_seed(seed)
+        )
+        state, ref = la._state(), alone._state()
+        assert list(state) == list(ref)
+        assert any(":rest_" in k for k in state)  # some side is low-rank
+        for k, v in state.items():
+            assert torch.equal(v, ref[k]), k
+        f1, cov1 = alone.logit_mean_cov(data[0], chunk_size=2, target_ids=ids)
+        assert f.shape[-1] == cov.shape[-1] == len(ids)
+        assert torch.equal(f, f1)
+        assert torch.equal(cov, cov1)
+
+
+def test_fit_many_checks_the_memory_of_all_its_subsets_first():
+    """Each subset fits alone in ``max_memory``; all their factors at once do not: refused before allocating."""
+    model = wide_bert(0)
+    data = batches(0)
+    subsets = ramp(model, [33.0])
+    limit = max(memory_estimate(model, s, data[0]).total for s in subsets)
+    for s in subsets:
+        KronLaplace(model, s, max_memory=limit).fit(data)
+    with pytest.raises(ValueError, match="allowed \\(max_memory\\)"):
+        KronLaplace.fit_many(model, subsets, data, max_memory=limit)
 
 
 def test_posteriors_go_in_groups_when_memory_is_short(device, monkeypatch):

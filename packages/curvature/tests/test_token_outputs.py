@@ -556,3 +556,14 @@ def test_generic_jacobians_of_token_outputs_for_parameters_outside_linear_maps()
     f, cov = la.logit_mean_cov(batch)
     torch.testing.assert_close(f, logits)
     torch.testing.assert_close(cov, (J * sigma) @ J.mT)
+
+
+def test_a_round_of_backward_passes_takes_one_kept_position_of_every_example():
+    """Answers at different positions are backpropagated together: one round per answer of an example."""
+    from partialbayes.curvature._outputs import position_plan
+
+    keep = torch.zeros(3, 6, dtype=torch.bool)
+    keep[0, 5] = keep[1, 2] = keep[2, 4] = keep[2, 1] = True
+    plan = position_plan(keep, 3, keep.device)
+    assert [(t.tolist(), b.tolist()) for t, b in plan] == [([5, 2, 1], [0, 1, 2]), ([4], [2])]
+    assert position_plan(torch.zeros(2, 3, dtype=torch.bool), 2, keep.device) == []

@@ -3,8 +3,8 @@
 A GPT-2-shaped causal LM built in code (vocabulary 50,257, 2 layers of width 256, 4 heads, untied head,
 random weights: memory and speed do not depend on the values), LoRA r=8 on ``c_attn``, ``c_proj`` and
 ``c_fc`` (peft), 8 answer-only sequences of 64 tokens (labels -100 except one answer token per sequence).
-Fits a `SampledLaplace` on the LoRA subset and predicts, in this process, and prints the peak resident
-memory (``VmHWM`` of ``/proc/self/status``) after each step. Run it in a fresh process::
+Fits a `SampledLaplace` on the LoRA subset and predicts (``--answers``: 5 answer tokens, ``target_ids``), in
+this process, and prints the peak resident memory (``VmHWM`` of ``/proc/self/status``) after each step. Run it in a fresh process::
 
     python packages/linear-sampling/benchmarks/vocab_memory.py --n-samples 32 --max-iter 3
 
@@ -15,17 +15,15 @@ calls), so a few iterations measure it; the solver then warns that it stopped ea
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
-
-def peak_gib() -> float:
-    """Peak resident memory of this process so far, GiB."""
-    with open("/proc/self/status") as f:
-        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-    return kib / 2**20
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # tiny_models, at the repository root
+from tiny_models import answer_batches, lora_gpt2, peak_gib
 
 
 def main() -> None:
@@ -34,34 +32,16 @@ def main() -> None:
     parser.add_argument("--max-iter", type=int, default=3)
     parser.add_argument("--method", default="cg", choices=["cg", "sgd"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--answers", action="store_true", help="predict 5 answer tokens only (target_ids)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-
-    from peft import LoraConfig, get_peft_model
-    from transformers import GPT2Config, GPT2LMHeadModel
 
     from partialbayes.linear_sampling import SampledLaplace, SGDConfig
     from partialbayes.selection import lora_subset
 
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=50257, n_layer=2, n_embd=256, n_head=4, tie_word_embeddings=False
-    )
-    lora = LoraConfig(
-        r=8,
-        target_modules=["c_attn", "c_proj", "c_fc"],
-        fan_in_fan_out=True,
-        init_lora_weights=False,
-    )
-    model = get_peft_model(GPT2LMHeadModel(config), lora).eval()
-    g = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(2):  # two batches of 4 sequences
-        ids = torch.randint(0, 50257, (4, 64), generator=g)
-        labels = torch.full_like(ids, -100)
-        answer = torch.randint(40, 64, (4,), generator=g)
-        labels[torch.arange(4), answer] = ids[torch.arange(4), answer]
-        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+    model, batches = lora_gpt2(), answer_batches(2, 4, 64, span=24)
     subset = lora_subset(model)
     with torch.no_grad():
         model(input_ids=batches[0]["input_ids"])
@@ -81,14 +61,12 @@ def main() -> None:
             generator=torch.Generator().manual_seed(0),
         )
     fit_s = time.perf_counter() - start
-    print(f"fit ({post.info.steps} steps, {fit_s:.0f} s): peak {peak_gib():.2f} GiB", flush=True)
+    print(f"fit ({post.info.steps} steps): {fit_s:.1f} s, peak {peak_gib():.2f} GiB", flush=True)
     start = time.perf_counter()
-    probs = post.predict(batches[0])
+    probs = post.predict(batches[0], target_ids=[262, 290, 286, 257, 284] if args.answers else None)
     predict_s = time.perf_counter() - start
     assert bool(torch.isfinite(probs).all())
-    print(
-        f"predict {tuple(probs.shape)} ({predict_s:.0f} s): peak {peak_gib():.2f} GiB", flush=True
-    )
+    print(f"predict {tuple(probs.shape)}: {predict_s:.1f} s, peak {peak_gib():.2f} GiB", flush=True)
 
 
 if __name__ == "__main__":

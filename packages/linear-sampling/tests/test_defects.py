@@ -208,3 +208,36 @@ def test_a_causal_lm_keeps_the_position_before_each_label():
     torch.testing.assert_close(network_logits(model, batch), expected)
     subset = Subset.from_model(model, {"transformer.ln_f.bias": KronBlock()})
     assert loader_features(model, [batch], subset).n == 3
+
+
+def test_answer_only_predictives_are_the_restriction_to_the_answer_tokens():
+    """``target_ids``: the ``[P, K]`` answer logits at the positions before the labels (a causal LM), of the
+    same stored samples: exactly the full predictive's rows and columns; ``mc`` renormalised over ``K``."""
+    model = tiny_model("gpt2", "causal-lm", seed=0).double().eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 30, (3, 6), generator=g)
+    labels = torch.full_like(ids, -100)
+    labels[torch.arange(3), torch.tensor([4, 5, 3])] = 1  # the answer slot (its value is not read)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    subset = Subset.from_model(model, {"transformer.ln_f.bias": KronBlock()})
+    post = SampledLaplace(model, subset).fit([batch], n_samples=6, generator=g)
+    answers = [7, 2, 11]
+    rows = (torch.arange(3)[:, None], torch.tensor([3, 4, 2])[:, None], torch.tensor(answers)[None])
+    f, cov = post.logit_mean_cov(batch, target_ids=answers)
+    f_all, cov_all = post.logit_mean_cov(batch)
+    torch.testing.assert_close(f, f_all[rows])
+    sub = torch.tensor(answers)
+    at = cov_all[torch.arange(3), torch.tensor([3, 4, 2])]  # [3, C, C]
+    torch.testing.assert_close(cov, at[:, sub][:, :, sub])
+    draws = post.predictive_samples(
+        batch, 4, target_ids=answers, generator=torch.Generator().manual_seed(2)
+    )
+    full = post.predictive_samples(batch, 4, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(draws, full[:, rows[0], rows[1], rows[2]])
+    probs = post.predict(batch, target_ids=answers, n_samples=6)
+    torch.testing.assert_close(
+        probs, torch.softmax(post.predictive_samples(batch, 6, target_ids=answers), -1).mean(0)
+    )
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3, dtype=probs.dtype))
+    with pytest.raises(ValueError, match="target_ids: 2 is repeated"):
+        post.predict(batch, target_ids=[2, 2])

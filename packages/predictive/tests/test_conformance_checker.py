@@ -61,12 +61,15 @@ class DiagBias:
         with self.swapped(rows(self.sample(1, generator=generator), 0)) as m:
             yield m
 
-    def predictive_samples(self, batch, n, *, generator=None):
-        return sampled_logits(self, batch, n, generator=generator)
+    def predictive_samples(self, batch, n, *, generator=None, target_ids=None):
+        return sampled_logits(self, batch, n, generator=generator, target_ids=target_ids)
 
-    def predict(self, batch, *, link=None, n_samples=100, generator=None):
+    def predict(self, batch, *, link=None, n_samples=100, generator=None, target_ids=None):
         resolve_link(link, self.links, "DiagBias")
-        return average_softmax(self.predictive_samples(batch, n_samples, generator=generator))
+        draws = self.predictive_samples(
+            batch, n_samples, generator=generator, target_ids=target_ids
+        )
+        return average_softmax(draws)
 
     def save(self, path):
         with open(path, "w") as f:
@@ -125,3 +128,24 @@ def test_a_non_posterior_is_named(tmp_path):
     _model, batch = _toy()
     with pytest.raises(AssertionError, match="missing"):
         check_posterior(object(), batch, tmp_path / "p.json")
+
+
+def test_a_family_that_ignores_target_ids_fails(tmp_path):
+    class Whole(DiagBias):
+        def predict(self, batch, *, link=None, n_samples=100, generator=None, target_ids=None):
+            return super().predict(batch, link=link, n_samples=n_samples, generator=generator)
+
+    model, batch = _toy()
+    with pytest.raises(AssertionError, match=r"target_ids=\[3, 0\] must give \[P, K\]"):
+        check_posterior(Whole(model), batch, tmp_path / "p.json")
+
+
+def test_a_family_that_sorts_target_ids_fails(tmp_path):
+    class Sorted(DiagBias):
+        def predict(self, batch, *, target_ids=None, **kw):
+            ids = None if target_ids is None else sorted(target_ids)
+            return super().predict(batch, target_ids=ids, **kw)
+
+    model, batch = _toy()
+    with pytest.raises(AssertionError, match="renormalise over the ids, in their order"):
+        check_posterior(Sorted(model), batch, tmp_path / "p.json")

@@ -222,8 +222,8 @@ def cotangents(
         keep: ``[B, T]`` kept positions of token-level logits (``None`` for ``[B, C]``).
         positions: ``"joint"``: ``S`` passes, each carrying every kept position's vector (cross-position
             terms ``J_tᵀ v_t v_uᵀ J_u`` enter the outer products, except where positions do not interact);
-            ``"each"``: ``S`` passes per kept position ``t`` in `position_plan` order (every other position
-            zero), which gives the exact per-output gradients ``J_tᵀ v_t``.
+            ``"each"``: ``S`` passes per round of `position_plan` (one kept position ``t`` per example,
+            every other position zero), which gives the exact per-output gradients ``J_tᵀ v_t``.
 
     Yields:
         Cotangents ``[B, C]`` / ``[B, T, C]``.
@@ -288,6 +288,8 @@ class Run:
         generator: Random generator of ``fisher="mc"``.
         progress: Show a tqdm progress bar.
         on_batch: Observer of each batch's output rows and labels (`BatchObserver`).
+        preflight: Called once with the first batch's logits, kept positions and mask, before its backward
+            passes (the memory check of a fit).
         batches: Batches read from the loader.
         skipped: Batches skipped because they hold no labelled output (every label -100).
     """
@@ -295,6 +297,7 @@ class Run:
     generator: torch.Generator | None = None
     progress: bool = False
     on_batch: BatchObserver | None = None
+    preflight: Callable[[Tensor, Tensor | None, Tensor | None], None] | None = None
     batches: int = 0
     skipped: int = 0
 
@@ -409,7 +412,10 @@ def stream(
             run.on_batch(index, rows.detach(), labels)
         if options.fisher == "exact":
             joint = keep is None or positions == "joint"
-            check_exact_fisher(rows, 1 if joint else int(keep.any(0).sum()), index)
+            check_exact_fisher(rows, 1 if joint else int(keep.sum(1).max()), index)
+        if run.preflight is not None:
+            run.preflight(logits.detach(), keep, outputs.attention_mask)
+            run.preflight = None  # the first batch only
         vectors = output_vectors(
             rows,
             labels,
@@ -440,15 +446,16 @@ def stream(
 
 @dataclass
 class PositionGrads:
-    """The ``C`` backward passes of one output position (all positions at once for ``[B, C]`` logits).
+    """The ``K`` backward passes of one round of `position_plan` (one kept position per example).
 
     Attributes:
-        examples: ``[n]`` indices of the examples whose output at this position is kept (all ``B`` for
-            ``[B, C]`` logits).
+        examples: ``[n]`` indices of the examples with an output in this round (all ``B`` for ``[B, C]``
+            logits).
         keys: ``[n]`` row-major keys ``b·T + t`` of those outputs (``b`` for ``[B, C]`` logits); sorting by
             them puts rows in `partialbayes.predictive.flatten_outputs` order.
-        grads: Module -> one ``δ`` per class ``[B, (T',) r]`` (gathered to the selected rows, detached); the
-            gradient of logit ``(b, t, k)`` for the kept examples, zero for the others.
+        grads: Module -> one ``δ`` per logit ``k`` of ``Outputs.ids`` ``[B, (T',) r]`` (gathered to the
+            selected rows, detached); the gradient of logit ``(b, t, k)`` for the kept examples, zero for
+            the others.
     """
 
     examples: Tensor
@@ -464,7 +471,7 @@ class OutputPasses:
         logits: Detached logits as the model returns them, ``[B, C]`` or ``[B, T, C]``.
         keep: ``[B, T]`` kept positions of token-level logits, ``None`` for ``[B, C]``.
         inputs: Module -> recorded input ``x`` (gathered to the selected columns, calls merged).
-        positions: One `PositionGrads` per output position with a kept output.
+        positions: One `PositionGrads` per round of `position_plan`.
     """
 
     logits: Tensor
@@ -478,9 +485,10 @@ def _position_grads(
     keep: Tensor | None,
     calls: Mapping[str, list[Tensor]],
     rows: Mapping[str, Tensor | None],
+    ids: Tensor,
 ) -> Iterator[PositionGrads]:
-    """The ``C`` backward passes with cotangents ``e_k`` of every kept position (`cotangents`, ``"each"``)."""
-    b, n_cls = logits.shape[0], logits.shape[-1]
+    """The ``K`` backward passes with cotangents ``e_k``, ``k ∈ ids``, of every kept position (``"each"``)."""
+    b, n_cls = logits.shape[0], len(ids)
     plan = position_plan(keep, b, logits.device)
     if not plan:  # no kept output: zero gradients of the right shapes, no backward pass
         empty = torch.zeros(0, dtype=torch.long, device=logits.device)
@@ -491,10 +499,9 @@ def _position_grads(
         yield PositionGrads(examples=empty, keys=empty, grads=zeros)
         return
     n_rows = b if keep is None else int(keep.sum())
-    units = torch.eye(n_cls, dtype=logits.dtype, device=logits.device)[:, None]
-    passes = backward_passes(
-        logits, calls, cotangents(logits, units.expand(n_cls, n_rows, n_cls), keep, "each")
-    )
+    units = logits.new_zeros(n_cls, 1, logits.shape[-1]).scatter_(2, ids[:, None, None], 1.0)
+    vectors = units.expand(n_cls, n_rows, logits.shape[-1])  # e_k: no [C, C] identity
+    passes = backward_passes(logits, calls, cotangents(logits, vectors, keep, "each"))
     for t, examples in plan:
         grads: dict[str, list[Tensor]] = {m: [] for m in calls}
         for _ in range(n_cls):
@@ -513,13 +520,13 @@ def output_passes(
     cols: Mapping[str, Tensor | None],
     rows: Mapping[str, Tensor | None],
 ) -> OutputPasses:
-    """Forward pass with hooks on ``modules``, then (lazily) ``C`` backward passes per kept output position.
+    """Forward pass with hooks on ``modules``, then (lazily) ``K`` backward passes per kept output position.
 
     Gradients are taken w.r.t. the hooked outputs only (no parameter ``.grad``); the model's mode is left
     as it is.
 
-    ``outputs`` tells which positions count; ``modules`` / ``cols`` as for `hooked_forward`; ``rows``
-    gather the output gradients (``None``: all).
+    ``outputs`` tells which positions and logits count (``K = C``, or ``len(outputs.target_ids)``);
+    ``modules`` / ``cols`` as for `hooked_forward`; ``rows`` gather the output gradients (``None``: all).
 
     Raises:
         ValueError: A hooked module not called by the forward pass; logits of an unsupported shape or
@@ -531,7 +538,9 @@ def output_passes(
         logits=logits.detach(),
         keep=keep,
         inputs={n: merge_calls(n, xs) for n, xs in calls_in.items()},
-        positions=_position_grads(logits, keep, calls_out, rows),
+        positions=_position_grads(
+            logits, keep, calls_out, rows, outputs.ids(logits.shape[-1], logits.device)
+        ),
     )
 
 

@@ -226,8 +226,8 @@ def param_jacobians(
 ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
     """Per-output logit Jacobians w.r.t. the subset's entries, by reverse mode over all logits.
 
-    Generic (any parameter, any mask) but costs one batched backward pass over ``B·C`` cotangents per
-    output position (falling back to ``B·C`` plain backward passes when batching fails). Examples must not
+    Generic (any parameter, any mask) but costs one batched backward pass over ``B·K`` cotangents per
+    output position (``K = C``, or the ``target_ids`` of ``outputs``) (falling back to ``B·C`` plain backward passes when batching fails). Examples must not
     interact (eval mode, no batch statistics).
 
     Returns:
@@ -240,8 +240,13 @@ def param_jacobians(
     with torch.enable_grad():
         f = model_logits(model, inputs)
         keep = outputs.keep(f)
-        b, c = f.shape[0], f.shape[-1]
-        eye = torch.eye(b * c, dtype=f.dtype, device=f.device).reshape(b * c, b, c)
+        ids = outputs.ids(f.shape[-1], f.device)
+        b, c = f.shape[0], len(ids)
+        eye = f.new_zeros(
+            b * c, b, f.shape[-1]
+        )  # row (i, k): e_{ids[k]} at example i (no [BC, BC])
+        rows = torch.arange(b * c, device=f.device)
+        eye[rows, rows // c, ids.repeat(b)] = 1.0
         plan = position_plan(keep, b, f.device)
         parts: dict[str, list[Tensor]] = {n: [] for n in subset.names}
         keys: list[Tensor] = []
@@ -250,7 +255,7 @@ def param_jacobians(
                 cot = eye
             else:
                 cot = torch.zeros((b * c, *f.shape), dtype=f.dtype, device=f.device)
-                cot[:, :, t] = eye
+                cot[:, examples, t] = eye[:, examples]
             grads = _batched_grads(f, targets, cot)
             for name, p, g in zip(subset.names, targets, grads, strict=True):
                 if g is None:

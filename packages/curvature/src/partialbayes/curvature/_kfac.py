@@ -20,8 +20,9 @@ from torch import Tensor, nn
 
 from partialbayes.curvature._distributed import all_reduce, fail_together
 from partialbayes.curvature._hooks import BatchObserver, Run, check_untied, stream
-from partialbayes.curvature._kfac_math import input_factor, row_count, shared_rows
+from partialbayes.curvature._kfac_math import row_count, shared_rows
 from partialbayes.curvature._likelihood import CurvatureOptions, check_list, model_device
+from partialbayes.curvature._lowrank import LowRankFactor, NystromSketch
 from partialbayes.curvature._outputs import resolve_shift_labels
 from partialbayes.predictive import check_generator
 from partialbayes.selection import KronModule, Subset
@@ -45,13 +46,14 @@ class ModuleFactors:
             ``G ⊗ A_bias`` and ``A`` covers the weight inputs only), else ``None``.
         sharing: The weight sharing the factors were computed with, ``"reduce"`` or ``"expand"``.
 
-    The block covers ``vec(W[R][:, C] | b[R])`` row-major; for HF ``Conv1D`` the logical (n_out x n_in)
+    ``G`` / ``A`` are low-rank (rank-``r`` eigenpairs plus an isotropic remainder) only inside
+    ``KronLaplace(max_rank=...)``, for a side larger than ``max_rank``; `kfac` returns matrices. The block covers ``vec(W[R][:, C] | b[R])`` row-major; for HF ``Conv1D`` the logical (n_out x n_in)
     orientation.
     """
 
     module: str
-    G: Tensor
-    A: Tensor
+    G: Tensor | LowRankFactor
+    A: Tensor | LowRankFactor
     rows: Tensor | None
     cols: Tensor | None
     bias: bool
@@ -72,41 +74,43 @@ class ModuleFactors:
 
 
 class FactorAccumulator:
-    """Running sums for one module: ``Σ δδᵀ``, ``Σ xxᵀ``, ``Σ x`` and the number of rows of ``x``.
+    """Running sums for one module: ``Σ δδᵀ``, ``Σ x̃x̃ᵀ`` and the number of rows of ``x``.
 
-    The bias column of ``A`` is assembled at the end from ``Σ x`` and the count, so ``x`` is never
-    concatenated with ones. Buffers are created by the first batch (no zero-fill pass).
+    Each side is a `NystromSketch`: summed whole, or sketched when larger than ``max_rank`` (never
+    ``n × n``), allocated by the first batch. With ``bias`` the input rows are ``x̃ = (x, w)``, ``w`` their
+    weights (1, or the token mask under ``expand``), so that ``Σ x̃x̃ᵀ / count`` is `input_factor`'s ``A``.
     """
 
-    def __init__(self, r: int, c: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.gg: Tensor | None = None
-        self.xx: Tensor | None = None
-        self.xs = torch.zeros(c, dtype=dtype, device=device)
+    def __init__(
+        self,
+        r: int,
+        c: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_rank: int | None = None,
+        bias: bool = False,
+    ) -> None:
+        self.sides = [
+            NystromSketch(
+                n, max_rank, dtype=dtype, device=device, generator=torch.Generator().manual_seed(0)
+            )
+            for n in (r, c + bias)
+        ]
         self.count = torch.zeros((), dtype=dtype, device=device)
-        self.r, self.c, self.dtype = r, c, dtype
+        self.bias = bias  # add() then needs ``w``
 
-    def add(self, x: Tensor, count: Tensor | float, d: Tensor) -> None:
-        """Add input rows ``x [m, c]`` counting ``count`` (zero rows allowed) and gradient rows ``δ [m', r]``."""
-        x, d = x.to(self.dtype), d.to(self.dtype)
-        if self.gg is None or self.xx is None:
-            self.gg, self.xx = d.T @ d, x.T @ x
-        else:
-            self.gg.addmm_(d.T, d)
-            self.xx.addmm_(x.T, x)
-        self.xs += x.sum(0)
+    def add(self, x: Tensor, count: Tensor | float, d: Tensor, w: Tensor | None = None) -> None:
+        """Add input rows ``x [m, c]`` (weights ``w [m, 1]``) counting ``count``, gradient rows ``δ [m', r]``."""
+        self.sides[0].add(d)
+        self.sides[1].add(x if w is None else torch.cat([x, w.to(x)], dim=1))
         self.count += count
 
-    def factors(self, bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-        """``(G, A, count)`` summed over ranks: ``G`` summed, ``A = Σ x̃x̃ᵀ / count`` (`input_factor`).
-
-        Args:
-            bias: Fold the bias in as the constant last input of ``A``.
-        """
-        gg = self.xs.new_zeros(self.r, self.r) if self.gg is None else self.gg
-        xx = self.xs.new_zeros(self.c, self.c) if self.xx is None else self.xx
-        for t in (gg, xx, self.xs, self.count):
+    def factors(self) -> tuple[Tensor | LowRankFactor, Tensor | LowRankFactor, Tensor]:
+        """``(G, A, count)`` summed over ranks: ``G`` summed, ``A`` averaged (a sketched side: low-rank)."""
+        for t in [*self.sides[0].sums(), *self.sides[1].sums(), self.count]:
             all_reduce(t)
-        return gg, input_factor(xx, self.xs, self.count, bias=bias), self.count
+        g, a = self.sides
+        return g.factor(), a.factor(1 / float(self.count.clamp_min(1))), self.count
 
 
 @dataclass(frozen=True)
@@ -315,7 +319,14 @@ def kron_factors(
     device = model_device(model)
     accs = [
         {
-            m: FactorAccumulator(k.n_rows, k.n_cols, options.dtype, device)
+            m: FactorAccumulator(
+                k.n_rows,
+                k.n_cols,
+                options.dtype,
+                device,
+                options.max_rank,
+                bias=k.bias_name is not None and options.bias == "fold",
+            )
             for m, k in t.kmods.items()
         }
         for t in targets
@@ -363,7 +374,9 @@ def kron_factors(
                         x = x.index_select(-1, c)
                     xr = shared_rows(x, tm, sharing, mean=True)
                     dd = rows[m][0] if len(rows[m]) == 1 else torch.cat(rows[m])
-                    acc[m].add(xr, row_count(x, tm, sharing), dd)
+                    ones = torch.ones_like(x[..., :1])  # the folded bias's input column
+                    w = shared_rows(ones, tm, sharing, mean=True) if acc[m].bias else None
+                    acc[m].add(xr, row_count(x, tm, sharing), dd, w)
                     checks.append((m, xr.sum() + dd.sum()))
             # finite rows give finite factors (overflow is caught on the totals below)
             if not bool(torch.isfinite(torch.stack([v for _, v in checks]).sum())):
@@ -375,10 +388,15 @@ def kron_factors(
         factors = {}
         for m, k in t.kmods.items():
             separate = k.bias_name is not None and options.bias == "separate"
-            G, A, count = acc[m].factors(bias=k.bias_name is not None and not separate)
+            G, A, count = acc[m].factors()
             # the separate bias's input factor: the average of the constant input 1, [1] once a row counted
             A_bias = (count / count.clamp_min(1)).reshape(1, 1) if separate else None
-            if not bool(torch.isfinite(G).all() and torch.isfinite(A).all()):
+            parts = [
+                p
+                for f in (G, A)
+                for p in ((f.U, f.s, f.rest) if isinstance(f, LowRankFactor) else (f,))
+            ]
+            if not all(bool(torch.isfinite(p).all()) for p in parts):
                 raise ValueError(
                     f"non-finite curvature in module {m!r} (overflow in the accumulated factors)"
                 )

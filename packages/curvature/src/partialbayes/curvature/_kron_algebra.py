@@ -11,12 +11,13 @@ precision is diagonal with eigenvalues ``E = λ_G λ_Aᵀ / T + δ`` (an ``[r, c
 exactly and every operation costs ``O(r³ + c³)`` at most:
 
 * ``(Q_G ⊗ Q_A) vec(X) = vec(Q_G X Q_Aᵀ)`` (row-major vec),
-* ``log det P = Σ_ij log E_ij`` (`kron_log_det`),
-* a sample ``θ = vec(Q_G (ε / √E) Q_Aᵀ)`` with ``ε ~ N(0, I)`` has covariance ``Σ = P⁻¹`` (`kron_sample`),
+* ``log det P = Σ_ij log E_ij``,
+* a sample ``θ = vec(Q_G (ε / √E) Q_Aᵀ)`` with ``ε ~ N(0, I)`` has covariance ``Σ = P⁻¹``,
 * for Jacobian rows ``J_k`` (``[r, c]`` each), ``(J Σ Jᵀ)_kl = Σ_ij M_k,ij M_l,ij / E_ij`` with
   ``M_k = Q_Gᵀ J_k Q_A`` (streamed from hooked activations in ``_laplace_projected``).
 
-The dense ``P⁻¹`` is never formed here; the tests build it as their reference.
+The dense ``P⁻¹`` is never formed here; the tests build it as their reference. `_lowrank` states the
+log-determinant and the samples, for whole and low-rank factors alike (a whole factor has no remainder).
 """
 
 from __future__ import annotations
@@ -90,23 +91,3 @@ def precision_eigenvalues(
         ``E`` of shape ``[r, c]``, ``E_ij = s λ_G,i λ_A,j / T + δ``.
     """
     return torch.outer(eig_g, eig_a) * (curvature_scale / temperature) + prior_precision
-
-
-def kron_log_det(eigenvalues: Tensor) -> Tensor:
-    """Log-determinant of the block precision from its eigenvalues ``E`` (any shape): ``Σ log E``."""
-    return eigenvalues.log().sum()
-
-
-def kron_sample(q_g: Tensor, q_a: Tensor, eigenvalues: Tensor, noise: Tensor) -> Tensor:
-    """Zero-mean posterior samples ``Q_G (ε / √E) Q_Aᵀ`` with covariance ``P⁻¹``.
-
-    Args:
-        q_g: ``[r, r]`` eigenvectors of ``G``.
-        q_a: ``[c, c]`` eigenvectors of ``A``.
-        eigenvalues: ``E`` of shape ``[r, c]`` (all positive).
-        noise: Standard normal ``ε``, shape ``[n, r, c]``.
-
-    Returns:
-        Samples, shape ``[n, r, c]`` (row-major vec of each is one sample of the block).
-    """
-    return q_g @ (noise * eigenvalues.rsqrt()) @ q_a.T

@@ -32,6 +32,7 @@ from partialbayes.curvature._likelihood import (
     check_logits,
 )
 from partialbayes.curvature._marglik import MarglikFit, maximize_evidence
+from partialbayes.curvature._memory import MemoryEstimate
 from partialbayes.curvature._outputs import Outputs, read_batch, resolve_shift_labels, split_chunks
 from partialbayes.curvature._prior import (
     PriorSpec,
@@ -43,12 +44,14 @@ from partialbayes.predictive import (
     PosteriorFile,
     check_count,
     check_generator,
+    check_target_ids,
     eval_mode,
     gaussian_nll,
     gaussian_predictive,
     laplace_bridge,
     mc_predictive,
     nll,
+    output_logits,
     probit,
     read_posterior_file,
     resolve_link,
@@ -176,6 +179,9 @@ class LaplaceBase:
         shift_labels: Causal-LM outputs: the output at ``t`` is scored against ``labels[t + 1]``, as
             Hugging Face shifts inside the model. ``None`` (default): whether the model's class name ends
             with ``ForCausalLM`` or ``LMHeadModel``. Stored by `save`.
+        max_memory: Bytes a fit (checked at its first batch) or a predictive (after its forward pass) may
+            allocate, else a ``ValueError`` with the estimate and what to change, before anything large is
+            allocated; ``None``: ``partialbayes.predictive.available_memory``. Not saved.
 
     Raises:
         TypeError: A model that is not an ``nn.Module``, a subset that is not a ``Subset``, a dtype other
@@ -212,6 +218,7 @@ class LaplaceBase:
         num_classes: int | None = None,
         dtype: torch.dtype = torch.float64,
         shift_labels: bool | None = None,
+        max_memory: int | None = None,
     ) -> None:
         if not isinstance(subset, Subset):
             raise TypeError(
@@ -232,6 +239,7 @@ class LaplaceBase:
         )
         check_positive("temperature", temperature)
         self.temperature = float(temperature)
+        self.max_memory = None if max_memory is None else check_count("max_memory", max_memory)
         self.device = next(iter(params.values())).device
         groups = self._groups()
         self.modules = tuple(dict.fromkeys(groups.values()))
@@ -327,6 +335,12 @@ class LaplaceBase:
         """
         raise NotImplementedError
 
+    def _estimate(
+        self, logits: Tensor, keep: Tensor | None, mask: Tensor | None, k_out: int
+    ) -> MemoryEstimate:
+        """Structure: the memory of a fit, and of a predictive of ``k_out`` logits, for a batch's logits."""
+        raise NotImplementedError
+
     @classmethod
     def _covariances_of(
         cls,
@@ -370,7 +384,9 @@ class LaplaceBase:
         check_positive("sigma_noise", sigma)
         return self._sigma_fit**2 / sigma**2
 
-    def _read(self, batch: Any, labels: bool = True) -> tuple[Tensor | dict[str, Any], Outputs]:
+    def _read(
+        self, batch: Any, labels: bool = True, target_ids: Tensor | None = None
+    ) -> tuple[Tensor | dict[str, Any], Outputs]:
         """The one place a batch is read: model inputs on the posterior's device and its `Outputs`."""
         return read_batch(
             batch,
@@ -378,6 +394,7 @@ class LaplaceBase:
             likelihood=self.likelihood,
             shift=self.shift_labels,
             labels=labels,
+            target_ids=target_ids,
         )
 
     def fit(
@@ -410,11 +427,15 @@ class LaplaceBase:
             TypeError: If ``generator`` is not a ``torch.Generator``, or a batch is of an unknown kind.
             ValueError: On an empty loader or batch, a batch without labels, labels of the wrong dtype /
                 shape or out of range (naming the batch), non-finite curvature (naming the module), a
-                loader without any labelled output.
+                loader without any labelled output, a fit whose memory estimate exceeds ``max_memory`` or
+                the available memory (before the factors are allocated).
             RuntimeError: Under ``torch.distributed``, when another rank failed on its shard.
         """
         loss = MapLoss(self.likelihood)
         run = Run(check_generator(generator), progress, loss)
+        run.preflight = lambda f, keep, mask: self._estimate(f, keep, mask, 0).check(
+            self.max_memory
+        )
         curvature = self._compute_curvature(loader, run)
         total, n, n_out = loss.result(self.device)
         run.finish(self.model)
@@ -759,7 +780,13 @@ class LaplaceBase:
             yield model
 
     # ------------------------------------------------------------------ the linearised predictive
-    def logit_mean_cov(self, batch: Any, chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
+    def logit_mean_cov(
+        self,
+        batch: Any,
+        chunk_size: int | None = None,
+        *,
+        target_ids: Sequence[int] | Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """Linearised predictive: ``f_MAP`` and the functional covariance ``J Σ Jᵀ`` per labelled output.
 
         Args:
@@ -768,20 +795,24 @@ class LaplaceBase:
                 0) mark the outputs to skip: the cheap way to get the covariance of a few positions only.
             chunk_size: Process at most this many examples at a time (bounds the memory of the recorded
                 activations and output gradients); ``None`` = the whole batch at once.
+            target_ids: Answer-only: the ``K`` logits to return (a multiple-choice answer's tokens), at
+                the answer positions (``partialbayes.predictive.answer_positions``: the labelled ones,
+                shifted for a causal LM; without labels the last real token of each sequence). It costs
+                ``K`` backward passes per position, not ``C``, and no ``[C, C]`` object is formed.
 
         Returns:
             ``(f [N, C], Σ_f [N, C, C])`` in the dtype of the logits, one row per output not skipped, in
-            row-major ``(b, t)`` order for token-level logits (as ``predictive.flatten_outputs``). Each
-            costs ``C`` backward passes and a ``[C, C]`` covariance: with a large vocabulary, keep only the
-            positions you need (labels -100 elsewhere).
+            row-major ``(b, t)`` order for token-level logits (as ``predictive.flatten_outputs``);
+            ``(f [P, K], Σ_f [P, K, K])`` with ``target_ids``. Each row costs ``C`` backward passes and a
+            ``[C, C]`` covariance: at a large vocabulary pass ``target_ids``.
 
         Raises:
             TypeError: A batch of an unknown kind (the message names its type and the accepted ones).
             ValueError: Token-level logits with neither an attention mask nor labels; logits that are not
-                finite; an empty batch, or one whose every label is -100.
+                finite; an empty batch, or one whose every label is -100; ``target_ids`` out of range,
+                repeated, or with regression; a predictive above ``max_memory`` (or the free memory).
         """
-        logits, keep, (cov,) = _linearised([self], batch, chunk_size)
-        f = logits if keep is None else logits[keep]
+        _, _, f, (cov,) = _linearised([self], batch, chunk_size, target_ids=target_ids)
         return f, cov.to(f.dtype)
 
     def predict(
@@ -791,6 +822,7 @@ class LaplaceBase:
         link: str | None = None,
         n_samples: int = 100,
         generator: torch.Generator | None = None,
+        target_ids: Sequence[int] | Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The linearised predictive of a batch, at the model's output shape.
 
@@ -811,24 +843,28 @@ class LaplaceBase:
             n_samples: Draws for ``link="mc"``.
             generator: Source of randomness for ``link="mc"`` (on the model's device); same seed, same
                 result.
+            target_ids: Answer-only (classification): the predictive of the ``K`` answer tokens at the
+                answer positions (see `logit_mean_cov`; the labels mark them), a distribution renormalised
+                over the ``K`` tokens: the link applied to their Gaussian ``N(f [P, K], Σ_f [P, K, K])``.
 
         Returns:
-            Classification: probabilities with the logits' shape and dtype, ``[B, C]`` or ``[B, T, C]``.
-            Regression: ``(mean, variance)`` of a new target, each ``[B, C]`` (or ``[B, T, C]``); the
-            variance is ``diag Σ_f + σ²``, the observation noise included. Padding positions (attention
-            mask 0) hold the MAP prediction: ``softmax(f_MAP)``, or ``(f_MAP, σ²)``; never NaN.
+            Classification: probabilities with the logits' shape and dtype, ``[B, C]`` or ``[B, T, C]``;
+            ``[P, K]`` with ``target_ids``. Regression: ``(mean, variance)`` of a new target, each ``[B, C]``
+            (or ``[B, T, C]``); the variance is ``diag Σ_f + σ²``, the observation noise included. Padding
+            positions (attention mask 0) hold the MAP prediction: ``softmax(f_MAP)``, or ``(f_MAP, σ²)``;
+            never NaN.
 
         Raises:
             ValueError: A link the posterior does not offer (the message lists `links`), a bad
-                ``n_samples``, token-level logits without an attention mask, logits that are not finite.
+                ``n_samples``, token-level logits without an attention mask, logits that are not finite,
+                bad ``target_ids`` (see `logit_mean_cov`), a predictive above ``max_memory``.
             TypeError: A batch of an unknown kind, a ``generator`` that is not a ``torch.Generator``.
         """
         link = resolve_link(link, self.links, type(self).__name__)
         n_samples = check_count("n_samples", n_samples)
         check_generator(generator)
-        logits, keep, (cov,) = _linearised([self], batch, labels=False)
-        full = logits.to(cov.dtype)
-        f = full if keep is None else full[keep]
+        logits, keep, f, (cov,) = _linearised([self], batch, labels=False, target_ids=target_ids)
+        full, f = logits.to(cov.dtype), f.to(cov.dtype)
         if self.likelihood == "regression":
             noise = self.sigma_noise**2
             mean, var = gaussian_predictive(f, cov.diagonal(dim1=-2, dim2=-1), noise)
@@ -840,10 +876,17 @@ class LaplaceBase:
             probs = laplace_bridge(f, cov)
         else:
             probs = mc_predictive(f, cov, n_samples, generator=generator)
+        if target_ids is not None:
+            return probs.to(logits.dtype)
         return _place(torch.softmax(full, dim=-1), keep, probs).to(logits.dtype)
 
     def predictive_samples(
-        self, batch: Any, n: int, *, generator: torch.Generator | None = None
+        self,
+        batch: Any,
+        n: int,
+        *,
+        generator: torch.Generator | None = None,
+        target_ids: Sequence[int] | Tensor | None = None,
     ) -> Tensor:
         """``n`` draws of the linearised logits ``f ~ N(f_MAP, Σ_f)`` for a batch.
 
@@ -852,19 +895,24 @@ class LaplaceBase:
         ignored (every real position is drawn, as in `predict`); padding holds ``f_MAP``.
 
         Args:
-            batch: Any accepted batch (labels are ignored).
+            batch: Any accepted batch (labels are ignored, except that they mark the answers of
+                ``target_ids``).
             n: Number of draws.
             generator: Source of randomness (on the model's device).
+            target_ids: Answer-only: draws of the ``K`` answer logits at the answer positions (see
+                `logit_mean_cov`).
 
         Returns:
-            ``[n, B, C]`` (or ``[n, B, T, C]``) in the logits' dtype.
+            ``[n, B, C]`` (or ``[n, B, T, C]``; ``[n, P, K]`` with ``target_ids``) in the logits' dtype.
         """
         n = check_count("n", n)
         check_generator(generator)
-        logits, keep, (cov,) = _linearised([self], batch, labels=False)
-        full = logits.to(cov.dtype)
-        draws = sample_logits(full if keep is None else full[keep], cov, n, generator=generator)
-        return _place(full.expand(n, *logits.shape), keep, draws).to(logits.dtype)
+        logits, keep, f, (cov,) = _linearised([self], batch, labels=False, target_ids=target_ids)
+        draws = sample_logits(f.to(cov.dtype), cov, n, generator=generator)
+        if target_ids is not None:
+            return draws.to(logits.dtype)
+        full = logits.to(cov.dtype).expand(n, *logits.shape)
+        return _place(full, keep, draws).to(logits.dtype)
 
     # ------------------------------------------------------------------ size, summary, files
     @property
@@ -906,11 +954,7 @@ class LaplaceBase:
         tensors = {f"curv:{k}": v for k, v in self._state().items()}
         tensors.update({f"map:{n}": v for n, v in self._map.items()})
         tensors["prior_precision"] = self.prior_precision
-        skip = (
-            "dtype",
-            "sharing",
-            "bias",
-        )  # dtype is a field of its own; the rest are the structure's
+        skip = ("dtype", "sharing", "bias", "max_rank")  # dtype: a field; the rest: the structure's
         options = {k: v for k, v in vars(self._options).items() if k not in skip}
         options.update(temperature=self.temperature, **{k: getattr(self, k) for k in self._SAVED})
         meta = {
@@ -1003,15 +1047,23 @@ def _linearised(
     batch: Any,
     chunk_size: int | None = None,
     labels: bool = True,
-) -> tuple[Tensor, Tensor | None, list[Tensor]]:
-    """``(logits [B, C] | [B, T, C], keep [B, T] | None, [Σ_f [N, C, C] per posterior])`` at their priors."""
+    target_ids: Sequence[int] | Tensor | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor, list[Tensor]]:
+    """``(logits [B, (T,) C], keep [B, T] | None, f [N, K], [Σ_f [N, K, K] per posterior])`` at the priors.
+
+    ``f``: the kept output rows, all ``C`` logits or the ``K`` of ``target_ids`` (answer-only: the rows
+    are the answer positions, the labels only mark them).
+    """
     first = posteriors[0]
     first._require_fit()
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    inputs, outputs = first._read(batch, labels)
+    if chunk_size is not None:
+        check_count("chunk_size", chunk_size)
+    ids = None
+    if target_ids is not None:
+        if first.likelihood == "regression":
+            raise ValueError("target_ids selects answer tokens of a classifier; not for regression")
+        ids = check_target_ids(target_ids, first.n_outputs).to(first.device)
+    inputs, outputs = first._read(batch, labels or ids is not None, ids)
     if outputs.unlabelled:
         raise ValueError(
             "every output of the batch is labelled -100: there is no labelled output to return "
@@ -1020,7 +1072,7 @@ def _linearised(
     logits, keeps = [], []
     covs: list[list[Tensor]] = [[] for _ in posteriors]
     for part, part_outputs in split_chunks(inputs, outputs, chunk_size):
-        with eval_mode(first.model):
+        with eval_mode(first.model), _sized(posteriors, part_outputs):
             f, keep, part_covs = type(first)._covariances_of(
                 posteriors, part, part_outputs, [[p._prior] for p in posteriors]
             )
@@ -1036,26 +1088,56 @@ def _linearised(
             "the model's logits for this batch are not finite (NaN or inf in the inputs?): "
             "no predictive is computed from them"
         )
-    return logits_all, keep_all, [torch.cat(c) for c in covs]
+    f_rows = rows if ids is None else rows.index_select(-1, ids)
+    return logits_all, keep_all, f_rows, [torch.cat(c) for c in covs]
+
+
+@contextmanager
+def _sized(posteriors: Sequence[LaplaceBase], outputs: Outputs) -> Iterator[None]:
+    """Refuse, right after the model's forward pass, a predictive that the memory cannot hold.
+
+    Each posterior's own predictive is checked (the passes shared by several fall back to one posterior
+    at a time when the free memory is short: `_laplace_projected.fits_memory`).
+    """
+
+    def check(module: nn.Module, args: Any, output: Any) -> None:
+        logits = output_logits(output)
+        k = logits.shape[-1] if outputs.target_ids is None else len(outputs.target_ids)
+        for p in posteriors:
+            est = p._estimate(logits, outputs.keep(logits), outputs.attention_mask, k)
+            replace(est, factors=0, eigen=0, fit_batch=0).check(p.max_memory)
+
+    handle = posteriors[0].model.register_forward_hook(check)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def logit_mean_cov_many(
-    posteriors: Sequence[LaplaceBase], batch: Any, chunk_size: int | None = None
+    posteriors: Sequence[LaplaceBase],
+    batch: Any,
+    chunk_size: int | None = None,
+    *,
+    target_ids: Sequence[int] | Tensor | None = None,
 ) -> list[tuple[Tensor, Tensor]]:
     """`LaplaceBase.logit_mean_cov` of several posteriors of one model, sharing the network's passes.
 
     Kronecker posteriors (e.g. from `KronLaplace.fit_many`) share ONE forward pass and one backward pass
-    per class (per kept position), each result equal to its ``logit_mean_cov(batch, chunk_size)`` bit for
-    bit; other structures run their own passes. Memory: the backward passes of the union of the blocks,
-    plus one posterior's block at a time (each runs alone when the union would not fit the free memory).
+    per logit (class, or answer token of ``target_ids``) and kept position, each result equal to its
+    ``logit_mean_cov(batch, chunk_size, target_ids=target_ids)`` bit for bit; other structures run their
+    own passes. Memory: the backward passes of the union of the blocks, plus one posterior's block at a
+    time (each runs alone when the union would not fit the free memory); each posterior's own predictive
+    is checked against its ``max_memory`` first.
 
     Args:
         posteriors: Fitted posteriors of one model (same likelihood and ``shift_labels``).
         batch: Any batch ``logit_mean_cov`` takes.
         chunk_size: At most this many examples at a time (``None``: the whole batch).
+        target_ids: Answer-only: the ``K`` logits of these tokens (as ``logit_mean_cov``).
 
     Returns:
-        One ``(f [N, C], Σ_f [N, C, C])`` per posterior, in order.
+        One ``(f [N, K], Σ_f [N, K, K])`` per posterior, in order (``K = C`` without ``target_ids``).
 
     Raises:
         TypeError: Not a list of Laplace posteriors, and as ``logit_mean_cov``.
@@ -1063,8 +1145,7 @@ def logit_mean_cov_many(
         RuntimeError: An unfitted posterior.
     """
     posteriors = _check_posteriors(posteriors)
-    logits, keep, covs = _linearised(posteriors, batch, chunk_size)
-    f = logits if keep is None else logits[keep]
+    _, _, f, covs = _linearised(posteriors, batch, chunk_size, target_ids=target_ids)
     return [(f, cov.to(f.dtype)) for cov in covs]
 
 
@@ -1106,7 +1187,7 @@ def _grid_val_nll(
             if outputs.unlabelled:
                 skipped += 1
                 continue
-            with eval_mode(first.model):
+            with eval_mode(first.model), _sized(posteriors, outputs):
                 logits, keep, covs = type(first)._covariances_of(
                     posteriors, inputs, outputs, priors
                 )

@@ -13,6 +13,7 @@ from partialbayes.curvature._hooks import Run
 from partialbayes.curvature._jacobians import subset_jacobians
 from partialbayes.curvature._kron_algebra import clamped_eigh
 from partialbayes.curvature._laplace import LaplaceBase
+from partialbayes.curvature._memory import MemoryEstimate, entries_estimate
 from partialbayes.curvature._outputs import Outputs
 from partialbayes.predictive import PosteriorFile
 from partialbayes.selection import Subset
@@ -143,6 +144,12 @@ class DenseLaplace(LaplaceBase):
                     v = torch.linalg.solve_triangular(chol, jac.mT, upper=False)
                     covs.append(v.mT @ v)
         return logits.detach(), keep, covs
+
+    def _estimate(
+        self, logits: Tensor, keep: Tensor | None, mask: Tensor | None, k_out: int
+    ) -> MemoryEstimate:
+        n = self.subset.num_entries()
+        return entries_estimate(n, True, logits, keep, mask, self._options, k_out)
 
     def _state(self) -> dict[str, Tensor]:
         return {"eigvals": self._eig[0], "eigvecs": self._eig[1]}

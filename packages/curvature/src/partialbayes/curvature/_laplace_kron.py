@@ -7,6 +7,7 @@ eigenvalues (`_kron_algebra`), and the streamed predictive (`_laplace_projected.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, ClassVar
@@ -16,15 +17,18 @@ from torch import Tensor, nn
 
 from partialbayes.curvature._hooks import Run
 from partialbayes.curvature._kfac import kron_factors, kron_targets
-from partialbayes.curvature._kron_algebra import (
-    clamped_eigh,
-    kron_log_det,
-    kron_sample,
-    precision_eigenvalues,
-)
+from partialbayes.curvature._kron_algebra import precision_eigenvalues
 from partialbayes.curvature._laplace import LaplaceBase, MapLoss
 from partialbayes.curvature._laplace_projected import KronBlocks, kron_predictive
 from partialbayes.curvature._likelihood import CurvatureOptions, check_list
+from partialbayes.curvature._lowrank import (
+    LowRankFactor,
+    lowrank_log_det,
+    scale_in_basis,
+    truncated,
+    whole_factor,
+)
+from partialbayes.curvature._memory import MemoryEstimate, kron_estimate
 from partialbayes.curvature._outputs import Outputs
 from partialbayes.predictive import PosteriorFile, check_generator
 from partialbayes.selection import Subset
@@ -58,7 +62,11 @@ class KronLaplace(LaplaceBase):
             enters through ``‖J‖_F²``, which needs no basis). Every such term is off by a factor of at most
             ``1 + ε`` (variances are overestimated, never underestimated, by at most that relative amount),
             up to rounding (products in the posterior's dtype, the final ``‖J‖²/δ − correction`` in
-            float64). Stored by `save`.
+            float64). Stored by `save`. Modules with a low-rank factor are computed exactly.
+        max_rank: Keep a factor side larger than this (the 50,257² ``G`` of an LM head) as its ``max_rank``
+            leading eigenpairs plus an isotropic remainder: a streamed Nyström sketch in `fit`, never
+            ``n × n`` (``_lowrank``). ``None`` (default): every factor whole; one not below any factor's
+            size warns. Stored by `save`.
         **kwargs: See `LaplaceBase` (likelihood, prior_precision, temperature, sigma_noise, fisher, ...).
 
     Raises:
@@ -66,7 +74,7 @@ class KronLaplace(LaplaceBase):
             `DenseLaplace`).
     """
 
-    _SAVED: ClassVar[tuple[str, ...]] = ("sharing", "bias", "predictive_rtol")
+    _SAVED: ClassVar[tuple[str, ...]] = ("sharing", "bias", "predictive_rtol", "max_rank")
 
     def __init__(
         self,
@@ -76,6 +84,7 @@ class KronLaplace(LaplaceBase):
         sharing: str | None = None,
         bias: str = "fold",
         predictive_rtol: float = 0.0,
+        max_rank: int | None = None,
         **kwargs: Any,
     ) -> None:
         if (
@@ -85,9 +94,18 @@ class KronLaplace(LaplaceBase):
         ):
             raise ValueError(f"predictive_rtol must be a number in [0, 1), got {predictive_rtol!r}")
         self.predictive_rtol = float(predictive_rtol)
-        self._eig: dict[str, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+        self._eig: dict[str, tuple[LowRankFactor, LowRankFactor]] = {}  # (G, A) per module
         super().__init__(model, subset, **kwargs)
-        self._options: CurvatureOptions = replace(self._options, sharing=sharing, bias=bias)
+        self._options: CurvatureOptions = replace(
+            self._options, sharing=sharing, bias=bias, max_rank=max_rank
+        )
+        sizes = {f"{s} of {m!r} ({n})": n for m in self.modules for s, n in self._sides(m).items()}
+        if max_rank is not None and max(sizes.values()) <= max_rank:
+            largest = max(sizes, key=sizes.__getitem__)
+            msg = (
+                f"max_rank={max_rank} is not below the size of any factor (the largest: {largest})"
+            )
+            warnings.warn(msg + ": every factor is kept whole", UserWarning, stacklevel=2)
 
     @property
     def sharing(self) -> str | None:
@@ -98,6 +116,11 @@ class KronLaplace(LaplaceBase):
     def bias(self) -> str:
         """``"fold"`` or ``"separate"``: how the bias enters its block."""
         return self._options.bias
+
+    @property
+    def max_rank(self) -> int | None:
+        """Factor sides larger than this are kept low-rank (``None``: all whole)."""
+        return self._options.max_rank
 
     # ------------------------------------------------------------------ the blocks
     def _groups(self) -> dict[str, str]:
@@ -121,6 +144,15 @@ class KronLaplace(LaplaceBase):
     def _separate(self, module: str) -> bool:
         """Whether the module's bias is in its block and kept separate (``bias="separate"``)."""
         return self._options.bias == "separate" and self._kmods[module].bias_name is not None
+
+    def _sides(self, module: str) -> dict[str, int]:
+        """``{"G": r, "A": n_A}``: the factor sizes (``n_A = c_w`` with a separate bias, else ``c``)."""
+        r, cw, c = self._dims(module)
+        return {"G": r, "A": cw if self._separate(module) else c}
+
+    def _rank(self, n: int) -> int:
+        """The rank a factor side of size ``n`` is kept at."""
+        return n if self.max_rank is None else min(n, self.max_rank)
 
     def block_to_params(self, module: str, block: Tensor) -> dict[str, Tensor]:
         """Split block matrices ``[..., r, c]`` (bias column last) into the module's parameters.
@@ -170,7 +202,9 @@ class KronLaplace(LaplaceBase):
         Equals ``[KronLaplace(model, s, **kwargs).fit(loader, generator=...) for s in subsets]`` bit for
         bit (`kfac` with a list of subsets; ``fisher="mc"`` draws the labels once per batch, as each fit
         would from a generator in the same state), the training loss and ``n_data`` computed once. Memory:
-        every subset's factor sums during the pass, then one eigendecomposition at a time.
+        every subset's factor sums during the pass, then one eigendecomposition at a time; checked before
+        the first batch's backward passes against ``max_memory`` (or the free memory) as the sum of the
+        subsets' factors and eigenpairs plus the largest batch working set of one subset.
 
         Args:
             model: The fine-tuned model (its current weights are the MAP).
@@ -190,6 +224,14 @@ class KronLaplace(LaplaceBase):
         first = posteriors[0]
         loss = MapLoss(first.likelihood)
         run = Run(check_generator(generator), progress, loss)
+
+        def preflight(f: Tensor, keep: Tensor | None, mask: Tensor | None) -> None:
+            ests = [p._estimate(f, keep, mask, 0) for p in posteriors]
+            factors, eigen = sum(e.factors for e in ests), sum(e.eigen for e in ests)
+            fit = max(e.fit_batch for e in ests)
+            replace(ests[0], factors=factors, eigen=eigen, fit_batch=fit).check(first.max_memory)
+
+        run.preflight = preflight
         factors = kron_factors(model, loader, [p._targets for p in posteriors], first._options, run)
         total, n, n_out = loss.result(first.device)
         run.finish(model)
@@ -203,7 +245,8 @@ class KronLaplace(LaplaceBase):
         With ``bias="separate"`` a module with a bias needs ``.A [c_w, c_w]`` and ``.A_bias [1, 1]`` (as from
         ``kfac(..., bias="separate")``); factors of the other bias mode are refused. Factors that record
         their ``sharing`` (`ModuleFactors`) set the posterior's when it is ``None``, and must agree with it
-        otherwise.
+        otherwise. A side larger than ``max_rank`` is kept at that rank (a `LowRankFactor` from `fit`, or
+        the leading eigenpairs of a matrix).
         """
         missing = [m for m in self.modules if m not in curvature]
         extra = [m for m in curvature if m not in self.modules]
@@ -211,8 +254,7 @@ class KronLaplace(LaplaceBase):
             raise ValueError(f"factors do not match the subset: missing {missing}, unknown {extra}")
         eig = {}
         for m in self.modules:
-            r, cw, c = self._dims(m)
-            separate = self._separate(m)
+            separate, sides = self._separate(m), self._sides(m)
             G, A = curvature[m].G, curvature[m].A
             A_bias = getattr(curvature[m], "A_bias", None)
             if separate and A_bias is None:
@@ -225,20 +267,23 @@ class KronLaplace(LaplaceBase):
                     f"factors of module {m!r} keep the bias separate (A_bias) but the posterior folds it "
                     "(bias='fold'): use KronLaplace(..., bias='separate') or kfac(..., bias='fold')"
                 )
-            ca = cw if separate else c
-            if G.shape != (r, r) or A.shape != (ca, ca):
+            shapes = [
+                (f.U.shape[0],) * 2 if isinstance(f, LowRankFactor) else f.shape for f in (G, A)
+            ]
+            if [tuple(t) for t in shapes] != [(n, n) for n in sides.values()]:
                 raise ValueError(
-                    f"factors of module {m!r} have G {tuple(G.shape)} and A {tuple(A.shape)}, "
-                    f"expected ({r}, {r}) and ({ca}, {ca}) for its block"
+                    f"factors of module {m!r} have G {tuple(shapes[0])} and A {tuple(shapes[1])}, "
+                    f"expected {(sides['G'],) * 2} and {(sides['A'],) * 2} for its block"
                 )
             try:
-                eg, qg = clamped_eigh(G, self.dtype, self.device, "G")
-                ea, qa = clamped_eigh(A, self.dtype, self.device, "A")
+                g, a = (
+                    self._factor(f, n, k) for (k, n), f in zip(sides.items(), (G, A), strict=True)
+                )
                 if A_bias is not None:  # separate (checked above)
-                    ea, qa = _with_separate_bias(ea, qa, A_bias.to(qa))
+                    a = _with_separate_bias(a, A_bias.to(a.U))
             except ValueError as err:
                 raise ValueError(f"curvature of module {m!r}: {err}") from err
-            eig[m] = (eg, qg, ea, qa)
+            eig[m] = (g, a)
         shared = {str(s) for m in self.modules if (s := getattr(curvature[m], "sharing", None))}
         if len(shared) > 1 or (self.sharing is not None and shared - {self.sharing}):
             raise ValueError(
@@ -249,28 +294,39 @@ class KronLaplace(LaplaceBase):
             self._options = replace(self._options, sharing=shared.pop())
         self._eig = eig
 
+    def _factor(self, f: Tensor | LowRankFactor, n: int, what: str) -> LowRankFactor:
+        """A factor as stored (eigenpairs, at most ``max_rank``), in the posterior's dtype and device."""
+        if not isinstance(f, LowRankFactor):
+            return truncated(whole_factor(f, self.dtype, self.device, what), self._rank(n))
+        return LowRankFactor(*(t.to(self.device, self.dtype) for t in (f.U, f.s, f.rest)))
+
     def _eigenvalues(self, i: int, m: str, prior: Tensor, scale: Tensor | float) -> Tensor:
-        eg, _, ea, _ = self._eig[m]
-        return precision_eigenvalues(eg, ea, prior[i], self.temperature, scale)
+        """``E`` on the extended grid ``[r_G + 1, r_A + 1]`` (`_lowrank`; ``[:-1, :-1]`` for whole factors)."""
+        g, a = self._eig[m]
+        return precision_eigenvalues(
+            g.extended()[0], a.extended()[0], prior[i], self.temperature, scale
+        )
 
     def _log_det(self, prior: Tensor, scale: Tensor | float) -> Tensor:
-        return torch.stack(
-            [
-                kron_log_det(self._eigenvalues(i, m, prior, scale))
-                for i, m in enumerate(self.modules)
-            ]
-        ).sum()
+        dets = [
+            lowrank_log_det(self._eigenvalues(i, m, prior, scale), *self._eig[m])
+            for i, m in enumerate(self.modules)
+        ]
+        return torch.stack(dets).sum()
 
     def _sample(self, n: int, generator: torch.Generator | None) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         for i, m in enumerate(self.modules):
-            _, qg, _, qa = self._eig[m]
             r, _, c = self._dims(m)
-            E = self._eigenvalues(i, m, self._prior, self._scale(None))
-            out.update(
-                self.block_to_params(m, kron_sample(qg, qa, E, self._noise((n, r, c), generator)))
-            )
+            w = self._eigenvalues(i, m, self._prior, self._scale(None)).rsqrt()
+            eps = self._noise((n, r, c), generator)
+            out.update(self.block_to_params(m, scale_in_basis(eps, *self._eig[m], w)))
         return out
+
+    def _estimate(
+        self, logits: Tensor, keep: Tensor | None, mask: Tensor | None, k_out: int
+    ) -> MemoryEstimate:
+        return kron_estimate(self._kmods, logits, keep, mask, self._options, k_out)
 
     # ------------------------------------------------------------------ predictive
     def _covariances(
@@ -317,87 +373,96 @@ class KronLaplace(LaplaceBase):
         prior given); the matrix products run in the posterior's dtype, the final
         ``‖J‖²/δ − correction`` in float64.
         """
-        if self.predictive_rtol == 0:
-            bases = {m: (self._eig[m][1], self._eig[m][3]) for m in self.modules}
-            inv = [
-                {
-                    m: self._eigenvalues(i, m, prior, scale).reciprocal()
-                    for i, m in enumerate(self.modules)
-                }
-                for prior in priors
-            ]
-            return KronBlocks(self._targets, bases, inv, self.dtype)
+        lowrank = {m: (g, a) for m, (g, a) in self._eig.items() if not (g.full and a.full)}
+        exact = self.predictive_rtol == 0
+        cut = {m: slice(None) if m in lowrank else slice(None, -1) for m in self.modules}
+        inv = [
+            {
+                m: self._eigenvalues(i, m, prior, scale).reciprocal()[cut[m], cut[m]]
+                for i, m in enumerate(self.modules)
+                if exact or m in lowrank
+            }
+            for prior in priors
+        ]
+        if exact:
+            bases = {m: (g.U, a.U) for m, (g, a) in self._eig.items()}
+            return KronBlocks(self._targets, bases, inv, self.dtype, lowrank=lowrank)
         f64 = torch.float64
         bases = {}
-        weights: list[dict[str, Tensor]] = [{} for _ in priors]
         residual: list[dict[str, float]] = [{} for _ in priors]
         for i, m in enumerate(self.modules):
-            _, qg, _, qa = self._eig[m]
+            g, a = self._eig[m]
+            bases[m] = (g.U, a.U)
+            if m in lowrank:  # exact (lowrank_covariance)
+                continue
             deltas = [float(prior[i]) for prior in priors]
-            eigs = [self._eigenvalues(i, m, prior, scale).to(f64) for prior in priors]
+            eigs = [self._eigenvalues(i, m, prior, scale)[:-1, :-1].to(f64) for prior in priors]
             k = min(range(len(priors)), key=deltas.__getitem__)
             curv = eigs[k] - deltas[k]  # [r, c], the curvature part s·λG·λA (prior-free)
             big = curv > self.predictive_rtol * deltas[k]
             rows = big.any(dim=1).nonzero().squeeze(1)
             cols = big.any(dim=0).nonzero().squeeze(1)
-            bases[m] = (qg.index_select(1, rows), qa.index_select(1, cols))
+            bases[m] = (g.U.index_select(1, rows), a.U.index_select(1, cols))
             for p, (e, delta) in enumerate(zip(eigs, deltas, strict=True)):
                 kept = e.index_select(0, rows).index_select(1, cols)
-                weights[p][m] = kept.reciprocal() - 1.0 / delta
+                inv[p][m] = kept.reciprocal() - 1.0 / delta
                 residual[p][m] = 1.0 / delta
-        return KronBlocks(self._targets, bases, weights, self.dtype, residual, f64)
+        return KronBlocks(self._targets, bases, inv, self.dtype, residual, f64, lowrank)
 
     # ------------------------------------------------------------------ state
     def _state(self) -> dict[str, Tensor]:
-        """Eigenbases per module.
+        """Eigenpairs per module: ``eig_*``, ``q_*`` (``[n, k]``) and, for a low-rank side, ``rest_*``.
 
-        A separate bias stores ``Q_A`` of the weight inputs only (``[c_w, c_w]``) and
-        ``eig_a = (λ_A, A_bias)`` (``[c_w + 1]``).
+        A separate bias stores ``Q_A`` of the weight inputs only (``[c_w, k]``) and
+        ``eig_a = (λ_A, A_bias)`` (``[k + 1]``).
         """
         state = {}
-        for m, (eg, qg, ea, qa) in self._eig.items():
-            if self._separate(m):
-                qa = qa[:-1, :-1]
-            state.update({f"{m}:eig_g": eg, f"{m}:q_g": qg, f"{m}:eig_a": ea, f"{m}:q_a": qa})
+        for m, (g, a) in self._eig.items():
+            qa = a.U[:-1, :-1] if self._separate(m) else a.U
+            state.update({f"{m}:eig_g": g.s, f"{m}:q_g": g.U, f"{m}:eig_a": a.s, f"{m}:q_a": qa})
+            state.update({f"{m}:rest_{k}": f.rest for k, f in (("g", g), ("a", a)) if not f.full})
         return state
 
     def _load_state(self, file: PosteriorFile) -> None:
-        """Inverse of `_state`; shapes are checked against the blocks and the bias mode."""
+        """Inverse of `_state`; shapes are checked against the blocks, the bias mode and ``max_rank``."""
         eig = {}
         for m in self.modules:
-            r, cw, c = self._dims(m)
-            ca = cw if self._separate(m) else c
-            eg, qg, ea, qa = (
-                file.tensor(f"curv:{m}:{k}", shape).to(self.device, self.dtype)
-                for k, shape in (
-                    ("eig_g", (r,)),
-                    ("q_g", (r, r)),
-                    ("eig_a", (c,)),
-                    ("q_a", (ca, ca)),
+
+            def read(key: str, shape: tuple[int, ...] | None, m: str = m) -> Tensor:
+                return file.tensor(f"curv:{m}:{key}", shape).to(self.device, self.dtype)
+
+            factors = []
+            for key, n in self._sides(m).items():
+                k, s = self._rank(n), key.lower()
+                extra = int(self._separate(m) and key == "A")  # the separate bias's eigenvalue
+                rest = read(f"rest_{s}", ()) if k < n else read(f"eig_{s}", None).new_zeros(())
+                factors.append(
+                    LowRankFactor(read(f"q_{s}", (n, k)), read(f"eig_{s}", (k + extra,))[:k], rest)
                 )
-            )
+            g, a = factors
             if self._separate(m):
-                ea, qa = _with_separate_bias(ea[:-1], qa, ea[-1:].reshape(1, 1))
-            eig[m] = (eg, qg, ea, qa)
+                a = _with_separate_bias(a, read("eig_a", None)[-1:].reshape(1, 1))
+            eig[m] = (g, a)
         self._eig = eig
 
     def _summary_rows(self) -> list[tuple[str, str, int]]:
         rows = []
         for m in self.modules:
-            r, cw, c = self._dims(m)
-            if self._separate(m):
-                rows.append((m, f"G {r}x{r} ⊗ A {cw}x{cw}, bias G ⊗ [1]", r * r + r + cw * cw + c))
-            else:
-                rows.append((m, f"G {r}x{r} ⊗ A {c}x{c}", r * r + r + c * c + c))
+            text, floats = [], 0
+            for key, n in self._sides(m).items():
+                k = self._rank(n)
+                text.append(f"{key} {n}x{n}" + (f" rank {k}" if k < n else ""))
+                floats += n * k + k + (k < n)
+            sep = self._separate(m)  # the separate bias's eigenvalue: one float more
+            rows.append((m, " ⊗ ".join(text) + (", bias G ⊗ [1]" if sep else ""), floats + sep))
         return rows
 
 
-def _with_separate_bias(eig_a: Tensor, q_a: Tensor, a_bias: Tensor) -> tuple[Tensor, Tensor]:
-    """Eigenpairs of ``blockdiag(A, A_bias)`` from those of ``A``: ``(λ_A, a_b)`` and ``blockdiag(Q_A, 1)``.
+def _with_separate_bias(a: LowRankFactor, a_bias: Tensor) -> LowRankFactor:
+    """``blockdiag(A, A_bias)`` from ``A``'s eigenpairs: ``blockdiag(U, 1)``, ``(s, a_b)``, the same remainder.
 
     Args:
-        eig_a: ``[c_w]`` eigenvalues of the weight-input factor.
-        q_a: ``[c_w, c_w]`` its eigenvectors.
+        a: The weight-input factor (``U [c_w, k]``).
         a_bias: ``[1, 1]`` the separate bias's input factor.
 
     Raises:
@@ -405,5 +470,6 @@ def _with_separate_bias(eig_a: Tensor, q_a: Tensor, a_bias: Tensor) -> tuple[Ten
     """
     if a_bias.shape != (1, 1) or not bool(torch.isfinite(a_bias).all()):
         raise ValueError(f"A_bias must be a finite [1, 1] tensor, got {a_bias.tolist()}")
-    one = torch.ones(1, 1, dtype=q_a.dtype, device=q_a.device)
-    return torch.cat([eig_a, a_bias.reshape(1).clamp(min=0.0)]), torch.block_diag(q_a, one)
+    one = torch.ones(1, 1, dtype=a.U.dtype, device=a.U.device)
+    s = torch.cat([a.s, a_bias.reshape(1).clamp(min=0.0)])
+    return LowRankFactor(torch.block_diag(a.U, one), s, a.rest)

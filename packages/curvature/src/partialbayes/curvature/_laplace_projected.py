@@ -19,7 +19,7 @@ directions, and every pair outside ``I × J`` is counted at its prior value ``1/
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,8 +27,9 @@ from torch import Tensor, nn
 
 from partialbayes.curvature._hooks import in_row_order, output_passes
 from partialbayes.curvature._kfac import KronTargets
-from partialbayes.curvature._memory import available_memory
+from partialbayes.curvature._lowrank import LowRankFactor, lowrank_covariance
 from partialbayes.curvature._outputs import Outputs
+from partialbayes.predictive import available_memory
 
 
 def rotate_inputs(x: Tensor, q_a: Tensor, bias: bool) -> Tensor:
@@ -242,6 +243,8 @@ class KronBlocks:
     ``bases``: ``{module: (Q_G, Q_A)}``; ``inv_eigenvalues``: per prior setting, ``{module: 1 / E}`` —
     with ``residual`` (per prior setting, ``{module: 1/δ}``), the bases are truncated to the kept directions
     ``I``, ``J`` and the weights are ``1/E − 1/δ`` there (`residual_covariances`, in ``combine_dtype``).
+    ``lowrank``: ``{module: (G, A)}`` with a low-rank factor, ``1 / E`` on its extended grid, computed
+    exactly by ``_lowrank.lowrank_covariance`` (also under ``residual``).
     """
 
     targets: KronTargets
@@ -250,6 +253,7 @@ class KronBlocks:
     dtype: torch.dtype
     residual: Sequence[Mapping[str, float]] | None = None
     combine_dtype: torch.dtype = torch.float64
+    lowrank: Mapping[str, tuple[LowRankFactor, LowRankFactor]] = field(default_factory=dict)
 
     @property
     def out_dtype(self) -> torch.dtype:
@@ -278,11 +282,12 @@ def kron_predictive(
 ) -> tuple[Tensor, Tensor | None, list[list[Tensor]]]:
     """Logits and the functional covariances ``J Σ Jᵀ`` of Kronecker posteriors, streamed module by module.
 
-    One forward pass with hooks and one backward pass per class (per kept position for token-level
-    logits), gradients w.r.t. the hooked outputs only, shared by all ``parts``: the hooks gather the union
-    of their columns and rows, and each posterior takes its own ``x[:, C]``, ``δ[:, R]`` from it, so its
-    result is exactly what it computes alone. Each module's ``Σ_ij M_k,ij M_l,ij / E_ij``
-    (``M = Q_Gᵀ J Q_A``) is added to each posterior's ``[B, C, C]`` covariance, then its gradients are
+    One forward pass with hooks and one backward pass per logit (each class, or each of
+    ``outputs.target_ids``; per kept position for token-level logits), gradients w.r.t. the hooked outputs
+    only, shared by all ``parts``: the hooks gather the union of their columns and rows, and each posterior
+    takes its own ``x[:, C]``, ``δ[:, R]`` from it, so its result is exactly what it computes alone. Each
+    module's ``Σ_ij M_k,ij M_l,ij / E_ij`` (``M = Q_Gᵀ J Q_A``) is added to each posterior's ``[B, K, K]``
+    covariance, then its gradients are
     freed (`unshared_covariances`, `shared_covariances`); ``J`` is never formed. Each posterior runs its
     own passes when the union's gradients would not fit the free memory (`fits_memory`).
 
@@ -309,7 +314,8 @@ def kron_predictive(
             where[i][m] = (c, r)
     modules = {m: parts[users[m][0]].targets.modules[m] for m in names}
     ps = output_passes(model, inputs, outputs, modules, cols, rows)
-    b, n_cls = ps.logits.shape[0], ps.logits.shape[-1]
+    b = ps.logits.shape[0]
+    n_cls = ps.logits.shape[-1] if outputs.target_ids is None else len(outputs.target_ids)
     if not fits_memory(ps.inputs, rows, parts, n_cls, ps.logits.device):
         del ps
         alone = [kron_predictive(model, inputs, outputs, [p]) for p in parts]
@@ -323,7 +329,7 @@ def kron_predictive(
                 [new(b, n_cls, n_cls, dtype=p.out_dtype) for _ in p.inv_eigenvalues] for p in parts
             ]
             for m in names:
-                x_u, d_u = ps.inputs[m], torch.stack(pg.grads.pop(m))  # d: [C, B, (T...,) r]
+                x_u, d_u = ps.inputs[m], torch.stack(pg.grads.pop(m))  # d: [K, B, (T...,) r]
                 for i in users[m]:
                     c, r = where[i][m]
                     x = x_u if c is None else x_u.index_select(-1, c)
@@ -349,7 +355,7 @@ def fits_memory(
 ) -> bool:
     """Whether the backward passes shared by several ``parts`` fit the free memory (one part always does).
 
-    Per position and map of the union (``inputs`` as recorded, ``rows`` its rows), ``C`` output gradients
+    Per position and map of the union (``inputs`` as recorded, ``rows`` its rows), ``K`` output gradients
     over ``r`` rows and the input over ``c`` columns: the predictive term of ``_memory.memory_estimate``.
     """
     if len(parts) == 1:
@@ -373,6 +379,12 @@ def _contributions(part: KronBlocks, m: str, x: Tensor, d: Tensor, b: int) -> li
     inv = [e[m] for e in part.inv_eigenvalues]
     bias = part.targets.kmods[m].bias_name is not None
     n_cls = d.shape[0]
+    if m in part.lowrank:
+        x3 = x.reshape(b, -1, x.shape[-1]).to(part.dtype)
+        if bias:
+            x3 = torch.cat([x3, torch.ones_like(x3[..., :1])], dim=-1)
+        d4 = d.reshape(n_cls, b, x3.shape[1], d.shape[-1]).to(part.dtype)
+        return [lowrank_covariance(x3, d4, *part.lowrank[m], e) for e in inv]
     if part.residual is not None:
         if x.ndim > 2:
             x = x.reshape(b, -1, x.shape[-1])

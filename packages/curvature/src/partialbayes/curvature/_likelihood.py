@@ -48,6 +48,7 @@ class CurvatureOptions:
         sharing: KFAC weight sharing, ``"reduce"`` or ``"expand"``; ``None``: chosen from the outputs
             (token-level logits ``[B, T, C]`` take ``"expand"``, one output per example ``"reduce"``).
         bias: KFAC bias handling, ``"fold"`` or ``"separate"``.
+        max_rank: KFAC factor sides larger than this are kept low-rank (``_lowrank``); ``None``: all whole.
 
     Raises:
         ValueError: A setting out of its range (named).
@@ -63,6 +64,7 @@ class CurvatureOptions:
     shift_labels: bool = False
     sharing: str | None = None
     bias: str = "fold"
+    max_rank: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sigma_noise", check_likelihood(self.likelihood, self.sigma_noise))
@@ -85,6 +87,8 @@ class CurvatureOptions:
             raise ValueError(f"sharing must be 'reduce', 'expand' or None, got {self.sharing!r}")
         if self.bias not in ("fold", "separate"):
             raise ValueError(f"bias must be 'fold' or 'separate', got {self.bias!r}")
+        if self.max_rank is not None:
+            check_count("max_rank", self.max_rank)
 
 
 def check_list(items: Any, what: str, kind: type) -> list[Any]:

@@ -20,8 +20,8 @@ nuclear-norm error at most ``1 + r / (q − r − 1)`` times that of the best ra
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -59,10 +59,20 @@ class LowRankFactor:
         return torch.cat([self.s, self.rest.reshape(1)]), mult
 
 
-def whole_factor(matrix: Tensor) -> LowRankFactor:
-    """A factor kept whole: its clamped eigendecomposition (``r = n``, no remainder)."""
-    s, u = clamped_eigh(matrix)
+def whole_factor(matrix: Tensor, *args: Any) -> LowRankFactor:
+    """A factor kept whole: its clamped eigendecomposition (``r = n``, no remainder; ``args``: `clamped_eigh`'s)."""
+    s, u = clamped_eigh(matrix, *args)
     return LowRankFactor(u, s, s.new_zeros(()))
+
+
+def truncated(f: LowRankFactor, rank: int) -> LowRankFactor:
+    """A whole factor's ``rank`` largest eigenpairs, the others as the remainder (their mean: trace kept)."""
+    n = f.U.shape[0]
+    if rank >= n:
+        return f
+    top = f.s.argsort(descending=True)[:rank]
+    rest = ((f.s.sum() - f.s[top].sum()) / (n - rank)).clamp_min(0.0)
+    return LowRankFactor(f.U[:, top].contiguous(), f.s[top], rest)
 
 
 def nystrom_factor(y: Tensor, omega: Tensor, trace: Tensor | float, rank: int) -> LowRankFactor:
@@ -91,51 +101,55 @@ def nystrom_factor(y: Tensor, omega: Tensor, trace: Tensor | float, rank: int) -
 
 
 class NystromSketch:
-    """Streamed rank-``r`` sketch of ``F = Σ_m d_m d_mᵀ``: ``Y = F Ω`` ``[n, q]``, ``q = r + OVERSAMPLE``.
+    """Streamed ``F = Σ_m d_m d_mᵀ``: whole (``Y = F``), or sketched (``Y = F Ω`` ``[n, q]``) with ``tr F``.
 
-    With ``rank ≥ n`` the factor is kept whole instead (summed densely, decomposed exactly), with a warning
-    naming it (``name``, e.g. ``"G of 'lm_head'"``). ``Ω`` is drawn from ``generator`` (any device).
+    Sketched when ``rank < n``, ``q = min(n, rank + OVERSAMPLE)``, ``Ω`` drawn from ``generator`` (any device;
+    seeded, it is the same on every rank); ``Y`` is allocated by the first rows.
     """
 
     def __init__(
         self,
         n: int,
-        rank: int,
+        rank: int | None = None,
         *,
         dtype: torch.dtype = torch.float64,
         device: torch.device | str = "cpu",
         generator: torch.Generator | None = None,
-        name: str = "factor",
     ) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"max_rank must be a positive int, got {rank!r}")
-        self.rank = min(rank, n)
+        self.n, self.rank = n, n if rank is None else min(rank, n)
         self.trace = torch.zeros((), dtype=dtype, device=device)
+        self.y: Tensor | None = None
         self.omega: Tensor | None = None  # None: kept whole, Y = F
-        if rank >= n:
-            msg = f"max_rank={rank} is not below the size of {name} ({n}): it is kept whole"
-            warnings.warn(msg, UserWarning, stacklevel=2)  # the sketch's maker (_caller.py is gone)
-        else:
+        if self.rank < n:
             dev = generator.device if generator is not None else device
-            g = torch.randn(
-                n, min(n, rank + OVERSAMPLE), generator=generator, dtype=dtype, device=dev
-            )
+            q = min(n, self.rank + OVERSAMPLE)
+            g = torch.randn(n, q, generator=generator, dtype=dtype, device=dev)
             self.omega = torch.linalg.qr(g.to(device)).Q
-        self.y = torch.zeros(
-            n, n if self.omega is None else self.omega.shape[1], dtype=dtype, device=device
-        )
 
     def add(self, d: Tensor) -> None:
         """Add rows ``d`` ``[m, n]``: ``F += dᵀ d``."""
         d = d.to(self.trace.dtype)
-        self.trace += d.square().sum()
-        self.y.addmm_(d.T, d if self.omega is None else d @ self.omega)
+        if self.omega is not None:
+            self.trace += d.square().sum()
+        dd = d if self.omega is None else d @ self.omega
+        if self.y is None:
+            self.y = d.T @ dd
+        else:
+            self.y.addmm_(d.T, dd)
 
-    def factor(self, scale: float = 1.0) -> LowRankFactor:
-        """The `LowRankFactor` of ``scale · F`` (e.g. ``1 / count`` for an averaged input factor)."""
+    def sums(self) -> list[Tensor]:
+        """The running sums ``[Y, tr F]`` (to reduce over ranks)."""
+        if self.y is None:
+            q = self.n if self.omega is None else self.omega.shape[1]
+            self.y = self.trace.new_zeros(self.n, q)
+        return [self.y, self.trace]
+
+    def factor(self, scale: float = 1.0) -> Tensor | LowRankFactor:
+        """``scale · F`` (e.g. ``1 / count`` for an averaged factor): the matrix, or its `LowRankFactor`."""
+        y = self.sums()[0] * scale
         if self.omega is None:
-            return whole_factor(self.y * scale)
-        return nystrom_factor(self.y * scale, self.omega, self.trace * scale, self.rank)
+            return y
+        return nystrom_factor(y, self.omega, self.trace * scale, self.rank)
 
 
 def lowrank_log_det(eigenvalues: Tensor, g: LowRankFactor, a: LowRankFactor) -> Tensor:
@@ -179,14 +193,20 @@ def scale_in_basis(z: Tensor, g: LowRankFactor, a: LowRankFactor, w: Tensor) -> 
 
 
 def lowrank_covariance(
-    x: Tensor, d: Tensor, g: LowRankFactor, a: LowRankFactor, inv_eigenvalues: Tensor
+    x: Tensor,
+    d: Tensor,
+    g: LowRankFactor,
+    a: LowRankFactor,
+    inv_eigenvalues: Tensor,
+    jacobians: bool | None = None,
 ) -> Tensor:
-    """``J Σ Jᵀ`` of one block for Jacobians ``J_k = Σ_t d_k,t x_tᵀ`` per example, without forming ``J``.
+    """``J Σ Jᵀ`` of one block for Jacobians ``J_k = Σ_t d_k,t x_tᵀ`` per example.
 
-    With coordinates ``D = d U_G``, ``X = x U_A`` and the remainders ``d⊥ = d − D U_Gᵀ``, ``x⊥ = x − X U_Aᵀ``,
-    ``(J Σ Jᵀ)_kl = Σ_ij M_k,ij M_l,ij w_ij`` (``M_k = Dᵀ_k X``, ``w = 1/E``) plus, for a low-rank side, the
-    remainder blocks from the token Gram matrices ``x⊥ x⊥ᵀ`` and ``d⊥ d⊥ᵀ``. Cost per example
-    ``K T (n_G r_G + n_A r_A) + K² T² n_G``: pass only the tokens whose output gradient is non-zero.
+    With ``jacobians`` (a LoRA map: ``J`` ``[n_G, n_A]``, one side its rank, is smaller than the token Gram
+    matrices), ``(J Σ Jᵀ)_kl = <J_k, Σ J_l>_F`` with ``Σ J_l`` by `scale_in_basis` (``w = 1/E``). Else (an
+    LM head), with ``D = d U_G``, ``X = x U_A`` and the remainders ``d⊥ = d − D U_Gᵀ``, ``x⊥ = x − X U_Aᵀ``:
+    ``Σ_ij M_k,ij M_l,ij w_ij`` (``M_k = Dᵀ_k X``) plus the remainder blocks from the token Gram matrices
+    ``x⊥ x⊥ᵀ`` and ``d⊥ d⊥ᵀ``, at ``K T (n_G r_G + n_A r_A) + K² T² n_G`` per example.
 
     Args:
         x: ``[B, T, n_A]`` inputs (with the constant 1 last when the bias is folded in).
@@ -194,11 +214,16 @@ def lowrank_covariance(
         g: Output factor.
         a: Input factor.
         inv_eigenvalues: ``1 / E`` ``[r_G + 1, r_A + 1]``.
+        jacobians: Form ``J`` (``None``: when smaller than the Gram matrices).
 
     Returns:
         ``[B, K, K]``.
     """
     w = inv_eigenvalues
+    k, _, t, n_g = d.shape
+    if jacobians or (jacobians is None and n_g * x.shape[-1] <= (k * t) ** 2):
+        jac = torch.einsum("kbti,btj->bkij", d, x)  # [B, K, n_G, n_A]
+        return torch.einsum("bkij,blij->bkl", jac, scale_in_basis(jac, g, a, w))
     dc, xc = d @ g.U, x @ a.U  # [K, B, T, r_G], [B, T, r_A]
     m = torch.einsum("kbti,btj->bkij", dc, xc)
     cov = torch.einsum("bkij,blij->bkl", m * w[:-1, :-1], m)

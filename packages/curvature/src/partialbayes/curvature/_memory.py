@@ -16,8 +16,7 @@ nothing was allocated, and the fix is a choice of options.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +26,8 @@ from torch import Tensor, nn
 from partialbayes.curvature._likelihood import CurvatureOptions, model_device
 from partialbayes.curvature._lowrank import OVERSAMPLE
 from partialbayes.curvature._outputs import read_batch, resolve_shift_labels
-from partialbayes.predictive import model_logits
-from partialbayes.selection import Subset
+from partialbayes.predictive import available_memory, model_logits
+from partialbayes.selection import KronModule, Subset
 
 
 def fmt_bytes(n: float) -> str:
@@ -68,28 +67,6 @@ def check_exact_fisher(rows: Tensor, groups: int, batch_index: int) -> None:
         "many passes, an unbiased estimate) or fisher='empirical' (the true labels: one pass), or score "
         "only the answer tokens (an answer-only head over target_ids: K outputs instead of C)"
     )
-
-
-def available_memory(device: torch.device | str) -> tuple[int | None, str]:
-    """Bytes free for new tensors on ``device``, and where the number comes from (``None``: unknown)."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev)
-        cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-        return free + cached, "free + cached CUDA memory"
-    if dev.type != "cpu":
-        return None, f"unknown on {dev.type}"
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free physical pages"
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return None, "unknown"
 
 
 @dataclass(frozen=True)
@@ -138,13 +115,17 @@ class MemoryEstimate:
         limit = self.available if max_memory is None else max_memory
         if limit is None or self.total <= limit:
             return
-        raise ValueError(
-            f"the curvature needs about {fmt_bytes(self.total)} but {fmt_bytes(limit)} is "
-            f"{'available' if max_memory is None else 'allowed (max_memory)'}:\n{self}\n"
-            "Refused before allocating. Factors: keep large ones low-rank (max_rank), fit S-KFAC "
-            "(sparse_kfac(model, p): about (p/100)² of the memory) or use dtype=torch.float32 (half). "
+        fixes = {
+            "Factors: keep large ones low-rank (max_rank), fit S-KFAC (sparse_kfac(model, p): about "
+            "(p/100)² of the memory) or use dtype=torch.float32 (half).": self.factors + self.eigen,
             "Fit: fisher='mc' or 'empirical' (k or 1 backward passes per batch, not C), smaller "
-            "batches. Predictive: only the answer tokens (target_ids: K outputs, not C)."
+            "batches.": self.fit_batch,
+            "Predictive: only the answer tokens (target_ids), or chunk_size.": self.predictive,
+        }
+        raise ValueError(
+            f"this needs about {fmt_bytes(self.total)} but {fmt_bytes(limit)} is "
+            f"{'available' if max_memory is None else 'allowed (max_memory)'}:\n{self}\n"
+            f"Refused before allocating. {' '.join(fix for fix, n in fixes.items() if n)}"
         )
 
 
@@ -181,34 +162,60 @@ def memory_estimate(
         The `MemoryEstimate`: ``print`` it; ``.check()`` refuses what does not fit.
 
     Raises:
-        ValueError: Bad options (as `kfac`), a ``max_rank`` that is not a positive int.
+        ValueError: Bad options (as `kfac`; ``max_rank`` a positive int or ``None``).
     """
-    CurvatureOptions(
-        likelihood=likelihood, fisher=fisher, mc_samples=mc_samples, sharing=sharing, dtype=dtype
+    options = CurvatureOptions(
+        likelihood=likelihood,
+        fisher=fisher,
+        mc_samples=mc_samples,
+        sharing=sharing,
+        dtype=dtype,
+        max_rank=max_rank,
     )
-    if max_rank is not None and (
-        isinstance(max_rank, bool) or not isinstance(max_rank, int) or max_rank < 1
-    ):
-        raise ValueError(f"max_rank must be a positive int or None, got {max_rank!r}")
-    kmods = subset.kron_modules()
     device = model_device(model)
-    shift = resolve_shift_labels(model, None)
-    inputs, outputs = read_batch(batch, device, likelihood=likelihood, shift=shift)
+    inputs, outputs = read_batch(
+        batch, device, likelihood=likelihood, shift=resolve_shift_labels(model, None)
+    )
     if logits is None:
         with torch.no_grad():
             logits = model_logits(model, inputs)
+    k_out = logits.shape[-1] if target_ids is None else len(target_ids)
     keep = outputs.keep(logits[..., :0])
+    return kron_estimate(
+        subset.kron_modules(), logits, keep, outputs.attention_mask, options, k_out
+    )
+
+
+def _batch_bytes(
+    logits: Tensor, keep: Tensor | None, mask: Tensor | None, options: CurvatureOptions
+) -> tuple[int, int, int, int, int]:
+    """``(B, T, N, S, fit bytes)``: positions ``T``, kept outputs ``N``, backward passes ``S`` of a batch.
+
+    The fit's bytes count its output vectors ``[S, N, C]``, the probabilities and a cotangent.
+    """
     b, n_cls = logits.shape[0], logits.shape[-1]
     n_kept = b if keep is None else int(keep.sum())
-    mask = outputs.attention_mask
     t = logits.shape[1] if keep is not None else (1 if mask is None else mask.shape[1])
+    passes = {"exact": n_cls, "mc": options.mc_samples}.get(options.fisher, 1)
+    fit = (passes * n_kept * n_cls + 3 * b * t * n_cls) * logits.element_size()
+    return b, t, n_kept, passes, fit
+
+
+def kron_estimate(
+    kmods: Mapping[str, KronModule],
+    logits: Tensor,
+    keep: Tensor | None,
+    mask: Tensor | None,
+    options: CurvatureOptions,
+    k_out: int,
+) -> MemoryEstimate:
+    """`memory_estimate` from a batch's logits ``[B, (T,) C]``, kept positions and attention mask."""
+    b, t, n_kept, passes, fit = _batch_bytes(logits, keep, mask, options)
+    sharing, max_rank = options.sharing, options.max_rank
     rows = b if (sharing or ("reduce" if keep is None else "expand")) == "reduce" else b * t
-    item, mitem = torch.finfo(dtype).bits // 8, logits.element_size()
-    passes = {"exact": n_cls, "mc": mc_samples}.get(fisher, 1)
-    k_out = n_cls if target_ids is None else len(target_ids)
+    item, mitem = torch.finfo(options.dtype).bits // 8, logits.element_size()
     factors = eigen = transient = 0
     largest, size = "", 0
-    fit = (passes * n_kept * n_cls + 3 * b * t * n_cls) * mitem
     pred = n_kept * k_out * k_out * item
     for name, k in kmods.items():
         r, c = k.n_rows, k.n_cols + (k.bias_name is not None)
@@ -225,6 +232,31 @@ def memory_estimate(
             if n > size:
                 largest, size = f"{side} of {name!r} ({n} x {n})", n
         fit += (b * t * (c + k.n_out) + passes * rows * r) * mitem
-        pred += k_out * b * t * r * mitem + b * t * c * mitem
-    avail, source = available_memory(device)
+        pred += k_out * b * t * r * mitem + b * t * c * mitem if k_out else 0
+    avail, source = available_memory(logits.device)
     return MemoryEstimate(factors, eigen + transient, fit, pred, largest, avail, source)
+
+
+def entries_estimate(
+    n_entries: int,
+    dense: bool,
+    logits: Tensor,
+    keep: Tensor | None,
+    mask: Tensor | None,
+    options: CurvatureOptions,
+    k_out: int,
+) -> MemoryEstimate:
+    """The estimate of a diagonal (``dense=False``) or dense curvature over ``P = n_entries`` entries.
+
+    Stored ``P`` (or ``P²``, its eigendecomposition and ``eigh``'s transient ``3 P²``); the fit's gradient
+    rows (dense: every pass's, ``S B P`` per round of positions; diagonal: one pass's and their squares);
+    the predictive's Jacobians ``[N, K, P]`` (three copies) and ``[N, K, K]``.
+    """
+    b, _, n_kept, passes, fit = _batch_bytes(logits, keep, mask, options)
+    item, p = torch.finfo(options.dtype).bits // 8, n_entries
+    rounds = 1 if keep is None or options.fisher == "mc" else int(keep.sum(1).max())
+    fit += ((passes * rounds * b if dense else 2 * b) * p + (p * p if dense else p)) * item
+    pred = (3 * n_kept * k_out * p + n_kept * k_out * k_out) * item
+    stored, eigen = (p * p * item, (4 * p * p + p) * item) if dense else (p * item, 0)
+    largest = f"{'H' if dense else 'diagonal'} of {p} entries"
+    return MemoryEstimate(stored, eigen, fit, pred, largest, *available_memory(logits.device))

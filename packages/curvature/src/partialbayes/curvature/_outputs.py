@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from partialbayes.predictive import (
     IGNORE_INDEX,
+    answer_positions,
     batch_size,
     is_causal_lm,
     kept_positions,
@@ -49,12 +50,21 @@ class Outputs:
         shift: Causal-LM convention: the output at ``t`` is scored against ``labels[t + 1]``.
         likelihood: ``"classification"`` or ``"regression"`` (regression targets never mark ignored
             positions: only the attention mask does).
+        target_ids: Answer-only outputs: the ``K`` logits kept (checked ids), at the answer positions
+            (``partialbayes.predictive.answer_positions``); ``None``: every logit of every kept output.
     """
 
     attention_mask: Tensor | None
     labels: Tensor | None
     shift: bool
     likelihood: str
+    target_ids: Tensor | None = None
+
+    def ids(self, n_cls: int, device: torch.device) -> Tensor:
+        """``[K]`` the logits whose Jacobians and covariances are computed: ``target_ids``, or all ``C``."""
+        if self.target_ids is None:
+            return torch.arange(n_cls, device=device)
+        return self.target_ids.to(device)
 
     @property
     def unlabelled(self) -> bool:
@@ -97,6 +107,11 @@ class Outputs:
                     "ignored positions)"
                 )
             return kept_positions(logits, attention_mask=self.attention_mask)
+        if self.target_ids is not None:
+            mask, labels = self.attention_mask, self.labels
+            return answer_positions(
+                logits, labels=labels, attention_mask=mask, causal_lm=self.shift
+            )
         keep = kept_positions(
             logits, attention_mask=self.attention_mask, labels=self.labels, shift=self.shift
         )
@@ -130,14 +145,21 @@ class Outputs:
 
 
 def read_batch(
-    batch: Any, device: torch.device, *, likelihood: str, shift: bool, labels: bool = True
+    batch: Any,
+    device: torch.device,
+    *,
+    likelihood: str,
+    shift: bool,
+    labels: bool = True,
+    target_ids: Tensor | None = None,
 ) -> tuple[Tensor | dict[str, Any], Outputs]:
     """Split a batch (any kind `partialbayes.predictive.split_batch` accepts) into model inputs and `Outputs`.
 
     Label -100 means "no label: skip this output" for sequence-level outputs too: the examples of a
     classification batch with labels ``[B]`` whose label is -100 are dropped here (examples do not interact
     in eval mode, so this equals dropping their outputs), which may leave none. ``labels=False``
-    (prediction) ignores the labels: every real output counts. ``shift``: see `Outputs`.
+    (prediction) ignores the labels: every real output counts. ``shift``, ``target_ids`` (answer-only: the
+    labels only mark the answer positions, no example is dropped): see `Outputs`.
 
     Raises:
         TypeError: A batch of an unknown kind (the message names its type and the accepted ones).
@@ -145,8 +167,8 @@ def read_batch(
     """
     b = split_batch(batch, device=device)
     y = b.labels if labels else None
-    outputs = Outputs(attention_mask=b.attention_mask, labels=y, shift=shift, likelihood=likelihood)
-    if y is not None and likelihood == "classification" and y.ndim == 1:
+    outputs = Outputs(b.attention_mask, y, shift, likelihood, target_ids)
+    if y is not None and likelihood == "classification" and y.ndim == 1 and target_ids is None:
         labelled = y != IGNORE_INDEX
         if not bool(labelled.all()):
             return take_examples(b.inputs, outputs, labelled.nonzero().squeeze(1))
@@ -155,16 +177,19 @@ def read_batch(
 
 def position_plan(
     keep: Tensor | None, batch: int, device: torch.device
-) -> list[tuple[int | None, Tensor]]:
-    """The output positions backpropagated one at a time, with the examples whose output there counts.
+) -> list[tuple[Tensor | None, Tensor]]:
+    """The output positions backpropagated together: at most one per example (examples do not interact).
 
     Returns:
-        ``[(None, arange(B))]`` for ``[B, C]`` logits (``keep=None``); else ``(t, examples kept at t)`` for
-        every column ``t`` holding a kept position, in increasing ``t``.
+        ``[(None, arange(B))]`` for ``[B, C]`` logits (``keep=None``); else for ``r = 0, 1, …`` the ``r``-th
+        kept position of every example that has one, ``(positions t [n], examples [n])``: one round when
+        each example has one answer, wherever it stands.
     """
     if keep is None:
         return [(None, torch.arange(batch, device=device))]
-    return [(t, keep[:, t].nonzero().flatten()) for t in keep.any(0).nonzero().flatten().tolist()]
+    rank = keep.cumsum(1) - 1  # the index of each kept position within its example
+    rounds = int(keep.sum(1).max()) if keep.numel() else 0
+    return [(t, b) for b, t in ((keep & (rank == r)).nonzero(as_tuple=True) for r in range(rounds))]
 
 
 def take_examples(

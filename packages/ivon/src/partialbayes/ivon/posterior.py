@@ -147,6 +147,7 @@ class _SampledFamily:
         link: str | None = None,
         n_samples: int = 100,
         generator: torch.Generator | None = None,
+        target_ids: Sequence[int] | Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Monte Carlo predictive over ``n_samples`` weight samples (eval mode, no gradients).
 
@@ -155,13 +156,20 @@ class _SampledFamily:
         ``sigma_noise²``. One weight sample is held at a time.
 
         Args:
-            batch: Any batch kind (tensor, ``(inputs, labels)``, dict / ``BatchEncoding``); labels ignored.
+            batch: Any batch kind (tensor, ``(inputs, labels)``, dict / ``BatchEncoding``); labels only
+                mark the answers of ``target_ids``.
             link: ``"mc"`` (the only one).
             n_samples: Number of weight samples ``S``.
             generator: Source of randomness (same seed, same prediction).
+            target_ids: Answer-only: the ``K`` answer tokens' distribution at the answer positions (the
+                labelled ones, shifted for a causal LM), renormalised over them, ``[P, K]``
+                (``partialbayes.predictive.sampled_predict``).
 
         Returns:
             Probabilities, or ``(mean, variance)`` for regression.
+
+        Raises:
+            ValueError: ``target_ids`` repeated, out of range or with regression (naming the id).
         """
         resolve_link(link, self.links, type(self).__name__)
         return sampled_predict(
@@ -172,14 +180,21 @@ class _SampledFamily:
             sample_ctx=self._sample_ctx(generator),
             regression=self.likelihood == "regression",
             noise_var=self.sigma_noise**2,
+            target_ids=target_ids,
         )
 
     def predictive_samples(
-        self, batch: Any, n: int, *, generator: torch.Generator | None = None
+        self,
+        batch: Any,
+        n: int,
+        *,
+        generator: torch.Generator | None = None,
+        target_ids: Sequence[int] | Tensor | None = None,
     ) -> Tensor:
-        """Logits under ``n`` weight samples, ``[n, B, C]`` (or ``[n, B, T, C]``); eval mode, no gradients."""
+        """Logits under ``n`` weight samples, ``[n, B, C]`` (or ``[n, B, T, C]``; ``[n, P, K]`` answer-only)."""
+        ctx = self._sample_ctx(generator)
         return sampled_logits(
-            self, batch, n, generator=generator, sample_ctx=self._sample_ctx(generator)
+            self, batch, n, generator=generator, sample_ctx=ctx, target_ids=target_ids
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:

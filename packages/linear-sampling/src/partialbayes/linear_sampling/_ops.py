@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from partialbayes.linear_sampling._features import WORKING_BYTES, Features, batches
 from partialbayes.linear_sampling._precision import NoisePrecision
-from partialbayes.predictive import check_count
+from partialbayes.predictive import available_memory, check_count
 
 
 def default_batch_size(features: Features, batch_size: int | None, k: int = 1) -> int:
@@ -161,22 +159,13 @@ def features_t_noise_sqrt(
 def check_memory(nbytes: int, device: torch.device, what: str, instead: str) -> None:
     """Refuse, before allocating, a result of ``nbytes`` that the device's free memory cannot hold.
 
-    Free memory: free and cached on a GPU, ``MemAvailable`` of ``/proc/meminfo`` on a CPU (the machine's,
-    not a container's limit); no check where neither is known.
+    Free memory as ``partialbayes.predictive.available_memory`` gives it; no check where it is unknown.
 
     Raises:
         ValueError: Naming ``what``, the bytes it needs, the bytes free and ``instead``.
     """
-    if device.type == "cuda":  # free, and cached by torch's allocator
-        free = torch.cuda.mem_get_info(device)[0]
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    else:
-        meminfo = Path("/proc/meminfo")
-        found = (
-            re.search(r"MemAvailable:\s*(\d+)", meminfo.read_text()) if meminfo.exists() else None
-        )
-        free = int(found.group(1)) * 1024 if found else nbytes
-    if nbytes > free:
+    free, _ = available_memory(device)
+    if free is not None and nbytes > free:
         raise ValueError(
             f"{what} needs {nbytes / 2**30:.1f} GiB ({nbytes:,} bytes) but {free / 2**30:.1f} GiB are "
             f"free on {device}: {instead}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
@@ -29,9 +29,11 @@ from partialbayes.linear_sampling._precision import NoisePrecision, Prior, softm
 from partialbayes.linear_sampling._sgd import SGDConfig, SolveInfo
 from partialbayes.linear_sampling._solve import posterior_samples
 from partialbayes.predictive import (
+    answer_index,
     check_count,
     check_likelihood,
     eval_mode,
+    is_causal_lm,
     probit,
     resolve_link,
     rows,
@@ -275,36 +277,54 @@ class SampledLaplace:
         *,
         cat: bool = False,
         result: tuple[Callable[[Tensor], int], str, str] | None = None,
+        target_ids: Sequence[int] | Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """``f(x; θ*)`` in the model's output shape and ``each(f, J z_c)`` summed (or concatenated).
 
         The chosen columns ``z_c`` of the stored samples (all for ``cols=None``) are pushed forward a few
         at a time (``J z_c`` is ``[*f, c]``), so no ``[*f, k]`` block is formed unless asked for.
         ``result = (f -> floats per output, what, instead)`` sizes the result: the call is refused before
-        the first column if the device's free memory cannot hold it.
+        the first column if the device's free memory cannot hold it. ``target_ids``: ``f`` and ``J z`` are
+        the ``[P, K]`` answer logits (``partialbayes.predictive.answer_index``: the labels mark them).
         """
         z = self._require_fit()
         z = z if cols is None else z[:, cols.to(z.device)]
         ops = self._operators()
-        inputs = split_batch(batch, device=z.device).inputs
+        b = split_batch(batch, device=z.device)
         parts: list[Tensor] = []
         with eval_mode(self.model):
-            f = ops.forward(inputs)
+            f = ops.forward(b.inputs)
+            numel, rows = f.numel(), None
+            if target_ids is not None:
+                if self.likelihood == "regression":
+                    raise ValueError(
+                        "target_ids selects answer tokens of a classifier; not for regression"
+                    )
+                causal = is_causal_lm(self.model)
+                kw = {"labels": b.labels, "attention_mask": b.attention_mask, "causal_lm": causal}
+                rows = answer_index(f, target_ids, **kw)
+                f = f[rows]
             if result is not None:
                 per, what, instead = result
                 nbytes = f.numel() * per(f) * max(f.element_size(), z.element_size())
                 check_memory(nbytes, f.device, f"{what} of outputs {tuple(f.shape)}", instead)
-            for jz in ops.jvp(inputs, z, f.numel()):
+            for jz in ops.jvp(b.inputs, z, numel, rows):
                 part = each(f, jz.reshape(*f.shape, jz.shape[-1]))
                 parts = [*parts, part] if cat or not parts else [parts[0] + part]
         return f, torch.cat(parts) if cat else parts[0]
 
     def predictive_samples(
-        self, batch: Any, n: int, *, generator: torch.Generator | None = None
+        self,
+        batch: Any,
+        n: int,
+        *,
+        generator: torch.Generator | None = None,
+        target_ids: Sequence[int] | Tensor | None = None,
     ) -> Tensor:
         """``n`` linearised logit samples ``f(x; θ*) + J(x) z_j``, ``[n, B, C]`` (or ``[n, B, T, C]``).
 
         The ``z_j`` are ``n`` distinct stored samples chosen with ``generator`` (as in `sample`).
+        ``target_ids``: the answer logits only, ``[n, P, K]`` (see `predict`).
 
         Raises:
             ValueError: If ``n`` exceeds the stored samples, or the result would not fit in the free
@@ -317,16 +337,20 @@ class SampledLaplace:
 
         instead = "draw fewer samples, or pass fewer examples"
         size = (lambda f: n, f"predictive_samples(n={n})", instead)
-        return self._linearised(batch, self._columns(n, generator), draws, cat=True, result=size)[1]
+        cols = self._columns(n, generator)
+        return self._linearised(batch, cols, draws, cat=True, result=size, target_ids=target_ids)[1]
 
-    def logit_mean_cov(self, batch: Any) -> tuple[Tensor, Tensor]:
+    def logit_mean_cov(
+        self, batch: Any, *, target_ids: Sequence[int] | Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Linearised predictive ``f(x; θ*)`` and the sample covariance ``(1/k) Σ_j (J z_j)(J z_j)ᵀ``.
 
         The covariance estimates ``J H⁻¹ Jᵀ`` from all ``k`` stored samples (unbiased: the samples have
-        known mean zero).
+        known mean zero). ``target_ids``: of the answer logits only (see `predict`).
 
         Returns:
-            ``(f [..., C], cov [..., C, C])`` for outputs ``[..., C]``.
+            ``(f [..., C], cov [..., C, C])`` for outputs ``[..., C]``; ``[P, K]``, ``[P, K, K]`` with
+            ``target_ids``.
 
         Raises:
             ValueError: If the ``[..., C, C]`` covariances would not fit in the free memory (at a
@@ -340,7 +364,7 @@ class SampledLaplace:
 
         instead = "use predict or predictive_samples, which form no C x C blocks"
         size = (lambda f: f.shape[-1], "logit_mean_cov", instead)
-        return self._linearised(batch, None, outer, result=size)
+        return self._linearised(batch, None, outer, result=size, target_ids=target_ids)
 
     def predict(
         self,
@@ -349,8 +373,9 @@ class SampledLaplace:
         link: str | None = None,
         n_samples: int = 100,
         generator: torch.Generator | None = None,
+        target_ids: Sequence[int] | Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """The linearised predictive for a batch (labels ignored).
+        """The linearised predictive for a batch (labels ignored, except that they mark the answers).
 
         The samples are pushed forward a few at a time, so memory stays a few times the output's size
         (no ``[..., C, k]`` block at a large vocabulary).
@@ -362,9 +387,13 @@ class SampledLaplace:
                 sample variances of all ``k`` samples; ``n_samples`` unused).
             n_samples: Linearised samples to average (``"mc"``), at most the ``k`` stored.
             generator: Chooses the samples for ``"mc"``.
+            target_ids: Answer-only (classification): the ``K`` answer tokens' distribution at the
+                answer positions (the labelled ones, shifted for a causal LM; without labels each
+                sequence's last real token), renormalised over them; the JVPs keep only those logits.
 
         Returns:
-            Probabilities of the logits' shape; regression: ``(f, variance + σ²)``.
+            Probabilities of the logits' shape (``[P, K]`` with ``target_ids``); regression:
+            ``(f, variance + σ²)``.
         """
         link = resolve_link(link, self.links, "SampledLaplace")
         check_count("n_samples", n_samples)
@@ -379,7 +408,7 @@ class SampledLaplace:
                 return torch.softmax(f.to(acc).unsqueeze(-1) + jz.to(acc), dim=-2).sum(-1) / s
             return jz.to(acc).square().sum(-1) / k
 
-        f, out = self._linearised(batch, cols, moment)
+        f, out = self._linearised(batch, cols, moment, target_ids=target_ids)
         f = f.to(out.dtype)
         if self.likelihood == "regression":
             return f, out + self.sigma_noise**2

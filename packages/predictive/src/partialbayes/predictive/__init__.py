@@ -7,7 +7,12 @@ implements, the one way to read a batch (`split_batch`) and call a model (`model
 torch only; never imports a posterior class.
 """
 
-from partialbayes.predictive._answers import answer_logits, answer_positions, check_target_ids
+from partialbayes.predictive._answers import (
+    answer_index,
+    answer_logits,
+    answer_positions,
+    check_target_ids,
+)
 from partialbayes.predictive._auroc import auroc
 from partialbayes.predictive._batch import (
     IGNORE_INDEX,
@@ -50,8 +55,7 @@ from partialbayes.predictive._model import PosteriorModel
 from partialbayes.predictive._posterior import (
     LIKELIHOODS,
     Posterior,
-    check_count,
-    check_generator,
+    available_memory,
     check_likelihood,
     eval_mode,
     resolve_link,
@@ -66,6 +70,7 @@ from partialbayes.predictive._stream import (
     mc_predict_regression,
 )
 from partialbayes.predictive._temperature import apply_temperature, fit_temperature
+from partialbayes.predictive._validate import check_count, check_generator
 
 __all__ = [
     "IGNORE_INDEX",
@@ -79,10 +84,12 @@ __all__ = [
     "ReliabilityData",
     "Uncertainty",
     "accuracy",
+    "answer_index",
     "answer_logits",
     "answer_positions",
     "apply_temperature",
     "auroc",
+    "available_memory",
     "average_softmax",
     "batch_size",
     "brier",

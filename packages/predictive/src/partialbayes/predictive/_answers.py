@@ -70,15 +70,15 @@ def answer_positions(
     return torch.arange(t, device=real.device)[None] == last[:, None]
 
 
-def answer_logits(
+def answer_index(
     logits: Tensor,
     target_ids: Sequence[int] | Tensor,
     *,
     labels: Tensor | None = None,
     attention_mask: Tensor | None = None,
     causal_lm: bool = False,
-) -> Tensor:
-    """The logits of the answer tokens at the answer positions: ``[P, K]``.
+) -> tuple[Tensor, ...]:
+    """The index of the answer logits: ``logits[answer_index(logits, ...)]`` is `answer_logits`, ``[P, K]``.
 
     Args:
         logits: ``[B, T, V]`` (or ``[B, V]``: every row is an answer).
@@ -88,12 +88,32 @@ def answer_logits(
         causal_lm: Shift the labels (see `answer_positions`).
 
     Returns:
-        ``[P, K]``: the ``P`` answer positions in row-major ``(b, t)`` order; ``softmax(-1)`` of it is the
-        answer's distribution renormalised over the ``K`` tokens.
+        (example, position, token) index tensors (example, token for ``[B, V]``) that broadcast to
+        ``[P, K]``: the ``P`` answer positions in row-major ``(b, t)`` order, for the logits or any output
+        of their shape.
     """
     ids = check_target_ids(target_ids, logits.shape[-1]).to(logits.device)
     keep = answer_positions(
         logits, labels=labels, attention_mask=attention_mask, causal_lm=causal_lm
     )
-    rows = logits if keep is None else logits[keep]
-    return rows.index_select(-1, ids)
+    every = (torch.arange(logits.shape[0], device=ids.device),)
+    rows = every if keep is None else keep.nonzero(as_tuple=True)
+    return (*(r[:, None] for r in rows), ids[None])
+
+
+def answer_logits(
+    logits: Tensor,
+    target_ids: Sequence[int] | Tensor,
+    *,
+    labels: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    causal_lm: bool = False,
+) -> Tensor:
+    """The logits of the answer tokens at the answer positions, ``[P, K]`` (arguments: `answer_index`).
+
+    ``softmax(-1)`` of it is the answer's distribution renormalised over the ``K`` tokens.
+    """
+    mask = attention_mask
+    return logits[
+        answer_index(logits, target_ids, labels=labels, attention_mask=mask, causal_lm=causal_lm)
+    ]

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from partialbayes.predictive._answers import answer_logits
 from partialbayes.predictive._batch import is_causal_lm, model_logits, split_batch
 from partialbayes.predictive._stream import mc_predict, mc_predict_regression
+from partialbayes.predictive._validate import check_count
 
 
 @runtime_checkable
@@ -65,20 +66,27 @@ class Posterior(Protocol):
         link: str | None = None,
         n_samples: int = 100,
         generator: torch.Generator | None = None,
+        target_ids: Sequence[int] | Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Predictive for a batch of any kind (labels in it are ignored), in eval mode, without gradients.
+        """Predictive for a batch of any kind, in eval mode, without gradients.
 
         Classification: probabilities with the logits' shape, ``[B, C]`` or ``[B, T, C]``. Regression:
         ``(mean, variance)`` of the predictive, each of the outputs' shape, the variance including the
         observation noise σ². ``n_samples`` counts Monte Carlo samples where the link uses them; an unknown
-        ``link`` is a ``ValueError`` listing `links`.
+        ``link`` is a ``ValueError`` listing `links`. Labels are ignored but for ``target_ids``: the ``K``
+        answer tokens' distribution at the answer positions (`answer_positions`), renormalised, ``[P, K]``.
         """
         ...
 
     def predictive_samples(
-        self, batch: Any, n: int, *, generator: torch.Generator | None = None
+        self,
+        batch: Any,
+        n: int,
+        *,
+        generator: torch.Generator | None = None,
+        target_ids: Sequence[int] | Tensor | None = None,
     ) -> Tensor:
-        """``n`` logit samples ``[n, B, C]`` (or ``[n, B, T, C]``) for a batch."""
+        """``n`` logit samples ``[n, B, C]`` (or ``[n, B, T, C]``; ``[n, P, K]`` with ``target_ids``)."""
         ...
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -129,21 +137,26 @@ def check_likelihood(likelihood: object, sigma_noise: object = 1.0) -> float:
     return float(sigma_noise)
 
 
-def check_count(name: str, n: object) -> int:
-    """A positive ``int`` (bools refused), else a ``ValueError`` naming ``name``."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"{name} must be a positive int, got {n!r}")
-    return n
+def available_memory(device: torch.device | str) -> tuple[int | None, str]:
+    """Bytes free for new tensors on ``device`` (``None``: unknown), and where the number comes from.
 
-
-def check_generator(generator: object, name: str = "generator") -> torch.Generator | None:
-    """``None`` or a ``torch.Generator``, else a ``TypeError`` naming ``name`` (a seed is not a generator)."""
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(
-            f"{name} must be a torch.Generator or None, got {type(generator).__name__} "
-            f"{generator!r} (for a seed s pass torch.Generator().manual_seed(s))"
-        )
-    return generator
+    CUDA: free plus cached by torch's allocator; CPU: ``MemAvailable`` (the machine's, not a container's).
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        return free + cached, "free + cached CUDA memory"
+    if dev.type != "cpu":
+        return None, f"unknown on {dev.type}"
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+    except OSError:
+        pass
+    return None, "unknown (no /proc/meminfo)"
 
 
 def rows(sample: Mapping[str, Tensor], i: int) -> dict[str, Tensor]:

@@ -24,12 +24,21 @@ def check_tensor(name: str, x: object, *, floating: bool = True) -> Tensor:
     return x
 
 
-def check_generator(generator: object) -> None:
-    """Check that ``generator`` is a ``torch.Generator`` or ``None``."""
+def check_count(name: str, n: object) -> int:
+    """A positive ``int`` (bools refused), else a ``ValueError`` naming ``name``."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{name} must be a positive int, got {n!r}")
+    return n
+
+
+def check_generator(generator: object, name: str = "generator") -> torch.Generator | None:
+    """``None`` or a ``torch.Generator``, else a ``TypeError`` naming ``name`` (a seed is not a generator)."""
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(
-            f"generator must be a torch.Generator or None, got {type(generator).__name__}"
+            f"{name} must be a torch.Generator or None, got {type(generator).__name__} "
+            f"{generator!r} (for a seed s pass torch.Generator().manual_seed(s))"
         )
+    return generator
 
 
 def check_same_device(**tensors: Tensor) -> None:

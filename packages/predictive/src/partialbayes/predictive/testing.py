@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.predictive._batch import model_logits, split_batch
+from partialbayes.predictive._answers import answer_positions
+from partialbayes.predictive._batch import is_causal_lm, model_logits, split_batch
 from partialbayes.predictive._posterior import Posterior, rows
 
 
@@ -152,6 +153,43 @@ def _check_predict(post: Posterior, batch: Any, regression: bool, seed: int) -> 
     return out
 
 
+def _check_answers(post: Posterior, batch: Any, seed: int) -> None:
+    """``target_ids``: ``[P, K]`` answer probabilities in the ids' order, ``[n, P, K]`` draws, bad ids refused."""
+    b = split_batch(batch, device=next(post.model.parameters()).device)
+    with torch.no_grad():
+        logits = model_logits(post.model, b.inputs)
+    c, causal = logits.shape[-1], is_causal_lm(post.model)
+    if c < 2:
+        return
+    keep = answer_positions(
+        logits, labels=b.labels, attention_mask=b.attention_mask, causal_lm=causal
+    )
+    shape = (logits.shape[0] if keep is None else int(keep.sum()), 2)
+    gen = [_generator(seed, post.model) for _ in range(3)]
+    probs = post.predict(batch, target_ids=[c - 1, 0], n_samples=8, generator=gen[0])
+    flipped = post.predict(batch, target_ids=[0, c - 1], n_samples=8, generator=gen[1])
+    draws = post.predictive_samples(batch, 3, target_ids=[c - 1, 0], generator=gen[2])
+    ok = isinstance(probs, Tensor) and isinstance(flipped, Tensor) and probs.shape == shape
+    if not ok or tuple(draws.shape) != (3, *shape):
+        raise AssertionError(
+            f"target_ids=[{c - 1}, 0] must give [P, K] = {shape} (draws [n, P, K])"
+        )
+    assert isinstance(probs, Tensor)
+    assert isinstance(flipped, Tensor)
+    if float((probs.sum(-1) - 1).abs().max()) > 1e-5 or not torch.allclose(probs, flipped.flip(-1)):
+        raise AssertionError(
+            "predict(target_ids=...) must renormalise over the ids, in their order"
+        )
+    for bad in ([0, 0], [c]):
+        try:
+            post.predict(batch, target_ids=bad)
+        except ValueError:
+            continue
+        raise AssertionError(
+            f"predict(target_ids={bad}) must raise ValueError (repeated / out of range)"
+        )
+
+
 def check_posterior(
     posterior: Posterior,
     batch: Any,
@@ -168,7 +206,11 @@ def check_posterior(
     ``sampled``), and refuses a sample with NaN entries with a ``ValueError``; ``predict`` with every offered link returns probabilities of the logits' shape that sum
     to one (regression: a mean and a non-negative variance of that shape); an unknown link is a
     ``ValueError`` listing the offered ones; ``predictive_samples`` has shape ``[n, *logits]``; and
-    ``save`` → ``load`` onto the same model gives identical predictions.
+    ``save`` → ``load`` onto the same model gives identical predictions. Classification with two or more
+    outputs: ``predict(target_ids=ids)`` is ``[P, K]`` (the answer positions of
+    ``partialbayes.predictive.answer_positions``) of probabilities that sum to one and follow the order of
+    ``ids``, ``predictive_samples(..., target_ids=ids)`` is ``[n, P, K]``, and repeated or out-of-range ids
+    are a ``ValueError``.
 
     Args:
         posterior: A fitted posterior.
@@ -178,23 +220,8 @@ def check_posterior(
         seed: Seed of the generators passed to the sampling calls.
     """
     if not isinstance(posterior, Posterior):
-        missing = [
-            m
-            for m in (
-                "links",
-                "model",
-                "subset",
-                "num_floats",
-                "sample",
-                "swapped",
-                "sampled",
-                "predict",
-                "predictive_samples",
-                "save",
-                "load",
-            )
-            if not hasattr(posterior, m)
-        ]
+        names = [*Posterior.__annotations__, *(m for m in vars(Posterior) if m[0] != "_")]
+        missing = [m for m in names if not hasattr(posterior, m)]
         raise AssertionError(f"{type(posterior).__name__} is not a Posterior: missing {missing}")
     if not posterior.links:
         raise AssertionError("links must name at least one link")
@@ -203,6 +230,8 @@ def check_posterior(
     draws = _check_samples(posterior, 3, seed)
     _check_swapping(posterior, draws, seed)
     before = _check_predict(posterior, batch, regression, seed)
+    if not regression:
+        _check_answers(posterior, batch, seed)
     posterior.save(path)
     loaded = type(posterior).load(path, posterior.model)
     after = _check_predict(loaded, batch, regression, seed)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
@@ -322,6 +322,7 @@ class SWAG:
         n_samples: int = 100,
         generator: torch.Generator | None = None,
         scale: float = 1.0,
+        target_ids: Sequence[int] | Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Monte Carlo predictive over ``n_samples`` weight samples (eval mode, no gradients).
 
@@ -336,6 +337,9 @@ class SWAG:
             n_samples: Number of weight samples ``S``.
             generator: Source of randomness (same seed, same prediction).
             scale: Covariance scale of the samples.
+            target_ids: Answer-only: the ``K`` answer tokens' distribution at the answer positions (the
+                labelled ones, shifted for a causal LM), renormalised over them, ``[P, K]``
+                (``partialbayes.predictive.sampled_predict``).
 
         Returns:
             Probabilities, or ``(mean, variance)`` for regression.
@@ -351,6 +355,7 @@ class SWAG:
             sample_ctx=lambda s: self.sampled(scale=scale, generator=generator),
             regression=self.likelihood == "regression",
             noise_var=self.sigma_noise**2,
+            target_ids=target_ids,
         )
 
     def predictive_samples(
@@ -360,10 +365,11 @@ class SWAG:
         *,
         generator: torch.Generator | None = None,
         scale: float = 1.0,
+        target_ids: Sequence[int] | Tensor | None = None,
     ) -> Tensor:
-        """Logits under ``n`` weight samples, ``[n, B, C]`` (or ``[n, B, T, C]``); eval mode, no gradients."""
+        """Logits under ``n`` weight samples, ``[n, B, C]`` (or ``[n, B, T, C]``; ``[n, P, K]`` answer-only)."""
         sample_ctx = lambda s: self.sampled(scale=scale, generator=generator)  # noqa: E731
-        return sampled_logits(self, batch, n, sample_ctx=sample_ctx)
+        return sampled_logits(self, batch, n, sample_ctx=sample_ctx, target_ids=target_ids)
 
     # ------------------------------------------------------------------ io
     def save(self, path: str | os.PathLike[str]) -> None:
