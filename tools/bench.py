@@ -107,7 +107,9 @@ def render_page(results: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (1 when a benchmark failed)."""
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     parser.add_argument("--package", action="append", help="only this package (repeatable)")
     parser.add_argument(

@@ -30,7 +30,7 @@ ANSWERS = [262, 290, 286, 257, 284]  # five token ids
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument(
         "--case", required=True, choices=["mc", "empirical", "exact", "head-low-rank", "head"]
     )

@@ -27,7 +27,7 @@ from tiny_models import answer_batches, lora_gpt2, peak_gib
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--n-samples", type=int, default=32)
     parser.add_argument("--max-iter", type=int, default=3)
     parser.add_argument("--method", default="cg", choices=["cg", "sgd"])
