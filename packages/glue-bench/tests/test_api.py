@@ -45,6 +45,18 @@ def test_finetune_leaves_the_model_in_the_callers_mode(training, tiny_bert_facto
     assert all(m.training is training for m in model.modules())
 
 
+def test_finetune_logs_each_epoch_it_trains(tiny_bert_factory):
+    model, tokenizer = tiny_bert_factory()
+    lines: list[str] = []
+    config = TrainConfig(epochs=2, batch_size=4, max_length=16, lr=1e-3, patience=5)
+    summary = finetune(
+        model, tokenizer, _examples(8), _examples(4), config, progress=False, log=lines.append
+    )
+    assert len(lines) == len(summary["history"]) == 2
+    assert lines[0].startswith("epoch 1/2: train loss ")
+    assert "val accuracy" in lines[1]
+
+
 def test_train_epoch_restores_the_mode_when_the_loss_is_not_finite(tiny_bert_factory):
     model, tokenizer = tiny_bert_factory()
     model.eval()

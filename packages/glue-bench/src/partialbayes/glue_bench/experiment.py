@@ -125,6 +125,7 @@ def map_checkpoint(
     folder: Path,
     progress: bool,
     about: dict[str, Any],
+    log: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
     """Load the MAP checkpoint at ``folder`` into ``model``, fine-tuning and publishing it first if absent.
 
@@ -138,7 +139,9 @@ def map_checkpoint(
     own: dict[str, Any] = {"cached": True, "finetune_seconds": 0.0, "finetune_cpu_seconds": 0.0}
     if load_checkpoint(model, folder) is None:
         device = next(model.parameters()).device
-        summary = finetune(model, tokenizer, parts["train"], parts["val"], train, device, progress)
+        summary = finetune(
+            model, tokenizer, parts["train"], parts["val"], train, device, progress, log
+        )
         hess = summary.pop("ivon_hess", None)
         cut = {n: count_truncated(e, tokenizer, train.max_length) for n, e in parts.items()}
         meta = {**about, "max_length": train.max_length, "truncated": cut, **summary}
@@ -163,6 +166,7 @@ def prepare_context(
     glue_dir: str | Path | None = None,
     model_factory: ModelFactory | None = None,
     progress: bool = True,
+    log: Callable[[str], None] | None = None,
 ) -> tuple[Context, dict[str, Any]]:
     """Load data, fine-tune or reuse the checkpoint of (task, split), and build the method context.
 
@@ -190,7 +194,9 @@ def prepare_context(
     train = dataclasses.replace(config.train, seed=seed, max_length=max_length)
     folder = store.checkpoint_dir(task, split, config.model)
     about = {"task": task, "split": split, "model": config.model}
-    meta, hess = map_checkpoint(model.to(device), tokenizer, parts, train, folder, progress, about)
+    meta, hess = map_checkpoint(
+        model.to(device), tokenizer, parts, train, folder, progress, about, log
+    )
     model.eval()
     ivon = None
     if hess is not None and "ivon" in meta:
@@ -357,6 +363,7 @@ class _Unit:
             g.glue_dir,
             g.model_factory,
             g.progress,
+            self.say,
         )
         if meta.get("published_here") is False:
             self.say("another process published this checkpoint first: using its weights")

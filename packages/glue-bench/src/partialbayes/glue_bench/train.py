@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,11 +215,13 @@ def finetune(
     config: TrainConfig,
     device: torch.device | str = "cpu",
     progress: bool = True,
+    log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Fine-tune ``model`` in place; keep the weights of the epoch with the best validation accuracy.
 
     With ``config.epochs == 0`` nothing is trained: the summary scores the model as it is. The model is
-    left in the mode the caller had it in.
+    left in the mode the caller had it in. ``log`` (if given) receives one line per epoch (its training
+    loss and validation accuracy), so a run without progress bars still shows where it is.
 
     Returns:
         A summary: best epoch, its validation accuracy, per-epoch history, wall-clock ``seconds`` and
@@ -243,6 +245,8 @@ def finetune(
         loss = train_epoch(model, opts, batches, device, epoch, progress)
         acc = accuracy(model, val_batches, device)
         history.append({"epoch": epoch + 1, "train_loss": loss, "val_accuracy": acc})
+        if log is not None:
+            log(f"epoch {epoch + 1}/{config.epochs}: train loss {loss:.4f}, val accuracy {acc:.3f}")
         if acc > best_acc:
             best_acc, best_epoch, stale = acc, epoch + 1, 0
             best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
