@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from partialbayes.selection import skfac_rows_cols
+from partialbayes.selection._skfac import skfac_rows_cols
 
 OUT = Path(__file__).resolve().parent.parent / "pages" / "img" / "skfac_masks.png"
 PERCENTS = (40, 50, 80, 90)

@@ -186,7 +186,7 @@ def test_labels_are_checked_whatever_the_fisher(fisher, device):
         kfac(model, [good, (x[2:], ["a", "b"])], s, fisher=fisher)
     with pytest.raises(TypeError, match=r"batch 1: batch must be .*got set"):
         kfac(model, [good, {1, 2}], s, fisher=fisher)
-    # labels given as a list of ints are converted (partialbayes.predictive.split_batch)
+    # labels given as a list of ints are converted (partialbayes.predictive.internal.split_batch)
     as_list = kfac(
         model, [good, (x[2:], [1, 0])], s, fisher=fisher, generator=torch.Generator().manual_seed(0)
     )

@@ -14,14 +14,14 @@ from partialbayes.linear_sampling import (
     SGDConfig,
     conjugate_gradients,
     effective_dimension,
-    feature_scales,
     fit_prior_precision,
     mackay_update,
     posterior_mean,
     posterior_samples,
-    scale_features,
     softmax_hessian,
 )
+from partialbayes.linear_sampling._em import feature_scales
+from partialbayes.linear_sampling._features import scale_features
 
 F64 = torch.float64
 NON_FINITE = st.sampled_from([math.nan, math.inf, -math.inf])

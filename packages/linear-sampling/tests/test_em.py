@@ -12,12 +12,12 @@ from partialbayes.linear_sampling import (
     Prior,
     SGDConfig,
     effective_dimension,
-    feature_scales,
     fit_prior_precision,
     mackay_update,
     posterior_samples,
     softmax_hessian,
 )
+from partialbayes.linear_sampling._em import feature_scales
 
 F64 = torch.float64
 

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 from partialbayes.predictive import (
     answer_logits,
     answer_positions,
-    check_target_ids,
     is_causal_lm,
     sampled_logits,
     sampled_predict,
 )
+from partialbayes.predictive.internal import check_target_ids
 
 pytest.importorskip("transformers")
 from tiny_models import tiny_model

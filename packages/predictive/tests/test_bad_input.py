@@ -11,9 +11,7 @@ from hypothesis import strategies as st
 from partialbayes.predictive import (
     accuracy,
     apply_temperature,
-    batch_size,
     brier,
-    cholesky_jitter,
     decompose_classification,
     decompose_regression,
     ece,
@@ -32,6 +30,7 @@ from partialbayes.predictive import (
     reliability,
     sample_logits,
 )
+from partialbayes.predictive.internal import batch_size, cholesky_jitter
 
 F64 = torch.float64
 NON_FINITE = st.sampled_from([math.nan, math.inf, -math.inf])
@@ -257,14 +256,14 @@ def test_batch_size_of_unsupported_inputs(inputs):
     ],
 )
 def test_check_likelihood_names_the_option(likelihood, sigma, match):
-    from partialbayes.predictive import check_likelihood
+    from partialbayes.predictive.internal import check_likelihood
 
     with pytest.raises(ValueError, match=match):
         check_likelihood(likelihood, sigma)
 
 
 def test_check_likelihood_returns_a_float():
-    from partialbayes.predictive import check_likelihood
+    from partialbayes.predictive.internal import check_likelihood
 
     assert check_likelihood("regression", 2) == 2.0
     assert isinstance(check_likelihood("classification"), float)

@@ -5,15 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from partialbayes.predictive import (
-    Posterior,
-    flatten_outputs,
-    kept_positions,
-    model_logits,
-    resolve_link,
-    sampled_logits,
-    split_batch,
-)
+from partialbayes.predictive import Posterior, flatten_outputs, kept_positions, sampled_logits
+from partialbayes.predictive.internal import model_logits, resolve_link, split_batch
 
 
 class FrozenMapping(Mapping):

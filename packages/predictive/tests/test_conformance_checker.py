@@ -7,12 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from partialbayes.predictive import (
-    average_softmax,
-    resolve_link,
-    rows,
-    sampled_logits,
-)
+from partialbayes.predictive import average_softmax, sampled_logits
+from partialbayes.predictive.internal import resolve_link, rows
 from partialbayes.predictive.testing import check_posterior
 
 from ._refs import BiasSubset

@@ -12,7 +12,11 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from torch import nn
 
-from partialbayes.predictive import PosteriorFile, read_posterior_file, write_posterior_file
+from partialbayes.predictive.internal import (
+    PosteriorFile,
+    read_posterior_file,
+    write_posterior_file,
+)
 
 FMT = "partialbayes.test.Thing"
 

@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from partialbayes.predictive import cholesky_jitter, mc_predictive, sample_logits
+from partialbayes.predictive import mc_predictive, sample_logits
+from partialbayes.predictive.internal import cholesky_jitter
 
 from ._refs import gh_sigmoid, gh_softmax
 

@@ -6,15 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from partialbayes.predictive import (
-    average_softmax,
-    check_generator,
-    eval_mode,
-    move_batch,
-    rows,
-    sampled_logits,
-    sampled_predict,
-)
+from partialbayes.predictive import average_softmax, sampled_logits, sampled_predict
+from partialbayes.predictive.internal import check_generator, eval_mode, move_batch, rows
 
 from ._refs import BiasSubset
 

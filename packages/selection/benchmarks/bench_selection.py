@@ -10,12 +10,8 @@ import torch
 from benchharness import Bench
 from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
-from partialbayes.selection import (
-    largest_magnitude,
-    linear_modules,
-    operator_norms,
-    sparse_kfac,
-)
+from partialbayes.selection import largest_magnitude, linear_modules, sparse_kfac
+from partialbayes.selection._norms import operator_norms
 
 
 def _model(b: Bench) -> torch.nn.Module:

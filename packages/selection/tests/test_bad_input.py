@@ -19,13 +19,11 @@ from partialbayes.selection import (
     random_modules,
     random_parameters,
     skfac_percent_for_target,
-    skfac_rows_cols,
     sparse_kfac,
-    spectral_norm_gram,
-    spectral_norm_power,
-    spectral_norm_svd,
     summary,
 )
+from partialbayes.selection._norms import spectral_norm_gram, spectral_norm_power, spectral_norm_svd
+from partialbayes.selection._skfac import skfac_rows_cols
 
 
 class Tiny(nn.Module):

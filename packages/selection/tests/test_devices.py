@@ -8,10 +8,10 @@ from partialbayes.selection import (
     MaskBlock,
     Subset,
     largest_magnitude,
-    operator_norms,
     random_parameters,
     sparse_kfac,
 )
+from partialbayes.selection._norms import operator_norms
 
 
 def model_on(device):

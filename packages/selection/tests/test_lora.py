@@ -16,12 +16,12 @@ from partialbayes.selection import (
     module_group,
     module_groups,
     modules,
-    operator_norms,
     random_modules,
     sparse_kfac,
     summary,
     tied_linear_modules,
 )
+from partialbayes.selection._norms import operator_norms
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -11,8 +11,10 @@ from partialbayes.selection import (
     linear_modules,
     max_operator_norm,
     min_operator_norm,
-    operator_norms,
     rank_by_operator_norm,
+)
+from partialbayes.selection._norms import (
+    operator_norms,
     spectral_norm_gram,
     spectral_norm_power,
     spectral_norm_svd,

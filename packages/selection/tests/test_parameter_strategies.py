@@ -13,9 +13,9 @@ from partialbayes.selection import (
     largest_marginal_variance,
     random_parameters,
     summary,
-    summary_rows,
 )
 from partialbayes.selection._parameter_strategies import top_k_stable
+from partialbayes.selection._summary import summary_rows
 
 
 class Small(nn.Module):

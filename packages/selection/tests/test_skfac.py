@@ -16,9 +16,9 @@ from partialbayes.selection import (
     skfac_percent_for_fraction,
     skfac_percent_for_target,
     skfac_percent_of_params,
-    skfac_rows_cols,
     sparse_kfac,
 )
+from partialbayes.selection._skfac import skfac_rows_cols
 
 percents = st.floats(0.01, 100.0, allow_nan=False)
 

@@ -10,15 +10,9 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from partialbayes.swag import (
-    SWAG,
-    NonFiniteLossError,
-    classification_loss,
-    collect_swag,
-    load_swag,
-    predictive_nll,
-    update_moments,
-)
+from partialbayes.swag import SWAG, NonFiniteLossError, collect_swag, predictive_nll
+from partialbayes.swag._moments import update_moments
+from partialbayes.swag._train import classification_loss
 
 FILES = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -183,13 +177,13 @@ def test_non_finite_or_missing_tensors_are_refused_naming_the_file(
             broken[key] = tensors[key].clone()
             broken[key].view(-1)[0] = bad
             with pytest.raises(ValueError, match=rf"edited\.safetensors.*'{key}' has 1 NaN or inf"):
-                load_swag(rewrite(path, broken, meta), model)
+                SWAG.load(rewrite(path, broken, meta), model)
         rest = {k: v for k, v in tensors.items() if k != key}
         with pytest.raises(ValueError, match=rf"edited\.safetensors.*'{key}' is missing"):
-            load_swag(rewrite(path, rest, meta), model)
+            SWAG.load(rewrite(path, rest, meta), model)
         wrong = {**tensors, key: torch.zeros(3, 2)}
         with pytest.raises(ValueError, match=rf"edited\.safetensors.*'{key}' has shape"):
-            load_swag(rewrite(path, wrong, meta), model)
+            SWAG.load(rewrite(path, wrong, meta), model)
 
 
 def test_broken_metadata_is_refused_naming_the_file(helpers, tmp_path):
@@ -197,12 +191,12 @@ def test_broken_metadata_is_refused_naming_the_file(helpers, tmp_path):
     meta, tensors = read(path)
     for raw in ("{oops", "[]", json.dumps({"format": "partialbayes.swag.SWAG", "version": 2})):
         with pytest.raises(ValueError, match=r"edited\.safetensors"):
-            load_swag(rewrite(path, tensors, {"partialbayes": raw}), model)
+            SWAG.load(rewrite(path, tensors, {"partialbayes": raw}), model)
     fields = json.loads(meta["partialbayes"])
     for key in ("subset", "structure", "max_rank", "n_snapshots", "dtype", "likelihood"):
         broken = {k: v for k, v in fields.items() if k != key}
         with pytest.raises(ValueError, match=f"no '{key}' field"):
-            load_swag(rewrite(path, tensors, {"partialbayes": json.dumps(broken)}), model)
+            SWAG.load(rewrite(path, tensors, {"partialbayes": json.dumps(broken)}), model)
     for key, value in (
         ("dtype", "int64"),
         ("n_snapshots", "4"),
@@ -214,16 +208,16 @@ def test_broken_metadata_is_refused_naming_the_file(helpers, tmp_path):
     ):
         broken = {**fields, key: value}
         with pytest.raises(ValueError, match=r"edited\.safetensors"):
-            load_swag(rewrite(path, tensors, {"partialbayes": json.dumps(broken)}), model)
+            SWAG.load(rewrite(path, tensors, {"partialbayes": json.dumps(broken)}), model)
     broken = {**fields, "subset": "{}"}
     with pytest.raises(ValueError, match=r"edited\.safetensors': the saved subset"):
-        load_swag(rewrite(path, tensors, {"partialbayes": json.dumps(broken)}), model)
+        SWAG.load(rewrite(path, tensors, {"partialbayes": json.dumps(broken)}), model)
     too_many = {
         **tensors,
         "deviations": torch.zeros(tensors["mean"].shape[0], 4),
     }  # 4 > n_snapshots
     with pytest.raises(ValueError, match=r"edited\.safetensors.*'deviations' has shape"):
-        load_swag(rewrite(path, too_many, meta), model)
+        SWAG.load(rewrite(path, too_many, meta), model)
 
 
 def test_files_of_version_1_are_refused_with_a_re_save_message(helpers, tmp_path):
@@ -231,10 +225,10 @@ def test_files_of_version_1_are_refused_with_a_re_save_message(helpers, tmp_path
     meta, tensors = read(path)
     old = {"partialbayes_swag": json.dumps({"format": "partialbayes-swag", "version": 1})}
     with pytest.raises(ValueError, match=r"edited\.safetensors.*earlier partialbayes; re-save it"):
-        load_swag(rewrite(path, tensors, old), model)
+        SWAG.load(rewrite(path, tensors, old), model)
     other = {"partialbayes": json.dumps({**json.loads(meta["partialbayes"]), "version": 1})}
     with pytest.raises(ValueError, match=r"edited\.safetensors.*version 1.*re-saved"):
-        load_swag(rewrite(path, tensors, other), model)
+        SWAG.load(rewrite(path, tensors, other), model)
 
 
 def test_save_creates_the_folder_is_atomic_and_refuses_a_folder(helpers, tmp_path):
@@ -242,7 +236,7 @@ def test_save_creates_the_folder_is_atomic_and_refuses_a_folder(helpers, tmp_pat
     model, _, swag = collected(helpers)
     target = tmp_path / "new" / "deeper" / "swag.safetensors"
     swag.save(target)
-    assert load_swag(target, model).n_snapshots == swag.n_snapshots
+    assert SWAG.load(target, model).n_snapshots == swag.n_snapshots
     assert sorted(p.name for p in target.parent.iterdir()) == ["swag.safetensors"]
     with pytest.raises(ValueError, match="it is a folder"):
         swag.save(tmp_path)
@@ -258,7 +252,7 @@ def test_every_truncation_is_refused_naming_the_file(helpers, tmp_path, data):
     out = tmp_path / "truncated.safetensors"
     out.write_bytes(blob[: data.draw(st.integers(0, len(blob) - 1))])
     with pytest.raises(ValueError, match=r"truncated\.safetensors"):
-        load_swag(out, helpers.tiny_net(0, dtype=torch.float32))
+        SWAG.load(out, helpers.tiny_net(0, dtype=torch.float32))
 
 
 @FILES
@@ -267,17 +261,17 @@ def test_garbage_is_refused_naming_the_file(helpers, tmp_path, blob):
     out = tmp_path / "garbage.safetensors"
     out.write_bytes(blob)
     with pytest.raises(ValueError, match=r"garbage\.safetensors"):
-        load_swag(out, helpers.tiny_net(0))
+        SWAG.load(out, helpers.tiny_net(0))
 
 
 def test_missing_file(helpers, tmp_path):
     with pytest.raises(FileNotFoundError):
-        load_swag(tmp_path / "none.safetensors", helpers.tiny_net(0))
+        SWAG.load(tmp_path / "none.safetensors", helpers.tiny_net(0))
 
 
 def test_a_good_file_still_loads(helpers, tmp_path):
     model, path = saved(helpers, tmp_path)
-    back = load_swag(path, model)
+    back = SWAG.load(path, model)
     assert back.n_snapshots == 4
 
 
@@ -287,7 +281,7 @@ def test_half_precision_moments_in_a_file_load_as_float32(helpers, tmp_path):
     fields = json.loads(meta["partialbayes"])
     fields["dtype"] = "float16"
     half = {k: v.half() for k, v in tensors.items()}
-    back = load_swag(rewrite(path, half, {"partialbayes": json.dumps(fields)}), model)
+    back = SWAG.load(rewrite(path, half, {"partialbayes": json.dumps(fields)}), model)
     assert back.dtype == torch.float32
     torch.testing.assert_close(back.mean, tensors["mean"].half().float())
 

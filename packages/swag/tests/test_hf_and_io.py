@@ -10,7 +10,6 @@ from partialbayes.selection import KronBlock, MaskBlock, Subset
 from partialbayes.swag import (
     SWAG,
     collect_swag,
-    load_swag,
     predictive_nll,
     sweep_learning_rate,
 )
@@ -182,22 +181,22 @@ def test_save_load_round_trip_and_refusals(helpers, tmp_path):
             model.classifier.weight.sub_(0.5)
     assert torch.equal(loaded.deviations, swag.deviations)
     # Explicit matching subset is accepted; a different one is refused.
-    assert load_swag(path, model, subset).num_entries == swag.num_entries
+    assert SWAG.load(path, model, subset).num_entries == swag.num_entries
     other = Subset.from_model(model, {"classifier.weight": KronBlock()})
     with pytest.raises(ValueError, match="subset does not match"):
-        load_swag(path, model, other)
+        SWAG.load(path, model, other)
     # A model of another shape is refused, naming the parameter.
     config = model.config
     config.dim, config.hidden_dim = 8, 16
     wrong = transformers.DistilBertForSequenceClassification(config)
     with pytest.raises(ValueError, match="does not match"):
-        load_swag(path, wrong)
+        SWAG.load(path, wrong)
     bogus = tmp_path / "bogus.safetensors"
     from safetensors.torch import save_file
 
     save_file({"mean": torch.zeros(3)}, str(bogus))
     with pytest.raises(ValueError, match="not a saved partialbayes posterior"):
-        load_swag(bogus, model)
+        SWAG.load(bogus, model)
 
 
 def test_bad_input(helpers):

@@ -7,12 +7,8 @@ from torch import nn
 from partialbayes.predictive import Posterior, average_softmax, flatten_outputs
 from partialbayes.predictive.testing import check_posterior
 from partialbayes.selection import KronBlock, Subset
-from partialbayes.swag import (
-    SWAG,
-    classification_loss,
-    collect_swag,
-    predictive_nll,
-)
+from partialbayes.swag import SWAG, collect_swag, predictive_nll
+from partialbayes.swag._train import classification_loss
 
 transformers = pytest.importorskip("transformers")
 

@@ -20,7 +20,7 @@ from partialbayes.curvature._hooks import BatchObserver, Run, stream
 from partialbayes.curvature._jacobians import ParamTarget, entry_grads, param_targets
 from partialbayes.curvature._likelihood import CurvatureOptions
 from partialbayes.curvature._outputs import resolve_shift_labels
-from partialbayes.predictive import check_generator
+from partialbayes.predictive.internal import check_generator
 from partialbayes.selection import Subset
 
 

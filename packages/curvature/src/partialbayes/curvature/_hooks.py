@@ -36,7 +36,7 @@ from partialbayes.curvature._likelihood import (
 )
 from partialbayes.curvature._memory import check_exact_fisher
 from partialbayes.curvature._outputs import Outputs, position_plan, read_batch
-from partialbayes.predictive import model_logits
+from partialbayes.predictive.internal import model_logits
 
 
 def merge_calls(name: str, tensors: list[Tensor]) -> Tensor:

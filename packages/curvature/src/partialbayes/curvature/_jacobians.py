@@ -26,7 +26,7 @@ from partialbayes.curvature._outputs import (
     read_batch,
     resolve_shift_labels,
 )
-from partialbayes.predictive import model_logits
+from partialbayes.predictive.internal import model_logits
 from partialbayes.selection import KronBlock, Subset, linear_modules
 
 

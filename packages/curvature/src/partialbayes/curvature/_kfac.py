@@ -24,7 +24,7 @@ from partialbayes.curvature._kfac_math import row_count, shared_rows
 from partialbayes.curvature._likelihood import CurvatureOptions, check_list, model_device
 from partialbayes.curvature._lowrank import LowRankFactor, NystromSketch
 from partialbayes.curvature._outputs import resolve_shift_labels
-from partialbayes.predictive import check_generator
+from partialbayes.predictive.internal import check_generator
 from partialbayes.selection import KronModule, Subset
 
 

@@ -41,21 +41,23 @@ from partialbayes.curvature._prior import (
     prior_vector,
 )
 from partialbayes.predictive import (
-    PosteriorFile,
-    check_count,
-    check_generator,
-    check_target_ids,
-    eval_mode,
     gaussian_nll,
     gaussian_predictive,
     laplace_bridge,
     mc_predictive,
     nll,
-    output_logits,
     probit,
+    sample_logits,
+)
+from partialbayes.predictive.internal import (
+    PosteriorFile,
+    check_count,
+    check_generator,
+    check_target_ids,
+    eval_mode,
+    output_logits,
     read_posterior_file,
     resolve_link,
-    sample_logits,
     write_posterior_file,
 )
 from partialbayes.selection import Subset
@@ -181,7 +183,7 @@ class LaplaceBase:
             with ``ForCausalLM`` or ``LMHeadModel``. Stored by `save`.
         max_memory: Bytes a fit (checked at its first batch) or a predictive (after its forward pass) may
             allocate, else a ``ValueError`` with the estimate and what to change, before anything large is
-            allocated; ``None``: ``partialbayes.predictive.available_memory``. Not saved.
+            allocated; ``None``: ``partialbayes.predictive.internal.available_memory``. Not saved.
 
     Raises:
         TypeError: A model that is not an ``nn.Module``, a subset that is not a ``Subset``, a dtype other
@@ -947,7 +949,7 @@ class LaplaceBase:
     def save(self, path: str | os.PathLike[str]) -> None:
         """Save to one ``.safetensors`` file (tensors) with JSON metadata (settings, subset, model structure).
 
-        Written atomically by ``partialbayes.predictive.write_posterior_file`` (a missing parent folder is
+        Written atomically by ``partialbayes.predictive.internal.write_posterior_file`` (a missing parent folder is
         created; a folder path is refused); format ``partialbayes.curvature.<class>`` version 2.
         """
         self._require_fit()

@@ -15,7 +15,7 @@ from partialbayes.curvature._kron_algebra import clamped_eigh
 from partialbayes.curvature._laplace import LaplaceBase
 from partialbayes.curvature._memory import MemoryEstimate, entries_estimate
 from partialbayes.curvature._outputs import Outputs
-from partialbayes.predictive import PosteriorFile
+from partialbayes.predictive.internal import PosteriorFile
 from partialbayes.selection import Subset
 
 

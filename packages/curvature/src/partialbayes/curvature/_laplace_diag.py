@@ -14,7 +14,7 @@ from partialbayes.curvature._jacobians import subset_jacobians
 from partialbayes.curvature._laplace import LaplaceBase
 from partialbayes.curvature._memory import MemoryEstimate, entries_estimate
 from partialbayes.curvature._outputs import Outputs
-from partialbayes.predictive import PosteriorFile
+from partialbayes.predictive.internal import PosteriorFile
 
 
 class DiagLaplace(LaplaceBase):

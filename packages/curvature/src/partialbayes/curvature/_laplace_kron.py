@@ -30,7 +30,7 @@ from partialbayes.curvature._lowrank import (
 )
 from partialbayes.curvature._memory import MemoryEstimate, kron_estimate
 from partialbayes.curvature._outputs import Outputs
-from partialbayes.predictive import PosteriorFile, check_generator
+from partialbayes.predictive.internal import PosteriorFile, check_generator
 from partialbayes.selection import Subset
 
 

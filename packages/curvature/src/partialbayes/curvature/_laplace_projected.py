@@ -29,7 +29,7 @@ from partialbayes.curvature._hooks import in_row_order, output_passes
 from partialbayes.curvature._kfac import KronTargets
 from partialbayes.curvature._lowrank import LowRankFactor, lowrank_covariance
 from partialbayes.curvature._outputs import Outputs
-from partialbayes.predictive import available_memory
+from partialbayes.predictive.internal import available_memory
 
 
 def rotate_inputs(x: Tensor, q_a: Tensor, bias: bool) -> Tensor:

@@ -22,7 +22,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.predictive import check_count, check_likelihood, model_logits, split_batch
+from partialbayes.predictive.internal import (
+    check_count,
+    check_likelihood,
+    model_logits,
+    split_batch,
+)
 
 FISHERS = ("exact", "mc", "empirical")
 
@@ -38,7 +43,7 @@ class CurvatureOptions:
     there) and passed down unchanged; nothing below re-checks a setting.
 
     Attributes:
-        likelihood: ``"classification"`` or ``"regression"`` (``partialbayes.predictive.LIKELIHOODS``).
+        likelihood: ``"classification"`` or ``"regression"`` (``partialbayes.predictive.internal.LIKELIHOODS``).
         fisher: ``"exact"``, ``"mc"`` or ``"empirical"``.
         mc_samples: Sampled labels per output for ``fisher="mc"``.
         sigma_noise: Observation noise of the regression likelihood (a float > 0).
@@ -114,7 +119,7 @@ def forward_logits(model: nn.Module, batch: Any) -> Tensor:
 
     Args:
         model: The network.
-        batch: Any batch `partialbayes.predictive.split_batch` accepts: a tensor ``x``, a pair
+        batch: Any batch `partialbayes.predictive.internal.split_batch` accepts: a tensor ``x``, a pair
             ``(inputs, labels)``, or a mapping of keyword inputs (``dict``, ``transformers.BatchEncoding``);
             labels (``"labels"`` / ``"label"``) are left out of the call.
 

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from partialbayes.curvature._likelihood import CurvatureOptions, model_device
 from partialbayes.curvature._lowrank import OVERSAMPLE
 from partialbayes.curvature._outputs import read_batch, resolve_shift_labels
-from partialbayes.predictive import available_memory, model_logits
+from partialbayes.predictive.internal import available_memory, model_logits
 from partialbayes.selection import KronModule, Subset
 
 

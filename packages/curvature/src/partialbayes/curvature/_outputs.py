@@ -20,14 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.predictive import (
-    IGNORE_INDEX,
-    answer_positions,
-    batch_size,
-    is_causal_lm,
-    kept_positions,
-    split_batch,
-)
+from partialbayes.predictive import answer_positions, is_causal_lm, kept_positions
+from partialbayes.predictive.internal import IGNORE_INDEX, batch_size, split_batch
 
 
 def resolve_shift_labels(model: nn.Module, shift_labels: bool | None) -> bool:
@@ -153,7 +147,7 @@ def read_batch(
     labels: bool = True,
     target_ids: Tensor | None = None,
 ) -> tuple[Tensor | dict[str, Any], Outputs]:
-    """Split a batch (any kind `partialbayes.predictive.split_batch` accepts) into model inputs and `Outputs`.
+    """Split a batch (any kind `partialbayes.predictive.internal.split_batch` accepts) into model inputs and `Outputs`.
 
     Label -100 means "no label: skip this output" for sequence-level outputs too: the examples of a
     classification batch with labels ``[B]`` whose label is -100 are dropped here (examples do not interact

@@ -16,7 +16,8 @@ from torch import nn
 
 from partialbayes.glue_bench.linearised import LinearSamplingConfig
 from partialbayes.glue_bench.store import json_ready
-from partialbayes.predictive import model_logits, nll, split_batch
+from partialbayes.predictive import nll
+from partialbayes.predictive.internal import model_logits, split_batch
 from partialbayes.selection import Subset, grouped_linear_modules, modules
 
 Batch = dict[str, torch.Tensor]

@@ -22,7 +22,7 @@ from partialbayes.glue_bench.context import batch_logits, check_int, check_numbe
 from partialbayes.glue_bench.data_glue import Examples, encode
 from partialbayes.glue_bench.store import json_ready, read_json, temp_path
 from partialbayes.ivon import IVON
-from partialbayes.predictive import eval_mode, model_logits, split_batch
+from partialbayes.predictive.internal import eval_mode, model_logits, split_batch
 from partialbayes.selection import countable_named_parameters
 
 Batch = Mapping[str, torch.Tensor]

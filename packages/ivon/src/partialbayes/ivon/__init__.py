@@ -15,7 +15,7 @@ Hugging Face ``Trainer``.
 from partialbayes.ivon._callback import IVONCallback
 from partialbayes.ivon._merge import merge, squared_gradients
 from partialbayes.ivon._sensitivity import Sensitivity, sensitivity
-from partialbayes.ivon.optimizer import HESS_APPROX, IVON
+from partialbayes.ivon.optimizer import IVON
 from partialbayes.ivon.posterior import (
     GaussianPosterior,
     MultiIVON,
@@ -26,7 +26,6 @@ from partialbayes.ivon.posterior import (
 )
 
 __all__ = [
-    "HESS_APPROX",
     "IVON",
     "GaussianPosterior",
     "IVONCallback",

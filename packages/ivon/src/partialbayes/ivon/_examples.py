@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from partialbayes.predictive import IGNORE_INDEX, split_batch
+from partialbayes.predictive.internal import IGNORE_INDEX, split_batch
 
 
 def _row(inputs: Tensor | dict[str, Any], j: int, size: int) -> Tensor | dict[str, Any]:
@@ -40,7 +40,7 @@ def labelled_batches(loader: Iterable[Any], model: nn.Module, who: str) -> Itera
     the example's model inputs as a batch of one.
 
     Args:
-        loader: Batches of any kind ``predictive.split_batch`` reads, with class labels ``[B]``.
+        loader: Batches of any kind ``predictive.internal.split_batch`` reads, with class labels ``[B]``.
         model: The model (the inputs are moved to the device of its first parameter).
         who: The caller, for messages.
 

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from partialbayes.ivon._examples import class_logits, labelled_batches, requiring_grad
 from partialbayes.ivon.posterior import GaussianPosterior
-from partialbayes.predictive import eval_mode, model_logits
+from partialbayes.predictive.internal import eval_mode, model_logits
 
 
 def _check_same(posteriors: Sequence[Any]) -> dict[str, torch.Size]:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from partialbayes.ivon._examples import class_logits, labelled_batches, requiring_grad
 from partialbayes.ivon.optimizer import IVON
 from partialbayes.ivon.posterior import GaussianPosterior
-from partialbayes.predictive import eval_mode, model_logits
+from partialbayes.predictive.internal import eval_mode, model_logits
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def sensitivity(
 
     Args:
         source: A :class:`GaussianPosterior` (bound to its model), or an :class:`IVON` optimizer.
-        loader: Batches with class labels ``[B]`` (any kind ``predictive.split_batch`` reads); the training
+        loader: Batches with class labels ``[B]`` (any kind ``predictive.internal.split_batch`` reads); the training
             data, for the leave-one-out estimate.
         model: The model, with an optimizer as ``source``.
 

@@ -16,7 +16,7 @@ from partialbayes.ivon import _distributed as dist_utils
 from partialbayes.ivon._checks import check_state_dict, validate_group
 from partialbayes.ivon._math import Fold, Hyper, Shift, Update, fold_, shift_, update_
 from partialbayes.ivon._noise import normal_
-from partialbayes.predictive import check_generator
+from partialbayes.predictive.internal import check_generator
 
 if TYPE_CHECKING:  # the selection package is an optional extra: never imported at run time
     from partialbayes.selection import Subset

@@ -18,15 +18,14 @@ import torch
 from torch import Tensor, nn
 
 from partialbayes.ivon.optimizer import IVON
-from partialbayes.predictive import (
+from partialbayes.predictive import sampled_logits, sampled_predict
+from partialbayes.predictive.internal import (
     PosteriorFile,
     check_count,
     check_likelihood,
     read_posterior_file,
     resolve_link,
     rows,
-    sampled_logits,
-    sampled_predict,
     write_posterior_file,
 )
 from partialbayes.selection import Block, KronBlock, MaskBlock, Subset

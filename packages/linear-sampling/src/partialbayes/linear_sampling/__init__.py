@@ -12,13 +12,11 @@ For a network, `SampledLaplace` is the sampling-based linearised Laplace posteri
 
 from partialbayes.linear_sampling._cg import conjugate_gradients
 from partialbayes.linear_sampling._em import (
-    EMResult,
     effective_dimension,
-    feature_scales,
     fit_prior_precision,
     mackay_update,
 )
-from partialbayes.linear_sampling._features import Features, scale_features
+from partialbayes.linear_sampling._features import Features
 from partialbayes.linear_sampling._linearised import (
     linearised_logit_moments,
     linearised_logit_samples,
@@ -32,37 +30,27 @@ from partialbayes.linear_sampling._network import (
 )
 from partialbayes.linear_sampling._posterior import (
     SampledLaplace,
-    load_sampled_laplace,
-    save_sampled_laplace,
 )
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior, softmax_hessian
-from partialbayes.linear_sampling._sgd import DivergenceError, SGDConfig, SolveInfo
+from partialbayes.linear_sampling._sgd import DivergenceError, SGDConfig
 from partialbayes.linear_sampling._solve import (
-    PosteriorMean,
-    PosteriorSamples,
     posterior_mean,
     posterior_samples,
 )
 
 __all__ = [
     "DivergenceError",
-    "EMResult",
     "Features",
     "NoisePrecision",
-    "PosteriorMean",
-    "PosteriorSamples",
     "Prior",
     "SGDConfig",
     "SampledLaplace",
-    "SolveInfo",
     "conjugate_gradients",
     "effective_dimension",
-    "feature_scales",
     "fit_prior_precision",
     "linearised_logit_moments",
     "linearised_logit_samples",
     "linearised_targets",
-    "load_sampled_laplace",
     "loader_features",
     "mackay_update",
     "network_features",
@@ -70,7 +58,5 @@ __all__ = [
     "network_parameters",
     "posterior_mean",
     "posterior_samples",
-    "save_sampled_laplace",
-    "scale_features",
     "softmax_hessian",
 ]

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from partialbayes.predictive import check_count
+from partialbayes.predictive.internal import check_count
 
 
 def check_options(tol: object, max_iter: object) -> None:

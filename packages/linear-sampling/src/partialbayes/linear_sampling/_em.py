@@ -19,7 +19,7 @@ from partialbayes.linear_sampling._ops import (
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior
 from partialbayes.linear_sampling._sgd import SGDConfig
 from partialbayes.linear_sampling._solve import check_problem, posterior_mean, posterior_samples
-from partialbayes.predictive import check_count, check_generator
+from partialbayes.predictive.internal import check_count, check_generator
 
 _ESTIMATORS = ("function", "weight")
 

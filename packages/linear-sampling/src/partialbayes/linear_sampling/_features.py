@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from partialbayes.predictive import check_count
+from partialbayes.predictive.internal import check_count
 
 WORKING_BYTES = 1 << 28
 """Bytes of one observation-space block (``[b, m, k]``, or a model's output tangents) per operator call."""

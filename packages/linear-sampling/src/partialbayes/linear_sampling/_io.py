@@ -17,7 +17,7 @@ from torch import nn
 from partialbayes.linear_sampling._network import network_parameters
 from partialbayes.linear_sampling._precision import Prior
 from partialbayes.linear_sampling._sgd import SolveInfo
-from partialbayes.predictive import read_posterior_file, write_posterior_file
+from partialbayes.predictive.internal import read_posterior_file, write_posterior_file
 from partialbayes.selection import Subset
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ _FIELDS = {
 
 
 def write_posterior(posterior: SampledLaplace, path: str | os.PathLike[str]) -> None:
-    """The work of `save_sampled_laplace`."""
+    """The work of `SampledLaplace.save`."""
     samples = posterior._require_fit()
     assert posterior._map is not None
     tensors = {"samples": samples, "map": posterior._map, "prior_alpha": posterior.prior.alpha}
@@ -59,10 +59,10 @@ def write_posterior(posterior: SampledLaplace, path: str | os.PathLike[str]) -> 
 def read_posterior(
     path: str | os.PathLike[str], model: nn.Module, cls: type[SampledLaplace]
 ) -> SampledLaplace:
-    """The work of `load_sampled_laplace`: the saved posterior built as a ``cls``.
+    """The work of `SampledLaplace.load`: the saved posterior built as a ``cls``.
 
     Every way a file can be damaged raises a ``ValueError`` that names the file (see
-    ``partialbayes.predictive.read_posterior_file``), as do samples that do not fit the saved subset.
+    ``partialbayes.predictive.internal.read_posterior_file``), as do samples that do not fit the saved subset.
     """
     file = read_posterior_file(path, formats=FORMAT, version=VERSION, fields=_FIELDS)
     file.check_model(model)

@@ -1,6 +1,6 @@
 """Features of a linearised network: the Jacobian of the logits in chosen parameters, via torch.func.
 
-Batches are read with ``partialbayes.predictive.split_batch`` (tensors, ``(inputs, labels)`` pairs, dicts,
+Batches are read with ``partialbayes.predictive.internal.split_batch`` (tensors, ``(inputs, labels)`` pairs, dicts,
 ``transformers.BatchEncoding``). Every output that carries a label is one observation: for ``[B, C]``
 logits each example whose label is not -100, for token-level logits ``[B, T, C]`` every position with
 attention mask 1 and label not -100, in row-major ``(b, t)`` order (as
@@ -21,16 +21,15 @@ from torch.func import functional_call, jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from partialbayes.linear_sampling._features import WORKING_BYTES, Features
-from partialbayes.predictive import (
+from partialbayes.predictive import is_causal_lm, kept_positions
+from partialbayes.predictive.internal import (
     IGNORE_INDEX,
     Batch,
     check_count,
-    is_causal_lm,
-    kept_positions,
     output_logits,
     split_batch,
 )
-from partialbayes.predictive import batch_size as n_examples
+from partialbayes.predictive.internal import batch_size as n_examples
 from partialbayes.selection import KronBlock, MaskBlock, Subset
 
 Inputs = Tensor | Mapping[str, Any]
@@ -338,7 +337,7 @@ def loader_features(
 
     Args:
         model: The network, in eval mode.
-        batches: Batches of any kind ``partialbayes.predictive.split_batch`` reads (labels only decide which
+        batches: Batches of any kind ``partialbayes.predictive.internal.split_batch`` reads (labels only decide which
             outputs count).
         params: Parameter names, ``{name: bool mask}`` or a ``Subset``.
         output_fn: Maps the model output to logits (default: ``.logits``, else the first element of a
@@ -379,7 +378,7 @@ def network_features(
 
     Args:
         model: The network, in eval mode (dropout would make the features random).
-        inputs: One batch of any kind ``partialbayes.predictive.split_batch`` reads (labels are not
+        inputs: One batch of any kind ``partialbayes.predictive.internal.split_batch`` reads (labels are not
             passed to the model). Observations: each example of ``[n, m]`` logits whose integer label
             is not -100, each position of token-level ``[n, T, m]`` logits with attention mask 1 and
             label not -100.

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from partialbayes.linear_sampling._features import WORKING_BYTES, Features, batches
 from partialbayes.linear_sampling._precision import NoisePrecision
-from partialbayes.predictive import available_memory, check_count
+from partialbayes.predictive.internal import available_memory, check_count
 
 
 def default_batch_size(features: Features, batch_size: int | None, k: int = 1) -> int:
@@ -159,7 +159,7 @@ def features_t_noise_sqrt(
 def check_memory(nbytes: int, device: torch.device, what: str, instead: str) -> None:
     """Refuse, before allocating, a result of ``nbytes`` that the device's free memory cannot hold.
 
-    Free memory as ``partialbayes.predictive.available_memory`` gives it; no check where it is unknown.
+    Free memory as ``partialbayes.predictive.internal.available_memory`` gives it; no check where it is unknown.
 
     Raises:
         ValueError: Naming ``what``, the bytes it needs, the bytes free and ``instead``.

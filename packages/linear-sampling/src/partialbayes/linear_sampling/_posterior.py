@@ -28,13 +28,11 @@ from partialbayes.linear_sampling._ops import check_memory
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior, softmax_hessian
 from partialbayes.linear_sampling._sgd import SGDConfig, SolveInfo
 from partialbayes.linear_sampling._solve import posterior_samples
-from partialbayes.predictive import (
-    answer_index,
+from partialbayes.predictive import answer_index, is_causal_lm, probit
+from partialbayes.predictive.internal import (
     check_count,
     check_likelihood,
     eval_mode,
-    is_causal_lm,
-    probit,
     resolve_link,
     rows,
     split_batch,
@@ -416,37 +414,27 @@ class SampledLaplace:
 
     # ------------------------------------------------------------------ io
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Save as one safetensors file with JSON metadata (see `save_sampled_laplace`)."""
+        """Save a fitted posterior to ``path`` (one safetensors file, JSON metadata in its header).
+
+        Tensors: ``samples`` ``[d, k]``, ``map`` ``[d]`` (the MAP values of the entries), ``prior_alpha`` and,
+        for grouped priors, ``prior_groups``. Metadata: the subset (``Subset.to_json``), every parameter's
+        name and shape (the structure a loading model must have), the likelihood, ``sigma_noise``, ``jitter``
+        and what the solver did.
+
+        Raises:
+            ValueError: If the posterior is not fitted.
+        """
         write_posterior(self, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: nn.Module) -> SampledLaplace:
-        """Load a saved posterior onto ``model`` (see `load_sampled_laplace`)."""
+        """Load a posterior saved by `save` onto ``model``.
+
+        The tensors go to the model's device and dtype. A model whose current values of the subset differ from
+        the saved MAP gets a warning (the predictive linearises at the model's current weights).
+
+        Raises:
+            ValueError: If the file is not a saved `SampledLaplace`, or ``model``'s parameters (names and
+                shapes) do not match the saved structure.
+        """
         return read_posterior(path, model, cls)
-
-
-def save_sampled_laplace(posterior: SampledLaplace, path: str | os.PathLike[str]) -> None:
-    """Save a fitted `SampledLaplace` to ``path`` (one safetensors file, JSON metadata in its header).
-
-    Tensors: ``samples`` ``[d, k]``, ``map`` ``[d]`` (the MAP values of the entries), ``prior_alpha`` and,
-    for grouped priors, ``prior_groups``. Metadata: the subset (``Subset.to_json``), every parameter's
-    name and shape (the structure a loading model must have), the likelihood, ``sigma_noise``, ``jitter``
-    and what the solver did.
-
-    Raises:
-        ValueError: If the posterior is not fitted.
-    """
-    write_posterior(posterior, path)
-
-
-def load_sampled_laplace(path: str | os.PathLike[str], model: nn.Module) -> SampledLaplace:
-    """Load a `SampledLaplace` saved by `save_sampled_laplace` onto ``model``.
-
-    The tensors go to the model's device and dtype. A model whose current values of the subset differ from
-    the saved MAP gets a warning (the predictive linearises at the model's current weights).
-
-    Raises:
-        ValueError: If the file is not a saved `SampledLaplace`, or ``model``'s parameters (names and
-            shapes) do not match the saved structure.
-    """
-    return read_posterior(path, model, SampledLaplace)

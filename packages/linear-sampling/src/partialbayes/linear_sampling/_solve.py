@@ -25,7 +25,7 @@ from partialbayes.linear_sampling._ops import (
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior
 from partialbayes.linear_sampling._sgd import SGDConfig, SolveInfo, sgd_minimise
 from partialbayes.linear_sampling._svrg import svrg_minimise
-from partialbayes.predictive import check_count, check_generator
+from partialbayes.predictive.internal import check_count, check_generator
 
 _METHODS = ("cg", "sgd")
 _OBJECTIVES = ("low_variance", "standard")

@@ -21,21 +21,12 @@ from partialbayes.selection._module_strategies import (
     rank_by_operator_norm,
 )
 from partialbayes.selection._modules import (
-    ATTENTION,
     MLP,
-    OTHER,
-    Grouping,
     grouped_linear_modules,
     linear_modules,
     module_group,
     module_groups,
     tied_linear_modules,
-)
-from partialbayes.selection._norms import (
-    operator_norms,
-    spectral_norm_gram,
-    spectral_norm_power,
-    spectral_norm_svd,
 )
 from partialbayes.selection._parameter_strategies import (
     largest_magnitude,
@@ -48,7 +39,6 @@ from partialbayes.selection._skfac import (
     skfac_percent_for_fraction,
     skfac_percent_for_target,
     skfac_percent_of_params,
-    skfac_rows_cols,
     sparse_kfac,
 )
 from partialbayes.selection._subset import (
@@ -56,15 +46,12 @@ from partialbayes.selection._subset import (
     countable_named_parameters,
     countable_parameters,
 )
-from partialbayes.selection._summary import summary, summary_rows
+from partialbayes.selection._summary import summary
 
 __all__ = [
-    "ATTENTION",
     "MLP",
-    "OTHER",
     "PAPER_COUNTS",
     "Block",
-    "Grouping",
     "KronBlock",
     "KronModule",
     "MaskBlock",
@@ -83,7 +70,6 @@ __all__ = [
     "module_group",
     "module_groups",
     "modules",
-    "operator_norms",
     "ramp",
     "random_modules",
     "random_parameters",
@@ -93,12 +79,7 @@ __all__ = [
     "skfac_percent_for_fraction",
     "skfac_percent_for_target",
     "skfac_percent_of_params",
-    "skfac_rows_cols",
     "sparse_kfac",
-    "spectral_norm_gram",
-    "spectral_norm_power",
-    "spectral_norm_svd",
     "summary",
-    "summary_rows",
     "tied_linear_modules",
 ]

@@ -6,38 +6,28 @@ Main entry points: `collect_swag` (SGD from the MAP, snapshots, returns a `SWAG`
 ``partialbayes.predictive.Posterior``: `SWAG.sample` (``{param name: [n, k]}``), `SWAG.swapped` /
 `SWAG.sampled` (swap weights into the model, restored on exit), `SWAG.predict` (Monte Carlo average of the
 softmax), `SWAG.predictive_samples`, `SWAG.save` / `SWAG.load`. Batches may be of any kind
-``partialbayes.predictive.split_batch`` reads (tensors, pairs, dicts, ``transformers.BatchEncoding``). The
-pure functions on flat vectors (`update_moments`, `diagonal_variance`, `swag_sample`) are exported for reuse
-and testing.
+``partialbayes.predictive.internal.split_batch`` reads (tensors, pairs, dicts,
+``transformers.BatchEncoding``). The pure functions on flat vectors `diagonal_variance` and `swag_sample` are
+exported for reuse.
 """
 
 from partialbayes.swag._callback import SWAGCallback
-from partialbayes.swag._layout import FlatLayout
-from partialbayes.swag._moments import diagonal_variance, update_moments
-from partialbayes.swag._posterior import SWAG, load_swag, save_swag
+from partialbayes.swag._moments import diagonal_variance
+from partialbayes.swag._posterior import SWAG
 from partialbayes.swag._sample import swag_sample
-from partialbayes.swag._sweep import SweepResult, predictive_nll, sweep_learning_rate
+from partialbayes.swag._sweep import predictive_nll, sweep_learning_rate
 from partialbayes.swag._train import (
     NonFiniteLossError,
-    classification_loss,
     collect_swag,
-    regression_loss,
 )
 
 __all__ = [
     "SWAG",
-    "FlatLayout",
     "NonFiniteLossError",
     "SWAGCallback",
-    "SweepResult",
-    "classification_loss",
     "collect_swag",
     "diagonal_variance",
-    "load_swag",
     "predictive_nll",
-    "regression_loss",
-    "save_swag",
     "swag_sample",
     "sweep_learning_rate",
-    "update_moments",
 ]

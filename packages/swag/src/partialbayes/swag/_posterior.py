@@ -10,14 +10,13 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from partialbayes.predictive import (
+from partialbayes.predictive import sampled_logits, sampled_predict
+from partialbayes.predictive.internal import (
     check_count,
     check_generator,
     check_likelihood,
     read_posterior_file,
     resolve_link,
-    sampled_logits,
-    sampled_predict,
     write_posterior_file,
 )
 from partialbayes.selection import Subset
@@ -373,7 +372,7 @@ class SWAG:
 
     # ------------------------------------------------------------------ io
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Save to one safetensors file (``partialbayes.predictive.write_posterior_file``, atomic).
+        """Save to one safetensors file (``partialbayes.predictive.internal.write_posterior_file``, atomic).
 
         The tensors are ``mean``, ``sq_mean`` and, for the low-rank variant, ``deviations`` (``(d, k)``,
         oldest column first). The metadata (format ``partialbayes.swag.SWAG``, version 2) records the
@@ -462,13 +461,3 @@ class SWAG:
             swag._buffer[: dev.shape[1]] = dev.T.to(swag.device, swag.dtype)
             swag._n_columns = dev.shape[1]
         return swag
-
-
-def save_swag(swag: SWAG, path: str | os.PathLike[str]) -> None:
-    """Save ``swag`` to ``path``: the function form of `SWAG.save`."""
-    swag.save(path)
-
-
-def load_swag(path: str | os.PathLike[str], model: nn.Module, subset: Subset | None = None) -> SWAG:
-    """Load a saved SWAG onto ``model``: the function form of `SWAG.load`."""
-    return SWAG.load(path, model, subset)

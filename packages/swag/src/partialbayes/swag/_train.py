@@ -13,18 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from partialbayes.predictive import (
-    IGNORE_INDEX,
-    flatten_outputs,
-    model_logits,
-    move_batch,
-    split_batch,
-)
+from partialbayes.predictive import flatten_outputs
+from partialbayes.predictive.internal import IGNORE_INDEX, model_logits, move_batch, split_batch
 from partialbayes.selection import Subset
 from partialbayes.swag._posterior import SWAG
 
 Batch = Any
-"""A batch of any kind ``partialbayes.predictive.split_batch`` reads: a tensor, an ``(inputs, labels)`` pair,
+"""A batch of any kind ``partialbayes.predictive.internal.split_batch`` reads: a tensor, an ``(inputs, labels)`` pair,
 or a mapping (``dict``, ``transformers.BatchEncoding``) with labels under ``labels`` or ``label``."""
 LossFn = Callable[[nn.Module, Batch], Tensor]
 

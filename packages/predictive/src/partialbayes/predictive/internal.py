@@ -1,0 +1,58 @@
+"""Plumbing the sibling packages share: no compatibility promise, not part of the API reference.
+
+The one batch reader (`split_batch`), the one model call (`model_logits`), the posterior files, the
+argument checks (one rule: a wrong type is a `TypeError`, a value out of range a `ValueError`) and small
+helpers every posterior family needs. Users import from `partialbayes.predictive`; the packages of this
+workspace import these names from here.
+"""
+
+from partialbayes.predictive._answers import check_target_ids
+from partialbayes.predictive._batch import (
+    IGNORE_INDEX,
+    Batch,
+    batch_size,
+    model_logits,
+    move_batch,
+    output_logits,
+    split_batch,
+)
+from partialbayes.predictive._files import (
+    PosteriorFile,
+    model_structure,
+    read_posterior_file,
+    write_posterior_file,
+)
+from partialbayes.predictive._mc import cholesky_jitter
+from partialbayes.predictive._posterior import (
+    LIKELIHOODS,
+    available_memory,
+    check_likelihood,
+    eval_mode,
+    resolve_link,
+    rows,
+)
+from partialbayes.predictive._validate import check_count, check_generator
+
+__all__ = [
+    "IGNORE_INDEX",
+    "LIKELIHOODS",
+    "Batch",
+    "PosteriorFile",
+    "available_memory",
+    "batch_size",
+    "check_count",
+    "check_generator",
+    "check_likelihood",
+    "check_target_ids",
+    "cholesky_jitter",
+    "eval_mode",
+    "model_logits",
+    "model_structure",
+    "move_batch",
+    "output_logits",
+    "read_posterior_file",
+    "resolve_link",
+    "rows",
+    "split_batch",
+    "write_posterior_file",
+]
