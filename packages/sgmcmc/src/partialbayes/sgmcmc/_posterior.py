@@ -1,0 +1,238 @@
+"""A posterior given by stored weight samples of a subset: SGMCMC draws, or the last states of parallel chains."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from partialbayes.predictive import (
+    check_count,
+    check_generator,
+    check_likelihood,
+    read_posterior_file,
+    resolve_link,
+    rows,
+    sampled_logits,
+    sampled_predict,
+    write_posterior_file,
+)
+from partialbayes.selection import Subset
+
+FORMAT, VERSION = "partialbayes.sgmcmc.SampledPosterior", 1
+_FIELDS = {"subset": str, "likelihood": str, "sigma_noise": (int, float)}
+
+
+class SampledPosterior:
+    """The empirical distribution of ``S`` stored samples of a subset's entries (``partialbayes.predictive.Posterior``).
+
+    What SGMCMC returns: the kept states of one chain (`SGMCMC.posterior`), or the last state of each of
+    several independent chains (`parallel_chains`, the Bayesian deep ensemble; `concat` joins posteriors).
+    Weights outside the subset are the model's. `sample` draws stored samples uniformly with replacement;
+    `predict` with ``n_samples=None`` (the default) averages over every stored sample, in order, once.
+
+    Args:
+        model: The model the samples belong to.
+        subset: The ``partialbayes.selection.Subset`` the samples fill.
+        samples: ``{param name: [S, k]}`` for every parameter of the subset (``subset.gather`` order).
+        likelihood: ``"classification"`` (`predict` returns probabilities) or ``"regression"`` (the mean
+            and variance of the outputs plus ``sigma_noise²``).
+        sigma_noise: Observation noise of the regression likelihood.
+
+    Raises:
+        TypeError: A subset that is not a ``Subset``, samples that are not a mapping of tensors.
+        ValueError: Samples that do not cover the subset, disagree in ``S`` or hold NaN / inf; a subset that
+            does not fit the model; a bad likelihood or noise.
+    """
+
+    links: ClassVar[tuple[str, ...]] = ("mc",)
+
+    def __init__(
+        self,
+        model: nn.Module,
+        subset: Subset,
+        samples: Mapping[str, Tensor],
+        *,
+        likelihood: str = "classification",
+        sigma_noise: float = 1.0,
+    ) -> None:
+        if not isinstance(subset, Subset):
+            raise TypeError(
+                f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
+            )
+        self.sigma_noise = check_likelihood(likelihood, sigma_noise)
+        self.likelihood, self.model, self.subset = likelihood, model, subset
+        params = subset.parameters_of(model)
+        if not isinstance(samples, Mapping) or any(
+            not isinstance(v, Tensor) or v.ndim != 2 for v in samples.values()
+        ):
+            raise TypeError("samples must be a mapping {param name: [S, k] tensor}")
+        sizes = {int(v.shape[0]) for v in samples.values()}
+        if len(sizes) != 1 or 0 in sizes:
+            raise ValueError(f"samples must share one number S >= 1 of rows, got {sorted(sizes)}")
+        subset.check_values(rows(samples, 0), what="samples")  # coverage and sizes
+        bad = [n for n, v in samples.items() if not bool(torch.isfinite(v).all())]
+        if bad:
+            raise ValueError(f"samples hold NaN or inf entries in {bad[:5]}")
+        self.samples = {n: samples[n].to(params[n].device) for n in subset.names}
+
+    @property
+    def num_samples(self) -> int:
+        """Number ``S`` of stored samples."""
+        return int(next(iter(self.samples.values())).shape[0])
+
+    @property
+    def num_floats(self) -> int:
+        """Floats stored: ``S·d``."""
+        return sum(v.numel() for v in self.samples.values())
+
+    @property
+    def mean(self) -> dict[str, Tensor]:
+        """Mean of the stored samples, ``{param name: [k]}``."""
+        return {n: v.mean(0) for n, v in self.samples.items()}
+
+    @classmethod
+    def concat(cls, posteriors: Sequence[SampledPosterior]) -> SampledPosterior:
+        """One posterior holding the samples of several, in order (same model, subset and likelihood).
+
+        Raises:
+            ValueError: If ``posteriors`` is empty or they differ in model, subset or likelihood.
+        """
+        if not posteriors:
+            raise ValueError("concat needs at least one posterior")
+        first = posteriors[0]
+        for p in posteriors[1:]:
+            same = (p.model, p.subset, p.likelihood, p.sigma_noise)
+            if same != (first.model, first.subset, first.likelihood, first.sigma_noise):
+                raise ValueError("concat: posteriors differ in model, subset or likelihood")
+        samples = {n: torch.cat([p.samples[n] for p in posteriors]) for n in first.samples}
+        return cls(
+            first.model,
+            first.subset,
+            samples,
+            likelihood=first.likelihood,
+            sigma_noise=first.sigma_noise,
+        )
+
+    def sample(self, n: int = 1, *, generator: torch.Generator | None = None) -> dict[str, Tensor]:
+        """``n`` stored samples drawn uniformly with replacement, ``{param name: [n, k]}``."""
+        check_count("n", n)
+        check_generator(generator)
+        device = "cpu" if generator is None else generator.device
+        idx = torch.randint(self.num_samples, (n,), generator=generator, device=device)
+        return {name: v[idx.to(v.device)] for name, v in self.samples.items()}
+
+    def swapped(self, sample: Mapping[str, Tensor]) -> AbstractContextManager[nn.Module]:
+        """Write one sample ``{param name: [k]}`` into the model; restore what was there on exit (even on error)."""
+        return self.subset.swapped(self.model, sample)
+
+    def sampled(
+        self, *, generator: torch.Generator | None = None
+    ) -> AbstractContextManager[nn.Module]:
+        """Swap one stored sample, drawn uniformly, into the model (see `swapped`)."""
+        return self.swapped(rows(self.sample(1, generator=generator), 0))
+
+    def _contexts(
+        self, n_samples: int | None, generator: torch.Generator | None
+    ) -> tuple[int, Any]:
+        if n_samples is None:  # every stored sample once, in order
+            return self.num_samples, lambda s: self.swapped(rows(self.samples, s))
+        return n_samples, lambda s: self.sampled(generator=generator)
+
+    def predict(
+        self,
+        batch: Any,
+        *,
+        link: str | None = None,
+        n_samples: int | None = None,
+        generator: torch.Generator | None = None,
+        target_ids: Sequence[int] | Tensor | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Monte Carlo predictive (eval mode, no gradients; ``partialbayes.predictive.sampled_predict``).
+
+        Args:
+            batch: Any batch kind; labels ignored (but for ``target_ids``).
+            link: ``"mc"`` (the only one).
+            n_samples: ``None``: average over every stored sample once; an int: that many draws with
+                replacement from ``generator``.
+            generator: Source of randomness of the draws.
+            target_ids: Answer-only: the ``K`` answer tokens' distribution at the answer positions, ``[P, K]``.
+
+        Returns:
+            Probabilities of the logits' shape, or ``(mean, variance)`` for regression.
+        """
+        resolve_link(link, self.links, "SampledPosterior")
+        n, ctx = self._contexts(n_samples, generator)
+        return sampled_predict(
+            self,
+            batch,
+            n,
+            sample_ctx=ctx,
+            regression=self.likelihood == "regression",
+            noise_var=self.sigma_noise**2,
+            target_ids=target_ids,
+        )
+
+    def predictive_samples(
+        self,
+        batch: Any,
+        n: int | None = None,
+        *,
+        generator: torch.Generator | None = None,
+        target_ids: Sequence[int] | Tensor | None = None,
+    ) -> Tensor:
+        """Logits under ``n`` drawn samples (``None``: every stored sample in order), ``[n, B, C]``."""
+        n, ctx = self._contexts(n, generator)
+        return sampled_logits(self, batch, n, sample_ctx=ctx, target_ids=target_ids)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Save as safetensors (tensor ``samples``, ``[S, d]`` in subset order) + JSON metadata, atomically."""
+        flat = torch.cat(
+            [v.to(torch.promote_types(v.dtype, torch.float32)) for v in self.samples.values()], 1
+        )
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "subset": self.subset.to_json(),
+            "likelihood": self.likelihood,
+            "sigma_noise": self.sigma_noise,
+        }
+        write_posterior_file(path, {"samples": flat}, meta, model=self.model)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], model: nn.Module) -> SampledPosterior:
+        """Load a posterior saved by `save` onto ``model`` (its parameter names and shapes must match).
+
+        Raises:
+            FileNotFoundError: No file at ``path``.
+            ValueError: Naming the file: not a file of this format, a model or subset that does not match,
+                samples of the wrong shape.
+        """
+        file = read_posterior_file(path, formats=FORMAT, version=VERSION, fields=_FIELDS)
+        file.check_model(model)
+        try:
+            subset = Subset.from_json(file.meta["subset"], model)
+        except (TypeError, ValueError) as err:
+            raise file.error(f"the saved subset does not fit the model: {err}") from err
+        flat = file.tensor("samples")
+        sizes = [subset.num_entries(n) for n in subset.names]
+        if flat.ndim != 2 or flat.shape[1] != sum(sizes):
+            raise file.error(
+                f"tensor 'samples' has shape {tuple(flat.shape)}, expected (S, {sum(sizes)})"
+            )
+        params = subset.parameters_of(model)
+        samples = {
+            n: part.to(params[n].dtype)
+            for n, part in zip(subset.names, flat.split(sizes, 1), strict=True)
+        }
+        return cls(
+            model,
+            subset,
+            samples,
+            likelihood=file.meta["likelihood"],
+            sigma_noise=file.meta["sigma_noise"],
+        )

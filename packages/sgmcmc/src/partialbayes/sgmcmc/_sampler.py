@@ -1,0 +1,245 @@
+"""Tempered SGMCMC on a subset: one ``torch.optim.Optimizer`` whose ``T = 0`` limit is the matching optimizer."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from partialbayes.predictive import check_generator
+from partialbayes.selection import Subset
+
+METHODS = ("sgld", "sghmc", "sgnht", "baoa")
+
+
+def _number(name: str, value: object, low: float, high: float = math.inf) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < high:
+        raise ValueError(f"{name} must be a finite number in [{low}, {high}), got {value!r}")
+    return float(value)
+
+
+def check_steps(name: str, value: object, minimum: int = 0) -> int:
+    """An ``int`` (bools refused) ``>= minimum``, else a ``TypeError`` / ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+class SGMCMC(torch.optim.Optimizer):
+    """Tempered stochastic-gradient MCMC over the entries of a ``Subset``; ``T = 0`` is an optimizer.
+
+    Only the subset's entries move (every other weight keeps its value, whatever its gradient). The
+    parametrisation is the optimizer's: the loss is the **mean** loss ``ℓ`` of a minibatch (as for SGD), so
+    ``N·ℓ`` estimates the negative log-likelihood of the ``N = num_data`` training examples, and the target
+    is the tempered posterior ``p(θ | D)^{1/T} ∝ exp(−N ℓ(θ) / T − λ‖θ‖² / (2T))`` (Gaussian prior of
+    precision ``λ = prior_precision``, which enters as SGD's weight decay ``λ / N``). With
+    ``g = ∇ℓ(θ) + (λ/N) θ``, ``ξ ~ N(0, I)``, learning rate ``η`` and momentum ``μ``:
+
+    * ``"sgld"`` (Welling & Teh, 2011): ``θ ← θ − η g + √(2ηT/N) ξ``; ``T = 0``: SGD.
+    * ``"sghmc"`` (Chen et al., 2014): ``b ← μ b + g + √(2(1−μ)T/(ηN)) ξ``, ``θ ← θ − η b``; ``T = 0``:
+      ``torch.optim.SGD(lr=η, momentum=μ, weight_decay=λ/N)`` bit for bit. In the physical units of Chen et
+      al. (step ``ε = √(η/N)``, momentum ``m = −εN b``, friction ``α = (1−μ)/ε``) this is their Euler
+      scheme with the momentum's stationary variance ``T``.
+    * ``"sgnht"`` (Ding et al., 2014): SGHMC with the friction ``1−μ`` replaced by a thermostat ``f``
+      (start ``1−μ``, one scalar for the whole subset) updated as ``f ← f + (η/N)(ηN·mean(b²) − 2T/(2−f))``,
+      which drives the momentum's kinetic temperature to ``T`` (``2T/(2−f)`` is that of the discretised
+      momentum, whose variance is ``T·2/(2−f)``, not ``T``; targeting ``T`` itself would cool the chain by
+      ``≈ f/2``); the injected noise keeps SGHMC's. Its ``T = 0`` limit is no optimizer (the friction only
+      grows; Duffield et al., App. C).
+    * ``"baoa"`` (Leimkuhler & Matthews, 2013; ``posteriors``' BAOA): ``b ← b + g``, ``θ ← θ − (η/2) b``,
+      ``b ← μ b + √((1−μ²)T/(ηN)) ξ``, ``θ ← θ − (η/2) b``: the exact Ornstein–Uhlenbeck step ``O`` with
+      ``μ = e^{−εα}``; ``T = 0`` is a momentum method.
+
+    Samples: after optimizer step ``t`` with ``t > burn_in`` and ``(t − burn_in) % thin == 0`` the subset's
+    values are kept (``subset.gather`` order, the parameters' dtype); `posterior` turns them into a
+    `SampledPosterior`. The learning rate may follow any ``torch.optim.lr_scheduler`` (it must stay ``> 0``).
+
+    Args:
+        model: The model; its current weights are the chain's start.
+        subset: The ``partialbayes.selection.Subset`` of entries to sample.
+        lr: Learning rate ``η > 0``.
+        num_data: Number ``N`` of training examples (the likelihood's scale).
+        method: ``"sgld"``, ``"sghmc"``, ``"sgnht"`` or ``"baoa"``.
+        temperature: ``T >= 0``; ``0`` is the deterministic optimizer.
+        momentum: ``μ`` in ``[0, 1)`` (SGHMC / SGNHT / BAOA; ignored by SGLD).
+        prior_precision: ``λ >= 0`` of the Gaussian prior ``N(0, λ⁻¹ I)`` on the subset's entries.
+        burn_in: Steps before the first kept sample.
+        thin: Keep every ``thin``-th sample after the burn-in.
+        generator: Source of the noise (same seed, same chain); on the parameters' device.
+
+    Raises:
+        TypeError: A subset that is not a ``Subset``, a generator that is not a ``torch.Generator``, step
+            counts that are not ints.
+        ValueError: An unknown method, a setting out of range (named), an empty subset, a subset that
+            does not fit the model.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        subset: Subset,
+        *,
+        lr: float,
+        num_data: int,
+        method: str = "sghmc",
+        temperature: float = 1.0,
+        momentum: float = 0.9,
+        prior_precision: float = 0.0,
+        burn_in: int = 0,
+        thin: int = 1,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if not isinstance(subset, Subset):
+            raise TypeError(
+                f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
+            )
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if subset.num_entries() == 0:
+            raise ValueError("subset has no entries: SGMCMC needs at least one to sample")
+        params = subset.parameters_of(model)
+        defaults = {
+            "lr": _number("lr", lr, 0.0),
+            "momentum": _number("momentum", momentum, 0.0, 1.0),
+            "temperature": _number("temperature", temperature, 0.0),
+            "prior_precision": _number("prior_precision", prior_precision, 0.0),
+        }
+        if defaults["lr"] == 0:
+            raise ValueError("lr must be > 0, got 0")
+        super().__init__(list(params.values()), defaults)
+        self.model, self.subset, self.method = model, subset, method
+        self.num_data = check_steps("num_data", num_data, 1)
+        self.burn_in = check_steps("burn_in", burn_in)
+        self.thin = check_steps("thin", thin, 1)
+        self.generator = check_generator(generator)
+        self.names = list(params)
+        self._index = {  # flat positions of the entries; None: the whole parameter (updated in place)
+            n: None
+            if subset.num_entries(n) == p.numel() and p.is_contiguous()
+            else subset.mask(n).to(p.device).reshape(-1).nonzero().squeeze(1)
+            for n, p in params.items()
+        }
+        self.steps, self.friction = 0, 1.0 - self.defaults["momentum"]
+        self.samples: list[dict[str, Tensor]] = []
+
+    def _noise(self, like: Tensor, std: float) -> Tensor | None:
+        if std == 0.0:
+            return None
+        return torch.randn(
+            like.shape, generator=self.generator, dtype=like.dtype, device=like.device
+        ).mul_(std)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:  # type: ignore[override]
+        """One sampler step from the gradients in ``.grad`` (call ``loss.backward()`` first).
+
+        Args:
+            closure: Optional, re-evaluates the loss with gradients (as for any optimizer).
+
+        Returns:
+            The closure's loss, or ``None``.
+
+        Raises:
+            ValueError: A parameter of the subset without a gradient; a kept sample with NaN or inf entries
+                (gradients are not checked at every step, which would cost a pass over them).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        group = self.param_groups[0]
+        lr, mu, temp = group["lr"], group["momentum"], group["temperature"]
+        if not lr > 0:
+            raise ValueError(f"lr must be > 0 at every step, got {lr} at step {self.steps + 1}")
+        n, decay = self.num_data, group["prior_precision"] / self.num_data
+        kinetic, count = 0.0, 0
+        for name, p in zip(self.names, group["params"], strict=True):
+            if p.grad is None:
+                raise ValueError(f"parameter {name!r} has no gradient: call loss.backward() first")
+            idx = self._index[name]
+            theta = p.view(-1) if idx is None else p.view(-1)[idx]
+            g = p.grad.reshape(-1) if idx is None else p.grad.reshape(-1)[idx]
+            if decay:
+                g = g.add(theta, alpha=decay)
+            if self.method == "sgld":
+                theta.add_(g, alpha=-lr)
+                noise = self._noise(theta, math.sqrt(2 * lr * temp / n))
+                if noise is not None:
+                    theta.add_(noise)
+            else:
+                state = self.state[p]
+                if "buf" not in state:
+                    state["buf"] = torch.zeros_like(theta)
+                b = state["buf"]
+                if self.method == "baoa":
+                    b.add_(g)
+                    theta.add_(b, alpha=-lr / 2)
+                    b.mul_(mu)
+                    std = math.sqrt((1 - mu * mu) * temp / (lr * n))
+                else:
+                    b.mul_(mu if self.method == "sghmc" else 1 - self.friction).add_(g)
+                    std = math.sqrt(2 * (1 - mu) * temp / (lr * n))
+                noise = self._noise(b, std)
+                if noise is not None:
+                    b.add_(noise)
+                theta.add_(b, alpha=-lr / 2 if self.method == "baoa" else -lr)
+                if self.method == "sgnht":
+                    kinetic += float(b.square().sum())
+                    count += b.numel()
+            if idx is not None:
+                p.view(-1).index_copy_(0, idx, theta)
+        if self.method == "sgnht":
+            target = 2 * temp / (2 - self.friction)  # the Euler momentum's kinetic temperature at T
+            self.friction += lr / n * (lr * n * kinetic / count - target)
+        self.steps += 1
+        done = self.steps - self.burn_in
+        if (
+            done > 0 and done % self.thin == 0
+        ):  # a kept sample is checked (a per-step check costs a pass)
+            sample = self.current()
+            bad = [n for n, v in sample.items() if not bool(torch.isfinite(v).all())]
+            if bad:
+                raise ValueError(
+                    f"the chain has NaN or inf entries in {bad[:5]} at step {self.steps}"
+                )
+            self.samples.append(sample)
+        return loss
+
+    def current(self) -> dict[str, Tensor]:
+        """The model's current subset values ``{param name: [k]}`` (a copy; after `run_chain`: its start)."""
+        params = self.param_groups[0]["params"]
+        return {
+            n: self.subset.gather(n, p.detach()).clone()
+            for n, p in zip(self.names, params, strict=True)
+        }
+
+    def posterior(self, **options: Any) -> Any:
+        """The kept samples as a `SampledPosterior` of ``self.model`` (``options``: its keywords).
+
+        Raises:
+            ValueError: Before the first kept sample.
+        """
+        from partialbayes.sgmcmc._posterior import SampledPosterior
+
+        if not self.samples:
+            raise ValueError(
+                f"no sample kept after {self.steps} step(s) (burn_in={self.burn_in}, thin={self.thin}): "
+                "run more steps or lower burn_in"
+            )
+        stacked = {n: torch.stack([s[n] for s in self.samples]) for n in self.names}
+        return SampledPosterior(self.model, self.subset, stacked, **options)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state plus the step count and the SGNHT friction (samples are not included)."""
+        return {**super().state_dict(), "steps": self.steps, "friction": self.friction}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore `state_dict` (buffers, step count, friction)."""
+        state = dict(state_dict)
+        self.steps, self.friction = state.pop("steps", 0), state.pop("friction", self.friction)
+        super().load_state_dict(state)
