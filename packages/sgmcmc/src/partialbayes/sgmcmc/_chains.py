@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from partialbayes.predictive import IGNORE_INDEX, flatten_outputs, model_logits, split_batch
+from partialbayes.predictive import flatten_outputs
+from partialbayes.predictive.internal import IGNORE_INDEX, model_logits, split_batch
 from partialbayes.selection import Subset
 from partialbayes.sgmcmc._posterior import SampledPosterior
 from partialbayes.sgmcmc._sampler import SGMCMC, check_steps

@@ -10,15 +10,14 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from partialbayes.predictive import (
+from partialbayes.predictive import sampled_logits, sampled_predict
+from partialbayes.predictive.internal import (
     check_count,
     check_generator,
     check_likelihood,
     read_posterior_file,
     resolve_link,
     rows,
-    sampled_logits,
-    sampled_predict,
     write_posterior_file,
 )
 from partialbayes.selection import Subset

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.predictive import check_generator
+from partialbayes.predictive.internal import check_generator
 from partialbayes.selection import Subset
 
 METHODS = ("sgld", "sghmc", "sgnht", "baoa")
