@@ -238,7 +238,7 @@ def test_bad_num_classes_refused_at_construction(num_classes):
 
 def test_sample_count_and_generator_are_checked():
     la = fitted(KronLaplace)
-    with pytest.raises(ValueError, match="n must be"):
+    with pytest.raises(TypeError, match="n must be"):
         la.sample(True)
     with pytest.raises(TypeError, match="generator"):
         la.sample(2, generator=5)
@@ -278,7 +278,10 @@ def test_every_generator_argument_is_checked(cls):
         ):
             call()
     for bad in (True, 2.5, 0):
-        with pytest.raises(ValueError, match="n must be a positive int"):
+        with pytest.raises(
+            TypeError if isinstance(bad, bool) or not isinstance(bad, int) else ValueError,
+            match="n must be",
+        ):
             la.sample(bad)
 
 

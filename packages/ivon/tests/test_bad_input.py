@@ -88,9 +88,7 @@ def test_non_numeric_hyperparameters_are_type_errors(name, bad):
 
 @given(
     kwargs=st.one_of(
-        st.fixed_dictionaries(
-            {"mc_samples": st.one_of(st.integers(-5, 0), st.floats(0.5, 3.5), st.just(True))}
-        ),
+        st.fixed_dictionaries({"mc_samples": st.integers(-5, 0)}),
         st.fixed_dictionaries(
             {"hess_approx": st.text(max_size=8).filter(lambda s: s not in ("price", "gradsq"))}
         ),
@@ -107,6 +105,8 @@ def test_bad_options_are_value_errors(kwargs):
         ({"generator": 0}, "generator"),
         ({"compiled": "yes"}, "compiled"),
         ({"compiled": 1}, "compiled"),
+        ({"mc_samples": 1.5}, "mc_samples"),
+        ({"mc_samples": True}, "mc_samples"),
     ],
 )
 def test_bad_option_types(kwargs, match):
@@ -153,8 +153,9 @@ def test_train_flag_must_be_bool(train):
 def test_batch_size_must_be_a_positive_number(bad):
     model = _mlp()
     opt = IVON(model.parameters(), lr=0.1, ess=6)
+    error = TypeError if isinstance(bad, (bool, str, torch.Tensor)) else ValueError
     with (
-        pytest.raises(ValueError, match="batch_size must be a number > 0"),
+        pytest.raises(error, match="batch_size must be"),
         opt.sampled_params(train=True, batch_size=bad),
     ):
         pass
@@ -363,7 +364,7 @@ def _corruptions():
         ("bad lr", set_group("lr", -1.0), ValueError, "group 0: IVON: lr"),
         ("missing ess", lambda sd: sd["param_groups"][0].pop("ess"), ValueError, "'ess'"),
         ("bad step", set_group("step", -3), ValueError, "step"),
-        ("float step", set_group("step", 1.5), ValueError, "step"),
+        ("float step", set_group("step", 1.5), TypeError, "step"),
         (
             "bad generator state",
             lambda sd: sd.__setitem__("generator_state", [1, 2]),

@@ -84,7 +84,7 @@ def test_other_argument_checks():
         probit_binary(torch.zeros(2), torch.tensor([1.0, -0.1]))
     with pytest.raises(ValueError, match="n_samples"):
         mc_predictive(torch.zeros(1, 2), torch.ones(1, 2), 0)
-    with pytest.raises(ValueError, match="n_samples"):
+    with pytest.raises(TypeError, match="n_samples"):
         sample_logits(torch.zeros(1, 2), torch.ones(1, 2), 2.5)
     with pytest.raises(ValueError, match="at least 2 classes"):
         laplace_bridge(torch.zeros(1, 1), torch.ones(1, 1))

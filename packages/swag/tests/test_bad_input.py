@@ -292,7 +292,10 @@ def test_half_precision_moments_in_a_file_load_as_float32(helpers, tmp_path):
 @pytest.mark.parametrize("bad", [True, 2.5, 0, -1])
 def test_sample_counts_are_checked(helpers, bad):
     _, _, swag = collected(helpers)
-    with pytest.raises(ValueError, match="n must be a positive int"):
+    with pytest.raises(
+        TypeError if isinstance(bad, bool) or not isinstance(bad, int) else ValueError,
+        match="n must be",
+    ):
         swag.sample(bad)
 
 

@@ -137,7 +137,7 @@ def test_bad_input(tmp_path):
         SWAGCallback({"classifier.weight": None})
     with pytest.raises(ValueError, match="start_step must be >= 0"):
         SWAGCallback(subset, start_step=-1)
-    with pytest.raises(ValueError, match="every must be >= 1"):
+    with pytest.raises(ValueError, match="every must be a positive int"):
         SWAGCallback(subset, every=0)
     with pytest.raises(TypeError, match="every must be an int"):
         SWAGCallback(subset, every=2.0)

@@ -51,8 +51,8 @@ from partialbayes.predictive import (
 )
 from partialbayes.predictive.internal import (
     PosteriorFile,
-    check_count,
     check_generator,
+    check_int,
     check_target_ids,
     eval_mode,
     output_logits,
@@ -241,7 +241,7 @@ class LaplaceBase:
         )
         check_positive("temperature", temperature)
         self.temperature = float(temperature)
-        self.max_memory = None if max_memory is None else check_count("max_memory", max_memory)
+        self.max_memory = None if max_memory is None else check_int("max_memory", max_memory)
         self.device = next(iter(params.values())).device
         groups = self._groups()
         self.modules = tuple(dict.fromkeys(groups.values()))
@@ -744,7 +744,7 @@ class LaplaceBase:
         """
         check_generator(generator)
         self._require_fit()
-        n = check_count("n", n)
+        n = check_int("n", n)
         centered = self._sample(n, generator)
         return {name: self._map[name] + centered[name] for name in self.subset.names}
 
@@ -863,7 +863,7 @@ class LaplaceBase:
             TypeError: A batch of an unknown kind, a ``generator`` that is not a ``torch.Generator``.
         """
         link = resolve_link(link, self.links, type(self).__name__)
-        n_samples = check_count("n_samples", n_samples)
+        n_samples = check_int("n_samples", n_samples)
         check_generator(generator)
         logits, keep, f, (cov,) = _linearised([self], batch, labels=False, target_ids=target_ids)
         full, f = logits.to(cov.dtype), f.to(cov.dtype)
@@ -907,7 +907,7 @@ class LaplaceBase:
         Returns:
             ``[n, B, C]`` (or ``[n, B, T, C]``; ``[n, P, K]`` with ``target_ids``) in the logits' dtype.
         """
-        n = check_count("n", n)
+        n = check_int("n", n)
         check_generator(generator)
         logits, keep, f, (cov,) = _linearised([self], batch, labels=False, target_ids=target_ids)
         draws = sample_logits(f.to(cov.dtype), cov, n, generator=generator)
@@ -1059,7 +1059,7 @@ def _linearised(
     first = posteriors[0]
     first._require_fit()
     if chunk_size is not None:
-        check_count("chunk_size", chunk_size)
+        check_int("chunk_size", chunk_size)
     ids = None
     if target_ids is not None:
         if first.likelihood == "regression":

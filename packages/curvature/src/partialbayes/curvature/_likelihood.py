@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from partialbayes.predictive.internal import (
-    check_count,
+    check_int,
     check_likelihood,
     model_logits,
     split_batch,
@@ -75,7 +75,7 @@ class CurvatureOptions:
         object.__setattr__(self, "sigma_noise", check_likelihood(self.likelihood, self.sigma_noise))
         if self.fisher not in FISHERS:
             raise ValueError(f"fisher must be one of {FISHERS}, got {self.fisher!r}")
-        check_count("mc_samples", self.mc_samples)
+        check_int("mc_samples", self.mc_samples)
         if self.dtype not in DTYPES:
             raise TypeError(f"dtype must be torch.float32 or torch.float64, got {self.dtype!r}")
         if self.num_classes is not None and (
@@ -93,7 +93,7 @@ class CurvatureOptions:
         if self.bias not in ("fold", "separate"):
             raise ValueError(f"bias must be 'fold' or 'separate', got {self.bias!r}")
         if self.max_rank is not None:
-            check_count("max_rank", self.max_rank)
+            check_int("max_rank", self.max_rank)
 
 
 def check_list(items: Any, what: str, kind: type) -> list[Any]:

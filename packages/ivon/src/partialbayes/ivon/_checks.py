@@ -2,47 +2,32 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-#: Hyperparameters every IVON parameter group holds, with their ranges ``(low, high, low_open, high_open)``.
-RANGES: dict[str, tuple[float, float, bool, bool]] = {
-    "lr": (0.0, math.inf, True, True),
-    "ess": (0.0, math.inf, True, True),
-    "hess_init": (0.0, math.inf, True, True),
-    "beta1": (0.0, 1.0, False, True),
-    "beta2": (0.0, 1.0, False, True),
-    "weight_decay": (0.0, math.inf, False, True),
-    "clip_radius": (0.0, math.inf, True, False),
+from partialbayes.predictive.internal import check_int, check_number
+
+#: Hyperparameters every IVON parameter group holds, with their intervals.
+RANGES: dict[str, str] = {
+    "lr": "(0, inf)",
+    "ess": "(0, inf)",
+    "hess_init": "(0, inf)",
+    "beta1": "[0, 1)",
+    "beta2": "[0, 1)",
+    "weight_decay": "[0, inf)",
+    "clip_radius": "(0, inf]",
 }
 
 
-def check_hyper(name: str, value: Any) -> None:
-    """Raise unless ``value`` is a real number in the range of hyperparameter ``name`` (see :data:`RANGES`)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"IVON: {name} must be a real number, got {type(value).__name__} {value!r}")
-    low, high, low_open, high_open = RANGES[name]
-    ok_low = value > low if low_open else value >= low
-    ok_high = value < high if high_open else value <= high
-    if math.isnan(value) or not (ok_low and ok_high):
-        lo = "(" if low_open else "["
-        hi = ")" if high_open else "]"
-        raise ValueError(f"IVON: {name} must lie in {lo}{low}, {high}{hi}, got {value!r}")
-
-
 def validate_group(group: Mapping[str, Any], where: str = "") -> None:
-    """Check every hyperparameter of a parameter group (``where`` prefixes the message, e.g. a group index)."""
-    for name in RANGES:
+    """Check every hyperparameter of a parameter group (``where`` prefixes the names, e.g. a group index)."""
+    for name, interval in RANGES.items():
         if name not in group:
             raise ValueError(f"IVON: {where}parameter group has no {name!r} (not an IVON group)")
-        try:
-            check_hyper(name, group[name])
-        except (TypeError, ValueError) as err:
-            raise type(err)(f"{where}{err}") from None
+        check_number(f"{where}IVON: {name}", group[name], interval)
 
 
 def check_state_dict(
@@ -77,9 +62,7 @@ def check_state_dict(
         if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), Sequence):
             raise TypeError(f"{where}parameter group {g} is not a dict with a 'params' list")
         validate_group(saved, f"{where}group {g}: ")
-        step = saved.get("step", 0)
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"{where}group {g}: 'step' must be an int >= 0, got {step!r}")
+        check_int(f"{where}group {g}: step", saved.get("step", 0), "[0, inf)")
         if len(saved["params"]) != len(own["params"]):
             raise ValueError(
                 f"{where}group {g} holds {len(saved['params'])} parameters in the state dict, "

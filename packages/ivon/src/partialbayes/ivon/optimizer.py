@@ -16,7 +16,13 @@ from partialbayes.ivon import _distributed as dist_utils
 from partialbayes.ivon._checks import check_state_dict, validate_group
 from partialbayes.ivon._math import Fold, Hyper, Shift, Update, fold_, shift_, update_
 from partialbayes.ivon._noise import normal_
-from partialbayes.predictive.internal import check_generator
+from partialbayes.predictive.internal import (
+    check_bool,
+    check_choice,
+    check_generator,
+    check_int,
+    check_number,
+)
 
 if TYPE_CHECKING:  # the selection package is an optional extra: never imported at run time
     from partialbayes.selection import Subset
@@ -110,13 +116,11 @@ class IVON(torch.optim.Optimizer):
             ValueError: If a hyperparameter is out of range or ``hess_approx`` is unknown.
             TypeError: If a hyperparameter has the wrong type or a parameter is not floating point.
         """
-        if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
-            raise ValueError(f"IVON: mc_samples must be an int >= 1, got {mc_samples!r}")
-        if hess_approx not in HESS_APPROX:
-            raise ValueError(f"IVON: hess_approx must be one of {HESS_APPROX}, got {hess_approx!r}")
+        check_int("IVON: mc_samples", mc_samples)
+        check_choice("IVON: hess_approx", hess_approx, HESS_APPROX)
         check_generator(generator, "IVON: generator")
-        if compiled is not None and not isinstance(compiled, bool):
-            raise TypeError(f"IVON: compiled must be None, True or False, got {compiled!r}")
+        if compiled is not None:
+            check_bool("IVON: compiled", compiled)
         self.mc_samples = mc_samples
         self.hess_approx = hess_approx
         self.rescale_lr = bool(rescale_lr)
@@ -301,18 +305,12 @@ class IVON(torch.optim.Optimizer):
             TypeError: If ``train`` is not a bool.
             ValueError: If ``batch_size`` is not a number > 0.
         """
-        if not isinstance(train, bool):
-            raise TypeError(f"IVON.sampled_params: train must be a bool, got {train!r}")
-        if batch_size is not None and (
-            isinstance(batch_size, bool)
-            or not isinstance(batch_size, int | float)
-            or not 0 < batch_size < math.inf
-        ):
-            raise ValueError(
-                f"IVON.sampled_params: batch_size must be a number > 0 (the examples behind the "
-                f"gradient), got {batch_size!r}"
-            )
-        weight = 1.0 if batch_size is None else float(batch_size)
+        check_bool("IVON.sampled_params: train", train)
+        weight = (
+            1.0
+            if batch_size is None
+            else check_number("IVON.sampled_params: batch_size", batch_size)
+        )
         if self._sampling:
             raise RuntimeError("IVON.sampled_params: already inside sampled_params (nested use)")
         self._sampling = True

@@ -21,7 +21,7 @@ from partialbayes.ivon.optimizer import IVON
 from partialbayes.predictive import sampled_logits, sampled_predict
 from partialbayes.predictive.internal import (
     PosteriorFile,
-    check_count,
+    check_int,
     check_likelihood,
     read_posterior_file,
     resolve_link,
@@ -323,7 +323,7 @@ class GaussianPosterior(_SampledFamily):
         Returns:
             ``{param name: [n, k]}`` on the parameters' devices.
         """
-        check_count("n", n)
+        check_int("n", n)
         return {
             name: torch.addcmul(m, s, _randn((n, m.shape[0]), m, generator))
             for name, (m, s) in self._moments().items()
@@ -514,7 +514,7 @@ class MultiIVON(_SampledFamily):
         Returns:
             ``{param name: [n, k]}`` on the parameters' devices.
         """
-        check_count("n", n)
+        check_int("n", n)
         k = len(self.components)
         runs = (self._offset(generator) + torch.arange(n)) % k
         return self._draw(runs, generator)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from partialbayes.predictive.internal import check_count
+from partialbayes.predictive.internal import check_int
 
 
 def check_options(tol: object, max_iter: object) -> None:
@@ -18,7 +18,7 @@ def check_options(tol: object, max_iter: object) -> None:
     if isinstance(tol, bool) or not 0 <= tol < math.inf:
         raise ValueError(f"tol must be a finite number >= 0, got {tol!r}")
     if max_iter is not None:
-        check_count("max_iter", max_iter)
+        check_int("max_iter", max_iter)
 
 
 def cg_solve(

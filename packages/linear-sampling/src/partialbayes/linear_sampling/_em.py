@@ -19,7 +19,7 @@ from partialbayes.linear_sampling._ops import (
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior
 from partialbayes.linear_sampling._sgd import SGDConfig
 from partialbayes.linear_sampling._solve import check_problem, posterior_mean, posterior_samples
-from partialbayes.predictive.internal import check_count, check_generator
+from partialbayes.predictive.internal import check_generator, check_int
 
 _ESTIMATORS = ("function", "weight")
 
@@ -144,7 +144,7 @@ def feature_scales(
         ValueError: If a parameter has no curvature (a zero feature column).
     """
     check_generator(generator)
-    check_count("n_probes", n_probes)
+    check_int("n_probes", n_probes)
     noise.check(features.n, features.m)
     noise = noise.to(features.dtype, features.device)
     if features.matrix is not None:
@@ -244,8 +244,8 @@ def fit_prior_precision(
         raise ValueError(f"estimator must be one of {_ESTIMATORS}, got {estimator!r}")
     check_problem(features, noise, prior, method, sgd)
     check_generator(generator)
-    check_count("k", k)
-    check_count("max_iter", max_iter)
+    check_int("k", k)
+    check_int("max_iter", max_iter)
     if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < math.inf:
         raise ValueError(f"tol must be a positive number, got {tol!r}")
     if not isinstance(g_prior, bool):

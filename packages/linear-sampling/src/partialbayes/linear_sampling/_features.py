@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from partialbayes.predictive.internal import check_count
+from partialbayes.predictive.internal import check_int
 
 WORKING_BYTES = 1 << 28
 """Bytes of one observation-space block (``[b, m, k]``, or a model's output tangents) per operator call."""
@@ -58,7 +58,7 @@ class Features:
 
     def __post_init__(self) -> None:
         for name in ("n", "m", "d"):
-            check_count(f"Features.{name}", getattr(self, name))
+            check_int(f"Features.{name}", getattr(self, name))
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise TypeError(f"Features.dtype must be floating point, got {self.dtype}")
         if not (callable(self.jvp) and callable(self.vjp)):

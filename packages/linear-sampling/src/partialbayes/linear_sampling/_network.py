@@ -25,7 +25,7 @@ from partialbayes.predictive import is_causal_lm, kept_positions
 from partialbayes.predictive.internal import (
     IGNORE_INDEX,
     Batch,
-    check_count,
+    check_int,
     output_logits,
     split_batch,
 )
@@ -412,7 +412,7 @@ def network_logits(
         ``[n, m]`` logits, one row per observation of `network_features` (for token-level logits the
         kept positions, in row-major order).
     """
-    check_count("batch_size", batch_size)
+    check_int("batch_size", batch_size)
     b = split_batch(inputs, device=next(model.parameters()).device)
     get = output_fn or output_logits
     n = n_examples(b.inputs)

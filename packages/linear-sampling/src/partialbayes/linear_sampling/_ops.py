@@ -9,7 +9,7 @@ from torch import Tensor
 
 from partialbayes.linear_sampling._features import WORKING_BYTES, Features, batches
 from partialbayes.linear_sampling._precision import NoisePrecision
-from partialbayes.predictive.internal import available_memory, check_count
+from partialbayes.predictive.internal import available_memory, check_int
 
 
 def default_batch_size(features: Features, batch_size: int | None, k: int = 1) -> int:
@@ -23,7 +23,7 @@ def default_batch_size(features: Features, batch_size: int | None, k: int = 1) -
     if batch_size is None:
         per = features.m * k * features.dtype.itemsize
         return max(1, min(features.n, 256, WORKING_BYTES // per))
-    return min(check_count("batch_size", batch_size), features.n)
+    return min(check_int("batch_size", batch_size), features.n)
 
 
 def check_samples(samples: Tensor, d: int) -> None:

@@ -30,7 +30,7 @@ from partialbayes.linear_sampling._sgd import SGDConfig, SolveInfo
 from partialbayes.linear_sampling._solve import posterior_samples
 from partialbayes.predictive import answer_index, is_causal_lm, probit
 from partialbayes.predictive.internal import (
-    check_count,
+    check_int,
     check_likelihood,
     eval_mode,
     resolve_link,
@@ -189,7 +189,7 @@ class SampledLaplace:
             RuntimeWarning: If the solver stops before its tolerance (the samples are then approximate).
             UserWarning: If batches without labelled outputs were skipped.
         """
-        k = check_count("n_samples", n_samples)
+        k = check_int("n_samples", n_samples)
         with eval_mode(self.model):
             features, logits = read_batches(self._operators(), batches)
             if self.likelihood == "classification":
@@ -246,7 +246,7 @@ class SampledLaplace:
         Raises:
             ValueError: Before `fit`, or if ``n`` exceeds the stored samples.
         """
-        check_count("n", n)
+        check_int("n", n)
         z = self._require_fit()
         assert self._map is not None
         flat = (self._map.unsqueeze(1) + z[:, self._columns(n, generator).to(z.device)]).T
@@ -328,7 +328,7 @@ class SampledLaplace:
             ValueError: If ``n`` exceeds the stored samples, or the result would not fit in the free
                 memory (its bytes are named, before anything is allocated).
         """
-        check_count("n", n)
+        check_int("n", n)
 
         def draws(f: Tensor, jz: Tensor) -> Tensor:
             return f.unsqueeze(0) + jz.movedim(-1, 0)
@@ -394,7 +394,7 @@ class SampledLaplace:
             ``(f, variance + σ²)``.
         """
         link = resolve_link(link, self.links, "SampledLaplace")
-        check_count("n_samples", n_samples)
+        check_int("n_samples", n_samples)
         k = self.n_stored
         mc = link == "mc" and self.likelihood == "classification"
         cols = None if not mc or n_samples >= k else self._columns(n_samples, generator)

@@ -25,7 +25,7 @@ from partialbayes.linear_sampling._ops import (
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior
 from partialbayes.linear_sampling._sgd import SGDConfig, SolveInfo, sgd_minimise
 from partialbayes.linear_sampling._svrg import svrg_minimise
-from partialbayes.predictive.internal import check_count, check_generator
+from partialbayes.predictive.internal import check_generator, check_int
 
 _METHODS = ("cg", "sgd")
 _OBJECTIVES = ("low_variance", "standard")
@@ -265,7 +265,7 @@ def posterior_samples(
     check_generator(generator)
     if objective not in _OBJECTIVES:
         raise ValueError(f"objective must be one of {_OBJECTIVES}, got {objective!r}")
-    check_count("k", k)
+    check_int("k", k)
     bs = default_batch_size(features, batch_size, k)
     a1 = a.unsqueeze(1)
     theta0 = torch.randn(features.d, k, generator=generator, dtype=features.dtype)

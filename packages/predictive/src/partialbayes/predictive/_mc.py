@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from partialbayes.predictive._validate import check_count, check_generator, check_tensor
+from partialbayes.predictive._validate import check_generator, check_int, check_tensor
 from partialbayes.predictive._validate import gaussian_logits as _gaussian_logits
 
 #: Elements of one sample chunk ``[s, ..., C]``; bounds the memory of `mc_predictive`.
@@ -86,7 +86,7 @@ def sample_logits(
             ``n_samples``.
         TypeError: If ``generator`` is not a ``torch.Generator``.
     """
-    check_count("n_samples", n_samples)
+    check_int("n_samples", n_samples)
     check_generator(generator)
     mu, var, full = _gaussian_logits(mean, cov)
     scale = cholesky_jitter(var) if full else var.sqrt()
@@ -118,7 +118,7 @@ def mc_predictive(
         ValueError: On invalid shapes, NaN/inf, negative variances or a non-PSD covariance.
         TypeError: If ``generator`` is not a ``torch.Generator``.
     """
-    check_count("n_samples", n_samples)
+    check_int("n_samples", n_samples)
     check_generator(generator)
     mu, var, full = _gaussian_logits(mean, cov)
     scale = cholesky_jitter(var) if full else var.sqrt()

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from partialbayes.predictive._answers import answer_logits
 from partialbayes.predictive._batch import is_causal_lm, model_logits, split_batch
 from partialbayes.predictive._stream import mc_predict, mc_predict_regression
-from partialbayes.predictive._validate import check_count
+from partialbayes.predictive._validate import check_int
 
 
 @runtime_checkable
@@ -240,7 +240,7 @@ def sampled_logits(
     Returns:
         ``[n, B, C]`` (or ``[n, B, T, C]``) logits; ``[n, P, K]`` with ``target_ids``.
     """
-    check_count("n", n)
+    check_int("n", n)
     model = posterior.model
     forward = _forward(model, batch, target_ids, causal_lm)
     ctx = _contexts(posterior, generator, sample_ctx)
@@ -289,7 +289,7 @@ def sampled_predict(
     Raises:
         ValueError: ``target_ids`` with ``regression``, or bad ``target_ids`` (see `check_target_ids`).
     """
-    check_count("n", n)
+    check_int("n", n)
     if regression and target_ids is not None:
         raise ValueError("target_ids selects answer tokens of a classifier; not for regression")
     model = posterior.model

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from partialbayes.predictive._decomposition import Uncertainty, entropy
-from partialbayes.predictive._validate import check_count, check_nonneg, check_tensor
+from partialbayes.predictive._validate import check_int, check_nonneg, check_tensor
 
 SampleContext = Callable[[int], AbstractContextManager[object]]
 
@@ -98,7 +98,7 @@ def mc_predict(
         TypeError: If ``sample_ctx`` or ``forward`` is not callable.
     """
     _check_callables(sample_ctx, forward)
-    check_count("n_samples", n_samples)
+    check_int("n_samples", n_samples)
     sum_p: Tensor | None = None
     sum_h: Tensor | None = None
     shape = None
@@ -142,7 +142,7 @@ def mc_predict_regression(
         An [`MCRegression`][partialbayes.predictive.MCRegression].
     """
     _check_callables(sample_ctx, forward)
-    check_count("n_samples", n_samples)
+    check_int("n_samples", n_samples)
     mean: Tensor | None = None
     m2: Tensor | None = None
     sum_v: Tensor | None = None

@@ -1,12 +1,98 @@
-"""Input validation shared by every public function: clear errors that name the argument at fault."""
+"""The argument checks of every package: a wrong type is a ``TypeError``, a value out of range a ``ValueError``.
+
+Every message names the argument. Numbers are given an interval in the usual notation (``"(0, inf)"``,
+``"[0, 1)"``); NaN lies in none. An ``int`` never accepts a ``bool``. Configuration dataclasses declare their
+ranges once with `ranged` and check them all with `check_fields`.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Collection
+from typing import Any
 
 import torch
 from torch import Tensor
 
 #: Absolute tolerance on ``sum(p) == 1`` and ``p >= 0`` for probability inputs (any dtype).
 PROB_ATOL = 1e-4
+
+
+@functools.cache
+def _interval(spec: str) -> tuple[float, float, bool, bool]:
+    low, high = spec[1:-1].split(",")
+    return float(low), float(high), spec[0] == "(", spec[-1] == ")"
+
+
+def _check_in(name: str, value: Any, interval: str) -> None:
+    low, high, low_open, high_open = _interval(interval)
+    if (low < value if low_open else low <= value) and (
+        value < high if high_open else value <= high
+    ):
+        return
+    if high < float("inf"):
+        raise ValueError(f"{name} must lie in {interval}, got {value!r}")
+    if interval == "[1, inf)" and isinstance(value, int):
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    raise ValueError(f"{name} must be {'>' if low_open else '>='} {low:g}, got {value!r}")
+
+
+def check_int(name: str, value: object, interval: str = "[1, inf)") -> int:
+    """An ``int`` (not a ``bool``) in ``interval``: else a ``TypeError`` (type) or ``ValueError`` (range)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    _check_in(name, value, interval)
+    return value
+
+
+def check_number(name: str, value: object, interval: str = "(0, inf)") -> float:
+    """A real number (an ``int`` or ``float``, not a ``bool``) in ``interval``, as a float.
+
+    Raises:
+        TypeError: If ``value`` is not a real number.
+        ValueError: If it lies outside ``interval`` (NaN always does).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    _check_in(name, value, interval)
+    return float(value)
+
+
+def check_bool(name: str, value: object) -> bool:
+    """A ``bool``, else a ``TypeError`` naming ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_choice(name: str, value: object, options: Collection[Any]) -> Any:
+    """One of ``options``, else a ``ValueError`` listing them."""
+    if value not in options:
+        raise ValueError(f"{name} must be one of {sorted(options, key=str)}, got {value!r}")
+    return value
+
+
+def ranged(default: Any, interval: str, kind: type = float, *, optional: bool = False) -> Any:
+    """A dataclass field whose value `check_fields` checks: a ``kind`` (``int`` or ``float``) in ``interval``.
+
+    ``optional`` also admits ``None``.
+    """
+    return dataclasses.field(
+        default=default, metadata={"interval": interval, "kind": kind, "optional": optional}
+    )
+
+
+def check_fields(obj: Any, owner: str | None = None) -> None:
+    """Check every field of the dataclass ``obj`` declared with `ranged` (names read ``owner.field``)."""
+    owner = owner or type(obj).__name__
+    for field in dataclasses.fields(obj):
+        meta = field.metadata
+        value = getattr(obj, field.name)
+        if "interval" not in meta or (meta["optional"] and value is None):
+            continue
+        check = check_int if meta["kind"] is int else check_number
+        check(f"{owner}.{field.name}", value, meta["interval"])
 
 
 def check_tensor(name: str, x: object, *, floating: bool = True) -> Tensor:
@@ -22,13 +108,6 @@ def check_tensor(name: str, x: object, *, floating: bool = True) -> Tensor:
         if n_bad:
             raise ValueError(f"{name} contains {n_bad} NaN or infinite value(s)")
     return x
-
-
-def check_count(name: str, n: object) -> int:
-    """A positive ``int`` (bools refused), else a ``ValueError`` naming ``name``."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"{name} must be a positive int, got {n!r}")
-    return n
 
 
 def check_generator(generator: object, name: str = "generator") -> torch.Generator | None:

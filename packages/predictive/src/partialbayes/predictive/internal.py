@@ -31,7 +31,15 @@ from partialbayes.predictive._posterior import (
     resolve_link,
     rows,
 )
-from partialbayes.predictive._validate import check_count, check_generator
+from partialbayes.predictive._validate import (
+    check_bool,
+    check_choice,
+    check_fields,
+    check_generator,
+    check_int,
+    check_number,
+    ranged,
+)
 
 __all__ = [
     "IGNORE_INDEX",
@@ -40,9 +48,13 @@ __all__ = [
     "PosteriorFile",
     "available_memory",
     "batch_size",
-    "check_count",
+    "check_bool",
+    "check_choice",
+    "check_fields",
     "check_generator",
+    "check_int",
     "check_likelihood",
+    "check_number",
     "check_target_ids",
     "cholesky_jitter",
     "eval_mode",
@@ -50,6 +62,7 @@ __all__ = [
     "model_structure",
     "move_batch",
     "output_logits",
+    "ranged",
     "read_posterior_file",
     "resolve_link",
     "rows",

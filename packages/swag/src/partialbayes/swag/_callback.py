@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from partialbayes.predictive.internal import check_int
 from partialbayes.selection import Subset
 from partialbayes.swag._posterior import SWAG
-from partialbayes.swag._train import check_int
 
 
 def _ignore(*args: Any, **kwargs: Any) -> None:
@@ -61,7 +61,7 @@ class SWAGCallback:
                 f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
             )
         self.subset = subset
-        self.start_step = check_int("start_step", start_step, minimum=0)
+        self.start_step = check_int("start_step", start_step, "[0, inf)")
         self.every = check_int("every", every)
         self.swag_options = swag_options
         self._swag: SWAG | None = None

@@ -12,8 +12,8 @@ from torch import Tensor, nn
 
 from partialbayes.predictive import sampled_logits, sampled_predict
 from partialbayes.predictive.internal import (
-    check_count,
     check_generator,
+    check_int,
     check_likelihood,
     read_posterior_file,
     resolve_link,
@@ -88,9 +88,7 @@ class SWAG:
         likelihood: str = "classification",
         sigma_noise: float = 1.0,
     ) -> None:
-        if isinstance(max_rank, bool) or not isinstance(max_rank, int):
-            raise TypeError(f"max_rank must be an int, got {type(max_rank).__name__}")
-        if not diagonal_only and max_rank < 2:
+        if check_int("max_rank", max_rank, "[0, inf)") < 2 and not diagonal_only:
             raise ValueError(
                 f"max_rank must be >= 2 for the low-rank part of SWAG, got {max_rank} "
                 "(use diagonal_only=True for SWAG-Diag)"
@@ -252,7 +250,7 @@ class SWAG:
             ValueError: Before any snapshot, with fewer than two snapshots and the low-rank part, or if
                 ``n`` is not a positive int.
         """
-        check_count("n", n)
+        check_int("n", n)
         return self.layout.unflatten(self.sample_flat(n, scale=scale, generator=generator))
 
     def unflatten(self, flat: Tensor) -> dict[str, Tensor]:

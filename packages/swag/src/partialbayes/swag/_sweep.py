@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from partialbayes.predictive import flatten_outputs
 from partialbayes.predictive.internal import (
     IGNORE_INDEX,
-    check_count,
+    check_int,
     eval_mode,
     model_logits,
     move_batch,
@@ -107,7 +107,7 @@ def predictive_nll(
     """
     if not isinstance(swag, SWAG):
         raise TypeError(f"predictive_nll takes a SWAG, got {type(swag).__name__}")
-    check_count("n_samples", n_samples)
+    check_int("n_samples", n_samples)
     logits_fn = _batch_logits if logits_fn is None else logits_fn
     logps = []
     with eval_mode(swag.model):

@@ -14,7 +14,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from partialbayes.predictive import flatten_outputs
-from partialbayes.predictive.internal import IGNORE_INDEX, model_logits, move_batch, split_batch
+from partialbayes.predictive.internal import (
+    IGNORE_INDEX,
+    check_int,
+    check_number,
+    model_logits,
+    move_batch,
+    split_batch,
+)
 from partialbayes.selection import Subset
 from partialbayes.swag._posterior import SWAG
 
@@ -39,23 +46,6 @@ class NonFiniteLossError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------- checks
-def check_int(name: str, value: object, minimum: int = 1) -> int:
-    """An ``int`` (bools refused) ``>= minimum``, else a ``TypeError`` / ``ValueError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return float(value)
-
-
 def check_snapshots(name: str, n_steps: int, every: int, diagonal_only: bool) -> None:
     """Refuse ``n_steps`` that give fewer snapshots (one per ``every`` steps) than sampling needs.
 
@@ -69,25 +59,6 @@ def check_snapshots(name: str, n_steps: int, every: int, diagonal_only: bool) ->
             f"SWAG{'-Diag' if diagonal_only else ''} needs at least {needed} to sample (raise {name}"
             f"{'' if diagonal_only else ' or use diagonal_only=True'})"
         )
-
-
-def check_collect_options(
-    lr: object,
-    n_steps: object,
-    snapshot_every: object,
-    momentum: object,
-    weight_decay: object,
-    diagonal_only: bool,
-) -> None:
-    """Raise a ``ValueError`` / ``TypeError`` naming the first bad hyper-parameter of `collect_swag`."""
-    if not _number("lr", lr) > 0:
-        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
-    every = check_int("snapshot_every", snapshot_every)
-    check_snapshots("n_steps", check_int("n_steps", n_steps), every, diagonal_only)
-    if not 0 <= _number("momentum", momentum) < 1:
-        raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-    if _number("weight_decay", weight_decay) < 0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
 
 
 def check_class_labels(logits: Tensor, labels: Tensor) -> Tensor:
@@ -297,7 +268,15 @@ def collect_swag(
             a batch that fails (empty, labels out of range, missing labels: the message names the step
             and the batch).
     """
-    check_collect_options(lr, n_steps, snapshot_every, momentum, weight_decay, diagonal_only)
+    check_number("lr", lr)
+    check_snapshots(
+        "n_steps",
+        check_int("n_steps", n_steps),
+        check_int("snapshot_every", snapshot_every),
+        diagonal_only,
+    )
+    check_number("momentum", momentum, "[0, 1)")
+    check_number("weight_decay", weight_decay, "[0, inf)")
     swag = SWAG(
         model,
         subset,
