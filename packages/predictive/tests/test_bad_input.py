@@ -149,12 +149,12 @@ def test_fit_temperature_bad_options():
     z = torch.randn(10, 3, generator=torch.Generator().manual_seed(0))
     y = torch.arange(10) % 3
     for init in (math.inf, math.nan, 0.0, -2.0):
-        with pytest.raises(ValueError, match="init must be positive and finite"):
+        with pytest.raises(ValueError, match="init must be a finite number > 0"):
             fit_temperature(z, y, init=init)
     with pytest.raises(TypeError, match="init must be a number"):
         fit_temperature(z, y, init=True)
     for max_iter in (0, True, 2.5):
-        with pytest.raises(ValueError, match="max_iter"):
+        with pytest.raises(ValueError if max_iter == 0 else TypeError, match="max_iter"):
             fit_temperature(z, y, max_iter=max_iter)
 
 
@@ -252,14 +252,14 @@ def test_batch_size_of_unsupported_inputs(inputs):
         ("poisson", 1.0, "likelihood must be one of"),
         ("regression", 0.0, "sigma_noise must be a finite number > 0"),
         ("regression", float("nan"), "sigma_noise"),
-        ("regression", True, "sigma_noise"),
-        ("regression", "1", "sigma_noise"),
+        ("regression", True, "sigma_noise must be a number"),
+        ("regression", "1", "sigma_noise must be a number"),
     ],
 )
 def test_check_likelihood_names_the_option(likelihood, sigma, match):
     from partialbayes.predictive.internal import check_likelihood
 
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(TypeError if "must be a number" in match else ValueError, match=match):
         check_likelihood(likelihood, sigma)
 
 

@@ -143,7 +143,7 @@ def test_temperature_scaling_errors():
         fit_temperature(z[:, :1], torch.zeros(10, dtype=torch.long))
     with pytest.raises(ValueError, match="init"):
         fit_temperature(z, y, init=0.0)
-    with pytest.raises(ValueError, match="temperature must be positive"):
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
         apply_temperature(z, -1.0)
     # perfectly separable: the NLL keeps falling as T -> 0
     sep = torch.tensor([[1.0, -1.0], [-1.0, 1.0]])

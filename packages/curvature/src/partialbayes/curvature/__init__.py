@@ -8,13 +8,15 @@ from partialbayes.curvature._laplace import LaplaceBase, grid_val_nll_many, logi
 from partialbayes.curvature._laplace_dense import DenseLaplace
 from partialbayes.curvature._laplace_diag import DiagLaplace
 from partialbayes.curvature._laplace_kron import KronLaplace
-from partialbayes.curvature._likelihood import forward_logits
+from partialbayes.curvature._likelihood import FISHERS, Fisher, forward_logits
 from partialbayes.curvature._marglik import MarglikFit
 from partialbayes.curvature._memory import MemoryEstimate, memory_estimate
 
 __all__ = [
+    "FISHERS",
     "DenseLaplace",
     "DiagLaplace",
+    "Fisher",
     "KronLaplace",
     "LaplaceBase",
     "MarglikFit",

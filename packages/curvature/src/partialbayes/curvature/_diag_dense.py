@@ -172,7 +172,7 @@ def diagonal(
     out = {t.name: torch.zeros(t.index.numel(), dtype=dtype, device=device) for t in targets}
     # weights of [B, d] activations: Σ_n (δ_n x_nᵀ)² = (Σ_s δ_s²)ᵀ (x ⊙ x), one matmul into the full matrix
     full_2d: dict[str, Tensor] = {}
-    positions = "joint" if options.fisher == "mc" else "each"  # see the module notes
+    positions = options.fisher_type.positions  # see the module notes
     with fail_together(device):
         for bp in stream(model, loader, modules, options, run, positions):
             d2: dict[str, Tensor] = {}
@@ -215,7 +215,7 @@ def dense(
     device = dict(model.named_parameters())[targets[0].name].device
     p = sum(t.index.numel() for t in targets)
     H = torch.zeros(p, p, dtype=options.dtype, device=device)
-    positions = "joint" if options.fisher == "mc" else "each"  # see the module notes
+    positions = options.fisher_type.positions  # see the module notes
     with fail_together(device):
         for bp in stream(model, loader, modules, options, run, positions):
             rows = [

@@ -32,7 +32,6 @@ from partialbayes.curvature._likelihood import (
     check_labels,
     check_logits,
     model_device,
-    output_vectors,
 )
 from partialbayes.curvature._memory import check_exact_fisher
 from partialbayes.curvature._outputs import Outputs, position_plan, read_batch
@@ -213,7 +212,7 @@ def cotangents(
     """The cotangents of the backward passes, shaped like ``logits``, built one at a time.
 
     The one statement of which backward passes run: `stream` (curvature, ``vectors`` from
-    ``output_vectors``) and ``output_passes`` (Jacobians and the predictive, ``vectors`` the unit vectors
+    ``CurvatureOptions.output_vectors``) and ``output_passes`` (Jacobians and the predictive, ``vectors`` the unit vectors
     ``e_k``) both iterate it.
 
     Args:
@@ -410,22 +409,13 @@ def stream(
             labels = check_labels(labels, rows, options.likelihood, index)
         if run.on_batch is not None:
             run.on_batch(index, rows.detach(), labels)
-        if options.fisher == "exact":
+        if options.fisher_type.per_class:
             joint = keep is None or positions == "joint"
             check_exact_fisher(rows, 1 if joint else int(keep.sum(1).max()), index)
         if run.preflight is not None:
             run.preflight(logits.detach(), keep, outputs.attention_mask)
             run.preflight = None  # the first batch only
-        vectors = output_vectors(
-            rows,
-            labels,
-            likelihood=options.likelihood,
-            fisher=options.fisher,
-            mc_samples=options.mc_samples,
-            sigma_noise=options.sigma_noise,
-            generator=run.generator,
-            batch_index=index,
-        )
+        vectors = options.output_vectors(rows, labels, run.generator, index)
         yield BatchPasses(
             index=index,
             n_examples=int(logits.shape[0]),

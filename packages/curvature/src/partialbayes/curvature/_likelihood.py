@@ -15,7 +15,7 @@ is ``Σ_n Σ_s J_nᵀ v_{s,n} v_{s,n}ᵀ J_n``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,13 +23,78 @@ import torch
 from torch import Tensor, nn
 
 from partialbayes.predictive.internal import (
+    check_choice,
     check_int,
     check_likelihood,
     model_logits,
     split_batch,
 )
 
-FISHERS = ("exact", "mc", "empirical")
+
+def _exact(f: Tensor, p: Tensor | None, labels: Tensor | None, k: int, s: float, g: Any) -> Tensor:
+    c = f.shape[-1]
+    eye = torch.eye(c, dtype=f.dtype, device=f.device)
+    if p is None:
+        return eye[:, None, :].expand(c, f.shape[0], c) / s
+    return p.sqrt().T[:, :, None] * (eye[:, None, :] - p[None])  # m_c = √p_c (e_c - p): [C, B, C]
+
+
+def _empirical(f: Tensor, p: Tensor | None, labels: Tensor, k: int, s: float, g: Any) -> Tensor:
+    return (
+        minus_one_hot(p, labels[None]) if p is not None else ((f - labels.to(f.dtype)) / s**2)[None]
+    )
+
+
+def _mc(f: Tensor, p: Tensor | None, labels: Tensor | None, k: int, s: float, g: Any) -> Tensor:
+    dev = g.device if g is not None else f.device
+    if p is not None:
+        ys = torch.multinomial(p.to(dev), k, replacement=True, generator=g)
+        return minus_one_hot(p, ys.to(p.device).T) / math.sqrt(k)
+    eps = torch.randn((k, *f.shape), generator=g, dtype=f.dtype, device=dev)
+    return eps.to(f.device) / (s * math.sqrt(k))
+
+
+@dataclass(frozen=True)
+class Fisher:
+    """One Fisher type: what it reads, what it costs, and its output vectors (see the module docstring).
+
+    A new Fisher type is one more entry of `FISHERS`; the memory estimate, the hooks and the diagonal and
+    dense curvatures read these fields and never compare names.
+
+    Attributes:
+        name: The ``fisher=`` option.
+        per_class: One backward pass per output (``S = C``; refused on very large outputs).
+        sampled: ``S = mc_samples`` passes of sampled labels; zero-mean, so the kept positions of a sequence
+            share one pass (``"joint"``) where the other types need one per position (``"each"``).
+        labels: Reads the batch's true labels (a batch without them is refused).
+        vectors: ``(logits [B, C], probs [B, C] or None for regression, labels, k, σ, generator)`` to the
+            cotangents ``[S, B, C]``.
+    """
+
+    name: str
+    per_class: bool
+    sampled: bool
+    labels: bool
+    vectors: Callable[..., Tensor]
+
+    def passes(self, n_outputs: int, mc_samples: int) -> int:
+        """Backward passes ``S`` per batch (per round of positions) for ``n_outputs`` logits ``C``."""
+        return n_outputs if self.per_class else mc_samples if self.sampled else 1
+
+    @property
+    def positions(self) -> str:
+        """``"joint"`` (one pass serves every kept position of a sequence) or ``"each"``."""
+        return "joint" if self.sampled else "each"
+
+
+#: The Fisher types by name.
+FISHERS: dict[str, Fisher] = {
+    "exact": Fisher("exact", per_class=True, sampled=False, labels=False, vectors=_exact),
+    "mc": Fisher("mc", per_class=False, sampled=True, labels=False, vectors=_mc),
+    "empirical": Fisher(
+        "empirical", per_class=False, sampled=False, labels=True, vectors=_empirical
+    ),
+}
 
 #: The dtypes curvature is accumulated and stored in (what the factors and ``eigh`` support).
 DTYPES = (torch.float32, torch.float64)
@@ -71,10 +136,33 @@ class CurvatureOptions:
     bias: str = "fold"
     max_rank: int | None = None
 
+    @property
+    def fisher_type(self) -> Fisher:
+        """The `Fisher` record of ``fisher``."""
+        return FISHERS[self.fisher]
+
+    def output_vectors(
+        self, logits: Tensor, labels: Tensor | None, generator: Any, batch_index: int
+    ) -> Tensor:
+        """Cotangents ``[S, B, C]`` of one batch's backward passes from its output rows ``[B, C]``.
+
+        The curvature of the batch's summed negative log-likelihood is ``Σ_s J_nᵀ v_s v_sᵀ J_n``;
+        ``labels`` are those `check_labels` returned (or ``None``).
+
+        Raises:
+            ValueError: A Fisher type that reads labels on a batch without them.
+        """
+        fisher, f = self.fisher_type, logits.detach()
+        if fisher.labels and labels is None:
+            raise ValueError(
+                f"batch {batch_index}: fisher={fisher.name!r} needs labels, the batch has none"
+            )
+        p = torch.softmax(f, dim=-1) if self.likelihood == "classification" else None
+        return fisher.vectors(f, p, labels, self.mc_samples, float(self.sigma_noise), generator)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "sigma_noise", check_likelihood(self.likelihood, self.sigma_noise))
-        if self.fisher not in FISHERS:
-            raise ValueError(f"fisher must be one of {FISHERS}, got {self.fisher!r}")
+        check_choice("fisher", self.fisher, FISHERS)
         check_int("mc_samples", self.mc_samples)
         if self.dtype not in DTYPES:
             raise TypeError(f"dtype must be torch.float32 or torch.float64, got {self.dtype!r}")
@@ -206,68 +294,6 @@ def check_labels(labels: Tensor, logits: Tensor, likelihood: str, batch_index: i
     if not bool(torch.isfinite(y).all()):
         raise ValueError(f"batch {batch_index}: regression targets are not finite")
     return y
-
-
-def _require_labels(labels: Tensor | None, batch_index: int) -> Tensor:
-    if labels is None:
-        raise ValueError(
-            f"batch {batch_index}: fisher='empirical' needs labels, the batch has none"
-        )
-    return labels
-
-
-def output_vectors(
-    logits: Tensor,
-    labels: Tensor | None,
-    *,
-    likelihood: str,
-    fisher: str,
-    mc_samples: int,
-    sigma_noise: float,
-    generator: torch.Generator | None,
-    batch_index: int,
-) -> Tensor:
-    """Cotangents ``[S, B, C]`` of the backward passes for one batch (see the module docstring).
-
-    The curvature of the batch's summed negative log-likelihood is ``Σ_s J_nᵀ v_s v_sᵀ J_n``.
-
-    Args:
-        logits: ``[B, C]`` output rows (``B = N`` kept positions for token-level outputs).
-        labels: The batch's labels as returned by `check_labels`, or ``None``; used by
-            ``fisher="empirical"`` only.
-        likelihood: ``"classification"`` or ``"regression"``.
-        fisher: ``"exact"``, ``"mc"`` or ``"empirical"``.
-        mc_samples: ``k`` for ``fisher="mc"``.
-        sigma_noise: Regression noise ``σ``.
-        generator: Random generator for ``fisher="mc"`` (its device may differ from the logits').
-        batch_index: Position of the batch in its loader (named in errors).
-
-    Raises:
-        ValueError: ``fisher="empirical"`` on a batch without labels.
-    """
-    f = logits.detach()
-    b, c = f.shape
-    if likelihood == "classification":
-        p = torch.softmax(f, dim=-1)
-        if fisher == "exact":
-            # m_c = √p_c (e_c - p)  for every example:  [C, B, C]
-            eye = torch.eye(c, dtype=f.dtype, device=f.device)
-            return p.sqrt().T[:, :, None] * (eye[:, None, :] - p[None])
-        if fisher == "empirical":
-            y = _require_labels(labels, batch_index)
-            return minus_one_hot(p, y[None])
-        dev = generator.device if generator is not None else p.device
-        ys = torch.multinomial(p.to(dev), mc_samples, replacement=True, generator=generator)
-        return minus_one_hot(p, ys.to(p.device).T) / math.sqrt(mc_samples)
-    s = float(sigma_noise)
-    if fisher == "exact":
-        return torch.eye(c, dtype=f.dtype, device=f.device)[:, None, :].expand(c, b, c) / s
-    if fisher == "empirical":
-        y = _require_labels(labels, batch_index).to(f.dtype)
-        return ((f - y) / s**2)[None]
-    dev = generator.device if generator is not None else f.device
-    eps = torch.randn((mc_samples, b, c), generator=generator, dtype=f.dtype, device=dev)
-    return eps.to(f.device) / (s * math.sqrt(mc_samples))
 
 
 def minus_one_hot(p: Tensor, labels: Tensor) -> Tensor:

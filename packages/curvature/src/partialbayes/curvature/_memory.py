@@ -196,7 +196,7 @@ def _batch_bytes(
     b, n_cls = logits.shape[0], logits.shape[-1]
     n_kept = b if keep is None else int(keep.sum())
     t = logits.shape[1] if keep is not None else (1 if mask is None else mask.shape[1])
-    passes = {"exact": n_cls, "mc": options.mc_samples}.get(options.fisher, 1)
+    passes = options.fisher_type.passes(n_cls, options.mc_samples)
     fit = (passes * n_kept * n_cls + 3 * b * t * n_cls) * logits.element_size()
     return b, t, n_kept, passes, fit
 
@@ -254,7 +254,7 @@ def entries_estimate(
     """
     b, _, n_kept, passes, fit = _batch_bytes(logits, keep, mask, options)
     item, p = torch.finfo(options.dtype).bits // 8, n_entries
-    rounds = 1 if keep is None or options.fisher == "mc" else int(keep.sum(1).max())
+    rounds = 1 if keep is None or options.fisher_type.sampled else int(keep.sum(1).max())
     fit += ((passes * rounds * b if dense else 2 * b) * p + (p * p if dense else p)) * item
     pred = (3 * n_kept * k_out * p + n_kept * k_out * k_out) * item
     stored, eigen = (p * p * item, (4 * p * p + p) * item) if dense else (p * item, 0)

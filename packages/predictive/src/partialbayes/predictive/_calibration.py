@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from partialbayes.predictive._metrics import _probs_labels
+from partialbayes.predictive._validate import check_int
 
 Binning = Literal["equal_width", "equal_mass"]
 
@@ -71,8 +72,7 @@ def reliability(
         properties give the calibration errors.
     """
     p, y = _probs_labels(probs, labels)
-    if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
-        raise ValueError(f"n_bins must be a positive int, got {n_bins!r}")
+    check_int("n_bins", n_bins)
     conf, pred = p.max(-1)
     correct = (pred == y).to(p.dtype)
     n = conf.shape[0]

@@ -36,8 +36,7 @@ def cholesky_jitter(cov: Tensor, *, max_tries: int = 8) -> Tensor:
     check_tensor("cov", cov)
     if cov.ndim < 2 or cov.shape[-1] != cov.shape[-2]:
         raise ValueError(f"cov must have shape [..., C, C], got {tuple(cov.shape)}")
-    if isinstance(max_tries, bool) or not isinstance(max_tries, int) or max_tries < 1:
-        raise ValueError(f"max_tries must be a positive int, got {max_tries!r}")
+    check_int("max_tries", max_tries)
     chol, info = torch.linalg.cholesky_ex(cov)
     bad = info > 0
     if not bool(bad.any()):

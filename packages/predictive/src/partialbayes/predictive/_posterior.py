@@ -7,7 +7,6 @@ family by changing the line that builds the posterior.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -19,7 +18,7 @@ from torch import Tensor, nn
 from partialbayes.predictive._answers import answer_logits
 from partialbayes.predictive._batch import is_causal_lm, model_logits, split_batch
 from partialbayes.predictive._stream import mc_predict, mc_predict_regression
-from partialbayes.predictive._validate import check_int
+from partialbayes.predictive._validate import check_choice, check_int, check_number
 
 
 @runtime_checkable
@@ -122,19 +121,11 @@ def check_likelihood(likelihood: object, sigma_noise: object = 1.0) -> float:
     """Check a family's ``likelihood`` and observation noise; return ``sigma_noise`` as a float.
 
     Raises:
-        ValueError: If ``likelihood`` is not one of `LIKELIHOODS`, or ``sigma_noise`` is not a finite
-            number > 0 (a bool is not a number here).
+        TypeError: If ``sigma_noise`` is not a real number.
+        ValueError: If ``likelihood`` is not one of `LIKELIHOODS`, or ``sigma_noise`` is not finite > 0.
     """
-    if likelihood not in LIKELIHOODS:
-        raise ValueError(f"likelihood must be one of {LIKELIHOODS}, got {likelihood!r}")
-    if (
-        isinstance(sigma_noise, bool)
-        or not isinstance(sigma_noise, (int, float))
-        or not math.isfinite(sigma_noise)
-        or sigma_noise <= 0
-    ):
-        raise ValueError(f"sigma_noise must be a finite number > 0, got {sigma_noise!r}")
-    return float(sigma_noise)
+    check_choice("likelihood", likelihood, LIKELIHOODS)
+    return check_number("sigma_noise", sigma_noise)
 
 
 def available_memory(device: torch.device | str) -> tuple[int | None, str]:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from partialbayes.predictive._validate import check_labels, check_same_device, check_tensor
+from partialbayes.predictive._validate import (
+    check_int,
+    check_labels,
+    check_number,
+    check_same_device,
+    check_tensor,
+)
 
 
 def _logits_labels(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
@@ -46,8 +50,7 @@ def fit_temperature(
     """
     z, y = _logits_labels(logits, labels)
     init = _check_temperature("init", init)
-    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
-        raise ValueError(f"max_iter must be a positive int, got {max_iter!r}")
+    check_int("max_iter", max_iter)
     z64 = z.detach().to(torch.float64)
     # The mean NLL is convex in β = 1/T. It has no finite minimiser when every example is
     # classified correctly with a margin (NLL → 0 as β → ∞), or when its slope at β = 0,
@@ -100,12 +103,7 @@ def _check_temperature(name: str, value: object) -> float:
                 f"tensor of shape {tuple(value.shape)}"
             )
         value = float(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    t = float(value)
-    if not 0 < t < math.inf:
-        raise ValueError(f"{name} must be positive and finite, got {t!r}")
-    return t
+    return check_number(name, value)
 
 
 def apply_temperature(logits: Tensor, temperature: Tensor | float) -> Tensor:

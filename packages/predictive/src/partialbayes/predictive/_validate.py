@@ -35,7 +35,8 @@ def _check_in(name: str, value: Any, interval: str) -> None:
         raise ValueError(f"{name} must lie in {interval}, got {value!r}")
     if interval == "[1, inf)" and isinstance(value, int):
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    raise ValueError(f"{name} must be {'>' if low_open else '>='} {low:g}, got {value!r}")
+    kind = "an int" if isinstance(value, int) else "a finite number"
+    raise ValueError(f"{name} must be {kind} {'>' if low_open else '>='} {low:g}, got {value!r}")
 
 
 def check_int(name: str, value: object, interval: str = "[1, inf)") -> int:
@@ -54,7 +55,7 @@ def check_number(name: str, value: object, interval: str = "(0, inf)") -> float:
         ValueError: If it lies outside ``interval`` (NaN always does).
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     _check_in(name, value, interval)
     return float(value)
 
