@@ -324,7 +324,7 @@ def test_unknown_link_lists_the_offered_ones():
         la.predict(x, link="mc", n_samples=0)
     with pytest.raises(ValueError, match="n must be a positive int"):
         la.predictive_samples(x, 0)
-    with pytest.raises(ValueError, match="n must be a positive int"):
+    with pytest.raises(TypeError, match="n must be an int"):
         la.sample(True)
     with pytest.raises(RuntimeError, match="not fitted"):
         DiagLaplace(model, last_layer(model)).predict(x)

@@ -270,7 +270,7 @@ def test_bad_features():
         Features.dense(torch.ones(3, dtype=F64))
     with pytest.raises(ValueError, match=r"scale has shape \(2,\)"):
         scale_features(feats, torch.ones(2, dtype=F64))
-    with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+    with pytest.raises(ValueError, match="scale must be positive and finite"):
         scale_features(feats, torch.tensor([1.0, math.nan, 1.0], dtype=F64))
 
 

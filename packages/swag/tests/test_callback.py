@@ -135,7 +135,7 @@ def test_bad_input(tmp_path):
     subset = Subset.from_model(model, SUBSET)
     with pytest.raises(TypeError, match="Subset"):
         SWAGCallback({"classifier.weight": None})
-    with pytest.raises(ValueError, match="start_step must be >= 0"):
+    with pytest.raises(ValueError, match="start_step must be an int >= 0"):
         SWAGCallback(subset, start_step=-1)
     with pytest.raises(ValueError, match="every must be a positive int"):
         SWAGCallback(subset, every=0)
