@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from partialbayes.predictive import flatten_outputs
-from partialbayes.predictive.internal import IGNORE_INDEX, model_logits, split_batch
+from partialbayes.predictive.internal import IGNORE_INDEX, check_int, model_logits, split_batch
 from partialbayes.selection import Subset
 from partialbayes.sgmcmc._posterior import SampledPosterior
-from partialbayes.sgmcmc._sampler import SGMCMC, check_steps
+from partialbayes.sgmcmc._sampler import SGMCMC
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 Data = Iterable[Any] | Callable[[int], Iterable[Any]]
@@ -77,7 +77,7 @@ def run_chain(
     Raises:
         ValueError: A non-finite loss (naming the step), empty data, or a bad sampler setting.
     """
-    check_steps("n_steps", n_steps, 1)
+    check_int("n_steps", n_steps)
     params = subset.parameters_of(model)
     device = next(iter(params.values())).device
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -136,8 +136,8 @@ def parallel_chains(
     Returns:
         A `SampledPosterior` with one sample per chain.
     """
-    check_steps("n_chains", n_chains, 1)
-    check_steps("n_steps", n_steps, 1)
+    check_int("n_chains", n_chains)
+    check_int("n_steps", n_steps)
     chain_options.update(burn_in=n_steps - 1, thin=1)
     last = [
         run_chain(

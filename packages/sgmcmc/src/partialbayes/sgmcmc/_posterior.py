@@ -12,8 +12,8 @@ from torch import Tensor, nn
 
 from partialbayes.predictive import sampled_logits, sampled_predict
 from partialbayes.predictive.internal import (
-    check_count,
     check_generator,
+    check_int,
     check_likelihood,
     read_posterior_file,
     resolve_link,
@@ -119,7 +119,7 @@ class SampledPosterior:
 
     def sample(self, n: int = 1, *, generator: torch.Generator | None = None) -> dict[str, Tensor]:
         """``n`` stored samples drawn uniformly with replacement, ``{param name: [n, k]}``."""
-        check_count("n", n)
+        check_int("n", n)
         check_generator(generator)
         device = "cpu" if generator is None else generator.device
         idx = torch.randint(self.num_samples, (n,), generator=generator, device=device)

@@ -9,25 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.predictive.internal import check_generator
+from partialbayes.predictive.internal import check_choice, check_generator, check_int, check_number
 from partialbayes.selection import Subset
 
 METHODS = ("sgld", "sghmc", "sgnht", "baoa")
-
-
-def _number(name: str, value: object, low: float, high: float = math.inf) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < high:
-        raise ValueError(f"{name} must be a finite number in [{low}, {high}), got {value!r}")
-    return float(value)
-
-
-def check_steps(name: str, value: object, minimum: int = 0) -> int:
-    """An ``int`` (bools refused) ``>= minimum``, else a ``TypeError`` / ``ValueError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 class SGMCMC(torch.optim.Optimizer):
@@ -98,24 +83,21 @@ class SGMCMC(torch.optim.Optimizer):
             raise TypeError(
                 f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
             )
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        check_choice("method", method, METHODS)
         if subset.num_entries() == 0:
             raise ValueError("subset has no entries: SGMCMC needs at least one to sample")
         params = subset.parameters_of(model)
         defaults = {
-            "lr": _number("lr", lr, 0.0),
-            "momentum": _number("momentum", momentum, 0.0, 1.0),
-            "temperature": _number("temperature", temperature, 0.0),
-            "prior_precision": _number("prior_precision", prior_precision, 0.0),
+            "lr": check_number("lr", lr),
+            "momentum": check_number("momentum", momentum, "[0, 1)"),
+            "temperature": check_number("temperature", temperature, "[0, inf)"),
+            "prior_precision": check_number("prior_precision", prior_precision, "[0, inf)"),
         }
-        if defaults["lr"] == 0:
-            raise ValueError("lr must be > 0, got 0")
         super().__init__(list(params.values()), defaults)
         self.model, self.subset, self.method = model, subset, method
-        self.num_data = check_steps("num_data", num_data, 1)
-        self.burn_in = check_steps("burn_in", burn_in)
-        self.thin = check_steps("thin", thin, 1)
+        self.num_data = check_int("num_data", num_data)
+        self.burn_in = check_int("burn_in", burn_in, "[0, inf)")
+        self.thin = check_int("thin", thin)
         self.generator = check_generator(generator)
         self.names = list(params)
         self._index = {  # flat positions of the entries; None: the whole parameter (updated in place)
