@@ -109,6 +109,10 @@ def _common(p: argparse.ArgumentParser, grid: str) -> None:
     add("--lr", type=float, default=train.lr, help="AdamW learning rate (%(default)s)")
     add("--batch-size", type=int, default=train.batch_size, help="fine-tuning batch (%(default)s)")
     add("--max-length", type=int, help="max tokens (default: the model's limit, as the paper)")
+    buckets = (
+        "k: sort each run of k shuffled batches by length (less padding; 0: plain, %(default)s)"
+    )
+    add("--length-buckets", type=int, default=train.length_buckets, help=buckets)
     prior = "how Laplace cells tune the prior precision (%(default)s)"
     add("--prior", choices=("val_nll", "marglik"), default="val_nll", help=prior)
     add("--prior-grid", type=_floats, help=f"prior precisions, e.g. 1e-3,0.1,1 (default {grid})")
@@ -198,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _configs(args: argparse.Namespace, quick: bool = False) -> RunConfig:
     train = {"optimizer": args.optimizer, "seed": args.seed, "epochs": args.epochs, "lr": args.lr}
     train.update(batch_size=args.batch_size, max_length=args.max_length)
+    train.update(length_buckets=args.length_buckets)
     settings = {"prior": args.prior, "fisher": args.fisher, "n_samples": args.n_samples}
     if quick:
         train.update(QUICKSTART_TRAIN)

@@ -35,7 +35,13 @@ from partialbayes.glue_bench.laplace_cells import groups_of, shared_predictions
 from partialbayes.glue_bench.methods import Method, get_methods
 from partialbayes.glue_bench.models import DEFAULT_MODEL, check_model_folder, load_encoder
 from partialbayes.glue_bench.store import Cell, ResultStore, UnitBusyError, grid_units, json_ready
-from partialbayes.glue_bench.train import TrainConfig, finetune, load_checkpoint, save_checkpoint
+from partialbayes.glue_bench.train import (
+    TrainConfig,
+    finetune,
+    load_checkpoint,
+    progress_path,
+    save_checkpoint,
+)
 
 ModelFactory = Callable[[str, int, float], tuple[torch.nn.Module, Any]]
 CURVATURE_PASSES = ("shared", "per-cell")
@@ -130,7 +136,9 @@ def map_checkpoint(
     """Load the MAP checkpoint at ``folder`` into ``model``, fine-tuning and publishing it first if absent.
 
     A fresh checkpoint (meta headed by ``about``) is published atomically (``train.save_checkpoint``); the
-    model always scores with the published weights, so every cell of the folder uses the same MAP.
+    model always scores with the published weights, so every cell of the folder uses the same MAP. While
+    it fine-tunes, the loop's state after each epoch is kept in :func:`progress_path` (a killed run resumes
+    there, bit for bit), deleted once the checkpoint is published.
 
     Returns:
         ``(meta, IVON Hessians or None)``; the meta says ``cached``, ``finetune_seconds`` and
@@ -139,8 +147,9 @@ def map_checkpoint(
     own: dict[str, Any] = {"cached": True, "finetune_seconds": 0.0, "finetune_cpu_seconds": 0.0}
     if load_checkpoint(model, folder) is None:
         device = next(model.parameters()).device
+        resume = progress_path(folder)
         summary = finetune(
-            model, tokenizer, parts["train"], parts["val"], train, device, progress, log
+            model, tokenizer, parts["train"], parts["val"], train, device, progress, log, resume
         )
         hess = summary.pop("ivon_hess", None)
         cut = {n: count_truncated(e, tokenizer, train.max_length) for n, e in parts.items()}
@@ -151,6 +160,7 @@ def map_checkpoint(
             "finetune_seconds": float(summary["seconds"]),
             "finetune_cpu_seconds": float(summary["cpu_seconds"]),
         }
+        resume.unlink(missing_ok=True)
     loaded = load_checkpoint(model, folder)
     if loaded is None:  # pragma: no cover - save_checkpoint either published or found a checkpoint
         raise RuntimeError(f"checkpoint {folder} vanished after it was published")

@@ -8,19 +8,20 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
 from partialbayes.glue_bench.context import batch_logits, check_int, check_number
 from partialbayes.glue_bench.data_glue import Examples, encode
-from partialbayes.glue_bench.store import json_ready, read_json, temp_path
+from partialbayes.glue_bench.store import atomic_write, json_ready, read_json, temp_path
 from partialbayes.ivon import IVON
 from partialbayes.predictive.internal import eval_mode, model_logits, split_batch
 from partialbayes.selection import countable_named_parameters
@@ -216,12 +217,17 @@ def finetune(
     device: torch.device | str = "cpu",
     progress: bool = True,
     log: Callable[[str], None] | None = None,
+    resume: Path | None = None,
 ) -> dict[str, Any]:
     """Fine-tune ``model`` in place; keep the weights of the epoch with the best validation accuracy.
 
     With ``config.epochs == 0`` nothing is trained: the summary scores the model as it is. The model is
     left in the mode the caller had it in. ``log`` (if given) receives one line per epoch (its training
     loss and validation accuracy), so a run without progress bars still shows where it is.
+
+    ``resume``: a file where the loop's whole state is written atomically after every epoch; when it
+    exists, fine-tuning continues after its last finished epoch, and the result is bit for bit that of an
+    uninterrupted run (same device and thread count). The caller deletes it once the result is kept.
 
     Returns:
         A summary: best epoch, its validation accuracy, per-epoch history, wall-clock ``seconds`` and
@@ -233,44 +239,182 @@ def finetune(
     torch.manual_seed(config.seed)  # dropout; the batch order has its own seeded generator
     model.to(device)
     opts = _make_optimizers(model, config, len(train))
-    opt = opts[0]
     val_batches = encode(val, tokenizer, 64, config.max_length, sort_by_length=True)
-    best_acc, best_epoch, stale = -1.0, -1, 0
-    best_state: dict[str, torch.Tensor] | None = None
-    best_hess: dict[str, torch.Tensor] | None = None
-    history = []
+    st = _Progress()
+    if resume is not None and resume.is_file():
+        st = _read_progress(resume, model, opts, config, device)
+        if log is not None:
+            log(f"resuming after epoch {st.epoch}/{config.epochs} from {resume}")
     start, start_cpu = time.perf_counter(), time.process_time()
-    for epoch in range(config.epochs):
+    while st.epoch < config.epochs and st.stale < config.patience:
+        epoch = st.epoch
         batches = _epoch_batches(train, tokenizer, config, epoch)
         loss = train_epoch(model, opts, batches, device, epoch, progress)
         acc = accuracy(model, val_batches, device)
-        history.append({"epoch": epoch + 1, "train_loss": loss, "val_accuracy": acc})
+        st.history.append({"epoch": epoch + 1, "train_loss": loss, "val_accuracy": acc})
+        st.epoch += 1
+        if acc > st.best_acc:
+            st.best_acc, st.best_epoch, st.stale = acc, epoch + 1, 0
+            st.best = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            st.hess = _ivon_hessians(model, opts[0]) if config.optimizer == "ivon" else None
+        else:
+            st.stale += 1
+        if resume is not None:
+            took = (time.perf_counter() - start, time.process_time() - start_cpu)
+            _write_progress(resume, model, opts, config, st, took)
         if log is not None:
             log(f"epoch {epoch + 1}/{config.epochs}: train loss {loss:.4f}, val accuracy {acc:.3f}")
-        if acc > best_acc:
-            best_acc, best_epoch, stale = acc, epoch + 1, 0
-            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            best_hess = _ivon_hessians(model, opt) if config.optimizer == "ivon" else None
-        else:
-            stale += 1
-            if stale >= config.patience:
-                break
-    if best_state is not None:
-        model.load_state_dict(best_state)
+    if st.best is not None:
+        model.load_state_dict(st.best)
     else:  # epochs=0: the model as it came, scored on the validation set
-        best_acc, best_epoch = accuracy(model, val_batches, device), 0
+        st.best_acc, st.best_epoch = accuracy(model, val_batches, device), 0
     summary: dict[str, Any] = {
-        "best_epoch": best_epoch,
-        "val_accuracy": best_acc,
-        "history": history,
-        "seconds": time.perf_counter() - start,
-        "cpu_seconds": time.process_time() - start_cpu,
+        "best_epoch": st.best_epoch,
+        "val_accuracy": st.best_acc,
+        "history": st.history,
+        "seconds": st.seconds + time.perf_counter() - start,
+        "cpu_seconds": st.cpu_seconds + time.process_time() - start_cpu,
     }
     if config.optimizer == "ivon":
-        summary["ivon_hess"] = best_hess
-        group = opt.param_groups[0]
+        summary["ivon_hess"] = st.hess
+        group = opts[0].param_groups[0]
         summary["ivon"] = {"ess": group["ess"], "weight_decay": group["weight_decay"]}
     return summary
+
+
+@dataclass
+class _Progress:
+    """The fine-tuning loop's state after ``epoch`` finished epochs (what a resumed run continues from)."""
+
+    epoch: int = 0
+    best_acc: float = -1.0
+    best_epoch: int = -1
+    stale: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    best: dict[str, torch.Tensor] | None = None
+    hess: dict[str, torch.Tensor] | None = None
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+
+
+def _pack(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """``obj`` as JSON with every tensor moved to ``tensors`` (int dict keys and tuples kept)."""
+    if isinstance(obj, torch.Tensor):
+        key = f"t{len(tensors)}"
+        tensors[key] = obj.detach().clone().contiguous().cpu()
+        return {"tensor": key}
+    if isinstance(obj, dict):
+        return {"dict": [[k, _pack(v, tensors)] for k, v in obj.items()]}
+    if isinstance(obj, list | tuple):
+        return {type(obj).__name__: [_pack(v, tensors) for v in obj]}
+    return {"value": obj}
+
+
+def _unpack(obj: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
+    """The inverse of :func:`_pack`."""
+    ((kind, value),) = obj.items()
+    if kind == "tensor":
+        return tensors[value]
+    if kind == "dict":
+        return {k: _unpack(v, tensors) for k, v in value}
+    if kind in ("list", "tuple"):
+        items = [_unpack(v, tensors) for v in value]
+        return items if kind == "list" else tuple(items)
+    return value
+
+
+def _write_progress(
+    path: Path,
+    model: nn.Module,
+    opts: Sequence[torch.optim.Optimizer],
+    config: TrainConfig,
+    st: _Progress,
+    took: tuple[float, float],
+) -> None:
+    """Write the loop's state after an epoch to ``path`` in one atomic step (one safetensors file).
+
+    Model, optimizers (IVON's generator included), the global RNG (dropout; CUDA's too), the
+    early-stopping bookkeeping and the best weights so far: a run resumed from it continues bit for bit.
+    """
+    device = next(model.parameters()).device
+    rng = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = {
+        "config": config.to_dict(),
+        "epoch": st.epoch,
+        "best_acc": st.best_acc,
+        "best_epoch": st.best_epoch,
+        "stale": st.stale,
+        "history": st.history,
+        "seconds": st.seconds + took[0],
+        "cpu_seconds": st.cpu_seconds + took[1],
+        "model": _pack(model.state_dict(), tensors),
+        "best": _pack(st.best, tensors),
+        "hess": _pack(st.hess, tensors),
+        "opts": _pack([o.state_dict() for o in opts], tensors),
+        "rng": _pack(rng, tensors),
+    }
+    meta = {"partialbayes": "glue-bench fine-tuning progress", "state": json.dumps(skeleton)}
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+
+
+def progress_path(checkpoint: Path) -> Path:
+    """The fine-tuning progress file kept beside the (not yet published) checkpoint folder ``checkpoint``."""
+    return checkpoint.with_name(checkpoint.name + ".progress.safetensors")
+
+
+def progress_epoch(path: Path) -> tuple[int, int] | None:
+    """``(finished epochs, planned epochs)`` of a fine-tuning progress file, ``None`` if unreadable."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            state = json.loads(f.metadata()["state"])
+        return int(state["epoch"]), int(state["config"]["epochs"])
+    except Exception:  # a report must not fail on a file being written or damaged
+        return None
+
+
+def _read_progress(
+    path: Path,
+    model: nn.Module,
+    opts: Sequence[torch.optim.Optimizer],
+    config: TrainConfig,
+    device: torch.device | str,
+) -> _Progress:
+    """Restore the state :func:`_write_progress` saved into ``model``, ``opts`` and the RNGs.
+
+    Raises:
+        ValueError: The file is damaged or was written for other fine-tuning settings (names it).
+    """
+    tensors = _load_tensors(path, "fine-tuning progress")
+    try:
+        with safe_open(str(path), "pt") as f:
+            skel = json.loads(f.metadata()["state"])
+        if skel["config"] != config.to_dict():
+            raise ValueError("it was written for other fine-tuning settings")
+        model.load_state_dict(_unpack(skel["model"], tensors))
+        for opt, state in zip(opts, _unpack(skel["opts"], tensors), strict=True):
+            opt.load_state_dict(state)
+        rng = _unpack(skel["rng"], tensors)
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(
+            f"fine-tuning progress {path} cannot be resumed ({err}); delete it to start over"
+        ) from err
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"], torch.device(device))
+    return _Progress(
+        epoch=skel["epoch"],
+        best_acc=skel["best_acc"],
+        best_epoch=skel["best_epoch"],
+        stale=skel["stale"],
+        history=skel["history"],
+        best=_unpack(skel["best"], tensors),
+        hess=_unpack(skel["hess"], tensors),
+        seconds=skel["seconds"],
+        cpu_seconds=skel["cpu_seconds"],
+    )
 
 
 def _ivon_hessians(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
