@@ -44,7 +44,7 @@ def _basis(r, c, g, prior):
     t=st.integers(1, 12),
     r=st.integers(1, 4),
     cw=st.integers(1, 4),
-    n_cls=st.integers(1, 3),
+    n_cls=st.integers(1, 4),
     bias=st.booleans(),
     seed=st.integers(0, 2**16),
 )
@@ -65,6 +65,12 @@ def test_shared_covariances_equal_dense(device, b, t, r, cw, n_cls, bias, seed):
     refs = [J @ dense_kron_covariance(qg, qa, e) @ J.mT for e in (E, E2)]
     x, d, qg, qa, E, E2 = (v.to(device) for v in (x, d, qg, qa, E, E2))
     covs = shared_covariances(x, d, qg, qa, bias, [1 / E, 1 / E2], torch.float64)
+    for cov, ref in zip(covs, refs, strict=True):
+        torch.testing.assert_close(cov.cpu(), ref)
+    # the prior grid's path: every prior contracted by one matrix product from the stacked 1 / E
+    stacked = torch.stack([1 / E, 1 / E2], -1)
+    views = [stacked[..., 0], stacked[..., 1]]
+    covs = shared_covariances(x, d, qg, qa, bias, views, torch.float64, stacked)
     for cov, ref in zip(covs, refs, strict=True):
         torch.testing.assert_close(cov.cpu(), ref)
 

@@ -1214,6 +1214,11 @@ def _grid_val_nll(
                         score = gaussian_nll(mean, var, y.to(f.dtype), reduction="sum")
                     totals[i, j] += float(score)
             count += rows.shape[0]
+    for (
+        p
+    ) in posteriors:  # the grid's inverse eigenvalues (`KronLaplace._blocks`) are not needed now
+        if hasattr(p, "_memo"):
+            p._memo = None
     if batches == 0:
         raise ValueError("val_loader is empty")
     if skipped == batches:

@@ -95,6 +95,7 @@ class KronLaplace(LaplaceBase):
             raise ValueError(f"predictive_rtol must be a number in [0, 1), got {predictive_rtol!r}")
         self.predictive_rtol = float(predictive_rtol)
         self._eig: dict[str, tuple[LowRankFactor, LowRankFactor]] = {}  # (G, A) per module
+        self._memo: tuple[Any, KronBlocks] | None = None  # the last `_blocks` (one per prior grid)
         super().__init__(model, subset, **kwargs)
         self._options: CurvatureOptions = replace(
             self._options, sharing=sharing, bias=bias, max_rank=max_rank
@@ -373,20 +374,34 @@ class KronLaplace(LaplaceBase):
         prior given); the matrix products run in the posterior's dtype, the final
         ``‖J‖²/δ − correction`` in float64.
         """
+        key = (
+            self._eig,
+            self.temperature,
+            [prior.tolist() for prior in priors],
+            scale.tolist() if isinstance(scale, Tensor) else scale,
+        )
+        if (
+            self._memo is not None
+            and self._memo[0][0] is self._eig
+            and self._memo[0][1:] == key[1:]
+        ):
+            return self._memo[1]
         lowrank = {m: (g, a) for m, (g, a) in self._eig.items() if not (g.full and a.full)}
         exact = self.predictive_rtol == 0
         cut = {m: slice(None) if m in lowrank else slice(None, -1) for m in self.modules}
-        inv = [
-            {
-                m: self._eigenvalues(i, m, prior, scale).reciprocal()[cut[m], cut[m]]
-                for i, m in enumerate(self.modules)
-                if exact or m in lowrank
-            }
-            for prior in priors
-        ]
+        stacked = {  # [r, c, n_priors], contiguous: one GEMM contracts every prior (`shared_covariances`)
+            m: torch.stack(
+                [self._eigenvalues(i, m, pr, scale)[cut[m], cut[m]] for pr in priors], -1
+            ).reciprocal_()
+            for i, m in enumerate(self.modules)
+            if exact or m in lowrank
+        }
+        inv = [{m: st[..., p] for m, st in stacked.items()} for p in range(len(priors))]
         if exact:
             bases = {m: (g.U, a.U) for m, (g, a) in self._eig.items()}
-            return KronBlocks(self._targets, bases, inv, self.dtype, lowrank=lowrank)
+            blocks = KronBlocks(self._targets, bases, inv, self.dtype, lowrank=lowrank)
+            self._memo = (key, replace(blocks, stacked=stacked))
+            return self._memo[1]
         f64 = torch.float64
         bases = {}
         residual: list[dict[str, float]] = [{} for _ in priors]
@@ -407,7 +422,11 @@ class KronLaplace(LaplaceBase):
                 kept = e.index_select(0, rows).index_select(1, cols)
                 inv[p][m] = kept.reciprocal() - 1.0 / delta
                 residual[p][m] = 1.0 / delta
-        return KronBlocks(self._targets, bases, inv, self.dtype, residual, f64, lowrank)
+        self._memo = (
+            key,
+            KronBlocks(self._targets, bases, inv, self.dtype, residual, f64, lowrank),
+        )
+        return self._memo[1]
 
     # ------------------------------------------------------------------ state
     def _state(self) -> dict[str, Tensor]:

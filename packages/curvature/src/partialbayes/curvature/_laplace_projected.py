@@ -124,6 +124,7 @@ def shared_covariances(
     bias: bool,
     inv_eigenvalues: Sequence[Tensor],
     dtype: torch.dtype,
+    stacked: Tensor | None = None,
 ) -> list[Tensor]:
     """``J Σ Jᵀ`` of one block for token sequences, ``J_k = Σ_t δ_k,t x̃_tᵀ``, one example at a time.
 
@@ -141,12 +142,19 @@ def shared_covariances(
         bias: Whether the block has the bias column.
         inv_eigenvalues: ``1 / E`` (``[r, c]``) for each prior setting.
         dtype: Dtype of the computation (the posterior's).
+        stacked: The same ``1 / E`` as one contiguous ``[r, c, P]`` tensor: with several priors, each
+            example's pair products ``M_k ⊙ M_l`` (``k ≤ l``) are kept and contracted with every prior in
+            one matrix product per batch (``[B·C(C+1)/2, r c] @ [r c, P]``: the prior grid costs about as
+            much as one prior; memory ``B C(C+1)/2 r c`` floats).
 
     Returns:
         One ``[B, C, C]`` covariance per prior setting.
     """
     n_cls, b, _, r = d.shape
     c = q_a.shape[0]
+    if stacked is not None and len(inv_eigenvalues) > 1:  # every prior from one GEMM
+        iu = torch.triu_indices(n_cls, n_cls, device=d.device)
+        prods = d.new_empty(b, iu.shape[1], r * c, dtype=dtype)
     xp, dp, counts = active_tokens(x, d, dtype)  # [N, c_w], [C, N, r]
     n_tok = xp.shape[0]
     x_first = n_tok <= b * n_cls * r
@@ -163,6 +171,8 @@ def shared_covariances(
     start = 0
     for i, n in enumerate(counts):
         if n == 0:
+            if stacked is not None and len(inv_eigenvalues) > 1:
+                prods[i] = 0
             continue
         m = dp[:, start : start + n].transpose(1, 2) @ xp[start : start + n]  # [C, r, c]
         start += n
@@ -171,12 +181,21 @@ def shared_covariances(
         if not x_first:
             m = m @ q_a
         flat = m.reshape(n_cls, r * c)
+        if stacked is not None and len(inv_eigenvalues) > 1:
+            torch.mul(flat[iu[0]], flat[iu[1]], out=prods[i])
+            continue
         if inv_sqrt is not None:
             flat = flat.mul_(inv_sqrt)
             torch.mm(flat, flat.T, out=out[0][i])
             continue
         for cov, inv_e in zip(out, inv_eigenvalues, strict=True):
             cov[i] = (flat * inv_e.reshape(-1)) @ flat.T
+    if stacked is not None and len(inv_eigenvalues) > 1:
+        # Σ_ij M_k,ij M_l,ij / E_ij for every pair k ≤ l and prior p: [B·pairs, r c] @ [r c, P]
+        vals = (prods.reshape(-1, r * c) @ stacked.reshape(r * c, -1)).reshape(b, -1, len(out))
+        for p, cov in enumerate(out):
+            cov[:, iu[0], iu[1]] = vals[..., p]
+            cov[:, iu[1], iu[0]] = vals[..., p]
     return out
 
 
@@ -244,7 +263,8 @@ class KronBlocks:
     with ``residual`` (per prior setting, ``{module: 1/δ}``), the bases are truncated to the kept directions
     ``I``, ``J`` and the weights are ``1/E − 1/δ`` there (`residual_covariances`, in ``combine_dtype``).
     ``lowrank``: ``{module: (G, A)}`` with a low-rank factor, ``1 / E`` on its extended grid, computed
-    exactly by ``_lowrank.lowrank_covariance`` (also under ``residual``).
+    exactly by ``_lowrank.lowrank_covariance`` (also under ``residual``). ``stacked``: ``{module: 1 / E}``
+    of every prior setting as one ``[r, c, P]`` tensor (``inv_eigenvalues`` are views of it).
     """
 
     targets: KronTargets
@@ -254,6 +274,7 @@ class KronBlocks:
     residual: Sequence[Mapping[str, float]] | None = None
     combine_dtype: torch.dtype = torch.float64
     lowrank: Mapping[str, tuple[LowRankFactor, LowRankFactor]] = field(default_factory=dict)
+    stacked: Mapping[str, Tensor] | None = None
 
     @property
     def out_dtype(self) -> torch.dtype:
@@ -397,4 +418,5 @@ def _contributions(part: KronBlocks, m: str, x: Tensor, d: Tensor, b: int) -> li
         )
     x3 = x.reshape(b, -1, x.shape[-1])
     d4 = d.reshape(n_cls, b, x3.shape[1], d.shape[-1])
-    return shared_covariances(x3, d4, q_g, q_a, bias, inv, part.dtype)
+    stacked = part.stacked.get(m) if part.stacked is not None else None
+    return shared_covariances(x3, d4, q_g, q_a, bias, inv, part.dtype, stacked)
