@@ -12,6 +12,7 @@ predictive's links (``partialbayes.predictive``) and the file (``write_posterior
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import warnings
@@ -203,6 +204,10 @@ class LaplaceBase:
     modules: tuple[str, ...]
     device: torch.device
     n_data: int
+    #: Examples seen over every episode (`fit` with ``previous=``): ``n_data`` plus the previous posterior's.
+    n_seen: int = 0
+    _previous: LaplaceBase | None = None  # the previous episode's posterior (its curvature is P₀'s)
+    _prior_mean: dict[str, Tensor] | None = None  # its MAP: the prior mean of this episode
     n_outputs: int
     map_loss: float
 
@@ -368,6 +373,14 @@ class LaplaceBase:
         """Structure: ``(module, stored structure, floats)`` per module."""
         raise NotImplementedError
 
+    def _accumulate(self, curvature: Any, previous: Any, n_data: int) -> Any:
+        """Structure: this episode's curvature (a routine's result) plus ``previous``'s, in that form."""
+        raise NotImplementedError
+
+    def _quad(self, delta: Mapping[str, Tensor], prior: Tensor, scale: Tensor | float) -> Tensor:
+        """Structure: ``Δᵀ P Δ`` for ``Δ = {param name: [k]}`` (differentiable in ``Δ`` and the prior)."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ fitting
     def _require_fit(self) -> None:
         if not self._fitted:
@@ -405,6 +418,7 @@ class LaplaceBase:
         *,
         progress: bool = False,
         generator: torch.Generator | None = None,
+        previous: LaplaceBase | None = None,
     ) -> _Posterior:
         """Compute the curvature of the subset over ``loader`` and the training loss at the MAP, in one pass.
 
@@ -421,6 +435,15 @@ class LaplaceBase:
             progress: Show a progress bar while accumulating the curvature.
             generator: Source of randomness of the sampled labels for ``fisher="mc"`` (on the model's device
                 or the CPU); same seed, same curvature. Unused by the other fisher types.
+            previous: Continual learning: the fitted posterior of the previous episode (same class, subset,
+                likelihood and temperature) as this episode's prior ``N(θ_prev, P_prev⁻¹)``. The curvature
+                becomes the sum of both episodes' (Huszár's amendment of EWC: ``P = H / T + P_prev``, with
+                ``P_prev = H_prev / T + δ`` at the current ``δ``), the evidence is ``p(D | D_prev)`` with the
+                prior mean ``θ_prev`` (`log_marginal_likelihood`), and `penalty` of ``previous`` is the loss
+                term that trains this episode's MAP. `DiagLaplace` adds the diagonals (exact);
+                `KronLaplace` accumulates the factor statistics (``G`` summed, ``A`` averaged over the
+                ``n_seen`` examples of all episodes: KFAC of the union of the data, exact when the ``G`` of
+                the episodes are proportional, e.g. one output; whole factors only).
 
         Returns:
             ``self``.
@@ -433,6 +456,7 @@ class LaplaceBase:
                 the available memory (before the factors are allocated).
             RuntimeError: Under ``torch.distributed``, when another rank failed on its shard.
         """
+        prev = self._check_previous(previous)
         loss = MapLoss(self.likelihood)
         run = Run(check_generator(generator), progress, loss)
         run.preflight = lambda f, keep, mask: self._estimate(f, keep, mask, 0).check(
@@ -441,7 +465,36 @@ class LaplaceBase:
         curvature = self._compute_curvature(loader, run)
         total, n, n_out = loss.result(self.device)
         run.finish(self.model)
-        return self.fit_curvature(curvature, map_loss=total, n_data=n, n_outputs=n_out)
+        if prev is not None:
+            curvature = self._accumulate(curvature, prev, n)
+        self.fit_curvature(curvature, map_loss=total, n_data=n, n_outputs=n_out)
+        if prev is not None:
+            self._previous = replace_previous(prev)
+            self._prior_mean = {k: v.clone() for k, v in prev._map.items()}
+            self.n_seen = prev.n_seen + n
+        return self
+
+    def _check_previous(self, previous: LaplaceBase | None) -> LaplaceBase | None:
+        if previous is None:
+            return None
+        if type(self)._accumulate is LaplaceBase._accumulate:
+            raise TypeError(
+                f"{type(self).__name__} does not take a previous posterior (DiagLaplace and KronLaplace do)"
+            )
+        if type(previous) is not type(self):
+            raise TypeError(
+                f"previous must be a fitted {type(self).__name__}, got {type(previous).__name__}"
+            )
+        previous._require_fit()
+        mine = (self.subset, self.likelihood, self.temperature, self.sigma_noise)
+        theirs = (previous.subset, previous.likelihood, previous.temperature, previous.sigma_noise)
+        if mine != theirs:
+            raise ValueError(
+                "previous must have this posterior's subset, likelihood, temperature and sigma_noise: "
+                f"got {theirs[1:]} for {mine[1:]}"
+                + ("" if mine[0] == theirs[0] else " and another subset")
+            )
+        return previous
 
     def fit_curvature(
         self: _Posterior, curvature: Any, *, map_loss: float, n_data: int, n_outputs: int
@@ -473,11 +526,30 @@ class LaplaceBase:
             n: self.subset.gather(n, p.detach()).to(self.dtype).clone() for n, p in params.items()
         }
         self.map_loss, self.n_data, self.n_outputs = float(map_loss), int(n_data), int(n_outputs)
+        self.n_seen, self._previous, self._prior_mean = self.n_data, None, None
         self._sigma_fit = self.sigma_noise
         self._fitted = True
         return self
 
     # ------------------------------------------------------------------ evidence and the prior
+    def penalty(self, model: nn.Module | None = None) -> Tensor:
+        """``½ (θ − θ*)ᵀ P (θ − θ*)`` of the model's current subset values: minus this posterior's log density.
+
+        Up to a constant, for the next episode of continual learning: train on
+        ``loss + posterior.penalty() / N`` (``N`` the new episode's examples, ``loss`` the mean over a batch)
+        — the previous posterior as the prior — then ``fit(loader, previous=posterior)``. Differentiable in
+        the model's parameters.
+
+        Args:
+            model: The model whose current values are ``θ`` (default: this posterior's).
+        """
+        self._require_fit()
+        params = self.subset.parameters_of(self.model if model is None else model)
+        delta = {
+            n: self.subset.gather(n, p).to(self.dtype) - self._map[n] for n, p in params.items()
+        }
+        return 0.5 * self._quad(delta, self._prior, self._scale(None))
+
     def log_det(
         self, prior_precision: PriorSpec | None = None, sigma_noise: float | None = None
     ) -> Tensor:
@@ -513,7 +585,11 @@ class LaplaceBase:
     def log_marginal_likelihood(
         self, prior_precision: PriorSpec | None = None, sigma_noise: float | Tensor | None = None
     ) -> Tensor:
-        """Laplace evidence ``log p(D|θ*)/T - ½ (log det P - log det P₀) - ½ θ*ᵀ P₀ θ*``.
+        """Laplace evidence ``log p(D|θ*)/T - ½ (log det P - log det P₀) - ½ (θ* − μ)ᵀ P₀ (θ* − μ)``.
+
+        The prior is ``N(0, δ⁻¹)`` (``μ = 0``, ``P₀ = δ``), or after ``fit(..., previous=prev)`` the
+        previous posterior ``N(θ_prev, P_prev⁻¹)`` with ``P_prev = H_prev / T + δ`` (the evidence is then
+        ``p(D | D_prev)``; a loaded posterior does not keep ``P_prev`` and refuses).
 
         Differentiable in ``prior_precision`` and ``sigma_noise`` (pass tensors that require grad).
 
@@ -526,8 +602,18 @@ class LaplaceBase:
         """
         self._require_fit()
         prior = self._resolve_prior(prior_precision)
-        log_det_prior = (self._module_sums(None) * prior.log()).sum()
-        scatter = (self._module_sums(self._map) * prior).sum()
+        if self._prior_mean is None:
+            log_det_prior = (self._module_sums(None) * prior.log()).sum()
+            scatter = (self._module_sums(self._map) * prior).sum()
+        elif self._previous is None:
+            raise ValueError(
+                "this posterior was fitted with previous= and loaded from a file, which does not keep the "
+                "previous episode's curvature: its evidence p(D | D_prev) is not available"
+            )
+        else:
+            prev, scale = self._previous, self._previous._scale(sigma_noise)
+            delta = {n: self._map[n] - self._prior_mean[n] for n in self._map}
+            log_det_prior, scatter = prev._log_det(prior, scale), prev._quad(delta, prior, scale)
         return gaussian_log_marglik(
             self.log_likelihood(sigma_noise),
             self._log_det(prior, self._scale(sigma_noise)),
@@ -956,6 +1042,8 @@ class LaplaceBase:
         tensors = {f"curv:{k}": v for k, v in self._state().items()}
         tensors.update({f"map:{n}": v for n, v in self._map.items()})
         tensors["prior_precision"] = self.prior_precision
+        tensors["n_seen"] = torch.tensor(self.n_seen)
+        tensors.update({f"prior_mean:{n}": v for n, v in (self._prior_mean or {}).items()})
         skip = ("dtype", "sharing", "bias", "max_rank")  # dtype: a field; the rest: the structure's
         options = {k: v for k, v in vars(self._options).items() if k not in skip}
         options.update(temperature=self.temperature, **{k: getattr(self, k) for k in self._SAVED})
@@ -1014,6 +1102,11 @@ class LaplaceBase:
             for n in subset.names
         }
         post.n_data, post.n_outputs = file.meta["n_data"], file.meta["n_outputs"]
+        post.n_seen = int(file.tensors.get("n_seen", torch.tensor(post.n_data)))
+        if f"prior_mean:{subset.names[0]}" in file.tensors:  # fitted with previous=: no P_prev kept
+            post._prior_mean = {
+                n: file.tensor(f"prior_mean:{n}").to(post.device, post.dtype) for n in subset.names
+            }
         post.map_loss, post._sigma_fit = file.meta["map_loss"], file.meta["sigma_fit"]
         post._fitted = True
         for n, p in subset.parameters_of(model).items():
@@ -1233,3 +1326,10 @@ def _grid_val_nll(
             stacklevel=3,
         )
     return list(totals / count)
+
+
+def replace_previous(previous: LaplaceBase) -> LaplaceBase:
+    """A shallow copy of ``previous`` without its own previous posterior (no chain of every episode)."""
+    out = copy.copy(previous)
+    out._previous = None
+    return out

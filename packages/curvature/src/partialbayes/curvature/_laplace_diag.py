@@ -63,6 +63,20 @@ class DiagLaplace(LaplaceBase):
     def _precision(self, name: str, prior: Tensor, scale: Tensor | float) -> Tensor:
         return self._h[name] * (scale / self.temperature) + prior[self._param_module[name]]
 
+    def _accumulate(
+        self, curvature: Mapping[str, Tensor], previous: Any, n_data: int
+    ) -> dict[str, Tensor]:
+        return {
+            n: curvature[n].to(self.device, self.dtype).reshape(-1) + previous._h[n]
+            for n in self.subset.names
+        }
+
+    def _quad(self, delta: Mapping[str, Tensor], prior: Tensor, scale: Tensor | float) -> Tensor:
+        terms = [
+            (self._precision(n, prior, scale) * delta[n] ** 2).sum() for n in self.subset.names
+        ]
+        return torch.stack(terms).sum()
+
     def _log_det(self, prior: Tensor, scale: Tensor | float) -> Tensor:
         first, *rest = [self._precision(n, prior, scale).log().sum() for n in self.subset.names]
         return sum(rest, first)

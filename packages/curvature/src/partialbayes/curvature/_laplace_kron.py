@@ -324,6 +324,47 @@ class KronLaplace(LaplaceBase):
             out.update(self.block_to_params(m, scale_in_basis(eps, *self._eig[m], w)))
         return out
 
+    def _whole(self, m: str) -> tuple[LowRankFactor, LowRankFactor]:
+        g, a = self._eig[m]
+        if not (g.full and a.full):
+            raise ValueError(
+                f"module {m!r} keeps a low-rank factor (max_rank={self.max_rank}): continual learning "
+                "(previous=, penalty) needs whole factors"
+            )
+        return g, a
+
+    def _accumulate(
+        self, curvature: Mapping[str, Any], previous: Any, n_data: int
+    ) -> dict[str, Any]:
+        """``G`` summed and ``A`` averaged over both episodes' examples: the factors of KFAC on their union."""
+        w = previous.n_seen / (previous.n_seen + n_data)
+        out = {}
+        for m in self.modules:
+            new = curvature[m]
+            if isinstance(new.G, LowRankFactor) or isinstance(new.A, LowRankFactor):
+                raise ValueError(
+                    f"module {m!r}: continual learning needs whole factors (max_rank=None)"
+                )
+            g, a = (f.U * f.s @ f.U.T for f in previous._whole(m))
+            cw = new.A.shape[0]
+            mix = lambda t, old: (1 - w) * t.to(self.device, self.dtype) + w * old  # noqa: E731
+            out[m] = replace(
+                new,
+                G=new.G.to(self.device, self.dtype) + g,
+                A=mix(new.A, a[:cw, :cw]),
+                A_bias=None if new.A_bias is None else mix(new.A_bias, a[cw:, cw:]),
+            )
+        return out
+
+    def _quad(self, delta: Mapping[str, Tensor], prior: Tensor, scale: Tensor | float) -> Tensor:
+        """``Σ_m Σ_ij E_ij (U_Gᵀ Δ_m U_A)_ij²`` over the blocks ``Δ_m [r, c]`` (`params_to_block`)."""
+        terms = []
+        for i, m in enumerate(self.modules):
+            g, a = self._whole(m)
+            z = g.U.T @ self.params_to_block(m, delta) @ a.U
+            terms.append((self._eigenvalues(i, m, prior, scale)[:-1, :-1] * z**2).sum())
+        return torch.stack(terms).sum()
+
     def _estimate(
         self, logits: Tensor, keep: Tensor | None, mask: Tensor | None, k_out: int
     ) -> MemoryEstimate:
