@@ -1042,8 +1042,9 @@ class LaplaceBase:
         tensors = {f"curv:{k}": v for k, v in self._state().items()}
         tensors.update({f"map:{n}": v for n, v in self._map.items()})
         tensors["prior_precision"] = self.prior_precision
-        tensors["n_seen"] = torch.tensor(self.n_seen)
-        tensors.update({f"prior_mean:{n}": v for n, v in (self._prior_mean or {}).items()})
+        if self._prior_mean is not None:  # fitted with previous=
+            tensors["n_seen"] = torch.tensor(self.n_seen)
+            tensors.update({f"prior_mean:{n}": v for n, v in self._prior_mean.items()})
         skip = ("dtype", "sharing", "bias", "max_rank")  # dtype: a field; the rest: the structure's
         options = {k: v for k, v in vars(self._options).items() if k not in skip}
         options.update(temperature=self.temperature, **{k: getattr(self, k) for k in self._SAVED})
@@ -1102,10 +1103,14 @@ class LaplaceBase:
             for n in subset.names
         }
         post.n_data, post.n_outputs = file.meta["n_data"], file.meta["n_outputs"]
-        post.n_seen = int(file.tensors.get("n_seen", torch.tensor(post.n_data)))
+        post.n_seen = post.n_data
         if f"prior_mean:{subset.names[0]}" in file.tensors:  # fitted with previous=: no P_prev kept
+            post.n_seen = int(file.tensor("n_seen"))
             post._prior_mean = {
-                n: file.tensor(f"prior_mean:{n}").to(post.device, post.dtype) for n in subset.names
+                n: file.tensor(f"prior_mean:{n}", (subset.num_entries(n),)).to(
+                    post.device, post.dtype
+                )
+                for n in subset.names
             }
         post.map_loss, post._sigma_fit = file.meta["map_loss"], file.meta["sigma_fit"]
         post._fitted = True
