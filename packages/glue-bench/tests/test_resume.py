@@ -121,3 +121,33 @@ def test_sigkill_between_epochs_resumes_bit_for_bit(tmp_path):
     subprocess.run(script(False, "b"), env=env, check=True, cwd=tests)
     a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_report_says_which_units_are_done_running_or_partial(tiny_bert_factory, tmp_path):
+    from partialbayes.glue_bench.store import unit_states
+
+    ckpt = tmp_path / "checkpoints" / "mrpc" / "split1" / "minilm-abc.progress.safetensors"
+    ckpt.parent.mkdir(parents=True)
+    config = TrainConfig(epochs=3, batch_size=4, max_length=16, lr=1e-3, patience=4)
+    with pytest.raises(Killed):
+        _run(tiny_bert_factory, config, ckpt, kill_after=1)
+    done = tmp_path / "checkpoints" / "mrpc" / "split0" / "minilm-abc"
+    done.mkdir(parents=True)
+    (done / "meta.json").write_text('{"best_epoch": 2, "history": [{}, {}, {}]}')
+    for split, name in ((0, "map"), (0, "temperature"), (2, "map")):
+        rec = tmp_path / "records" / "mrpc" / f"split{split}" / name / "-.json"
+        rec.parent.mkdir(parents=True)
+        rec.write_text("{}")
+    (tmp_path / "claims").mkdir()
+    (tmp_path / "claims" / "mrpc-split2.json").write_text("{}")
+    assert unit_states(tmp_path) == [
+        {"task": "mrpc", "split": 0, "records": 2, "map": "epoch 2 of 3", "state": "done"},
+        {
+            "task": "mrpc",
+            "split": 1,
+            "records": 0,
+            "map": "fine-tuning: 1/3 epochs",
+            "state": "partial",
+        },
+        {"task": "mrpc", "split": 2, "records": 1, "map": "-", "state": "running"},
+    ]

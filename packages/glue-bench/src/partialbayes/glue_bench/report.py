@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from partialbayes.glue_bench import figures, tables
-from partialbayes.glue_bench.store import atomic_write, iter_records
+from partialbayes.glue_bench.store import atomic_write, iter_records, unit_states
 from partialbayes.glue_bench.tables import BUDGET_TOLERANCE, Column, col, markdown, size_key
 
 METRICS = ("accuracy", "nll", "ece", "brier")
@@ -251,8 +251,9 @@ def write_report(
     ``prior_edges.md``, ``ranks`` and ``<task>_ranks.png`` (Fig. 4), ``<task>_ramping_nll.png`` (Figs. 2,
     3), ``<task>_memory_nll.png`` / ``_ece.png`` (Fig. 5), ``calibration.csv`` and
     ``<task>_calibration.png`` (Fig. 6), ``uci_summary`` and ``uci_<dataset>_selection.png`` (Figs. 9,
-    10): tables as ``.md`` and ``.csv``; the how-to lists what each holds. An output whose records are
-    missing is skipped with its reason.
+    10), ``units`` (each unit's state: done, running, or partial with the epoch its fine-tuning reached,
+    ``store.unit_states``): tables as ``.md`` and ``.csv``; the how-to lists what each holds. An output
+    whose records are missing is skipped with its reason.
 
     Args:
         results: The results folder (GLUE records under ``records/``, UCI records under ``uci/records/``).
@@ -286,6 +287,10 @@ def write_report(
     else:
         report.skip("GLUE tables and figures", f"no GLUE records under {results / 'records'}")
     _uci_outputs(report, uci, results)
+    units = unit_states(results)
+    if units:
+        names = ("task", "split", "state", "map", "records")
+        report.section("Units", report.table("units", units, [col(n, n) for n in names]))
     figs = [f.name for f in report.files if f.suffix == ".png"]
     report.section("Figures", "\n".join(f"* `{f}`" for f in figs) or "none")
     if report.skipped:

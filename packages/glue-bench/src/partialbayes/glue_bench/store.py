@@ -389,3 +389,38 @@ def grid_units(
     i, n = shard
     ordered = sorted({(t, s) for t in tasks for s in splits})
     return [u for k, u in enumerate(ordered) if k % n == i]
+
+
+def unit_states(root: str | Path) -> list[dict[str, Any]]:
+    """Where each (task, split) unit of a results folder stands, for ``glue-bench report``.
+
+    One row per unit that has records, a checkpoint, a fine-tuning progress file or a claim: ``records``
+    (how many cells are finished), ``map`` (the published MAP: its best epoch of the epochs trained, or
+    ``fine-tuning: k/n epochs`` from its progress file, or ``-``) and ``state``: ``running`` while a
+    process holds its claim, ``partial`` with a progress file and no claim (rerun to resume), ``done``
+    otherwise.
+    """
+    from partialbayes.glue_bench.train import progress_epoch  # train imports this module
+
+    root = Path(root)
+    units: dict[tuple[str, int], dict[str, Any]] = {}
+
+    def unit(task: str, split: str) -> dict[str, Any]:
+        key = (task, int(split.removeprefix("split")))
+        return units.setdefault(key, {"records": 0, "map": "-", "state": "done"})
+
+    for path in (root / "records").glob("*/split*/*/*.json"):
+        unit(path.parts[-4], path.parts[-3])["records"] += 1
+    for path in (root / "checkpoints").glob("*/split*/*"):
+        row = unit(path.parts[-3], path.parts[-2])
+        if path.name.endswith(".progress.safetensors"):
+            done = progress_epoch(path)
+            row["map"] = f"fine-tuning: {done[0]}/{done[1]} epochs" if done else "fine-tuning"
+            row["state"] = "partial"
+        elif (path / "meta.json").is_file():
+            meta = read_json(path / "meta.json", "checkpoint meta")
+            row["map"] = f"epoch {meta.get('best_epoch')} of {len(meta.get('history', []))}"
+    for path in (root / "claims").glob("*-split*.json"):
+        task, _, split = path.stem.rpartition("-")
+        unit(task, split)["state"] = "running"
+    return [{"task": t, "split": s, **row} for (t, s), row in sorted(units.items())]
