@@ -201,3 +201,46 @@ def test_a_fit_above_max_memory_is_refused_for_every_structure(device):
             family(model, subset, fisher="mc", max_memory=1000).fit(_answer_loader(device))
     with pytest.raises(ValueError, match="max_memory must be a positive int"):
         KronLaplace(model, subset, max_memory=0)
+
+
+def _estimate(total_gib, available_gib, itemsize=8):
+    from partialbayes.curvature import MemoryEstimate
+
+    gib = 2**30
+    return MemoryEstimate(int(total_gib * gib), 0, 0, 0, "G of 'x'", available_gib * gib, "test", itemsize)
+
+
+def test_a_memory_limit_that_is_not_a_positive_int_is_named():
+    est = _estimate(1, 100)
+    for bad in ("1GB", True, 1.5):
+        with pytest.raises(TypeError, match=r"max_memory must be an int number of bytes .* got"):
+            est.check(max_memory=bad)
+    for bad in (-5, 0):
+        with pytest.raises(ValueError, match="max_memory must be a positive"):
+            est.check(max_memory=bad)
+
+
+def test_a_limit_above_the_available_memory_warns_and_refuses_what_the_machine_cannot_hold():
+    with (
+        pytest.warns(UserWarning, match=r"max_memory=64.00 GiB is more than the 20.00 GiB available"),
+        pytest.raises(ValueError, match=r"47.00 GiB but 20.00 GiB is available"),
+    ):
+        _estimate(47, 20).check(max_memory=64 * 2**30)
+    with pytest.warns(UserWarning, match="is more than"):
+        _estimate(1, 20).check(max_memory=64 * 2**30)  # fits the machine: warned, not refused
+
+
+def test_the_float32_advice_is_given_only_to_a_float64_fit():
+    with pytest.raises(ValueError, match=r"dtype=torch.float32 \(half the bytes\)"):
+        _estimate(47, 20).check()
+    with pytest.raises(ValueError, match="Refused before allocating") as err:
+        _estimate(47, 20, itemsize=4).check()
+    assert "float32" not in str(err.value)
+
+
+def test_memory_estimate_checks_target_ids(device):
+    model = _lm(device)
+    subset = modules(model, MAPS[:1])
+    for bad, match in (([5, 5], "repeated"), ([VOCAB], "out of range"), ([], "non-empty")):
+        with pytest.raises(ValueError, match=match):
+            memory_estimate(model, subset, _batch(device), fisher="mc", target_ids=bad)

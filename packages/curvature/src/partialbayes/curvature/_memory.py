@@ -16,6 +16,7 @@ nothing was allocated, and the fix is a choice of options.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 from partialbayes.curvature._likelihood import CurvatureOptions, model_device
 from partialbayes.curvature._lowrank import OVERSAMPLE
 from partialbayes.curvature._outputs import read_batch, resolve_shift_labels
-from partialbayes.predictive.internal import available_memory, model_logits
+from partialbayes.predictive.internal import available_memory, check_target_ids, model_logits
 from partialbayes.selection import KronModule, Subset
 
 
@@ -80,6 +81,7 @@ class MemoryEstimate:
         predictive: One batch's working set of the linearised predictive (``K`` outputs as given).
         largest: The largest factor, e.g. ``"G of 'lm_head' (50257 x 50257)"``.
         available: Free bytes on the device (``None``: unknown), and ``source``, where that comes from.
+        itemsize: Bytes per stored entry (8: float64 factors, 4: float32).
     """
 
     factors: int
@@ -89,6 +91,7 @@ class MemoryEstimate:
     largest: str
     available: int | None
     source: str
+    itemsize: int = 8
 
     @property
     def total(self) -> int:
@@ -109,22 +112,46 @@ class MemoryEstimate:
     def check(self, max_memory: int | None = None) -> None:
         """Refuse a run whose peak exceeds ``max_memory`` bytes (default: the available memory).
 
+        A ``max_memory`` above the available memory cannot protect the run: it is warned about, and a peak
+        above the available memory is refused all the same (the estimate leaves out the model itself).
+
         Raises:
-            ValueError: With the estimate and what to change (nothing is allocated).
+            TypeError: ``max_memory`` not an int number of bytes (``"1GB"``, ``True``, a float).
+            ValueError: ``max_memory`` not positive; a peak above the limit, with the estimate and what to
+                change (nothing is allocated).
         """
+        if max_memory is not None and (
+            isinstance(max_memory, bool) or not isinstance(max_memory, int)
+        ):
+            raise TypeError(
+                f"max_memory must be an int number of bytes (e.g. 8 * 2**30 for 8 GiB) or None, got "
+                f"{type(max_memory).__name__} {max_memory!r}"
+            )
+        if max_memory is not None and max_memory < 1:
+            raise ValueError(f"max_memory must be a positive number of bytes, got {max_memory}")
         limit = self.available if max_memory is None else max_memory
+        if max_memory is not None and self.available is not None and max_memory > self.available:
+            warnings.warn(
+                f"max_memory={fmt_bytes(max_memory)} is more than the {fmt_bytes(self.available)} "
+                f"available ({self.source}): the available memory is the limit",
+                stacklevel=2,
+            )
+            limit = self.available
         if limit is None or self.total <= limit:
             return
         fixes = {
-            "Factors: keep large ones low-rank (max_rank), fit S-KFAC (sparse_kfac(model, p): about "
-            "(p/100)² of the memory) or use dtype=torch.float32 (half).": self.factors + self.eigen,
+            "Factors: keep large ones low-rank (max_rank) or fit S-KFAC (sparse_kfac(model, p): about "
+            "(p/100)² of the memory)"
+            + (
+                ", or dtype=torch.float32 (half the bytes)." if self.itemsize > 4 else "."
+            ): self.factors + self.eigen,
             "Fit: fisher='mc' or 'empirical' (k or 1 backward passes per batch, not C), smaller "
             "batches.": self.fit_batch,
             "Predictive: only the answer tokens (target_ids), or chunk_size.": self.predictive,
         }
         raise ValueError(
             f"this needs about {fmt_bytes(self.total)} but {fmt_bytes(limit)} is "
-            f"{'available' if max_memory is None else 'allowed (max_memory)'}:\n{self}\n"
+            f"{'allowed (max_memory)' if limit == max_memory else 'available'}:\n{self}\n"
             f"Refused before allocating. {' '.join(fix for fix, n in fixes.items() if n)}"
         )
 
@@ -179,7 +206,11 @@ def memory_estimate(
     if logits is None:
         with torch.no_grad():
             logits = model_logits(model, inputs)
-    k_out = logits.shape[-1] if target_ids is None else len(target_ids)
+    k_out = (
+        logits.shape[-1]
+        if target_ids is None
+        else len(check_target_ids(target_ids, logits.shape[-1]))
+    )
     keep = outputs.keep(logits[..., :0])
     return kron_estimate(
         subset.kron_modules(), logits, keep, outputs.attention_mask, options, k_out
@@ -234,7 +265,7 @@ def kron_estimate(
         fit += (b * t * (c + k.n_out) + passes * rows * r) * mitem
         pred += k_out * b * t * r * mitem + b * t * c * mitem if k_out else 0
     avail, source = available_memory(logits.device)
-    return MemoryEstimate(factors, eigen + transient, fit, pred, largest, avail, source)
+    return MemoryEstimate(factors, eigen + transient, fit, pred, largest, avail, source, item)
 
 
 def entries_estimate(
@@ -259,4 +290,4 @@ def entries_estimate(
     pred = (3 * n_kept * k_out * p + n_kept * k_out * k_out) * item
     stored, eigen = (p * p * item, (4 * p * p + p) * item) if dense else (p * item, 0)
     largest = f"{'H' if dense else 'diagonal'} of {p} entries"
-    return MemoryEstimate(stored, eigen, fit, pred, largest, *available_memory(logits.device))
+    return MemoryEstimate(stored, eigen, fit, pred, largest, *available_memory(logits.device), item)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
@@ -213,15 +212,6 @@ class SampledLaplace:
             )
         self.samples = result.samples.detach()
         self.info = result.info
-        if not result.info.converged:
-            last = result.info.history[-1] if result.info.history else {}
-            warnings.warn(
-                f"SampledLaplace.fit: the {result.info.method} solver stopped after "
-                f"{result.info.steps} steps without reaching its tolerance ({last}); the samples are "
-                "approximate (raise max_iter, loosen tol, or check sgd settings)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
         self._map = network_parameters(self.model, self.subset)
         return self
 

@@ -7,6 +7,7 @@ Model: ``y_n = Φ_n θ + η_n``, ``θ ~ N(0, A⁻¹)``, ``η_n ~ N(0, B_n⁻¹)`
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -195,7 +196,7 @@ def posterior_mean(
         ) + problem.a1 * x
 
     x, info = _minimise(problem, grad_fn, x0, method, tol, max_iter, sgd, generator)
-    return PosteriorMean(x[:, 0], info)
+    return PosteriorMean(x[:, 0], _warn_unconverged("posterior_mean", info))
 
 
 def _initial_mean(features: Features, init: Tensor | None) -> Tensor | None:
@@ -289,4 +290,18 @@ def posterior_samples(
     # Start at the prior draw θ⁰: both objectives' minimiser equals θ⁰ on the null space of Φ, where
     # only the weak prior curvature would otherwise pull the iterate (slowly) away from zero.
     z, info = _minimise(problem, grad_fn, theta0, method, tol, max_iter, sgd, generator)
-    return PosteriorSamples(z, info)
+    return PosteriorSamples(z, _warn_unconverged("posterior_samples", info))
+
+
+def _warn_unconverged(name: str, info: SolveInfo) -> SolveInfo:
+    """``info``, after a ``RuntimeWarning`` when its solver stopped short of its tolerance."""
+    if not info.converged:
+        last = info.history[-1] if info.history else {}
+        warnings.warn(
+            f"{name}: the {info.method} solver stopped after {info.steps} steps without reaching its "
+            f"tolerance ({last}); the result is approximate (a sample variance can be several times "
+            "off): raise max_iter or sgd=SGDConfig(max_epochs=...), loosen tol, or use method='cg'",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return info
