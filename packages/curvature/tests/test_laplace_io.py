@@ -70,8 +70,11 @@ def test_refuses_mismatched_model_and_files(tmp_path):
     save_file({"x": torch.zeros(2)}, str(other))
     with pytest.raises(ValueError, match="not a saved"):
         KronLaplace.load(other, TinyNet(0))
-    with pytest.warns(UserWarning, match="saved MAP"):
+    # Issue 34: other weights used to be only a warning, then the predictive ran on the mismatch.
+    with pytest.raises(ValueError, match=r"differ from the saved MAP .*check_weights=False"):
         KronLaplace.load(path, TinyNet(1))
+    anyway = KronLaplace.load(path, TinyNet(1), check_weights=False)
+    torch.testing.assert_close(anyway.log_marginal_likelihood(), la.log_marginal_likelihood())
 
 
 def test_save_requires_fit(tmp_path):

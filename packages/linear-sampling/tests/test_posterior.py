@@ -205,10 +205,10 @@ def test_save_load_refuses_other_models_and_files(tmp_path):
     with pytest.raises(ValueError, match="not a saved partialbayes posterior"):
         SampledLaplace.load(tmp_path / "other.safetensors", model)
     moved = mlp(seed=1)
-    for load in (SampledLaplace.load,):
-        with pytest.warns(UserWarning, match="differ from the saved MAP") as caught:
+    for load in (SampledLaplace.load,):  # issue 34: was only a warning
+        with pytest.raises(ValueError, match=r"differ from the saved MAP .* check_weights=False"):
             load(path, moved)
-        assert caught[0].filename == __file__  # the warning names the caller's line
+        assert torch.equal(load(path, moved, check_weights=False).samples, post.samples)
     grouped = SampledLaplace(
         model,
         subset,

@@ -100,7 +100,9 @@ def test_full_batch_sgd_mean_is_closed_form(device, n, m, d, seed, kind):
     torch.testing.assert_close(out.mean, mean, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.filterwarnings("ignore:posterior_mean. the sgd solver stopped:RuntimeWarning")  # plain SGD: noise floor
+@pytest.mark.filterwarnings(
+    "ignore:posterior_mean. the sgd solver stopped:RuntimeWarning"
+)  # plain SGD: noise floor
 def test_plain_minibatch_sgd_mean_with_polyak_averaging(device):
     feats, y, noise, prior, _, mean, _, _ = problem(200, 3, 8, 3, "matrix", device)
     cfg = SGDConfig(batch_size=50, max_epochs=300, tol=1e-7, variance_reduction=False)

@@ -1064,18 +1064,27 @@ class LaplaceBase:
         write_posterior_file(path, tensors, meta, model=self.model)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], model: nn.Module) -> LaplaceBase:
+    def load(
+        cls, path: str | os.PathLike[str], model: nn.Module, *, check_weights: bool = True
+    ) -> LaplaceBase:
         """Load a posterior saved with `save` onto ``model``.
 
-        ``LaplaceBase.load`` builds whichever posterior class the file holds. When the model's current
-        weights differ from the saved MAP, a warning says so: the posterior is centred on the saved MAP.
+        ``LaplaceBase.load`` builds whichever posterior class the file holds.
+
+        Args:
+            path: The file `save` wrote.
+            model: The model the posterior was fitted on (same structure and, by default, same weights).
+            check_weights: Refuse a model whose current subset weights differ from the saved MAP (its
+                predictive would linearise at another point than the curvature's). ``False`` loads it
+                anyway: the posterior stays centred on the saved MAP, the model keeps its values.
 
         Raises:
             FileNotFoundError: If there is no file at ``path``.
             ValueError: Naming the file: not a readable posterior file of this version (garbage,
                 truncated, a missing or mistyped field, a missing tensor or one of the wrong shape, NaN or
                 inf in any tensor); ``model``'s parameter names / shapes or the saved subset do not match
-                ``model``; the file holds another posterior class than ``cls``.
+                ``model``; the file holds another posterior class than ``cls``; the model's weights
+                differ from the saved MAP (unless ``check_weights=False``).
         """
         names = ("KronLaplace", "DiagLaplace", "DenseLaplace")
         file = read_posterior_file(
@@ -1114,16 +1123,15 @@ class LaplaceBase:
             }
         post.map_loss, post._sigma_fit = file.meta["map_loss"], file.meta["sigma_fit"]
         post._fitted = True
-        for n, p in subset.parameters_of(model).items():
-            if not torch.allclose(
-                subset.gather(n, p.detach()).to(post.dtype), post._map[n], rtol=1e-5, atol=1e-6
-            ):
-                warnings.warn(
-                    f"the model's current values of {n!r} differ from the saved MAP; the posterior is "
-                    "centred on the saved MAP (the model keeps its values)",
-                    stacklevel=2,
+        for n, p in subset.parameters_of(model).items() if check_weights else ():
+            here = subset.gather(n, p.detach()).to(post.dtype)
+            if not torch.allclose(here, post._map[n], rtol=1e-5, atol=1e-6):
+                raise file.error(
+                    f"the model's current values of {n!r} differ from the saved MAP (by up to "
+                    f"{float((here - post._map[n]).abs().max()):.3g}): the posterior was fitted on other "
+                    "weights. Load it onto the model it was fitted on (the same checkpoint), or pass "
+                    "check_weights=False to use it anyway (centred on the saved MAP)"
                 )
-                break
         return post
 
 

@@ -8,7 +8,6 @@ annotations only).
 from __future__ import annotations
 
 import os
-import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -57,7 +56,7 @@ def write_posterior(posterior: SampledLaplace, path: str | os.PathLike[str]) -> 
 
 
 def read_posterior(
-    path: str | os.PathLike[str], model: nn.Module, cls: type[SampledLaplace]
+    path: str | os.PathLike[str], model: nn.Module, cls: type[SampledLaplace], check_weights: bool
 ) -> SampledLaplace:
     """The work of `SampledLaplace.load`: the saved posterior built as a ``cls``.
 
@@ -99,10 +98,11 @@ def read_posterior(
     here = network_parameters(model, subset)
     post.samples = samples.to(here.device, torch.promote_types(here.dtype, torch.float32))
     post._map = map_t.to(here.device, here.dtype)
-    if not torch.allclose(here, post._map, rtol=1e-5, atol=1e-6):
-        warnings.warn(
-            "the model's current values of the subset differ from the saved MAP; the linearised "
-            "predictive uses the model's current weights",
-            stacklevel=3,
+    if check_weights and not torch.allclose(here, post._map, rtol=1e-5, atol=1e-6):
+        raise file.error(
+            "the model's current values of the subset differ from the saved MAP (by up to "
+            f"{float((here - post._map).abs().max()):.3g}): the samples were drawn at other weights. "
+            "Load it onto the model it was fitted on (the same checkpoint), or pass check_weights=False "
+            "to use it anyway (the linearised predictive then uses the model's current weights)"
         )
     return post

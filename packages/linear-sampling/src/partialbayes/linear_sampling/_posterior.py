@@ -417,14 +417,17 @@ class SampledLaplace:
         write_posterior(self, path)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], model: nn.Module) -> SampledLaplace:
+    def load(
+        cls, path: str | os.PathLike[str], model: nn.Module, *, check_weights: bool = True
+    ) -> SampledLaplace:
         """Load a posterior saved by `save` onto ``model``.
 
         The tensors go to the model's device and dtype. A model whose current values of the subset differ from
-        the saved MAP gets a warning (the predictive linearises at the model's current weights).
+        the saved MAP is refused unless ``check_weights=False`` (then the predictive linearises at the
+        model's current weights).
 
         Raises:
-            ValueError: If the file is not a saved `SampledLaplace`, or ``model``'s parameters (names and
-                shapes) do not match the saved structure.
+            ValueError: If the file is not a saved `SampledLaplace`, ``model``'s parameters (names and
+                shapes) do not match the saved structure, or its weights differ from the saved MAP.
         """
-        return read_posterior(path, model, cls)
+        return read_posterior(path, model, cls, check_weights)
