@@ -339,3 +339,11 @@ def test_target_ids_are_for_classification():
     la = DiagLaplace(model, kron_subset(model), likelihood="regression").fit([(x, x)])
     with pytest.raises(ValueError, match="target_ids selects answer tokens of a classifier"):
         la.predict(x, target_ids=[0])
+
+
+def test_one_batch_given_as_the_loader_names_the_fix():
+    model = TinyNet(0)
+    x, y = classification_data(4, 0)
+    la = KronLaplace(model, kron_subset(model))
+    with pytest.raises(TypeError, match=r"Pass a list of batches \(\[batch\]\)"):
+        la.fit({"x": x, "labels": y})

@@ -282,6 +282,9 @@ def test_bad_lists_are_refused_by_name():
         KronLaplace.fit_many(model, s, data)
     with pytest.raises(ValueError, match="subsets is an empty list"):
         KronLaplace.fit_many(model, [], data)
+    # Issue 34: an empty subset in the list did not say which.
+    with pytest.raises(ValueError, match=r"subsets\[1\] is empty: select at least one"):
+        KronLaplace.fit_many(model, [s, Subset.from_model(model, {})], data)
     la = KronLaplace(model, s).fit(data)
     other = KronLaplace(wide_bert(1), sparse_kfac(wide_bert(1), 10.0))
     with pytest.raises(ValueError, match="posteriors is an empty list"):

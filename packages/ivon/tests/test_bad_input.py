@@ -365,6 +365,26 @@ def _corruptions():
         ("missing ess", lambda sd: sd["param_groups"][0].pop("ess"), ValueError, "'ess'"),
         ("bad step", set_group("step", -3), ValueError, "step"),
         ("float step", set_group("step", 1.5), TypeError, "step"),
+        # Issue 34: no step restarted at 0 silently; unknown keys were kept.
+        ("no step", lambda sd: sd["param_groups"][0].pop("step"), ValueError, "has no 'step'"),
+        (
+            "unknown key",
+            lambda sd: sd.__setitem__("extra", 1),
+            ValueError,
+            r"unknown entries \['extra'\]",
+        ),
+        (
+            "unknown group key",
+            set_group("lrr", 0.1),
+            ValueError,
+            r"group 0 has unknown entries \['lrr'\]",
+        ),
+        (
+            "unknown state key",
+            set_state("exp_avg", torch.zeros(4, 3)),
+            ValueError,
+            r"unknown state entries",
+        ),
         (
             "bad generator state",
             lambda sd: sd.__setitem__("generator_state", [1, 2]),

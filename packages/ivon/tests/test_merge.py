@@ -137,6 +137,12 @@ def test_merge_bad_input_names_the_first_mismatch():
         merge([a, MultiIVON([a])])
     with pytest.raises(ValueError, match="at least one"):
         merge([])
+    # Issue 34: one posterior, not a list, was a raw "has no len()".
+    with pytest.raises(
+        TypeError, match="posteriors must be a list of GaussianPosterior, got a Gauss"
+    ):
+        merge(a)
+    torch.testing.assert_close(merge(p for p in (a, a))["w"], merge([a, a])["w"])  # a generator
 
 
 def test_squared_gradients_equal_the_per_example_closed_form(device):

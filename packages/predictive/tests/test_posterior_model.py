@@ -119,3 +119,16 @@ def test_bad_input_is_named():
         model(x=torch.zeros(2, 3), labels=torch.tensor([0, 1, 1]))
     with pytest.raises(ValueError, match=r"must lie in \[0, 3\)"):
         model(x=torch.zeros(2, 3), labels=torch.tensor([0, 3]))
+
+
+def test_labels_under_label_are_scored_not_dropped():
+    # Issue 34: PosteriorModel(**batch, label=y) returned no loss (split_batch accepts "label").
+    probs = random_probs((3, 2), 0)
+    y = torch.tensor([0, 1, 1])
+    post = Fixed(probs)
+    out = PosteriorModel(post)(input_ids=torch.zeros(3, 3), label=y)
+    ref = PosteriorModel(post)(input_ids=torch.zeros(3, 3), labels=y)
+    assert float(out["loss"]) == float(ref["loss"])
+    assert set(post.calls[0][0]) == {"input_ids"}
+    with pytest.raises(ValueError, match="both labels= and label="):
+        PosteriorModel(post)(input_ids=torch.zeros(3, 3), label=y, labels=y)

@@ -193,6 +193,8 @@ def check_list(items: Any, what: str, kind: type) -> list[Any]:
     for i, item in enumerate(items):
         if not isinstance(item, kind):
             raise TypeError(f"{what}[{i}] is a {type(item).__name__}, not a {kind.__name__}")
+        if getattr(item, "names", True) == ():  # an empty Subset: say which
+            raise ValueError(f"{what}[{i}] is empty: select at least one parameter")
     return list(items)
 
 

@@ -24,7 +24,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,6 +166,9 @@ def _create(path: Path, owner: dict[str, Any]) -> bool:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
+    except FileNotFoundError:  # the empty folder was just removed by a process that finished
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return _create(path, owner)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         handle.write(json.dumps(owner))
     return True
@@ -306,6 +309,7 @@ class ResultStore:
             "started": time.ctime(),
             "token": uuid.uuid4().hex,
         }
+        made = [d for d in (self.root, path.parent) if not d.exists()]
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             while not _create(path, me):
@@ -329,6 +333,9 @@ class ResultStore:
         finally:
             if (_owner(path) or {}).get("token") == me["token"]:
                 path.unlink(missing_ok=True)
+            for folder in reversed(made):  # a refused run leaves no empty folders behind
+                with suppress(OSError):
+                    folder.rmdir()
 
 
 def _take_over(path: Path, stale: dict[str, Any]) -> None:

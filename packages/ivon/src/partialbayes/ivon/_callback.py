@@ -46,12 +46,12 @@ class IVONCallback:
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Find the IVON optimizer inside the Trainer's (possibly wrapped) optimizer."""
-        optimizer = kwargs.get("optimizer")
+        optimizer = inner = kwargs.get("optimizer")
         while optimizer is not None and not isinstance(optimizer, IVON):
-            optimizer = getattr(optimizer, "optimizer", None)  # accelerate's AcceleratedOptimizer
+            inner, optimizer = optimizer, getattr(optimizer, "optimizer", None)  # AcceleratedOptimizer
         if optimizer is None:
-            raise TypeError(
-                f"IVONCallback needs IVON as the Trainer's optimizer, got {type(kwargs.get('optimizer')).__name__}: "
+            raise TypeError(  # the innermost optimizer: AdamW, not accelerate's wrapper
+                f"IVONCallback needs IVON as the Trainer's optimizer, got {type(inner).__name__}: "
                 "pass Trainer(..., optimizers=(partialbayes.ivon.IVON(model.parameters(), lr=..., ess=...), None))"
             )
         if getattr(args, "world_size", 1) > 1:

@@ -51,6 +51,9 @@ def check_state_dict(
     for key in ("state", "param_groups"):
         if key not in state_dict:
             raise ValueError(f"{where}the state dict has no {key!r} entry")
+    unknown = sorted(map(str, set(state_dict) - {"state", "param_groups", "generator_state"}))
+    if unknown:
+        raise ValueError(f"{where}unknown entries {unknown} (not an IVON state dict)")
     saved_groups, state = state_dict["param_groups"], state_dict["state"]
     if not isinstance(saved_groups, Sequence) or not isinstance(state, Mapping):
         raise TypeError(f"{where}'param_groups' must be a list and 'state' a dict")
@@ -62,7 +65,12 @@ def check_state_dict(
         if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), Sequence):
             raise TypeError(f"{where}parameter group {g} is not a dict with a 'params' list")
         validate_group(saved, f"{where}group {g}: ")
-        check_int(f"{where}group {g}: step", saved.get("step", 0), "[0, inf)")
+        unknown = sorted(map(str, set(saved) - set(own) - {"params"}))
+        if unknown:
+            raise ValueError(f"{where}group {g} has unknown entries {unknown}")
+        if "step" not in saved:  # it would restart the debiasing and schedules at step 0
+            raise ValueError(f"{where}group {g} has no 'step' (IVON.state_dict always saves it)")
+        check_int(f"{where}group {g}: step", saved["step"], "[0, inf)")
         if len(saved["params"]) != len(own["params"]):
             raise ValueError(
                 f"{where}group {g} holds {len(saved['params'])} parameters in the state dict, "
@@ -82,6 +90,9 @@ def check_state_dict(
 def _check_param_state(entry: Any, p: Tensor, where: str) -> None:
     if not isinstance(entry, Mapping):
         raise ValueError(f"{where}the state dict holds no IVON state (momentum, hess) for it")
+    unknown = sorted(map(str, set(entry) - {"momentum", "hess"}))
+    if unknown:
+        raise ValueError(f"{where}unknown state entries {unknown}")
     for key in ("momentum", "hess"):
         t = entry.get(key)
         if not isinstance(t, Tensor):

@@ -90,11 +90,19 @@ def merge(
         ``{param name: merged weights}`` on the means' devices: ``model.load_state_dict(w, strict=False)``.
 
     Raises:
-        TypeError: If a posterior is not a :class:`GaussianPosterior`.
+        TypeError: If ``posteriors`` is not a list (or other iterable) of :class:`GaussianPosterior`.
         ValueError: If the posteriors differ in their parameters or shapes (the first mismatch is named),
             ``precisions`` does not fit them, ``base_precision`` is negative, or it is positive and ``base``
             is missing (the posteriors do not carry their start point) or does not fit.
     """
+    if isinstance(posteriors, GaussianPosterior | str | Mapping) or not isinstance(
+        posteriors, Iterable
+    ):
+        raise TypeError(
+            f"merge: posteriors must be a list of GaussianPosterior, got a {type(posteriors).__name__} "
+            "(merge([ivon_posterior(opt_a, model_a), ivon_posterior(opt_b, model_b)]))"
+        )
+    posteriors = list(posteriors)  # a generator is read once
     shapes = _check_same(posteriors)
     if (
         isinstance(base_precision, bool)

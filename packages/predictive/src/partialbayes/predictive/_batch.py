@@ -68,6 +68,13 @@ def _mapping_inputs(
     if found:
         labels = batch[found[0]]
     inputs = {str(k): _to(v, device) for k, v in batch.items() if k not in LABEL_KEYS}
+    lists = [k for k, v in inputs.items() if isinstance(v, list)]
+    if lists:
+        raise TypeError(
+            f"batch input {lists[0]!r} is a list, not a tensor: the examples were not collated. Batch "
+            "them with a collator (DataLoader(ds, batch_size=..., collate_fn=transformers."
+            "DataCollatorWithPadding(tokenizer))) or tokenize with return_tensors='pt'"
+        )
     if not inputs:
         raise ValueError(f"mapping batch holds no model inputs, only {sorted(map(str, batch))}")
     return inputs, labels
@@ -112,7 +119,13 @@ def split_batch(batch: Any, *, device: torch.device | str | None = None) -> Batc
             )
     else:
         shape = f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""
-        raise TypeError(f"batch must be {_ACCEPTED}; got {type(batch).__name__}{shape}")
+        hint = (
+            f" {batch!r}: iterating one batch (a dict or BatchEncoding) yields its keys. Pass a list "
+            "of batches ([batch]) or a DataLoader"
+            if isinstance(batch, str)
+            else ""
+        )
+        raise TypeError(f"batch must be {_ACCEPTED}; got {type(batch).__name__}{shape}{hint}")
     if labels is not None and not isinstance(labels, Tensor):
         try:
             labels = torch.as_tensor(labels)

@@ -66,12 +66,17 @@ class PosteriorModel(nn.Module):
         return next(self.posterior.model.parameters()).device
 
     def forward(self, labels: Tensor | None = None, **inputs: Any) -> dict[str, Tensor]:
-        """Predictive of one batch of keyword inputs (see the class); ``labels`` only score it.
+        """Predictive of one batch of keyword inputs (see the class); ``labels`` (or ``label``) only score it.
 
         Raises:
-            ValueError: If no model input is given, labels do not fit the outputs (shape, class range),
-                or every label is -100 (the predictive NLL of no output is undefined).
+            ValueError: If no model input is given, labels are given under both keys or do not fit the
+                outputs (shape, class range), or every label is -100 (the predictive NLL of no output is
+                undefined).
         """
+        if "label" in inputs:  # split_batch's other key: a score, never a silent drop
+            if labels is not None:
+                raise ValueError("PosteriorModel got both labels= and label=: give the labels once")
+            labels = inputs.pop("label")
         if not inputs:
             raise ValueError(
                 "PosteriorModel got no model inputs, only labels (Trainer keeps the columns that the "
