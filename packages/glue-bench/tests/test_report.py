@@ -438,3 +438,22 @@ def test_tiny_grid_then_report(tmp_path, mini_glue, tiny_bert_factory):
         assert (rep / name).is_file()
     assert all(math.isfinite(float(r["nll"])) for r in table2)
     assert out["skipped"][-1].startswith("UCI tables and figures")
+
+
+def test_the_ramping_plot_says_one_split_when_it_has_one(tmp_path, monkeypatch):
+    # Issue 34: the quickstart's plot (one split) said "median, IQR over splits".
+    from partialbayes.glue_bench import figures
+
+    titles = []
+    monkeypatch.setattr(
+        figures, "save_figure", lambda fig, path: titles.append(fig.axes[0].get_title())
+    )
+    row = {"task": "sst2", "method": "skfac", "percent_stochastic": 1.0, "nll": 0.4}
+    row |= {"nll_q25": 0.3, "nll_q75": 0.5}
+    for n, want in ((1, "(one split)"), (3, "(median, IQR over splits)")):
+        rows = [
+            {**row, "n_splits": n, "size": "1.0"},
+            {**row, "n_splits": n, "size": "6.8", "percent_stochastic": 6.8},
+        ]
+        assert figures.ramping_plot(rows, "sst2", tmp_path / "p.png")
+        assert titles[-1].endswith(want)

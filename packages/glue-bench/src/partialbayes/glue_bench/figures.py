@@ -67,7 +67,9 @@ def ramping_plot(
     ax.set_xscale("log")
     ax.set_xlabel("percent of parameters stochastic")
     ax.set_ylabel(f"test {metric.upper() if metric in ('nll', 'ece') else metric}")
-    ax.set_title(f"{task}: {metric} vs stochastic subset size (median, IQR over splits)")
+    splits = max(int(r.get("n_splits", 1)) for r in mine)
+    over = "median, IQR over splits" if splits > 1 else "one split"
+    ax.set_title(f"{task}: {metric} vs stochastic subset size ({over})")
     ax.legend(fontsize=8)
     save_figure(fig, path)
     return True
