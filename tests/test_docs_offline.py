@@ -72,7 +72,9 @@ def test_gitignore_covers_what_the_quickstart_writes():
 
 def test_api_pages_show_inherited_methods_and_whole_returns():
     config = (ROOT / "docs" / "mkdocs.yml").read_text()
-    assert "returns_multiple_items: false" in config  # else each Returns line renders as its own row
+    assert (
+        "returns_multiple_items: false" in config
+    )  # else each Returns line renders as its own row
     curvature = (ROOT / "docs" / "pages" / "api" / "curvature.md").read_text()
     head = curvature.split("::: partialbayes.curvature.LaplaceBase")[0]
     assert "inherited_members: true" in head  # KronLaplace's fit, predict, optimize_prior_precision

@@ -207,7 +207,9 @@ def _estimate(total_gib, available_gib, itemsize=8):
     from partialbayes.curvature import MemoryEstimate
 
     gib = 2**30
-    return MemoryEstimate(int(total_gib * gib), 0, 0, 0, "G of 'x'", available_gib * gib, "test", itemsize)
+    return MemoryEstimate(
+        int(total_gib * gib), 0, 0, 0, "G of 'x'", available_gib * gib, "test", itemsize
+    )
 
 
 def test_a_memory_limit_that_is_not_a_positive_int_is_named():
@@ -222,7 +224,9 @@ def test_a_memory_limit_that_is_not_a_positive_int_is_named():
 
 def test_a_limit_above_the_available_memory_warns_and_refuses_what_the_machine_cannot_hold():
     with (
-        pytest.warns(UserWarning, match=r"max_memory=64.00 GiB is more than the 20.00 GiB available"),
+        pytest.warns(
+            UserWarning, match=r"max_memory=64.00 GiB is more than the 20.00 GiB available"
+        ),
         pytest.raises(ValueError, match=r"47.00 GiB but 20.00 GiB is available"),
     ):
         _estimate(47, 20).check(max_memory=64 * 2**30)

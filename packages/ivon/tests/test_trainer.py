@@ -151,7 +151,9 @@ def test_training_stopped_inside_a_step_leaves_the_means(tmp_path):
 def test_callback_without_ivon_names_the_fix(tmp_path):
     model = _bert()
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with pytest.raises(TypeError, match=r"got AdamW: pass Trainer\(\.\.\., optimizers=\(partialbayes\.ivon\.IVON\("):
+    with pytest.raises(
+        TypeError, match=r"got AdamW: pass Trainer\(\.\.\., optimizers=\(partialbayes\.ivon\.IVON\("
+    ):
         _trainer(tmp_path, model, adamw).train()
 
 

@@ -178,9 +178,9 @@ def test_sampled_logits_swaps_each_sample_and_restores_the_map():
 
 def test_a_single_batch_or_uncollated_features_name_the_fix():
     # Issue 34: fit(batch_encoding) said "got str"; un-collated features "attention_mask ... got list".
-    from partialbayes.predictive import split_batch
-
-    with pytest.raises(TypeError, match=r"got str 'input_ids': iterating one batch .* list of batches"):
+    with pytest.raises(
+        TypeError, match=r"got str 'input_ids': iterating one batch .* list of batches"
+    ):
         split_batch("input_ids")
-    with pytest.raises(TypeError, match="'input_ids' is a list, not a tensor: .* a collator"):
+    with pytest.raises(TypeError, match=r"'input_ids' is a list, not a tensor: .* a collator"):
         split_batch({"input_ids": [[1, 2]], "attention_mask": [[1, 1]], "labels": [0]})

@@ -47,8 +47,8 @@ class IVONCallback:
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Find the IVON optimizer inside the Trainer's (possibly wrapped) optimizer."""
         optimizer = inner = kwargs.get("optimizer")
-        while optimizer is not None and not isinstance(optimizer, IVON):
-            inner, optimizer = optimizer, getattr(optimizer, "optimizer", None)  # AcceleratedOptimizer
+        while optimizer is not None and not isinstance(optimizer, IVON):  # AcceleratedOptimizer
+            inner, optimizer = optimizer, getattr(optimizer, "optimizer", None)
         if optimizer is None:
             raise TypeError(  # the innermost optimizer: AdamW, not accelerate's wrapper
                 f"IVONCallback needs IVON as the Trainer's optimizer, got {type(inner).__name__}: "
