@@ -215,7 +215,7 @@ def _estimate(total_gib, available_gib, itemsize=8):
 def test_a_memory_limit_that_is_not_a_positive_int_is_named():
     est = _estimate(1, 100)
     for bad in ("1GB", True, 1.5):
-        with pytest.raises(TypeError, match=r"max_memory must be an int number of bytes .* got"):
+        with pytest.raises(TypeError, match=r"max_memory must be an int, got"):
             est.check(max_memory=bad)
     for bad in (-5, 0):
         with pytest.raises(ValueError, match="max_memory must be a positive"):

@@ -27,7 +27,12 @@ from torch import Tensor, nn
 from partialbayes.curvature._likelihood import CurvatureOptions, model_device
 from partialbayes.curvature._lowrank import OVERSAMPLE
 from partialbayes.curvature._outputs import read_batch, resolve_shift_labels
-from partialbayes.predictive.internal import available_memory, check_target_ids, model_logits
+from partialbayes.predictive.internal import (
+    available_memory,
+    check_int,
+    check_target_ids,
+    model_logits,
+)
 from partialbayes.selection import KronModule, Subset
 
 
@@ -120,15 +125,8 @@ class MemoryEstimate:
             ValueError: ``max_memory`` not positive; a peak above the limit, with the estimate and what to
                 change (nothing is allocated).
         """
-        if max_memory is not None and (
-            isinstance(max_memory, bool) or not isinstance(max_memory, int)
-        ):
-            raise TypeError(
-                f"max_memory must be an int number of bytes (e.g. 8 * 2**30 for 8 GiB) or None, got "
-                f"{type(max_memory).__name__} {max_memory!r}"
-            )
-        if max_memory is not None and max_memory < 1:
-            raise ValueError(f"max_memory must be a positive number of bytes, got {max_memory}")
+        if max_memory is not None:
+            check_int("max_memory", max_memory)  # bytes: 8 * 2**30 for 8 GiB, never "8GB"
         limit = self.available if max_memory is None else max_memory
         if max_memory is not None and self.available is not None and max_memory > self.available:
             warnings.warn(
