@@ -38,6 +38,7 @@ from partialbayes.linear_sampling import (
     posterior_samples,
     softmax_hessian,
 )
+from partialbayes.predictive.internal import check_fields, ranged
 from partialbayes.selection import Subset
 
 Batch = Mapping[str, Tensor]
@@ -75,27 +76,18 @@ class LinearSamplingConfig:
             the same rule per batch.
     """
 
-    k: int = 8
-    em_iters: int = 10
-    em_tol: float = 0.1
-    samples: int = 16
-    cg_iters: int = 50
-    cg_tol: float = 1e-3
-    alpha0: float = 1.0
-    jitter: float = 1e-4
-    dense_max_floats: int = 50_000_000
+    k: int = ranged(8, "[1, inf)", int)
+    em_iters: int = ranged(10, "[1, inf)", int)
+    em_tol: float = ranged(0.1, "(0, inf)")
+    samples: int = ranged(16, "[1, inf)", int)
+    cg_iters: int = ranged(50, "[1, inf)", int)
+    cg_tol: float = ranged(1e-3, "(0, inf)")
+    alpha0: float = ranged(1.0, "(0, inf)")
+    jitter: float = ranged(1e-4, "(0, inf)")
+    dense_max_floats: int = ranged(50_000_000, "[0, inf)", int)
 
     def __post_init__(self) -> None:
-        for key in ("k", "em_iters", "samples", "cg_iters", "dense_max_floats"):
-            value, low = getattr(self, key), 0 if key == "dense_max_floats" else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"linear sampling: {key} must be an int >= {low}, got {value!r}")
-        for key in ("em_tol", "cg_tol", "alpha0", "jitter"):
-            value = getattr(self, key)
-            if not (isinstance(value, (int, float)) and value > 0 and value < float("inf")):
-                raise ValueError(
-                    f"linear sampling: {key} must be positive and finite, got {value!r}"
-                )
+        check_fields(self)
 
 
 def dense_jacobians(model: nn.Module, batch: Batch, subset: Subset) -> tuple[Tensor, Tensor]:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from partialbayes.linear_sampling._ops import Problem
+from partialbayes.predictive.internal import check_bool, check_fields, ranged
 
 GradFn = Callable[[Tensor, Tensor], Tensor]
 """``(x [d, k], idx [b]) -> stochastic gradient [d, k]`` (already scaled to the full sum)."""
@@ -22,20 +23,6 @@ GradFn = Callable[[Tensor, Tensor], Tensor]
 
 class DivergenceError(ValueError):
     """The optimiser diverged; the message says which setting to lower."""
-
-
-# SGDConfig fields: (name, low, high, low itself allowed, integer, None allowed); high is excluded
-_RANGES = (
-    ("lr", 0, math.inf, False, False, True),
-    ("lr_scale", 0, math.inf, False, False, False),
-    ("momentum", 0, 1, True, False, False),
-    ("polyak", 0, 1, True, False, False),
-    ("batch_size", 1, math.inf, True, True, True),
-    ("max_epochs", 1, math.inf, True, True, False),
-    ("tol", 0, math.inf, True, False, False),
-    ("check_every", 1, math.inf, True, True, True),
-    ("divergence_factor", 1, math.inf, False, False, False),
-)
 
 
 @dataclass(frozen=True)
@@ -71,33 +58,20 @@ class SGDConfig:
             when, at a fixed ``lr``, the residual grows to this multiple of its initial size.
     """
 
-    lr: float | None = None
-    lr_scale: float = 0.5
-    momentum: float = 0.5
+    lr: float | None = ranged(None, "(0, inf)", optional=True)
+    lr_scale: float = ranged(0.5, "(0, inf)")
+    momentum: float = ranged(0.5, "[0, 1)")
     variance_reduction: bool = True
-    polyak: float = 0.99
-    batch_size: int | None = None
-    max_epochs: int = 100
-    tol: float = 1e-2
-    check_every: int | None = None
-    divergence_factor: float = 1e4
+    polyak: float = ranged(0.99, "[0, 1)")
+    batch_size: int | None = ranged(None, "[1, inf)", int, optional=True)
+    max_epochs: int = ranged(100, "[1, inf)", int)
+    tol: float = ranged(1e-2, "[0, inf)")
+    check_every: int | None = ranged(None, "[1, inf)", int, optional=True)
+    divergence_factor: float = ranged(1e4, "(1, inf)")
 
     def __post_init__(self) -> None:
-        for name, low, high, closed, integer, optional in _RANGES:
-            value = getattr(self, name)
-            if value is None and optional:
-                continue
-            kind = int if integer else (int, float)
-            if isinstance(value, bool) or not isinstance(value, kind):
-                what = "an int" if integer else "a number"
-                raise TypeError(f"SGDConfig.{name} must be {what}, got {value!r}")
-            if not ((low <= value) if closed else (low < value)) or not value < high:
-                bounds = f"{'[' if closed else '('}{low}, {high})"
-                raise ValueError(f"SGDConfig.{name} must lie in {bounds}, got {value!r}")
-        if not isinstance(self.variance_reduction, bool):
-            raise TypeError(
-                f"SGDConfig.variance_reduction must be a bool, got {self.variance_reduction!r}"
-            )
+        check_fields(self)
+        check_bool("SGDConfig.variance_reduction", self.variance_reduction)
 
 
 @dataclass
