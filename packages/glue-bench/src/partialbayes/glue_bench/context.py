@@ -14,10 +14,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from partialbayes.curvature import FISHERS as CURVATURE_FISHERS
 from partialbayes.glue_bench.linearised import LinearSamplingConfig
 from partialbayes.glue_bench.store import json_ready
 from partialbayes.predictive import nll
-from partialbayes.predictive.internal import model_logits, split_batch
+from partialbayes.predictive.internal import (
+    check_choice,
+    check_fields,
+    model_logits,
+    ranged,
+    split_batch,
+)
+from partialbayes.predictive.internal import check_int as shared_check_int
+from partialbayes.predictive.internal import check_number as shared_check_number
 from partialbayes.selection import Subset, grouped_linear_modules, modules
 
 Batch = dict[str, torch.Tensor]
@@ -30,9 +39,9 @@ SWAG_L1_PERCENTS = (1.0, 12.0, 24.0, 36.0, 48.0, 60.0, 100.0)
 # Prior precisions 10^-1, 10^-0.5, ..., 10^3: the paper's range (Table 6) in half decades, in float64 so
 # that records store 0.1, not 0.10000000149011612 (hand it to the posteriors as :func:`prior_grid`).
 PRIOR_GRID = tuple(float(v) for v in torch.logspace(-1, 3, 9, dtype=torch.float64))
-# Fisher types of the Laplace curvature: the paper's KFAC uses the empirical one (Eqs. 13-16), its
-# last-layer Laplace the full GGN ("exact").
-FISHERS = ("empirical", "exact", "mc")
+# Fisher types of the Laplace curvature (the library's records): the paper's KFAC uses the empirical one
+# (Eqs. 13-16), its last-layer Laplace the full GGN ("exact").
+FISHERS = tuple(CURVATURE_FISHERS)
 
 
 def prior_grid(values: Sequence[float] = PRIOR_GRID) -> torch.Tensor:
@@ -53,26 +62,17 @@ def prior_edge(chosen: float, grid: Sequence[float]) -> str | None:
 
 
 def check_int(owner: str, key: str, value: Any, low: int = 1) -> None:
-    """Refuse a ``value`` of ``owner.key`` that is not an int (bools included) or is below ``low``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{owner}.{key} must be an int, got {value!r}")
-    if value < low:
-        raise ValueError(f"{owner}.{key} must be >= {low}, got {value}")
+    """``owner.key`` an int ``>= low`` (the shared checker's rule; kept for the configurations' call sites)."""
+    shared_check_int(f"{owner}.{key}", value, f"[{low}, inf)")
 
 
 def check_number(
     owner: str, key: str, value: Any, low: float = 0.0, high: float = math.inf, closed: bool = False
 ) -> float:
-    """``value`` of ``owner.key`` as a float in ``(low, high)`` (``[low, high)`` if ``closed``), or an error.
-
-    NaN and infinity are refused (an infinite ``high`` is open).
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{owner}.{key} must be a number, got {value!r}")
-    if not ((value >= low if closed else value > low) and value < high):
-        bounds = f"{'[' if closed else '('}{low:g}, {high:g})"
-        raise ValueError(f"{owner}.{key} must be a number in {bounds}, got {value!r}")
-    return float(value)
+    """``value`` of ``owner.key`` as a float in ``(low, high)`` (``[low, high)`` if ``closed``), or an error."""
+    return shared_check_number(
+        f"{owner}.{key}", value, f"{'[' if closed else '('}{low:g}, {high:g})"
+    )
 
 
 def check_numbers(owner: str, key: str, values: Any, high: float = math.inf) -> tuple[float, ...]:
@@ -115,25 +115,20 @@ class Settings:
     prior_grid: tuple[float, ...] = PRIOR_GRID
     fisher: str = "empirical"
     last_layer_fisher: str = "exact"
-    n_samples: int = 50
+    n_samples: int = ranged(50, "[1, inf)", int)
     swag_lrs: tuple[float, ...] = (1e-3, 1e-2, 5e-2, 1e-1)
-    swag_sweep_steps: int = 400
-    swag_steps: int = 2000
+    swag_sweep_steps: int = ranged(400, "[1, inf)", int)
+    swag_steps: int = ranged(2000, "[1, inf)", int)
     module_counts: tuple[int, ...] = MODULE_COUNTS
     skfac_percents: tuple[float, ...] = SKFAC_PERCENTS
     swag_l1_percents: tuple[float, ...] = SWAG_L1_PERCENTS
     linear_sampling: LinearSamplingConfig = field(default_factory=LinearSamplingConfig)
 
     def __post_init__(self) -> None:
-        if self.prior not in ("val_nll", "marglik"):
-            raise ValueError(f"Settings.prior must be 'val_nll' or 'marglik', got {self.prior!r}")
-        for key in ("fisher", "last_layer_fisher"):
-            if getattr(self, key) not in FISHERS:
-                raise ValueError(
-                    f"Settings.{key} must be one of {FISHERS}, got {getattr(self, key)!r}"
-                )
-        for key in ("n_samples", "swag_sweep_steps", "swag_steps"):
-            check_int("Settings", key, getattr(self, key))
+        check_choice("Settings.prior", self.prior, ("val_nll", "marglik"))
+        check_choice("Settings.fisher", self.fisher, FISHERS)
+        check_choice("Settings.last_layer_fisher", self.last_layer_fisher, FISHERS)
+        check_fields(self)
         self.prior_grid = check_numbers("Settings", "prior_grid", self.prior_grid)
         if len(self.prior_grid) < 2:
             raise ValueError(f"Settings.prior_grid needs at least 2 values, got {self.prior_grid}")
