@@ -64,6 +64,21 @@ class IVON(torch.optim.Optimizer):
     :class:`~partialbayes.ivon.IVONCallback`) are supported; non-finite gradients raise in :meth:`step`. The
     concept page (``docs/pages/concepts/ivon.md``) states the algorithm, the differences from ``ivon-opt``,
     the cost and the errors you may see.
+
+    The state between calls (private fields; ``k`` = samples collected since the last step):
+
+    | state | ``_count`` | ``_avg_grad`` (= ``p.grad``) | ``_stat`` | ``_pending`` | ``_noise`` |
+    |---|---|---|---|---|---|
+    | idle (after ``__init__``, ``step``) | 0 | empty | empty | False | empty |
+    | inside ``sampled_params`` | ``k`` | ``k`` samples' mean | their statistics' mean (``k ≥ 1``) | False | this sample's ``z`` |
+    | after 1 sample | 1 | its gradient | empty | True | its ``z`` (``"price"``) |
+    | after ``k ≥ 2`` samples | ``k`` | weighted mean | weighted mean of ``z·g`` / ``g²`` | False | empty |
+
+    ``sampled_params`` moves idle / ``k`` samples to ``k + 1`` (``_enter`` folds a pending first statistic
+    into ``_stat`` before it redraws ``_noise``; ``_weight`` sums the batch sizes, ``_stash`` holds exact
+    means of half-precision parameters inside a sample only); ``step`` (or a skipped step) returns to idle.
+    With one sample per step the statistic is never stored: the update computes it from ``_noise`` and
+    ``p.grad``.
     """
 
     #: ``torch.amp.GradScaler.step`` hands this optimizer its scale and inf flag instead of unscaling ``.grad``
@@ -132,21 +147,12 @@ class IVON(torch.optim.Optimizer):
         self._masks: dict[Tensor, _Mask] = {}
         self._names: dict[Tensor, str] = {}
         self._sampling = False
-        self._count = 0  # gradient samples collected since the last step
-        self._weight = 0.0  # their total weight (batch sizes)
-        self._pending = (
-            False  # one sample collected, its Hessian statistic not yet folded (see _collect)
-        )
-        self._avg_grad: dict[
-            Tensor, Tensor
-        ] = {}  # weighted MC mean of the gradient, exposed as p.grad
-        self._stat: dict[
-            Tensor, Tensor
-        ] = {}  # weighted MC mean of the Hessian statistic (z·g or g²)
-        self._noise: dict[
-            Tensor, Tensor
-        ] = {}  # z of the current sample (float16), only during a step
-        self._stash: dict[Tensor, Tensor] = {}  # means of half-precision parameters inside a sample
+        self._count, self._weight = 0, 0.0
+        self._pending = False  # the states: see the class docstring
+        self._avg_grad: dict[Tensor, Tensor] = {}
+        self._stat: dict[Tensor, Tensor] = {}
+        self._noise: dict[Tensor, Tensor] = {}
+        self._stash: dict[Tensor, Tensor] = {}
         defaults = {
             "lr": lr,
             "ess": ess,
@@ -404,9 +410,7 @@ class IVON(torch.optim.Optimizer):
                 torch._foreach_lerp_([self._avg_grad[p] for p in params], grads, rate)
             for p in params:
                 p.grad = self._avg_grad[p]
-        self._pending = self._count == 1 and bool(
-            self._noise
-        )  # (noise: the variational parameters)
+        self._pending = self._count == 1 and bool(self._noise)  # noise: the variational parameters
 
     def _materialize(self) -> None:
         """Fold the pending statistic of the first sample (``z·g`` or ``g²``) into its own zeroed buffers."""
