@@ -160,5 +160,8 @@ def test_truncated_rtol_predictive_keeps_lowrank_modules_exact():
 def test_max_rank_must_be_a_positive_int():
     model = TinyNet(0)
     for bad in (0, -3, 2.5, True):
-        with pytest.raises(TypeError if isinstance(bad, bool) or not isinstance(bad, int) else ValueError, match="max_rank must be"):
+        with pytest.raises(
+            TypeError if isinstance(bad, bool) or not isinstance(bad, int) else ValueError,
+            match="max_rank must be",
+        ):
             KronLaplace(model, kron_subset(model), max_rank=bad)

@@ -174,5 +174,8 @@ def test_chunk_size_is_validated():
     _, la, _ = _fitted("bert", 100, 0, 1.0, "cpu")
     batch = _batch(2, 4, 0)
     for bad in (0, -1, 1.5, True):
-        with pytest.raises(TypeError if isinstance(bad, bool) or not isinstance(bad, int) else ValueError, match="chunk_size"):
+        with pytest.raises(
+            TypeError if isinstance(bad, bool) or not isinstance(bad, int) else ValueError,
+            match="chunk_size",
+        ):
             la.logit_mean_cov(batch, chunk_size=bad)

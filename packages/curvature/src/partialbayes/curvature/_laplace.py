@@ -57,6 +57,7 @@ from partialbayes.predictive.internal import (
     check_target_ids,
     eval_mode,
     output_logits,
+    probit_kernel,
     read_posterior_file,
     resolve_link,
     write_posterior_file,
@@ -958,8 +959,8 @@ class LaplaceBase:
             mean, var = gaussian_predictive(f, cov.diagonal(dim1=-2, dim2=-1), noise)
             mean, var = _place(full, keep, mean), _place(torch.full_like(full, noise), keep, var)
             return mean.to(logits.dtype), var.to(logits.dtype)
-        if link == "probit":
-            probs = probit(f, cov)
+        if link == "probit":  # our own covariance: nothing to check
+            probs = probit_kernel(f, cov.diagonal(dim1=-2, dim2=-1))
         elif link == "bridge":
             probs = laplace_bridge(f, cov)
         else:

@@ -76,9 +76,12 @@ def probit(mean: Tensor, cov: Tensor) -> Tensor:
         ValueError: On NaN/inf, negative variances, asymmetric covariances or mismatched shapes.
     """
     mu, var, full = _gaussian_logits(mean, cov)
-    if full:
-        var = var.diagonal(dim1=-2, dim2=-1)
-    return torch.softmax(probit_scale(var) * mu, dim=-1)
+    return probit_kernel(mu, var.diagonal(dim1=-2, dim2=-1) if full else var)
+
+
+def probit_kernel(mean: Tensor, var: Tensor) -> Tensor:
+    """`probit` from logit means and variances ``[..., C]``, unchecked (for the library's own covariances)."""
+    return torch.softmax(torch.rsqrt(1.0 + _PI_OVER_8 * var) * mean, dim=-1)
 
 
 def laplace_bridge_alpha(mean: Tensor, cov: Tensor, *, correct_mean: bool = True) -> Tensor:

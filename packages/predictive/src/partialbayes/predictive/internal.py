@@ -22,6 +22,7 @@ from partialbayes.predictive._files import (
     read_posterior_file,
     write_posterior_file,
 )
+from partialbayes.predictive._link import probit_kernel
 from partialbayes.predictive._mc import cholesky_jitter
 from partialbayes.predictive._posterior import (
     LIKELIHOODS,
@@ -62,6 +63,7 @@ __all__ = [
     "model_structure",
     "move_batch",
     "output_logits",
+    "probit_kernel",
     "ranged",
     "read_posterior_file",
     "resolve_link",
