@@ -33,7 +33,9 @@ from partialbayes.glue_bench.laplace_cells import kron_prediction, laplace_predi
 from partialbayes.glue_bench.linearised import fit_linearised, linearised_probs
 from partialbayes.ivon import GaussianPosterior
 from partialbayes.predictive import Posterior, fit_temperature
+from partialbayes.predictive.internal import eval_mode
 from partialbayes.selection import Subset
+from partialbayes.sgmcmc import parallel_chains, run_chain
 from partialbayes.swag import collect_swag, sweep_learning_rate
 
 
@@ -226,6 +228,68 @@ def run_swag_full(ctx: Context, size: str) -> Prediction:
     return swag_prediction(ctx, every_linear_map(ctx.model))
 
 
+# ------------------------------------------------------------------------------------------ SGHMC
+#: SGHMC (``partialbayes.sgmcmc``) at T = 1: SGD's learning rate and momentum, the likelihood scaled by the
+#: training set's size. Not ``Settings`` fields, so the results' fingerprint stays that of earlier runs.
+SGHMC_LR, SGHMC_MOMENTUM, SGHMC_CHAINS, SGHMC_SEED_OFFSET = 1e-2, 0.9, 4, 6
+
+
+def sghmc_prediction(ctx: Context, subset: Subset, *, parallel: bool) -> Prediction:
+    """SGHMC on ``subset`` from the MAP (eval mode), Monte Carlo predictions over the kept states.
+
+    Serial: one chain of ``settings.swag_steps`` steps, the second half thinned to about
+    ``settings.n_samples`` states. Parallel (the Bayesian deep ensemble of Duffield et al.): ``SGHMC_CHAINS``
+    chains of ``swag_steps // 2`` steps each, each with its own noise seed and a rotated batch order, the
+    last state of each. The model's weights are restored afterwards.
+    """
+    s, steps = ctx.settings, ctx.settings.swag_steps
+    n_train = sum(len(b["labels"]) for b in ctx.train)
+    seed = ctx.seed * 1000 + SGHMC_SEED_OFFSET
+    options = dict(lr=SGHMC_LR, momentum=SGHMC_MOMENTUM, num_data=n_train, method="sghmc")
+    t0 = time.perf_counter()
+    with eval_mode(ctx.model):
+        if parallel:
+            k = len(ctx.train)
+            post = parallel_chains(
+                ctx.model,
+                subset,
+                lambda c: ctx.train[c * k // SGHMC_CHAINS :] + ctx.train[: c * k // SGHMC_CHAINS],
+                n_chains=SGHMC_CHAINS,
+                n_steps=max(1, steps // 2),
+                seed=seed,
+                **options,
+            )
+        else:
+            thin = max(1, (steps - steps // 2) // s.n_samples)
+            chain = run_chain(ctx.model, subset, ctx.train, n_steps=steps, seed=seed,
+                              burn_in=steps // 2, thin=thin, **options)  # fmt: skip
+            post = chain.posterior()
+    fit = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    test, val = _mc_probs(ctx, post, SWAG_SAMPLES_OFFSET)
+    return Prediction(
+        probs=test,
+        floats=int(post.num_floats),
+        n_stochastic=subset.num_entries(),
+        percent_stochastic=float(subset.percent_of(ctx.model)),
+        fit_seconds=fit,
+        predict_seconds=time.perf_counter() - t0,
+        extra={
+            "sghmc_lr": SGHMC_LR,
+            "sghmc_states": post.num_samples,
+            "modules": modules_of(subset),
+        },
+        val_nll=val_nll(val, ctx.labels("val")),
+    )
+
+
+def _sghmc_method(name: str, about: str, sizes: Callable[[Context], list[str]], parallel: bool,
+                  subset: Callable[[Context, str], Subset]) -> Method:  # fmt: skip
+    return Method(
+        name, about, sizes, lambda c, size: sghmc_prediction(c, subset(c, size), parallel=parallel)
+    )
+
+
 # ------------------------------------------------------------------------------------------ IVON
 def run_ivon(ctx: Context, size: str) -> Prediction:
     """IVON's mean-field posterior N(m, 1/(ess·(h+δ))) from IVON fine-tuning, Monte Carlo predictions.
@@ -373,6 +437,25 @@ def _registry() -> dict[str, Method]:
         Method("swag-l1", "SWAG on the p % largest-magnitude weights", l1_sizes, run_swag_l1),
         Method("swag-full", "SWAG on every linear map", _single, run_swag_full),
         Method("ivon", "IVON posterior (needs --optimizer ivon)", _single, run_ivon),
+        *(
+            _sghmc_method(
+                f"{prefix}-{which}",
+                f"{kind} SGHMC (T=1) on {what}",
+                sizes,
+                prefix == "psghmc",
+                subset,
+            )
+            for prefix, kind in (("sghmc", "serial"), ("psghmc", "parallel"))
+            for which, what, sizes, subset in (
+                (
+                    "skfac",
+                    "the S-KFAC subsets (percent of rows/cols)",
+                    skfac_sizes,
+                    lambda c, z: kron_skfac(c, z).subset,
+                ),
+                ("full", "every linear map", _single, lambda c, z: every_linear_map(c.model)),
+            )
+        ),
         Method(
             "ls-last-layer",
             f"{ls} (EM prior) on the classification head",
