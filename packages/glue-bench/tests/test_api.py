@@ -16,7 +16,7 @@ from partialbayes.glue_bench.linearised import LinearSamplingConfig
 from partialbayes.glue_bench.models import MLP
 from partialbayes.glue_bench.store import iter_records
 from partialbayes.glue_bench.train import TrainConfig, _make_optimizers, finetune, train_epoch
-from partialbayes.glue_bench.uci import run_uci_cell, train_mlp
+from partialbayes.glue_bench.uci import PROTOCOLS, fit_map, run_uci_cell
 from tiny_models import tiny_model
 
 
@@ -108,10 +108,10 @@ def test_a_tiny_grid_calls_no_deprecated_api(tmp_path, mini_glue, tiny_bert_fact
         g = torch.Generator().manual_seed(0)
         x, y = torch.randn(40, 3, generator=g, dtype=torch.float64), torch.randn(40, generator=g)
         split = UCISplit(x[:30], y[:30].double(), x[30:], y[30:].double(), 0.0, 1.0)
-        model, sigma = train_mlp(split, width=8, depth=1, steps=20)
+        ctx = fit_map(split, dataclasses.replace(PROTOCOLS["paper"], width=8, depth=1, epochs=20))
         for method in ("swag-full", "kfac-full", "subnet-variance"):
             size = "50" if method.startswith("subnet") else "-"
-            assert run_uci_cell(model, sigma, split, method, size, seed=0)["rmse"] > 0
+            assert run_uci_cell(ctx, method, size)["rmse"] > 0
 
 
 def test_prediction_takes_keywords_only():

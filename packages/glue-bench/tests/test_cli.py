@@ -142,10 +142,12 @@ def _tiny_uci(root, folder="bostonHousing", n=40, d=3):
 @pytest.fixture
 def fast_uci(monkeypatch):
     """Short MLP training, and a GLUE grid that must not run (these tests are about the UCI route)."""
+    from dataclasses import replace
+
     from partialbayes.glue_bench import experiment, uci
 
-    real = uci.train_mlp
-    monkeypatch.setattr(uci, "train_mlp", lambda split, seed=0: real(split, steps=50, seed=seed))
+    for name, proto in list(uci.PROTOCOLS.items()):
+        monkeypatch.setitem(uci.PROTOCOLS, name, replace(proto, epochs=50, swag_steps=20))
 
     def no_glue(*args, **kwargs):
         raise AssertionError(f"GLUE grid started with {args[:1]}")
@@ -227,10 +229,10 @@ def test_uci_grid_keeps_going_past_a_failing_cell(capsys, tmp_path, fast_uci, mo
 
     real = uci.run_uci_cell
 
-    def broken_last_layer(model, sigma, split, method, size, seed):
+    def broken_last_layer(ctx, method, size):
         if method == "last-layer":
             raise RuntimeError("curvature exploded")
-        return real(model, sigma, split, method, size, seed)
+        return real(ctx, method, size)
 
     monkeypatch.setattr(uci, "run_uci_cell", broken_last_layer)
     uci_dir = _tiny_uci(tmp_path / "uci", folder="yacht")
@@ -273,3 +275,41 @@ def test_uci_runs_the_papers_15_splits_by_default(tmp_path, fast_uci, monkeypatc
     )
     main([*argv, "--uci-dir", str(small)])
     assert seen[-1] == list(range(15))
+
+
+def test_uci_run_refuses_glue_only_flags(capsys, tmp_path, fast_uci):
+    """GLUE flags with UCI tasks only (and UCI flags with GLUE tasks only) are refused, never ignored."""
+    uci_dir = _tiny_uci(tmp_path / "uci", folder="yacht")
+    argv = ["run", "--tasks", "yacht", "--uci-dir", str(uci_dir), "--results", str(tmp_path / "r")]
+    assert main([*argv, "--epochs", "3", "--lr=0.1", "--fisher", "mc"]) == 2
+    err = capsys.readouterr().err
+    assert "option(s) --epochs, --lr, --fisher apply only to GLUE tasks" in err
+    assert "(tasks: yacht)" in err
+    assert not (tmp_path / "r").exists()
+    assert main(["run", "--tasks", "sst2", "--hidden-width", "20", "--protocol", "literature"]) == 2
+    assert "option(s) --protocol, --hidden-width apply only to UCI tasks" in capsys.readouterr().err
+
+
+def test_uci_protocol_options_reach_the_record(capsys, tmp_path, fast_uci):
+    """--protocol literature and the UCI options end up in config.json; a bad combination is refused."""
+    import json
+
+    from partialbayes.glue_bench.store import iter_records
+
+    uci_dir = _tiny_uci(tmp_path / "uci", n=60, folder="yacht")
+    res = tmp_path / "r"
+    argv = ["run", "--tasks", "yacht", "--uci-dir", str(uci_dir), "--results", str(res)]
+    argv += ["--methods", "map", "--splits", "0", "--protocol", "literature"]
+    argv += ["--hidden-width", "7", "--weight-decay", "0.001", "--prior-grid", "1,10"]
+    assert main(argv) == 0
+    config = json.loads((res / "uci" / "config.json").read_text())["config"]
+    assert config["protocol"] == "literature"
+    assert config["width"] == 7
+    assert config["weight_decay"] == [0.001]
+    assert config["prior_grid"] == [1.0, 10.0]
+    (rec,) = iter_records(res / "uci")
+    assert rec["extra"]["sigma_rule"] == "val"
+    assert rec["extra"]["weight_decay"] == 0.001
+    bad = ["run", "--tasks", "yacht", "--uci-dir", str(uci_dir), "--results", str(tmp_path / "b")]
+    assert main([*bad, "--sigma", "val"]) == 2
+    assert "sigma='val' need(s) a validation part" in capsys.readouterr().err

@@ -180,3 +180,26 @@ def test_real_uci_split(name, n_train, n_test, d, data_dir):
     assert torch.isfinite(s.x_test).all()
     with pytest.raises(ValueError, match=r"split must be in \[0, 20\)"):
         load_uci(name, 20, data_dir / "uci")
+
+
+@pytest.mark.data
+def test_uci_validation_part(data_dir):
+    """20 % of the training rows become validation rows; standardisation uses the rest only."""
+    full = load_uci("boston", 2, data_dir / "uci")
+    s = load_uci("boston", 2, data_dir / "uci", val_fraction=0.2, seed=5)
+    assert s.x_val.shape == (91, 13)
+    assert s.x_train.shape == (364, 13)
+    torch.testing.assert_close(
+        s.x_train.mean(0), torch.zeros(13, dtype=torch.float64), atol=1e-10, rtol=0
+    )
+    # the same rows as the full training part, re-standardised: train + val = the split's training rows
+    raw = torch.cat([s.y_train, s.y_val]) * s.y_std + s.y_mean
+    raw_full = full.y_train * full.y_std + full.y_mean
+    torch.testing.assert_close(raw.sort().values, raw_full.sort().values)
+    torch.testing.assert_close(
+        s.y_test * s.y_std + s.y_mean, full.y_test * full.y_std + full.y_mean
+    )
+    again = load_uci("boston", 2, data_dir / "uci", val_fraction=0.2, seed=5)
+    torch.testing.assert_close(again.y_val, s.y_val)
+    with pytest.raises(ValueError, match=r"val_fraction must be in \[0, 0.5\]"):
+        load_uci("boston", 2, data_dir / "uci", val_fraction=0.9)

@@ -457,3 +457,45 @@ def test_the_ramping_plot_says_one_split_when_it_has_one(tmp_path, monkeypatch):
         ]
         assert figures.ramping_plot(rows, "sst2", tmp_path / "p.png")
         assert titles[-1].endswith(want)
+
+
+def test_uci_published_table_chooses_on_validation_only():
+    """The best Laplace / SWAG row is the lowest mean validation NLL, whatever the test NLL; the published
+    baselines stand beside it; σ / prior and their rules are summarised."""
+    from partialbayes.glue_bench.report import PUBLISHED, _uci_rows, published_table
+
+    records = []
+    for split in range(4):
+        for method, size, val, test in (
+            ("map", "-", 2.6, 2.5),
+            ("kfac-full", "-", 2.4, 2.6),  # better on validation, worse on test
+            ("diag-full", "-", 2.5, 2.2),
+            ("swag-full", "-", 2.55, 2.45),
+        ):
+            extra = {"sigma": 3.0 + split, "sigma_rule": "val"}
+            if method != "map":
+                extra.update(prior_precision=10.0, prior_rule="val_nll", prior_at_grid_edge=None)
+            records.append(
+                {
+                    "task": "boston",
+                    "split": split,
+                    "method": method,
+                    "size": size,
+                    "nll": test,
+                    "rmse": 3.0,
+                    "val_nll": val + split / 100,
+                    "percent_stochastic": 100.0,
+                    "extra": extra,
+                }
+            )
+    rows = _uci_rows(records)
+    kfac = next(r for r in rows if r["method"] == "kfac-full")
+    assert kfac["sigma"] == pytest.approx(4.5)
+    assert kfac["sigma_rule"] == "val"
+    assert kfac["prior_precision"] == 10.0
+    assert kfac["prior_rule"] == "val_nll"
+    table = {r["method"]: r for r in published_table(rows)}
+    assert "ours: best Laplace (kfac-full -)" in table
+    assert table["ours: best SWAG (swag-full -)"]["nll_mean"] == pytest.approx(2.45)
+    assert len([m for m in table if not m.startswith("ours")]) == len(PUBLISHED["boston"])
+    assert table["PBP (2015)"]["nll_mean"] == 2.57

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -36,7 +37,7 @@ from partialbayes.glue_bench.report import short_table, summarise, write_report
 from partialbayes.glue_bench.store import grid_units, iter_records, parse_shard
 from partialbayes.glue_bench.tables import BUDGET_TOLERANCE, col, markdown
 from partialbayes.glue_bench.train import OPTIMIZERS, TrainConfig
-from partialbayes.glue_bench.uci import UCI_METHODS
+from partialbayes.glue_bench.uci import PROTOCOLS, SIGMA_RULES, UCI_METHODS, UCIProtocol
 
 # `glue-bench run` without --methods: the two cheap baselines of each task kind (UCI has no temperature
 # scaling, a classification method; last-layer Laplace is its cheapest calibrated alternative).
@@ -44,7 +45,7 @@ DEFAULT_METHODS = {"glue": ("map", "temperature"), "uci": ("map", "last-layer")}
 # `glue-bench run` without --splits: one GLUE split (fine-tuning is the cost; the paper has 5), and the
 # paper's 15 train/test splits of each UCI dataset (its appendix B: splits 0-14 of the standard folders,
 # which hold 20; fewer when a folder holds fewer).
-DEFAULT_SPLITS = {"glue": "0", "uci": "0-14"}
+DEFAULT_SPLITS = {"glue": "0", "uci": "0-14", "uci-literature": "0-19"}
 TASK_KINDS = {"glue": "GLUE", "uci": "UCI"}
 # What --splits takes: a GLUE split is the seed of a train/validation permutation (the paper runs 5, each
 # costs a fine-tuning), a UCI folder holds 20 (checked per folder). Ranges are bounded before they expand.
@@ -170,6 +171,38 @@ def build_parser() -> argparse.ArgumentParser:
     add("--ray-address", help="HOST:PORT of a running Ray cluster (default: start a local one)")
     add("--take-over", action="store_true", help="take over claims of units whose owner is gone")
     _common(run, "10^-1 ... 10^3 in half decades, the paper's")
+    uci_opts = run.add_argument_group("UCI options (refused with GLUE-only runs)")
+    add = uci_opts.add_argument
+    lit = PROTOCOLS["literature"]
+    add("--protocol", choices=PROTOCOLS, default="paper", help="UCI preset (%(default)s)")
+    add(
+        "--sigma", choices=SIGMA_RULES, help=f"noise σ rule (paper: train, literature: {lit.sigma})"
+    )
+    add("--hidden-width", type=int, help="hidden units (50)")
+    add("--hidden-layers", type=int, help=f"hidden layers (paper 2, literature {lit.depth})")
+    add(
+        "--uci-epochs",
+        type=int,
+        help=f"most epochs (paper 2000 full batch, literature {lit.epochs})",
+    )
+    add("--uci-lr", type=float, help=f"Adam learning rate (paper 0.01, literature {lit.lr:g})")
+    add(
+        "--uci-batch-size",
+        type=int,
+        help=f"minibatch (paper full batch, literature {lit.batch_size})",
+    )
+    wd = ",".join(f"{v:g}" for v in lit.weight_decay)
+    add(
+        "--weight-decay",
+        type=_floats,
+        help=f"weight decay(s), several: on validation (paper 1e-4, literature {wd})",
+    )
+    swag = ",".join(f"{v:g}" for v in lit.swag_lrs)
+    add(
+        "--swag-lr",
+        type=_floats,
+        help=f"SWAG lr(s), several: on validation (paper 0.01, literature {swag})",
+    )
 
     rep = sub.add_parser(
         "report", help="tables and figures of a results folder", allow_abbrev=False
@@ -289,7 +322,11 @@ def plan_run(
 def _splits(args: argparse.Namespace, plan: dict[str, tuple[list[str], list[str]]]) -> dict:
     """The splits of each kind of task: ``--splits`` or the kind's default, UCI ones checked per folder."""
     given = args.splits
-    splits = {kind: given or parse_splits(DEFAULT_SPLITS[kind]) for kind in plan}
+    default = {
+        **DEFAULT_SPLITS,
+        "uci": DEFAULT_SPLITS.get(f"uci-{args.protocol}", DEFAULT_SPLITS["uci"]),
+    }
+    splits = {kind: given or parse_splits(default[kind]) for kind in plan}
     for name in plan.get("uci", ([], []))[0]:
         folder = uci_folder(name, args.uci_dir)
         if not folder.is_dir():
@@ -314,6 +351,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     (GLUE units first, then UCI), ``--shard i/n`` every n-th unit of each kind.
     """
     plan = plan_run(args.tasks, args.methods, args.optimizer)
+    check_options(getattr(args, "given", {}), plan)
+    protocol = uci_protocol(args) if "uci" in plan else None
     shard = parse_shard(args.shard)
     if args.unit is not None and args.shard is not None:
         raise ValueError("give --unit or --shard, not both")
@@ -351,11 +390,83 @@ def cmd_run(args: argparse.Namespace) -> int:
     if "uci" in plan:
         tasks, methods = plan["uci"]
         at = {"uci_dir": args.uci_dir, "shard": shard, "seed": args.seed, "device": args.device}
+        at["protocol"] = protocol
         failures += uci.run_uci(
             tasks, splits["uci"], methods, args.results / "uci", keep_going=True, **at
         ).failures
     print(f"results in {args.results}; summarise with: glue-bench report --results {args.results}")
     return _report_failures(failures)
+
+
+# Options of `run` that only one kind of task uses (the others apply to both): given with tasks of the other
+# kind only, they are refused, never ignored.
+GLUE_ONLY = [
+    "model",
+    "glue_dir",
+    "max_train_examples",
+    "max_test_examples",
+    "optimizer",
+    "epochs",
+    "lr",
+    "batch_size",
+    "max_length",
+    "fisher",
+    "curvature_pass",
+    "executor",
+    "ray_address",
+    "take_over",
+]
+UCI_ONLY = [
+    "uci_dir",
+    "protocol",
+    "sigma",
+    "hidden_width",
+    "hidden_layers",
+    "uci_epochs",
+    "uci_lr",
+    "uci_batch_size",
+    "weight_decay",
+    "swag_lr",
+]
+# UCIProtocol field of each UCI option (and of the shared ones that the UCI protocol takes).
+UCI_FIELDS = {
+    "sigma": "sigma",
+    "hidden_width": "width",
+    "hidden_layers": "depth",
+    "uci_epochs": "epochs",
+    "uci_lr": "lr",
+    "uci_batch_size": "batch_size",
+    "weight_decay": "weight_decay",
+    "swag_lr": "swag_lrs",
+    "prior": "prior",
+    "prior_grid": "prior_grid",
+    "n_samples": "n_samples",
+}
+
+
+def given_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict[str, str]:
+    """``{dest: option string}`` of the options of ``parser`` that ``argv`` names (``--lr 1`` or ``--lr=1``)."""
+    names = {t.split("=", 1)[0] for t in argv if t.startswith("--")}
+    return {a.dest: o for a in parser._actions for o in a.option_strings if o in names}
+
+
+def check_options(given: dict[str, str], plan: dict[str, tuple[list[str], list[str]]]) -> None:
+    """Refuse options given for a kind of task that the run does not have (``ValueError`` naming them)."""
+    wrong = [(o, "GLUE") for d, o in given.items() if d in GLUE_ONLY and "glue" not in plan]
+    wrong += [(o, "UCI") for d, o in given.items() if d in UCI_ONLY and "uci" not in plan]
+    if wrong:
+        kinds = sorted({k for _, k in wrong})
+        raise ValueError(
+            f"option(s) {', '.join(o for o, _ in wrong)} apply only to {' and '.join(kinds)} tasks, and "
+            f"this run has none (tasks: {', '.join(n for names, _ in plan.values() for n in names)})"
+        )
+
+
+def uci_protocol(args: argparse.Namespace) -> UCIProtocol:
+    """The ``--protocol`` preset with the UCI options given on the command line (``ValueError`` if bad)."""
+    given = getattr(args, "given", {})
+    changes = {f: getattr(args, d) for d, f in UCI_FIELDS.items() if d in given}
+    return dataclasses.replace(PROTOCOLS[args.protocol], **changes)
 
 
 def _report_failures(failures: list[str]) -> int:
@@ -479,11 +590,17 @@ def main(argv: list[str] | None = None) -> int:
         sub = _subparsers(parser).get(args.command) if args.command else None
         (sub or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     os.environ.setdefault("MPLBACKEND", "Agg")
+    if args.command == "run":
+        args.given = given_options(
+            _subparsers(parser)["run"], sys.argv[1:] if argv is None else argv
+        )
     if args.command is None:
         parser.print_help()
         return 0
     if args.command == "methods":
         print("\n".join(f"{m.name:16s} {m.description}" for m in METHODS.values()))
+        print("\nUCI regression (glue-bench run --tasks boston,energy,yacht):")
+        print("\n".join(f"{m.name:16s} {m.description}" for m in UCI_METHODS.values()))
         return 0
     commands = {"run": cmd_run, "report": cmd_report, "quickstart": cmd_quickstart}
     try:

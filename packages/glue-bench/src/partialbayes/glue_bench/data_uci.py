@@ -20,7 +20,8 @@ UCI_DATASETS: dict[str, str] = {"boston": "bostonHousing", "energy": "energy", "
 class UCISplit:
     """One train/test split: float64 inputs (N, D) and targets (N,), standardised by the training part.
 
-    ``y_mean`` and ``y_std`` undo the targets' standardisation.
+    ``y_mean`` and ``y_std`` undo the targets' standardisation. With a validation part (``x_val``,
+    ``y_val``, carved from the split's training rows) the training part is the rest of those rows.
     """
 
     x_train: torch.Tensor
@@ -29,6 +30,8 @@ class UCISplit:
     y_test: torch.Tensor
     y_mean: float
     y_std: float
+    x_val: torch.Tensor | None = None
+    y_val: torch.Tensor | None = None
 
 
 def uci_folder(name: str, uci_dir: str | Path | None = None) -> Path:
@@ -77,13 +80,25 @@ def num_splits(name: str, uci_dir: str | Path | None = None) -> int:
     return _read_ints(uci_folder(name, uci_dir) / "n_splits.txt")[0]
 
 
-def load_uci(name: str, split: int, uci_dir: str | Path | None = None) -> UCISplit:
+def load_uci(
+    name: str,
+    split: int,
+    uci_dir: str | Path | None = None,
+    val_fraction: float = 0.0,
+    seed: int = 0,
+) -> UCISplit:
     """Load split ``split`` of UCI dataset ``name``, standardised with training statistics.
 
+    ``val_fraction`` > 0 carves that share of the split's training rows (a permutation seeded by ``seed``)
+    out as the validation part; inputs and targets are then standardised on the remaining training part
+    only, so the validation and test rows influence nothing but what they are used for.
+
     Raises:
-        ValueError: Unknown dataset or split out of range.
+        ValueError: Unknown dataset, split out of range, ``val_fraction`` outside [0, 0.5].
         FileNotFoundError: A missing file (named).
     """
+    if not 0.0 <= val_fraction <= 0.5:
+        raise ValueError(f"val_fraction must be in [0, 0.5], got {val_fraction}")
     folder = uci_folder(name, uci_dir)
     n = num_splits(name, uci_dir)
     if not 0 <= split < n:
@@ -94,6 +109,9 @@ def load_uci(name: str, split: int, uci_dir: str | Path | None = None) -> UCISpl
     train = torch.tensor(_read_ints(folder / f"index_train_{split}.txt"))
     test = torch.tensor(_read_ints(folder / f"index_test_{split}.txt"))
     x, y = data[:, features], data[:, target]
+    n_val = round(val_fraction * len(train))
+    val = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))][:n_val]
+    train = train[~torch.isin(train, val)]
     x_mean, x_std = x[train].mean(0), x[train].std(0)
     x_std = torch.where(x_std > 0, x_std, torch.ones_like(x_std))
     y_mean, y_std = float(y[train].mean()), float(y[train].std())
@@ -104,4 +122,6 @@ def load_uci(name: str, split: int, uci_dir: str | Path | None = None) -> UCISpl
         y_test=(y[test] - y_mean) / y_std,
         y_mean=y_mean,
         y_std=y_std,
+        x_val=(x[val] - x_mean) / x_std if n_val else None,
+        y_val=(y[val] - y_mean) / y_std if n_val else None,
     )

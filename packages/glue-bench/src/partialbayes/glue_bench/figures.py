@@ -268,8 +268,12 @@ def uci_selection_plot(
     path: Path,
     methods: Sequence[str] = ("subnet-norm", "subnet-variance"),
     metrics: Sequence[str] = ("nll", "rmse"),
+    title: str = "norm- vs variance-based selection",
 ) -> bool:
-    """Norm- vs variance-based subnetwork selection on a UCI dataset (the paper's Figs. 9, 10).
+    """Percent-of-parameters ramps on a UCI dataset (the paper's Figs. 9, 10).
+
+    Fig. 10: norm- vs variance-based subnetwork Laplace (the default ``methods``); Fig. 9: Laplace and
+    SWAG on the largest weights (``subnet-norm``, ``swag-l1``).
 
     One panel per metric (those in the rows) against percent stochastic: medians with IQR bands, the MAP
     as a line. The y-axis fits the medians and the MAP (bands clipped); a metric that is the same at every
@@ -311,8 +315,6 @@ def uci_selection_plot(
         ax.set_xlabel("percent of parameters stochastic")
         ax.set_ylabel(f"test {metric.upper()}")
         ax.legend(fontsize=8)
-    fig.suptitle(
-        f"{dataset}: norm- vs variance-based selection (median, IQR over splits)", fontsize=10
-    )
+    fig.suptitle(f"{dataset}: {title} (median, IQR over splits)", fontsize=10)
     save_figure(fig, path)
     return True

@@ -1,74 +1,258 @@
-"""The paper's UCI regression experiments (appendix B): MLP, Laplace on module subsets, SWAG.
+"""UCI regression: the paper's protocol (appendix B) and the literature's, with Laplace and SWAG posteriors.
 
-Metrics are in the original target units: RMSE and the mean Gaussian negative log-likelihood of the
-predictive ``N(mean, var)``. Records go to the same kind of results store as GLUE (task = dataset name).
+Two presets of :class:`UCIProtocol` (:data:`PROTOCOLS`): ``paper`` (the paper's appendix B as glue-bench has
+always run it: a 2×50 network, 2,000 full-batch Adam steps, the noise σ from the training residuals, the
+prior by marginal likelihood) and ``literature`` (Hernández-Lobato & Adams, 2015; Gal & Ghahramani, 2016:
+one hidden layer of 50 units, 20 % of each training split held out as validation data for early stopping
+and every choice: weight decay, σ, prior precision, SWAG learning rate). Metrics are in the original target
+units: RMSE and the mean Gaussian negative log-likelihood of the predictive ``N(mean, var)``. Records go to
+the same kind of results store as GLUE (task = dataset name).
 """
 
 from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
 from partialbayes import selection
-from partialbayes.curvature import DenseLaplace, KronLaplace, diag_curvature
-from partialbayes.glue_bench.context import PRIOR_GRID as PRIOR_GRID  # re-exported: the UCI grid
-from partialbayes.glue_bench.context import every_linear_map, prior_edge, prior_grid
+from partialbayes.curvature import DenseLaplace, DiagLaplace, KronLaplace, diag_curvature
+from partialbayes.glue_bench.context import PRIOR_GRID, every_linear_map, prior_edge, prior_grid
 from partialbayes.glue_bench.data_uci import UCI_DATASETS, UCISplit, load_uci
+from partialbayes.glue_bench.methods import Method
 from partialbayes.glue_bench.models import MLP
-from partialbayes.glue_bench.store import Cell, ResultStore, grid_units
+from partialbayes.glue_bench.store import Cell, ResultStore, grid_units, json_ready
 from partialbayes.selection import Subset
 from partialbayes.swag import collect_swag
 
-UCI_METHODS = (
-    "map",
-    "last-layer",
-    "kfac-full",
-    "kfac-random",
-    "kfac-max",
-    "kfac-min",
-    "swag-full",
-    "subnet-norm",
-    "subnet-variance",
-)
-# Percent-of-parameters ramp of the norm- vs variance-based subnetwork comparison (the paper's Figs. 9, 10;
-# the authors' UCI code ramps the same percentages).
+# Percent-of-parameters ramps: the norm- vs variance-based subnetwork Laplace (the paper's Fig. 10) and
+# SWAG on the largest-magnitude weights (Fig. 9); the authors' UCI code ramps the same percentages.
 SUBNET_PERCENTS = (1.0, 2.0, 5.0, 8.0, 14.0, 23.0, 37.0, 61.0, 100.0)
+SIGMA_RULES = ("train", "val", "evidence", "learned")
+PRIOR_RULES = ("marglik", "val_nll")
+# σ candidates of a validation choice, as multiples of the MAP's validation residual RMS.
+SIGMA_FACTORS = tuple(2.0 ** (k / 8) for k in range(-16, 5))
+
+
+@dataclass(frozen=True)
+class UCIProtocol:
+    """Everything that determines a UCI result besides the data, the split and the seed.
+
+    Attributes:
+        protocol: Preset name (``paper`` or ``literature``), recorded in the configuration fingerprint.
+        width: Hidden units per layer.
+        depth: Hidden layers.
+        epochs: Most passes over the training part (full batch: Adam steps).
+        lr: Adam learning rate.
+        weight_decay: Adam weight decay; several values: the one with the lowest validation error is kept.
+        batch_size: Minibatch size (``None``: full batch).
+        val_fraction: Share of each training split held out as validation data (0: none).
+        patience: Early stopping: epochs without a better validation error (``None``: train to the end).
+        sigma: Noise σ: ``train`` (training residual RMS), ``val`` (each method's σ minimises its
+            validation NLL), ``evidence`` (Laplace: maximise the marginal likelihood in σ and the prior,
+            guarded), ``learned`` (a log σ trained jointly with the MAP on the Gaussian NLL).
+        prior: Laplace prior precision: ``marglik`` (evidence on the grid) or ``val_nll`` (validation NLL).
+        prior_grid: Candidate prior precisions.
+        swag_lrs: SWAG learning rates; several: the one with the lowest validation NLL is kept.
+        swag_steps: SWAG SGD steps (one snapshot every 5).
+        n_samples: SWAG predictive samples.
+    """
+
+    protocol: str = "paper"
+    width: int = 50
+    depth: int = 2
+    epochs: int = 2000
+    lr: float = 1e-2
+    weight_decay: tuple[float, ...] = (1e-4,)
+    batch_size: int | None = None
+    val_fraction: float = 0.0
+    patience: int | None = None
+    sigma: str = "train"
+    prior: str = "marglik"
+    prior_grid: tuple[float, ...] = PRIOR_GRID
+    swag_lrs: tuple[float, ...] = (1e-2,)
+    swag_steps: int = 500
+    n_samples: int = 30
+
+    def __post_init__(self) -> None:
+        if self.sigma not in SIGMA_RULES:
+            raise ValueError(f"sigma must be one of {SIGMA_RULES}, got {self.sigma!r}")
+        if self.prior not in PRIOR_RULES:
+            raise ValueError(f"prior must be one of {PRIOR_RULES}, got {self.prior!r}")
+        counts = {"width": self.width, "depth": self.depth, "epochs": self.epochs}
+        counts.update(swag_steps=self.swag_steps, n_samples=self.n_samples)
+        counts.update(batch_size=self.batch_size or 1, patience=self.patience or 1)
+        bad = [f"{k}={v}" for k, v in counts.items() if v < 1]
+        grids = {"weight_decay": self.weight_decay, "swag_lrs": self.swag_lrs}
+        grids.update(prior_grid=self.prior_grid)
+        bad += [f"{k}={list(v)}" for k, v in grids.items() if not v or min(v) < 0]
+        if bad or self.lr <= 0 or min(self.prior_grid, default=0) <= 0 or min(self.swag_lrs) <= 0:
+            raise ValueError(f"bad UCI protocol settings: {', '.join(bad) or 'lr or a grid <= 0'}")
+        needs_val = [
+            what
+            for what, needed in (
+                (f"sigma={self.sigma!r}", self.sigma in ("val", "evidence")),
+                ("prior='val_nll'", self.prior == "val_nll"),
+                ("several weight decays", len(self.weight_decay) > 1),
+                ("several SWAG learning rates", len(self.swag_lrs) > 1),
+                ("early stopping (patience)", self.patience is not None),
+            )
+            if needed
+        ]
+        if needs_val and not 0 < self.val_fraction <= 0.5:
+            raise ValueError(
+                f"{', '.join(needs_val)} need(s) a validation part: val_fraction in (0, 0.5], "
+                f"got {self.val_fraction}"
+            )
+
+    def store_config(self, seed: int) -> dict[str, Any]:
+        """The results folder's configuration, fingerprinted by the store.
+
+        The paper preset's keys (``steps`` = epochs, their legacy name) plus every setting that differs
+        from the paper preset, so that paper-preset folders keep their fingerprint.
+        """
+        paper, mine = json_ready(PROTOCOLS["paper"]), json_ready(self)
+        legacy = {"kind": "uci", "width": self.width, "depth": self.depth, "steps": self.epochs}
+        rest = {k: v for k, v in mine.items() if k not in ("width", "depth", "epochs")}
+        return {**legacy, "seed": seed, **{k: v for k, v in rest.items() if v != paper[k]}}
+
+
+PROTOCOLS: dict[str, UCIProtocol] = {
+    "paper": UCIProtocol(),
+    "literature": UCIProtocol(
+        protocol="literature",
+        depth=1,
+        epochs=3000,
+        weight_decay=(1e-4, 1e-3, 1e-2),
+        val_fraction=0.2,
+        patience=100,
+        sigma="val",
+        prior="val_nll",
+        prior_grid=tuple(10.0 ** (k / 2) for k in range(-4, 9)),
+        swag_lrs=(3e-3, 1e-2, 3e-2, 1e-1),
+    ),
+}
+
+
+# ------------------------------------------------------------------------------------------ the MAP
+def _nll(mean: torch.Tensor, var: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean Gaussian NLL (standardised units)."""
+    return (0.5 * (torch.log(2 * math.pi * var) + (y - mean) ** 2 / var)).mean()
 
 
 def train_mlp(
     split: UCISplit,
-    width: int = 50,
-    depth: int = 2,
-    steps: int = 2000,
-    lr: float = 1e-2,
+    protocol: UCIProtocol,
+    weight_decay: float,
     seed: int = 0,
-) -> tuple[MLP, float]:
-    """Full-batch Adam on the squared error (weight decay 1e-4) in standardised units.
+    learn_sigma: bool = False,
+) -> tuple[MLP, dict[str, Any]]:
+    """Adam on the squared error (or, ``learn_sigma``, the Gaussian NLL with a learned log σ).
+
+    Standardised units; with ``protocol.patience`` and a validation part, the epoch with the lowest
+    validation loss is kept (early stopping).
 
     Returns:
-        ``(model in eval mode, sigma_noise)`` with ``sigma_noise`` the training residual RMS (standardised).
+        ``(model in eval mode, info)``: ``info`` has ``epochs`` (trained), ``val_loss`` (or ``None``) and,
+        with ``learn_sigma``, ``sigma`` (standardised).
     """
     torch.manual_seed(seed)
     x, y = split.x_train.float(), split.y_train.float()
-    model = MLP(x.shape[1], width, depth)
-    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=1e-4)
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = ((model(x).squeeze(-1) - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-    if not torch.isfinite(loss):
-        raise FloatingPointError("UCI MLP training diverged")
-    model.eval()
+    model = MLP(x.shape[1], protocol.width, protocol.depth)
+    log_sigma = torch.zeros((), requires_grad=True)
+    groups = [{"params": list(model.parameters()), "weight_decay": weight_decay}]
+    groups += [{"params": [log_sigma], "weight_decay": 0.0}] if learn_sigma else []
+    opt = torch.optim.Adam(groups, lr=protocol.lr)
+
+    def loss_of(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        err = (model(xb).squeeze(-1) - yb) ** 2
+        if not learn_sigma:
+            return err.mean()
+        return (0.5 * err * torch.exp(-2 * log_sigma) + log_sigma).mean()
+
+    n, bs = len(x), min(protocol.batch_size or len(x), len(x))
+    gen = torch.Generator().manual_seed(seed)
+    early = protocol.patience is not None and split.x_val is not None
+    best: tuple[float, dict[str, torch.Tensor], float, int] | None = None
+    epoch = 0
+    for epoch in range(1, protocol.epochs + 1):
+        order = torch.randperm(n, generator=gen) if bs < n else None
+        for i in range(0, n, bs):
+            xb, yb = (x, y) if order is None else (x[order[i : i + bs]], y[order[i : i + bs]])
+            opt.zero_grad()
+            loss = loss_of(xb, yb)
+            loss.backward()
+            opt.step()
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"UCI MLP training diverged at epoch {epoch}")
+        if early:
+            with torch.no_grad():
+                score = float(loss_of(split.x_val.float(), split.y_val.float()))
+            if best is None or score < best[0]:
+                state = {k: v.clone() for k, v in model.state_dict().items()}
+                best = (score, state, float(log_sigma.detach()), epoch)
+            elif epoch - best[3] >= protocol.patience:
+                break
+    info: dict[str, Any] = {"epochs": epoch, "val_loss": None}
+    if best is not None:
+        model.load_state_dict(best[1])
+        info = {"epochs": best[3], "val_loss": best[0]}
+        log_sigma.data.fill_(best[2])
+    if learn_sigma:
+        info["sigma"] = float(torch.exp(log_sigma.detach()))
+    return model.eval(), info
+
+
+@dataclass
+class UCIContext:
+    """One (dataset, split) unit: its data, protocol, MAP and the MAP's noise σ (standardised)."""
+
+    data: UCISplit
+    protocol: UCIProtocol
+    model: nn.Module
+    sigma: float
+    seed: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def batches(self, part: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``[(x, y[:, None])]`` of ``train`` or ``val`` (float32)."""
+        x, y = getattr(self.data, f"x_{part}"), getattr(self.data, f"y_{part}")
+        return [(x.float(), y.float()[:, None])]
+
+    @property
+    def has_val(self) -> bool:
+        """Whether the unit has a validation part."""
+        return self.data.x_val is not None
+
+
+def fit_map(data: UCISplit, protocol: UCIProtocol, seed: int = 0) -> UCIContext:
+    """Train the MAP (the weight decay with the lowest validation loss) and set its σ by ``protocol.sigma``."""
+    learn = protocol.sigma == "learned"
+    fits = [(wd, *train_mlp(data, protocol, wd, seed, learn)) for wd in protocol.weight_decay]
+    wd, model, info = min(fits, key=lambda f: f[2]["val_loss"] if len(fits) > 1 else 0.0)
     with torch.no_grad():
-        sigma = float(((model(x).squeeze(-1) - y) ** 2).mean().sqrt())
-    return model, max(sigma, 1e-3)
+        mean = model(data.x_train.float()).squeeze(-1)
+        train_rms = float(((mean - data.y_train.float()) ** 2).mean().sqrt())
+        if data.x_val is not None:
+            val_mean = model(data.x_val.float()).squeeze(-1)
+            info["val_rms"] = float(((val_mean - data.y_val.float()) ** 2).mean().sqrt())
+    info.update(weight_decay=wd, train_rms=train_rms)
+    if learn:
+        sigma, rule = info["sigma"], "learned"
+    elif protocol.sigma == "train":
+        sigma, rule = max(train_rms, 1e-3), "train"
+    else:  # val and evidence: the MAP's σ is the validation MLE
+        sigma, rule = max(info["val_rms"], 1e-3), "val"
+    info["sigma_rule"] = rule
+    return UCIContext(data, protocol, model, sigma, seed, info)
 
 
 def gaussian_metrics(
@@ -77,32 +261,144 @@ def gaussian_metrics(
     """RMSE and mean Gaussian NLL in original units, from standardised ``mean``, ``var``, ``y`` (N,)."""
     var = var.clamp_min(1e-12)
     rmse = float(((mean - y) ** 2).mean().sqrt()) * y_std
-    nll = float((0.5 * (torch.log(2 * math.pi * var) + (y - mean) ** 2 / var)).mean()) + math.log(
-        y_std
-    )
+    nll = float(_nll(mean, var, y)) + math.log(y_std)
     if not (math.isfinite(rmse) and math.isfinite(nll)):
         raise ValueError("non-finite UCI metrics")
     return {"rmse": rmse, "nll": nll}
 
 
-def _subset(model: nn.Module, method: str, k: int, seed: int) -> Subset:
-    if method == "last-layer":
-        return selection.last_layer(model)
-    if method == "kfac-full" or method == "swag-full":
-        return every_linear_map(model)
-    if method == "kfac-random":
-        return selection.random_modules(model, k, seed=seed, group="all")
-    if method == "kfac-max":
-        return selection.max_operator_norm(model, k, group="all")
-    return selection.min_operator_norm(model, k, group="all")
+# ------------------------------------------------------------------------------------------ cells
+@dataclass
+class _Pred:
+    """A cell's Gaussian predictive (standardised) on the test and (if any) validation part.
+
+    With the σ it includes, how σ was chosen, and the cell's other choices (``extra``).
+    """
+
+    test: tuple[torch.Tensor, torch.Tensor]
+    val: tuple[torch.Tensor, torch.Tensor] | None
+    sigma: float
+    rule: str
+    floats: int = 0
+    n_stochastic: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _sizes(model: nn.Module, method: str) -> list[str]:
-    if method in ("kfac-random", "kfac-max", "kfac-min"):
-        return [str(k) for k in range(1, len(selection.linear_modules(model)) + 1)]
-    if method in ("subnet-norm", "subnet-variance"):
-        return [f"{p:g}" for p in SUBNET_PERCENTS]
-    return ["-"]
+def _best_sigma(ctx: UCIContext, mean: torch.Tensor, fvar: torch.Tensor) -> float:
+    """The σ of :data:`SIGMA_FACTORS` × the MAP's σ with the lowest validation NLL of ``N(mean, fvar + σ²)``."""
+    y = ctx.data.y_val.double()
+    return min(
+        (ctx.sigma * f for f in SIGMA_FACTORS),
+        key=lambda s: float(_nll(mean.double(), fvar.double() + s**2, y)),
+    )
+
+
+def _map(ctx: UCIContext, size: str) -> _Pred:
+    def pred(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            mean = ctx.model(x.float()).squeeze(-1).double()
+        return mean, torch.full_like(mean, ctx.sigma**2)
+
+    val = pred(ctx.data.x_val) if ctx.has_val else None
+    return _Pred(pred(ctx.data.x_test), val, ctx.sigma, ctx.info["sigma_rule"])
+
+
+def _evidence(ctx: UCIContext, la: Any, n_stoch: int) -> tuple[float, str] | None:
+    """Evidence fit of (σ, prior) with its guard: ``(prior, "evidence")``, or ``None`` (warned) to fall back."""
+    n = len(ctx.data.y_train)
+    why = f"{n_stoch} stochastic weights > {n} data points" if n_stoch > n else None
+    if why is None:
+        fit = la.optimize_prior_precision("marglik", optimizer="gradient", per_module=False)
+        sigma, prior = float(fit.sigma_noise), float(fit.prior_precision.reshape(-1)[0])
+        if sigma <= 1.0 and fit.converged:
+            return prior, "evidence"
+        why = f"the evidence drives σ to {sigma:.3g}, beyond the targets' spread (1)"
+        why = why if fit.converged else "the evidence fit did not converge"
+        la.sigma_noise = ctx.sigma
+    warnings.warn(
+        f"evidence σ refused ({why}); choosing σ and the prior as without it", stacklevel=2
+    )
+    return None
+
+
+def _laplace(ctx: UCIContext, subset: Subset, kind: type) -> _Pred:
+    """A Laplace posterior on ``subset``: σ and prior by the protocol, the linearised predictive."""
+    p, val = ctx.protocol, ctx.batches("val") if ctx.has_val else None
+    la = kind(ctx.model, subset, likelihood="regression", sigma_noise=ctx.sigma)
+    la.fit(ctx.batches("train"))
+    grid, n_stoch = prior_grid(p.prior_grid), subset.num_entries()
+    chosen = _evidence(ctx, la, n_stoch) if p.sigma == "evidence" else None
+    extra: dict[str, Any] = {}
+    if chosen is not None:
+        prior, rule = chosen
+        extra["prior_rule"] = "evidence"
+    elif p.prior == "marglik":
+        prior, rule = la.optimize_prior_precision("marglik", grid=grid), ctx.info["sigma_rule"]
+        extra["prior_rule"] = "marglik"
+    else:  # validation NLL, jointly with σ when σ is chosen on validation data
+        sigmas = [ctx.sigma * f for f in SIGMA_FACTORS] if p.sigma != "learned" else [ctx.sigma]
+        scores = []
+        for s in sigmas:
+            la.sigma_noise = s
+            scores.append(la.grid_val_nll(val, grid))
+        i, j = divmod(int(torch.stack(scores).argmin()), len(grid))
+        la.sigma_noise, prior = sigmas[i], float(grid[j])
+        rule = "val" if p.sigma != "learned" else "learned"
+        extra["prior_rule"] = "val_nll"
+    la.prior_precision = prior
+    extra.update(prior_precision=prior, prior_at_grid_edge=prior_edge(prior, p.prior_grid))
+
+    def pred(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        f, cov = la.logit_mean_cov(x.float())
+        return f.squeeze(-1).double(), cov[:, 0, 0].double().clamp_min(0) + la.sigma_noise**2
+
+    val_pred = pred(ctx.data.x_val) if ctx.has_val else None
+    return _Pred(
+        pred(ctx.data.x_test), val_pred, la.sigma_noise, rule, int(la.num_floats), n_stoch, extra
+    )
+
+
+def _swag(ctx: UCIContext, subset: Subset) -> _Pred:
+    """SWAG on ``subset``: per learning rate (and σ, when chosen on validation data) the best validation NLL."""
+    p, data = ctx.protocol, ctx.data
+    x_tr, y_tr = data.x_train.float(), data.y_train.float()
+    batches = [{"x": x_tr[i : i + 32], "y": y_tr[i : i + 32]} for i in range(0, len(x_tr), 32)]
+
+    def loss_fn(m: nn.Module, b: Mapping[str, Any]) -> torch.Tensor:
+        return ((m(b["x"]).squeeze(-1) - b["y"]) ** 2).mean()
+
+    choose = p.sigma in ("val", "evidence")
+    best: tuple[float, _Pred] | None = None
+    for lr in p.swag_lrs:
+        try:
+            swag = collect_swag(
+                ctx.model, subset, batches, lr=lr, n_steps=p.swag_steps, loss_fn=loss_fn, progress=False
+            )
+        except ValueError as err:  # a learning rate that diverges is not a candidate
+            if len(p.swag_lrs) == 1:
+                raise
+            warnings.warn(f"SWAG lr {lr:g} left out: {err}", stacklevel=2)
+            continue
+        gen, outs = torch.Generator().manual_seed(ctx.seed), []
+        x_all = torch.cat([data.x_test, *([data.x_val] if ctx.has_val else [])]).float()
+        for _ in range(p.n_samples):
+            with swag.sampled(generator=gen), torch.no_grad():
+                outs.append(ctx.model(x_all).squeeze(-1).double())
+        stack, n_te = torch.stack(outs), len(data.x_test)
+        mean, fvar = stack.mean(0), stack.var(0)
+        sigma = _best_sigma(ctx, mean[n_te:], fvar[n_te:]) if choose else ctx.sigma
+        var = fvar + sigma**2
+        val = (mean[n_te:], var[n_te:]) if ctx.has_val else None
+        score = float(_nll(*val, data.y_val.double())) if val is not None else 0.0
+        rule = "val" if choose else ctx.info["sigma_rule"]
+        extra = {"swag_lr": lr, "swag_lr_rule": "val_nll" if len(p.swag_lrs) > 1 else "fixed"}
+        pred = _Pred((mean[:n_te], var[:n_te]), val, sigma, rule, int(swag.num_floats), 0, extra)
+        pred.n_stochastic = subset.num_entries()
+        if best is None or score < best[0]:
+            best = (score, pred)
+    if best is None:
+        raise ValueError(f"SWAG diverged at every learning rate {list(p.swag_lrs)}")
+    return best[1]
 
 
 def subnet_subset(
@@ -129,70 +425,126 @@ def subnet_subset(
     return selection.largest_marginal_variance(model, variances, percent)
 
 
-def run_uci_cell(
-    model: nn.Module, sigma: float, split: UCISplit, method: str, size: str, seed: int
-) -> dict[str, Any]:
-    """One UCI cell: fit the posterior on the training part, predict the test part.
+# ------------------------------------------------------------------------------------------ registry
+def _one(_: UCIContext) -> list[str]:
+    return ["-"]
 
-    The Laplace prior precision maximises the marginal likelihood over :data:`PRIOR_GRID` (UCI has no
-    validation part in the standard splits); ``extra.prior_at_grid_edge`` says when it is an end of the grid.
+
+def _modules(ctx: UCIContext) -> list[str]:
+    """1 .. the MLP's number of linear maps (hidden layers + output); ``ctx`` needs only ``protocol``."""
+    return [str(k) for k in range(1, ctx.protocol.depth + 2)]
+
+
+def _percents(_: UCIContext) -> list[str]:
+    return [f"{p:g}" for p in SUBNET_PERCENTS]
+
+
+def _module_ramp(strategy: str) -> Callable[[UCIContext, str], _Pred]:
+    pick = {
+        "random": lambda m, k, s: selection.random_modules(m, k, seed=s, group="all"),
+        "max": lambda m, k, s: selection.max_operator_norm(m, k, group="all"),
+        "min": lambda m, k, s: selection.min_operator_norm(m, k, group="all"),
+    }[strategy]
+    return lambda ctx, size: _laplace(ctx, pick(ctx.model, int(size), ctx.seed), KronLaplace)
+
+
+def _subnet(method: str) -> Callable[[UCIContext, str], _Pred]:
+    def run(ctx: UCIContext, size: str) -> _Pred:
+        x, y = ctx.data.x_train.float(), ctx.data.y_train.float()
+        return _laplace(
+            ctx, subnet_subset(ctx.model, method, float(size), x, y, ctx.sigma), DenseLaplace
+        )
+
+    return run
+
+
+UCI_METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("map", "the trained network (MAP) with its noise σ", _one, _map),
+        Method(
+            "last-layer",
+            "Laplace, dense GGN on the output layer",
+            _one,
+            lambda c, s: _laplace(c, selection.last_layer(c.model), DenseLaplace),
+        ),
+        Method(
+            "kfac-full",
+            "KFAC Laplace on every linear map",
+            _one,
+            lambda c, s: _laplace(c, every_linear_map(c.model), KronLaplace),
+        ),
+        Method(
+            "kfac-random", "KFAC Laplace on k random linear maps", _modules, _module_ramp("random")
+        ),
+        Method(
+            "kfac-max", "KFAC Laplace on the k largest-norm maps", _modules, _module_ramp("max")
+        ),
+        Method(
+            "kfac-min", "KFAC Laplace on the k smallest-norm maps", _modules, _module_ramp("min")
+        ),
+        Method(
+            "diag-full",
+            "diagonal GGN Laplace on every linear map",
+            _one,
+            lambda c, s: _laplace(c, every_linear_map(c.model), DiagLaplace),
+        ),
+        Method(
+            "subnet-norm",
+            "dense Laplace on the p % largest weights",
+            _percents,
+            _subnet("subnet-norm"),
+        ),
+        Method(
+            "subnet-variance",
+            "dense Laplace on the p % largest-variance weights",
+            _percents,
+            _subnet("subnet-variance"),
+        ),
+        Method(
+            "swag-full",
+            "SWAG on every linear map",
+            _one,
+            lambda c, s: _swag(c, every_linear_map(c.model)),
+        ),
+        Method(
+            "swag-l1",
+            "SWAG on the p % largest-magnitude weights (Fig. 9)",
+            _percents,
+            lambda c, s: _swag(c, selection.largest_magnitude(c.model, float(s))),
+        ),
+    )
+}
+
+
+def run_uci_cell(ctx: UCIContext, method: str, size: str) -> dict[str, Any]:
+    """One UCI cell: the method's posterior, its choices (σ, prior, SWAG lr) and its test metrics.
+
+    Raises:
+        ValueError: An unknown method (listing the valid ones).
     """
-    x_tr, y_tr = split.x_train.float(), split.y_train.float()
-    x_te, y_te = split.x_test.float(), split.y_test.double()
+    if method not in UCI_METHODS:
+        raise ValueError(
+            f"unknown UCI method {method!r}; valid UCI methods: {', '.join(UCI_METHODS)}"
+        )
     t0 = time.perf_counter()
-    extra: dict[str, Any] = {"sigma_noise": sigma}
-    if method == "map":
-        with torch.no_grad():
-            mean = model(x_te).squeeze(-1).double()
-        var = torch.full_like(mean, sigma**2)
-        fit, floats, n_stoch = 0.0, 0, 0
-    elif method == "swag-full":
-        subset = _subset(model, method, 0, seed)
-        # collect_swag takes dict batches (it moves each tensor entry to the model's device)
-        batches = [{"x": x_tr[i : i + 32], "y": y_tr[i : i + 32]} for i in range(0, len(x_tr), 32)]
-
-        def loss_fn(m: nn.Module, b: Mapping[str, Any]) -> torch.Tensor:
-            return ((m(b["x"]).squeeze(-1) - b["y"]) ** 2).mean()
-
-        swag = collect_swag(
-            model, subset, batches, lr=1e-2, n_steps=500, loss_fn=loss_fn, progress=False
-        )
-        fit = time.perf_counter() - t0
-        gen = torch.Generator().manual_seed(seed)
-        outs = []
-        for _ in range(30):
-            with swag.sampled(generator=gen), torch.no_grad():
-                outs.append(model(x_te).squeeze(-1).double())
-        stack = torch.stack(outs)
-        mean, var = stack.mean(0), stack.var(0) + sigma**2
-        floats, n_stoch = int(swag.num_floats), subset.num_entries()
-    else:
-        if method.startswith("subnet-"):
-            subset = subnet_subset(model, method, float(size), x_tr, y_tr, sigma)
-        else:
-            subset = _subset(model, method, int(size) if size != "-" else 0, seed)
-        dense = method == "last-layer" or method.startswith("subnet-")
-        la = (DenseLaplace if dense else KronLaplace)(
-            model, subset, likelihood="regression", sigma_noise=sigma
-        )
-        la.fit([(x_tr, y_tr[:, None])])
-        extra["prior_precision"] = la.optimize_prior_precision("marglik", grid=prior_grid())
-        extra["prior_at_grid_edge"] = prior_edge(extra["prior_precision"], PRIOR_GRID)
-        fit = time.perf_counter() - t0
-        f, cov = la.logit_mean_cov(x_te)
-        mean = f.squeeze(-1).double()
-        var = cov[:, 0, 0].double().clamp_min(0) + sigma**2
-        floats, n_stoch = int(la.num_floats), subset.num_entries()
-    predict = time.perf_counter() - t0 - fit
-    total = sum(p.numel() for p in model.parameters())
+    pred = UCI_METHODS[method].run(ctx, size)
+    data, total = ctx.data, sum(p.numel() for p in ctx.model.parameters())
+    extra = {"sigma_noise": pred.sigma, "sigma": pred.sigma * data.y_std, "sigma_rule": pred.rule}
+    keep = ("weight_decay", "epochs", "train_rms", "val_rms")
+    extra.update({k: ctx.info[k] for k in keep if k in ctx.info}, **pred.extra)
+    rec = {**gaussian_metrics(*pred.test, data.y_test.double(), data.y_std)}
+    if pred.val is not None:
+        val = gaussian_metrics(*pred.val, data.y_val.double(), data.y_std)
+        rec.update(val_nll=val["nll"], val_rmse=val["rmse"])
     return {
-        **gaussian_metrics(mean, var, y_te, split.y_std),
-        "n_test": len(y_te),
-        "floats": floats,
-        "n_stochastic": n_stoch,
-        "percent_stochastic": 100.0 * n_stoch / total,
-        "fit_seconds": fit,
-        "predict_seconds": predict,
+        **rec,
+        "n_test": len(data.y_test),
+        "floats": pred.floats,
+        "n_stochastic": pred.n_stochastic,
+        "percent_stochastic": 100.0 * pred.n_stochastic / total,
+        "fit_seconds": time.perf_counter() - t0,
+        "predict_seconds": 0.0,
         "extra": extra,
     }
 
@@ -208,17 +560,23 @@ def run_uci(
     device: str = "cpu",
     log: Callable[[str], None] = print,
     keep_going: bool = False,
+    protocol: UCIProtocol | str = "paper",
 ) -> ResultStore:
     """Fill the UCI grid (dataset, split, method, size) of this shard; finished cells are skipped.
 
-    One (dataset, split) unit at a time, in this process: train its MLP, run its cells. ``shard=(i, n)``
+    One (dataset, split) unit at a time, in this process: train its MAP, run its cells. ``shard=(i, n)``
     keeps every n-th unit. With ``keep_going`` a failing cell is logged and skipped (in ``store.failures``;
-    a later run retries it); loading data and training the MLP always raise.
+    a later run retries it); loading data and training the MLP always raise. ``protocol`` is a
+    :class:`UCIProtocol` or the name of a preset in :data:`PROTOCOLS`.
 
     Raises:
-        ValueError: An unknown dataset or a method that has no UCI version (the message lists the valid
-            ones), before any work.
+        ValueError: An unknown dataset, protocol or a method that has no UCI version (the message lists the
+            valid ones), before any work.
     """
+    if isinstance(protocol, str):
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"unknown UCI protocol {protocol!r}; valid: {', '.join(PROTOCOLS)}")
+        protocol = PROTOCOLS[protocol]
     bad = [d for d in datasets if d not in UCI_DATASETS]
     if bad:
         raise ValueError(f"unknown UCI dataset(s) {bad}; valid datasets: {', '.join(UCI_DATASETS)}")
@@ -229,29 +587,34 @@ def run_uci(
         )
     if str(device) != "cpu":
         log("UCI models are tiny: running them on cpu")
-    store = ResultStore(
-        results, {"kind": "uci", "width": 50, "depth": 2, "steps": 2000, "seed": seed}
-    )
+    store = ResultStore(results, protocol.store_config(seed))
     for name, split in grid_units(datasets, splits, shard):
-        data = load_uci(name, split, uci_dir)
-        model, sigma = train_mlp(data, seed=seed * 100 + split)
-        for method in sorted(set(methods)):
-            for size in _sizes(model, method):
-                cell = Cell(name, split, method, size)
-                if store.has(cell):
-                    continue
-                try:
-                    rec = run_uci_cell(model, sigma, data, method, size, seed * 100 + split)
-                except Exception as err:  # one broken cell must not stop the grid
-                    store.failures.append(
-                        f"{name}/split{split}/{method}/{size}: {type(err).__name__}: {err}"
-                    )
-                    log(f"[{name} split {split}] {method} {size}: FAILED ({store.failures[-1]})")
-                    if not keep_going:
-                        raise
-                    continue
-                store.write(cell, rec)
+        unit_seed, sized = seed * 100 + split, SimpleNamespace(protocol=protocol)
+        todo = [
+            Cell(name, split, m, size)
+            for m in sorted(set(methods))
+            for size in UCI_METHODS[m].sizes(sized)  # type: ignore[arg-type]
+            if not store.has(Cell(name, split, m, size))
+        ]
+        if not todo:
+            continue
+        data = load_uci(name, split, uci_dir, protocol.val_fraction, unit_seed)
+        ctx = fit_map(data, protocol, unit_seed)
+        for cell in todo:
+            try:
+                rec = run_uci_cell(ctx, cell.method, cell.size)
+            except Exception as err:  # one broken cell must not stop the grid
+                where = f"{name}/split{split}/{cell.method}/{cell.size}"
+                store.failures.append(f"{where}: {type(err).__name__}: {err}")
                 log(
-                    f"[{name} split {split}] {method} {size}: rmse {rec['rmse']:.3f} nll {rec['nll']:.3f}"
+                    f"[{name} split {split}] {cell.method} {cell.size}: FAILED ({store.failures[-1]})"
                 )
+                if not keep_going:
+                    raise
+                continue
+            store.write(cell, rec)
+            log(
+                f"[{name} split {split}] {cell.method} {cell.size}: rmse {rec['rmse']:.3f} nll "
+                f"{rec['nll']:.3f} (σ {rec['extra']['sigma']:.3g} by {rec['extra']['sigma_rule']})"
+            )
     return store
