@@ -415,6 +415,7 @@ GLUE_ONLY = [
     "executor",
     "ray_address",
     "take_over",
+    "length_buckets",
 ]
 UCI_ONLY = [
     "uci_dir",
