@@ -35,11 +35,10 @@ def classification_loss(model: nn.Module, batch: Any) -> Tensor:
 
 def _cycle(data: Iterable[Any]) -> Iterator[Any]:
     while True:
-        empty = True
-        for batch in data:
-            empty = False
+        n = -1
+        for n, batch in enumerate(data):  # noqa: B007
             yield batch
-        if empty:
+        if n < 0:
             raise ValueError("data yielded no batch")
 
 

@@ -89,11 +89,6 @@ class SampledPosterior:
         """Floats stored: ``S·d``."""
         return sum(v.numel() for v in self.samples.values())
 
-    @property
-    def mean(self) -> dict[str, Tensor]:
-        """Mean of the stored samples, ``{param name: [k]}``."""
-        return {n: v.mean(0) for n, v in self.samples.items()}
-
     @classmethod
     def concat(cls, posteriors: Sequence[SampledPosterior]) -> SampledPosterior:
         """One posterior holding the samples of several, in order (same model, subset and likelihood).
@@ -109,13 +104,8 @@ class SampledPosterior:
             if same != (first.model, first.subset, first.likelihood, first.sigma_noise):
                 raise ValueError("concat: posteriors differ in model, subset or likelihood")
         samples = {n: torch.cat([p.samples[n] for p in posteriors]) for n in first.samples}
-        return cls(
-            first.model,
-            first.subset,
-            samples,
-            likelihood=first.likelihood,
-            sigma_noise=first.sigma_noise,
-        )
+        options = {"likelihood": first.likelihood, "sigma_noise": first.sigma_noise}
+        return cls(first.model, first.subset, samples, **options)
 
     def sample(self, n: int = 1, *, generator: torch.Generator | None = None) -> dict[str, Tensor]:
         """``n`` stored samples drawn uniformly with replacement, ``{param name: [n, k]}``."""
