@@ -156,3 +156,22 @@ def test_previous_is_checked_and_a_loaded_posterior_keeps_what_it_can(tmp_path):
         loaded.log_marginal_likelihood()
     again = fit(KronLaplace, theta + 0.3, x[:3], y[:3], 2, previous=loaded)  # still a prior
     torch.testing.assert_close(again.log_det(), third.log_det())
+
+
+def test_kron_with_a_separate_bias_accumulates_like_one_fit_on_all_the_data():
+    x, y = problem(2, 7, 3)
+    theta = torch.randn(4, dtype=torch.float64)
+
+    def fitted(xs, ys, previous=None):
+        model = model_at(theta, 3)
+        subset = Subset.from_model(model, {"weight": KronBlock(), "bias": KronBlock()})
+        post = KronLaplace(
+            model, subset, likelihood="regression", sigma_noise=SIGMA, bias="separate"
+        )
+        return post.fit([(xs, ys)], previous=previous)
+
+    second = fitted(x[7:], y[7:], previous=fitted(x[:7], y[:7]))
+    once = fitted(x, y)
+    torch.testing.assert_close(second.log_det(), once.log_det(), rtol=1e-12, atol=1e-12)
+    test = torch.randn(4, 3, dtype=torch.float64)
+    torch.testing.assert_close(second.logit_mean_cov(test)[1], once.logit_mean_cov(test)[1])
