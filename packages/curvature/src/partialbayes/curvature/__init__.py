@@ -1,5 +1,7 @@
 """KFAC / Sparse-KFAC / GGN / EF curvature on a parameter subset, and Laplace posteriors."""
 
+from importlib.metadata import version
+
 from partialbayes.curvature._diag_dense import dense_curvature, diag_curvature
 from partialbayes.curvature._jacobians import logit_jacobians
 from partialbayes.curvature._kfac import ModuleFactors, kfac
@@ -12,6 +14,7 @@ from partialbayes.curvature._likelihood import FISHERS, Fisher, forward_logits
 from partialbayes.curvature._marglik import MarglikFit
 from partialbayes.curvature._memory import MemoryEstimate, memory_estimate
 
+__version__ = version("partialbayes-curvature")
 __all__ = [
     "FISHERS",
     "DenseLaplace",
@@ -22,6 +25,7 @@ __all__ = [
     "MarglikFit",
     "MemoryEstimate",
     "ModuleFactors",
+    "__version__",
     "dense_curvature",
     "diag_curvature",
     "forward_logits",

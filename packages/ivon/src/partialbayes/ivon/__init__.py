@@ -12,6 +12,8 @@ fine-tunes, with :func:`squared_gradients` as the alternative precision) and :fu
 Hugging Face ``Trainer``.
 """
 
+from importlib.metadata import version
+
 from partialbayes.ivon._callback import IVONCallback
 from partialbayes.ivon._merge import merge, squared_gradients
 from partialbayes.ivon._sensitivity import Sensitivity, sensitivity
@@ -25,12 +27,14 @@ from partialbayes.ivon.posterior import (
     save_posterior,
 )
 
+__version__ = version("partialbayes-ivon")
 __all__ = [
     "IVON",
     "GaussianPosterior",
     "IVONCallback",
     "MultiIVON",
     "Sensitivity",
+    "__version__",
     "ivon_posterior",
     "load_posterior",
     "merge",

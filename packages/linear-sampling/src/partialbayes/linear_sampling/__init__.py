@@ -10,6 +10,8 @@ For a network, `SampledLaplace` is the sampling-based linearised Laplace posteri
 ``swapped``, ``predict``, ``save`` / ``load``) built from any training loader.
 """
 
+from importlib.metadata import version
+
 from partialbayes.linear_sampling._cg import conjugate_gradients
 from partialbayes.linear_sampling._em import (
     effective_dimension,
@@ -38,6 +40,7 @@ from partialbayes.linear_sampling._solve import (
     posterior_samples,
 )
 
+__version__ = version("partialbayes-linear-sampling")
 __all__ = [
     "DivergenceError",
     "Features",
@@ -45,6 +48,7 @@ __all__ = [
     "Prior",
     "SGDConfig",
     "SampledLaplace",
+    "__version__",
     "conjugate_gradients",
     "effective_dimension",
     "fit_prior_precision",

@@ -7,6 +7,8 @@ What the sibling packages share (the batch reader, the model call, posterior fil
 lives in `partialbayes.predictive.internal`. Depends on torch only; never imports a posterior class.
 """
 
+from importlib.metadata import version
+
 from partialbayes.predictive._answers import (
     answer_index,
     answer_logits,
@@ -51,6 +53,7 @@ from partialbayes.predictive._stream import (
 )
 from partialbayes.predictive._temperature import apply_temperature, fit_temperature
 
+__version__ = version("partialbayes-predictive")
 __all__ = [
     "MCPrediction",
     "MCRegression",
@@ -58,6 +61,7 @@ __all__ = [
     "PosteriorModel",
     "ReliabilityData",
     "Uncertainty",
+    "__version__",
     "accuracy",
     "answer_index",
     "answer_logits",

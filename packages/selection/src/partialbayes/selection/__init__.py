@@ -8,6 +8,8 @@ model) and parameter level (:func:`largest_magnitude`, :func:`random_parameters`
 :func:`largest_marginal_variance`).
 """
 
+from importlib.metadata import version
+
 from partialbayes.selection._blocks import Block, KronBlock, KronModule, MaskBlock
 from partialbayes.selection._lora import lora_modules, lora_subset
 from partialbayes.selection._module_strategies import (
@@ -48,6 +50,7 @@ from partialbayes.selection._subset import (
 )
 from partialbayes.selection._summary import summary
 
+__version__ = version("partialbayes-selection")
 __all__ = [
     "MLP",
     "PAPER_COUNTS",
@@ -56,6 +59,7 @@ __all__ = [
     "KronModule",
     "MaskBlock",
     "Subset",
+    "__version__",
     "countable_named_parameters",
     "countable_parameters",
     "grouped_linear_modules",

@@ -11,6 +11,8 @@ softmax), `SWAG.predictive_samples`, `SWAG.save` / `SWAG.load`. Batches may be o
 exported for reuse.
 """
 
+from importlib.metadata import version
+
 from partialbayes.swag._callback import SWAGCallback
 from partialbayes.swag._moments import diagonal_variance
 from partialbayes.swag._posterior import SWAG
@@ -21,10 +23,12 @@ from partialbayes.swag._train import (
     collect_swag,
 )
 
+__version__ = version("partialbayes-swag")
 __all__ = [
     "SWAG",
     "NonFiniteLossError",
     "SWAGCallback",
+    "__version__",
     "collect_swag",
     "diagonal_variance",
     "predictive_nll",
