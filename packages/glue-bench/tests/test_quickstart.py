@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
+import torch
 
 from partialbayes.glue_bench.quickstart import QUICKSTART_METHODS, order_rows, read_table
 
@@ -163,3 +165,32 @@ def test_negative_split_is_refused_before_any_work(capsys, tmp_path):
     assert main(["quickstart", "--split", "-1", "--results", str(tmp_path / "q")]) == 2
     assert "--split must be >= 0, got -1" in capsys.readouterr().err
     assert not (tmp_path / "q").exists()
+
+
+def test_the_thread_count_leaves_the_busy_cores_alone_and_says_so(monkeypatch):
+    # Issue 34: two threads per process on a shared 2-core machine spun for 57 minutes, silently.
+    from partialbayes.glue_bench.cli import choose_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(os, "getloadavg", lambda: (1.2, 1.0, 1.0))
+        line = choose_threads()
+        assert torch.get_num_threads() == 1
+        assert line.startswith("threads: 1 (2 usable CPUs less the load average 1.2")
+        assert "busy" not in line
+        torch.set_num_threads(2)
+        monkeypatch.setattr(os, "getloadavg", lambda: (3.5, 3.0, 3.0))
+        line = choose_threads()
+        assert torch.get_num_threads() == 1
+        assert "The machine is busy (load 3.5 on 2 CPUs)" in line
+        torch.set_num_threads(2)
+        monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+        assert choose_threads().startswith("threads: 2 (")  # idle: torch's default stays
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        monkeypatch.setattr(os, "getloadavg", lambda: (3.5, 3.0, 3.0))
+        assert choose_threads().startswith("threads: 2 (OMP_NUM_THREADS)")  # the user's choice
+    finally:
+        torch.set_num_threads(before)

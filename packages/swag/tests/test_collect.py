@@ -237,3 +237,30 @@ def test_bfloat16_model_keeps_float32_moments_and_restores_map(helpers):
     assert bool(torch.isfinite(swag.sample_flat(2)).all())
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n])
+
+
+def test_summary_and_a_negligible_spread_is_warned(helpers):
+    # Issue 34: after a Trainer run, median σ 1.1e-5 against median |w| 4.5e-2: the predictive equalled
+    # the MAP's, and SWAG had no summary() to show it.
+    model = helpers.tiny_net(0)
+    subset = helpers.partial_subset(model)
+    options = dict(n_steps=12, snapshot_every=3, max_rank=3, loss_fn=helpers.x_loss, progress=False)
+    batches = helpers.x_batches(model)
+    with pytest.warns(RuntimeWarning, match=r"collect_swag: the SWAG spread is negligible \(median σ"):
+        tiny = collect_swag(model, subset, batches, lr=1e-9, **options)
+    sigma, size = tiny.spread()
+    assert sigma < 1e-3 * size
+    assert f"{tiny.num_entries} stochastic entries" in tiny.summary()
+    assert "4 snapshots" in tiny.summary()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wide = collect_swag(model, subset, batches, lr=0.5, **options)
+    sigma, size = wide.spread()
+    draws = wide.sample_flat(20_000, generator=torch.Generator().manual_seed(0))
+    # the sample std of 20,000 draws is within 1 % of σ per entry (relative s.e. 1/sqrt(2n) = 0.5 %)
+    assert sigma == pytest.approx(float(draws.std(0).median()), rel=0.02)
+    assert f"median σ {sigma:.3g}" in wide.summary()
+    empty = SWAG(model, subset, max_rank=3)
+    assert "too few snapshots" in empty.summary()

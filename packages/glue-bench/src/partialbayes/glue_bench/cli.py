@@ -11,6 +11,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from partialbayes.glue_bench import __version__, experiment, uci
 from partialbayes.glue_bench.context import FISHERS, Settings
 from partialbayes.glue_bench.data_glue import (
@@ -497,6 +499,30 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def choose_threads() -> str:
+    """Set torch's thread count for a machine others may share; the line that says what was chosen and why.
+
+    ``OMP_NUM_THREADS`` when set (torch reads it); else the CPUs this process may use
+    (``os.sched_getaffinity``) less the 1-minute load average of the machine, at least 1 and never above
+    torch's default: a thread beyond the free cores spins against the other processes (measured in the
+    GLUE how-to). When the load is at or above the usable CPUs, the line says to expect a slow run.
+    """
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        why = "OMP_NUM_THREADS"
+    else:
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), round(cpus - load))))
+        why = f"{cpus} usable CPUs less the load average {load:.1f}; set OMP_NUM_THREADS to choose"
+    line = f"threads: {torch.get_num_threads()} ({why})"
+    if load >= cpus:
+        line += (
+            f". The machine is busy (load {load:.1f} on {cpus} CPUs): expect several times the time "
+            "of an idle machine"
+        )
+    return line
+
+
 def cmd_quickstart(args: argparse.Namespace) -> int:
     """``glue-bench quickstart``: fine-tune on a subsample, compare four methods, print, plot and read."""
     if args.split < 0:
@@ -508,11 +534,13 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     if args.model == DEFAULT_MODEL:
         minilm_path()  # the packaged MiniLM, or an ImportError that says how to install it
     config = _configs(args, quick=True)
+    threads = choose_threads()
     start, cpu_start = time.perf_counter(), time.process_time()
     print(
         f"glue-bench quickstart: {args.task} split {args.split}, model {args.model}, "
         f"{args.max_train_examples} training examples, {config.train.epochs} epochs, "
-        f"{args.max_test_examples} test examples, device {args.device}; results in {args.results}"
+        f"{args.max_test_examples} test examples, device {args.device}; results in {args.results}\n"
+        f"{threads}"
     )
     timings: list[dict] = []
     store = experiment.run_grid(

@@ -7,12 +7,13 @@ The lowest module of the method layer: :mod:`~partialbayes.glue_bench.laplace_ce
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from partialbayes.curvature import FISHERS as CURVATURE_FISHERS
 from partialbayes.glue_bench.linearised import LinearSamplingConfig
@@ -167,6 +168,7 @@ class Context:
         device: The device.
         seed: Seed of this (task, split): random module choices and sampling derive from it.
         settings: Method hyperparameters.
+        progress: Show progress bars in the long stages (curvature pass, prior search, test predictive).
         ivon: ``{"hess": {name: tensor}, "ess", "weight_decay", "finetune_seconds"}`` when fine-tuned with
             IVON (``finetune_seconds``: the wall-clock time of that fine-tuning).
     """
@@ -180,7 +182,12 @@ class Context:
     seed: int
     settings: Settings = field(default_factory=Settings)
     ivon: dict[str, Any] | None = None
+    progress: bool = False
     _cache: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def bar(self, items: Sequence[Any], stage: str) -> Iterable[Any]:
+        """``items`` under a progress bar named ``stage`` when ``progress`` is on (long stages say where they are)."""
+        return tqdm(items, desc=stage, disable=not self.progress, leave=False)
 
     def labels(self, which: str) -> torch.Tensor:
         """(N,) labels of ``"val"`` or ``"test"``."""

@@ -221,6 +221,7 @@ def prepare_context(
         seed=seed,
         settings=config.settings,
         ivon=ivon,
+        progress=progress,
     )
     return ctx, meta
 

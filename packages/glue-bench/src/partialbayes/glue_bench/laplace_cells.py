@@ -122,13 +122,18 @@ def laplace_prediction(
     """
     s = ctx.settings
     t0 = time.perf_counter()
-    la.fit(ctx.train, generator=mc_generator(ctx, la.fisher))
+    la.fit(ctx.train, generator=mc_generator(ctx, la.fisher), progress=ctx.progress)
     prior = choose_prior(
-        la, la.grid_val_nll(ctx.val, prior_grid(s.prior_grid)), s.prior_grid, s.prior
+        la,
+        la.grid_val_nll(ctx.bar(ctx.val, "prior search"), prior_grid(s.prior_grid)),
+        s.prior_grid,
+        s.prior,
     )
     fit = time.perf_counter() - t0
     t0 = time.perf_counter()
-    probs = torch.cat([probit_probs(*la.logit_mean_cov(batch)) for batch in ctx.test])
+    probs = torch.cat(
+        [probit_probs(*la.logit_mean_cov(batch)) for batch in ctx.bar(ctx.test, "test predictive")]
+    )
     seconds = (fit, time.perf_counter() - t0)
     return laplace_result(ctx, la, probs, prior, seconds, "per-cell", skfac_percent)
 
@@ -177,14 +182,19 @@ def shared_predictions(
     subsets = [c.subset for c in cells]
     generator = mc_generator(ctx, s.fisher)
     posts = KronLaplace.fit_many(
-        ctx.model, subsets, ctx.train, generator=generator, **kron_options(ctx)
+        ctx.model,
+        subsets,
+        ctx.train,
+        generator=generator,
+        progress=ctx.progress,
+        **kron_options(ctx),
     )
     t1 = time.perf_counter()
-    nll = grid_val_nll_many(posts, ctx.val, prior_grid(s.prior_grid))
+    nll = grid_val_nll_many(posts, ctx.bar(ctx.val, "prior search"), prior_grid(s.prior_grid))
     priors = [choose_prior(la, v, s.prior_grid, s.prior) for la, v in zip(posts, nll, strict=True)]
     t2 = time.perf_counter()
     probs: list[list[torch.Tensor]] = [[] for _ in posts]
-    for batch in ctx.test:
+    for batch in ctx.bar(ctx.test, "test predictive"):
         for part, (mean, cov) in zip(probs, logit_mean_cov_many(posts, batch), strict=True):
             part.append(probit_probs(mean, cov))
     t3 = time.perf_counter()

@@ -124,7 +124,12 @@ class SWAGCallback:
             ) from err
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Warn when the run gave fewer snapshots than the posterior needs (e.g. ``start_step`` too late)."""
+        """Warn about too few snapshots (e.g. ``start_step`` too late) or a negligible spread.
+
+        The spread: `SWAG.warn_if_negligible`, a posterior whose samples barely move the weights.
+        """
+        if self._swag is not None:
+            self._swag.warn_if_negligible("SWAGCallback")
         if self.n_snapshots < self._needed:
             warnings.warn(
                 f"SWAGCallback collected {self.n_snapshots} snapshot(s) in {state.global_step} optimizer "

@@ -349,4 +349,5 @@ def collect_swag(
         if bar is not None:
             bar.close()
     skipped_warning("collect_swag", skipped, drawn)
+    swag.warn_if_negligible("collect_swag")
     return swag
