@@ -390,3 +390,19 @@ def test_a_results_folder_the_workers_do_not_see_is_named(
             executor="ray",
         )
     assert not (tmp_path / "res" / "records").exists()
+
+
+def test_a_prior_at_the_edge_of_its_grid_is_said_at_run_time(tmp_path):
+    # Issue 34: it was reported only in report/prior_edges.md.
+    from partialbayes.glue_bench.experiment import _Unit
+
+    lines = []
+    unit = _Unit(None, "sst2", 0, lines.append, ResultStore(tmp_path / "res", _config().to_dict()))
+    record = {"accuracy": 0.9, "nll": 0.3, "ece": 0.05, "seconds": 1.0, "cpu_seconds": 1.0}
+    edge = {"prior_precision": 0.001, "prior_at_grid_edge": "lowest"}
+    unit.done("skfac", "1.0", {**record, "extra": edge})
+    unit.done("skfac", "6.8", {**record, "extra": {**edge, "prior_at_grid_edge": None}})
+    assert lines[0].endswith(
+        "its prior precision 0.001 is the lowest value of the grid: widen it (--prior-grid)"
+    )
+    assert lines[1].endswith("(1.0 s)")

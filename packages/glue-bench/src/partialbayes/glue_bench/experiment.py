@@ -438,9 +438,17 @@ class _Unit:
     def done(self, name: str, size: str, record: dict[str, Any]) -> None:
         self.store.write(Cell(self.task, self.split, name, size), record)
         self.timing(name, record["seconds"], record["cpu_seconds"], size=size)
+        extra = record.get("extra") or {}
+        edge = extra.get("prior_at_grid_edge")  # issue 34: said at run time, not only in the report
         self.say(
             f"{name} {size}: acc {record['accuracy']:.3f} nll {record['nll']:.3f} "
             f"ece {record['ece']:.3f} ({record['seconds']:.1f} s)"
+            + (
+                f"; its prior precision {extra.get('prior_precision', 0):g} is the {edge} value of "
+                "the grid: widen it (--prior-grid)"
+                if edge
+                else ""
+            )
         )
 
     def timing(self, stage: str, wall: float, cpu: float, **extra: Any) -> None:

@@ -372,7 +372,13 @@ def _swag(ctx: UCIContext, subset: Subset) -> _Pred:
     for lr in p.swag_lrs:
         try:
             swag = collect_swag(
-                ctx.model, subset, batches, lr=lr, n_steps=p.swag_steps, loss_fn=loss_fn, progress=False
+                ctx.model,
+                subset,
+                batches,
+                lr=lr,
+                n_steps=p.swag_steps,
+                loss_fn=loss_fn,
+                progress=False,
             )
         except ValueError as err:  # a learning rate that diverges is not a candidate
             if len(p.swag_lrs) == 1:
