@@ -283,6 +283,8 @@ def test_bad_lists_are_refused_by_name():
     with pytest.raises(ValueError, match="subsets is an empty list"):
         KronLaplace.fit_many(model, [], data)
     # Issue 34: an empty subset in the list did not say which.
+    with pytest.raises(TypeError, match=r"fit_many takes no previous=: fit\(loader, previous"):
+        KronLaplace.fit_many(model, [s], data, previous=None)
     with pytest.raises(ValueError, match=r"subsets\[1\] is empty: select at least one"):
         KronLaplace.fit_many(model, [s, Subset.from_model(model, {})], data)
     la = KronLaplace(model, s).fit(data)
