@@ -221,9 +221,7 @@ class KronLaplace(LaplaceBase):
         Raises:
             TypeError, ValueError: Not a non-empty list of subsets; what the constructor and `fit` refuse.
         """
-        if (
-            "previous" in kwargs
-        ):  # a fit argument, not a constructor setting: say so, not __init__'s TypeError
+        if "previous" in kwargs:  # a fit argument: say so, not __init__'s raw TypeError
             raise TypeError("fit_many takes no previous=: fit(loader, previous=...) each posterior")
         posteriors = [cls(model, s, **kwargs) for s in check_list(subsets, "subsets", Subset)]
         first = posteriors[0]
