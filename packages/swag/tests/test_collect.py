@@ -246,7 +246,9 @@ def test_summary_and_a_negligible_spread_is_warned(helpers):
     subset = helpers.partial_subset(model)
     options = dict(n_steps=12, snapshot_every=3, max_rank=3, loss_fn=helpers.x_loss, progress=False)
     batches = helpers.x_batches(model)
-    with pytest.warns(RuntimeWarning, match=r"collect_swag: the SWAG spread is negligible \(median σ"):
+    with pytest.warns(
+        RuntimeWarning, match=r"collect_swag: the SWAG spread is negligible \(median σ"
+    ):
         tiny = collect_swag(model, subset, batches, lr=1e-9, **options)
     sigma, size = tiny.spread()
     assert sigma < 1e-3 * size
