@@ -109,12 +109,11 @@ class SGMCMC(torch.optim.Optimizer):
         self.steps, self.friction = 0, 1.0 - self.defaults["momentum"]
         self.samples: list[dict[str, Tensor]] = []
 
-    def _noise(self, like: Tensor, std: float) -> Tensor | None:
-        if std == 0.0:
-            return None
-        return torch.randn(
-            like.shape, generator=self.generator, dtype=like.dtype, device=like.device
-        ).mul_(std)
+    def _add_noise(self, x: Tensor, std: float) -> None:
+        """``x += std · ξ``, ``ξ ~ N(0, I)`` from the sampler's generator (nothing drawn at ``std = 0``)."""
+        if std:
+            noise = torch.randn(x.shape, generator=self.generator, dtype=x.dtype, device=x.device)
+            x.add_(noise, alpha=std)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:  # type: ignore[override]
@@ -150,9 +149,7 @@ class SGMCMC(torch.optim.Optimizer):
                 g = g.add(theta, alpha=decay)
             if self.method == "sgld":
                 theta.add_(g, alpha=-lr)
-                noise = self._noise(theta, math.sqrt(2 * lr * temp / n))
-                if noise is not None:
-                    theta.add_(noise)
+                self._add_noise(theta, math.sqrt(2 * lr * temp / n))
             else:
                 state = self.state[p]
                 if "buf" not in state:
@@ -166,9 +163,7 @@ class SGMCMC(torch.optim.Optimizer):
                 else:
                     b.mul_(mu if self.method == "sghmc" else 1 - self.friction).add_(g)
                     std = math.sqrt(2 * (1 - mu) * temp / (lr * n))
-                noise = self._noise(b, std)
-                if noise is not None:
-                    b.add_(noise)
+                self._add_noise(b, std)
                 theta.add_(b, alpha=-lr / 2 if self.method == "baoa" else -lr)
                 if self.method == "sgnht":
                     kinetic += float(b.square().sum())
