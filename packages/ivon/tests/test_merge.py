@@ -119,7 +119,7 @@ def test_merge_bad_input_names_the_first_mismatch():
         merge([a, a], base_precision=1.0)
     with pytest.raises(ValueError, match=r"parameter 'b' of the posteriors is missing in base"):
         merge([a, a], {"w": torch.zeros(2)}, base_precision=1.0)
-    with pytest.raises(ValueError, match="base_precision must be a number >= 0"):
+    with pytest.raises(ValueError, match="base_precision must be a finite number >= 0"):
         merge([a, a], base_precision=-1.0)
     with pytest.raises(
         ValueError, match=r"precisions\[1\]\['w'\] must be a tensor >= 0 of shape \(2,\)"

@@ -211,7 +211,7 @@ def test_bad_input_is_named():
         sensitivity(MultiIVON([post, post]), [(x, y)])
     with pytest.raises(RuntimeError, match="inside sampled_params"), opt.sampled_params():
         sensitivity(opt, [(x, y)], model=model)
-    with pytest.raises(ValueError, match="factor must be a number >= 0"):
+    with pytest.raises(ValueError, match="factor must be a finite number >= 0"):
         sensitivity(post, [(x, y)]).rescaled(-1.0)
     token = torch.nn.Sequential(
         torch.nn.Linear(2, 3)

@@ -30,7 +30,7 @@ from partialbayes.curvature._lowrank import (
 )
 from partialbayes.curvature._memory import MemoryEstimate, kron_estimate
 from partialbayes.curvature._outputs import Outputs
-from partialbayes.predictive.internal import PosteriorFile, check_generator
+from partialbayes.predictive.internal import PosteriorFile, check_generator, check_number
 from partialbayes.selection import Subset
 
 
@@ -87,13 +87,7 @@ class KronLaplace(LaplaceBase):
         max_rank: int | None = None,
         **kwargs: Any,
     ) -> None:
-        if (
-            isinstance(predictive_rtol, bool)
-            or not isinstance(predictive_rtol, (int, float))
-            or not 0 <= predictive_rtol < 1
-        ):
-            raise ValueError(f"predictive_rtol must be a number in [0, 1), got {predictive_rtol!r}")
-        self.predictive_rtol = float(predictive_rtol)
+        self.predictive_rtol = check_number("predictive_rtol", predictive_rtol, "[0, 1)")
         self._eig: dict[str, tuple[LowRankFactor, LowRankFactor]] = {}  # (G, A) per module
         self._memo: tuple[Any, KronBlocks] | None = None  # the last `_blocks` (one per prior grid)
         super().__init__(model, subset, **kwargs)

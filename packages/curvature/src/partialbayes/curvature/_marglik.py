@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from partialbayes.curvature._prior import check_positive
+from partialbayes.predictive.internal import check_bool, check_int, check_number
 
 
 @dataclass(frozen=True)
@@ -57,12 +58,10 @@ class MarglikFit:
 
 
 def _check_options(per_module: bool, lr: float, max_steps: int, tol: float) -> None:
-    if not isinstance(per_module, bool):
-        raise TypeError(f"per_module must be a bool, got {type(per_module).__name__}")
-    check_positive("lr", lr)
-    check_positive("tol", tol)
-    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-        raise ValueError(f"max_steps must be a positive int, got {max_steps!r}")
+    check_bool("per_module", per_module)
+    check_number("lr", lr)
+    check_number("tol", tol)
+    check_int("max_steps", max_steps)
 
 
 def maximize_evidence(

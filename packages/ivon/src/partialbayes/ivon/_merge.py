@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from partialbayes.ivon._examples import class_logits, labelled_batches, requiring_grad
 from partialbayes.ivon.posterior import GaussianPosterior
-from partialbayes.predictive.internal import eval_mode, model_logits
+from partialbayes.predictive.internal import check_number, eval_mode, model_logits
 
 
 def _check_same(posteriors: Sequence[Any]) -> dict[str, torch.Size]:
@@ -104,12 +104,7 @@ def merge(
         )
     posteriors = list(posteriors)  # a generator is read once
     shapes = _check_same(posteriors)
-    if (
-        isinstance(base_precision, bool)
-        or not isinstance(base_precision, int | float)
-        or not base_precision >= 0
-    ):
-        raise ValueError(f"merge: base_precision must be a number >= 0, got {base_precision!r}")
+    check_number("merge: base_precision", base_precision, "[0, inf)")
     if base is None and base_precision > 0:
         raise ValueError(
             "merge: base_precision > 0 pulls the merged weights towards the base model's, and the posteriors "

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from partialbayes.ivon._examples import class_logits, labelled_batches, requiring_grad
 from partialbayes.ivon.optimizer import IVON
 from partialbayes.ivon.posterior import GaussianPosterior
-from partialbayes.predictive.internal import eval_mode, model_logits
+from partialbayes.predictive.internal import check_number, eval_mode, model_logits
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,7 @@ class Sensitivity:
         posterior of the ``N`` training examples the leave-one-out refers to (to the extent that the
         curvature ``h`` does not depend on ``λ``).
         """
-        if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor >= 0:
-            raise ValueError(f"Sensitivity.rescaled: factor must be a number >= 0, got {factor!r}")
+        check_number("Sensitivity.rescaled: factor", factor, "[0, inf)")
         return replace(self, variance=self.variance * factor)
 
 

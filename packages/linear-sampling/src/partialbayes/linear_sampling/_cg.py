@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from partialbayes.predictive.internal import check_int
+from partialbayes.predictive.internal import check_int, check_number
 
 
 def check_options(tol: object, max_iter: object) -> None:
     """Raise unless ``tol`` is a finite number >= 0 and ``max_iter`` a positive int or ``None``."""
-    if not isinstance(tol, (int, float)):
-        raise TypeError(f"tol must be a number, got {tol!r}")
-    if isinstance(tol, bool) or not 0 <= tol < math.inf:
-        raise ValueError(f"tol must be a finite number >= 0, got {tol!r}")
+    check_number("tol", tol, "[0, inf)")
     if max_iter is not None:
         check_int("max_iter", max_iter)
 

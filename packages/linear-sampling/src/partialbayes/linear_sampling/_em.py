@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +18,7 @@ from partialbayes.linear_sampling._ops import (
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior
 from partialbayes.linear_sampling._sgd import SGDConfig
 from partialbayes.linear_sampling._solve import check_problem, posterior_mean, posterior_samples
-from partialbayes.predictive.internal import check_generator, check_int
+from partialbayes.predictive.internal import check_bool, check_generator, check_int, check_number
 
 _ESTIMATORS = ("function", "weight")
 
@@ -246,10 +245,8 @@ def fit_prior_precision(
     check_generator(generator)
     check_int("k", k)
     check_int("max_iter", max_iter)
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < math.inf:
-        raise ValueError(f"tol must be a positive number, got {tol!r}")
-    if not isinstance(g_prior, bool):
-        raise TypeError(f"g_prior must be a bool, got {g_prior!r}")
+    check_number("tol", tol)
+    check_bool("g_prior", g_prior)
     targets_3d(features, targets)  # validate early
     scale = (
         feature_scales(features, noise, batch_size=batch_size, generator=generator)

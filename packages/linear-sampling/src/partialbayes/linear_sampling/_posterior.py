@@ -7,7 +7,6 @@ sample-then-optimise (Antorán et al., ICLR 2023); the predictive is ``f(x; θ*)
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -31,18 +30,13 @@ from partialbayes.predictive import answer_index, is_causal_lm, probit
 from partialbayes.predictive.internal import (
     check_int,
     check_likelihood,
+    check_number,
     eval_mode,
     resolve_link,
     rows,
     split_batch,
 )
 from partialbayes.selection import Subset
-
-
-def _positive(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
 
 
 class SampledLaplace:
@@ -106,11 +100,11 @@ class SampledLaplace:
         if isinstance(prior_precision, Prior):
             self.prior = prior_precision
         else:
-            self.prior = Prior(_positive("prior_precision", prior_precision))
+            self.prior = Prior(check_number("prior_precision", prior_precision))
         self.model = model
         self.subset = subset
         self.likelihood = likelihood
-        self.jitter = _positive("jitter", jitter)
+        self.jitter = check_number("jitter", jitter)
         self.samples: Tensor | None = None
         self.info: SolveInfo | None = None
         self._map: Tensor | None = None
