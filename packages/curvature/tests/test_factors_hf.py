@@ -7,12 +7,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from partialbayes.curvature import (
-    diag_curvature,
-    forward_logits,
-    kfac,
-    logit_jacobians,
-)
+from partialbayes.curvature import diag_curvature, kfac, logit_jacobians
+from partialbayes.curvature._likelihood import forward_logits
 from partialbayes.selection import KronBlock, MaskBlock, Subset, modules, sparse_kfac
 from tiny_models import tiny_model
 

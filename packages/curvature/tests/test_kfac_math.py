@@ -3,8 +3,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from partialbayes.curvature import kfac, kfac_factors
-from partialbayes.curvature._kfac_math import row_count, shared_rows
+from partialbayes.curvature import kfac
+from partialbayes.curvature._kfac_math import kfac_factors, row_count, shared_rows
 from partialbayes.selection import modules
 
 

@@ -46,7 +46,7 @@ def _grid(root, glue, factory, methods=("map",), **kw):
 def test_ivon_never_makes_the_embeddings_stochastic(tmp_path, mini_glue, tiny_bert_factory):
     """IVON fine-tuning leaves the embeddings out of its posterior; the cell counts countable weights."""
     pytest.importorskip("partialbayes.ivon")
-    from partialbayes.selection import countable_named_parameters
+    from partialbayes.selection._subset import countable_named_parameters
 
     store = _grid(
         tmp_path / "res",

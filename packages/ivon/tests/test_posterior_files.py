@@ -24,7 +24,6 @@ from partialbayes.ivon import (
     MultiIVON,
     ivon_posterior,
     load_posterior,
-    save_posterior,
 )
 
 
@@ -43,7 +42,7 @@ def _saved_bytes():
     opt.step()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "post.safetensors"
-        save_posterior(ivon_posterior(opt, model), path)
+        ivon_posterior(opt, model).save(path)
         return path.read_bytes(), {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -282,7 +281,7 @@ def test_inconsistent_files(what, load):
 def test_a_mixture_round_trip_still_checks_every_run(tmp_path):
     model = _model()
     post = load_posterior(_write(tmp_path, _file(_tensors(), META)), model)
-    save_posterior(MultiIVON([post, post]), tmp_path / "mix.safetensors")
+    MultiIVON([post, post]).save(tmp_path / "mix.safetensors")
     assert len(load_posterior(tmp_path / "mix.safetensors", model).components) == 2
     bad = _write(tmp_path, _file(_two_runs(-0.5), dict(MIX, components=2)))
     with pytest.raises(ValueError, match=r"'1/std/0\.weight' is not a floating tensor of standard"):

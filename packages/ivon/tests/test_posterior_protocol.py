@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from partialbayes.ivon import IVON, GaussianPosterior, MultiIVON, ivon_posterior, save_posterior
+from partialbayes.ivon import IVON, GaussianPosterior, MultiIVON, ivon_posterior
 from partialbayes.predictive import Posterior, average_softmax
 from partialbayes.predictive.testing import check_posterior
 from partialbayes.selection import KronBlock, MaskBlock, Subset
@@ -214,7 +214,7 @@ def test_bad_input_is_named(device, tmp_path):
         pass
     with pytest.raises(ValueError, match="likelihood"):
         GaussianPosterior(mean, std, model, likelihood="ordinal")
-    save_posterior(MultiIVON([post, post]), tmp_path / "mix.safetensors")
+    MultiIVON([post, post]).save(tmp_path / "mix.safetensors")
     with pytest.raises(ValueError, match=r"MultiIVON\.load"):
         GaussianPosterior.load(tmp_path / "mix.safetensors", model)
 

@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 from partialbayes.selection import (
-    grouped_linear_modules,
     linear_modules,
     max_operator_norm,
     min_operator_norm,
@@ -16,6 +15,7 @@ from partialbayes.selection import (
     random_modules,
     rank_by_operator_norm,
 )
+from partialbayes.selection._modules import grouped_linear_modules
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,7 +7,6 @@ import torch
 
 from partialbayes.selection import (
     KronBlock,
-    grouped_linear_modules,
     last_layer,
     linear_modules,
     lora_modules,
@@ -21,6 +20,7 @@ from partialbayes.selection import (
     summary,
     tied_linear_modules,
 )
+from partialbayes.selection._modules import grouped_linear_modules
 from partialbayes.selection._norms import operator_norms
 
 transformers = pytest.importorskip("transformers")

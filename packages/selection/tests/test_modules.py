@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from partialbayes.selection import grouped_linear_modules, linear_modules, module_group
+from partialbayes.selection import linear_modules, module_group
+from partialbayes.selection._modules import grouped_linear_modules
 
 
 def test_linear_modules_in_order():

@@ -8,13 +8,13 @@ from scipy import stats
 from torch import nn
 
 from partialbayes.selection import (
-    countable_named_parameters,
     largest_magnitude,
     largest_marginal_variance,
     random_parameters,
     summary,
 )
 from partialbayes.selection._parameter_strategies import top_k_stable
+from partialbayes.selection._subset import countable_named_parameters
 from partialbayes.selection._summary import summary_rows
 
 

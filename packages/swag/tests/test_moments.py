@@ -4,8 +4,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from partialbayes.swag import diagonal_variance
-from partialbayes.swag._moments import ring_append, ring_ordered, update_moments, update_moments_
+from partialbayes.swag._moments import (
+    diagonal_variance,
+    ring_append,
+    ring_ordered,
+    update_moments,
+    update_moments_,
+)
 
 
 def assert_close(actual, expected, rtol=1e-7, atol=1e-12):

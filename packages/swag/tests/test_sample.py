@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from partialbayes.swag import swag_sample
+from partialbayes.swag._sample import swag_sample
 
 
 def assert_close(actual, expected, rtol=1e-7, atol=1e-12):

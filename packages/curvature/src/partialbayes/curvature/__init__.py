@@ -5,12 +5,11 @@ from importlib.metadata import version
 from partialbayes.curvature._diag_dense import dense_curvature, diag_curvature
 from partialbayes.curvature._jacobians import logit_jacobians
 from partialbayes.curvature._kfac import ModuleFactors, kfac
-from partialbayes.curvature._kfac_math import kfac_factors
 from partialbayes.curvature._laplace import LaplaceBase, grid_val_nll_many, logit_mean_cov_many
 from partialbayes.curvature._laplace_dense import DenseLaplace
 from partialbayes.curvature._laplace_diag import DiagLaplace
 from partialbayes.curvature._laplace_kron import KronLaplace
-from partialbayes.curvature._likelihood import FISHERS, Fisher, forward_logits
+from partialbayes.curvature._likelihood import FISHERS
 from partialbayes.curvature._marglik import MarglikFit
 from partialbayes.curvature._memory import MemoryEstimate, memory_estimate
 
@@ -19,7 +18,6 @@ __all__ = [
     "FISHERS",
     "DenseLaplace",
     "DiagLaplace",
-    "Fisher",
     "KronLaplace",
     "LaplaceBase",
     "MarglikFit",
@@ -28,10 +26,8 @@ __all__ = [
     "__version__",
     "dense_curvature",
     "diag_curvature",
-    "forward_logits",
     "grid_val_nll_many",
     "kfac",
-    "kfac_factors",
     "logit_jacobians",
     "logit_mean_cov_many",
     "memory_estimate",

@@ -25,7 +25,8 @@ from partialbayes.curvature._likelihood import CurvatureOptions, check_list, mod
 from partialbayes.curvature._lowrank import LowRankFactor, NystromSketch
 from partialbayes.curvature._outputs import resolve_shift_labels
 from partialbayes.predictive.internal import check_generator
-from partialbayes.selection import KronModule, Subset
+from partialbayes.selection import Subset
+from partialbayes.selection.internal import KronModule
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,8 @@ from partialbayes.predictive.internal import (
     check_target_ids,
     model_logits,
 )
-from partialbayes.selection import KronModule, Subset
+from partialbayes.selection import Subset
+from partialbayes.selection.internal import KronModule
 
 
 def fmt_bytes(n: float) -> str:

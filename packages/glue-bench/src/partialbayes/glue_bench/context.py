@@ -28,7 +28,8 @@ from partialbayes.predictive.internal import (
 )
 from partialbayes.predictive.internal import check_int as shared_check_int
 from partialbayes.predictive.internal import check_number as shared_check_number
-from partialbayes.selection import Subset, grouped_linear_modules, modules
+from partialbayes.selection import Subset, modules
+from partialbayes.selection.internal import grouped_linear_modules
 
 Batch = dict[str, torch.Tensor]
 

@@ -24,7 +24,7 @@ from partialbayes.glue_bench.data_glue import Examples, encode
 from partialbayes.glue_bench.store import atomic_write, json_ready, read_json, temp_path
 from partialbayes.ivon import IVON
 from partialbayes.predictive.internal import eval_mode, model_logits, split_batch
-from partialbayes.selection import countable_named_parameters
+from partialbayes.selection.internal import countable_named_parameters
 
 Batch = Mapping[str, torch.Tensor]
 OPTIMIZERS = ("adamw", "ivon")

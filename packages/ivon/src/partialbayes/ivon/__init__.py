@@ -5,8 +5,8 @@ mean-field Gaussian posterior over the weights at about the cost of AdamW. :clas
 :func:`ivon_posterior` reads the learned Gaussian off it as a :class:`GaussianPosterior`, and
 :class:`MultiIVON` mixes several runs. Both implement ``partialbayes.predictive.Posterior`` (``sample``,
 ``swapped`` / ``sampled``, ``predict``, ``predictive_samples``, ``save`` / ``load``); :func:`predict_mean`
-predicts at the mean, and :func:`save_posterior` / :func:`load_posterior` store either as safetensors
-with JSON metadata. The paper's uses of the posterior: :func:`merge` (uncertainty-weighted merging of
+predicts at the mean, and ``save`` / :func:`load_posterior` store either as safetensors with JSON
+metadata. The paper's uses of the posterior: :func:`merge` (uncertainty-weighted merging of
 fine-tunes, with :func:`squared_gradients` as the alternative precision) and :func:`sensitivity`
 (per-example sensitivities and the leave-one-out estimate). :class:`IVONCallback` trains with IVON inside a
 Hugging Face ``Trainer``.
@@ -24,7 +24,6 @@ from partialbayes.ivon.posterior import (
     ivon_posterior,
     load_posterior,
     predict_mean,
-    save_posterior,
 )
 
 __version__ = version("partialbayes-ivon")
@@ -39,7 +38,6 @@ __all__ = [
     "load_posterior",
     "merge",
     "predict_mean",
-    "save_posterior",
     "sensitivity",
     "squared_gradients",
 ]

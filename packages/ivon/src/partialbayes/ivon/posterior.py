@@ -28,7 +28,8 @@ from partialbayes.predictive.internal import (
     rows,
     write_posterior_file,
 )
-from partialbayes.selection import Block, KronBlock, MaskBlock, Subset
+from partialbayes.selection import KronBlock, MaskBlock, Subset
+from partialbayes.selection.internal import Block
 
 #: The file format of each class (``partialbayes.predictive`` posterior files).
 FORMATS = {
@@ -197,7 +198,13 @@ class _SampledFamily:
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Save as one safetensors file with JSON metadata (see `save_posterior`).
+        """Write this `GaussianPosterior` or `MultiIVON` to ``path``, one ``.safetensors`` file.
+
+        A ``partialbayes.predictive`` posterior file (written atomically; a missing parent folder is
+        created): tensors ``"<run>/mean/<name>"`` and ``"<run>/std/<name>"`` (on the CPU), metadata with the
+        format (``partialbayes.ivon.GaussianPosterior`` or ``partialbayes.ivon.MultiIVON``), version 2, the
+        model's structure, the number of runs, the parameter names, the likelihood and ``sigma_noise``.
+        Read it back with `load_posterior` (either class) or the class's ``load``.
 
         Raises:
             ValueError: If the posterior has no model (the file records the model's structure), or ``path``
@@ -331,7 +338,7 @@ class GaussianPosterior(_SampledFamily):
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: nn.Module) -> GaussianPosterior:
-        """Load a `GaussianPosterior` saved with `save` / `save_posterior` onto ``model``.
+        """Load a `GaussianPosterior` saved with `save` onto ``model``.
 
         Raises:
             ValueError: If the file holds a `MultiIVON`, is no IVON posterior, or does not fit ``model``.
@@ -532,7 +539,7 @@ class MultiIVON(_SampledFamily):
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: nn.Module) -> MultiIVON:
-        """Load a `MultiIVON` saved with `save` / `save_posterior` onto ``model``.
+        """Load a `MultiIVON` saved with `save` onto ``model``.
 
         A file holding one `GaussianPosterior` loads as a mixture of one run.
         """
@@ -543,29 +550,6 @@ class MultiIVON(_SampledFamily):
 
 
 IVONPosterior = GaussianPosterior | MultiIVON
-
-
-def save_posterior(posterior: IVONPosterior, path: str | os.PathLike[str]) -> None:
-    """Write a :class:`GaussianPosterior` or :class:`MultiIVON` to ``path`` (one ``.safetensors`` file).
-
-    A ``partialbayes.predictive`` posterior file (written atomically; a missing parent folder is created):
-    tensors ``"<run>/mean/<name>"`` and ``"<run>/std/<name>"`` (on the CPU), metadata with the format
-    (``partialbayes.ivon.GaussianPosterior`` or ``partialbayes.ivon.MultiIVON``), version 2, the model's
-    structure, the number of runs, the parameter names, the likelihood and ``sigma_noise``.
-
-    Args:
-        posterior: The posterior to save (bound to its model).
-        path: Destination file.
-
-    Raises:
-        TypeError: If ``posterior`` is neither a :class:`GaussianPosterior` nor a :class:`MultiIVON`.
-        ValueError: If the posterior has no model, or ``path`` is a folder.
-    """
-    if not isinstance(posterior, (GaussianPosterior, MultiIVON)):
-        raise TypeError(
-            f"save_posterior: expected a GaussianPosterior or MultiIVON, got {type(posterior).__name__}"
-        )
-    posterior.save(path)
 
 
 def _read_runs(file: PosteriorFile) -> list[Run]:
@@ -606,7 +590,7 @@ def load_posterior(
     model: nn.Module | None = None,
     device: torch.device | str | None = None,
 ) -> IVONPosterior:
-    """Read a posterior written by :func:`save_posterior`.
+    """Read a posterior written by ``GaussianPosterior.save`` / ``MultiIVON.save``.
 
     Args:
         path: The ``.safetensors`` file.

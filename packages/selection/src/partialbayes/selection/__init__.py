@@ -10,7 +10,7 @@ model) and parameter level (:func:`largest_magnitude`, :func:`random_parameters`
 
 from importlib.metadata import version
 
-from partialbayes.selection._blocks import Block, KronBlock, KronModule, MaskBlock
+from partialbayes.selection._blocks import KronBlock, MaskBlock
 from partialbayes.selection._lora import lora_modules, lora_subset
 from partialbayes.selection._module_strategies import (
     PAPER_COUNTS,
@@ -24,7 +24,6 @@ from partialbayes.selection._module_strategies import (
 )
 from partialbayes.selection._modules import (
     MLP,
-    grouped_linear_modules,
     linear_modules,
     module_group,
     module_groups,
@@ -45,7 +44,6 @@ from partialbayes.selection._skfac import (
 )
 from partialbayes.selection._subset import (
     Subset,
-    countable_named_parameters,
     countable_parameters,
 )
 from partialbayes.selection._summary import summary
@@ -54,15 +52,11 @@ __version__ = version("partialbayes-selection")
 __all__ = [
     "MLP",
     "PAPER_COUNTS",
-    "Block",
     "KronBlock",
-    "KronModule",
     "MaskBlock",
     "Subset",
     "__version__",
-    "countable_named_parameters",
     "countable_parameters",
-    "grouped_linear_modules",
     "largest_magnitude",
     "largest_marginal_variance",
     "last_layer",

@@ -7,16 +7,13 @@ Main entry points: `collect_swag` (SGD from the MAP, snapshots, returns a `SWAG`
 `SWAG.sampled` (swap weights into the model, restored on exit), `SWAG.predict` (Monte Carlo average of the
 softmax), `SWAG.predictive_samples`, `SWAG.save` / `SWAG.load`. Batches may be of any kind
 ``partialbayes.predictive.internal.split_batch`` reads (tensors, pairs, dicts,
-``transformers.BatchEncoding``). The pure functions on flat vectors `diagonal_variance` and `swag_sample` are
-exported for reuse.
+``transformers.BatchEncoding``).
 """
 
 from importlib.metadata import version
 
 from partialbayes.swag._callback import SWAGCallback
-from partialbayes.swag._moments import diagonal_variance
 from partialbayes.swag._posterior import SWAG
-from partialbayes.swag._sample import swag_sample
 from partialbayes.swag._sweep import predictive_nll, sweep_learning_rate
 from partialbayes.swag._train import (
     NonFiniteLossError,
@@ -30,8 +27,6 @@ __all__ = [
     "SWAGCallback",
     "__version__",
     "collect_swag",
-    "diagonal_variance",
     "predictive_nll",
-    "swag_sample",
     "sweep_learning_rate",
 ]
