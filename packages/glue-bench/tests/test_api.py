@@ -17,13 +17,14 @@ from partialbayes.glue_bench.models import MLP
 from partialbayes.glue_bench.store import iter_records
 from partialbayes.glue_bench.train import TrainConfig, _make_optimizers, finetune, train_epoch
 from partialbayes.glue_bench.uci import PROTOCOLS, fit_map, run_uci_cell
+from partialbayes.selection.internal import grouped_linear_modules
 from tiny_models import tiny_model
 
 
 @pytest.mark.parametrize("arch", ["bert", "distilbert", "gpt2"])
 def test_every_linear_map_is_the_subset_the_svd_ranking_gave(arch):
     model = tiny_model(arch, seed=0)
-    n_all = len(selection.grouped_linear_modules(model, "all"))
+    n_all = len(grouped_linear_modules(model, "all"))
     assert every_linear_map(model) == selection.max_operator_norm(model, n_all, group="all")
     mlp = MLP(3, 5, 2)
     n_mlp = len(selection.linear_modules(mlp))

@@ -318,3 +318,10 @@ def test_damaged_checkpoints_are_named(tmp_path, tiny_bert_factory, which, conte
     (folder / which).write_bytes(content)
     with pytest.raises(ValueError, match=str(folder / which)):
         load_checkpoint(model, folder)
+
+
+def test_an_unknown_module_strategy_is_refused():
+    from partialbayes.glue_bench.methods import module_subset
+
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        module_subset(None, "median", "all", 1)

@@ -33,8 +33,9 @@ from partialbayes.glue_bench.laplace_cells import kron_prediction, laplace_predi
 from partialbayes.glue_bench.linearised import fit_linearised, linearised_probs
 from partialbayes.ivon import GaussianPosterior
 from partialbayes.predictive import Posterior, fit_temperature
-from partialbayes.predictive.internal import eval_mode
+from partialbayes.predictive.internal import check_choice, eval_mode
 from partialbayes.selection import Subset
+from partialbayes.selection.internal import countable_named_parameters, grouped_linear_modules
 from partialbayes.sgmcmc import parallel_chains, run_chain
 from partialbayes.swag import collect_swag, sweep_learning_rate
 
@@ -111,7 +112,7 @@ def run_temperature(ctx: Context, size: str) -> Prediction:
 
 # ------------------------------------------------------------------------------------------ subsets
 def _n_linear(ctx: Context, group: str) -> int:
-    return len(selection.grouped_linear_modules(ctx.model, group))
+    return len(grouped_linear_modules(ctx.model, group))
 
 
 def _count_sizes(group: str) -> Callable[[Context], list[str]]:
@@ -122,13 +123,21 @@ def _count_sizes(group: str) -> Callable[[Context], list[str]]:
     return sizes
 
 
+#: The module strategies by name: ``(ctx, k, group) -> Subset``.
+_MODULE_CHOICES = {
+    "random": lambda ctx, k, g: selection.random_modules(ctx.model, k, seed=ctx.seed, group=g),
+    "max": lambda ctx, k, g: selection.max_operator_norm(ctx.model, k, group=g),
+    "min": lambda ctx, k, g: selection.min_operator_norm(ctx.model, k, group=g),
+}
+
+
 def module_subset(ctx: Context, strategy: str, group: str, k: int) -> Subset:
-    """``k`` linear maps of ``group`` chosen by ``strategy`` (``random``, ``max`` or ``min`` operator norm)."""
-    if strategy == "random":
-        return selection.random_modules(ctx.model, k, seed=ctx.seed, group=group)
-    if strategy == "max":
-        return selection.max_operator_norm(ctx.model, k, group=group)
-    return selection.min_operator_norm(ctx.model, k, group=group)
+    """``k`` linear maps of ``group`` chosen by ``strategy`` (``random``, ``max`` or ``min`` operator norm).
+
+    Raises:
+        ValueError: If ``strategy`` is none of those.
+    """
+    return _MODULE_CHOICES[check_choice("strategy", strategy, _MODULE_CHOICES)](ctx, k, group)
 
 
 # ------------------------------------------------------------------------------------------ Laplace
@@ -302,7 +311,7 @@ def run_ivon(ctx: Context, size: str) -> Prediction:
         raise ValueError("method 'ivon' needs a model fine-tuned with --optimizer ivon")
     t0 = time.perf_counter()
     params = dict(ctx.model.named_parameters())
-    countable = selection.countable_named_parameters(ctx.model)
+    countable = countable_named_parameters(ctx.model)
     ess, delta = float(ctx.ivon["ess"]), float(ctx.ivon["weight_decay"])
     hess = {k: v.to(params[k].device) for k, v in ctx.ivon["hess"].items() if k in countable}
     if not hess:
