@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from partialbayes.glue_bench.data_glue import Examples
-from partialbayes.glue_bench.train import TrainConfig, finetune, progress_epoch
+from partialbayes.glue_bench.store import progress_epoch
+from partialbayes.glue_bench.train import TrainConfig, finetune
 
 
 class Killed(BaseException):

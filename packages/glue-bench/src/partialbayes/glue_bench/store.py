@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from safetensors import safe_open
+
 # Record and checkpoint-meta fields that are wall-clock or CPU times: the only fields of two runs with the
 # same settings on the same machine that may differ (everything else is bit-identical, see
 # `without_timings`).
@@ -407,8 +409,6 @@ def unit_states(root: str | Path) -> list[dict[str, Any]]:
     process holds its claim, ``partial`` with a progress file and no claim (rerun to resume), ``done``
     otherwise.
     """
-    from partialbayes.glue_bench.train import progress_epoch  # train imports this module
-
     root = Path(root)
     units: dict[tuple[str, int], dict[str, Any]] = {}
 
@@ -431,3 +431,13 @@ def unit_states(root: str | Path) -> list[dict[str, Any]]:
         task, _, split = path.stem.rpartition("-")
         unit(task, split)["state"] = "running"
     return [{"task": t, "split": s, **row} for (t, s), row in sorted(units.items())]
+
+
+def progress_epoch(path: Path) -> tuple[int, int] | None:
+    """``(finished epochs, planned epochs)`` of a fine-tuning progress file, ``None`` if unreadable."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            state = json.loads(f.metadata()["state"])
+        return int(state["epoch"]), int(state["config"]["epochs"])
+    except Exception:  # a report must not fail on a file being written or damaged
+        return None

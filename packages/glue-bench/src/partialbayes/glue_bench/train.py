@@ -365,16 +365,6 @@ def progress_path(checkpoint: Path) -> Path:
     return checkpoint.with_name(checkpoint.name + ".progress.safetensors")
 
 
-def progress_epoch(path: Path) -> tuple[int, int] | None:
-    """``(finished epochs, planned epochs)`` of a fine-tuning progress file, ``None`` if unreadable."""
-    try:
-        with safe_open(str(path), "pt") as f:
-            state = json.loads(f.metadata()["state"])
-        return int(state["epoch"]), int(state["config"]["epochs"])
-    except Exception:  # a report must not fail on a file being written or damaged
-        return None
-
-
 def _read_progress(
     path: Path,
     model: nn.Module,
