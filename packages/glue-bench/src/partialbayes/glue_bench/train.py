@@ -19,11 +19,17 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from partialbayes.glue_bench.context import batch_logits, check_int, check_number
+from partialbayes.glue_bench.context import batch_logits
 from partialbayes.glue_bench.data_glue import Examples, encode
 from partialbayes.glue_bench.store import atomic_write, json_ready, read_json, temp_path
 from partialbayes.ivon import IVON
-from partialbayes.predictive.internal import eval_mode, model_logits, split_batch
+from partialbayes.predictive.internal import (
+    check_fields,
+    eval_mode,
+    model_logits,
+    ranged,
+    split_batch,
+)
 from partialbayes.selection.internal import countable_named_parameters
 
 Batch = Mapping[str, torch.Tensor]
@@ -55,35 +61,27 @@ class TrainConfig:
             it into batches (less padding; every example still seen once per epoch); ``0``: plain.
     """
 
-    lr: float = 5e-5
+    lr: float = ranged(5e-5, "(0, inf)")
     betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.01
-    batch_size: int = 16
-    epochs: int = 10
-    patience: int = 3
-    max_length: int | None = None
-    dropout: float = 0.1
+    weight_decay: float = ranged(0.01, "[0, inf)")
+    batch_size: int = ranged(16, "[1, inf)", int)
+    epochs: int = ranged(10, "[0, inf)", int)
+    patience: int = ranged(3, "[1, inf)", int)
+    max_length: int | None = ranged(None, "[1, inf)", int, optional=True)
+    dropout: float = ranged(0.1, "[0, 1)")
     optimizer: str = "adamw"
-    ivon_lr: float = 0.1
-    ivon_hess_init: float = 0.1
-    seed: int = 0
+    ivon_lr: float = ranged(0.1, "(0, inf)")
+    ivon_hess_init: float = ranged(0.1, "(0, inf)")
+    seed: int = ranged(0, "[0, inf)", int)
     freeze_embeddings: bool = False
-    length_buckets: int = 0
+    length_buckets: int = ranged(0, "[0, inf)", int)
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(
                 f"unknown optimizer {self.optimizer!r}; valid optimizers: {', '.join(OPTIMIZERS)}"
             )
-        for key, low in (("batch_size", 1), ("epochs", 0), ("patience", 1), ("length_buckets", 0)):
-            check_int("TrainConfig", key, getattr(self, key), low)
-        check_int("TrainConfig", "seed", self.seed, 0)
-        if self.max_length is not None:
-            check_int("TrainConfig", "max_length", self.max_length)
-        for key in ("lr", "ivon_lr", "ivon_hess_init"):
-            check_number("TrainConfig", key, getattr(self, key))
-        check_number("TrainConfig", "weight_decay", self.weight_decay, closed=True)
-        check_number("TrainConfig", "dropout", self.dropout, high=1.0, closed=True)
+        check_fields(self)
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"TrainConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
         if self.optimizer == "ivon" and self.epochs == 0:
