@@ -24,23 +24,9 @@ def cg_solve(
     max_iter: int | None = None,
     x0: Tensor | None = None,
 ) -> tuple[Tensor, int, Tensor]:
-    """Conjugate gradients returning the iterate, the iteration count and the relative residuals.
+    """`conjugate_gradients` on ``b [d, k]`` from ``x0``: ``(x [d, k], iterations, relative residual [k])``.
 
     Columns that have converged are frozen (no division by a zero residual).
-
-    Args:
-        matvec: ``v -> H v`` for ``v`` of shape ``[d, k]``.
-        b: Right-hand sides ``[d, k]``.
-        tol: Relative residual tolerance ``‖r‖ / ‖b‖`` per column.
-        max_iter: Iteration cap, default ``d``.
-        x0: Initial guess ``[d, k]`` (default zeros).
-
-    Returns:
-        ``(x [d, k], iterations, relative residual [k])``.
-
-    Raises:
-        ValueError: If ``b`` or the initial residual is not finite, the operator is not positive
-            definite along a search direction, or a residual becomes non-finite.
     """
     if not bool(torch.isfinite(b).all()):
         raise ValueError("conjugate gradients: the right-hand side b has non-finite entries")

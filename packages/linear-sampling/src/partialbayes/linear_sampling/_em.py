@@ -127,20 +127,8 @@ def feature_scales(
 ) -> Tensor:
     """g-prior scales ``s_i = sqrt((ΦᵀBΦ)_ii)``: exact for dense features, else a probe estimate.
 
-    The estimate averages ``(Φᵀ B^½ ε_p)_i²`` over ``n_probes`` Rademacher vectors ``ε_p``.
-
-    Args:
-        features: Features ``Φ``.
-        noise: Noise precision ``B``.
-        n_probes: Probes for operator features.
-        batch_size: Observations per operator call.
-        generator: CPU generator for the probes.
-
-    Returns:
-        ``[d]`` positive scales.
-
-    Raises:
-        ValueError: If a parameter has no curvature (a zero feature column).
+    The estimate averages ``(Φᵀ B^½ ε_p)_i²`` over ``n_probes`` Rademacher vectors ``ε_p``. Returns
+    ``[d]`` positive scales; raises ``ValueError`` if a parameter has no curvature (a zero column).
     """
     check_generator(generator)
     check_int("n_probes", n_probes)

@@ -163,16 +163,6 @@ def scale_features(features: Features, scale: Tensor) -> Features:
     """Features of the reparametrised model ``θ = θ' / s``: ``Φ' = Φ diag(1/s)``.
 
     Used for the g-prior: with ``s_i² = (ΦᵀBΦ)_ii`` every normalised feature has unit curvature.
-
-    Args:
-        features: The original features.
-        scale: ``[d]`` positive scales ``s``.
-
-    Returns:
-        Features ``Φ diag(1 / s)``.
-
-    Raises:
-        ValueError: If ``scale`` has the wrong shape or non-positive entries.
     """
     if scale.shape != (features.d,):
         raise ValueError(f"scale has shape {_shape(scale)} but the features have d={features.d}")

@@ -13,13 +13,7 @@ from partialbayes.predictive.internal import available_memory, check_int
 
 
 def default_batch_size(features: Features, batch_size: int | None, k: int = 1) -> int:
-    """``batch_size`` validated; by default ``min(n, 256)``, fewer to keep ``[b, m, k]`` in `WORKING_BYTES`.
-
-    (Fewer observations per call matter at a large number of outputs ``m``, e.g. a vocabulary.)
-
-    Raises:
-        ValueError: If ``batch_size`` is not a positive int.
-    """
+    """``batch_size`` validated; by default ``min(n, 256)``, fewer to keep ``[b, m, k]`` in `WORKING_BYTES`."""
     if batch_size is None:
         per = features.m * k * features.dtype.itemsize
         return max(1, min(features.n, 256, WORKING_BYTES // per))
@@ -37,18 +31,7 @@ def check_samples(samples: Tensor, d: int) -> None:
 
 
 def targets_3d(features: Features, targets: Tensor) -> Tensor:
-    """Targets as ``[n, m, 1]``, validated against the features.
-
-    Args:
-        features: The features.
-        targets: ``[n]`` (needs ``m = 1``) or ``[n, m]``.
-
-    Returns:
-        ``[n, m, 1]`` on the features' device and dtype.
-
-    Raises:
-        ValueError: On a shape mismatch (both shapes named) or non-finite targets.
-    """
+    """Targets ``[n]`` (``m = 1``) or ``[n, m]``, validated, as ``[n, m, 1]`` in the features' device, dtype."""
     if not isinstance(targets, torch.Tensor):
         raise TypeError(f"targets must be a tensor, got {type(targets).__name__}")
     y = targets.unsqueeze(1) if targets.ndim == 1 else targets
@@ -74,26 +57,13 @@ def curvature_matvec(
 
 @dataclass(frozen=True)
 class Problem:
-    """``H x = c`` with ``H = ΦᵀBΦ + A``: the products every solver needs.
-
-    Attributes:
-        features: ``Φ``.
-        noise: ``B`` on the features' device.
-        a: ``[d]`` diagonal of ``A``.
-        c: ``[d, k]`` right-hand sides.
-        batch_size: Observations per operator call of the full-data products.
-    """
+    """``H x = c`` with ``H = ΦᵀBΦ + A`` (``a = diag(A) [d]``, ``c [d, k]``): the products solvers need."""
 
     features: Features
     noise: NoisePrecision
     a: Tensor
     c: Tensor
     batch_size: int
-
-    @property
-    def a1(self) -> Tensor:
-        """``diag(A)`` as a ``[d, 1]`` column."""
-        return self.a.unsqueeze(1)
 
     def data_batch(self, idx: Tensor, v: Tensor) -> Tensor:
         """``(n/b) Φ_idxᵀ B Φ_idx v``: the data curvature of a minibatch, scaled to the full sum."""
@@ -102,11 +72,11 @@ class Problem:
 
     def batch_matvec(self, v: Tensor, idx: Tensor) -> Tensor:
         """``Ĥ_idx v = (n/b) Φ_idxᵀ B Φ_idx v + A v``."""
-        return self.data_batch(idx, v) + self.a1 * v
+        return self.data_batch(idx, v) + self.a[:, None] * v
 
     def matvec(self, v: Tensor) -> Tensor:
         """``H v`` over all observations."""
-        return curvature_matvec(self.features, self.noise, v, self.batch_size) + self.a1 * v
+        return curvature_matvec(self.features, self.noise, v, self.batch_size) + self.a[:, None] * v
 
     def residual(self, x: Tensor) -> Tensor:
         """``H x − c`` over all observations."""
@@ -133,18 +103,7 @@ def features_t_noise_sqrt(
 ) -> tuple[Tensor, Tensor | None]:
     """``Φᵀ B^½ ε`` for fresh ``ε ~ N(0, I)`` of shape ``[n, m, k]``, drawn batch by batch.
 
-    The cross-covariance ``Φᵀ B^½ (Φᵀ B^½)ᵀ = ΦᵀBΦ``, so this is a sample of ``N(0, ΦᵀBΦ)``.
-
-    Args:
-        features: Features ``Φ``.
-        noise: Noise precision ``B`` (its Cholesky factor is the square root).
-        k: Number of samples.
-        batch_size: Observations per operator call.
-        generator: CPU generator for ``ε``.
-        keep: Also return ``ε`` (needed by the standard objective); memory ``O(n·m·k)``.
-
-    Returns:
-        ``(Φᵀ B^½ ε [d, k], ε [n, m, k] or None)``.
+    A sample of ``N(0, ΦᵀBΦ)``; returns ``(Φᵀ B^½ ε [d, k], ε [n, m, k] if keep else None)``.
     """
     out = torch.zeros(features.d, k, dtype=features.dtype, device=features.device)
     eps_all = torch.empty(features.n, features.m, k, dtype=features.dtype) if keep else None
@@ -157,13 +116,7 @@ def features_t_noise_sqrt(
 
 
 def check_memory(nbytes: int, device: torch.device, what: str, instead: str) -> None:
-    """Refuse, before allocating, a result of ``nbytes`` that the device's free memory cannot hold.
-
-    Free memory as ``partialbayes.predictive.internal.available_memory`` gives it; no check where it is unknown.
-
-    Raises:
-        ValueError: Naming ``what``, the bytes it needs, the bytes free and ``instead``.
-    """
+    """Refuse, before allocating, a result of ``nbytes`` that the device's free memory cannot hold."""
     free, _ = available_memory(device)
     if free is not None and nbytes > free:
         raise ValueError(

@@ -109,13 +109,7 @@ def error_bound(r: Tensor, x: Tensor, c: Tensor, a: Tensor) -> tuple[float, floa
     ``‖x − x*‖²_H = rᵀH⁻¹r ≤ rᵀA⁻¹r``, and by Cauchy–Schwarz in the ``H`` inner product
     ``‖x*‖²_H ≥ (cᵀx)² / xᵀHx``. Summed over the ``k`` columns, the returned bound ``ε`` satisfies
     ``Σ_j ‖x_j − x_j*‖²_H ≤ ε² Σ_j ‖x_j*‖²_H``. It is pessimistic by up to ``sqrt(λ_max(H) / α)`` in
-    the directions the data determine well.
-
-    Args:
-        r: ``[d, k]`` residual ``Hx − c``.
-        x: ``[d, k]`` iterate.
-        c: ``[d, k]`` right-hand sides.
-        a: ``[d]`` diagonal of the prior precision ``A``.
+    the directions the data determine well. ``r, x, c`` are ``[d, k]``, ``a = diag(A)`` is ``[d]``.
 
     Returns:
         ``(objective ½xᵀHx − cᵀx averaged over columns, bound ε, ‖r‖²_{A⁻¹} summed over columns)``;
@@ -158,19 +152,7 @@ def sgd_minimise(
     order, when ``batch_size >= n``), so every stochastic gradient is unbiased; shuffling without
     replacement at a constant step would bias the stationary point towards the start. Every
     ``check_every`` steps the averaged iterate is checked with one full pass (``problem.residual``).
-
-    Args:
-        problem: The quadratic (its right-hand sides ``c [d, k]`` and prior diagonal ``a`` also feed
-            the error bound).
-        grad_fn: Minibatch gradient estimate of ``f``.
-        x0: Initial iterate ``[d, k]``.
-        batch_size: Observations per step.
-        config: Optimiser settings.
-        lr: Step size.
-        generator: CPU generator for the minibatches.
-
-    Returns:
-        ``(averaged iterate [d, k], info)``.
+    Returns ``(averaged iterate [d, k], info)``.
 
     Raises:
         DivergenceError: If the iterate becomes non-finite or the residual grows beyond

@@ -66,13 +66,7 @@ def check_problem(
     method: str,
     sgd: SGDConfig | None,
 ) -> tuple[NoisePrecision, Tensor]:
-    """Validate the common arguments; returns the noise on the features' device and ``diag(A)``.
-
-    Raises:
-        TypeError: If ``features``, ``noise``, ``prior`` or ``sgd`` has the wrong type.
-        ValueError: On an unknown method, ``sgd`` settings with ``method="cg"``, or shapes that do
-            not fit the features.
-    """
+    """Validate the common arguments; returns the noise on the features' device and ``diag(A)``."""
     if not isinstance(features, Features):
         raise TypeError(f"features must be Features, got {type(features).__name__}")
     if not isinstance(noise, NoisePrecision):
@@ -191,9 +185,9 @@ def posterior_mean(
 
     def grad_fn(x: Tensor, idx: Tensor) -> Tensor:
         r = features.apply(idx, x) - y[idx]
-        return (features.n / idx.shape[0]) * features.apply_t(
-            idx, noise.apply(idx, r)
-        ) + problem.a1 * x
+        return (features.n / idx.shape[0]) * features.apply_t(idx, noise.apply(idx, r)) + problem.a[
+            :, None
+        ] * x
 
     x, info = _minimise(problem, grad_fn, x0, method, tol, max_iter, sgd, generator)
     return PosteriorMean(x[:, 0], _warn_unconverged("posterior_mean", info))

@@ -30,17 +30,7 @@ _MAX_HALVINGS = 30
 def shuffled_batches(
     n: int, n_batches: int, device: torch.device, generator: torch.Generator | None
 ) -> Iterator[Tensor]:
-    """Endless minibatches: each epoch a fresh permutation split into ``n_batches`` near-equal parts.
-
-    Args:
-        n: Number of observations.
-        n_batches: Batches per epoch (sizes differ by at most one).
-        device: Device of the index tensors.
-        generator: CPU generator for the permutations.
-
-    Yields:
-        ``[b]`` int64 index tensors.
-    """
+    """Endless ``[b]`` index batches: each epoch a fresh permutation split into ``n_batches`` parts."""
     while True:
         order = torch.randperm(n, generator=generator).to(device)
         yield from torch.tensor_split(order, n_batches)
@@ -61,20 +51,7 @@ def svrg_minimise(
     with one full pass; it is the next snapshot's gradient and gives the objective and the certified
     error bound. The solve stops when the bound is at most ``config.tol``. With ``adapt_lr``, a check
     whose objective did not decrease (or a non-finite iterate) halves the step and restarts from the
-    best snapshot.
-
-    Args:
-        problem: The quadratic: minibatch products ``Ĥ_idx v``, the full-data residual, ``c`` and
-            the prior diagonal (for the error bound).
-        x0: ``[d, k]`` initial iterate.
-        batch_size: Largest number of observations per step.
-        config: Solver settings.
-        lr: Initial step size.
-        adapt_lr: Halve the step on failure instead of raising.
-        generator: CPU generator for the minibatch order.
-
-    Returns:
-        ``(solution [d, k], info)``.
+    best snapshot. Returns ``(solution [d, k], info)``.
 
     Raises:
         DivergenceError: At a fixed step, if the iterate becomes non-finite or the residual grows
