@@ -53,15 +53,9 @@ def apply(
     warn: bool = False,
     **kwargs: Any,
 ) -> None:
-    """Call ``kernel(item, **kwargs)`` for every item, directly or packed (see the module docstring).
+    """Call ``kernel(item, **kwargs)`` for every item (one per parameter, all on one device), directly or packed.
 
-    Args:
-        kernel: An in-place kernel of :mod:`partialbayes.ivon._math`.
-        items: Named tuples of the kernel's item type, one per parameter (tensors of one shape per item, or
-            ``None``), all on one device.
-        compiled: Run the compiled kernel (falls back to eager where compiling fails).
-        warn: Warn (once per process) when compiling fails; otherwise fall back silently.
-        **kwargs: The kernel's keyword arguments.
+    ``compiled`` falls back to eager where compiling fails, with a warning (once per process) if ``warn``.
     """
     if not items:
         return
@@ -189,11 +183,7 @@ def _compiled(key: tuple[Any, ...], fn: Callable[..., None]) -> Callable[..., No
 
 
 def call(fn: Callable[..., None], item: Any, prepared: _Prepared, *, warn: bool) -> bool:
-    """Run the compiled ``fn(item, **kwargs)`` on an item of flat tensors; ``False`` if compiling fails.
-
-    Returns:
-        Whether the compiled kernel ran (if not, nothing was written).
-    """
+    """Run the compiled ``fn(item, **kwargs)`` on flat tensors; ``False`` (nothing written) if compiling fails."""
     if _STATE["ok"] is False:
         return False
     like = _first(item)

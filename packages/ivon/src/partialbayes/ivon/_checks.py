@@ -33,18 +33,7 @@ def validate_group(group: Mapping[str, Any], where: str = "") -> None:
 def check_state_dict(
     state_dict: Any, groups: Sequence[Mapping[str, Any]], label: Callable[[Tensor], str]
 ) -> None:
-    """Refuse a state dict that does not fit this optimizer, before anything is loaded.
-
-    Args:
-        state_dict: What ``load_state_dict`` was given.
-        groups: The optimizer's current parameter groups.
-        label: Names a parameter for messages.
-
-    Raises:
-        TypeError: If ``state_dict`` or a part of it has the wrong type.
-        ValueError: If groups, parameters, hyperparameters or per-parameter state do not match (the message
-            names the group and the parameter).
-    """
+    """Refuse a state dict that does not fit the optimizer's ``groups``, before anything is loaded."""
     where = "IVON.load_state_dict: "
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"{where}expected a dict, got {type(state_dict).__name__}")

@@ -20,9 +20,7 @@ def rank_seed(base: int) -> int:
 def all_reduce_weighted_mean_(tensors: list[Tensor], weight: float) -> None:
     """Replace each tensor ``t_r`` of rank ``r`` by ``Σ_r w_r·t_r / Σ_r w_r``, in place, with one all-reduce.
 
-    Args:
-        tensors: Same-device, same-dtype tensors (flattened into one buffer for the collective).
-        weight: This rank's weight ``w_r`` (e.g. the number of examples behind its gradients).
+    ``weight`` is this rank's ``w_r``; the tensors share a device and dtype.
     """
     if not tensors:
         return

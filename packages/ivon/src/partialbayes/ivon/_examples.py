@@ -28,25 +28,16 @@ def _row(inputs: Tensor | dict[str, Any], j: int, size: int) -> Tensor | dict[st
     }
 
 
-Example = tuple[
-    int, Tensor | dict[str, Any], int
-]  # (position in the loader, inputs of one example, label)
+#: ``(position in the loader, inputs of one example, label)``.
+Example = tuple[int, Tensor | dict[str, Any], int]
 
 
 def labelled_batches(loader: Iterable[Any], model: nn.Module, who: str) -> Iterator[list[Example]]:
     """The labelled examples of each batch of ``loader`` that has any: ``(position, inputs, label)``.
 
     The position counts every example of the loader in order, the unlabelled ones included; the inputs are
-    the example's model inputs as a batch of one.
-
-    Args:
-        loader: Batches of any kind ``predictive.internal.split_batch`` reads, with class labels ``[B]``.
-        model: The model (the inputs are moved to the device of its first parameter).
-        who: The caller, for messages.
-
-    Raises:
-        ValueError: Naming the batch: a batch without labels, labels that are not one class index per
-            example, an empty batch; or a loader without any labelled example.
+    the example's model inputs as a batch of one, on the device of the model's first parameter. ``who``
+    (the caller) starts every message.
     """
     device = next(model.parameters()).device
     seen = skipped = position = 0

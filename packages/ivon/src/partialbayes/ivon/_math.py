@@ -27,31 +27,21 @@ Scalar = float | Tensor
 class Hyper(NamedTuple):
     """The hyperparameters of one IVON update, by name."""
 
-    lr: Scalar
-    """Step size α (``lr·(hess_init + δ)`` with ``rescale_lr``)."""
-    beta1: Scalar
-    """Gradient momentum β1."""
-    beta2: Scalar
-    """Hessian momentum β2."""
-    weight_decay: Scalar
-    """δ, the prior precision divided by ``ess``."""
-    ess: Scalar
-    """Effective sample size λ."""
-    bias_correction: Scalar
-    """``1 − β1ᵗ`` at step ``t`` (1 without debiasing)."""
-    clip_radius: Scalar | None
-    """Element-wise clipping radius of the preconditioned step (``None``: no clipping)."""
+    lr: Scalar  # Step size α (``lr·(hess_init + δ)`` with ``rescale_lr``).
+    beta1: Scalar  # Gradient momentum β1.
+    beta2: Scalar  # Hessian momentum β2.
+    weight_decay: Scalar  # δ, the prior precision divided by ``ess``.
+    ess: Scalar  # Effective sample size λ.
+    bias_correction: Scalar  # ``1 − β1ᵗ`` at step ``t`` (1 without debiasing).
+    clip_radius: Scalar | None  # Element-wise clipping radius of the step (``None``: none).
 
 
 class Shift(NamedTuple):
     """Entering or leaving a weight sample: ``param`` ← ``param ± ε`` (writes ``param``)."""
 
-    param: Tensor
-    """``m`` on entry (``w`` on exit)."""
-    hess: Tensor
-    """``h``."""
-    noise: Tensor
-    """``z`` (float16; zero outside the variational entries)."""
+    param: Tensor  # ``m`` on entry (``w`` on exit).
+    hess: Tensor  # ``h``.
+    noise: Tensor  # ``z`` (float16; zero outside the variational entries).
 
     @property
     def written(self) -> tuple[Tensor, ...]:
@@ -62,12 +52,9 @@ class Shift(NamedTuple):
 class Fold(NamedTuple):
     """Folding one more MC sample's Hessian statistic into the running mean ``stat`` (writes ``stat``)."""
 
-    stat: Tensor
-    """The weighted running mean of the statistic so far."""
-    grad: Tensor
-    """The new sample's gradient ``g``."""
-    noise: Tensor | None
-    """The new sample's ``z`` (``None`` for ``"gradsq"``)."""
+    stat: Tensor  # The weighted running mean of the statistic so far.
+    grad: Tensor  # The new sample's gradient ``g``.
+    noise: Tensor | None  # The new sample's ``z`` (``None`` for ``"gradsq"``).
 
     @property
     def written(self) -> tuple[Tensor, ...]:
@@ -78,20 +65,13 @@ class Fold(NamedTuple):
 class Update(NamedTuple):
     """One IVON step of one tensor of entries (writes ``mean``, ``momentum`` and ``hess``)."""
 
-    mean: Tensor
-    """``m``: the parameter."""
-    momentum: Tensor
-    """``μ``."""
-    hess: Tensor
-    """``h > 0``."""
-    grad: Tensor
-    """``ĝ``: the gradient, averaged over the step's MC samples."""
-    noise: Tensor | None
-    """``z`` of the step's one sample whose statistic is still pending (``"price"`` only), else ``None``."""
-    stat: Tensor | None
-    """The statistic averaged over the step's samples, when already folded; else computed here."""
-    mask: Tensor | None
-    """Entries whose ``h`` is learned (elsewhere ``h`` stays fixed), or ``None`` for all."""
+    mean: Tensor  # ``m``: the parameter.
+    momentum: Tensor  # ``μ``.
+    hess: Tensor  # ``h > 0``.
+    grad: Tensor  # ``ĝ``: the gradient, averaged over the step's MC samples.
+    noise: Tensor | None  # ``z`` of the one sample whose statistic is pending ("price"), or None.
+    stat: Tensor | None  # The statistic averaged over the samples if folded, else None.
+    mask: Tensor | None  # Entries whose ``h`` is learned (elsewhere it stays fixed); None: all.
 
     @property
     def written(self) -> tuple[Tensor, ...]:
@@ -100,14 +80,7 @@ class Update(NamedTuple):
 
 
 def perturbation(hess: Tensor, noise: Tensor, *, scale: Scalar, weight_decay: Scalar) -> Tensor:
-    """``scale·z/√(h+δ)``: with ``scale = ±1/√λ`` the perturbation ``±ε`` of a weight sample.
-
-    Args:
-        hess: ``h``, any shape.
-        noise: ``z``, same shape (any floating dtype; the result has ``hess``'s dtype).
-        scale: ``±1/√λ``.
-        weight_decay: δ.
-    """
+    """``scale·z/√(h+δ)`` in ``hess``'s dtype: with ``scale = ±1/√λ`` the perturbation ``±ε`` of a sample."""
     return noise.to(hess.dtype) * torch.rsqrt(hess + weight_decay) * scale
 
 
@@ -116,17 +89,10 @@ def hess_statistic(grad: Tensor, noise: Tensor | None, *, hess_approx: str) -> T
 
     The Price estimate of the diagonal Hessian is ``ε·g/σ² = √(λ(h+δ))·z·g``; the factor is applied in
     :func:`ivon_update` (``h`` does not change between the samples of one step).
-
-    Args:
-        grad: The gradient ``g`` at the sample, any shape.
-        noise: The sample's ``z``, same shape (``None`` for ``"gradsq"``).
-        hess_approx: ``"price"`` or ``"gradsq"``.
     """
     if hess_approx == "gradsq":
         return grad * grad
-    if noise is None:
-        raise ValueError("hess_statistic: 'price' needs the sample's noise")
-    return noise.to(grad.dtype) * grad
+    return noise.to(grad.dtype) * grad  # type: ignore[union-attr]
 
 
 def ivon_update(
@@ -141,14 +107,7 @@ def ivon_update(
         h ← β2·h + (1−β2)·ĥ + ½(1−β2)²·(h−ĥ)²/(h+δ)          (h stays positive even where ĥ < 0)
         m ← m − α·clip((μ/(1−β1ᵗ) + δ·m)/(h+δ), ±clip_radius)
 
-    Args:
-        u: The entries (see `Update`).
-        hyper: The hyperparameters.
-        hess_approx: ``"price"`` or ``"gradsq"``.
-        learn_hess: ``False`` keeps ``h`` fixed (entries that are not variational).
-
-    Returns:
-        The new mean, momentum and Hessian estimate, each the shape of ``u.mean``.
+    ``learn_hess=False`` keeps ``h`` fixed (entries that are not variational).
     """
     hess = u.hess
     momentum = hyper.beta1 * u.momentum + (1 - hyper.beta1) * u.grad

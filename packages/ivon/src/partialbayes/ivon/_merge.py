@@ -124,19 +124,15 @@ def merge(
                     f"merge: precisions[{t}][{name!r}] must be a tensor >= 0 of shape {tuple(shape)}"
                 )
     theta0 = _base_weights(base, shapes) if base is not None else {}
-    merged = {}
+    merged, tiny = {}, torch.finfo(torch.float64).tiny
     for name in shapes:
         means = torch.stack([p.mean[name].double() for p in posteriors])
         weights = torch.stack([h[name].to(means.device, torch.float64) for h in precisions])
         origin = theta0[name].to(means.device, torch.float64) if name in theta0 else means.mean(0)
         total = base_precision + weights.sum(0)
-        pulled = origin + (weights * (means - origin)).sum(0) / total.clamp_min(
-            torch.finfo(torch.float64).tiny
-        )
-        merged[name] = torch.where(total > 0, pulled, means.mean(0)).to(
-            posteriors[0].mean[name].dtype
-        )
-    return merged
+        pulled = origin + (weights * (means - origin)).sum(0) / total.clamp_min(tiny)
+        merged[name] = torch.where(total > 0, pulled, means.mean(0))
+    return {n: m.to(posteriors[0].mean[n].dtype) for n, m in merged.items()}
 
 
 def squared_gradients(

@@ -26,12 +26,9 @@ _POOL: dict[str, ThreadPoolExecutor | int | None] = {"pool": None, "workers": 0}
 
 
 def normal_(tensors: list[Tensor], generator: torch.Generator | None) -> None:
-    """Fill each tensor with standard normal noise, drawn in float32 (same generator state, same noise).
+    """Fill tensors (all on one device) with standard normals drawn in float32 on ``generator``'s device.
 
-    Args:
-        tensors: Tensors to overwrite, all on one device, any floating dtype.
-        generator: Generator; ``None`` draws from the device's global RNG. Noise for a tensor on another
-            device than the generator is drawn on the generator's device and copied.
+    Same generator state, same noise; ``generator=None`` draws from the device's global RNG.
     """
     pending: list[Future[None]] = []
     try:
@@ -65,7 +62,7 @@ def _pieces(flat: Tensor, generator: torch.Generator | None) -> list[Future[None
     for start, seed in zip(starts, seeds, strict=True):
         piece = flat[start : start + PIECE]
         if pool is None:
-            _draw(piece, torch.Generator().manual_seed(seed))
+            _draw_seeded(piece, seed)
         else:
             jobs.append(pool.submit(_draw_seeded, piece, seed))
     return jobs

@@ -350,9 +350,7 @@ class IVON(torch.optim.Optimizer):
         if not self._noise:
             self._noise = {
                 p: torch.empty(p.shape, dtype=torch.float16, device=p.device)
-                for _group, params in self._buckets()
-                for p in params
-                if self.variational_mask(p) is not False
+                for p in self._variational()
             }
         # data-parallel replicas must stay equal to the bit: no rank-specific rounding of the means
         exact = self._sync_enabled()
@@ -550,46 +548,20 @@ class IVON(torch.optim.Optimizer):
     def _update(self, group: dict[str, Any], params: list[Tensor]) -> None:
         """The IVON update of one bucket, in place: learned ``h`` on variational entries, fixed elsewhere."""
         learn, fixed = [], []
+        pending = self._pending and self.hess_approx == "price"
         for p in params:
-            state = self.state[p]
-            mask = self.variational_mask(p)
+            state, mask = self.state[p], self.variational_mask(p)
+            fields = (p.detach(), state["momentum"], state["hess"], self._avg_grad[p])
             if mask is False:
-                fixed.append(
-                    Update(
-                        p.detach(),
-                        state["momentum"],
-                        state["hess"],
-                        self._avg_grad[p],
-                        None,
-                        None,
-                        None,
-                    )
-                )
-                continue
-            pending = self._pending and self.hess_approx == "price"
-            noise = self._noise[p] if pending else None
-            mask_tensor = mask if isinstance(mask, Tensor) else None
-            learn.append(
-                Update(
-                    p.detach(),
-                    state["momentum"],
-                    state["hess"],
-                    self._avg_grad[p],
-                    noise,
-                    self._stat.get(p),
-                    mask_tensor,
-                )
-            )
+                fixed.append(Update(*fields, None, None, None))
+            else:
+                noise = self._noise[p] if pending else None
+                mask = mask if isinstance(mask, Tensor) else None
+                learn.append(Update(*fields, noise, self._stat.get(p), mask))
         hyper, opts = self._hyper(group), self._compile_opts(params)
         for items, learn_hess in ((learn, True), (fixed, False)):
-            blocked.apply(
-                update_,
-                items,
-                hyper=hyper,
-                hess_approx=self.hess_approx,
-                learn_hess=learn_hess,
-                **opts,
-            )
+            kw = {"hyper": hyper, "hess_approx": self.hess_approx, "learn_hess": learn_hess}
+            blocked.apply(update_, items, **kw, **opts)
 
     def _hyper(self, group: dict[str, Any]) -> Hyper:
         delta = float(group["weight_decay"])

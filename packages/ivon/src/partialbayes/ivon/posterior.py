@@ -91,9 +91,7 @@ class _SampledFamily:
         self._model, self._subset = model, None
         if model is not None:
             _check_model(model, shapes, type(self).__name__)
-            self.subset.parameters_of(
-                model
-            )  # refuses a model on the meta device, by parameter name
+            self.subset.parameters_of(model)  # refuses a model on the meta device, by name
 
     @property
     def model(self) -> nn.Module:
