@@ -108,9 +108,7 @@ def linearised_logit_moments(
         raise ValueError("give either samples, or all of train_features, noise and prior")
     feats = network_features(model, inputs, params, output_fn=output_fn)
     mean = network_logits(model, inputs, batch_size=batch_size, output_fn=output_fn)
-    b = (
-        0 if samples is not None else min(batch_size, feats.n)
-    )  # the exact path's [b, m, b·m] identity
+    b = 0 if samples is not None else min(batch_size, feats.n)  # the exact path's [b, m, b·m] eye
     floats = (feats.n + b * b) * feats.m**2
     instead = "use linearised_logit_samples, which forms no m x m blocks"
     check_memory(floats * feats.dtype.itemsize, feats.device, "linearised_logit_moments", instead)

@@ -181,13 +181,12 @@ def posterior_mean(
     y = targets_3d(features, targets)
     bs = default_batch_size(features, batch_size)
     x0 = _initial_mean(features, init)
+    a1 = a[:, None]
     problem = Problem(features, noise, a, features_t_noise(features, noise, y, bs), bs)
 
     def grad_fn(x: Tensor, idx: Tensor) -> Tensor:
         r = features.apply(idx, x) - y[idx]
-        return (features.n / idx.shape[0]) * features.apply_t(idx, noise.apply(idx, r)) + problem.a[
-            :, None
-        ] * x
+        return (features.n / idx.shape[0]) * features.apply_t(idx, noise.apply(idx, r)) + a1 * x
 
     x, info = _minimise(problem, grad_fn, x0, method, tol, max_iter, sgd, generator)
     return PosteriorMean(x[:, 0], _warn_unconverged("posterior_mean", info))
@@ -281,8 +280,6 @@ def posterior_samples(
         return scale * features.apply_t(idx, noise.apply(idx, r)) + a1 * (z - theta0)
 
     grad_fn = low_variance if objective == "low_variance" else standard
-    # Start at the prior draw θ⁰: both objectives' minimiser equals θ⁰ on the null space of Φ, where
-    # only the weak prior curvature would otherwise pull the iterate (slowly) away from zero.
     z, info = _minimise(problem, grad_fn, theta0, method, tol, max_iter, sgd, generator)
     return PosteriorSamples(z, _warn_unconverged("posterior_samples", info))
 
