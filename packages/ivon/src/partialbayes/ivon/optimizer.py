@@ -229,10 +229,8 @@ class IVON(torch.optim.Optimizer):
             if not p.requires_grad:
                 raise ValueError(f"IVON.from_subset: subset parameter {name!r} is frozen")
             mask = subset.mask(name)
-            if (
-                not isinstance(mask, Tensor)
-                or tuple(mask.shape) != tuple(p.shape)
-                or mask.dtype != torch.bool
+            if not (
+                isinstance(mask, Tensor) and mask.dtype == torch.bool and mask.shape == p.shape
             ):
                 raise ValueError(
                     f"IVON.from_subset: mask of {name!r} must be a bool tensor of the storage shape "
