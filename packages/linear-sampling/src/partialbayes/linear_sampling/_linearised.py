@@ -56,10 +56,9 @@ def linearised_logit_samples(
     check_samples(samples, feats.d)
     mean = network_logits(model, inputs, batch_size=batch_size, output_fn=output_fn)
     out = torch.empty(feats.n, feats.m, samples.shape[-1], dtype=mean.dtype, device=mean.device)
+    z = samples.to(device=feats.device, dtype=feats.dtype)
     for idx in batches(feats.n, batch_size, feats.device):
-        out[idx] = feats.apply(idx, samples.to(device=feats.device, dtype=feats.dtype)).to(
-            mean.dtype
-        )
+        out[idx] = feats.apply(idx, z).to(mean.dtype)
     return (mean.unsqueeze(2) + out).permute(2, 0, 1)
 
 
