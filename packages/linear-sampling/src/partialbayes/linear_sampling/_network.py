@@ -239,11 +239,7 @@ def read_batches(
 
     Each batch is read once (one forward pass). A batch without kept outputs (every label -100) is
     skipped; one warning (pointing at the caller's caller) counts them, and a loader of nothing else
-    is refused.
-
-    Raises:
-        ValueError: If ``batches`` is empty, a batch is (naming it), the batches disagree on ``m``, or
-            no batch has a kept output.
+    is refused (the errors of `loader_features`).
     """
     parts: list[_Part] = []
     logits: list[Tensor] = []
