@@ -310,11 +310,9 @@ class IVON(torch.optim.Optimizer):
             ValueError: If ``batch_size`` is not a number > 0.
         """
         check_bool("IVON.sampled_params: train", train)
-        weight = (
-            1.0
-            if batch_size is None
-            else check_number("IVON.sampled_params: batch_size", batch_size)
-        )
+        weight = 1.0
+        if batch_size is not None:
+            weight = check_number("IVON.sampled_params: batch_size", batch_size)
         if self._sampling:
             raise RuntimeError("IVON.sampled_params: already inside sampled_params (nested use)")
         self._sampling = True
@@ -370,9 +368,8 @@ class IVON(torch.optim.Optimizer):
         for p, mean in self._stash.items():
             p.detach().copy_(mean)
         for group, params in self._buckets():
-            self._shift(
-                group, [p for p in params if p in self._noise and p not in self._stash], -1.0
-            )
+            noisy = [p for p in params if p in self._noise and p not in self._stash]
+            self._shift(group, noisy, -1.0)
         self._stash = {}
 
     def _shift(self, group: dict[str, Any], params: list[Tensor], sign: float) -> None:
