@@ -210,17 +210,24 @@ def swag_prediction(ctx: Context, subset: Subset) -> Prediction:
             progress=False,
         )
         lr, swag = result.lr, result.swag
-    fit = time.perf_counter() - t0
+    extra = {"swag_lr": lr, "swag_lr_swept": len(s.swag_lrs) > 1}
+    return _sampled_prediction(ctx, subset, swag, time.perf_counter() - t0, extra)
+
+
+def _sampled_prediction(
+    ctx: Context, subset: Subset, post: Posterior, fit: float, extra: dict[str, object]
+) -> Prediction:
+    """The :class:`Prediction` of a sample-based posterior on ``subset`` (its MC test / validation probs)."""
     t0 = time.perf_counter()
-    test, val = _mc_probs(ctx, swag, SWAG_SAMPLES_OFFSET)
+    test, val = _mc_probs(ctx, post, SWAG_SAMPLES_OFFSET)
     return Prediction(
         probs=test,
-        floats=int(swag.num_floats),
+        floats=int(post.num_floats),
         n_stochastic=subset.num_entries(),
         percent_stochastic=float(subset.percent_of(ctx.model)),
         fit_seconds=fit,
         predict_seconds=time.perf_counter() - t0,
-        extra={"swag_lr": lr, "swag_lr_swept": len(s.swag_lrs) > 1, "modules": modules_of(subset)},
+        extra={**extra, "modules": modules_of(subset)},
         val_nll=val_nll(val, ctx.labels("val")),
     )
 
@@ -273,23 +280,8 @@ def sghmc_prediction(ctx: Context, subset: Subset, *, parallel: bool) -> Predict
             chain = run_chain(ctx.model, subset, ctx.train, n_steps=steps, seed=seed,
                               burn_in=steps // 2, thin=thin, **options)  # fmt: skip
             post = chain.posterior()
-    fit = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    test, val = _mc_probs(ctx, post, SWAG_SAMPLES_OFFSET)
-    return Prediction(
-        probs=test,
-        floats=int(post.num_floats),
-        n_stochastic=subset.num_entries(),
-        percent_stochastic=float(subset.percent_of(ctx.model)),
-        fit_seconds=fit,
-        predict_seconds=time.perf_counter() - t0,
-        extra={
-            "sghmc_lr": SGHMC_LR,
-            "sghmc_states": post.num_samples,
-            "modules": modules_of(subset),
-        },
-        val_nll=val_nll(val, ctx.labels("val")),
-    )
+    extra = {"sghmc_lr": SGHMC_LR, "sghmc_states": post.num_samples}
+    return _sampled_prediction(ctx, subset, post, time.perf_counter() - t0, extra)
 
 
 def _sghmc_method(name: str, about: str, sizes: Callable[[Context], list[str]], parallel: bool,
