@@ -1,10 +1,8 @@
 """Diagonal and dense GGN / Fisher of the entries of any subset of linear-map weights (masks included).
 
-Both come from the per-example gradients ``g = J_nᵀ v`` of the subset's entries, built from hooked
-activations and output gradients of the linear maps (exact, every token counts; no vmap over the model).
-Token-level outputs: ``"exact"`` and ``"empirical"`` need each kept position's own gradient (``S`` passes
-per position, `cotangents` ``"each"``); ``"mc"`` sums independent zero-mean samples of every position in
-one pass (``"joint"``): the cross-position terms vanish in expectation, unbiased at ``1/T`` of the cost.
+From the per-example gradients ``g = J_nᵀ v`` of the hooked maps. Token-level outputs: ``"exact"`` and
+``"empirical"`` take each position's own gradient (positions ``"each"``); ``"mc"`` sums zero-mean samples of
+every position in one pass (``"joint"``: the cross terms vanish in expectation).
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """Reduction of running sums across ranks when ``torch.distributed`` is initialised.
 
-Factors are accumulated as sums (``Σ δδᵀ``, ``Σ xxᵀ``, ``Σ x``, counts), so one ``SUM`` all-reduce of each
-gives exactly the single-process factors: ``G`` summed over all examples, ``A`` averaged by the total count.
-
-A rank that raises while streaming its shard would leave the others waiting forever in the next all-reduce;
-`fail_together` wraps the local part so that every rank takes part in one extra all-reduce of a failure flag
-and all of them raise.
+One ``SUM`` all-reduce of each sum gives the single-process factors; `fail_together` makes an error on one
+rank fail every rank instead of leaving them waiting in the next all-reduce.
 """
 
 from __future__ import annotations
@@ -27,14 +23,7 @@ def all_reduce(t: Tensor, op: str = "sum") -> Tensor:
 
 @contextmanager
 def fail_together(device: torch.device) -> Iterator[None]:
-    """Run local (collective-free) work so that an error on one rank fails every rank instead of hanging.
-
-    On exit every rank all-reduces one failure flag on ``device`` (the model's: CUDA for NCCL, the CPU for
-    gloo). A rank whose body raised re-raises its own error; the others raise a ``RuntimeError``.
-
-    Raises:
-        RuntimeError: On a rank whose body succeeded when the body raised on another rank.
-    """
+    """Run collective-free work; on exit every rank all-reduces a failure flag and raises if any rank did."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         yield
         return

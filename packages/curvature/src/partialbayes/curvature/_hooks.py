@@ -1,18 +1,10 @@
-"""Forward hooks and the backward passes that the curvature routines and the linearised predictive run.
+"""Forward hooks and the backward passes of the curvature routines and the linearised predictive.
 
-One forward pass per minibatch records, for each hooked linear map, its input ``x`` (already gathered to the
-selected columns) and its output tensor (`hooked_forward`). Then backward passes of the logits return
-``δ``, the gradient w.r.t. every hooked output, through ``torch.autograd.grad`` (no parameter ``.grad`` is
-touched, no weight gradients are computed); `cotangents` states once which passes run. Two users:
-`stream`, the curvature's pass over a loader (the cotangents are the fisher's output vectors), and
-`output_passes`, the per-position unit cotangents ``e_k`` of the Jacobians and of the Kronecker predictive.
-Nothing about an example is kept beyond its batch.
-
-A module called several times per forward pass (tied weights, a layer applied twice, a module reused in a
-loop) records every call; each call's ``δ`` is the gradient w.r.t. that call's own output tensor, so inputs
-and gradients are paired by call. The calls are merged as extra token positions of each example
-(`merge_calls`): its per-example gradient is ``Σ_calls Σ_t δ_t x_tᵀ``, and KFAC's ``reduce`` / ``expand``
-treat the calls exactly like tokens (Eschenhagen et al., 2023, weight sharing over ``R`` positions).
+One forward pass per batch records each hooked linear map's input ``x`` (gathered to the selected columns)
+and output; backward passes of the logits then give ``δ``, the gradient w.r.t. every hooked output
+(``torch.autograd.grad``: no parameter ``.grad``). A module called several times per forward pass has its
+calls merged as extra token positions (`merge_calls`; Eschenhagen et al., 2023, weight sharing over ``R``
+positions).
 """
 
 from __future__ import annotations
@@ -39,16 +31,7 @@ from partialbayes.predictive.internal import model_logits
 
 
 def merge_calls(name: str, tensors: list[Tensor]) -> Tensor:
-    """Merge the per-call tensors of one module into one, the calls as extra token positions.
-
-    One call is returned as it is. Several calls (a shared / tied / looped module) are concatenated along
-    the token axis: ``[B, d]`` calls count as one position each, ``[B, T_k, d]`` calls as ``T_k``, giving
-    ``[B, Σ_k T_k, d]`` in call order.
-
-    Raises:
-        ValueError: Naming the module, when the calls do not share the batch dimension ``B`` or are not
-            ``[B, d]`` / ``[B, T, d]``.
-    """
+    """One module's per-call ``[B, d]`` / ``[B, T_k, d]`` tensors as one ``[B, Σ_k T_k, d]`` (one call as is)."""
     if len(tensors) == 1:
         return tensors[0]
     lead = tensors[0].shape[0]
@@ -63,15 +46,7 @@ def merge_calls(name: str, tensors: list[Tensor]) -> Tensor:
 
 
 def token_masks(calls: Mapping[str, list[Tensor]], mask: Tensor | None) -> dict[str, Tensor | None]:
-    """Which positions of each module's merged inputs count: ``{module: float mask [B, T] | None}``.
-
-    ``None`` for a module called once with ``[B, d]`` inputs (one row per example). Otherwise one column per
-    position of the merged calls: a ``[B, d]`` call is one position (1), a ``[B, T, d]`` call takes the
-    attention mask when its shape matches, else ones.
-
-    Raises:
-        ValueError: Activations that are neither ``[B, d]`` nor ``[B, T, d]``.
-    """
+    """``{module: float mask [B, T] | None}`` of the real positions of each module's merged inputs."""
     out: dict[str, Tensor | None] = {}
     for name, xs in calls.items():
         parts = []
@@ -91,15 +66,7 @@ def token_masks(calls: Mapping[str, list[Tensor]], mask: Tensor | None) -> dict[
 
 
 def check_untied(model: nn.Module, modules: Mapping[str, nn.Module]) -> None:
-    """Refuse target weights shared with another module of ``model`` (tied parameters).
-
-    The hooks see only the target module's calls, so a tied weight's curvature would silently miss the
-    other module's use. Only weights registered on a module itself count (PEFT's ``query`` exposing
-    ``query.base_layer.weight`` is no tie); calling one module several times is supported.
-
-    Raises:
-        ValueError: Naming the target module and the modules it shares its weight with.
-    """
+    """Refuse target weights tied to another module (the hooks would miss its use); repeated calls are fine."""
     owner = {id(m.weight): name for name, m in modules.items()}
     tied: dict[str, list[str]] = {}
     for name, mod in model.named_modules(remove_duplicate=False):
@@ -121,11 +88,7 @@ def check_untied(model: nn.Module, modules: Mapping[str, nn.Module]) -> None:
 def prepared(
     model: nn.Module, modules: Mapping[str, nn.Module], switch: bool = True
 ) -> Iterator[None]:
-    """Eval mode, gradients enabled, target weights differentiable; all restored afterwards, even on error.
-
-    Every module gets its own mode back (``model.train(mode)`` would impose the root's on all). With
-    ``switch=False`` the model's mode is left alone.
-    """
+    """Eval mode (``switch``), gradients on, target weights differentiable; every module's state restored."""
     modes = [(m, m.training) for m in model.modules()]
     weights: list[Tensor] = [m.weight for m in modules.values()]  # type: ignore[misc]
     flags = [(w, bool(w.requires_grad)) for w in weights]
@@ -170,22 +133,7 @@ def hooked_forward(
     *,
     switch: bool = True,
 ) -> tuple[Tensor, dict[str, list[Tensor]], dict[str, list[Tensor]]]:
-    """One forward pass of ``inputs`` recording every call of the hooked linear maps (inside `prepared`).
-
-    Args:
-        model: The network.
-        inputs: Model inputs (a tensor or keyword inputs).
-        modules: Module name -> ``nn.Linear`` / HF ``Conv1D`` to hook.
-        cols: Module -> selected input indices (``None``: all), on the model's device.
-        switch: Evaluate in eval mode.
-
-    Returns:
-        ``(logits, inputs per call, outputs per call)``: the logits with their graph (backward passes
-        need no other state), each module's gathered and detached inputs, and its output tensors.
-
-    Raises:
-        ValueError: A hooked module not called by the forward pass.
-    """
+    """One forward pass recording every call of ``modules``: ``(logits with graph, inputs per call, outputs per call)``."""
     calls_in: dict[str, list[Tensor]] = {n: [] for n in modules}
     calls_out: dict[str, list[Tensor]] = {n: [] for n in modules}
     with prepared(model, modules, switch):
@@ -209,23 +157,10 @@ def hooked_forward(
 def cotangents(
     logits: Tensor, vectors: Tensor, keep: Tensor | None, positions: str
 ) -> Iterator[Tensor]:
-    """The cotangents of the backward passes, shaped like ``logits``, built one at a time.
+    """The cotangents ``[B, (T,) C]`` of the backward passes, one at a time, from ``vectors [S, N, C]``.
 
-    The one statement of which backward passes run: `stream` (curvature, ``vectors`` from
-    ``CurvatureOptions.output_vectors``) and ``output_passes`` (Jacobians and the predictive, ``vectors`` the unit vectors
-    ``e_k``) both iterate it.
-
-    Args:
-        logits: ``[B, C]`` or ``[B, T, C]``.
-        vectors: ``[S, N, C]`` output-space vectors of the ``N`` output rows (row-major kept positions).
-        keep: ``[B, T]`` kept positions of token-level logits (``None`` for ``[B, C]``).
-        positions: ``"joint"``: ``S`` passes, each carrying every kept position's vector (cross-position
-            terms ``J_tᵀ v_t v_uᵀ J_u`` enter the outer products, except where positions do not interact);
-            ``"each"``: ``S`` passes per round of `position_plan` (one kept position ``t`` per example,
-            every other position zero), which gives the exact per-output gradients ``J_tᵀ v_t``.
-
-    Yields:
-        Cotangents ``[B, C]`` / ``[B, T, C]``.
+    ``positions="joint"``: ``S`` passes carrying every kept position; ``"each"``: ``S`` per round of
+    `position_plan` (one position per example: exact per-output gradients).
     """
     if keep is None:
         for v in vectors:
@@ -250,12 +185,7 @@ def cotangents(
 def backward_passes(
     logits: Tensor, calls: Mapping[str, list[Tensor]], cots: Iterator[Tensor]
 ) -> Iterator[dict[str, Tensor]]:
-    """``{module: δ}`` for each cotangent in turn, the calls merged; the graph is kept until the last one.
-
-    Each call's output gradient comes from its own output tensor, so it is paired with that call's input
-    (no reliance on the order in which backward hooks would fire); it is the total derivative, including
-    the paths through later calls of the same module. Unused outputs get zero gradients.
-    """
+    """``{module: δ}`` per cotangent (calls merged; each paired with its own output); the graph kept to the last."""
     flat = [t for ts in calls.values() for t in ts]
     nxt = next(cots, None)
     while nxt is not None:
@@ -278,20 +208,7 @@ right after its forward pass, before the backward passes."""
 
 @dataclass
 class Run:
-    """One streamed pass over a loader: its per-call arguments, and what it saw.
-
-    The public function that starts the pass calls `finish` when it is done, so its warnings name the line
-    of the user's call.
-
-    Attributes:
-        generator: Random generator of ``fisher="mc"``.
-        progress: Show a tqdm progress bar.
-        on_batch: Observer of each batch's output rows and labels (`BatchObserver`).
-        preflight: Called once with the first batch's logits, kept positions and mask, before its backward
-            passes (the memory check of a fit).
-        batches: Batches read from the loader.
-        skipped: Batches skipped because they hold no labelled output (every label -100).
-    """
+    """One streamed pass over a loader: its arguments (``preflight``: once, on the first batch) and counts."""
 
     generator: torch.Generator | None = None
     progress: bool = False
@@ -301,11 +218,7 @@ class Run:
     skipped: int = 0
 
     def finish(self, model: nn.Module) -> None:
-        """Warn once about what the pass did silently (stack level: the caller of the public function).
-
-        A model in training mode (the curvature was computed in eval mode, every module's mode restored),
-        and the batches skipped for having no labelled output.
-        """
+        """Warn about a model left in training mode and skipped batches (stack level: the user's call)."""
         if model.training:
             warnings.warn(
                 "model is in training mode; the curvature was computed in eval mode (dropout would "
@@ -324,20 +237,7 @@ class Run:
 
 @dataclass
 class BatchPasses:
-    """One minibatch: recorded inputs and a lazy iterator over the backward passes.
-
-    Attributes:
-        index: Batch index in the loader.
-        n_examples: Examples (sequences) in the batch, ``B``.
-        inputs: Module -> gathered input ``x`` (``[B, c]`` or ``[B, T, c]``; the calls of a module called
-            several times merged as extra positions).
-        keep: ``[B, T]`` bool mask of the kept output positions of token-level logits, ``None`` for
-            ``[B, C]`` logits.
-        token_masks: Module -> float mask ``[B, T]`` of the real positions of ``inputs`` (`token_masks`);
-            not the kept *output* positions: a prompt token labelled -100 still feeds the kept ones.
-        passes: Iterator of ``{module: δ}`` (``[B, n_out]`` or ``[B, T, n_out]``, full rows), one per
-            cotangent; exhaust it before advancing to the next batch.
-    """
+    """One batch: merged inputs, kept positions, input token masks and a lazy iterator of ``{module: δ}``."""
 
     index: int
     n_examples: int
@@ -355,25 +255,7 @@ def stream(
     run: Run,
     positions: str = "joint",
 ) -> Iterator[BatchPasses]:
-    """Stream the loader: one forward pass per batch, then the fisher's backward passes, lazily.
-
-    The loader is read once (a generator works), each batch by `read_batch`. A batch left with no labelled
-    output (every label -100) is skipped and counted in ``run.skipped``. Labels, when a batch has them, are
-    validated by ``check_labels`` whatever the fisher type; ``run.on_batch`` sees every batch's output rows
-    and labels.
-
-    Args:
-        model: The network (evaluated in eval mode; every module's mode restored after each forward pass).
-        loader: Iterable of batches (read once).
-        modules: Module name -> hooked linear map (inputs recorded whole: a view autograd keeps).
-        options: The checked curvature options.
-        run: The pass's generator, progress bar and observer; counts the batches read and skipped.
-        positions: For token-level logits, ``"joint"`` or ``"each"`` (see `cotangents`).
-
-    Raises:
-        ValueError: Empty loader; every batch without a labelled output; a hooked module not reached by
-            the forward pass; bad logits / labels (naming the batch).
-    """
+    """Stream ``loader``: one forward pass per batch (labels and logits checked), then the fisher's backward passes, lazily."""
     device = model_device(model)
     it: Iterable[Any] = loader
     if run.progress:
@@ -436,17 +318,7 @@ def stream(
 
 @dataclass
 class PositionGrads:
-    """The ``K`` backward passes of one round of `position_plan` (one kept position per example).
-
-    Attributes:
-        examples: ``[n]`` indices of the examples with an output in this round (all ``B`` for ``[B, C]``
-            logits).
-        keys: ``[n]`` row-major keys ``b·T + t`` of those outputs (``b`` for ``[B, C]`` logits); sorting by
-            them puts rows in `partialbayes.predictive.flatten_outputs` order.
-        grads: Module -> one ``δ`` per logit ``k`` of ``Outputs.ids`` ``[B, (T',) r]`` (gathered to the
-            selected rows, detached); the gradient of logit ``(b, t, k)`` for the kept examples, zero for
-            the others.
-    """
+    """One round of `position_plan`: ``examples [n]``, row-major ``keys [n]``, ``{module: [δ per logit k]}``."""
 
     examples: Tensor
     keys: Tensor
@@ -455,14 +327,7 @@ class PositionGrads:
 
 @dataclass
 class OutputPasses:
-    """One forward pass with hooks and a lazy iterator over the per-position backward passes.
-
-    Attributes:
-        logits: Detached logits as the model returns them, ``[B, C]`` or ``[B, T, C]``.
-        keep: ``[B, T]`` kept positions of token-level logits, ``None`` for ``[B, C]``.
-        inputs: Module -> recorded input ``x`` (gathered to the selected columns, calls merged).
-        positions: One `PositionGrads` per round of `position_plan`.
-    """
+    """One hooked forward pass: detached ``logits``, ``keep``, merged ``inputs`` and lazy `PositionGrads`."""
 
     logits: Tensor
     keep: Tensor | None
@@ -477,7 +342,7 @@ def _position_grads(
     rows: Mapping[str, Tensor | None],
     ids: Tensor,
 ) -> Iterator[PositionGrads]:
-    """The ``K`` backward passes with cotangents ``e_k``, ``k ∈ ids``, of every kept position (``"each"``)."""
+    """The ``K`` backward passes (cotangents ``e_k``, ``k ∈ ids``) of every kept position, round by round."""
     b, n_cls = logits.shape[0], len(ids)
     plan = position_plan(keep, b, logits.device)
     if not plan:  # no kept output: zero gradients of the right shapes, no backward pass
@@ -510,18 +375,7 @@ def output_passes(
     cols: Mapping[str, Tensor | None],
     rows: Mapping[str, Tensor | None],
 ) -> OutputPasses:
-    """Forward pass with hooks on ``modules``, then (lazily) ``K`` backward passes per kept output position.
-
-    Gradients are taken w.r.t. the hooked outputs only (no parameter ``.grad``); the model's mode is left
-    as it is.
-
-    ``outputs`` tells which positions and logits count (``K = C``, or ``len(outputs.target_ids)``);
-    ``modules`` / ``cols`` as for `hooked_forward`; ``rows`` gather the output gradients (``None``: all).
-
-    Raises:
-        ValueError: A hooked module not called by the forward pass; logits of an unsupported shape or
-            token-level logits without an attention mask or labels.
-    """
+    """Hooked forward pass, then lazily ``K`` backward passes per kept position (``rows`` gather ``δ``)."""
     logits, calls_in, calls_out = hooked_forward(model, inputs, modules, cols, switch=False)
     keep = outputs.keep(logits)
     return OutputPasses(
@@ -535,7 +389,7 @@ def output_passes(
 
 
 def in_row_order(keys: list[Tensor], parts: list[Tensor]) -> Tensor:
-    """Concatenate per-position results ``[n_i, ...]`` and sort their rows by key (row-major ``(b, t)``)."""
+    """Concatenate per-round results ``[n_i, ...]`` sorted by key (row-major ``(b, t)``)."""
     if len(parts) == 1:
         return parts[0]
     order = torch.argsort(torch.cat(keys))

@@ -1,10 +1,7 @@
 """Per-example gradients and logit Jacobians of linear maps from hooked activations (no vmap over the model).
 
-For a linear map with inputs ``x_t`` and output gradients ``δ_t`` over the tokens ``t`` of one example, the
-per-example gradient of its weight is ``Σ_t δ_t x_tᵀ`` (logical n_out x n_in orientation) and of its bias
-``Σ_t δ_t``. Every token counts here (these are exact gradients); padding tokens have ``δ_t = 0`` whenever the
-logits do not depend on them. The backward passes come from ``_hooks.output_passes``; parameters outside
-linear maps fall back to plain reverse mode (`param_jacobians`).
+Per example the weight gradient is ``Σ_t δ_t x_tᵀ`` (logical n_out x n_in) and the bias's ``Σ_t δ_t``;
+parameters outside linear maps fall back to plain reverse mode (`param_jacobians`).
 """
 
 from __future__ import annotations
@@ -43,10 +40,7 @@ def example_bias_grads(d: Tensor) -> Tensor:
 
 
 def block_grads(x: Tensor, d: Tensor, bias: bool) -> Tensor:
-    """Per-example gradient of the block ``(W[R][:, C] | b[R])``: ``[B, r, c (+1)]``, bias column last.
-
-    ``x`` is already gathered to ``C`` and ``δ`` to ``R``.
-    """
+    """Per-example gradient ``[B, r, c (+1)]`` of ``(W[R][:, C] | b[R])`` from gathered ``x``, ``δ``; bias column last."""
     w = example_weight_grads(x, d)
     if not bias:
         return w
@@ -109,22 +103,10 @@ def output_jacobians(
     rows: Mapping[str, Tensor | None],
     combine: Callable[[Mapping[str, Tensor], Mapping[str, Tensor]], dict[str, Tensor]],
 ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
-    """Per-output results of every class's backward pass, stacked: ``{key: [N, C, ...]}``.
+    """``(logits, keep, {key: [N, K, ...]})``: ``combine(x, δ_k)`` of every logit's backward pass, stacked.
 
-    Args:
-        model: Network returning logits ``[B, C]`` or ``[B, T, C]``.
-        inputs: Model inputs.
-        outputs: Which positions of token-level logits count.
-        modules: Module name -> linear map to hook.
-        cols: Module -> selected input indices (``None``: all).
-        rows: Module -> selected output indices (``None``: all).
-        combine: ``(x by module, δ_k by module) -> {key: [B, ...]}`` for one class ``k``: ``x`` as recorded
-            (``[B, (T,) |C|]``), ``δ_k`` the gradient of logit ``k`` (of the current position) ``[B, (T,) r]``.
-
-    Returns:
-        ``(logits, keep, results)``: the detached logits as the model returns them (``[B, C]`` or
-        ``[B, T, C]``), the ``[B, T]`` kept positions of token-level logits (``None`` for ``[B, C]``) and
-        the stacked results, one row per output (example, or kept position in row-major ``(b, t)`` order).
+    ``combine`` maps the recorded inputs ``[B, (T,) c]`` and one logit's ``δ_k`` ``[B, (T,) r]`` (by module) to
+    ``{key: [B, ...]}``; rows are examples, or kept positions in row-major order.
     """
     ps = output_passes(model, inputs, outputs, modules, cols, rows)
     parts: dict[str, list[Tensor]] = {}
@@ -159,12 +141,7 @@ class ParamTarget:
 def param_targets(
     model: nn.Module, subset: Subset
 ) -> tuple[list[ParamTarget], dict[str, nn.Module]]:
-    """Map every parameter of ``subset`` to its linear map.
-
-    Raises:
-        TypeError: If ``subset`` is not a Subset.
-        ValueError: A parameter that is not the weight or bias of an ``nn.Linear`` / HF ``Conv1D``.
-    """
+    """Every parameter of ``subset`` with its owning linear map (refusing any other parameter), and those maps."""
     if not isinstance(subset, Subset):
         raise TypeError(
             f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
@@ -224,17 +201,7 @@ def entry_grads(t: ParamTarget, x: Tensor, d: Tensor) -> Tensor:
 def param_jacobians(
     model: nn.Module, inputs: Tensor | Mapping[str, Any], outputs: Outputs, subset: Subset
 ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
-    """Per-output logit Jacobians w.r.t. the subset's entries, by reverse mode over all logits.
-
-    Generic (any parameter, any mask) but costs one batched backward pass over ``B·K`` cotangents per
-    output position (``K = C``, or the ``target_ids`` of ``outputs``) (falling back to ``B·C`` plain backward passes when batching fails). Examples must not
-    interact (eval mode, no batch statistics).
-
-    Returns:
-        ``(logits, keep, {param name: J [N, C, k]})`` (see ``output_jacobians``) with ``k`` entries in
-        ``subset.gather`` order; one row per example, or per kept position (row-major) of token-level
-        logits.
-    """
+    """``(logits, keep, {param: J [N, K, k]})`` by batched reverse mode over ``B·K`` cotangents per position (any parameter)."""
     params = dict(model.named_parameters())
     targets = [params[n] for n in subset.names]
     with torch.enable_grad():
@@ -278,10 +245,7 @@ def param_jacobians(
 
 
 def _batched_grads(f: Tensor, targets: Sequence[Tensor], cot: Tensor) -> tuple[Tensor | None, ...]:
-    """Gradients of ``f`` w.r.t. ``targets`` for a batch of cotangents ``cot [K, *f.shape]``: ``[K, *p.shape]``.
-
-    ``None`` where ``f`` does not depend on a target.
-    """
+    """Gradients ``[K, *p.shape]`` of ``f`` for cotangents ``cot [K, *f.shape]`` (``None``: unused); looped if batching fails."""
     try:
         return torch.autograd.grad(
             f, targets, cot, is_grads_batched=True, allow_unused=True, retain_graph=True
@@ -300,16 +264,7 @@ def _batched_grads(f: Tensor, targets: Sequence[Tensor], cot: Tensor) -> tuple[T
 def subset_jacobians(
     model: nn.Module, inputs: Tensor | Mapping[str, Any], outputs: Outputs, subset: Subset
 ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
-    """Per-output logit Jacobians ``{param: [N, C, k]}`` in ``subset.gather`` order.
-
-    Subsets of weights and biases of linear maps (Kronecker or elementwise blocks) use the hooks (``C``
-    backward passes per output position, per-example gradients from recorded activations); any other
-    subset falls back to `param_jacobians`.
-
-    Returns:
-        ``(logits, keep, {param name: J [N, C, k]})``: one row per example, or per kept position of
-        token-level logits (row-major).
-    """
+    """``(logits, keep, {param: J [N, K, k]})`` in ``subset.gather`` order: hooks for linear maps, else `param_jacobians`."""
     try:
         targets, modules = param_targets(model, subset)
     except ValueError:

@@ -1,12 +1,7 @@
 """KFAC and Sparse-KFAC factors of the linear maps of a Kronecker-structured subset, streamed over a loader.
 
-Convention (laplace-torch): ``G`` is SUMMED over examples, ``A`` AVERAGED, so ``G ⊗ A`` approximates the
-summed curvature of the block ``vec(W[R][:, C] | b[R])`` taken row-major (entry ``(i, j)`` ↔ ``i·c + j``).
-The statistics themselves are `_kfac_math`'s; this module streams them (`FactorAccumulator`).
-
-A bias kept separate (``bias="separate"``) has the constant input 1, so its output-gradient factor is the
-weight's ``G`` and ``A_bias = [1]`` (the average of 1 over the counted rows): the folded approximation with
-the weight–bias cross terms ``A[:c, c]`` set to zero, ``blockdiag(A, A_bias)``.
+``G`` SUMMED, ``A`` AVERAGED (laplace-torch): ``G ⊗ A`` approximates the summed curvature of
+``vec(W[R][:, C] | b[R])``, row-major. A separate bias has ``A_bias = [1]``: ``blockdiag(A, A_bias)``.
 """
 
 from __future__ import annotations
@@ -75,12 +70,7 @@ class ModuleFactors:
 
 
 class FactorAccumulator:
-    """Running sums for one module: ``Σ δδᵀ``, ``Σ x̃x̃ᵀ`` and the number of rows of ``x``.
-
-    Each side is a `NystromSketch`: summed whole, or sketched when larger than ``max_rank`` (never
-    ``n × n``), allocated by the first batch. With ``bias`` the input rows are ``x̃ = (x, w)``, ``w`` their
-    weights (1, or the token mask under ``expand``), so that ``Σ x̃x̃ᵀ / count`` is `input_factor`'s ``A``.
-    """
+    """One module's running ``Σ δδᵀ``, ``Σ x̃x̃ᵀ`` (`NystromSketch` sides; ``x̃ = (x, w)`` with ``bias``) and row count."""
 
     def __init__(
         self,
@@ -107,7 +97,7 @@ class FactorAccumulator:
         self.count += count
 
     def factors(self) -> tuple[Tensor | LowRankFactor, Tensor | LowRankFactor, Tensor]:
-        """``(G, A, count)`` summed over ranks: ``G`` summed, ``A`` averaged (a sketched side: low-rank)."""
+        """``(G, A, count)`` reduced over ranks: ``G`` summed, ``A`` averaged."""
         for t in [*self.sides[0].sums(), *self.sides[1].sums(), self.count]:
             all_reduce(t)
         g, a = self.sides
@@ -116,14 +106,7 @@ class FactorAccumulator:
 
 @dataclass(frozen=True)
 class KronTargets:
-    """The linear maps of a Kronecker-structured subset, resolved once against a model.
-
-    Attributes:
-        kmods: ``subset.kron_modules()``: each map's rows ``R``, columns ``C`` and parameter names.
-        modules: Module name -> the ``nn.Linear`` / HF ``Conv1D`` to hook.
-        cols: Module -> ``C`` on the model's device (``None``: all), gathering the inputs ``x[:, C]``.
-        rows: Module -> ``R`` on the model's device (``None``: all), gathering the gradients ``δ[:, R]``.
-    """
+    """A Kronecker subset's maps resolved against a model: ``kmods``, hooked ``modules``, ``cols`` / ``rows`` on its device."""
 
     kmods: dict[str, KronModule]
     modules: dict[str, nn.Module]
@@ -132,14 +115,7 @@ class KronTargets:
 
 
 def kron_targets(model: nn.Module, subset: Subset, what: str) -> KronTargets:
-    """``subset.kron_modules()`` checked against ``model`` and resolved for the hooks.
-
-    Raises:
-        TypeError: If ``subset`` is not a Subset or has elementwise mask blocks (with a pointer to the
-            routines that take them).
-        ValueError: If a module of the subset is not in ``model``, or its weight is tied to another module
-            (`check_untied`).
-    """
+    """``subset.kron_modules()`` checked against ``model`` (present, untied) and resolved for the hooks."""
     if not isinstance(subset, Subset):
         raise TypeError(
             f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
@@ -170,18 +146,7 @@ def kron_targets(model: nn.Module, subset: Subset, what: str) -> KronTargets:
 
 
 def carries_gradient(energy: Tensor, eps: float) -> Tensor:
-    """``[B, T]`` bool: the positions whose output gradient ``δ`` is not zero, up to rounding.
-
-    A position whose ``δ`` is zero in every backward pass (it feeds no kept output) does not count, nor one
-    whose ``δ`` is rounding noise: attention kernels leave gradients of order ``1e-22`` where the exact value
-    is zero (the query of a token with a single unmasked key). The test is ``‖δ_t‖² > eps · max_u ‖δ_u‖²``
-    over the batch's positions ``u``: a dropped position's ``δ_t δ_tᵀ`` is below the rounding level of the
-    largest term of ``G``'s sum.
-
-    Args:
-        energy: ``[B, T]`` the largest ``‖δ_t‖²`` of each position over the backward passes.
-        eps: The machine epsilon of ``δ``'s dtype.
-    """
+    """``[B, T]`` positions whose largest ``‖δ_t‖²`` exceeds ``eps · max`` (zero up to rounding: attention kernels)."""
     return energy > eps * energy.max()
 
 
@@ -301,21 +266,7 @@ def kron_factors(
     options: CurvatureOptions,
     run: Run,
 ) -> list[dict[str, ModuleFactors]]:
-    """`kfac`'s pass over ``loader`` for the maps of one or more subsets, resolved and checked already.
-
-    Each map's whole ``x`` (a view autograd keeps) and ``δ`` are recorded once; each subset gathers its own
-    rows and columns and accumulates as if it were alone.
-
-    Args:
-        model: The network.
-        loader: Batches (read once).
-        targets: Each subset's linear maps (`kron_targets`).
-        options: The checked options (``sharing`` ``None``: chosen from the first batch's outputs).
-        run: The pass's generator, progress bar and observer.
-
-    Returns:
-        One ``{module name: ModuleFactors}`` per subset (see `kfac`).
-    """
+    """`kfac`'s pass for one or more subsets: each map's ``x`` and ``δ`` recorded once, each subset accumulating alone."""
     modules = {m: mod for t in targets for m, mod in t.modules.items()}
     device = model_device(model)
     accs = [

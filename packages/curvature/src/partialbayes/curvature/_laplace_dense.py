@@ -125,10 +125,7 @@ class DenseLaplace(LaplaceBase):
         priors: Sequence[Tensor],
         scale: Tensor | float,
     ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
-        """``J P⁻¹ Jᵀ`` from the Jacobians ``[N, C, P]``.
-
-        In the eigenbasis of ``H`` with one scalar prior, else through a Cholesky factor of ``P``.
-        """
+        """``J P⁻¹ Jᵀ`` from the Jacobians ``[N, C, P]``: in ``H``'s eigenbasis (one scalar prior), else by Cholesky."""
         logits, keep, parts = subset_jacobians(self.model, inputs, outputs, self.subset)
         with torch.no_grad():
             jac = torch.cat([parts[n] for n in self.subset.names], dim=-1)

@@ -1,9 +1,4 @@
-"""Kronecker-factored Laplace posterior (KFAC / S-KFAC blocks) over a Kronecker-structured `Subset`.
-
-The Kronecker structure lives here, in one place: the blocks of the subset's linear maps (`_dims`), their
-layout in the subset's parameters (`block_to_params`), the eigenbases of the factors and the precision's
-eigenvalues (`_kron_algebra`), and the streamed predictive (`_laplace_projected.kron_predictive`).
-"""
+"""Kronecker-factored Laplace posterior (KFAC / S-KFAC blocks) over a Kronecker-structured `Subset`."""
 
 from __future__ import annotations
 
@@ -237,13 +232,10 @@ class KronLaplace(LaplaceBase):
         return posteriors
 
     def _set_curvature(self, curvature: Mapping[str, Any]) -> None:
-        """``curvature``: ``{module: factors}`` with ``.G [r, r]`` (summed) and ``.A [c, c]`` (averaged).
+        """``{module: factors}`` (``.G [r, r]`` summed, ``.A [c, c]`` averaged, ``.A_bias`` when separate) checked and stored.
 
-        With ``bias="separate"`` a module with a bias needs ``.A [c_w, c_w]`` and ``.A_bias [1, 1]`` (as from
-        ``kfac(..., bias="separate")``); factors of the other bias mode are refused. Factors that record
-        their ``sharing`` (`ModuleFactors`) set the posterior's when it is ``None``, and must agree with it
-        otherwise. A side larger than ``max_rank`` is kept at that rank (a `LowRankFactor` from `fit`, or
-        the leading eigenpairs of a matrix).
+        Factors recording their ``sharing`` set the posterior's (``None``) or must agree with it; a side larger
+        than ``max_rank`` is kept at that rank.
         """
         missing = [m for m in self.modules if m not in curvature]
         extra = [m for m in curvature if m not in self.modules]
@@ -401,15 +393,10 @@ class KronLaplace(LaplaceBase):
         )
 
     def _blocks(self, priors: Sequence[Tensor], scale: Tensor | float) -> KronBlocks:
-        """This posterior's share of `kron_predictive`, for each prior setting of ``priors``.
+        """This posterior's `KronBlocks` for ``priors`` (memoised per prior grid).
 
-        See `kron_predictive`; ``M`` is never stored for all modules (at most one example's at a time).
-        With ``predictive_rtol = ε > 0`` only the eigendirections with curvature above ``ε · δ`` are
-        rotated: per module, ``I`` are the eigenvectors of ``G`` and ``J`` those of ``A`` that take part in
-        some pair ``(i, j)`` with curvature ``E_ij − δ > ε δ`` for the smallest prior of ``priors`` (the
-        curvature is an outer product, so every pair outside ``I × J`` is below the threshold for every
-        prior given); the matrix products run in the posterior's dtype, the final
-        ``‖J‖²/δ − correction`` in float64.
+        With ``predictive_rtol = ε > 0`` only the eigenvectors of ``G`` (``I``) and ``A`` (``J``) in some pair with
+        curvature above ``ε · δ`` (smallest prior) are rotated.
         """
         key = (
             self._eig,
@@ -467,11 +454,7 @@ class KronLaplace(LaplaceBase):
 
     # ------------------------------------------------------------------ state
     def _state(self) -> dict[str, Tensor]:
-        """Eigenpairs per module: ``eig_*``, ``q_*`` (``[n, k]``) and, for a low-rank side, ``rest_*``.
-
-        A separate bias stores ``Q_A`` of the weight inputs only (``[c_w, k]``) and
-        ``eig_a = (λ_A, A_bias)`` (``[k + 1]``).
-        """
+        """Eigenpairs per module: ``eig_*``, ``q_*`` ``[n, k]``, ``rest_*`` (low-rank); a separate bias: ``eig_a = (λ_A, A_bias)``."""
         state = {}
         for m, (g, a) in self._eig.items():
             qa = a.U[:-1, :-1] if self._separate(m) else a.U
@@ -515,15 +498,7 @@ class KronLaplace(LaplaceBase):
 
 
 def _with_separate_bias(a: LowRankFactor, a_bias: Tensor) -> LowRankFactor:
-    """``blockdiag(A, A_bias)`` from ``A``'s eigenpairs: ``blockdiag(U, 1)``, ``(s, a_b)``, the same remainder.
-
-    Args:
-        a: The weight-input factor (``U [c_w, k]``).
-        a_bias: ``[1, 1]`` the separate bias's input factor.
-
-    Raises:
-        ValueError: If ``a_bias`` is not a finite ``[1, 1]`` tensor.
-    """
+    """``blockdiag(A, A_bias)`` from ``A``'s eigenpairs; refuses an ``A_bias`` that is not a finite ``[1, 1]``."""
     if a_bias.shape != (1, 1) or not bool(torch.isfinite(a_bias).all()):
         raise ValueError(f"A_bias must be a finite [1, 1] tensor, got {a_bias.tolist()}")
     one = torch.ones(1, 1, dtype=a.U.dtype, device=a.U.device)

@@ -1,19 +1,9 @@
-"""Logit Jacobians of Kronecker blocks directly in the eigenbases, ``M = Q_Gᵀ J Q_A``, without forming ``J``.
+"""Logit Jacobians of Kronecker blocks in the eigenbases, ``M = Q_Gᵀ J Q_A``, without forming ``J``.
 
-For one example with tokens ``t``, ``J_k = Σ_t δ_{k,t} x̃_tᵀ`` (``x̃ = (x[C] | 1)`` when the bias is in the
-block), so ``M_k = Σ_t (Q_Gᵀ δ_{k,t}) (Q_Aᵀ x̃_t)ᵀ``: the inputs are rotated once and the output gradients
-once per class. Cost per module ``B T (c² + C r² + C r c)`` instead of ``B C (T r c + r² c + r c²)`` for
-rotating formed Jacobians (``T = 1`` for unshared layers: ~``min(r, c)`` times cheaper).
-
-`kron_predictive` streams: each module's ``Σ_ij M_k M_l / E`` is contracted into the running ``[B, C, C]``
-covariance as soon as its gradients exist, one example at a time for sequences (tokens with zero output
-gradient dropped, rotation order chosen by cost) and without forming ``M`` at all for unshared layers (``M`` is
-never stored for all modules at once: that would be ``B C Σ r c`` floats).
-
-With a residual prior (``residual``, `KronLaplace`'s ``predictive_rtol``), the bases are truncated to the
-eigendirections whose curvature is not negligible next to the prior: ``Σ_ij M_ij² / E_ij`` is split exactly into
-``‖J‖_F² / δ`` (basis-free, from token Gram matrices) plus ``Σ_{i∈I, j∈J} M_ij² (1/E_ij − 1/δ)`` over the kept
-directions, and every pair outside ``I × J`` is counted at its prior value ``1/δ``.
+``J_k = Σ_t δ_{k,t} x̃_tᵀ``, so ``M_k = Σ_t (Q_Gᵀ δ_{k,t}) (Q_Aᵀ x̃_t)ᵀ``; `kron_predictive` contracts each
+module's ``Σ_ij M_k M_l / E`` into the running covariance as soon as its gradients exist. With a residual
+prior (``predictive_rtol``) only the kept eigendirections are rotated: ``Σ_ij M_ij² / E_ij =
+‖J‖_F² / δ + Σ_{I×J} M_ij² (1/E_ij − 1/δ)``.
 """
 
 from __future__ import annotations
@@ -33,36 +23,14 @@ from partialbayes.predictive.internal import available_memory
 
 
 def rotate_inputs(x: Tensor, q_a: Tensor, bias: bool) -> Tensor:
-    """Rows ``(Q_Aᵀ x̃)ᵀ = x̃ Q_A`` with ``x̃ = (x | 1)`` when the bias is in the block (no concatenation).
-
-    Args:
-        x: ``[N, c_w]`` inputs gathered to the selected columns.
-        q_a: ``[c, c]`` eigenvectors of ``A`` (``c = c_w + 1`` with a bias).
-        bias: Whether the block has the bias column (last).
-
-    Returns:
-        ``[N, c]``.
-    """
+    """``x̃ Q_A`` ``[N, c]`` for ``x [N, c_w]``, ``x̃ = (x | 1)`` when the block has the bias (no concatenation)."""
     if not bias:
         return x @ q_a
     return torch.addmm(q_a[-1], x, q_a[:-1])
 
 
 def frobenius_products(x: Tensor, d: Tensor, bias: bool) -> Tensor:
-    """``<J_k, J_l>_F`` of one example's block Jacobians ``J_k = Σ_t δ_k,t x̃_tᵀ``, without forming ``J``.
-
-    ``<J_k, J_l>_F = Σ_ts (δ_k,t · δ_l,s)(x̃_t · x̃_s)`` from the token Gram matrices (cost ``(C n)² r + n² c``),
-    or from ``J`` itself when that is cheaper (``C n r c + C² r c``). Basis-free: this is ``Σ_ij M_k M_l`` in
-    any orthonormal bases.
-
-    Args:
-        x: ``[n, c_w]`` inputs of the example's tokens.
-        d: ``[C, n, r]`` output gradients, one slice per class.
-        bias: Whether ``x̃ = (x | 1)``.
-
-    Returns:
-        ``[C, C]``.
-    """
+    """``[C, C]`` ``<J_k, J_l>_F`` of one example (``x [n, c_w]``, ``d [C, n, r]``), by Gram matrices or ``J``, the cheaper."""
     n_cls, n, r = d.shape
     c = x.shape[1] + bias
     if (n_cls * n) ** 2 * r + n * n * c <= n_cls * n * r * c + n_cls * n_cls * r * c:
@@ -78,36 +46,14 @@ def frobenius_products(x: Tensor, d: Tensor, bias: bool) -> Tensor:
 
 
 def unshared_covariances(xq: Tensor, dq: Tensor, inv_eigenvalues: Sequence[Tensor]) -> list[Tensor]:
-    """``J Σ Jᵀ`` of one block for rank-1 Jacobians ``J_k = δ_k x̃ᵀ`` (one token per example).
-
-    ``M_k = dq_k xqᵀ`` so ``Σ_ij M_k,ij M_l,ij / E_ij = Σ_i dq_k,i dq_l,i w_i`` with ``w = (1/E) xq²``: an
-    ``[C, B, r]`` contraction that never forms ``M``. Cost ``B (r c + C² r)`` per prior.
-
-    Args:
-        xq: Rotated inputs ``x̃ Q_A``, ``[B, c]``.
-        dq: Rotated output gradients ``δ_k Q_G``, ``[C, B, r]``.
-        inv_eigenvalues: ``1 / E`` (``[r, c]``) for each prior setting.
-
-    Returns:
-        One ``[B, C, C]`` covariance per prior setting.
-    """
+    """``J Σ Jᵀ`` ``[B, C, C]`` per prior of rank-1 Jacobians, from ``xq [B, c]``, ``dq [C, B, r]`` (never forms ``M``)."""
     x2 = xq * xq
     d = dq.permute(1, 0, 2)  # [B, C, r]
     return [(d * (x2 @ inv_e.T)[:, None, :]) @ d.transpose(1, 2) for inv_e in inv_eigenvalues]
 
 
 def active_tokens(x: Tensor, d: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, list[int]]:
-    """Drop the tokens whose output gradient is zero for every class (padding the logits do not see).
-
-    Args:
-        x: ``[B, T, c_w]`` inputs.
-        d: ``[C, B, T, r]`` output gradients.
-        dtype: Dtype of the gathered copies.
-
-    Returns:
-        ``(x [N, c_w], d [C, N, r], counts)``: the kept tokens of all examples in order, and how many each
-        example kept.
-    """
+    """``(x [N, c_w], d [C, N, r], counts per example)``: the tokens whose ``δ`` is non-zero for some class."""
     n_cls, b, t, r = d.shape
     active = d.ne(0).any(dim=3).any(dim=0)  # [B, T]
     idx = active.reshape(-1).nonzero().squeeze(1)
@@ -126,29 +72,10 @@ def shared_covariances(
     dtype: torch.dtype,
     stacked: Tensor | None = None,
 ) -> list[Tensor]:
-    """``J Σ Jᵀ`` of one block for token sequences, ``J_k = Σ_t δ_k,t x̃_tᵀ``, one example at a time.
+    """``J Σ Jᵀ`` ``[B, C, C]`` per prior for sequences ``x [B, T, c_w]``, ``d [C, B, T, r]``, one example's ``M`` at a time.
 
-    Tokens whose output gradient is zero for every class (padding the logits do not see) are dropped first.
-    Per example with ``n`` tokens, ``M_k = Q_Gᵀ J_k Q_A`` is formed in the cheaper order: the inputs are
-    rotated before the token sum when ``n ≤ C r`` (cost ``n c²``, else ``C r c²`` after it), the output
-    gradients when ``n ≤ c`` (cost ``C n r²``, else ``C r² c``); the token sum costs ``C n r c``. Only one
-    example's ``M`` (``[C, r, c]``) lives at a time; it is contracted at once, ``Σ_ij M_k M_l / E``.
-
-    Args:
-        x: Inputs ``[B, T, c_w]`` gathered to the selected columns (model dtype).
-        d: Output gradients ``[C, B, T, r]`` gathered to the selected rows, one slice per class.
-        q_g: ``[r, r]``.
-        q_a: ``[c, c]``.
-        bias: Whether the block has the bias column.
-        inv_eigenvalues: ``1 / E`` (``[r, c]``) for each prior setting.
-        dtype: Dtype of the computation (the posterior's).
-        stacked: The same ``1 / E`` as one contiguous ``[r, c, P]`` tensor: with several priors, each
-            example's pair products ``M_k ⊙ M_l`` (``k ≤ l``) are kept and contracted with every prior in
-            one matrix product per batch (``[B·C(C+1)/2, r c] @ [r c, P]``: the prior grid costs about as
-            much as one prior; memory ``B C(C+1)/2 r c`` floats).
-
-    Returns:
-        One ``[B, C, C]`` covariance per prior setting.
+    Rotations before or after the token sum, whichever is cheaper; with ``stacked`` (``[r, c, P]``) and several
+    priors, the pair products ``M_k ⊙ M_l`` are contracted with every prior in one GEMM.
     """
     n_cls, b, _, r = d.shape
     c = q_a.shape[0]
@@ -210,28 +137,10 @@ def residual_covariances(
     dtype: torch.dtype,
     combine_dtype: torch.dtype = torch.float64,
 ) -> list[Tensor]:
-    """``J Σ Jᵀ`` of one block with truncated eigenbases: ``‖J‖²/δ`` plus the kept directions' correction.
+    """``J Σ Jᵀ`` ``[B, C, C]`` per prior with truncated bases ``q_g [r, |I|]``, ``q_a [c, |J|]``.
 
-    ``Σ_ij M_k,ij M_l,ij / E_ij = <J_k, J_l>_F / δ + Σ_{i∈I, j∈J} M_k,ij M_l,ij (1/E_ij − 1/δ)`` exactly, when
-    ``E_ij = δ`` outside ``I × J``; `KronLaplace` keeps every direction whose curvature exceeds
-    ``predictive_rtol · δ``, so each dropped term is off by a factor of at most ``1 + predictive_rtol``.
-    Works for token sequences (``x [B, T, c_w]``, ``d [C, B, T, r]``; tokens whose output gradient is zero for
-    every class dropped) and for one position per example (``x [B, c_w]``, ``d [C, B, r]``).
-
-    Args:
-        x: Inputs gathered to the selected columns.
-        d: Output gradients gathered to the selected rows, one slice per class.
-        q_g: ``[r, |I|]`` kept eigenvectors of ``G``.
-        q_a: ``[c, |J|]`` kept eigenvectors of ``A`` (``c = c_w + 1`` with a bias).
-        bias: Whether the block has the bias column.
-        weights: ``1/E − 1/δ`` on ``I × J`` (``≤ 0``) for each prior setting, in ``combine_dtype``.
-        inv_priors: ``1/δ`` of the block for each prior setting.
-        dtype: Dtype of the matrix products (Gram matrices, rotations, ``M`` on ``I × J``).
-        combine_dtype: Dtype of the final ``‖J‖²/δ − correction`` and of the result (float64 recommended:
-            the two terms nearly cancel where the posterior variance is far below the prior's).
-
-    Returns:
-        One ``[B, C, C]`` covariance per prior setting.
+    ``<J_k, J_l>_F / δ`` plus ``Σ_{I×J} M_k M_l w`` (``weights`` ``w = 1/E − 1/δ``), combined in
+    ``combine_dtype`` (the terms nearly cancel); ``x``, ``d`` per token or one position per example.
     """
     n_cls, b = d.shape[0], d.shape[1]
     if x.ndim == 2:  # one position per example
@@ -257,15 +166,7 @@ def residual_covariances(
 
 @dataclass(frozen=True)
 class KronBlocks:
-    """One Kronecker posterior's share of `kron_predictive`.
-
-    ``bases``: ``{module: (Q_G, Q_A)}``; ``inv_eigenvalues``: per prior setting, ``{module: 1 / E}`` —
-    with ``residual`` (per prior setting, ``{module: 1/δ}``), the bases are truncated to the kept directions
-    ``I``, ``J`` and the weights are ``1/E − 1/δ`` there (`residual_covariances`, in ``combine_dtype``).
-    ``lowrank``: ``{module: (G, A)}`` with a low-rank factor, ``1 / E`` on its extended grid, computed
-    exactly by ``_lowrank.lowrank_covariance`` (also under ``residual``). ``stacked``: ``{module: 1 / E}``
-    of every prior setting as one ``[r, c, P]`` tensor (``inv_eigenvalues`` are views of it).
-    """
+    """One Kronecker posterior's share of `kron_predictive`: bases, ``1/E`` per prior, residual and low-rank blocks."""
 
     targets: KronTargets
     bases: Mapping[str, tuple[Tensor, Tensor]]
@@ -283,10 +184,7 @@ class KronBlocks:
 
 
 def union_index(indices: Sequence[Tensor | None]) -> tuple[Tensor | None, list[Tensor | None]]:
-    """The union ``U`` of index sets (``None``: all) and each set's place in it (``None``: all of ``U``).
-
-    ``x[..., U][..., place]`` is ``x[..., index]`` exactly (gathers copy values).
-    """
+    """The union ``U`` of index sets (``None``: all) and each set's place in it: ``x[..., U][..., place]``."""
     if len(indices) == 1:
         return indices[0], [None]
     if any(i is None for i in indices):
@@ -301,27 +199,10 @@ def kron_predictive(
     outputs: Outputs,
     parts: Sequence[KronBlocks],
 ) -> tuple[Tensor, Tensor | None, list[list[Tensor]]]:
-    """Logits and the functional covariances ``J Σ Jᵀ`` of Kronecker posteriors, streamed module by module.
+    """``(logits, keep, [[Σ_f [N, K, K] per prior] per part])`` of Kronecker posteriors, streamed by module.
 
-    One forward pass with hooks and one backward pass per logit (each class, or each of
-    ``outputs.target_ids``; per kept position for token-level logits), gradients w.r.t. the hooked outputs
-    only, shared by all ``parts``: the hooks gather the union of their columns and rows, and each posterior
-    takes its own ``x[:, C]``, ``δ[:, R]`` from it, so its result is exactly what it computes alone. Each
-    module's ``Σ_ij M_k,ij M_l,ij / E_ij`` (``M = Q_Gᵀ J Q_A``) is added to each posterior's ``[B, K, K]``
-    covariance, then its gradients are
-    freed (`unshared_covariances`, `shared_covariances`); ``J`` is never formed. Each posterior runs its
-    own passes when the union's gradients would not fit the free memory (`fits_memory`).
-
-    Args:
-        model: Network returning logits ``[B, C]`` or ``[B, T, C]`` (call in eval mode).
-        inputs: Model inputs.
-        outputs: Which positions of token-level logits count.
-        parts: One `KronBlocks` per posterior.
-
-    Returns:
-        ``(logits, keep, [[Σ_f [N, C, C] per prior setting] per posterior])``: the logits as the model
-        returns them (detached), the ``[B, T]`` kept positions of token-level logits (``None`` for
-        ``[B, C]``), one covariance per output row (``N = B``, or the kept positions, row-major).
+    One hooked forward pass and ``K`` backward passes per kept position shared by every part (hooks gather the
+    union of their rows and columns); each part alone when that union does not fit the free memory.
     """
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     names = sorted({m for p in parts for m in p.targets.kmods}, key=order.__getitem__)
@@ -374,11 +255,7 @@ def fits_memory(
     n_outputs: int,
     device: torch.device,
 ) -> bool:
-    """Whether the backward passes shared by several ``parts`` fit the free memory (one part always does).
-
-    Per position and map of the union (``inputs`` as recorded, ``rows`` its rows), ``K`` output gradients
-    over ``r`` rows and the input over ``c`` columns: the predictive term of ``_memory.memory_estimate``.
-    """
+    """Whether the backward passes shared by several ``parts`` fit the free memory (one part always does)."""
     if len(parts) == 1:
         return True
     total = 0
@@ -392,10 +269,7 @@ def fits_memory(
 
 
 def _contributions(part: KronBlocks, m: str, x: Tensor, d: Tensor, b: int) -> list[Tensor]:
-    """Module ``m``'s ``[B, C, C]`` terms of ``part``'s covariances, one per prior setting.
-
-    ``x [B, (T...,) c_w]`` and ``d [C, B, (T...,) r]`` are gathered to the posterior's block of ``m``.
-    """
+    """Module ``m``'s ``[B, C, C]`` terms of ``part``'s covariances, one per prior."""
     q_g, q_a = part.bases[m]
     inv = [e[m] for e in part.inv_eigenvalues]
     bias = part.targets.kmods[m].bias_name is not None

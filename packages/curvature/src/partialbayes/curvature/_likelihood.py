@@ -1,15 +1,9 @@
-"""Options, logits and labels checks, and the output-space vectors whose backward passes give the curvature.
+"""Options, logits and labels checks, and the output vectors whose backward passes give the curvature.
 
-Every fisher type is expressed as ``S`` backward passes of the logits with cotangents ``v_s`` (``[S, N, C]``
-over the ``N`` output rows: one per example, or one per kept position of token-level outputs): the curvature
-is ``Σ_n Σ_s J_nᵀ v_{s,n} v_{s,n}ᵀ J_n``.
-
-* classification, ``exact``: the lossless factorisation of the softmax Hessian
-  ``diag(p) - p pᵀ = M Mᵀ`` with columns ``m_c = √p_c (e_c - p)``: ``S = C``.
-* classification, ``mc``: ``v_s = (p - e_{y_s}) / √k`` with ``y_s ~ Cat(p)``: ``S = k``.
-* classification, ``empirical``: ``v = p - e_y`` (true labels): ``S = 1``.
-* regression (Gaussian, ``sigma_noise`` σ): ``exact`` ``v_d = e_d / σ`` (``S = D``); ``mc``
-  ``v_s = ε_s / (σ √k)``; ``empirical`` ``v = (f - y) / σ²``.
+Each fisher type is ``S`` backward passes with cotangents ``v_s`` ``[S, N, C]``: the curvature is
+``Σ_n Σ_s J_nᵀ v_{s,n} v_{s,n}ᵀ J_n``. Classification: ``exact`` ``m_c = √p_c (e_c - p)`` (``S = C``,
+``diag(p) - p pᵀ = M Mᵀ``), ``mc`` ``(p - e_{y_s}) / √k`` with ``y_s ~ Cat(p)``, ``empirical`` ``p - e_y``.
+Regression (σ): ``exact`` ``e_d / σ``, ``mc`` ``ε_s / (σ √k)``, ``empirical`` ``(f - y) / σ²``.
 """
 
 from __future__ import annotations
@@ -56,19 +50,9 @@ def _mc(f: Tensor, p: Tensor | None, labels: Tensor | None, k: int, s: float, g:
 
 @dataclass(frozen=True)
 class Fisher:
-    """One Fisher type: what it reads, what it costs, and its output vectors (see the module docstring).
+    """One Fisher type: ``per_class`` (``S = C``), ``sampled`` (``S = mc_samples``, positions ``"joint"``), ``labels`` read.
 
-    A new Fisher type is one more entry of `FISHERS`; the memory estimate, the hooks and the diagonal and
-    dense curvatures read these fields and never compare names.
-
-    Attributes:
-        name: The ``fisher=`` option.
-        per_class: One backward pass per output (``S = C``; refused on very large outputs).
-        sampled: ``S = mc_samples`` passes of sampled labels; zero-mean, so the kept positions of a sequence
-            share one pass (``"joint"``) where the other types need one per position (``"each"``).
-        labels: Reads the batch's true labels (a batch without them is refused).
-        vectors: ``(logits [B, C], probs [B, C] or None for regression, labels, k, σ, generator)`` to the
-            cotangents ``[S, B, C]``.
+    ``vectors(logits, probs | None, labels, k, σ, generator)`` gives the cotangents ``[S, B, C]``.
     """
 
     name: str
@@ -78,12 +62,12 @@ class Fisher:
     vectors: Callable[..., Tensor]
 
     def passes(self, n_outputs: int, mc_samples: int) -> int:
-        """Backward passes ``S`` per batch (per round of positions) for ``n_outputs`` logits ``C``."""
+        """Backward passes ``S`` per batch (per round of positions) for ``n_outputs`` logits."""
         return n_outputs if self.per_class else mc_samples if self.sampled else 1
 
     @property
     def positions(self) -> str:
-        """``"joint"`` (one pass serves every kept position of a sequence) or ``"each"``."""
+        """``"joint"`` (one pass serves every kept position) or ``"each"``."""
         return "joint" if self.sampled else "each"
 
 
@@ -102,28 +86,7 @@ DTYPES = (torch.float32, torch.float64)
 
 @dataclass(frozen=True)
 class CurvatureOptions:
-    """The settings of one curvature computation, checked once where a user call enters the package.
-
-    Built from the keywords of `kfac`, `diag_curvature`, `dense_curvature` and the posteriors (documented
-    there) and passed down unchanged; nothing below re-checks a setting.
-
-    Attributes:
-        likelihood: ``"classification"`` or ``"regression"`` (``partialbayes.predictive.internal.LIKELIHOODS``).
-        fisher: ``"exact"``, ``"mc"`` or ``"empirical"``.
-        mc_samples: Sampled labels per output for ``fisher="mc"``.
-        sigma_noise: Observation noise of the regression likelihood (a float > 0).
-        dtype: ``torch.float32`` or ``torch.float64``: accumulation and storage dtype.
-        num_classes: The number of logits the model must output, or ``None``.
-        shift_labels: The causal-LM convention for token-level outputs (resolved: a bool).
-        sharing: KFAC weight sharing, ``"reduce"`` or ``"expand"``; ``None``: chosen from the outputs
-            (token-level logits ``[B, T, C]`` take ``"expand"``, one output per example ``"reduce"``).
-        bias: KFAC bias handling, ``"fold"`` or ``"separate"``.
-        max_rank: KFAC factor sides larger than this are kept low-rank (``_lowrank``); ``None``: all whole.
-
-    Raises:
-        ValueError: A setting out of its range (named).
-        TypeError: A ``dtype`` other than float32 / float64, or ``shift_labels`` that is not a bool.
-    """
+    """The settings of one curvature computation (documented on the public callers), checked once here."""
 
     likelihood: str = "classification"
     fisher: str = "exact"
@@ -138,20 +101,13 @@ class CurvatureOptions:
 
     @property
     def fisher_type(self) -> Fisher:
-        """The `Fisher` record of ``fisher``."""
+        """The `Fisher` of ``fisher``."""
         return FISHERS[self.fisher]
 
     def output_vectors(
         self, logits: Tensor, labels: Tensor | None, generator: Any, batch_index: int
     ) -> Tensor:
-        """Cotangents ``[S, B, C]`` of one batch's backward passes from its output rows ``[B, C]``.
-
-        The curvature of the batch's summed negative log-likelihood is ``Σ_s J_nᵀ v_s v_sᵀ J_n``;
-        ``labels`` are those `check_labels` returned (or ``None``).
-
-        Raises:
-            ValueError: A Fisher type that reads labels on a batch without them.
-        """
+        """Cotangents ``[S, B, C]`` of one batch from its output rows and checked labels."""
         fisher, f = self.fisher_type, logits.detach()
         if fisher.labels and labels is None:
             raise ValueError(
@@ -185,7 +141,7 @@ class CurvatureOptions:
 
 
 def check_list(items: Any, what: str, kind: type) -> list[Any]:
-    """``items`` as a non-empty list of ``kind`` (several subsets or posteriors), or an error naming ``what``."""
+    """``items`` as a non-empty list of ``kind`` (subsets or posteriors), or an error naming ``what``."""
     if isinstance(items, (str, bytes, kind)) or not isinstance(items, Sequence):
         raise TypeError(f"{what} must be a list of {kind.__name__}, got {type(items).__name__}")
     if not items:
@@ -205,32 +161,12 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 def forward_logits(model: nn.Module, batch: Any) -> Tensor:
-    """Logits of ``model`` on a batch.
-
-    Args:
-        model: The network.
-        batch: Any batch `partialbayes.predictive.internal.split_batch` accepts: a tensor ``x``, a pair
-            ``(inputs, labels)``, or a mapping of keyword inputs (``dict``, ``transformers.BatchEncoding``);
-            labels (``"labels"`` / ``"label"``) are left out of the call.
-
-    Returns:
-        The logits as the model returns them: ``[B, C]``, or ``[B, T, C]`` for token-level outputs.
-
-    Raises:
-        TypeError: A batch of an unknown kind (the message names its type and the accepted ones).
-    """
+    """The logits of ``model`` on any batch `split_batch` accepts (labels left out)."""
     return model_logits(model, split_batch(batch, device=model_device(model)).inputs)
 
 
 def check_logits(logits: Tensor, num_classes: int | None, batch_index: int) -> None:
-    """Output rows must be ``[N, C]`` (with ``C == num_classes`` when given) and finite.
-
-    ``logits`` are the output rows: ``[B, C]`` logits, or the
-    kept positions of token-level ones (padding and ignored positions are not checked).
-
-    Raises:
-        ValueError: Naming the batch and the shape at fault.
-    """
+    """Refuse output rows that are not ``[N, C]`` (``C == num_classes`` when given) or not finite."""
     if logits.ndim != 2:
         raise ValueError(
             f"batch {batch_index}: model output rows must be [N, C], got {tuple(logits.shape)}"
@@ -244,21 +180,7 @@ def check_logits(logits: Tensor, num_classes: int | None, batch_index: int) -> N
 
 
 def check_labels(labels: Tensor, logits: Tensor, likelihood: str, batch_index: int) -> Tensor:
-    """Validate one batch's labels against its output rows ``[B, C]``; the one check every entry point uses.
-
-    Classification: integer class indices ``[B]`` in ``[0, C)``; regression: real targets ``[B, C]`` (or
-    ``[B]`` when ``C == 1``). For token-level outputs the rows are the kept positions (``B = N``).
-    ``batch_index`` is named in errors.
-
-    Returns:
-        The labels as the likelihood uses them: ``int64 [B]`` (classification) or ``[B, C]`` in their own
-        dtype (regression; no precision is lost before the training loss is computed).
-
-    Raises:
-        TypeError: If ``labels`` is not a tensor.
-        ValueError: Naming the batch and the problem: wrong dtype, wrong shape, labels out of range,
-            non-finite regression targets.
-    """
+    """One batch's labels checked against its output rows ``[B, C]``: ``int64 [B]`` or regression ``[B, C]``."""
     if not isinstance(labels, Tensor):
         raise TypeError(
             f"batch {batch_index}: labels must be a tensor, got {type(labels).__name__}"
@@ -299,11 +221,6 @@ def check_labels(labels: Tensor, logits: Tensor, likelihood: str, batch_index: i
 
 
 def minus_one_hot(p: Tensor, labels: Tensor) -> Tensor:
-    """``p - e_y`` for every row of ``labels``, by a scatter (no ``[C, C]`` identity): ``[S, B, C]``.
-
-    Args:
-        p: ``[B, C]`` probabilities.
-        labels: ``[S, B]`` class indices (true or sampled labels).
-    """
+    """``p - e_y`` ``[S, B, C]`` for ``p [B, C]`` and ``labels [S, B]``, by a scatter."""
     out = p.expand(labels.shape[0], *p.shape).clone()
     return out.scatter_add_(-1, labels[..., None], out.new_full((*labels.shape, 1), -1.0))

@@ -1,21 +1,9 @@
 """Low-rank Kronecker factors: a rank-``r`` eigendecomposition plus an isotropic remainder, never ``n × n``.
 
-A PSD factor ``F`` (``n × n``: 10 GB for the output factor of a 50,257-token LM head) is kept as
-``F ≈ U diag(s) Uᵀ + f₀ (I − U Uᵀ)`` (``U [n, r]`` orthonormal) with ``f₀ = (tr F − Σ s) / (n − r)``, which
-keeps the trace; ``r = n`` is a factor kept whole. The remainder is isotropic, not diagonal, so that
-``[U, U⊥]`` is an eigenbasis: the *extended eigenvalues* ``(s₁, …, s_r, f₀)``, of multiplicities
-``(1, …, 1, n − r)``, keep the Kronecker algebra of ``_kron_algebra`` exact for ``P = c (G ⊗ A) / T + δ I``
-with either factor low-rank. ``P`` has eigenvalues ``E = c ĝ âᵀ / T + δ`` on the ``[r_G + 1, r_A + 1]`` grid,
-``log det P = Σ_ij m_G,i m_A,j log E_ij`` (`lowrank_log_det`), and ``P^{-p} z`` multiplies the coordinates
-of ``z`` in ``[U_G, U_G⊥] ⊗ [U_A, U_A⊥]`` by ``E^{-p}`` (`scale_in_basis`: samples with ``p = 1/2``);
-``J Σ Jᵀ`` comes from token Gram matrices (`lowrank_covariance`). With the true leading eigenvectors, the
-mean remainder over-estimates the left-out part of ``log det P`` (Jensen), equal when those are equal.
-
-`NystromSketch` streams ``Y = F Ω`` (``F = Σ δ δᵀ``, so ``Y += δᵀ (δ Ω)``) and the exact ``tr F`` for a fixed
-orthonormal ``Ω`` ``[n, q]``, ``q = r + oversample``: ``O(n q)`` memory. `nystrom_factor` is the stable
-single-pass Nyström approximation (Tropp, Yurtsever, Udell & Cevher, NeurIPS 2017, Alg. 3) truncated to rank
-``r``: exact when ``rank F ≤ q`` (fewer than ``q`` rows seen), and by their Theorem 4.1 of expected
-nuclear-norm error at most ``1 + r / (q − r − 1)`` times that of the best rank-``r`` approximation.
+``F ≈ U diag(s) Uᵀ + f₀ (I − U Uᵀ)`` with ``f₀ = (tr F − Σ s) / (n − r)`` (trace kept): ``[U, U⊥]`` is an
+eigenbasis with *extended eigenvalues* ``(s, f₀)`` of multiplicities ``(1, …, 1, n − r)``, so the Kronecker
+algebra stays exact on the ``[r_G + 1, r_A + 1]`` grid. `NystromSketch` streams ``Y = F Ω``, ``Ω [n, q]``;
+`nystrom_factor` is the stable single-pass Nyström approximation (Tropp et al., NeurIPS 2017, Alg. 3).
 """
 
 from __future__ import annotations
@@ -34,13 +22,7 @@ OVERSAMPLE = 10
 
 @dataclass(frozen=True)
 class LowRankFactor:
-    """A PSD factor ``U diag(s) Uᵀ + rest · (I − U Uᵀ)``.
-
-    Attributes:
-        U: ``[n, r]`` orthonormal columns (``r = n``: the whole eigenbasis, no remainder).
-        s: ``[r]`` eigenvalues, ``≥ 0``.
-        rest: 0-d remainder eigenvalue ``f₀ ≥ 0`` (of multiplicity ``n − r``).
-    """
+    """A PSD factor ``U diag(s) Uᵀ + rest · (I − U Uᵀ)``: ``U [n, r]`` orthonormal, ``s [r] ≥ 0``, 0-d ``rest``."""
 
     U: Tensor
     s: Tensor
@@ -76,17 +58,7 @@ def truncated(f: LowRankFactor, rank: int) -> LowRankFactor:
 
 
 def nystrom_factor(y: Tensor, omega: Tensor, trace: Tensor | float, rank: int) -> LowRankFactor:
-    """The rank-``r`` factor from a Nyström sketch ``Y = F Ω`` and the exact trace of ``F``.
-
-    Args:
-        y: ``[n, q]`` sketch ``F Ω``.
-        omega: ``[n, q]`` orthonormal test matrix.
-        trace: ``tr F``.
-        rank: ``r ≤ q``: eigenpairs kept; the remainder ``f₀`` keeps the trace.
-
-    Returns:
-        The `LowRankFactor` (``U [n, r]``).
-    """
+    """The rank-``rank`` `LowRankFactor` from a sketch ``y = F Ω`` ``[n, q]``, ``omega`` and ``tr F``."""
     n = y.shape[0]
     info = torch.finfo(y.dtype)
     nu = (n**0.5 * info.eps * torch.linalg.matrix_norm(y, ord=2)).clamp_min(info.tiny)
@@ -101,11 +73,7 @@ def nystrom_factor(y: Tensor, omega: Tensor, trace: Tensor | float, rank: int) -
 
 
 class NystromSketch:
-    """Streamed ``F = Σ_m d_m d_mᵀ``: whole (``Y = F``), or sketched (``Y = F Ω`` ``[n, q]``) with ``tr F``.
-
-    Sketched when ``rank < n``, ``q = min(n, rank + OVERSAMPLE)``, ``Ω`` drawn from ``generator`` (any device;
-    seeded, it is the same on every rank); ``Y`` is allocated by the first rows.
-    """
+    """Streamed ``F = Σ d dᵀ``: whole, or (``rank < n``) sketched ``Y = F Ω`` ``[n, q]`` with ``tr F``."""
 
     def __init__(
         self,
@@ -153,10 +121,7 @@ class NystromSketch:
 
 
 def lowrank_log_det(eigenvalues: Tensor, g: LowRankFactor, a: LowRankFactor) -> Tensor:
-    """``log det P`` from the extended precision eigenvalues ``E`` ``[r_G + 1, r_A + 1]`` and multiplicities.
-
-    ``E`` is ``_kron_algebra.precision_eigenvalues`` of ``g.extended()[0]`` and ``a.extended()[0]``.
-    """
+    """``log det P`` from the extended eigenvalues ``E`` ``[r_G + 1, r_A + 1]`` and the multiplicities."""
     mg, ma = g.extended()[1], a.extended()[1]
     return (torch.outer(mg, ma) * eigenvalues.log()).sum()
 
@@ -172,17 +137,9 @@ def _scale_cols(y: Tensor, a: LowRankFactor, w: Tensor) -> Tensor:
 
 
 def scale_in_basis(z: Tensor, g: LowRankFactor, a: LowRankFactor, w: Tensor) -> Tensor:
-    """Multiply the coordinates of ``z`` in the basis ``[U_G, U_G⊥] ⊗ [U_A, U_A⊥]`` by ``w``.
+    """Multiply the coordinates of ``z [..., n_G, n_A]`` in ``[U_G, U_G⊥] ⊗ [U_A, U_A⊥]`` by ``w [r_G + 1, r_A + 1]``.
 
-    Args:
-        z: ``[..., n_G, n_A]`` blocks (row-major ``vec``).
-        g: Output factor.
-        a: Input factor.
-        w: ``[r_G + 1, r_A + 1]`` weights on the extended grid (the last row / column: the remainders).
-
-    Returns:
-        ``[..., n_G, n_A]``, in ``O(n_G n_A (r_G + r_A))``. ``w = E^{-1/2}`` gives ``P^{-1/2} z``: for
-        ``z ~ N(0, I)`` a zero-mean posterior sample (covariance ``P⁻¹``); ``w = 1/E`` gives ``P⁻¹ z``.
+    ``w = E^{-1/2}``: ``P^{-1/2} z`` (a sample for ``z ~ N(0, I)``); ``w = 1/E``: ``P⁻¹ z``.
     """
     u = g.U
     zc = u.T @ z  # [..., r_G, n_A]
@@ -200,24 +157,10 @@ def lowrank_covariance(
     inv_eigenvalues: Tensor,
     jacobians: bool | None = None,
 ) -> Tensor:
-    """``J Σ Jᵀ`` of one block for Jacobians ``J_k = Σ_t d_k,t x_tᵀ`` per example.
+    """``J Σ Jᵀ`` ``[B, K, K]`` of one block, ``x [B, T, n_A]``, ``d [K, B, T, n_G]``, ``inv_eigenvalues = 1/E``.
 
-    With ``jacobians`` (a LoRA map: ``J`` ``[n_G, n_A]``, one side its rank, is smaller than the token Gram
-    matrices), ``(J Σ Jᵀ)_kl = <J_k, Σ J_l>_F`` with ``Σ J_l`` by `scale_in_basis` (``w = 1/E``). Else (an
-    LM head), with ``D = d U_G``, ``X = x U_A`` and the remainders ``d⊥ = d − D U_Gᵀ``, ``x⊥ = x − X U_Aᵀ``:
-    ``Σ_ij M_k,ij M_l,ij w_ij`` (``M_k = Dᵀ_k X``) plus the remainder blocks from the token Gram matrices
-    ``x⊥ x⊥ᵀ`` and ``d⊥ d⊥ᵀ``, at ``K T (n_G r_G + n_A r_A) + K² T² n_G`` per example.
-
-    Args:
-        x: ``[B, T, n_A]`` inputs (with the constant 1 last when the bias is folded in).
-        d: ``[K, B, T, n_G]`` output gradients, one slice per output ``k``.
-        g: Output factor.
-        a: Input factor.
-        inv_eigenvalues: ``1 / E`` ``[r_G + 1, r_A + 1]``.
-        jacobians: Form ``J`` (``None``: when smaller than the Gram matrices).
-
-    Returns:
-        ``[B, K, K]``.
+    Through ``J`` (when ``jacobians``, or smaller than the token Gram matrices) or the rotated ``M`` plus the
+    remainders' Gram terms.
     """
     w = inv_eigenvalues
     k, _, t, n_g = d.shape

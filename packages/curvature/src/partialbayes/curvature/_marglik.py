@@ -1,17 +1,8 @@
 """Prior precision (and regression noise) by gradient ascent on the Laplace evidence.
 
-The Laplace log marginal likelihood ``L(δ, σ)`` of a fitted posterior is differentiable in the per-module
-prior precisions ``δ_m`` and the noise ``σ``. Adam runs on ``log δ`` (and ``log σ``), which keeps them
-positive and makes steps relative. The stopping rule is first-order optimality, in units that do not depend
-on the model size: with ``d_m`` entries in module ``m``,
-
-* ``∂L/∂log δ_m = ½ (d_m − δ_m tr_m(P⁻¹) − δ_m ‖θ*_m‖²)`` is divided by ``d_m`` (so it lies in ``[-½ δ_m
-  ‖θ*_m‖²/d_m, ½]``), and
-* ``∂L/∂log σ`` is divided by ``N · C`` (the number of observed outputs; it is ``SSE/σ² − N C`` plus a
-  curvature term of at most ``d``),
-
-and the ascent stops once every scaled gradient is at most ``tol`` in absolute value. Running out of steps
-first is reported (``converged=False`` and a warning), never hidden.
+Adam on ``log δ`` (and ``log σ``) until first-order optimality in size-free units: every
+``|∂L/∂log δ_m| / d_m`` (``d_m`` the module's entries; it lies in ``[-½ δ_m ‖θ*_m‖²/d_m, ½]``) and
+``|∂L/∂log σ| / (N C)`` is at most ``tol``. Running out of steps is reported (``converged=False``, a warning).
 """
 
 from __future__ import annotations
@@ -77,27 +68,10 @@ def maximize_evidence(
     max_steps: int = 1000,
     tol: float = 1e-4,
 ) -> MarglikFit:
-    """Adam on ``log δ`` (per module, or one shared value) and optionally ``log σ``, to a stationary point.
+    """Adam on ``log δ`` ``[M]`` (or one shared value) and optionally ``log σ`` of ``evidence(δ, σ)``, to a stationary point.
 
-    Args:
-        evidence: ``(δ [M], σ | None) -> L`` scalar, differentiable in both.
-        init_prior: ``[M]`` positive starting prior precisions (the shared start of ``per_module=False`` is
-            their geometric mean).
-        prior_scale: ``[M]`` positive gradient scales (the entry counts ``d_m``).
-        modules: The ``M`` module names (for the result).
-        init_sigma: Starting noise, or ``None`` to keep the noise out of the ascent.
-        sigma_scale: Gradient scale of ``log σ`` (``N · C``).
-        per_module: One ``δ`` per module (default) or one shared ``δ``.
-        lr: Adam step size on the log scale.
-        max_steps: Step budget.
-        tol: Stop once every scaled gradient is ``<= tol`` in absolute value.
-
-    Returns:
-        The fit; ``converged=False`` (with a warning) when ``max_steps`` ran out first.
-
-    Raises:
-        ValueError: On non-positive starting values, bad options, or an evidence that becomes non-finite
-            (naming the step and the values).
+    ``prior_scale`` ``[M]`` and ``sigma_scale`` scale the gradients (``d_m``, ``N C``); the shared start is the
+    geometric mean of ``init_prior``.
     """
     _check_options(per_module, lr, max_steps, tol)
     with torch.no_grad():

@@ -1,17 +1,10 @@
 """Memory known before it is spent: a pre-flight estimate of a Kronecker fit and predictive, and its check.
 
-For blocks ``r × c`` (S-KFAC ``|R| × |C|``; ``c + 1`` with a folded bias), ``B`` examples of ``T`` positions,
-``N`` kept outputs of ``C`` logits, ``S`` backward passes per batch (``C`` exact, ``k`` mc, 1 empirical) and
-``K`` predicted outputs (``C``, or ``len(target_ids)``), the estimate counts in bytes: **factors**, the sums
-``Σ δδᵀ``, ``Σ xxᵀ`` held through the fit (a side above ``max_rank``: its sketch and test matrix, ``2 n q``);
-**eigendecompositions**, ``n² + n`` per side (``n r + r`` low-rank) plus the transient of the largest ``eigh``
-(the symmetrised copy and LAPACK's workspace, ``3 n²``; ``3 n q`` for a sketch); the **fit**'s working set
-per batch, the output vectors ``[S, N, C]``, probabilities and a cotangent, the recorded inputs and one
-pass's output gradients ``B T (c + n_out)``, and the ``S`` passes' gradient rows ``S B T r`` (``S B r`` under
-``reduce``); the **predictive**'s per batch, ``K`` passes' output gradients ``K B T r``, the inputs and the
-covariances ``[N, K, K]``. The peak is ``factors + eigen + max(fit, predictive)``. The model and its own
-forward activations are not counted: a training step holds them already. A refusal is a ``ValueError``:
-nothing was allocated, and the fix is a choice of options.
+In bytes: the **factors** (sums, or a sketch ``2 n q`` above ``max_rank``), the **eigendecompositions**
+(``n² + n`` per side, plus ``eigh``'s transient ``3 n²``), the **fit**'s per-batch working set (output
+vectors ``[S, N, C]``, inputs, ``S`` passes' gradient rows) and the **predictive**'s (``K`` passes'
+gradients, inputs, ``[N, K, K]``). The peak is ``factors + eigen + max(fit, predictive)``; the model and its
+activations are not counted. A refusal is a ``ValueError`` before anything is allocated.
 """
 
 from __future__ import annotations
@@ -52,14 +45,7 @@ EXACT_MAX_OUTPUTS = 8192
 
 
 def check_exact_fisher(rows: Tensor, groups: int, batch_index: int) -> None:
-    """Refuse ``fisher="exact"`` on a large output, from a batch's output rows ``[N, C]``, before any backward.
-
-    ``groups`` is the number of backward passes per output vector (1 when the kept positions go jointly).
-
-    Raises:
-        ValueError: Above `EXACT_MAX_OUTPUTS` outputs, or when the vectors ``[C, N, C]`` alone exceed the
-            available memory; naming the passes, the bytes and the alternatives.
-    """
+    """Refuse ``fisher="exact"`` above `EXACT_MAX_OUTPUTS` outputs or past the memory (rows ``[N, C]``)."""
     n, c = rows.shape
     nbytes = c * n * c * rows.element_size()
     avail, source = available_memory(rows.device)
@@ -219,10 +205,7 @@ def memory_estimate(
 def _batch_bytes(
     logits: Tensor, keep: Tensor | None, mask: Tensor | None, options: CurvatureOptions
 ) -> tuple[int, int, int, int, int]:
-    """``(B, T, N, S, fit bytes)``: positions ``T``, kept outputs ``N``, backward passes ``S`` of a batch.
-
-    The fit's bytes count its output vectors ``[S, N, C]``, the probabilities and a cotangent.
-    """
+    """``(B, T, N, S, fit bytes)`` of a batch: its positions, kept outputs, passes and output vectors' bytes."""
     b, n_cls = logits.shape[0], logits.shape[-1]
     n_kept = b if keep is None else int(keep.sum())
     t = logits.shape[1] if keep is not None else (1 if mask is None else mask.shape[1])
@@ -276,12 +259,7 @@ def entries_estimate(
     options: CurvatureOptions,
     k_out: int,
 ) -> MemoryEstimate:
-    """The estimate of a diagonal (``dense=False``) or dense curvature over ``P = n_entries`` entries.
-
-    Stored ``P`` (or ``P²``, its eigendecomposition and ``eigh``'s transient ``3 P²``); the fit's gradient
-    rows (dense: every pass's, ``S B P`` per round of positions; diagonal: one pass's and their squares);
-    the predictive's Jacobians ``[N, K, P]`` (three copies) and ``[N, K, K]``.
-    """
+    """The estimate of a diagonal (``dense=False``) or dense curvature over ``n_entries`` entries."""
     b, _, n_kept, passes, fit = _batch_bytes(logits, keep, mask, options)
     item, p = torch.finfo(options.dtype).bits // 8, n_entries
     rounds = 1 if keep is None or options.fisher_type.sampled else int(keep.sum(1).max())

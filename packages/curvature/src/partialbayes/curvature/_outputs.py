@@ -1,15 +1,8 @@
 """Which outputs of a batch count: one per example (``[B, C]`` logits) or one per kept position (``[B, T, C]``).
 
-Token-level logits (token classification, causal language models) count one output per kept position, in
-row-major ``(b, t)`` order, as ``partialbayes.predictive.flatten_outputs`` does: a position is dropped where
-the attention mask is 0 or the label is -100.
-
-Causal language models (``shift_labels=True``): Hugging Face shifts the labels inside the model — the logits
-at position ``t`` predict token ``t + 1`` and ``labels = input_ids`` is the usual batch. The same convention
-is applied here, explicitly: with labels, the output at ``t`` is scored against ``labels[t + 1]`` and is kept
-when the tokens ``t`` and ``t + 1`` are both real (attention mask 1) and ``labels[t + 1] != -100``; the last
-position has no target and is dropped. Without labels (prediction), every real token ``t`` is kept, the last
-one included (its output is the distribution of the token that would follow the sequence).
+Kept positions (row-major ``(b, t)``, as ``partialbayes.predictive.flatten_outputs``) have attention mask 1
+and a label other than -100. Causal LMs (``shift=True``): the output at ``t`` is scored against
+``labels[t + 1]``, so the last position is dropped; without labels every real token is kept.
 """
 
 from __future__ import annotations
@@ -30,23 +23,13 @@ def resolve_shift_labels(model: nn.Module, shift_labels: bool | None) -> bool:
 
 
 def _shifted(t: Tensor, fill: int) -> Tensor:
-    """``t[:, 1:]`` followed by one column of ``fill``: the value of position ``t + 1`` at ``t``."""
+    """``t[:, 1:]`` then a column of ``fill``: position ``t + 1``'s value at ``t``."""
     return torch.cat([t[:, 1:], torch.full_like(t[:, :1], fill)], dim=1)
 
 
 @dataclass(frozen=True)
 class Outputs:
-    """How the outputs of one batch are counted and labelled.
-
-    Attributes:
-        attention_mask: ``[B, T]`` mask of the real tokens, or ``None``.
-        labels: The batch's labels as given (``[B]``, ``[B, C]``, ``[B, T]``, ``[B, T, C]``), or ``None``.
-        shift: Causal-LM convention: the output at ``t`` is scored against ``labels[t + 1]``.
-        likelihood: ``"classification"`` or ``"regression"`` (regression targets never mark ignored
-            positions: only the attention mask does).
-        target_ids: Answer-only outputs: the ``K`` logits kept (checked ids), at the answer positions
-            (``partialbayes.predictive.answer_positions``); ``None``: every logit of every kept output.
-    """
+    """How one batch's outputs are counted and labelled (``target_ids``: answer-only, the ``K`` checked ids)."""
 
     attention_mask: Tensor | None
     labels: Tensor | None
@@ -55,7 +38,7 @@ class Outputs:
     target_ids: Tensor | None = None
 
     def ids(self, n_cls: int, device: torch.device) -> Tensor:
-        """``[K]`` the logits whose Jacobians and covariances are computed: ``target_ids``, or all ``C``."""
+        """``[K]`` the logits computed: ``target_ids``, or all ``C``."""
         if self.target_ids is None:
             return torch.arange(n_cls, device=device)
         return self.target_ids.to(device)
@@ -70,13 +53,7 @@ class Outputs:
         )
 
     def keep(self, logits: Tensor) -> Tensor | None:
-        """``[B, T]`` bool mask of the kept positions of token-level logits; ``None`` for ``[B, C]`` logits.
-
-        Raises:
-            ValueError: Logits that are neither ``[B, C]`` nor ``[B, T, C]``; token-level logits with
-                neither an attention mask nor labels; a mask or labels whose shape does not match;
-                ``shift`` with ``[B, C]`` logits or with regression.
-        """
+        """``[B, T]`` kept positions of token-level logits (``None`` for ``[B, C]``); refuses unusable logits / masks."""
         if logits.ndim == 2:
             if self.shift:
                 raise ValueError(
@@ -113,16 +90,7 @@ class Outputs:
         return keep
 
     def targets(self, logits: Tensor, keep: Tensor | None) -> Tensor | None:
-        """The labels of the kept outputs, or ``None`` without labels.
-
-        Returns:
-            The labels unchanged for ``[B, C]`` logits; for token-level logits the labels of the kept
-            positions in row-major ``(b, t)`` order: ``[N]`` (classification, shifted when ``shift``) or
-            ``[N, C]`` / ``[N]`` (regression targets ``[B, T, C]`` / ``[B, T]``).
-
-        Raises:
-            ValueError: Token-level regression targets whose leading dimensions are not ``[B, T]``.
-        """
+        """The labels of the kept outputs, row-major (shifted with ``shift``), or ``None``."""
         labels = self.labels
         if labels is None or keep is None:
             return labels
@@ -147,17 +115,10 @@ def read_batch(
     labels: bool = True,
     target_ids: Tensor | None = None,
 ) -> tuple[Tensor | dict[str, Any], Outputs]:
-    """Split a batch (any kind `partialbayes.predictive.internal.split_batch` accepts) into model inputs and `Outputs`.
+    """A batch split into model inputs on ``device`` and its `Outputs`.
 
-    Label -100 means "no label: skip this output" for sequence-level outputs too: the examples of a
-    classification batch with labels ``[B]`` whose label is -100 are dropped here (examples do not interact
-    in eval mode, so this equals dropping their outputs), which may leave none. ``labels=False``
-    (prediction) ignores the labels: every real output counts. ``shift``, ``target_ids`` (answer-only: the
-    labels only mark the answer positions, no example is dropped): see `Outputs`.
-
-    Raises:
-        TypeError: A batch of an unknown kind (the message names its type and the accepted ones).
-        ValueError: An empty batch (0 examples).
+    Classification examples labelled -100 (labels ``[B]``) are dropped here, except with ``target_ids``;
+    ``labels=False`` ignores the labels.
     """
     b = split_batch(batch, device=device)
     y = b.labels if labels else None
@@ -172,13 +133,7 @@ def read_batch(
 def position_plan(
     keep: Tensor | None, batch: int, device: torch.device
 ) -> list[tuple[Tensor | None, Tensor]]:
-    """The output positions backpropagated together: at most one per example (examples do not interact).
-
-    Returns:
-        ``[(None, arange(B))]`` for ``[B, C]`` logits (``keep=None``); else for ``r = 0, 1, …`` the ``r``-th
-        kept position of every example that has one, ``(positions t [n], examples [n])``: one round when
-        each example has one answer, wherever it stands.
-    """
+    """Rounds ``(positions t [n], examples [n])`` of at most one kept position per example (``[(None, arange(B))]`` for ``[B, C]``)."""
     if keep is None:
         return [(None, torch.arange(batch, device=device))]
     rank = keep.cumsum(1) - 1  # the index of each kept position within its example
@@ -189,14 +144,7 @@ def position_plan(
 def take_examples(
     inputs: Tensor | dict[str, Any], outputs: Outputs, index: slice | Tensor
 ) -> tuple[Tensor | dict[str, Any], Outputs]:
-    """The examples ``index`` (a slice or an index tensor) of model inputs and of their `Outputs`.
-
-    Tensors of a mapping whose leading dimension is the batch size are indexed; other values are passed
-    unchanged.
-
-    Raises:
-        ValueError: If the batch size of mapping inputs cannot be told (see ``batch_size``).
-    """
+    """The examples ``index`` of model inputs (tensors with the batch dimension) and of their `Outputs`."""
     n = batch_size(inputs)
     part: Tensor | dict[str, Any]
     if isinstance(inputs, Tensor):
@@ -214,10 +162,7 @@ def take_examples(
 def split_chunks(
     inputs: Tensor | dict[str, Any], outputs: Outputs, chunk_size: int | None
 ) -> list[tuple[Tensor | dict[str, Any], Outputs]]:
-    """Split model inputs and their `Outputs` into chunks of at most ``chunk_size`` examples (`take_examples`).
-
-    The chunks' outputs, concatenated, are the batch's in row-major order.
-    """
+    """Model inputs and `Outputs` in chunks of at most ``chunk_size`` examples, in row order."""
     if chunk_size is None:
         return [(inputs, outputs)]
     n = batch_size(inputs)

@@ -1,8 +1,4 @@
-"""Prior precision: parsing and validation, and the Gaussian marginal likelihood.
-
-Validation scores of a prior precision use ``partialbayes.predictive``'s ``probit`` / ``nll`` and
-``gaussian_predictive`` / ``gaussian_nll`` (see ``LaplaceBase.grid_val_nll``).
-"""
+"""Prior precision: parsing and validation, and the Gaussian marginal likelihood."""
 
 from __future__ import annotations
 
@@ -18,22 +14,7 @@ PriorSpec = float | int | Tensor | Mapping[str, float]
 def prior_vector(
     spec: PriorSpec, modules: Sequence[str], *, dtype: torch.dtype, device: torch.device
 ) -> Tensor:
-    """Parse a prior precision into one value per module.
-
-    Args:
-        spec: A positive scalar (float or 0-d tensor), a 1-D tensor with one value per module, or a mapping
-            ``module name -> value`` covering every module.
-        modules: Module names, in the posterior's order.
-        dtype: Floating dtype of the result.
-        device: Device of the result.
-
-    Returns:
-        ``[len(modules)]`` prior precisions (differentiable if ``spec`` is a tensor that requires grad).
-
-    Raises:
-        ValueError: On unknown or missing module names, a wrong length, or a non-positive / non-finite value.
-        TypeError: On an unsupported type.
-    """
+    """``[len(modules)]`` prior precisions from a positive scalar, a ``[M]`` tensor or ``{module: δ}`` (differentiable)."""
     n = len(modules)
     if isinstance(spec, Mapping):
         unknown = sorted(set(spec) - set(modules))
@@ -82,8 +63,5 @@ def check_positive(name: str, value: float | Tensor) -> None:
 def gaussian_log_marglik(
     log_likelihood: Tensor, log_det_posterior: Tensor, log_det_prior: Tensor, scatter: Tensor
 ) -> Tensor:
-    """Laplace evidence ``log p(D|θ*) - ½ (log det P - log det P₀) - ½ θ*ᵀ P₀ θ*`` (prior mean 0).
-
-    The ``(2π)^{d/2}`` factors of prior and posterior cancel. All arguments are scalars.
-    """
+    """Laplace evidence ``log p(D|θ*) - ½ (log det P - log det P₀) - ½ scatter`` (the ``2π`` factors cancel)."""
     return log_likelihood - 0.5 * (log_det_posterior - log_det_prior) - 0.5 * scatter
