@@ -10,8 +10,8 @@ from partialbayes.curvature._laplace_dense import DenseLaplace
 from partialbayes.curvature._laplace_diag import DiagLaplace
 from partialbayes.curvature._laplace_kron import KronLaplace
 from partialbayes.curvature._likelihood import FISHERS
-from partialbayes.curvature._marglik import MarglikFit
 from partialbayes.curvature._memory import MemoryEstimate, memory_estimate
+from partialbayes.curvature._prior_search import MarglikFit
 
 __version__ = version("partialbayes-curvature")
 __all__ = [

@@ -2,6 +2,7 @@
 
 ``G`` SUMMED, ``A`` AVERAGED (laplace-torch): ``G ⊗ A`` approximates the summed curvature of
 ``vec(W[R][:, C] | b[R])``, row-major. A separate bias has ``A_bias = [1]``: ``blockdiag(A, A_bias)``.
+Token sequences first become rows (`shared_rows`): ``"reduce"`` one per sequence, ``"expand"`` one per token.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from torch import Tensor, nn
 
 from partialbayes.curvature._distributed import all_reduce, fail_together
 from partialbayes.curvature._hooks import BatchObserver, Run, check_untied, stream
-from partialbayes.curvature._kfac_math import row_count, shared_rows
 from partialbayes.curvature._likelihood import CurvatureOptions, check_list, model_device
 from partialbayes.curvature._lowrank import LowRankFactor, NystromSketch
 from partialbayes.curvature._outputs import resolve_shift_labels
@@ -96,12 +96,23 @@ class FactorAccumulator:
         self.sides[1].add(x if w is None else torch.cat([x, w.to(x)], dim=1))
         self.count += count
 
-    def factors(self) -> tuple[Tensor | LowRankFactor, Tensor | LowRankFactor, Tensor]:
-        """``(G, A, count)`` reduced over ranks: ``G`` summed, ``A`` averaged."""
+    def result(self, m: str, k: KronModule, n_examples: int, sharing: str | None) -> ModuleFactors:
+        """Module ``m``'s factors reduced over ranks (``G`` summed, ``A`` averaged); refuses an overflow."""
         for t in [*self.sides[0].sums(), *self.sides[1].sums(), self.count]:
             all_reduce(t)
-        g, a = self.sides
-        return g.factor(), a.factor(1 / float(self.count.clamp_min(1))), self.count
+        G, A = self.sides[0].factor(), self.sides[1].factor(1 / float(self.count.clamp_min(1)))
+        parts = [
+            p for f in (G, A) for p in ((f.U, f.s, f.rest) if isinstance(f, LowRankFactor) else [f])
+        ]
+        if not all(bool(torch.isfinite(p).all()) for p in parts):
+            raise ValueError(
+                f"non-finite curvature in module {m!r} (overflow in the accumulated factors)"
+            )
+        # a separate bias's input factor: the average of the constant input 1, [1] once a row counted
+        has_bias = k.bias_name is not None
+        separate = has_bias and not self.bias  # a bias in the block, not folded into A
+        A_bias = (self.count / self.count.clamp_min(1)).reshape(1, 1) if separate else None
+        return ModuleFactors(m, G, A, k.rows, k.cols, has_bias, n_examples, A_bias, sharing)
 
 
 @dataclass(frozen=True)
@@ -112,6 +123,23 @@ class KronTargets:
     modules: dict[str, nn.Module]
     cols: dict[str, Tensor | None]
     rows: dict[str, Tensor | None]
+
+
+def shared_rows(t: Tensor, mask: Tensor | None, sharing: str, *, mean: bool) -> Tensor:
+    """The rows ``[m, d]`` of ``t`` (``[B, d]`` as is, ``[B, T, d]`` by ``mask``): summed (``mean``: averaged) or one per token."""
+    if mask is None:
+        return t
+    if sharing == "expand":
+        return (t * mask[..., None]).reshape(-1, t.shape[-1])
+    s = torch.einsum("btd,bt->bd", t, mask)
+    return s / mask.sum(1, keepdim=True) if mean else s
+
+
+def row_count(x: Tensor, mask: Tensor | None, sharing: str) -> Tensor | int:
+    """How many rows `shared_rows` gives the input factor's average: examples, or unmasked tokens (expand)."""
+    if mask is None or sharing == "reduce":
+        return x.shape[0]
+    return mask.sum()
 
 
 def kron_targets(model: nn.Module, subset: Subset, what: str) -> KronTargets:
@@ -180,23 +208,16 @@ def kfac(
     subset and ``bias="fold"``; ``bias="separate"`` gives the bias its own block ``G ⊗ A_bias``. S-KFAC
     blocks gather ``δ[:, R]`` and ``x[:, C]`` in the hooks: the full factors are never formed.
 
-    Token sequences (``[B, T, d]`` activations; padding never contributes): ``sharing="reduce"`` sums ``δ``
-    and averages ``x`` over the unmasked tokens of each sequence before the outer products (exact for deep
-    linear networks with one loss per sequence); ``"expand"`` treats every unmasked token as an example.
-    A module called several times per forward pass contributes every call, the calls merged as extra token
-    positions. Token-level outputs (logits ``[B, T, C]``) count one output per kept position (attention mask
-    1, label not -100; causal LMs: see ``shift_labels``) and take ``"expand"``, which the default
-    ``sharing=None`` picks (``"reduce"`` is refused for them): one backward pass per output vector carries
-    every kept position, and a module's examples are its real positions whose ``δ`` is not zero in some pass
-    (`carries_gradient`) — a prompt token that the answer reads through attention counts. Label -100 skips
-    an output for ``[B, C]`` logits too; a batch left without a labelled output is skipped (one warning
-    counts them; a loader of such batches only is refused). The curvature concept page derives each case
-    and its exactness.
+    Token sequences: ``sharing="reduce"`` sums ``δ`` and averages ``x`` over each sequence's unmasked
+    tokens, ``"expand"`` makes every unmasked token an example; a module called several times per forward
+    pass has its calls merged as extra positions. Token-level logits ``[B, T, C]`` count one output per kept
+    position (attention mask 1, label not -100) and take ``"expand"``; a module's examples are then its
+    positions whose ``δ`` is not zero up to rounding. Label -100 skips an output for ``[B, C]`` logits too;
+    a batch left without a labelled output is skipped with one warning. The curvature concept page derives
+    each case and its exactness.
 
-    **Several subsets in one pass** (a ramp): pass a list. Each map's ``x`` and ``δ`` are recorded once and
-    each subset gathers its ``δ[:, R]``, ``x[:, C]`` and accumulates as alone: its factors are bit-identical
-    to ``kfac`` on that subset (``fisher="mc"``: labels drawn once per batch, as from a generator in the
-    same state). Memory: every subset's factor sums at once.
+    **Several subsets in one pass** (a ramp): pass a list; each subset's factors are bit-identical to
+    ``kfac`` on it alone (``fisher="mc"``: labels drawn once per batch). Memory: every subset's factor sums.
 
     Args:
         model: Network; its forward takes a tensor or keyword inputs and returns logits ``[B, C]`` or
@@ -335,33 +356,7 @@ def kron_factors(
                 bad = next(m for m, v in checks if not v.isfinite())
                 raise ValueError(f"non-finite curvature in module {bad!r} at batch {bp.index}")
     n_examples = round(float(all_reduce(torch.tensor(float(n_examples), device=device))))
-    out: list[dict[str, ModuleFactors]] = []
-    for t, acc in zip(targets, accs, strict=True):
-        factors = {}
-        for m, k in t.kmods.items():
-            separate = k.bias_name is not None and options.bias == "separate"
-            G, A, count = acc[m].factors()
-            # the separate bias's input factor: the average of the constant input 1, [1] once a row counted
-            A_bias = (count / count.clamp_min(1)).reshape(1, 1) if separate else None
-            parts = [
-                p
-                for f in (G, A)
-                for p in ((f.U, f.s, f.rest) if isinstance(f, LowRankFactor) else (f,))
-            ]
-            if not all(bool(torch.isfinite(p).all()) for p in parts):
-                raise ValueError(
-                    f"non-finite curvature in module {m!r} (overflow in the accumulated factors)"
-                )
-            factors[m] = ModuleFactors(
-                module=m,
-                G=G,
-                A=A,
-                rows=k.rows,
-                cols=k.cols,
-                bias=k.bias_name is not None,
-                n_examples=n_examples,
-                A_bias=A_bias,
-                sharing=sharing,
-            )
-        out.append(factors)
-    return out
+    return [
+        {m: acc[m].result(m, k, n_examples, sharing) for m, k in t.kmods.items()}
+        for t, acc in zip(targets, accs, strict=True)
+    ]

@@ -1,13 +1,8 @@
 """`LaplaceBase`: a Laplace posterior over a `Subset`, whatever the structure of its curvature.
 
-Conventions (DESIGN): the log-likelihood is summed over the N training examples, the curvature ``H`` is the
-summed GGN / Fisher of the subset's entries, and the posterior precision is ``P = H / T + P₀`` with
-``P₀ = diag(δ_m)`` (one prior precision per module, or one scalar) and prior mean 0.
-
-A structure — `KronLaplace`, `DiagLaplace`, `DenseLaplace` — stores one curvature representation and
-implements the nine methods marked "structure" below. Everything else is here, once: fitting, the evidence
-and the prior's tuning (`_marglik` for the gradient ascent), samples and swapping (``Subset.swapped``), the
-predictive's links (``partialbayes.predictive``) and the file (``write_posterior_file``).
+The precision is ``P = H / T + P₀``, ``H`` the summed GGN / Fisher, ``P₀ = diag(δ_m)``, prior mean 0. A
+structure (`KronLaplace`, `DiagLaplace`, `DenseLaplace`) stores one curvature representation and implements
+the methods marked "structure"; fitting, the evidence, samples, the predictive and the file are here, once.
 """
 
 from __future__ import annotations
@@ -15,7 +10,7 @@ from __future__ import annotations
 import copy
 import math
 import os
-import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
@@ -26,14 +21,8 @@ from torch import Tensor, nn
 
 from partialbayes.curvature._distributed import all_reduce
 from partialbayes.curvature._hooks import Run
-from partialbayes.curvature._likelihood import (
-    CurvatureOptions,
-    check_labels,
-    check_list,
-    check_logits,
-)
-from partialbayes.curvature._marglik import MarglikFit, maximize_evidence
-from partialbayes.curvature._memory import MemoryEstimate
+from partialbayes.curvature._likelihood import CurvatureOptions, check_list
+from partialbayes.curvature._memory import MemoryEstimate, sized
 from partialbayes.curvature._outputs import Outputs, read_batch, resolve_shift_labels, split_chunks
 from partialbayes.curvature._prior import (
     PriorSpec,
@@ -41,22 +30,25 @@ from partialbayes.curvature._prior import (
     gaussian_log_marglik,
     prior_vector,
 )
+from partialbayes.curvature._prior_search import (
+    MarglikFit,
+    evidence_ascent,
+    grid_search,
+    grid_val_nlls,
+)
 from partialbayes.predictive import (
-    gaussian_nll,
     gaussian_predictive,
     laplace_bridge,
     mc_predictive,
-    nll,
-    probit,
     sample_logits,
 )
 from partialbayes.predictive.internal import (
     PosteriorFile,
+    check_choice,
     check_generator,
     check_int,
     check_target_ids,
     eval_mode,
-    output_logits,
     probit_kernel,
     read_posterior_file,
     resolve_link,
@@ -83,12 +75,7 @@ _FIELDS: dict[str, type | tuple[type, ...]] = {
 
 
 class MapLoss:
-    """Training loss at the MAP, accumulated from the logits of the curvature pass (an ``on_batch`` observer).
-
-    Classification: summed cross-entropy (nats); regression: summed squared error. In float64 on the
-    logits' device (no synchronisation per batch). Output rows are examples (kept positions of token-level
-    logits) for the loss, ``n_data`` and ``n_outputs``. ``likelihood``: ``"classification"`` / ``"regression"``.
-    """
+    """Training loss at the MAP from the curvature pass's output rows (``on_batch``): summed CE or SSE, float64."""
 
     def __init__(self, likelihood: str) -> None:
         self.likelihood = likelihood
@@ -97,11 +84,7 @@ class MapLoss:
         self.n_outputs = 0
 
     def __call__(self, index: int, logits: Tensor, labels: Tensor | None) -> None:
-        """Add one batch: output rows ``logits [N, C]`` and their labels as validated by ``check_labels``.
-
-        Raises:
-            ValueError: If the batch has no labels (the training log-likelihood needs them).
-        """
+        """Add one batch: output rows ``logits [N, C]`` and their checked labels (refused: none)."""
         if labels is None:
             raise ValueError(
                 f"batch {index}: fit needs labels (the training log-likelihood at the MAP enters the "
@@ -117,30 +100,17 @@ class MapLoss:
         self.n_outputs = int(f.shape[1])
 
     def result(self, device: torch.device) -> tuple[float, int, int]:
-        """``(loss, n_examples, n_outputs)`` over the data seen, summed over ranks under ``torch.distributed``.
-
-        Every rank takes part in the same two all-reduces and gets the same values, so the checks below
-        fail on all ranks together.
-
-        Raises:
-            ValueError: If no example was seen, the ranks disagree on the number of outputs, or the loss is
-                not finite.
-        """
+        """``(loss, n_examples, n_outputs)`` summed over ranks (the same on every rank: they fail together)."""
         n_data = torch.tensor(float(self.n_data), dtype=torch.float64, device=device)
         sums = all_reduce(torch.stack([self.total.to(device), n_data]))
         # the max of C and of -C: equal on every rank iff the ranks agree
         outs = all_reduce(torch.tensor([self.n_outputs, -self.n_outputs], device=device), "max")
-        loss, n = float(sums[0]), round(float(sums[1]))
-        if n == 0:
-            raise ValueError("the loader holds no example: the posterior needs at least one")
         if int(outs[0]) != -int(outs[1]):
             raise ValueError(
                 f"ranks disagree on the number of model outputs: between {-int(outs[1])} and "
                 f"{int(outs[0])}"
             )
-        if not math.isfinite(loss):
-            raise ValueError(f"the training loss at the MAP is not finite ({loss})")
-        return loss, n, int(outs[0])
+        return float(sums[0]), round(float(sums[1])), int(outs[0])
 
 
 def _place(full: Tensor, keep: Tensor | None, rows: Tensor) -> Tensor:
@@ -152,7 +122,7 @@ def _place(full: Tensor, keep: Tensor | None, rows: Tensor) -> Tensor:
     return out
 
 
-class LaplaceBase:
+class LaplaceBase(ABC):
     """A Laplace posterior over a `Subset`: what `KronLaplace`, `DiagLaplace` and `DenseLaplace` share.
 
     Not used directly: build one of the three (each implements ``partialbayes.predictive.Posterior``).
@@ -312,22 +282,23 @@ class LaplaceBase:
         """Structure: ``{param name: module}``, the prior group of every parameter (default: its owner)."""
         return {n: n.rpartition(".")[0] for n in self.subset.names}
 
+    @abstractmethod
     def _compute_curvature(self, loader: Iterable[Any], run: Run) -> Any:
         """Structure: the matching curvature routine's pass over ``loader`` (``self._options``, ``run``)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _set_curvature(self, curvature: Any) -> None:
         """Structure: check a curvature routine's result against the subset and store its representation."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _log_det(self, prior: Tensor, scale: Tensor | float) -> Tensor:
         """Structure: ``log det P`` for a prior vector and a curvature scale (differentiable in both)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _sample(self, n: int, generator: torch.Generator | None) -> dict[str, Tensor]:
         """Structure: ``n`` zero-mean draws ``N(0, P⁻¹)``, ``{param name: [n, k]}``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _covariances(
         self,
         inputs: Tensor | Mapping[str, Any],
@@ -335,19 +306,13 @@ class LaplaceBase:
         priors: Sequence[Tensor],
         scale: Tensor | float,
     ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
-        """Structure: ``(logits, keep, [Σ_f [N, C, C] per prior])`` of a batch (called in eval mode).
+        """Structure: ``(logits [B, (T,) C] detached, keep [B, T] | None, [Σ_f [N, C, C] per prior])`` (eval mode)."""
 
-        ``logits`` as the model returns them (``[B, C]`` or ``[B, T, C]``, detached), ``keep`` the
-        ``[B, T]`` kept positions of token-level logits (``None`` for ``[B, C]``), one ``J Σ Jᵀ`` per output
-        row and prior setting.
-        """
-        raise NotImplementedError
-
+    @abstractmethod
     def _estimate(
         self, logits: Tensor, keep: Tensor | None, mask: Tensor | None, k_out: int
     ) -> MemoryEstimate:
         """Structure: the memory of a fit, and of a predictive of ``k_out`` logits, for a batch's logits."""
-        raise NotImplementedError
 
     @classmethod
     def _covariances_of(
@@ -362,17 +327,17 @@ class LaplaceBase:
         out = [p._covariances(inputs, outputs, pr, p._scale(None)) for p, pr in pairs]
         return out[0][0], out[0][1], [covs for _, _, covs in out]
 
+    @abstractmethod
     def _state(self) -> dict[str, Tensor]:
         """Structure: the stored curvature tensors (saved; counted by `num_floats`)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _load_state(self, file: PosteriorFile) -> None:
         """Structure: read back `_state` from a posterior file (``file.tensor("curv:<key>", shape)``)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _summary_rows(self) -> list[tuple[str, str, int]]:
         """Structure: ``(module, stored structure, floats)`` per module."""
-        raise NotImplementedError
 
     def _accumulate(self, curvature: Any, previous: Any, n_data: int) -> Any:
         """Structure: this episode's curvature (a routine's result) plus ``previous``'s, in that form."""
@@ -718,7 +683,12 @@ class LaplaceBase:
                 dtype / shape or out of range (naming the batch).
         """
         self._require_fit()
-        gradient_only: dict[str, Any] = {
+        check_choice("method", method, ("marglik", "val_nll"))
+        if optimizer not in ("grid", "gradient"):
+            raise ValueError(f"optimizer must be 'grid' or 'gradient', got {optimizer!r}")
+        options = {
+            "val_loader": val_loader,
+            "grid": grid,
             "init_prior_precision": init_prior_precision,
             "fit_sigma_noise": fit_sigma_noise,
             "per_module": per_module,
@@ -726,68 +696,17 @@ class LaplaceBase:
             "max_steps": max_steps,
             "tol": tol,
         }
-        if optimizer == "gradient":
-            if method != "marglik":
-                raise ValueError(
-                    f"optimizer='gradient' needs method='marglik' (got {method!r}); "
-                    "method='val_nll' is offered on a grid"
-                )
-            if val_loader is not None or grid is not None:
-                raise ValueError("val_loader and grid are not used with optimizer='gradient'")
-            if fit_sigma_noise is None:
-                fit_sigma_noise = self.likelihood == "regression"
-            elif not isinstance(fit_sigma_noise, bool):
-                raise TypeError(
-                    f"fit_sigma_noise must be a bool or None, got {type(fit_sigma_noise).__name__}"
-                )
-            elif fit_sigma_noise and self.likelihood != "regression":
-                raise ValueError(
-                    "fit_sigma_noise=True needs likelihood='regression' (classification has no noise)"
-                )
-            steps = ("per_module", "lr", "max_steps", "tol")
-            with torch.enable_grad():
-                fit = maximize_evidence(
-                    lambda prior, sigma: self.log_marginal_likelihood(prior, sigma),
-                    self._resolve_prior(init_prior_precision).detach(),
-                    self._module_sums(None),
-                    self.modules,
-                    init_sigma=self.sigma_noise if fit_sigma_noise else None,
-                    sigma_scale=float(self.n_data * max(self.n_outputs, 1)),
-                    **{k: gradient_only[k] for k in steps if gradient_only[k] is not None},
-                )
-            self.prior_precision = fit.prior_precision
-            if fit.sigma_noise is not None:
-                self.sigma_noise = fit.sigma_noise
-            return fit
-        if optimizer != "grid":
-            raise ValueError(f"optimizer must be 'grid' or 'gradient', got {optimizer!r}")
-        given = [k for k, v in gradient_only.items() if v is not None]
-        if given:
-            raise ValueError(f"{given} are options of optimizer='gradient', not of the grid")
-        if grid is None:
-            values = torch.logspace(-1, 3, 21, dtype=torch.float64)
-        elif isinstance(grid, Tensor):
-            values = grid.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
-        else:  # Python floats straight to float64 (as_tensor would round them to float32 first)
-            values = torch.tensor(list(grid), dtype=torch.float64).reshape(-1)
-        if values.numel() == 0 or not bool(((values > 0) & torch.isfinite(values)).all()):
-            raise ValueError(f"grid must hold positive finite values, got {values.tolist()}")
-        if method == "marglik":
-            if val_loader is not None:
-                raise ValueError("val_loader is only used with method='val_nll'")
-            with torch.no_grad():
-                scores = torch.stack(
-                    [self.log_marginal_likelihood(prior_precision=float(v)) for v in values]
-                )
-            best = int(torch.argmax(scores))
-        elif method == "val_nll":
-            if val_loader is None:
-                raise ValueError("method='val_nll' needs val_loader")
-            best = int(torch.argmin(self.grid_val_nll(val_loader, values)))
-        else:
-            raise ValueError(f"method must be 'marglik' or 'val_nll', got {method!r}")
-        self.prior_precision = float(values[best])
-        return float(values[best])
+        given = {k: v for k, v in options.items() if v is not None}
+        grid_only = [k for k in given if k in ("val_loader", "grid")]
+        foreign = grid_only if optimizer == "gradient" else [k for k in given if k not in grid_only]
+        if foreign:
+            other = "grid" if optimizer == "gradient" else "gradient"
+            raise ValueError(
+                f"{foreign} are options of optimizer={other!r}, not used with optimizer={optimizer!r}"
+            )
+        if optimizer == "grid":
+            return grid_search(self, method, val_loader, grid)
+        return evidence_ascent(self, method, **given)
 
     def grid_val_nll(self, val_loader: Iterable[Any], grid: Tensor) -> Tensor:
         """Mean validation NLL of the linearised predictive for each scalar prior precision in ``grid``.
@@ -805,7 +724,7 @@ class LaplaceBase:
             ValueError: On an empty ``val_loader`` (or one without any labelled output), a batch without
                 labels, or labels of the wrong dtype / shape or out of range (naming the batch).
         """
-        return _grid_val_nll([self], val_loader, grid)[0]
+        return grid_val_nlls([self], val_loader, grid)[0]
 
     # ------------------------------------------------------------------ samples and swapping
     def _noise(self, shape: Sequence[int], generator: torch.Generator | None) -> Tensor:
@@ -1158,11 +1077,7 @@ def _linearised(
     labels: bool = True,
     target_ids: Sequence[int] | Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor, list[Tensor]]:
-    """``(logits [B, (T,) C], keep [B, T] | None, f [N, K], [Σ_f [N, K, K] per posterior])`` at the priors.
-
-    ``f``: the kept output rows, all ``C`` logits or the ``K`` of ``target_ids`` (answer-only: the rows
-    are the answer positions, the labels only mark them).
-    """
+    """``(logits [B, (T,) C], keep [B, T] | None, f [N, K], [Σ_f [N, K, K] per posterior])`` at their priors (``K``: ``target_ids``)."""
     first = posteriors[0]
     first._require_fit()
     if chunk_size is not None:
@@ -1181,7 +1096,7 @@ def _linearised(
     logits, keeps = [], []
     covs: list[list[Tensor]] = [[] for _ in posteriors]
     for part, part_outputs in split_chunks(inputs, outputs, chunk_size):
-        with eval_mode(first.model), _sized(posteriors, part_outputs):
+        with eval_mode(first.model), sized(posteriors, part_outputs):
             f, keep, part_covs = type(first)._covariances_of(
                 posteriors, part, part_outputs, [[p._prior] for p in posteriors]
             )
@@ -1199,28 +1114,6 @@ def _linearised(
         )
     f_rows = rows if ids is None else rows.index_select(-1, ids)
     return logits_all, keep_all, f_rows, [torch.cat(c) for c in covs]
-
-
-@contextmanager
-def _sized(posteriors: Sequence[LaplaceBase], outputs: Outputs) -> Iterator[None]:
-    """Refuse, right after the model's forward pass, a predictive that the memory cannot hold.
-
-    Each posterior's own predictive is checked (the passes shared by several fall back to one posterior
-    at a time when the free memory is short: `_laplace_projected.fits_memory`).
-    """
-
-    def check(module: nn.Module, args: Any, output: Any) -> None:
-        logits = output_logits(output)
-        k = logits.shape[-1] if outputs.target_ids is None else len(outputs.target_ids)
-        for p in posteriors:
-            est = p._estimate(logits, outputs.keep(logits), outputs.attention_mask, k)
-            replace(est, factors=0, eigen=0, fit_batch=0).check(p.max_memory)
-
-    handle = posteriors[0].model.register_forward_hook(check)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def logit_mean_cov_many(
@@ -1273,73 +1166,7 @@ def grid_val_nll_many(
     Raises:
         TypeError, ValueError, RuntimeError: As `logit_mean_cov_many` and ``grid_val_nll``.
     """
-    return torch.stack(_grid_val_nll(_check_posteriors(posteriors), val_loader, grid))
-
-
-def _grid_val_nll(
-    posteriors: Sequence[LaplaceBase], val_loader: Iterable[Any], grid: Tensor
-) -> list[Tensor]:
-    """`grid_val_nll` of each posterior, the network's passes shared (warnings at the public caller's caller)."""
-    first = posteriors[0]
-    first._require_fit()
-    totals = torch.zeros(len(posteriors), len(grid), dtype=torch.float64)
-    count = batches = skipped = 0
-    priors = [[p._resolve_prior(float(v)) for v in grid] for p in posteriors]
-    with torch.no_grad():
-        for index, batch in enumerate(val_loader):
-            batches += 1
-            inputs, outputs = first._read(batch)
-            if outputs.labels is None:
-                raise ValueError(
-                    f"batch {index}: val_loader batches need labels to score the predictive"
-                )
-            if outputs.unlabelled:
-                skipped += 1
-                continue
-            with eval_mode(first.model), _sized(posteriors, outputs):
-                logits, keep, covs = type(first)._covariances_of(
-                    posteriors, inputs, outputs, priors
-                )
-            rows = logits if keep is None else logits[keep]
-            if rows.shape[0] == 0:
-                skipped += 1
-                continue
-            check_logits(rows, None, index)
-            labels = outputs.targets(logits, keep)
-            assert labels is not None
-            for i, (p, p_covs) in enumerate(zip(posteriors, covs, strict=True)):
-                f = rows.to(p.dtype)
-                y = check_labels(labels, f, p.likelihood, index)
-                for j, cov in enumerate(p_covs):
-                    cov = cov.to(p.dtype)
-                    if p.likelihood == "classification":
-                        score = nll(probit(f, cov), y, reduction="sum")
-                    else:
-                        mean, var = gaussian_predictive(
-                            f, cov.diagonal(dim1=-2, dim2=-1), p.sigma_noise**2
-                        )
-                        score = gaussian_nll(mean, var, y.to(f.dtype), reduction="sum")
-                    totals[i, j] += float(score)
-            count += rows.shape[0]
-    for (
-        p
-    ) in posteriors:  # the grid's inverse eigenvalues (`KronLaplace._blocks`) are not needed now
-        if hasattr(p, "_memo"):
-            p._memo = None
-    if batches == 0:
-        raise ValueError("val_loader is empty")
-    if skipped == batches:
-        raise ValueError(
-            f"every batch of val_loader ({batches}) has no labelled output (every label -100)"
-        )
-    if skipped:
-        warnings.warn(
-            f"skipped {skipped} of {batches} validation batches with no labelled outputs "
-            "(every label -100)",
-            UserWarning,
-            stacklevel=3,
-        )
-    return list(totals / count)
+    return torch.stack(grid_val_nlls(_check_posteriors(posteriors), val_loader, grid))
 
 
 def replace_previous(previous: LaplaceBase) -> LaplaceBase:

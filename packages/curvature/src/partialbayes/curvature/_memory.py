@@ -10,8 +10,9 @@ activations are not counted. A refusal is a ``ValueError`` before anything is al
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -19,12 +20,13 @@ from torch import Tensor, nn
 
 from partialbayes.curvature._likelihood import CurvatureOptions, model_device
 from partialbayes.curvature._lowrank import OVERSAMPLE
-from partialbayes.curvature._outputs import read_batch, resolve_shift_labels
+from partialbayes.curvature._outputs import Outputs, read_batch, resolve_shift_labels
 from partialbayes.predictive.internal import (
     available_memory,
     check_int,
     check_target_ids,
     model_logits,
+    output_logits,
 )
 from partialbayes.selection import Subset
 from partialbayes.selection.internal import KronModule
@@ -268,3 +270,21 @@ def entries_estimate(
     stored, eigen = (p * p * item, (4 * p * p + p) * item) if dense else (p * item, 0)
     largest = f"{'H' if dense else 'diagonal'} of {p} entries"
     return MemoryEstimate(stored, eigen, fit, pred, largest, *available_memory(logits.device), item)
+
+
+@contextmanager
+def sized(posteriors: Sequence[Any], outputs: Outputs) -> Iterator[None]:
+    """Refuse, right after the model's forward pass, a predictive of any of ``posteriors`` that memory cannot hold."""
+
+    def check(module: nn.Module, args: Any, output: Any) -> None:
+        logits = output_logits(output)
+        k = logits.shape[-1] if outputs.target_ids is None else len(outputs.target_ids)
+        for p in posteriors:
+            est = p._estimate(logits, outputs.keep(logits), outputs.attention_mask, k)
+            replace(est, factors=0, eigen=0, fit_batch=0).check(p.max_memory)
+
+    handle = posteriors[0].model.register_forward_hook(check)
+    try:
+        yield
+    finally:
+        handle.remove()
