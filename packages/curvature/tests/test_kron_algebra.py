@@ -12,11 +12,13 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).parent))
 from _laplace_helpers import dense_kron_covariance
 
-from partialbayes.curvature._kron_algebra import (
+from partialbayes.curvature._lowrank import (
     clamped_eigh,
+    lowrank_log_det,
     precision_eigenvalues,
+    scale_in_basis,
+    whole_factor,
 )
-from partialbayes.curvature._lowrank import lowrank_log_det, scale_in_basis, whole_factor
 
 
 def _psd(n: int, rank: int, g: torch.Generator, device) -> torch.Tensor:

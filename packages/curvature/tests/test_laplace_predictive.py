@@ -19,8 +19,8 @@ from _laplace_helpers import (
 )
 
 from partialbayes.curvature import KronLaplace
-from partialbayes.curvature._kron_algebra import clamped_eigh, precision_eigenvalues
 from partialbayes.curvature._laplace_projected import shared_covariances, unshared_covariances
+from partialbayes.curvature._lowrank import clamped_eigh, precision_eigenvalues
 from partialbayes.selection import linear_modules, modules, sparse_kfac
 
 FIXTURE_OK = settings(suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)

@@ -111,7 +111,7 @@ _MEASURE = textwrap.dedent(
     import json, torch
     from torch import nn
     from partialbayes.curvature import DenseLaplace, DiagLaplace, KronLaplace, kfac, memory_estimate
-    from partialbayes.curvature._kron_algebra import clamped_eigh
+    from partialbayes.curvature._lowrank import clamped_eigh
     from partialbayes.selection import modules
 
     torch.set_num_threads(1)

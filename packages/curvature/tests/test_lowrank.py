@@ -12,17 +12,15 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).parent))
 from _alloc_guard import LargestTensor
 
-from partialbayes.curvature._kron_algebra import (
-    clamped_eigh,
-    precision_eigenvalues,
-)
 from partialbayes.curvature._lowrank import (
     OVERSAMPLE,
     LowRankFactor,
     NystromSketch,
+    clamped_eigh,
     lowrank_covariance,
     lowrank_log_det,
     nystrom_factor,
+    precision_eigenvalues,
     scale_in_basis,
     whole_factor,
 )

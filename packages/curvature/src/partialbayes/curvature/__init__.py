@@ -11,7 +11,7 @@ from partialbayes.curvature._laplace_diag import DiagLaplace
 from partialbayes.curvature._laplace_kron import KronLaplace
 from partialbayes.curvature._likelihood import FISHERS
 from partialbayes.curvature._memory import MemoryEstimate, memory_estimate
-from partialbayes.curvature._prior_search import MarglikFit
+from partialbayes.curvature._prior import MarglikFit
 
 __version__ = version("partialbayes-curvature")
 __all__ = [

@@ -13,8 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.curvature._distributed import all_reduce, fail_together
-from partialbayes.curvature._hooks import BatchObserver, Run, stream
+from partialbayes.curvature._hooks import BatchObserver, Run, all_reduce, fail_together, stream
 from partialbayes.curvature._jacobians import ParamTarget, entry_grads, param_targets
 from partialbayes.curvature._likelihood import CurvatureOptions
 from partialbayes.curvature._outputs import resolve_shift_labels
@@ -48,8 +47,7 @@ def diag_curvature(
 
     Args:
         model: Network returning logits ``[B, C]`` or ``[B, T, C]``; evaluated in eval mode.
-        loader: Iterable of batches: tensors, pairs ``(inputs, labels)`` or mappings (``dict``,
-            ``BatchEncoding``) with ``"labels"`` / ``"label"``.
+        loader: Iterable of batches, as in `kfac`.
         subset: Any subset (mask or Kronecker blocks) of weights / biases of ``nn.Linear`` / HF ``Conv1D``.
         likelihood: As in `kfac`.
         fisher: As in `kfac`.
@@ -66,10 +64,9 @@ def diag_curvature(
         ``{param name: h}`` with ``h`` 1-D in ``subset.gather`` order (summed over examples and ranks).
 
     Raises:
-        ValueError: Parameters outside linear maps, bad options, empty loader or batch, bad labels
-            (whenever a batch has them) / logits, non-finite curvature (naming the parameter and batch).
-        RuntimeError: Under ``torch.distributed``, on every rank whose shard went through when another
-            rank raised (all ranks fail instead of waiting for each other).
+        ValueError: Parameters outside linear maps, bad options, empty loader or batch, bad labels / logits,
+            non-finite curvature (naming the parameter and batch).
+        RuntimeError: Under ``torch.distributed``, when another rank failed on its shard.
     """
     options = CurvatureOptions(
         likelihood=likelihood,
@@ -111,8 +108,7 @@ def dense_curvature(
 
     Args:
         model: Network returning logits ``[B, C]`` or ``[B, T, C]``; evaluated in eval mode.
-        loader: Iterable of batches: tensors, pairs ``(inputs, labels)`` or mappings (``dict``,
-            ``BatchEncoding``) with ``"labels"`` / ``"label"``.
+        loader: Iterable of batches, as in `kfac`.
         subset: Subset of weights / biases of ``nn.Linear`` / HF ``Conv1D`` (mask or Kronecker blocks).
         likelihood: As in `kfac`.
         fisher: As in `kfac`.
@@ -129,10 +125,9 @@ def dense_curvature(
         ``H`` ``[P, P]``, ``P = subset.num_entries()``, summed over examples (and ranks).
 
     Raises:
-        ValueError: Parameters outside linear maps, bad options, empty loader or batch, bad labels
-            (whenever a batch has them) / logits, non-finite curvature (naming the parameter and batch).
-        RuntimeError: Under ``torch.distributed``, on every rank whose shard went through when another
-            rank raised (all ranks fail instead of waiting for each other).
+        ValueError: Parameters outside linear maps, bad options, empty loader or batch, bad labels / logits,
+            non-finite curvature (naming the parameter and batch).
+        RuntimeError: Under ``torch.distributed``, when another rank failed on its shard.
     """
     options = CurvatureOptions(
         likelihood=likelihood,

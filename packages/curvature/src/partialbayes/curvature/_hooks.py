@@ -4,7 +4,8 @@ One forward pass per batch records each hooked linear map's input ``x`` (gathere
 and output; backward passes of the logits then give ``δ``, the gradient w.r.t. every hooked output
 (``torch.autograd.grad``: no parameter ``.grad``). A module called several times per forward pass has its
 calls merged as extra token positions (`merge_calls`; Eschenhagen et al., 2023, weight sharing over ``R``
-positions).
+positions). Running sums are reduced across ranks by `all_reduce`; `fail_together` makes an error on one
+rank fail every rank instead of leaving them waiting in the next all-reduce.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from partialbayes.curvature._likelihood import (
@@ -394,3 +396,30 @@ def in_row_order(keys: list[Tensor], parts: list[Tensor]) -> Tensor:
         return parts[0]
     order = torch.argsort(torch.cat(keys))
     return torch.cat(parts).index_select(0, order.to(parts[0].device))
+
+
+def all_reduce(t: Tensor, op: str = "sum") -> Tensor:
+    """In-place ``"sum"`` / ``"max"`` all-reduce of ``t`` across ranks; a no-op without a process group of 2+."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t
+
+
+@contextmanager
+def fail_together(device: torch.device) -> Iterator[None]:
+    """Run collective-free work; on exit every rank all-reduces a failure flag and raises if any rank did."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        yield
+        return
+    try:
+        yield
+    except Exception:
+        dist.all_reduce(torch.ones((), device=device), op=dist.ReduceOp.SUM)
+        raise
+    failed = torch.zeros((), device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.SUM)
+    if int(failed) > 0:
+        raise RuntimeError(
+            f"{int(failed)} other rank(s) raised while computing the curvature on their shard; "
+            "see their error"
+        )

@@ -14,8 +14,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.curvature._distributed import all_reduce, fail_together
-from partialbayes.curvature._hooks import BatchObserver, Run, check_untied, stream
+from partialbayes.curvature._hooks import (
+    BatchObserver,
+    Run,
+    all_reduce,
+    check_untied,
+    fail_together,
+    stream,
+)
 from partialbayes.curvature._likelihood import CurvatureOptions, check_list, model_device
 from partialbayes.curvature._lowrank import LowRankFactor, NystromSketch
 from partialbayes.curvature._outputs import resolve_shift_labels

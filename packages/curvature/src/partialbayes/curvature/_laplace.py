@@ -19,22 +19,19 @@ from typing import Any, ClassVar, Literal, TypeVar, overload
 import torch
 from torch import Tensor, nn
 
-from partialbayes.curvature._distributed import all_reduce
-from partialbayes.curvature._hooks import Run
+from partialbayes.curvature._hooks import Run, all_reduce
 from partialbayes.curvature._likelihood import CurvatureOptions, check_list
 from partialbayes.curvature._memory import MemoryEstimate, sized
 from partialbayes.curvature._outputs import Outputs, read_batch, resolve_shift_labels, split_chunks
 from partialbayes.curvature._prior import (
+    MarglikFit,
     PriorSpec,
     check_positive,
-    gaussian_log_marglik,
-    prior_vector,
-)
-from partialbayes.curvature._prior_search import (
-    MarglikFit,
     evidence_ascent,
+    gaussian_log_marglik,
     grid_search,
     grid_val_nlls,
+    prior_vector,
 )
 from partialbayes.predictive import (
     gaussian_predictive,
@@ -127,16 +124,12 @@ class LaplaceBase(ABC):
 
     Not used directly: build one of the three (each implements ``partialbayes.predictive.Posterior``).
 
-    Batches, everywhere (``fit``, ``logit_mean_cov``, ``predict``, ``optimize_prior_precision``): a tensor
-    ``x``, a pair ``(inputs, labels)``, or any mapping of keyword inputs (``dict``, the ``BatchEncoding``
-    of ``DataCollatorWithPadding``) with labels under ``"labels"`` or ``"label"``.
-
-    Outputs: logits ``[B, C]`` give one output per example; token-level logits ``[B, T, C]`` (token
-    classification, causal LMs) one per position. Where labels are used — the curvature, the training
-    loss, ``n_data``, validation scores and ``logit_mean_cov`` — an output labelled -100 or at padding
-    (attention mask 0) is skipped, for ``[B, C]`` logits too; a batch left without a labelled output is
-    skipped with one warning counting them. ``predict`` and ``predictive_samples`` ignore labels: every
-    real position (attention mask 1) is predicted.
+    Batches, everywhere: a tensor ``x``, a pair ``(inputs, labels)``, or any mapping of keyword inputs
+    (``dict``, the ``BatchEncoding`` of ``DataCollatorWithPadding``) with labels under ``"labels"`` or
+    ``"label"``. Logits ``[B, C]`` give one output per example, token-level logits ``[B, T, C]`` one per
+    position. Where labels are used (the curvature, the training loss, ``n_data``, validation scores,
+    ``logit_mean_cov``) an output labelled -100 or at padding is skipped, and a batch left without a labelled
+    output is skipped with one warning; ``predict`` and ``predictive_samples`` predict every real position.
 
     Args:
         model: The fine-tuned model (its current weights are the MAP).
@@ -146,16 +139,14 @@ class LaplaceBase(ABC):
         temperature: ``T > 0``; the posterior precision is ``H / T + δ``.
         sigma_noise: Observation noise of the regression likelihood.
         fisher: ``"exact"`` (GGN), ``"mc"`` or ``"empirical"``; passed to the curvature routine.
-        mc_samples: Sampled labels per example for ``fisher="mc"`` (a positive ``int``; seed the sampling with
-            ``fit(..., generator=...)``).
+        mc_samples: Sampled labels per example for ``fisher="mc"`` (seeded by ``fit(..., generator=...)``).
         num_classes: Expected number of logits (checked during `fit`); ``None`` to skip the check.
         dtype: dtype of the stored curvature: ``torch.float64`` (default) or ``torch.float32``.
-        shift_labels: Causal-LM outputs: the output at ``t`` is scored against ``labels[t + 1]``, as
-            Hugging Face shifts inside the model. ``None`` (default): whether the model's class name ends
-            with ``ForCausalLM`` or ``LMHeadModel``. Stored by `save`.
+        shift_labels: Causal-LM outputs: the output at ``t`` is scored against ``labels[t + 1]``. ``None``
+            (default): whether the model's class name ends with ``ForCausalLM`` or ``LMHeadModel``. Saved.
         max_memory: Bytes a fit (checked at its first batch) or a predictive (after its forward pass) may
             allocate, else a ``ValueError`` with the estimate and what to change, before anything large is
-            allocated; ``None``: ``partialbayes.predictive.internal.available_memory``. Not saved.
+            allocated; ``None``: the available memory. Not saved.
 
     Raises:
         TypeError: A model that is not an ``nn.Module``, a subset that is not a ``Subset``, a dtype other
@@ -388,38 +379,29 @@ class LaplaceBase(ABC):
     ) -> _Posterior:
         """Compute the curvature of the subset over ``loader`` and the training loss at the MAP, in one pass.
 
-        The model's current weights are taken as the MAP. The model is evaluated in eval mode. ``loader`` is
-        read exactly once (a generator or any one-shot iterable works): the training loss is accumulated from
-        the logits of the curvature's forward passes. Under ``torch.distributed`` each rank passes its own
-        shard; the curvature, the training loss, ``n_data`` and ``n_outputs`` are reduced over the ranks, so
-        every rank gets the posterior of the union of the shards.
+        The model's current weights are the MAP; it is evaluated in eval mode. ``loader`` is read once (a
+        generator works). Under ``torch.distributed`` each rank passes its own shard and gets the posterior of
+        the union of the shards.
 
         Args:
-            loader: Iterable of labelled batches: pairs ``(inputs, labels)`` or mappings (``dict``,
-                ``BatchEncoding``) with ``"labels"`` / ``"label"``. Token-level outputs count one example
-                per kept position (``n_data`` is their number); outputs labelled -100 are skipped.
+            loader: Labelled batches. Token-level outputs count one example per kept position (``n_data`` is
+                their number); outputs labelled -100 are skipped.
             progress: Show a progress bar while accumulating the curvature.
-            generator: Source of randomness of the sampled labels for ``fisher="mc"`` (on the model's device
-                or the CPU); same seed, same curvature. Unused by the other fisher types.
+            generator: Randomness of the sampled labels of ``fisher="mc"`` (on the model's device or the CPU);
+                same seed, same curvature.
             previous: Continual learning: the fitted posterior of the previous episode (same class, subset,
-                likelihood and temperature) as this episode's prior ``N(θ_prev, P_prev⁻¹)``. The curvature
-                becomes the sum of both episodes' (Huszár's amendment of EWC: ``P = H / T + P_prev``, with
-                ``P_prev = H_prev / T + δ`` at the current ``δ``), the evidence is ``p(D | D_prev)`` with the
-                prior mean ``θ_prev`` (`log_marginal_likelihood`), and `penalty` of ``previous`` is the loss
-                term that trains this episode's MAP. `DiagLaplace` adds the diagonals (exact);
-                `KronLaplace` accumulates the factor statistics (``G`` summed, ``A`` averaged over the
-                ``n_seen`` examples of all episodes: KFAC of the union of the data, exact when the ``G`` of
-                the episodes are proportional, e.g. one output; whole factors only).
+                likelihood and temperature) as this episode's prior ``N(θ_prev, P_prev⁻¹)``: the curvatures are
+                summed (``P = H / T + P_prev``) and the evidence is ``p(D | D_prev)``. `DiagLaplace` adds the
+                diagonals; `KronLaplace` accumulates the factor statistics (whole factors only).
 
         Returns:
             ``self``.
 
         Raises:
             TypeError: If ``generator`` is not a ``torch.Generator``, or a batch is of an unknown kind.
-            ValueError: On an empty loader or batch, a batch without labels, labels of the wrong dtype /
-                shape or out of range (naming the batch), non-finite curvature (naming the module), a
-                loader without any labelled output, a fit whose memory estimate exceeds ``max_memory`` or
-                the available memory (before the factors are allocated).
+            ValueError: On an empty loader or batch, a batch without labels, bad labels (naming the batch),
+                non-finite curvature (naming the module), a loader without any labelled output, a memory
+                estimate above ``max_memory`` or the available memory (before the factors are allocated).
             RuntimeError: Under ``torch.distributed``, when another rank failed on its shard.
         """
         prev = self._check_previous(previous)
@@ -435,7 +417,8 @@ class LaplaceBase(ABC):
             curvature = self._accumulate(curvature, prev, n)
         self.fit_curvature(curvature, map_loss=total, n_data=n, n_outputs=n_out)
         if prev is not None:
-            self._previous = replace_previous(prev)
+            self._previous = copy.copy(prev)  # without its own previous: no chain of episodes
+            self._previous._previous = None
             self._prior_mean = {k: v.clone() for k, v in prev._map.items()}
             self.n_seen = prev.n_seen + n
         return self
@@ -470,8 +453,8 @@ class LaplaceBase(ABC):
         Args:
             curvature: ``kfac(...)`` factors (`KronLaplace`), ``diag_curvature(...)`` (`DiagLaplace`) or
                 ``dense_curvature(...)`` (`DenseLaplace`), computed on the model's current weights.
-            map_loss: Training loss at the MAP summed over the data: cross-entropy in nats
-                (classification) or the sum of squared errors over all outputs (regression).
+            map_loss: Training loss at the MAP summed over the data: cross-entropy in nats (classification) or
+                the sum of squared errors over all outputs (regression).
             n_data: Number of training examples ``N``.
             n_outputs: Number of model outputs ``C``.
 
@@ -479,8 +462,8 @@ class LaplaceBase(ABC):
             ``self``.
 
         Raises:
-            ValueError: Curvature that does not match the subset, is not finite, or is negative beyond
-                round-off (naming the module); ``n_data < 1``; a non-finite ``map_loss``.
+            ValueError: Curvature that does not match the subset, is not finite, or is negative beyond round-off
+                (naming the module); ``n_data < 1``; a non-finite ``map_loss``.
         """
         if n_data < 1:
             raise ValueError(f"n_data must be positive, got {n_data}")
@@ -499,12 +482,10 @@ class LaplaceBase(ABC):
 
     # ------------------------------------------------------------------ evidence and the prior
     def penalty(self, model: nn.Module | None = None) -> Tensor:
-        """``½ (θ − θ*)ᵀ P (θ − θ*)`` of the model's current subset values: minus this posterior's log density.
+        """``½ (θ − θ*)ᵀ P (θ − θ*)`` of the model's current subset values: minus the log density, up to a constant.
 
-        Up to a constant, for the next episode of continual learning: train on
-        ``loss + posterior.penalty() / N`` (``N`` the new episode's examples, ``loss`` the mean over a batch)
-        — the previous posterior as the prior — then ``fit(loader, previous=posterior)``. Differentiable in
-        the model's parameters.
+        Continual learning: train the next episode on ``loss + posterior.penalty() / N`` (``N`` its examples),
+        then ``fit(loader, previous=posterior)``. Differentiable in the model's parameters.
 
         Args:
             model: The model whose current values are ``θ`` (default: this posterior's).
@@ -553,11 +534,9 @@ class LaplaceBase(ABC):
     ) -> Tensor:
         """Laplace evidence ``log p(D|θ*)/T - ½ (log det P - log det P₀) - ½ (θ* − μ)ᵀ P₀ (θ* − μ)``.
 
-        The prior is ``N(0, δ⁻¹)`` (``μ = 0``, ``P₀ = δ``), or after ``fit(..., previous=prev)`` the
-        previous posterior ``N(θ_prev, P_prev⁻¹)`` with ``P_prev = H_prev / T + δ`` (the evidence is then
-        ``p(D | D_prev)``; a loaded posterior does not keep ``P_prev`` and refuses).
-
-        Differentiable in ``prior_precision`` and ``sigma_noise`` (pass tensors that require grad).
+        The prior is ``N(0, δ⁻¹)``, or after ``fit(..., previous=prev)`` ``N(θ_prev, P_prev⁻¹)`` (the evidence is
+        then ``p(D | D_prev)``; a loaded posterior does not keep ``P_prev`` and refuses). Differentiable in
+        ``prior_precision`` and ``sigma_noise`` (pass tensors that require grad).
 
         Args:
             prior_precision: Overrides the stored prior precision (scalar, per module tensor, or dict).
@@ -643,44 +622,36 @@ class LaplaceBase(ABC):
     ) -> float | MarglikFit:
         """Choose the prior precision (a scalar on a grid, or one per module by gradient ascent) and set it.
 
-        Two optimizers:
-
-        * ``"grid"`` (default): one scalar prior for every module, the best of ``grid``. Each candidate
-          costs one evidence evaluation (``method="marglik"``) or one linearised predictive per validation
-          batch and candidate, with the Jacobians shared (``method="val_nll"``).
-        * ``"gradient"`` (``method="marglik"`` only): Adam on ``log δ_m``, one prior per module (or one
-          shared value with ``per_module=False``), and on ``log σ`` for regression, until the evidence is
-          stationary: every scaled gradient (``|∂L/∂log δ_m| / d_m`` with ``d_m`` the module's entries,
-          ``|∂L/∂log σ| / (N C)``) is at most ``tol``. Each step is one evidence evaluation and its
-          gradient (no data pass). Not converging within ``max_steps`` warns and returns
-          ``converged=False``; the last values are set anyway.
+        * ``"grid"`` (default): one scalar prior for every module, the best of ``grid``: one evidence evaluation
+          per candidate (``method="marglik"``), or one linearised predictive per validation batch with the
+          Jacobians shared by every candidate (``method="val_nll"``).
+        * ``"gradient"`` (``method="marglik"`` only): Adam on ``log δ_m``, one prior per module (or one shared
+          value with ``per_module=False``), and on ``log σ`` for regression, until every scaled gradient
+          (``|∂L/∂log δ_m| / d_m``, ``d_m`` the module's entries; ``|∂L/∂log σ| / (N C)``) is at most ``tol``.
+          Each step is one evidence evaluation (no data pass). Not converging within ``max_steps`` warns and
+          returns ``converged=False``; the last values are set anyway.
 
         Args:
-            method: ``"marglik"`` (maximise `log_marginal_likelihood`) or ``"val_nll"`` (minimise the NLL of
-                the linearised probit predictive, or of the Gaussian predictive for regression, on
-                ``val_loader``; see `grid_val_nll`).
+            method: ``"marglik"`` (maximise `log_marginal_likelihood`) or ``"val_nll"`` (minimise `grid_val_nll`
+                on ``val_loader``).
             optimizer: ``"grid"`` or ``"gradient"``.
             val_loader: Validation batches (``method="val_nll"`` only).
             grid: Candidate values of the grid, default ``torch.logspace(-1, 3, 21)``.
-            init_prior_precision: Gradient start (scalar, per module tensor or dict); default the current
-                prior precision.
-            fit_sigma_noise: Also fit ``σ`` (gradient; default: for regression). The fitted value becomes
-                ``sigma_noise``; the curvature is rescaled by ``σ_fit² / σ²``.
+            init_prior_precision: Gradient start (scalar, per module tensor or dict); default the current one.
+            fit_sigma_noise: Also fit ``σ`` (gradient; default: for regression); it becomes ``sigma_noise``.
             per_module: One prior precision per module (gradient; default ``True``) or one shared value.
             lr: Adam step size on the log scale (gradient; default 0.1).
             max_steps: Most Adam steps (gradient; default 1000).
             tol: Stationarity tolerance on the scaled gradients (gradient; default 1e-4).
 
         Returns:
-            ``"grid"``: the chosen scalar prior precision. ``"gradient"``: a `MarglikFit` with the prior
-            precision per module, the fitted ``σ`` (or ``None``), the evidence, the steps taken, whether it
-            converged and the evidence history. Either way the values are also stored on the posterior.
+            ``"grid"``: the chosen scalar prior precision. ``"gradient"``: a `MarglikFit`. Either way the values
+            are also set on the posterior.
 
         Raises:
-            ValueError: On a bad ``method`` / ``optimizer`` / ``grid``, gradient options (non-positive
-                start, ``lr``, ``tol`` or ``max_steps``; ``fit_sigma_noise`` for classification; a
-                non-finite evidence), and (``"val_nll"``) an empty ``val_loader`` or labels of the wrong
-                dtype / shape or out of range (naming the batch).
+            ValueError: A bad ``method`` / ``optimizer`` / ``grid``, options of the other optimizer, bad gradient
+                options (non-positive start, ``lr``, ``tol`` or ``max_steps``; ``fit_sigma_noise`` for
+                classification; a non-finite evidence), and (``"val_nll"``) what `grid_val_nll` refuses.
         """
         self._require_fit()
         check_choice("method", method, ("marglik", "val_nll"))
@@ -711,18 +682,16 @@ class LaplaceBase(ABC):
     def grid_val_nll(self, val_loader: Iterable[Any], grid: Tensor) -> Tensor:
         """Mean validation NLL of the linearised predictive for each scalar prior precision in ``grid``.
 
-        Classification scores the probit predictive (``partialbayes.predictive.probit``), regression the
-        Gaussian predictive with the observation noise (``gaussian_predictive``). Jacobians are computed
-        once per batch and reused for every grid value. Token-level outputs count one example per kept
-        position; outputs labelled -100 are skipped (a batch without a labelled output is skipped, with one
-        warning counting them). `grid_val_nll_many` scores several posteriors in one pass.
+        The probit predictive (classification) or the Gaussian predictive with the observation noise
+        (regression); the Jacobians of a batch serve every grid value. Outputs count and skip as in `fit`.
+        `grid_val_nll_many` scores several posteriors in one pass.
 
         Returns:
             ``[len(grid)]`` mean NLL per example.
 
         Raises:
             ValueError: On an empty ``val_loader`` (or one without any labelled output), a batch without
-                labels, or labels of the wrong dtype / shape or out of range (naming the batch).
+                labels, or bad labels (naming the batch).
         """
         return grid_val_nlls([self], val_loader, grid)[0]
 
@@ -896,15 +865,13 @@ class LaplaceBase(ABC):
         generator: torch.Generator | None = None,
         target_ids: Sequence[int] | Tensor | None = None,
     ) -> Tensor:
-        """``n`` draws of the linearised logits ``f ~ N(f_MAP, Σ_f)`` for a batch.
+        """``n`` draws of the linearised logits ``f ~ N(f_MAP, Σ_f)`` for a batch (independent per output).
 
-        The input of ``partialbayes.predictive``'s uncertainty decomposition. Outputs are drawn
-        independently (``Σ_f`` is per output); regression draws the function, without the noise. Labels are
-        ignored (every real position is drawn, as in `predict`); padding holds ``f_MAP``.
+        The input of ``partialbayes.predictive``'s uncertainty decomposition; regression draws the function,
+        without the noise. Labels are ignored, as in `predict`; padding holds ``f_MAP``.
 
         Args:
-            batch: Any accepted batch (labels are ignored, except that they mark the answers of
-                ``target_ids``).
+            batch: Any accepted batch (labels only mark the answers of ``target_ids``).
             n: Number of draws.
             generator: Source of randomness (on the model's device).
             target_ids: Answer-only: draws of the ``K`` answer logits at the answer positions (see
@@ -1027,20 +994,20 @@ class LaplaceBase(ABC):
                 f"saved modules {file.meta['modules']} do not match the subset's {list(post.modules)}"
             )
         post._load_state(file)
-        post._map = {
-            n: file.tensor(f"map:{n}", (subset.num_entries(n),)).to(post.device, post.dtype)
-            for n in subset.names
-        }
+
+        def entries(key: str) -> dict[str, Tensor]:
+            shapes = {n: (subset.num_entries(n),) for n in subset.names}
+            return {
+                n: file.tensor(f"{key}:{n}", k).to(post.device, post.dtype)
+                for n, k in shapes.items()
+            }
+
+        post._map = entries("map")
         post.n_data, post.n_outputs = file.meta["n_data"], file.meta["n_outputs"]
         post.n_seen = post.n_data
         if f"prior_mean:{subset.names[0]}" in file.tensors:  # fitted with previous=: no P_prev kept
             post.n_seen = int(file.tensor("n_seen"))
-            post._prior_mean = {
-                n: file.tensor(f"prior_mean:{n}", (subset.num_entries(n),)).to(
-                    post.device, post.dtype
-                )
-                for n in subset.names
-            }
+            post._prior_mean = entries("prior_mean")
         post.map_loss, post._sigma_fit = file.meta["map_loss"], file.meta["sigma_fit"]
         post._fitted = True
         for n, p in subset.parameters_of(model).items() if check_weights else ():
@@ -1167,10 +1134,3 @@ def grid_val_nll_many(
         TypeError, ValueError, RuntimeError: As `logit_mean_cov_many` and ``grid_val_nll``.
     """
     return torch.stack(grid_val_nlls(_check_posteriors(posteriors), val_loader, grid))
-
-
-def replace_previous(previous: LaplaceBase) -> LaplaceBase:
-    """A shallow copy of ``previous`` without its own previous posterior (no chain of every episode)."""
-    out = copy.copy(previous)
-    out._previous = None
-    return out

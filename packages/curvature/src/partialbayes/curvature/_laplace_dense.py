@@ -11,8 +11,8 @@ from torch import Tensor, nn
 from partialbayes.curvature._diag_dense import dense
 from partialbayes.curvature._hooks import Run
 from partialbayes.curvature._jacobians import subset_jacobians
-from partialbayes.curvature._kron_algebra import clamped_eigh
 from partialbayes.curvature._laplace import LaplaceBase
+from partialbayes.curvature._lowrank import clamped_eigh
 from partialbayes.curvature._memory import MemoryEstimate, entries_estimate
 from partialbayes.curvature._outputs import Outputs
 from partialbayes.predictive.internal import PosteriorFile

@@ -12,13 +12,13 @@ from torch import Tensor, nn
 
 from partialbayes.curvature._hooks import Run
 from partialbayes.curvature._kfac import kron_factors, kron_targets
-from partialbayes.curvature._kron_algebra import precision_eigenvalues
 from partialbayes.curvature._laplace import LaplaceBase, MapLoss
 from partialbayes.curvature._laplace_projected import KronBlocks, kron_predictive
 from partialbayes.curvature._likelihood import CurvatureOptions, check_list
 from partialbayes.curvature._lowrank import (
     LowRankFactor,
     lowrank_log_det,
+    precision_eigenvalues,
     scale_in_basis,
     truncated,
     whole_factor,
@@ -34,39 +34,27 @@ class KronLaplace(LaplaceBase):
 
     Each block covers ``vec(W[R][:, C] | b[R])`` (row-major, bias as the last column) with precision
     ``P = (G ⊗ A) / T + δ_m I``, ``G = G[R, R]`` summed over the data and ``A = A[C, C]`` averaged (KFAC on
-    whole modules, S-KFAC on row / column blocks). With ``bias="fold"`` the bias is folded into ``A``
-    (``x̃ = (x, 1)``); with ``bias="separate"`` the weight block is ``G ⊗ A`` (inputs only) and the bias has
-    its own block ``G ⊗ A_bias`` (``A_bias = [1]``), i.e. ``A`` is replaced by ``blockdiag(A, A_bias)``:
-    the weight–bias cross terms are zero and every operation below keeps working in the same layout. Only
-    the eigendecompositions of ``G`` and ``A`` are stored; the prior is added exactly in their eigenbasis,
-    and inverse, log-determinant, samples and the functional covariance never form a dense covariance.
-    Prior precision: scalar or one per module (keys: module names of ``subset.kron_modules()``).
+    whole modules, S-KFAC on row / column blocks). Only the eigendecompositions of ``G`` and ``A`` are stored:
+    the prior is added exactly in their eigenbasis, and no dense covariance is ever formed. Prior precision:
+    scalar or one per module (keys: module names of ``subset.kron_modules()``).
 
     Args:
         model: The fine-tuned model.
         subset: A Kronecker-structured subset (``KronBlock`` blocks on linear maps).
-        sharing: Weight sharing over tokens for KFAC, ``"reduce"`` or ``"expand"``; ``None`` (default):
-            chosen by `fit` from the outputs — ``"expand"`` for token-level logits ``[B, T, C]``,
-            ``"reduce"`` for one output per example — and recorded (``sharing``, `summary`, the saved
-            file). ``"reduce"`` with token-level outputs is refused with a pointer.
-        bias: ``"fold"`` (bias folded into ``A``) or ``"separate"`` (own Kronecker block ``G ⊗ A_bias``);
-            stored by `save` and passed to `kfac`.
-        predictive_rtol: ``0`` (default): the linearised predictive is exact. ``ε > 0``: eigendirection pairs
-            whose curvature is at most ``ε · δ`` count at their prior variance ``1/δ`` instead of
-            ``1/(δ + curvature)``, so only the leading eigenvectors of ``G`` and ``A`` are rotated (the rest
-            enters through ``‖J‖_F²``, which needs no basis). Every such term is off by a factor of at most
-            ``1 + ε`` (variances are overestimated, never underestimated, by at most that relative amount),
-            up to rounding (products in the posterior's dtype, the final ``‖J‖²/δ − correction`` in
-            float64). Stored by `save`. Modules with a low-rank factor are computed exactly.
-        max_rank: Keep a factor side larger than this (the 50,257² ``G`` of an LM head) as its ``max_rank``
-            leading eigenpairs plus an isotropic remainder: a streamed Nyström sketch in `fit`, never
-            ``n × n`` (``_lowrank``). ``None`` (default): every factor whole; one not below any factor's
-            size warns. Stored by `save`.
+        sharing: Weight sharing over tokens, ``"reduce"`` or ``"expand"``; ``None`` (default): chosen by `fit`
+            (``"expand"`` for token-level logits ``[B, T, C]``, else ``"reduce"``) and recorded.
+        bias: ``"fold"`` (bias folded into ``A``, ``x̃ = (x, 1)``) or ``"separate"`` (its own block
+            ``G ⊗ A_bias``: ``A`` becomes ``blockdiag(A, A_bias)``, no weight–bias cross terms). Saved.
+        predictive_rtol: ``0`` (default): the exact linearised predictive. ``ε > 0``: eigendirection pairs with
+            curvature at most ``ε · δ`` count at their prior variance, so only the leading eigenvectors are
+            rotated; each term is then overestimated by a factor of at most ``1 + ε``. Saved.
+        max_rank: Keep a factor side larger than this as its ``max_rank`` leading eigenpairs plus an isotropic
+            remainder (a streamed Nyström sketch, never ``n × n``); ``None`` (default): every factor whole; one not
+            below any factor's size warns. Saved.
         **kwargs: See `LaplaceBase` (likelihood, prior_precision, temperature, sigma_noise, fisher, ...).
 
     Raises:
-        TypeError: If the subset holds elementwise ``MaskBlock`` blocks (use `DiagLaplace` or
-            `DenseLaplace`).
+        TypeError: If the subset holds elementwise ``MaskBlock`` blocks (use `DiagLaplace` or `DenseLaplace`).
     """
 
     _SAVED: ClassVar[tuple[str, ...]] = ("sharing", "bias", "predictive_rtol", "max_rank")
@@ -189,12 +177,10 @@ class KronLaplace(LaplaceBase):
     ) -> list[KronLaplace]:
         """One posterior per subset, all fitted in ONE pass over ``loader`` (an S-KFAC ramp, module ramps).
 
-        Equals ``[KronLaplace(model, s, **kwargs).fit(loader, generator=...) for s in subsets]`` bit for
-        bit (`kfac` with a list of subsets; ``fisher="mc"`` draws the labels once per batch, as each fit
-        would from a generator in the same state), the training loss and ``n_data`` computed once. Memory:
-        every subset's factor sums during the pass, then one eigendecomposition at a time; checked before
-        the first batch's backward passes against ``max_memory`` (or the free memory) as the sum of the
-        subsets' factors and eigenpairs plus the largest batch working set of one subset.
+        Equals ``[KronLaplace(model, s, **kwargs).fit(loader, generator=...) for s in subsets]`` bit for bit
+        (`kfac` with a list of subsets). Memory: every subset's factor sums during the pass, then one
+        eigendecomposition at a time; checked against ``max_memory`` (or the free memory) before the first
+        batch's backward passes.
 
         Args:
             model: The fine-tuned model (its current weights are the MAP).
