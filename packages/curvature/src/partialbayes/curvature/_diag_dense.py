@@ -1,9 +1,4 @@
-"""Diagonal and dense GGN / Fisher of the entries of any subset of linear-map weights (masks included).
-
-From the per-example gradients ``g = J_nᵀ v`` of the hooked maps. Token-level outputs: ``"exact"`` and
-``"empirical"`` take each position's own gradient (positions ``"each"``); ``"mc"`` sums zero-mean samples of
-every position in one pass (``"joint"``: the cross terms vanish in expectation).
-"""
+"""Diagonal and dense GGN / Fisher of the entries of any subset of linear-map weights (masks included)."""
 
 from __future__ import annotations
 
@@ -45,20 +40,9 @@ def diag_curvature(
     empirical Fisher. Token-level outputs are exact per position (``C`` backward passes per kept position
     for ``"exact"``; ``"mc"`` samples all positions in one pass, unbiased). Label -100 as in `kfac`.
 
-    Args:
-        model: Network returning logits ``[B, C]`` or ``[B, T, C]``; evaluated in eval mode.
-        loader: Iterable of batches, as in `kfac`.
-        subset: Any subset (mask or Kronecker blocks) of weights / biases of ``nn.Linear`` / HF ``Conv1D``.
-        likelihood: As in `kfac`.
-        fisher: As in `kfac`.
-        mc_samples: As in `kfac`.
-        sigma_noise: As in `kfac`.
-        dtype: Accumulation dtype (float32 or float64).
-        generator: As in `kfac`.
-        progress: As in `kfac`.
-        num_classes: As in `kfac`.
-        on_batch: As in `kfac`.
-        shift_labels: As in `kfac`.
+    ``model`` returns logits ``[B, C]`` or ``[B, T, C]`` and is evaluated in eval mode; ``subset`` is any
+    subset (mask or Kronecker blocks) of weights / biases of ``nn.Linear`` / HF ``Conv1D``; ``dtype`` is the
+    accumulation dtype (float32 or float64); ``loader`` and the other keywords are as in `kfac`.
 
     Returns:
         ``{param name: h}`` with ``h`` 1-D in ``subset.gather`` order (summed over examples and ranks).
@@ -106,20 +90,8 @@ def dense_curvature(
     one ``[S·B, P]`` matmul per batch; entries parameter by parameter in ``subset.names`` order, each in
     ``subset.gather`` order. Token-level outputs and label -100 as in `diag_curvature`.
 
-    Args:
-        model: Network returning logits ``[B, C]`` or ``[B, T, C]``; evaluated in eval mode.
-        loader: Iterable of batches, as in `kfac`.
-        subset: Subset of weights / biases of ``nn.Linear`` / HF ``Conv1D`` (mask or Kronecker blocks).
-        likelihood: As in `kfac`.
-        fisher: As in `kfac`.
-        mc_samples: As in `kfac`.
-        sigma_noise: As in `kfac`.
-        dtype: Accumulation dtype (float32 or float64).
-        generator: As in `kfac`.
-        progress: As in `kfac`.
-        num_classes: As in `kfac`.
-        on_batch: As in `kfac`.
-        shift_labels: As in `kfac`.
+    ``model``, ``loader``, ``dtype`` and the keywords as in `diag_curvature`; ``subset`` is a subset of
+    weights / biases of ``nn.Linear`` / HF ``Conv1D`` (mask or Kronecker blocks).
 
     Returns:
         ``H`` ``[P, P]``, ``P = subset.num_entries()``, summed over examples (and ranks).

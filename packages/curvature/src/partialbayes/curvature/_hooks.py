@@ -1,11 +1,7 @@
 """Forward hooks and the backward passes of the curvature routines and the linearised predictive.
 
-One forward pass per batch records each hooked linear map's input ``x`` (gathered to the selected columns)
-and output; backward passes of the logits then give ``δ``, the gradient w.r.t. every hooked output
-(``torch.autograd.grad``: no parameter ``.grad``). A module called several times per forward pass has its
-calls merged as extra token positions (`merge_calls`; Eschenhagen et al., 2023, weight sharing over ``R``
-positions). Running sums are reduced across ranks by `all_reduce`; `fail_together` makes an error on one
-rank fail every rank instead of leaving them waiting in the next all-reduce.
+A module called several times per forward pass has its calls merged as extra token positions; running sums
+are reduced across ranks by `all_reduce`, and `fail_together` makes every rank fail with one.
 """
 
 from __future__ import annotations

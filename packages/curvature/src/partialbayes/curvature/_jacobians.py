@@ -1,8 +1,4 @@
-"""Per-example gradients and logit Jacobians of linear maps from hooked activations (no vmap over the model).
-
-Per example the weight gradient is ``Σ_t δ_t x_tᵀ`` (logical n_out x n_in) and the bias's ``Σ_t δ_t``;
-parameters outside linear maps fall back to plain reverse mode (`param_jacobians`).
-"""
+"""Per-example gradients and logit Jacobians of linear maps from hooked activations (reverse mode for the rest)."""
 
 from __future__ import annotations
 
@@ -52,25 +48,19 @@ def logit_jacobians(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Exact per-output Jacobians of the logits w.r.t. each Kronecker module's selected block.
 
-    ``C`` backward passes through the logits (one per class, cotangent ``e_c`` for every example) with
-    hooks recording ``x[:, C]`` and ``δ[:, R]``; for token sequences ``J = Σ_t δ_t x_tᵀ``. Token-level
-    logits ``[B, T, C]`` give one output per kept position (attention mask 1, label not -100) at ``C``
-    backward passes per kept position; outputs labelled -100 are left out for ``[B, C]`` logits too. The
-    model's mode is left as it is (call it in eval mode).
+    ``C`` backward passes per output (cotangents ``e_c``) with hooks recording ``x[:, C]`` and ``δ[:, R]``;
+    for token sequences ``J = Σ_t δ_t x_tᵀ``. Outputs count and skip as in `kfac` (token-level logits: one
+    per kept position). The model's mode is left as it is (call it in eval mode).
 
     Args:
         model: Network returning logits ``[B, C]`` or ``[B, T, C]``.
-        batch: A tensor ``x``, a pair ``(inputs, labels)`` or a mapping batch (``dict``, ``BatchEncoding``);
-            labels only mark outputs to leave out (-100).
+        batch: Any batch `kfac` takes; labels only mark outputs to leave out (-100).
         subset: Kronecker-structured subset.
-        shift_labels: Causal-LM convention for token-level outputs (see `kfac`); ``None``: whether the
-            model is a causal LM.
+        shift_labels: Causal-LM convention for token-level outputs (see `kfac`).
 
     Returns:
-        ``(logits [N, C], {module: J [N, C, r, c]})`` with ``N = B`` for ``[B, C]`` logits and the kept
-        positions in row-major ``(b, t)`` order for token-level ones; ``r = |R|``, ``c = |C|`` (``+1``, the
-        bias column last, when the bias is selected); rows / columns in the logical (n_out x n_in)
-        orientation.
+        ``(logits [N, C], {module: J [N, C, r, c]})``, rows row-major; ``r = |R|``, ``c = |C|`` (``+1``, the
+        bias column last, when the bias is selected), in the logical (n_out x n_in) orientation.
 
     Raises:
         TypeError: For a subset with mask blocks, or a batch of an unknown kind.
@@ -185,17 +175,12 @@ def entry_grads(t: ParamTarget, x: Tensor, d: Tensor) -> Tensor:
     """Per-example gradients ``[B, k]`` of the stochastic entries of ``t`` in ``subset.gather`` order."""
     if t.role == "bias":
         return example_bias_grads(d).index_select(1, t.index)
-    if t.is_kron:
-        xs = x if t.kron_cols is None else x.index_select(-1, t.kron_cols)
-        ds = d if t.kron_rows is None else d.index_select(-1, t.kron_rows)
-        g = example_weight_grads(xs, ds)
-        if t.transposed:
-            g = g.transpose(1, 2)
-        return g.reshape(g.shape[0], -1)
+    if t.is_kron:  # the block's rows and columns, all its entries
+        x = x if t.kron_cols is None else x.index_select(-1, t.kron_cols)
+        d = d if t.kron_rows is None else d.index_select(-1, t.kron_rows)
     g = example_weight_grads(x, d)
-    if t.transposed:
-        g = g.transpose(1, 2)
-    return g.reshape(g.shape[0], -1).index_select(1, t.index)
+    g = (g.transpose(1, 2) if t.transposed else g).reshape(g.shape[0], -1)
+    return g if t.is_kron else g.index_select(1, t.index)
 
 
 def param_jacobians(
@@ -209,9 +194,7 @@ def param_jacobians(
         keep = outputs.keep(f)
         ids = outputs.ids(f.shape[-1], f.device)
         b, c = f.shape[0], len(ids)
-        eye = f.new_zeros(
-            b * c, b, f.shape[-1]
-        )  # row (i, k): e_{ids[k]} at example i (no [BC, BC])
+        eye = f.new_zeros(b * c, b, f.shape[-1])  # row (i, k): e_{ids[k]} at example i
         rows = torch.arange(b * c, device=f.device)
         eye[rows, rows // c, ids.repeat(b)] = 1.0
         plan = position_plan(keep, b, f.device)
@@ -221,26 +204,19 @@ def param_jacobians(
             if t is None:
                 cot = eye
             else:
-                cot = torch.zeros((b * c, *f.shape), dtype=f.dtype, device=f.device)
+                cot = f.new_zeros(b * c, *f.shape)
                 cot[:, examples, t] = eye[:, examples]
             grads = _batched_grads(f, targets, cot)
             for name, p, g in zip(subset.names, targets, grads, strict=True):
                 if g is None:
                     warnings.warn(f"logits do not depend on parameter {name!r}", stacklevel=2)
-                    g = torch.zeros((b * c, *p.shape), dtype=f.dtype, device=f.device)
+                    g = f.new_zeros(b * c, *p.shape)
                 mask = subset.mask(name).to(g.device)
                 jac = g.reshape(b * c, -1)[:, mask.reshape(-1)].reshape(b, c, -1)
                 parts[name].append(jac.index_select(0, examples))
             keys.append(examples if t is None else examples * f.shape[1] + t)
-    if not plan:
-        return (
-            f.detach(),
-            keep,
-            {
-                n: torch.zeros(0, c, subset.num_entries(n), dtype=f.dtype, device=f.device)
-                for n in subset.names
-            },
-        )
+    if not plan:  # no kept output
+        return f.detach(), keep, {n: f.new_zeros(0, c, subset.num_entries(n)) for n in subset.names}
     return f.detach(), keep, {n: in_row_order(keys, v) for n, v in parts.items()}
 
 

@@ -32,7 +32,7 @@ from partialbayes.selection.internal import KronModule
 
 @dataclass(frozen=True)
 class ModuleFactors:
-    """Kronecker factors ``G ⊗ A`` of one linear map (or its S-KFAC block).
+    """Kronecker factors ``G ⊗ A`` of one linear map (or its S-KFAC block) ``vec(W[R][:, C] | b[R])``, row-major.
 
     Attributes:
         module: Module name in the model.
@@ -41,16 +41,14 @@ class ModuleFactors:
             input 1): input factor, AVERAGED over examples (over unmasked tokens with ``sharing="expand"``).
         rows: Selected output indices ``R`` (``None`` = all).
         cols: Selected input indices ``C`` (``None`` = all).
-        bias: ``True`` when the bias entries of ``R`` are in the block (folded into ``A`` as its last row /
-            column, or kept separate with ``A_bias``).
+        bias: ``True`` when the bias entries of ``R`` are in the block (folded into ``A``, or ``A_bias``).
         n_examples: Examples (sequences) the factors were computed from.
-        A_bias: ``[1, 1]`` input factor of a bias kept separate (``bias="separate"``; the bias block is
-            ``G ⊗ A_bias`` and ``A`` covers the weight inputs only), else ``None``.
+        A_bias: ``[1, 1]`` input factor of a bias kept separate (``bias="separate"``: the bias block is
+            ``G ⊗ A_bias``, ``A`` covers the weight inputs only), else ``None``.
         sharing: The weight sharing the factors were computed with, ``"reduce"`` or ``"expand"``.
 
-    ``G`` / ``A`` are low-rank (rank-``r`` eigenpairs plus an isotropic remainder) only inside
-    ``KronLaplace(max_rank=...)``, for a side larger than ``max_rank``; `kfac` returns matrices. The block covers ``vec(W[R][:, C] | b[R])`` row-major; for HF ``Conv1D`` the logical (n_out x n_in)
-    orientation.
+    ``G`` / ``A`` are low-rank (``LowRankFactor``) only inside ``KronLaplace(max_rank=...)``; `kfac` returns
+    matrices. For HF ``Conv1D`` the orientation is the logical (n_out x n_in) one.
     """
 
     module: str

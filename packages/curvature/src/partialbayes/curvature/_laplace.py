@@ -767,21 +767,18 @@ class LaplaceBase(ABC):
         """Linearised predictive: ``f_MAP`` and the functional covariance ``J Σ Jᵀ`` per labelled output.
 
         Args:
-            batch: A tensor ``x``, a pair ``(inputs, labels)`` or a mapping batch (``dict``,
-                ``BatchEncoding``). Label values are ignored, but labels of -100 (and an attention mask of
-                0) mark the outputs to skip: the cheap way to get the covariance of a few positions only.
+            batch: Any accepted batch. Label values are ignored, but labels of -100 (and an attention mask of 0)
+                mark the outputs to skip: the cheap way to get the covariance of a few positions only.
             chunk_size: Process at most this many examples at a time (bounds the memory of the recorded
                 activations and output gradients); ``None`` = the whole batch at once.
-            target_ids: Answer-only: the ``K`` logits to return (a multiple-choice answer's tokens), at
-                the answer positions (``partialbayes.predictive.answer_positions``: the labelled ones,
-                shifted for a causal LM; without labels the last real token of each sequence). It costs
-                ``K`` backward passes per position, not ``C``, and no ``[C, C]`` object is formed.
+            target_ids: Answer-only: the ``K`` logits to return (a multiple-choice answer's tokens) at the
+                answer positions (``partialbayes.predictive.answer_positions``), at ``K`` backward passes per
+                position instead of ``C``, and no ``[C, C]`` object.
 
         Returns:
-            ``(f [N, C], Σ_f [N, C, C])`` in the dtype of the logits, one row per output not skipped, in
-            row-major ``(b, t)`` order for token-level logits (as ``predictive.flatten_outputs``);
-            ``(f [P, K], Σ_f [P, K, K])`` with ``target_ids``. Each row costs ``C`` backward passes and a
-            ``[C, C]`` covariance: at a large vocabulary pass ``target_ids``.
+            ``(f [N, C], Σ_f [N, C, C])`` in the dtype of the logits, one row per output not skipped (row-major
+            for token-level logits, as ``predictive.flatten_outputs``); ``(f [P, K], Σ_f [P, K, K])`` with
+            ``target_ids``.
 
         Raises:
             TypeError: A batch of an unknown kind (the message names its type and the accepted ones).
@@ -803,38 +800,29 @@ class LaplaceBase(ABC):
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The linearised predictive of a batch, at the model's output shape.
 
-        The logits are linearised around the MAP, ``f ~ N(f_MAP, Σ_f)`` with ``Σ_f = J Σ Jᵀ`` (see
-        `logit_mean_cov`), and integrated against the likelihood with ``partialbayes.predictive``'s
-        approximations. Labels are ignored: every real position of token-level logits (attention mask 1,
-        all positions without a mask) gets the predictive, whether or not the batch has labels. To keep only
-        the labelled positions, index the result with ``partialbayes.predictive.kept_positions(logits,
-        attention_mask=..., labels=...)``, or call `logit_mean_cov` (which computes only those).
+        The logits ``f ~ N(f_MAP, Σ_f)`` (`logit_mean_cov`) are integrated against the likelihood with
+        ``partialbayes.predictive``'s approximations. Labels are ignored: every real position of token-level
+        logits gets the predictive (index the result with ``partialbayes.predictive.kept_positions`` to keep the
+        labelled ones, or call `logit_mean_cov`).
 
         Args:
-            batch: A tensor ``x``, a pair ``(inputs, labels)`` or a mapping batch (``dict``,
-                ``BatchEncoding``); labels are ignored.
+            batch: Any accepted batch; labels are ignored.
             link: Classification: ``"probit"`` (default; ``softmax(κ ⊙ f_MAP)`` with
-                ``κ_c = (1 + π/8 Σ_f,cc)^(-1/2)``), ``"mc"`` (``n_samples`` draws of ``f``, averaged
-                softmax) or ``"bridge"`` (the Laplace bridge). Regression: every link gives the closed-form
-                Gaussian predictive.
+                ``κ_c = (1 + π/8 Σ_f,cc)^(-1/2)``), ``"mc"`` (``n_samples`` draws of ``f``, averaged softmax) or
+                ``"bridge"`` (the Laplace bridge). Regression: every link gives the closed-form Gaussian predictive.
             n_samples: Draws for ``link="mc"``.
-            generator: Source of randomness for ``link="mc"`` (on the model's device); same seed, same
-                result.
-            target_ids: Answer-only (classification): the predictive of the ``K`` answer tokens at the
-                answer positions (see `logit_mean_cov`; the labels mark them), a distribution renormalised
-                over the ``K`` tokens: the link applied to their Gaussian ``N(f [P, K], Σ_f [P, K, K])``.
+            generator: Source of randomness for ``link="mc"`` (on the model's device); same seed, same result.
+            target_ids: Answer-only (classification): the link applied to the Gaussian of the ``K`` answer
+                tokens at the answer positions (see `logit_mean_cov`), renormalised over them.
 
         Returns:
-            Classification: probabilities with the logits' shape and dtype, ``[B, C]`` or ``[B, T, C]``;
-            ``[P, K]`` with ``target_ids``. Regression: ``(mean, variance)`` of a new target, each ``[B, C]``
-            (or ``[B, T, C]``); the variance is ``diag Σ_f + σ²``, the observation noise included. Padding
-            positions (attention mask 0) hold the MAP prediction: ``softmax(f_MAP)``, or ``(f_MAP, σ²)``;
-            never NaN.
+            Classification: probabilities with the logits' shape and dtype (``[P, K]`` with ``target_ids``).
+            Regression: ``(mean, variance)`` of a new target, the variance ``diag Σ_f + σ²``. Padding positions
+            hold the MAP prediction (``softmax(f_MAP)``, or ``(f_MAP, σ²)``); never NaN.
 
         Raises:
-            ValueError: A link the posterior does not offer (the message lists `links`), a bad
-                ``n_samples``, token-level logits without an attention mask, logits that are not finite,
-                bad ``target_ids`` (see `logit_mean_cov`), a predictive above ``max_memory``.
+            ValueError: A link the posterior does not offer (the message lists `links`), a bad ``n_samples``,
+                and as `logit_mean_cov`.
             TypeError: A batch of an unknown kind, a ``generator`` that is not a ``torch.Generator``.
         """
         link = resolve_link(link, self.links, type(self).__name__)
@@ -954,24 +942,19 @@ class LaplaceBase(ABC):
     def load(
         cls, path: str | os.PathLike[str], model: nn.Module, *, check_weights: bool = True
     ) -> LaplaceBase:
-        """Load a posterior saved with `save` onto ``model``.
-
-        ``LaplaceBase.load`` builds whichever posterior class the file holds.
+        """Load a posterior saved with `save` onto ``model`` (``LaplaceBase.load``: whichever class the file holds).
 
         Args:
             path: The file `save` wrote.
             model: The model the posterior was fitted on (same structure and, by default, same weights).
-            check_weights: Refuse a model whose current subset weights differ from the saved MAP (its
-                predictive would linearise at another point than the curvature's). ``False`` loads it
-                anyway: the posterior stays centred on the saved MAP, the model keeps its values.
+            check_weights: Refuse a model whose current subset weights differ from the saved MAP. ``False`` loads
+                it anyway: the posterior stays centred on the saved MAP, the model keeps its values.
 
         Raises:
             FileNotFoundError: If there is no file at ``path``.
-            ValueError: Naming the file: not a readable posterior file of this version (garbage,
-                truncated, a missing or mistyped field, a missing tensor or one of the wrong shape, NaN or
-                inf in any tensor); ``model``'s parameter names / shapes or the saved subset do not match
-                ``model``; the file holds another posterior class than ``cls``; the model's weights
-                differ from the saved MAP (unless ``check_weights=False``).
+            ValueError: Naming the file: not a readable posterior file of this version (garbage, truncated, a
+                missing or mistyped field or tensor, NaN or inf); a ``model`` or saved subset that does not
+                match; another posterior class than ``cls``; weights that differ from the saved MAP.
         """
         names = ("KronLaplace", "DiagLaplace", "DenseLaplace")
         file = read_posterior_file(
@@ -1092,12 +1075,10 @@ def logit_mean_cov_many(
 ) -> list[tuple[Tensor, Tensor]]:
     """`LaplaceBase.logit_mean_cov` of several posteriors of one model, sharing the network's passes.
 
-    Kronecker posteriors (e.g. from `KronLaplace.fit_many`) share ONE forward pass and one backward pass
-    per logit (class, or answer token of ``target_ids``) and kept position, each result equal to its
-    ``logit_mean_cov(batch, chunk_size, target_ids=target_ids)`` bit for bit; other structures run their
-    own passes. Memory: the backward passes of the union of the blocks, plus one posterior's block at a
-    time (each runs alone when the union would not fit the free memory); each posterior's own predictive
-    is checked against its ``max_memory`` first.
+    Kronecker posteriors (e.g. from `KronLaplace.fit_many`) share one forward pass and one backward pass per
+    logit and kept position, each result equal to its own ``logit_mean_cov`` bit for bit; other structures
+    run their own passes. Memory: the backward passes of the union of the blocks (each posterior alone when
+    that does not fit the free memory); each posterior's predictive is checked against its ``max_memory``.
 
     Args:
         posteriors: Fitted posteriors of one model (same likelihood and ``shift_labels``).

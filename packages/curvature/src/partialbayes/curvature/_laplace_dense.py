@@ -59,12 +59,8 @@ class DenseLaplace(LaplaceBase):
     def _set_curvature(self, curvature: Tensor) -> None:
         """``curvature``: ``H [P, P]`` in ``subset.names`` order."""
         p = self.subset.num_entries()
-        if not isinstance(curvature, Tensor) or curvature.shape != (p, p):
-            got = (
-                tuple(curvature.shape)
-                if isinstance(curvature, Tensor)
-                else type(curvature).__name__
-            )
+        got = tuple(curvature.shape) if isinstance(curvature, Tensor) else type(curvature).__name__
+        if got != (p, p):
             raise ValueError(f"dense curvature must have shape ({p}, {p}), got {got}")
         try:
             self._eig = clamped_eigh(curvature, self.dtype, self.device, "H")

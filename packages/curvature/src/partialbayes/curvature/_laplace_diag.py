@@ -118,11 +118,10 @@ class DiagLaplace(LaplaceBase):
         return {f"{n}:diag": h for n, h in self._h.items()}
 
     def _load_state(self, file: PosteriorFile) -> None:
+        sizes = {n: (self.subset.num_entries(n),) for n in self.subset.names}
         self._h = {
-            n: file.tensor(f"curv:{n}:diag", (self.subset.num_entries(n),)).to(
-                self.device, self.dtype
-            )
-            for n in self.subset.names
+            n: file.tensor(f"curv:{n}:diag", k).to(self.device, self.dtype)
+            for n, k in sizes.items()
         }
 
     def _summary_rows(self) -> list[tuple[str, str, int]]:

@@ -232,15 +232,11 @@ class KronLaplace(LaplaceBase):
             separate, sides = self._separate(m), self._sides(m)
             G, A = curvature[m].G, curvature[m].A
             A_bias = getattr(curvature[m], "A_bias", None)
-            if separate and A_bias is None:
+            if separate != (A_bias is not None):
+                kind = "fold the bias into A" if separate else "keep the bias separate (A_bias)"
                 raise ValueError(
-                    f"factors of module {m!r} fold the bias into A but the posterior keeps it separate "
-                    "(bias='separate'): compute them with kfac(..., bias='separate')"
-                )
-            if not separate and A_bias is not None:
-                raise ValueError(
-                    f"factors of module {m!r} keep the bias separate (A_bias) but the posterior folds it "
-                    "(bias='fold'): use KronLaplace(..., bias='separate') or kfac(..., bias='fold')"
+                    f"factors of module {m!r} {kind} but the posterior has bias={self.bias!r}: compute "
+                    f"them with kfac(..., bias={self.bias!r}), or build KronLaplace with their bias"
                 )
             shapes = [
                 (f.U.shape[0],) * 2 if isinstance(f, LowRankFactor) else f.shape for f in (G, A)

@@ -1,10 +1,4 @@
-"""Logit Jacobians of Kronecker blocks in the eigenbases, ``M = Q_Gᵀ J Q_A``, without forming ``J``.
-
-``J_k = Σ_t δ_{k,t} x̃_tᵀ``, so ``M_k = Σ_t (Q_Gᵀ δ_{k,t}) (Q_Aᵀ x̃_t)ᵀ``; `kron_predictive` contracts each
-module's ``Σ_ij M_k M_l / E`` into the running covariance as soon as its gradients exist. With a residual
-prior (``predictive_rtol``) only the kept eigendirections are rotated: ``Σ_ij M_ij² / E_ij =
-‖J‖_F² / δ + Σ_{I×J} M_ij² (1/E_ij − 1/δ)``.
-"""
+"""Kronecker ``J Σ Jᵀ`` in the eigenbases, ``M = Q_Gᵀ J Q_A`` contracted module by module, never forming ``J``."""
 
 from __future__ import annotations
 

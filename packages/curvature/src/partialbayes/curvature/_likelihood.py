@@ -1,10 +1,4 @@
-"""Options, logits and labels checks, and the output vectors whose backward passes give the curvature.
-
-Each fisher type is ``S`` backward passes with cotangents ``v_s`` ``[S, N, C]``: the curvature is
-``Σ_n Σ_s J_nᵀ v_{s,n} v_{s,n}ᵀ J_n``. Classification: ``exact`` ``m_c = √p_c (e_c - p)`` (``S = C``,
-``diag(p) - p pᵀ = M Mᵀ``), ``mc`` ``(p - e_{y_s}) / √k`` with ``y_s ~ Cat(p)``, ``empirical`` ``p - e_y``.
-Regression (σ): ``exact`` ``e_d / σ``, ``mc`` ``ε_s / (σ √k)``, ``empirical`` ``(f - y) / σ²``.
-"""
+"""Options, logits and labels checks, and the output vectors of each `Fisher` (``Σ_n Σ_s J_nᵀ v_s v_sᵀ J_n``)."""
 
 from __future__ import annotations
 

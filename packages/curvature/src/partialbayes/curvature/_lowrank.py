@@ -1,15 +1,7 @@
-"""The Kronecker algebra of one block, whole or with low-rank factors, never forming the dense covariance.
+"""The Kronecker algebra of one block, whole or with low-rank factors (rank ``r`` plus an isotropic remainder).
 
-A block is the row-major ``vec`` of an ``[r, c]`` matrix with precision ``P = (G ⊗ A) / T + δ I``; in the
-eigenbasis ``Q_G ⊗ Q_A`` it is diagonal with eigenvalues ``E = λ_G λ_Aᵀ / T + δ``, so the prior is exact:
-``log det P = Σ log E``, samples ``vec(Q_G (ε / √E) Q_Aᵀ)``, ``(J Σ Jᵀ)_kl = Σ M_k M_l / E`` with
-``M_k = Q_Gᵀ J_k Q_A`` (``_laplace_projected``).
-
-A low-rank factor is ``F ≈ U diag(s) Uᵀ + f₀ (I − U Uᵀ)`` with ``f₀ = (tr F − Σ s) / (n − r)`` (trace kept):
-``[U, U⊥]`` is an eigenbasis with *extended eigenvalues* ``(s, f₀)`` of multiplicities ``(1, …, 1, n − r)``,
-so the algebra stays exact on the ``[r_G + 1, r_A + 1]`` grid. `NystromSketch` streams ``Y = F Ω``,
-``Ω [n, q]``; `nystrom_factor` is the stable single-pass Nyström approximation (Tropp et al., NeurIPS 2017,
-Alg. 3).
+In the eigenbasis ``Q_G ⊗ Q_A`` the precision ``P = (G ⊗ A) / T + δ I`` is diagonal, ``E = λ_G λ_Aᵀ / T + δ``
+(extended by the remainders' eigenvalues for low-rank factors); the concept page derives each operation.
 """
 
 from __future__ import annotations

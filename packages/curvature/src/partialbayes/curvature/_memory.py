@@ -1,11 +1,4 @@
-"""Memory known before it is spent: a pre-flight estimate of a Kronecker fit and predictive, and its check.
-
-In bytes: the **factors** (sums, or a sketch ``2 n q`` above ``max_rank``), the **eigendecompositions**
-(``n² + n`` per side, plus ``eigh``'s transient ``3 n²``), the **fit**'s per-batch working set (output
-vectors ``[S, N, C]``, inputs, ``S`` passes' gradient rows) and the **predictive**'s (``K`` passes'
-gradients, inputs, ``[N, K, K]``). The peak is ``factors + eigen + max(fit, predictive)``; the model and its
-activations are not counted. A refusal is a ``ValueError`` before anything is allocated.
-"""
+"""Memory known before it is spent: a pre-flight estimate of a fit and its predictive, and its check."""
 
 from __future__ import annotations
 
@@ -66,7 +59,7 @@ def check_exact_fisher(rows: Tensor, groups: int, batch_index: int) -> None:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes a Kronecker fit and its predictive allocate (each part as in the module docstring).
+    """Bytes a fit and its predictive allocate; the peak is ``factors + eigen + max(fit_batch, predictive)``.
 
     Attributes:
         factors: Factor sums (or sketches), held through the fit.

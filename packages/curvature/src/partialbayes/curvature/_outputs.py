@@ -1,9 +1,4 @@
-"""Which outputs of a batch count: one per example (``[B, C]`` logits) or one per kept position (``[B, T, C]``).
-
-Kept positions (row-major ``(b, t)``, as ``partialbayes.predictive.flatten_outputs``) have attention mask 1
-and a label other than -100. Causal LMs (``shift=True``): the output at ``t`` is scored against
-``labels[t + 1]``, so the last position is dropped; without labels every real token is kept.
-"""
+"""Which outputs of a batch count: one per example (``[B, C]``) or per kept position (``[B, T, C]``, row-major)."""
 
 from __future__ import annotations
 
