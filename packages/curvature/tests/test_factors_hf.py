@@ -8,9 +8,13 @@ import torch
 pytest.importorskip("transformers")
 
 from partialbayes.curvature import diag_curvature, kfac, logit_jacobians
-from partialbayes.curvature._likelihood import forward_logits
+from partialbayes.predictive.internal import model_logits, split_batch
 from partialbayes.selection import KronBlock, MaskBlock, Subset, modules, sparse_kfac
 from tiny_models import tiny_model
+
+
+def forward_logits(model, batch):
+    return model_logits(model, split_batch(batch, device=next(model.parameters()).device).inputs)
 
 
 def gpt2():

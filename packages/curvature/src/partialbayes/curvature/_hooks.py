@@ -155,11 +155,7 @@ def hooked_forward(
 def cotangents(
     logits: Tensor, vectors: Tensor, keep: Tensor | None, positions: str
 ) -> Iterator[Tensor]:
-    """The cotangents ``[B, (T,) C]`` of the backward passes, one at a time, from ``vectors [S, N, C]``.
-
-    ``positions="joint"``: ``S`` passes carrying every kept position; ``"each"``: ``S`` per round of
-    `position_plan` (one position per example: exact per-output gradients).
-    """
+    """Cotangents ``[B, (T,) C]`` from ``vectors [S, N, C]``: ``"joint"`` (every kept position per pass) or ``"each"`` (per `position_plan` round)."""
     if keep is None:
         for v in vectors:
             yield v.contiguous()

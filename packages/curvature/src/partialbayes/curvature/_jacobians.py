@@ -93,11 +93,7 @@ def output_jacobians(
     rows: Mapping[str, Tensor | None],
     combine: Callable[[Mapping[str, Tensor], Mapping[str, Tensor]], dict[str, Tensor]],
 ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
-    """``(logits, keep, {key: [N, K, ...]})``: ``combine(x, δ_k)`` of every logit's backward pass, stacked.
-
-    ``combine`` maps the recorded inputs ``[B, (T,) c]`` and one logit's ``δ_k`` ``[B, (T,) r]`` (by module) to
-    ``{key: [B, ...]}``; rows are examples, or kept positions in row-major order.
-    """
+    """``(logits, keep, {key: [N, K, ...]})``: ``combine(x by module, δ_k by module)`` of each logit's backward pass, stacked."""
     ps = output_passes(model, inputs, outputs, modules, cols, rows)
     parts: dict[str, list[Tensor]] = {}
     keys: list[Tensor] = []

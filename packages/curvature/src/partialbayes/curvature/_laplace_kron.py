@@ -218,11 +218,7 @@ class KronLaplace(LaplaceBase):
         return posteriors
 
     def _set_curvature(self, curvature: Mapping[str, Any]) -> None:
-        """``{module: factors}`` (``.G [r, r]`` summed, ``.A [c, c]`` averaged, ``.A_bias`` when separate) checked and stored.
-
-        Factors recording their ``sharing`` set the posterior's (``None``) or must agree with it; a side larger
-        than ``max_rank`` is kept at that rank.
-        """
+        """Check and store ``{module: factors}`` (``.G`` summed, ``.A`` averaged, ``.A_bias``; their ``sharing`` adopted or matched)."""
         missing = [m for m in self.modules if m not in curvature]
         extra = [m for m in curvature if m not in self.modules]
         if missing or extra:
@@ -375,11 +371,7 @@ class KronLaplace(LaplaceBase):
         )
 
     def _blocks(self, priors: Sequence[Tensor], scale: Tensor | float) -> KronBlocks:
-        """This posterior's `KronBlocks` for ``priors`` (memoised per prior grid).
-
-        With ``predictive_rtol = ε > 0`` only the eigenvectors of ``G`` (``I``) and ``A`` (``J``) in some pair with
-        curvature above ``ε · δ`` (smallest prior) are rotated.
-        """
+        """This posterior's `KronBlocks` for ``priors`` (memoised); ``predictive_rtol > 0`` keeps only the eigenvectors in pairs above ``ε · δ``."""
         key = (
             self._eig,
             self.temperature,

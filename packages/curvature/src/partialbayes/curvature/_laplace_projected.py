@@ -66,11 +66,7 @@ def shared_covariances(
     dtype: torch.dtype,
     stacked: Tensor | None = None,
 ) -> list[Tensor]:
-    """``J Σ Jᵀ`` ``[B, C, C]`` per prior for sequences ``x [B, T, c_w]``, ``d [C, B, T, r]``, one example's ``M`` at a time.
-
-    Rotations before or after the token sum, whichever is cheaper; with ``stacked`` (``[r, c, P]``) and several
-    priors, the pair products ``M_k ⊙ M_l`` are contracted with every prior in one GEMM.
-    """
+    """``J Σ Jᵀ`` ``[B, C, C]`` per prior for ``x [B, T, c_w]``, ``d [C, B, T, r]``, one example's ``M`` at a time (``stacked``: one GEMM for all priors)."""
     n_cls, b, _, r = d.shape
     c = q_a.shape[0]
     if stacked is not None and len(inv_eigenvalues) > 1:  # every prior from one GEMM
@@ -131,11 +127,7 @@ def residual_covariances(
     dtype: torch.dtype,
     combine_dtype: torch.dtype = torch.float64,
 ) -> list[Tensor]:
-    """``J Σ Jᵀ`` ``[B, C, C]`` per prior with truncated bases ``q_g [r, |I|]``, ``q_a [c, |J|]``.
-
-    ``<J_k, J_l>_F / δ`` plus ``Σ_{I×J} M_k M_l w`` (``weights`` ``w = 1/E − 1/δ``), combined in
-    ``combine_dtype`` (the terms nearly cancel); ``x``, ``d`` per token or one position per example.
-    """
+    """``J Σ Jᵀ`` per prior with truncated bases: ``<J_k, J_l>_F / δ`` plus ``Σ_{I×J} M_k M_l (1/E − 1/δ)``, in ``combine_dtype``."""
     n_cls, b = d.shape[0], d.shape[1]
     if x.ndim == 2:  # one position per example
         x, d = x[:, None, :], d[:, :, None, :]
@@ -193,11 +185,7 @@ def kron_predictive(
     outputs: Outputs,
     parts: Sequence[KronBlocks],
 ) -> tuple[Tensor, Tensor | None, list[list[Tensor]]]:
-    """``(logits, keep, [[Σ_f [N, K, K] per prior] per part])`` of Kronecker posteriors, streamed by module.
-
-    One hooked forward pass and ``K`` backward passes per kept position shared by every part (hooks gather the
-    union of their rows and columns); each part alone when that union does not fit the free memory.
-    """
+    """``(logits, keep, [[Σ_f [N, K, K] per prior] per part])``: one hooked forward and ``K`` backward passes shared by the parts."""
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     names = sorted({m for p in parts for m in p.targets.kmods}, key=order.__getitem__)
     users = {m: [i for i, p in enumerate(parts) if m in p.targets.kmods] for m in names}

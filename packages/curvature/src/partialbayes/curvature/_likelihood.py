@@ -14,8 +14,6 @@ from partialbayes.predictive.internal import (
     check_choice,
     check_int,
     check_likelihood,
-    model_logits,
-    split_batch,
 )
 
 
@@ -44,10 +42,7 @@ def _mc(f: Tensor, p: Tensor | None, labels: Tensor | None, k: int, s: float, g:
 
 @dataclass(frozen=True)
 class Fisher:
-    """One Fisher type: ``per_class`` (``S = C``), ``sampled`` (``S = mc_samples``, positions ``"joint"``), ``labels`` read.
-
-    ``vectors(logits, probs | None, labels, k, σ, generator)`` gives the cotangents ``[S, B, C]``.
-    """
+    """One Fisher type: ``per_class`` (``S = C``), ``sampled`` (``S = mc_samples``), ``labels`` read; ``vectors`` gives ``[S, B, C]``."""
 
     name: str
     per_class: bool
@@ -152,11 +147,6 @@ def model_device(model: nn.Module) -> torch.device:
     """Device of the model's first parameter (cpu for a parameterless model)."""
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
-
-
-def forward_logits(model: nn.Module, batch: Any) -> Tensor:
-    """The logits of ``model`` on any batch `split_batch` accepts (labels left out)."""
-    return model_logits(model, split_batch(batch, device=model_device(model)).inputs)
 
 
 def check_logits(logits: Tensor, num_classes: int | None, batch_index: int) -> None:

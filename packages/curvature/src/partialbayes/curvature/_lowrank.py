@@ -19,10 +19,7 @@ def clamped_eigh(
     device: torch.device | None = None,
     what: str = "factor",
 ) -> tuple[Tensor, Tensor]:
-    """``(λ [n], Q [n, n])`` of a symmetric PSD factor, round-off below 0 clamped to 0.
-
-    Refuses a non-square or non-finite matrix, and ``λ_min < −max(√ε, 10 n ε) · max |λ|``.
-    """
+    """``(λ [n], Q [n, n])`` of a PSD factor, round-off below 0 clamped; refuses more negative than ``max(√ε, 10 n ε) · max |λ|``."""
     if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
         raise ValueError(f"{what} must be a square matrix, got shape {tuple(matrix.shape)}")
     if not torch.isfinite(matrix).all():
@@ -175,10 +172,7 @@ def _scale_cols(y: Tensor, a: LowRankFactor, w: Tensor) -> Tensor:
 
 
 def scale_in_basis(z: Tensor, g: LowRankFactor, a: LowRankFactor, w: Tensor) -> Tensor:
-    """Multiply the coordinates of ``z [..., n_G, n_A]`` in ``[U_G, U_G⊥] ⊗ [U_A, U_A⊥]`` by ``w [r_G + 1, r_A + 1]``.
-
-    ``w = E^{-1/2}``: ``P^{-1/2} z`` (a sample for ``z ~ N(0, I)``); ``w = 1/E``: ``P⁻¹ z``.
-    """
+    """Multiply ``z [..., n_G, n_A]``'s coordinates in ``[U_G, U_G⊥] ⊗ [U_A, U_A⊥]`` by ``w`` (``E^{-1/2}``: a sample; ``1/E``: ``P⁻¹ z``)."""
     u = g.U
     zc = u.T @ z  # [..., r_G, n_A]
     out = u @ _scale_cols(zc, a, w[:-1])
@@ -195,11 +189,7 @@ def lowrank_covariance(
     inv_eigenvalues: Tensor,
     jacobians: bool | None = None,
 ) -> Tensor:
-    """``J Σ Jᵀ`` ``[B, K, K]`` of one block, ``x [B, T, n_A]``, ``d [K, B, T, n_G]``, ``inv_eigenvalues = 1/E``.
-
-    Through ``J`` (when ``jacobians``, or smaller than the token Gram matrices) or the rotated ``M`` plus the
-    remainders' Gram terms.
-    """
+    """``J Σ Jᵀ`` ``[B, K, K]`` of one block (``x [B, T, n_A]``, ``d [K, B, T, n_G]``, ``1/E``), via ``J`` or the rotated ``M`` plus remainders."""
     w = inv_eigenvalues
     k, _, t, n_g = d.shape
     if jacobians or (jacobians is None and n_g * x.shape[-1] <= (k * t) ** 2):

@@ -110,11 +110,7 @@ def read_batch(
     labels: bool = True,
     target_ids: Tensor | None = None,
 ) -> tuple[Tensor | dict[str, Any], Outputs]:
-    """A batch split into model inputs on ``device`` and its `Outputs`.
-
-    Classification examples labelled -100 (labels ``[B]``) are dropped here, except with ``target_ids``;
-    ``labels=False`` ignores the labels.
-    """
+    """Model inputs on ``device`` and `Outputs` of a batch; classification examples labelled -100 dropped (not with ``target_ids``)."""
     b = split_batch(batch, device=device)
     y = b.labels if labels else None
     outputs = Outputs(b.attention_mask, y, shift, likelihood, target_ids)
