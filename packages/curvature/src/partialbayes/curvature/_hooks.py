@@ -1,8 +1,4 @@
-"""Forward hooks and the backward passes of the curvature routines and the linearised predictive.
-
-A module called several times per forward pass has its calls merged as extra token positions; running sums
-are reduced across ranks by `all_reduce`, and `fail_together` makes every rank fail with one.
-"""
+"""Forward hooks, the backward passes of the curvature and the predictive, and the reduction over ranks."""
 
 from __future__ import annotations
 
@@ -131,7 +127,7 @@ def hooked_forward(
     *,
     switch: bool = True,
 ) -> tuple[Tensor, dict[str, list[Tensor]], dict[str, list[Tensor]]]:
-    """One forward pass recording every call of ``modules``: ``(logits with graph, inputs per call, outputs per call)``."""
+    """One forward pass recording every call of ``modules``: ``(logits with graph, inputs, outputs per call)``."""
     calls_in: dict[str, list[Tensor]] = {n: [] for n in modules}
     calls_out: dict[str, list[Tensor]] = {n: [] for n in modules}
     with prepared(model, modules, switch):
@@ -155,7 +151,7 @@ def hooked_forward(
 def cotangents(
     logits: Tensor, vectors: Tensor, keep: Tensor | None, positions: str
 ) -> Iterator[Tensor]:
-    """Cotangents ``[B, (T,) C]`` from ``vectors [S, N, C]``: ``"joint"`` (every kept position per pass) or ``"each"`` (per `position_plan` round)."""
+    """Cotangents ``[B, (T,) C]`` of ``vectors [S, N, C]``, all kept positions per pass (``joint``) or per round."""
     if keep is None:
         for v in vectors:
             yield v.contiguous()
@@ -217,14 +213,12 @@ class Run:
             warnings.warn(
                 "model is in training mode; the curvature was computed in eval mode (dropout would "
                 "corrupt it) and every module's mode restored afterwards",
-                UserWarning,
                 stacklevel=3,
             )
         if self.skipped:
             warnings.warn(
                 f"skipped {self.skipped} of {self.batches} batches with no labelled outputs (every "
                 "label -100)",
-                UserWarning,
                 stacklevel=3,
             )
 
@@ -249,7 +243,7 @@ def stream(
     run: Run,
     positions: str = "joint",
 ) -> Iterator[BatchPasses]:
-    """Stream ``loader``: one forward pass per batch (labels and logits checked), then the fisher's backward passes, lazily."""
+    """Stream ``loader``: per batch one forward pass (labels, logits checked), then the backward passes, lazily."""
     device = model_device(model)
     it: Iterable[Any] = loader
     if run.progress:

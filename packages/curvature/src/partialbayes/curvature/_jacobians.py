@@ -36,7 +36,7 @@ def example_bias_grads(d: Tensor) -> Tensor:
 
 
 def block_grads(x: Tensor, d: Tensor, bias: bool) -> Tensor:
-    """Per-example gradient ``[B, r, c (+1)]`` of ``(W[R][:, C] | b[R])`` from gathered ``x``, ``δ``; bias column last."""
+    """Per-example gradients ``[B, r, c (+1)]`` of ``(W[R][:, C] | b[R])`` (bias column last)."""
     w = example_weight_grads(x, d)
     if not bias:
         return w
@@ -93,7 +93,7 @@ def output_jacobians(
     rows: Mapping[str, Tensor | None],
     combine: Callable[[Mapping[str, Tensor], Mapping[str, Tensor]], dict[str, Tensor]],
 ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
-    """``(logits, keep, {key: [N, K, ...]})``: ``combine(x by module, δ_k by module)`` of each logit's backward pass, stacked."""
+    """``(logits, keep, {key: [N, K, ...]})``: ``combine(x, δ_k)`` of each logit's backward pass, stacked."""
     ps = output_passes(model, inputs, outputs, modules, cols, rows)
     parts: dict[str, list[Tensor]] = {}
     keys: list[Tensor] = []
@@ -182,7 +182,7 @@ def entry_grads(t: ParamTarget, x: Tensor, d: Tensor) -> Tensor:
 def param_jacobians(
     model: nn.Module, inputs: Tensor | Mapping[str, Any], outputs: Outputs, subset: Subset
 ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
-    """``(logits, keep, {param: J [N, K, k]})`` by batched reverse mode over ``B·K`` cotangents per position (any parameter)."""
+    """``(logits, keep, {param: J [N, K, k]})`` by batched reverse mode (any parameter)."""
     params = dict(model.named_parameters())
     targets = [params[n] for n in subset.names]
     with torch.enable_grad():
@@ -217,7 +217,7 @@ def param_jacobians(
 
 
 def _batched_grads(f: Tensor, targets: Sequence[Tensor], cot: Tensor) -> tuple[Tensor | None, ...]:
-    """Gradients ``[K, *p.shape]`` of ``f`` for cotangents ``cot [K, *f.shape]`` (``None``: unused); looped if batching fails."""
+    """Gradients ``[K, *p.shape]`` of ``f`` for cotangents ``[K, *f.shape]`` (``None``: unused)."""
     try:
         return torch.autograd.grad(
             f, targets, cot, is_grads_batched=True, allow_unused=True, retain_graph=True
@@ -236,7 +236,7 @@ def _batched_grads(f: Tensor, targets: Sequence[Tensor], cot: Tensor) -> tuple[T
 def subset_jacobians(
     model: nn.Module, inputs: Tensor | Mapping[str, Any], outputs: Outputs, subset: Subset
 ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
-    """``(logits, keep, {param: J [N, K, k]})`` in ``subset.gather`` order: hooks for linear maps, else `param_jacobians`."""
+    """``(logits, keep, {param: J [N, K, k]})``: hooks for linear maps, else `param_jacobians`."""
     try:
         targets, modules = param_targets(model, subset)
     except ValueError:

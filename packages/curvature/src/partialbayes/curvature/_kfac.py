@@ -1,9 +1,4 @@
-"""KFAC and Sparse-KFAC factors of the linear maps of a Kronecker-structured subset, streamed over a loader.
-
-``G`` SUMMED, ``A`` AVERAGED (laplace-torch): ``G ⊗ A`` approximates the summed curvature of
-``vec(W[R][:, C] | b[R])``, row-major. A separate bias has ``A_bias = [1]``: ``blockdiag(A, A_bias)``.
-Token sequences first become rows (`shared_rows`): ``"reduce"`` one per sequence, ``"expand"`` one per token.
-"""
+"""KFAC and Sparse-KFAC factors (``G`` SUMMED, ``A`` AVERAGED) of a Kronecker-structured subset, streamed."""
 
 from __future__ import annotations
 
@@ -74,7 +69,7 @@ class ModuleFactors:
 
 
 class FactorAccumulator:
-    """One module's running ``Σ δδᵀ``, ``Σ x̃x̃ᵀ`` (`NystromSketch` sides; ``x̃ = (x, w)`` with ``bias``) and row count."""
+    """One module's running ``Σ δδᵀ``, ``Σ x̃x̃ᵀ`` (two `NystromSketch` sides) and row count."""
 
     def __init__(
         self,
@@ -121,7 +116,7 @@ class FactorAccumulator:
 
 @dataclass(frozen=True)
 class KronTargets:
-    """A Kronecker subset's maps resolved against a model: ``kmods``, hooked ``modules``, ``cols`` / ``rows`` on its device."""
+    """A Kronecker subset's maps resolved against a model: hooked ``modules``, ``cols`` / ``rows``."""
 
     kmods: dict[str, KronModule]
     modules: dict[str, nn.Module]
@@ -130,7 +125,7 @@ class KronTargets:
 
 
 def shared_rows(t: Tensor, mask: Tensor | None, sharing: str, *, mean: bool) -> Tensor:
-    """The rows ``[m, d]`` of ``t`` (``[B, d]`` as is, ``[B, T, d]`` by ``mask``): summed (``mean``: averaged) or one per token."""
+    """The rows ``[m, d]`` of ``t`` under ``mask``: per sequence (summed, or ``mean``) or per token."""
     if mask is None:
         return t
     if sharing == "expand":
@@ -208,8 +203,7 @@ def kfac(
     $$ G = \sum_n \sum_s \delta_{n,s}[R]\,\delta_{n,s}[R]^\top, \qquad
        A = \frac{1}{N} \sum_n \tilde x_n[C]\,\tilde x_n[C]^\top, $$
 
-    ``G`` SUMMED and ``A`` AVERAGED (the laplace-torch convention), ``x̃ = (x, 1)`` when the bias is in the
-    subset and ``bias="fold"``; ``bias="separate"`` gives the bias its own block ``G ⊗ A_bias``. S-KFAC
+    ``G`` SUMMED and ``A`` AVERAGED (the laplace-torch convention), ``x̃ = (x, 1)`` with a folded bias. S-KFAC
     blocks gather ``δ[:, R]`` and ``x[:, C]`` in the hooks: the full factors are never formed.
 
     Token sequences: ``sharing="reduce"`` sums ``δ`` and averages ``x`` over each sequence's unmasked
@@ -224,12 +218,10 @@ def kfac(
     ``kfac`` on it alone (``fisher="mc"``: labels drawn once per batch). Memory: every subset's factor sums.
 
     Args:
-        model: Network; its forward takes a tensor or keyword inputs and returns logits ``[B, C]`` or
-            ``[B, T, C]`` (or an output with ``.logits``). Run in eval mode (a training-mode model is
-            switched with a warning and restored).
-        loader: Iterable of batches: tensors, pairs ``(inputs, labels)``, or mappings (``dict``, the
-            ``BatchEncoding`` of ``DataCollatorWithPadding``) with ``"labels"`` / ``"label"`` and an
-            ``"attention_mask"``.
+        model: Network returning logits ``[B, C]`` or ``[B, T, C]`` (or an output with ``.logits``), run in
+            eval mode (a training-mode model is switched with a warning and restored).
+        loader: Batches: tensors, pairs ``(inputs, labels)``, or mappings (``dict``, ``BatchEncoding``) with
+            ``"labels"`` / ``"label"`` and an ``"attention_mask"``.
         subset: Kronecker-structured :class:`~partialbayes.selection.Subset`, or a list of them (one pass).
         likelihood: ``"classification"`` (softmax cross-entropy) or ``"regression"`` (Gaussian).
         fisher: ``"exact"`` (GGN, one backward pass per class), ``"mc"`` (``mc_samples`` sampled labels) or
@@ -244,9 +236,8 @@ def kfac(
         generator: Random generator for ``fisher="mc"``.
         progress: Show a tqdm progress bar.
         num_classes: When given, the number of logits the model must output.
-        on_batch: Called as ``on_batch(index, logits, labels)`` after each batch's forward pass with the
-            detached output rows ``[N, C]`` and their validated labels (``None`` without labels), e.g. to
-            accumulate the training loss in the same pass (``LaplaceBase.fit`` does).
+        on_batch: ``on_batch(index, logits, labels)`` after each batch's forward pass, with the detached
+            output rows ``[N, C]`` and their checked labels (or ``None``): e.g. the training loss.
         shift_labels: Causal-LM outputs: the output at ``t`` is scored against ``labels[t + 1]``.
             ``None`` (default): whether the model's class name ends with ``ForCausalLM`` / ``LMHeadModel``.
 
@@ -257,11 +248,10 @@ def kfac(
     Raises:
         TypeError: A subset with elementwise mask blocks (use :func:`diag_curvature` /
             :func:`dense_curvature`), or a batch of unknown kind.
-        ValueError: Bad options, empty loader or empty batch, labels (whenever a batch has them, whatever
-            the fisher) of the wrong dtype, shape or out of range, logits of the wrong shape, an example
-            without unmasked tokens, token-level logits with ``sharing="reduce"`` or without an attention
-            mask or labels, non-finite curvature (naming the module and batch), a loader without any
-            labelled output.
+        ValueError: Bad options, empty loader or batch, bad labels (whenever a batch has them) or logits,
+            an example without unmasked tokens, token-level logits with ``sharing="reduce"`` or without an
+            attention mask or labels, non-finite curvature (naming the module and batch), a loader without
+            any labelled output.
         RuntimeError: Under ``torch.distributed``, on every rank whose shard went through when another
             rank raised (all ranks fail instead of waiting for each other).
     """
@@ -291,7 +281,7 @@ def kron_factors(
     options: CurvatureOptions,
     run: Run,
 ) -> list[dict[str, ModuleFactors]]:
-    """`kfac`'s pass for one or more subsets: each map's ``x`` and ``δ`` recorded once, each subset accumulating alone."""
+    """`kfac`'s pass: each map's ``x`` and ``δ`` recorded once, each subset accumulating alone."""
     modules = {m: mod for t in targets for m, mod in t.modules.items()}
     device = model_device(model)
     accs = [

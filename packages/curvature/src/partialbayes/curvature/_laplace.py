@@ -1,9 +1,4 @@
-"""`LaplaceBase`: a Laplace posterior over a `Subset`, whatever the structure of its curvature.
-
-The precision is ``P = H / T + P₀``, ``H`` the summed GGN / Fisher, ``P₀ = diag(δ_m)``, prior mean 0. A
-structure (`KronLaplace`, `DiagLaplace`, `DenseLaplace`) stores one curvature representation and implements
-the methods marked "structure"; fitting, the evidence, samples, the predictive and the file are here, once.
-"""
+"""`LaplaceBase`: fitting, evidence, samples, the linearised predictive and files, once for every structure."""
 
 from __future__ import annotations
 
@@ -710,12 +705,10 @@ class LaplaceBase(ABC):
             generator: Source of randomness (on the model's device or the CPU); same seed, same samples.
 
         Returns:
-            ``{param name: [n, k]}`` with the ``k`` entries of each parameter in ``subset.gather`` order,
-            parameters in ``subset.names`` order.
+            ``{param name: [n, k]}``, entries in ``subset.gather`` order, parameters in ``subset.names`` order.
 
         Raises:
-            ValueError: If ``n`` is not a positive int.
-            TypeError: If the generator is not a ``torch.Generator``.
+            ValueError, TypeError: If ``n`` is not a positive int, or the generator not a ``torch.Generator``.
         """
         check_generator(generator)
         self._require_fit()
@@ -724,9 +717,7 @@ class LaplaceBase(ABC):
         return {name: self._map[name] + centered[name] for name in self.subset.names}
 
     def swapped(self, sample: Mapping[str, Tensor]) -> AbstractContextManager[nn.Module]:
-        """Write one weight sample into the model; on exit restore what the model held, even on error.
-
-        Through ``Subset.swapped``: nested swaps unwind, and weights the user changed since `fit` stay.
+        """Write one weight sample into the model; on exit restore what it held, even on error (``Subset.swapped``).
 
         Args:
             sample: ``{param name: [k]}`` (or ``[1, k]``) for every parameter of the subset (a row of `sample`).
@@ -736,8 +727,8 @@ class LaplaceBase(ABC):
 
         Raises:
             TypeError: If ``sample`` is not a mapping of tensors.
-            ValueError: If it does not cover the subset exactly, a value has the wrong size, or holds
-                NaN or inf (the parameter is named; the model is left untouched).
+            ValueError: If it does not cover the subset exactly, or a value has the wrong size or is not finite
+                (naming the parameter; the model is left untouched).
         """
         self._require_fit()
         return self.subset.swapped(self.model, sample)
@@ -1027,7 +1018,7 @@ def _linearised(
     labels: bool = True,
     target_ids: Sequence[int] | Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor, list[Tensor]]:
-    """``(logits [B, (T,) C], keep [B, T] | None, f [N, K], [Σ_f [N, K, K] per posterior])`` at their priors (``K``: ``target_ids``)."""
+    """``(logits, keep, f [N, K], [Σ_f [N, K, K] per posterior])`` at the posteriors' priors."""
     first = posteriors[0]
     first._require_fit()
     if chunk_size is not None:

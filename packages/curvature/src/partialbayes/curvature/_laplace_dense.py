@@ -22,11 +22,9 @@ from partialbayes.selection import Subset
 class DenseLaplace(LaplaceBase):
     """Laplace posterior with the full precision ``P = H / T + diag(δ)`` over a small subset.
 
-    ``H`` (``[P, P]``, entries in ``subset.names`` order, each parameter in ``subset.gather`` order) is the
-    summed GGN / Fisher (``dense_curvature``). Only its eigendecomposition ``H = Q diag(λ) Qᵀ`` (λ clamped at
-    0) is stored: with one scalar prior everything is diagonal in ``Q`` (prior added exactly); with
-    per-module priors a Cholesky factor of ``P`` is used. Use ``selection.last_layer(model)`` for
-    last-layer Laplace. Token-level outputs are exact per position (see ``dense_curvature``).
+    ``H`` ``[P, P]`` (``dense_curvature``; entries in ``subset.names`` then ``subset.gather`` order) is stored
+    as its eigendecomposition: one scalar prior is diagonal in its eigenbasis, per-module priors go through a
+    Cholesky factor of ``P``. ``selection.last_layer(model)`` gives last-layer Laplace.
 
     Args:
         model: The fine-tuned model.

@@ -80,10 +80,11 @@ class KronLaplace(LaplaceBase):
         sizes = {f"{s} of {m!r} ({n})": n for m in self.modules for s, n in self._sides(m).items()}
         if max_rank is not None and max(sizes.values()) <= max_rank:
             largest = max(sizes, key=sizes.__getitem__)
-            msg = (
-                f"max_rank={max_rank} is not below the size of any factor (the largest: {largest})"
+            warnings.warn(
+                f"max_rank={max_rank} is not below the size of any factor (the largest: {largest}): "
+                "every factor is kept whole",
+                stacklevel=2,
             )
-            warnings.warn(msg + ": every factor is kept whole", UserWarning, stacklevel=2)
 
     @property
     def sharing(self) -> str | None:
@@ -218,7 +219,7 @@ class KronLaplace(LaplaceBase):
         return posteriors
 
     def _set_curvature(self, curvature: Mapping[str, Any]) -> None:
-        """Check and store ``{module: factors}`` (``.G`` summed, ``.A`` averaged, ``.A_bias``; their ``sharing`` adopted or matched)."""
+        """Check and store ``{module: factors}``, adopting or matching their ``sharing``."""
         missing = [m for m in self.modules if m not in curvature]
         extra = [m for m in curvature if m not in self.modules]
         if missing or extra:
@@ -371,7 +372,7 @@ class KronLaplace(LaplaceBase):
         )
 
     def _blocks(self, priors: Sequence[Tensor], scale: Tensor | float) -> KronBlocks:
-        """This posterior's `KronBlocks` for ``priors`` (memoised); ``predictive_rtol > 0`` keeps only the eigenvectors in pairs above ``ε · δ``."""
+        """This posterior's `KronBlocks` for ``priors`` (memoised; truncated by ``predictive_rtol``)."""
         key = (
             self._eig,
             self.temperature,
@@ -428,7 +429,7 @@ class KronLaplace(LaplaceBase):
 
     # ------------------------------------------------------------------ state
     def _state(self) -> dict[str, Tensor]:
-        """Eigenpairs per module: ``eig_*``, ``q_*`` ``[n, k]``, ``rest_*`` (low-rank); a separate bias: ``eig_a = (λ_A, A_bias)``."""
+        """Eigenpairs per module (``eig_*``, ``q_*``, low-rank ``rest_*``; a separate bias's last)."""
         state = {}
         for m, (g, a) in self._eig.items():
             qa = a.U[:-1, :-1] if self._separate(m) else a.U

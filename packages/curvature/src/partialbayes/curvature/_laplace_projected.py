@@ -24,7 +24,7 @@ def rotate_inputs(x: Tensor, q_a: Tensor, bias: bool) -> Tensor:
 
 
 def frobenius_products(x: Tensor, d: Tensor, bias: bool) -> Tensor:
-    """``[C, C]`` ``<J_k, J_l>_F`` of one example (``x [n, c_w]``, ``d [C, n, r]``), by Gram matrices or ``J``, the cheaper."""
+    """``[C, C]`` ``<J_k, J_l>_F`` of one example, by Gram matrices or ``J``, the cheaper."""
     n_cls, n, r = d.shape
     c = x.shape[1] + bias
     if (n_cls * n) ** 2 * r + n * n * c <= n_cls * n * r * c + n_cls * n_cls * r * c:
@@ -40,7 +40,7 @@ def frobenius_products(x: Tensor, d: Tensor, bias: bool) -> Tensor:
 
 
 def unshared_covariances(xq: Tensor, dq: Tensor, inv_eigenvalues: Sequence[Tensor]) -> list[Tensor]:
-    """``J Σ Jᵀ`` ``[B, C, C]`` per prior of rank-1 Jacobians, from ``xq [B, c]``, ``dq [C, B, r]`` (never forms ``M``)."""
+    """``J Σ Jᵀ`` ``[B, C, C]`` per prior of rank-1 Jacobians (``xq [B, c]``, ``dq [C, B, r]``)."""
     x2 = xq * xq
     d = dq.permute(1, 0, 2)  # [B, C, r]
     return [(d * (x2 @ inv_e.T)[:, None, :]) @ d.transpose(1, 2) for inv_e in inv_eigenvalues]
@@ -66,7 +66,7 @@ def shared_covariances(
     dtype: torch.dtype,
     stacked: Tensor | None = None,
 ) -> list[Tensor]:
-    """``J Σ Jᵀ`` ``[B, C, C]`` per prior for ``x [B, T, c_w]``, ``d [C, B, T, r]``, one example's ``M`` at a time (``stacked``: one GEMM for all priors)."""
+    """``J Σ Jᵀ`` ``[B, C, C]`` per prior of sequences, one example's ``M`` at a time."""
     n_cls, b, _, r = d.shape
     c = q_a.shape[0]
     if stacked is not None and len(inv_eigenvalues) > 1:  # every prior from one GEMM
@@ -127,7 +127,7 @@ def residual_covariances(
     dtype: torch.dtype,
     combine_dtype: torch.dtype = torch.float64,
 ) -> list[Tensor]:
-    """``J Σ Jᵀ`` per prior with truncated bases: ``<J_k, J_l>_F / δ`` plus ``Σ_{I×J} M_k M_l (1/E − 1/δ)``, in ``combine_dtype``."""
+    """``J Σ Jᵀ`` per prior with truncated bases: ``‖J‖²/δ`` plus the kept directions' part."""
     n_cls, b = d.shape[0], d.shape[1]
     if x.ndim == 2:  # one position per example
         x, d = x[:, None, :], d[:, :, None, :]
@@ -185,7 +185,7 @@ def kron_predictive(
     outputs: Outputs,
     parts: Sequence[KronBlocks],
 ) -> tuple[Tensor, Tensor | None, list[list[Tensor]]]:
-    """``(logits, keep, [[Σ_f [N, K, K] per prior] per part])``: one hooked forward and ``K`` backward passes shared by the parts."""
+    """``(logits, keep, [[Σ_f per prior] per part])``, the hooked passes shared by the parts."""
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     names = sorted({m for p in parts for m in p.targets.kmods}, key=order.__getitem__)
     users = {m: [i for i, p in enumerate(parts) if m in p.targets.kmods] for m in names}

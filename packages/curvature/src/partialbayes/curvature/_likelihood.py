@@ -42,7 +42,7 @@ def _mc(f: Tensor, p: Tensor | None, labels: Tensor | None, k: int, s: float, g:
 
 @dataclass(frozen=True)
 class Fisher:
-    """One Fisher type: ``per_class`` (``S = C``), ``sampled`` (``S = mc_samples``), ``labels`` read; ``vectors`` gives ``[S, B, C]``."""
+    """One Fisher type: passes ``S`` (``per_class``, ``sampled``), ``labels`` read, ``vectors [S, B, C]``."""
 
     name: str
     per_class: bool

@@ -1,8 +1,4 @@
-"""The Kronecker algebra of one block, whole or with low-rank factors (rank ``r`` plus an isotropic remainder).
-
-In the eigenbasis ``Q_G ⊗ Q_A`` the precision ``P = (G ⊗ A) / T + δ I`` is diagonal, ``E = λ_G λ_Aᵀ / T + δ``
-(extended by the remainders' eigenvalues for low-rank factors); the concept page derives each operation.
-"""
+"""The Kronecker algebra of one block (``E = λ_G λ_Aᵀ / T + δ``), whole or low-rank (rank ``r`` + isotropic rest)."""
 
 from __future__ import annotations
 
@@ -19,7 +15,7 @@ def clamped_eigh(
     device: torch.device | None = None,
     what: str = "factor",
 ) -> tuple[Tensor, Tensor]:
-    """``(λ [n], Q [n, n])`` of a PSD factor, round-off below 0 clamped; refuses more negative than ``max(√ε, 10 n ε) · max |λ|``."""
+    """``(λ [n], Q [n, n])`` of a PSD factor, round-off below 0 clamped (more is refused)."""
     if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
         raise ValueError(f"{what} must be a square matrix, got shape {tuple(matrix.shape)}")
     if not torch.isfinite(matrix).all():
@@ -172,7 +168,7 @@ def _scale_cols(y: Tensor, a: LowRankFactor, w: Tensor) -> Tensor:
 
 
 def scale_in_basis(z: Tensor, g: LowRankFactor, a: LowRankFactor, w: Tensor) -> Tensor:
-    """Multiply ``z [..., n_G, n_A]``'s coordinates in ``[U_G, U_G⊥] ⊗ [U_A, U_A⊥]`` by ``w`` (``E^{-1/2}``: a sample; ``1/E``: ``P⁻¹ z``)."""
+    """Multiply ``z [..., n_G, n_A]``'s coordinates in the extended eigenbasis by ``w``."""
     u = g.U
     zc = u.T @ z  # [..., r_G, n_A]
     out = u @ _scale_cols(zc, a, w[:-1])
@@ -189,7 +185,7 @@ def lowrank_covariance(
     inv_eigenvalues: Tensor,
     jacobians: bool | None = None,
 ) -> Tensor:
-    """``J Σ Jᵀ`` ``[B, K, K]`` of one block (``x [B, T, n_A]``, ``d [K, B, T, n_G]``, ``1/E``), via ``J`` or the rotated ``M`` plus remainders."""
+    """``J Σ Jᵀ`` ``[B, K, K]`` of one block with low-rank factors."""
     w = inv_eigenvalues
     k, _, t, n_g = d.shape
     if jacobians or (jacobians is None and n_g * x.shape[-1] <= (k * t) ** 2):

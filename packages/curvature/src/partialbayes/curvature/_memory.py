@@ -99,8 +99,7 @@ class MemoryEstimate:
     def check(self, max_memory: int | None = None) -> None:
         """Refuse a run whose peak exceeds ``max_memory`` bytes (default: the available memory).
 
-        A ``max_memory`` above the available memory cannot protect the run: it is warned about, and a peak
-        above the available memory is refused all the same (the estimate leaves out the model itself).
+        A ``max_memory`` above the available memory is warned about, and the available memory is the limit.
 
         Raises:
             TypeError: ``max_memory`` not an int number of bytes (``"1GB"``, ``True``, a float).
@@ -152,18 +151,10 @@ def memory_estimate(
 ) -> MemoryEstimate:
     """Estimate the memory of a Kronecker Laplace fit and its predictive, before running them.
 
-    Args:
-        model: The network (a causal LM's label shift is detected from its class, as in `kfac`).
-        subset: Kronecker-structured subset.
-        batch: The loader's largest batch, of any kind ``split_batch`` accepts.
-        likelihood: ``"classification"`` or ``"regression"``.
-        fisher: ``"exact"``, ``"mc"`` or ``"empirical"``.
-        mc_samples: ``k`` of ``fisher="mc"``.
-        sharing: ``"reduce"`` or ``"expand"``; ``None``: as `kfac` chooses it from the outputs.
-        dtype: Accumulation dtype of the factors.
-        max_rank: Factor sides larger than this are kept at this rank (``None``: all whole).
-        target_ids: The outputs the predictive covers (``None``: all ``C``).
-        logits: The batch's logits if known; otherwise one forward pass without gradients is run.
+    ``batch`` is the loader's largest batch; ``likelihood``, ``fisher``, ``mc_samples``, ``sharing``, ``dtype``
+    and ``max_rank`` are the fit's (as in `kfac` and `KronLaplace`); ``target_ids`` the outputs the predictive
+    covers (``None``: all ``C``); ``logits`` the batch's logits if known (else one forward pass without
+    gradients is run). A causal LM's label shift is detected from the model's class.
 
     Returns:
         The `MemoryEstimate`: ``print`` it; ``.check()`` refuses what does not fit.

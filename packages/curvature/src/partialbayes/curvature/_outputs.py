@@ -48,7 +48,7 @@ class Outputs:
         )
 
     def keep(self, logits: Tensor) -> Tensor | None:
-        """``[B, T]`` kept positions of token-level logits (``None`` for ``[B, C]``); refuses unusable logits / masks."""
+        """``[B, T]`` kept positions of token-level logits (``None`` for ``[B, C]``)."""
         if logits.ndim == 2:
             if self.shift:
                 raise ValueError(
@@ -110,7 +110,7 @@ def read_batch(
     labels: bool = True,
     target_ids: Tensor | None = None,
 ) -> tuple[Tensor | dict[str, Any], Outputs]:
-    """Model inputs on ``device`` and `Outputs` of a batch; classification examples labelled -100 dropped (not with ``target_ids``)."""
+    """Model inputs on ``device`` and `Outputs` of a batch (examples labelled -100 dropped)."""
     b = split_batch(batch, device=device)
     y = b.labels if labels else None
     outputs = Outputs(b.attention_mask, y, shift, likelihood, target_ids)
@@ -124,7 +124,7 @@ def read_batch(
 def position_plan(
     keep: Tensor | None, batch: int, device: torch.device
 ) -> list[tuple[Tensor | None, Tensor]]:
-    """Rounds ``(positions t [n], examples [n])`` of at most one kept position per example (``[(None, arange(B))]`` for ``[B, C]``)."""
+    """Rounds ``(positions [n], examples [n])`` of at most one kept position per example."""
     if keep is None:
         return [(None, torch.arange(batch, device=device))]
     rank = keep.cumsum(1) - 1  # the index of each kept position within its example

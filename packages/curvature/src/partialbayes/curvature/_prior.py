@@ -1,10 +1,4 @@
-"""The prior precision: its parsing, the Laplace evidence, and the search of `optimize_prior_precision`.
-
-The search takes the best scalar of a grid, or runs Adam on ``log δ`` (and ``log σ``) until first-order
-optimality in size-free units: every ``|∂L/∂log δ_m| / d_m`` (``d_m`` the module's entries; it lies in
-``[-½ δ_m ‖θ*_m‖²/d_m, ½]``) and ``|∂L/∂log σ| / (N C)`` is at most ``tol``. Running out of steps is
-reported (``converged=False``, a warning).
-"""
+"""The prior precision: its parsing, the Laplace evidence, and the search of `optimize_prior_precision`."""
 
 from __future__ import annotations
 
@@ -37,7 +31,7 @@ PriorSpec = float | int | Tensor | Mapping[str, float]
 def prior_vector(
     spec: PriorSpec, modules: Sequence[str], *, dtype: torch.dtype, device: torch.device
 ) -> Tensor:
-    """``[len(modules)]`` prior precisions from a positive scalar, a ``[M]`` tensor or ``{module: δ}`` (differentiable)."""
+    """``[len(modules)]`` prior precisions from a scalar, a ``[M]`` tensor or ``{module: δ}``."""
     n = len(modules)
     if isinstance(spec, Mapping):
         unknown = sorted(set(spec) - set(modules))
@@ -220,7 +214,6 @@ def evidence_ascent(
             f"gradient marginal likelihood did not converge in max_steps={max_steps} steps: the largest "
             f"scaled gradient is {worst:.3g} > tol={tol:g}. The last values are set; raise max_steps or "
             "lr, or loosen tol",
-            UserWarning,
             stacklevel=3,  # the user's call of optimize_prior_precision
         )
     fit = MarglikFit(
@@ -297,7 +290,6 @@ def grid_val_nlls(
         warnings.warn(
             f"skipped {skipped} of {batches} validation batches with no labelled outputs "
             "(every label -100)",
-            UserWarning,
             stacklevel=3,
         )
     return list(totals / count)
