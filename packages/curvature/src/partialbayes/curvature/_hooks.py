@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -247,12 +247,10 @@ def stream(
     device = model_device(model)
     it: Iterable[Any] = loader
     if run.progress:
-        try:
+        with suppress(ImportError):  # tqdm is optional
             from tqdm.auto import tqdm
 
             it = tqdm(loader, desc="curvature")
-        except ImportError:  # pragma: no cover - tqdm is optional
-            pass
     for index, batch in enumerate(it):
         run.batches += 1
         try:

@@ -57,11 +57,9 @@ class ModuleFactors:
     sharing: str | None = None
 
     def input_factor(self) -> Tensor:
-        """The input factor of the whole block (bias column last): ``A`` folded, ``blockdiag(A, A_bias)`` separate.
+        """The whole block's input factor ``[c, c]`` (bias column last), ``A`` or ``blockdiag(A, A_bias)``.
 
-        Returns:
-            ``[c, c]`` with ``c = |C| (+1 with a bias)``; ``G ⊗ input_factor()`` is the block's curvature in
-            ``vec(W[R][:, C] | b[R])`` order either way.
+        ``G ⊗ input_factor()`` is the block's curvature in ``vec(W[R][:, C] | b[R])`` order either way.
         """
         if self.A_bias is None:
             return self.A

@@ -23,7 +23,6 @@ from partialbayes.curvature._prior import (
     PriorSpec,
     check_positive,
     evidence_ascent,
-    gaussian_log_marglik,
     grid_search,
     grid_val_nlls,
     prior_vector,
@@ -70,10 +69,8 @@ class MapLoss:
     """Training loss at the MAP from the curvature pass's output rows (``on_batch``): summed CE or SSE, float64."""
 
     def __init__(self, likelihood: str) -> None:
-        self.likelihood = likelihood
+        self.likelihood, self.n_data, self.n_outputs = likelihood, 0, 0
         self.total = torch.zeros((), dtype=torch.float64)
-        self.n_data = 0
-        self.n_outputs = 0
 
     def __call__(self, index: int, logits: Tensor, labels: Tensor | None) -> None:
         """Add one batch: output rows ``logits [N, C]`` and their checked labels (refused: none)."""
@@ -150,8 +147,7 @@ class LaplaceBase(ABC):
             another shape, or on the ``meta`` device.
     """
 
-    #: Links `predict` accepts: the linearised probit (default), Monte Carlo over the linearised
-    #: Gaussian logits, and the Laplace bridge.
+    #: Links `predict` accepts: the linearised probit (default), Monte Carlo, and the Laplace bridge.
     links: ClassVar[tuple[str, ...]] = ("probit", "mc", "bridge")
     #: Constructor keywords of the structure that `save` stores (read back as attributes).
     _SAVED: ClassVar[tuple[str, ...]] = ()
@@ -477,13 +473,10 @@ class LaplaceBase(ABC):
 
     # ------------------------------------------------------------------ evidence and the prior
     def penalty(self, model: nn.Module | None = None) -> Tensor:
-        """``½ (θ − θ*)ᵀ P (θ − θ*)`` of the model's current subset values: minus the log density, up to a constant.
+        """``½ (θ − θ*)ᵀ P (θ − θ*)`` of ``model``'s current subset values (default: this posterior's model).
 
-        Continual learning: train the next episode on ``loss + posterior.penalty() / N`` (``N`` its examples),
-        then ``fit(loader, previous=posterior)``. Differentiable in the model's parameters.
-
-        Args:
-            model: The model whose current values are ``θ`` (default: this posterior's).
+        Minus the log density up to a constant, differentiable: continual learning trains the next episode on
+        ``loss + posterior.penalty() / N`` (``N`` its examples), then ``fit(loader, previous=posterior)``.
         """
         self._require_fit()
         params = self.subset.parameters_of(self.model if model is None else model)
@@ -554,12 +547,10 @@ class LaplaceBase(ABC):
             prev, scale = self._previous, self._previous._scale(sigma_noise)
             delta = {n: self._map[n] - self._prior_mean[n] for n in self._map}
             log_det_prior, scatter = prev._log_det(prior, scale), prev._quad(delta, prior, scale)
-        return gaussian_log_marglik(
-            self.log_likelihood(sigma_noise),
-            self._log_det(prior, self._scale(sigma_noise)),
-            log_det_prior,
-            scatter,
-        )
+        log_det = self._log_det(
+            prior, self._scale(sigma_noise)
+        )  # the 2π factors of P and P₀ cancel
+        return self.log_likelihood(sigma_noise) - 0.5 * (log_det - log_det_prior) - 0.5 * scatter
 
     @overload
     def optimize_prior_precision(
@@ -735,14 +726,7 @@ class LaplaceBase(ABC):
 
     @contextmanager
     def sampled(self, *, generator: torch.Generator | None = None) -> Iterator[nn.Module]:
-        """Draw one sample and swap it into the model (see `swapped`); what was there is restored on exit.
-
-        Args:
-            generator: Source of randomness.
-
-        Yields:
-            The model, carrying the sample.
-        """
+        """Draw one sample (from ``generator``) and swap it into the model (see `swapped`); restored on exit."""
         one = {k: v[0] for k, v in self.sample(1, generator=generator).items()}
         with self.swapped(one) as model:
             yield model
@@ -1095,9 +1079,8 @@ def grid_val_nll_many(
 ) -> Tensor:
     """`LaplaceBase.grid_val_nll` of several posteriors of one model, reading ``val_loader`` once.
 
-    The passes are shared as in `logit_mean_cov_many`: row ``i`` equals
-    ``posteriors[i].grid_val_nll(val_loader, grid)`` bit for bit, and ``grid[nll.argmin(1)]`` is each
-    posterior's prior by validation NLL.
+    The passes are shared as in `logit_mean_cov_many`: row ``i`` equals ``posteriors[i].grid_val_nll``
+    bit for bit, and ``grid[nll.argmin(1)]`` is each posterior's prior by validation NLL.
 
     Returns:
         ``[len(posteriors), len(grid)]`` mean NLL per example.

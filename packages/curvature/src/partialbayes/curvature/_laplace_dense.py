@@ -67,12 +67,8 @@ class DenseLaplace(LaplaceBase):
 
     def _entry_prior(self, prior: Tensor) -> Tensor:
         """``[P]`` prior precision of every entry."""
-        return torch.cat(
-            [
-                prior[self._param_module[n]].expand(self.subset.num_entries(n))
-                for n in self.subset.names
-            ]
-        )
+        sizes = {n: self.subset.num_entries(n) for n in self.subset.names}
+        return torch.cat([prior[self._param_module[n]].expand(k) for n, k in sizes.items()])
 
     def _uniform(self, prior: Tensor) -> bool:
         return not prior.requires_grad and bool((prior == prior[0]).all())
@@ -105,12 +101,8 @@ class DenseLaplace(LaplaceBase):
         else:
             chol = self._cholesky(self._prior, scale)
             flat = torch.linalg.solve_triangular(chol.T, eps.T, upper=True).T
-        out, start = {}, 0
-        for name in self.subset.names:
-            k = self.subset.num_entries(name)
-            out[name] = flat[:, start : start + k]
-            start += k
-        return out
+        sizes = [self.subset.num_entries(n) for n in self.subset.names]
+        return dict(zip(self.subset.names, flat.split(sizes, dim=1), strict=True))
 
     def _covariances(
         self,

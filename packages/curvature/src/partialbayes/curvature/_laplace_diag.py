@@ -50,12 +50,11 @@ class DiagLaplace(LaplaceBase):
                 )
             if not torch.isfinite(v).all():
                 raise ValueError(f"{where} is not finite")
-            if v.numel() and float(v.min()) < -(torch.finfo(v.dtype).eps ** 0.5) * float(
-                v.abs().max()
-            ):
+            low, tol = (float(v.min()), float(v.abs().max())) if v.numel() else (0.0, 0.0)
+            if low < -(torch.finfo(v.dtype).eps ** 0.5) * tol:
                 raise ValueError(
-                    f"{where} has negative entries down to {float(v.min()):.3g}: a diagonal GGN / Fisher "
-                    "is a sum of squares"
+                    f"{where} has negative entries down to {low:.3g}: a diagonal GGN / Fisher is a sum "
+                    "of squares"
                 )
             h[n] = v.clamp(min=0.0)
         self._h = h

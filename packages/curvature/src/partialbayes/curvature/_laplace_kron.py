@@ -137,8 +137,8 @@ class KronLaplace(LaplaceBase):
         """Split block matrices ``[..., r, c]`` (bias column last) into the module's parameters.
 
         Returns:
-            ``{weight name: [..., r·c_w], bias name: [..., r]}`` in ``subset.gather`` order (for a Conv1D
-            the storage is ``n_in x n_out``, so the weight part is transposed before flattening).
+            ``{weight name: [..., r·c_w], bias name: [..., r]}`` in ``subset.gather`` order (a Conv1D's weight
+            part transposed to its ``n_in x n_out`` storage).
         """
         km = self._kmods[module]
         _, cw, _ = self._dims(module)
@@ -178,18 +178,10 @@ class KronLaplace(LaplaceBase):
     ) -> list[KronLaplace]:
         """One posterior per subset, all fitted in ONE pass over ``loader`` (an S-KFAC ramp, module ramps).
 
-        Equals ``[KronLaplace(model, s, **kwargs).fit(loader, generator=...) for s in subsets]`` bit for bit
-        (`kfac` with a list of subsets). Memory: every subset's factor sums during the pass, then one
-        eigendecomposition at a time; checked against ``max_memory`` (or the free memory) before the first
-        batch's backward passes.
-
-        Args:
-            model: The fine-tuned model (its current weights are the MAP).
-            subsets: Kronecker-structured subsets, one posterior each.
-            loader: Labelled training batches (read once), as for `fit`.
-            progress: Show a progress bar.
-            generator: Randomness of ``fisher="mc"``.
-            **kwargs: Constructor settings shared by every posterior (``fisher``, ``prior_precision``, ...).
+        Equals ``[KronLaplace(model, s, **kwargs).fit(loader, progress=..., generator=...) for s in subsets]``
+        bit for bit (`kfac` with a list of subsets); ``kwargs`` are the constructor settings shared by every
+        posterior. Memory: every subset's factor sums during the pass, then one eigendecomposition at a time;
+        checked against ``max_memory`` (or the free memory) before the first batch's backward passes.
 
         Returns:
             The fitted posteriors, in the order of ``subsets``.
@@ -365,11 +357,8 @@ class KronLaplace(LaplaceBase):
             return super()._covariances_of(posteriors, inputs, outputs, priors)
         parts = [p._blocks(pr, p._scale(None)) for p, pr in zip(posts, priors, strict=True)]
         logits, keep, covs = kron_predictive(posts[0].model, inputs, outputs, parts)
-        return (
-            logits,
-            keep,
-            [[c.to(p.dtype) for c in cs] for p, cs in zip(posts, covs, strict=True)],
-        )
+        covs = [[c.to(p.dtype) for c in cs] for p, cs in zip(posts, covs, strict=True)]
+        return logits, keep, covs
 
     def _blocks(self, priors: Sequence[Tensor], scale: Tensor | float) -> KronBlocks:
         """This posterior's `KronBlocks` for ``priors`` (memoised; truncated by ``predictive_rtol``)."""
@@ -379,12 +368,9 @@ class KronLaplace(LaplaceBase):
             [prior.tolist() for prior in priors],
             scale.tolist() if isinstance(scale, Tensor) else scale,
         )
-        if (
-            self._memo is not None
-            and self._memo[0][0] is self._eig
-            and self._memo[0][1:] == key[1:]
-        ):
-            return self._memo[1]
+        memo = self._memo
+        if memo is not None and memo[0][0] is self._eig and memo[0][1:] == key[1:]:
+            return memo[1]
         lowrank = {m: (g, a) for m, (g, a) in self._eig.items() if not (g.full and a.full)}
         exact = self.predictive_rtol == 0
         cut = {m: slice(None) if m in lowrank else slice(None, -1) for m in self.modules}

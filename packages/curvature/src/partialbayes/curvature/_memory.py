@@ -177,11 +177,8 @@ def memory_estimate(
     if logits is None:
         with torch.no_grad():
             logits = model_logits(model, inputs)
-    k_out = (
-        logits.shape[-1]
-        if target_ids is None
-        else len(check_target_ids(target_ids, logits.shape[-1]))
-    )
+    n_cls = logits.shape[-1]
+    k_out = n_cls if target_ids is None else len(check_target_ids(target_ids, n_cls))
     keep = outputs.keep(logits[..., :0])
     return kron_estimate(
         subset.kron_modules(), logits, keep, outputs.attention_mask, options, k_out

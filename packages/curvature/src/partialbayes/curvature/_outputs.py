@@ -73,14 +73,12 @@ class Outputs:
                     "ignored positions)"
                 )
             return kept_positions(logits, attention_mask=self.attention_mask)
+        mask, labels = self.attention_mask, self.labels
         if self.target_ids is not None:
-            mask, labels = self.attention_mask, self.labels
             return answer_positions(
                 logits, labels=labels, attention_mask=mask, causal_lm=self.shift
             )
-        keep = kept_positions(
-            logits, attention_mask=self.attention_mask, labels=self.labels, shift=self.shift
-        )
+        keep = kept_positions(logits, attention_mask=mask, labels=labels, shift=self.shift)
         assert keep is not None
         return keep
 

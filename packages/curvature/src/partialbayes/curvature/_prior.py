@@ -77,13 +77,6 @@ def check_positive(name: str, value: float | Tensor) -> None:
         raise ValueError(f"{name} must be positive and finite, got {v}")
 
 
-def gaussian_log_marglik(
-    log_likelihood: Tensor, log_det_posterior: Tensor, log_det_prior: Tensor, scatter: Tensor
-) -> Tensor:
-    """Laplace evidence ``log p(D|θ*) - ½ (log det P - log det P₀) - ½ scatter`` (the ``2π`` factors cancel)."""
-    return log_likelihood - 0.5 * (log_det_posterior - log_det_prior) - 0.5 * scatter
-
-
 @dataclass(frozen=True)
 class MarglikFit:
     """Result of the gradient ascent on the Laplace evidence (``optimize_prior_precision(optimizer="gradient")``).
