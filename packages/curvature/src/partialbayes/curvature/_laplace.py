@@ -653,7 +653,7 @@ class LaplaceBase(ABC):
             "max_steps": max_steps,
             "tol": tol,
         }
-        given = {k: v for k, v in options.items() if v is not None}
+        given: dict[str, Any] = {k: v for k, v in options.items() if v is not None}
         grid_only = [k for k in given if k in ("val_loader", "grid")]
         foreign = grid_only if optimizer == "gradient" else [k for k in given if k not in grid_only]
         if foreign:
