@@ -15,9 +15,7 @@ def clamped_eigh(
     device: torch.device | None = None,
     what: str = "factor",
 ) -> tuple[Tensor, Tensor]:
-    """``(λ [n], Q [n, n])`` of a PSD factor, round-off below 0 clamped (more is refused)."""
-    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
-        raise ValueError(f"{what} must be a square matrix, got shape {tuple(matrix.shape)}")
+    """``(λ [n], Q [n, n])`` of a PSD factor (shape checked by the caller), round-off below 0 clamped."""
     if not torch.isfinite(matrix).all():
         raise ValueError(f"{what} holds non-finite values (NaN or inf)")
     m = matrix.to(device=device, dtype=dtype)

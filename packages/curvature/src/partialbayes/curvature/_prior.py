@@ -36,12 +36,11 @@ def prior_vector(
     if isinstance(spec, Mapping):
         unknown = sorted(set(spec) - set(modules))
         missing = [m for m in modules if m not in spec]
-        if unknown:
+        if unknown or missing:
             raise ValueError(
-                f"prior_precision names unknown modules {unknown}; known: {list(modules)}"
+                f"prior_precision must name every module: unknown modules {unknown}, misses {missing}; "
+                f"known: {list(modules)}"
             )
-        if missing:
-            raise ValueError(f"prior_precision misses modules {missing}")
         vec = torch.stack(
             [torch.as_tensor(spec[m], dtype=dtype, device=device).reshape(()) for m in modules]
         )
