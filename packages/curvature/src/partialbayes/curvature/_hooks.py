@@ -278,8 +278,8 @@ def stream(
         if run.on_batch is not None:
             run.on_batch(index, rows.detach(), labels)
         if options.fisher_type.per_class:
-            joint = keep is None or positions == "joint"
-            check_exact_fisher(rows, 1 if joint else int(keep.sum(1).max()), index)
+            rounds = 1 if keep is None or positions == "joint" else int(keep.sum(1).max())
+            check_exact_fisher(rows, rounds, index)
         if run.preflight is not None:
             run.preflight(logits.detach(), keep, outputs.attention_mask)
             run.preflight = None  # the first batch only
