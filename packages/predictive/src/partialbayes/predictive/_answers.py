@@ -16,12 +16,7 @@ from partialbayes.predictive._batch import kept_positions
 
 
 def check_target_ids(target_ids: Sequence[int] | Tensor, num_outputs: int) -> Tensor:
-    """``target_ids`` as an ``int64`` tensor ``[K]`` of distinct indices in ``[0, num_outputs)``.
-
-    Raises:
-        TypeError: Not integers (a bool or float tensor, a string).
-        ValueError: Empty, not 1-D, repeated or out of range, naming the value at fault.
-    """
+    """``target_ids`` as an ``int64`` tensor ``[K]`` of distinct indices in ``[0, num_outputs)``."""
     try:
         ids = torch.as_tensor(target_ids)
     except (TypeError, ValueError, RuntimeError) as err:

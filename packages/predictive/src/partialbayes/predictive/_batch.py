@@ -1,15 +1,6 @@
-"""One way to read a batch and call a model, shared by every posterior family.
+"""One way to read a batch (tensor, ``(inputs, labels)`` pair, or mapping) and call a model.
 
-Accepted batches (the boundary decides the kind once):
-
-* a tensor ``x`` (model inputs, no labels);
-* a pair ``(inputs, labels)`` (tuple or list of length 2) whose inputs are a tensor or a mapping;
-* any ``Mapping`` of model keyword inputs — a ``dict``, or the ``transformers.BatchEncoding`` that
-  ``DataCollatorWithPadding`` yields — with labels under ``"labels"`` or ``"label"`` (optional).
-
-Token-level outputs ``[B, T, C]`` (token classification, causal language models) count one output per kept
-position: positions whose ``attention_mask`` is 0 or whose label is ``ignore_index`` (-100, the Hugging Face
-convention) are dropped.
+Token-level outputs ``[B, T, C]`` count one output per kept position (mask 1, label not -100).
 """
 
 from __future__ import annotations
@@ -34,13 +25,7 @@ _ACCEPTED = (
 
 @dataclass(frozen=True)
 class Batch:
-    """A batch split into what the model is called with and what it is scored against.
-
-    Attributes:
-        inputs: A tensor (``model(inputs)``) or a dict of keyword inputs (``model(**inputs)``).
-        labels: Labels, or ``None`` when the batch carries none.
-        attention_mask: ``[B, T]`` mask of the real tokens (mapping batches that have one), else ``None``.
-    """
+    """A batch split into ``inputs`` (tensor or keyword dict), ``labels`` and ``attention_mask`` ``[B, T]`` (or ``None``)."""
 
     inputs: Tensor | dict[str, Any]
     labels: Tensor | None
@@ -81,21 +66,9 @@ def _mapping_inputs(
 
 
 def split_batch(batch: Any, *, device: torch.device | str | None = None) -> Batch:
-    """Split a batch into model inputs, labels and attention mask (optionally moved to ``device``).
+    """Split a tensor, ``(inputs, labels)`` pair or mapping batch (labels under ``"labels"`` / ``"label"``).
 
-    Args:
-        batch: A tensor ``x``; a pair ``(inputs, labels)``; or a ``Mapping`` of model keyword inputs
-            (``dict``, ``transformers.BatchEncoding``) with labels under ``"labels"`` or ``"label"``.
-        device: Move every tensor to this device (``None``: leave them where they are).
-
-    Returns:
-        The `Batch`. Labels that are not tensors (lists of ints, numpy arrays) are converted with
-        ``torch.as_tensor``.
-
-    Raises:
-        TypeError: If the batch is of another kind (the message names its type and the accepted ones).
-        ValueError: If a mapping batch has labels under both keys, or no model inputs, or the batch is
-            empty (0 examples).
+    Non-tensor labels go through ``torch.as_tensor``; tensors move to ``device`` when given.
     """
     dev = torch.device(device) if device is not None else None
     labels: Any = None
@@ -149,22 +122,7 @@ def split_batch(batch: Any, *, device: torch.device | str | None = None) -> Batc
 
 
 def move_batch(batch: Any, device: torch.device | str) -> Any:
-    """The same batch with every tensor moved to ``device``, keeping its kind.
-
-    A tensor stays a tensor, a pair stays a pair (a tuple), and a ``Mapping`` (``dict``,
-    ``transformers.BatchEncoding``) becomes a ``dict`` with the same keys; values that are not tensors
-    pass through. For handing a batch to a user's own ``loss_fn(model, batch)``.
-
-    Args:
-        batch: A batch of any accepted kind (see `split_batch`).
-        device: Target device.
-
-    Returns:
-        The moved batch.
-
-    Raises:
-        TypeError: If the batch is of another kind (named, with the accepted ones).
-    """
+    """The batch with its tensors on ``device``, same kind (a mapping becomes a ``dict``, a pair a tuple)."""
     dev = torch.device(device)
     if isinstance(batch, Tensor):
         return batch.to(dev)
@@ -180,12 +138,7 @@ def move_batch(batch: Any, device: torch.device | str) -> Any:
 
 
 def batch_size(inputs: Tensor | Mapping[str, Any]) -> int:
-    """Number of examples in model inputs: the common leading size of its tensors.
-
-    Raises:
-        TypeError: If ``inputs`` is neither a tensor nor a mapping.
-        ValueError: If the tensors of a mapping disagree on their leading size, or it holds none.
-    """
+    """Number of examples in model inputs: the common leading size of its tensors."""
     if not isinstance(inputs, (Tensor, Mapping)):
         raise TypeError(
             f"inputs must be a tensor or a mapping of tensors, got {type(inputs).__name__}"
@@ -201,11 +154,7 @@ def batch_size(inputs: Tensor | Mapping[str, Any]) -> int:
 
 
 def output_logits(output: Any) -> Tensor:
-    """The logits in a model's output: ``.logits``, else the first element of a tuple, else the tensor.
-
-    Raises:
-        TypeError: If the output holds no logits tensor.
-    """
+    """The logits in a model's output: ``.logits``, else the first element of a tuple, else the tensor."""
     logits = getattr(output, "logits", output)
     if isinstance(logits, (tuple, list)) and logits:
         logits = logits[0]
@@ -215,15 +164,7 @@ def output_logits(output: Any) -> Tensor:
 
 
 def model_logits(model: nn.Module, inputs: Tensor | Mapping[str, Any]) -> Tensor:
-    """Call ``model`` on inputs (``model(**inputs)`` for a mapping, ``model(inputs)`` else); return its logits.
-
-    Args:
-        model: The network.
-        inputs: The ``inputs`` of a `Batch` (never a batch with labels: split it first with `split_batch`).
-
-    Returns:
-        The logits as the model returns them (``[B, C]``, ``[B, T, C]``, or ``[B]`` for one output).
-    """
+    """``model(**inputs)`` for a mapping, ``model(inputs)`` else; its logits (inputs of a split `Batch`)."""
     out = model(**inputs) if isinstance(inputs, Mapping) else model(inputs)
     return output_logits(out)
 

@@ -42,24 +42,9 @@ def write_posterior_file(
     *,
     model: nn.Module,
 ) -> Path:
-    """Write ``tensors`` and ``meta`` (plus the model's ``structure``) to ``path``, atomically.
+    """Write ``tensors`` (to CPU, contiguous, unshared) and ``meta`` (with ``format``, ``version``) plus ``model``'s structure.
 
-    The file is written to a temporary sibling and renamed into place, so a reader never sees half a file
-    and an interrupted save leaves the previous file intact. A missing parent folder is created.
-
-    Args:
-        path: Target file (conventionally ``*.safetensors``).
-        tensors: Name -> tensor (any device; detached, moved to the CPU and made contiguous; tensors that
-            share memory are copied, which safetensors requires).
-        meta: JSON-serialisable fields; must include ``format`` and ``version``.
-        model: The model the posterior belongs to (its parameter names and shapes are stored).
-
-    Returns:
-        The path written.
-
-    Raises:
-        ValueError: If ``path`` is an existing folder, or ``meta`` lacks ``format`` / ``version``.
-        TypeError: If a value of ``tensors`` is not a tensor or ``meta`` is not JSON-serialisable.
+    Atomic: written to a temporary sibling and renamed into place; a missing parent folder is created.
     """
     from safetensors.torch import save_file
 
@@ -95,15 +80,7 @@ def write_posterior_file(
 
 
 class PosteriorFile:
-    """A posterior file that was read and checked: its ``meta`` and CPU ``tensors``.
-
-    The accessors raise a ``ValueError`` that names the file and the field or tensor at fault.
-
-    Attributes:
-        path: The file, as given.
-        meta: The metadata object (``format``, ``version``, ``structure`` and the family's fields).
-        tensors: Every tensor of the file (all floating tensors are finite).
-    """
+    """A checked posterior file: ``meta`` and its (finite) CPU ``tensors``; accessors' errors name the file."""
 
     def __init__(self, path: str, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
         """Internal: use `read_posterior_file`."""
@@ -172,23 +149,9 @@ def read_posterior_file(
     version: int,
     fields: Mapping[str, type | tuple[type, ...]] | None = None,
 ) -> PosteriorFile:
-    """Read and check a posterior file written by `write_posterior_file`.
+    """Read and check a posterior file of one of ``formats`` at ``version`` with the typed ``fields``.
 
-    Args:
-        path: The file.
-        formats: The ``format`` value(s) the caller reads (e.g. ``"partialbayes.swag.SWAG"``).
-        version: The format version the caller reads.
-        fields: Metadata fields that must be present, with their types (``structure`` always is).
-
-    Returns:
-        The `PosteriorFile`.
-
-    Raises:
-        FileNotFoundError: If there is no file at ``path``.
-        ValueError: Naming the file: a folder; not a readable safetensors file (garbage, truncated); no
-            partialbayes metadata (or that of an earlier version); metadata that is not a JSON object;
-            another format or version; a missing or mistyped field; a malformed ``structure``; NaN or inf
-            in a floating tensor.
+    Raises ``FileNotFoundError`` for no file; every other fault is a ``ValueError`` naming the file.
     """
     from safetensors import SafetensorError, safe_open
 

@@ -15,23 +15,10 @@ _CHUNK_ELEMENTS = 1 << 22
 
 
 def cholesky_jitter(cov: Tensor, *, max_tries: int = 8) -> Tensor:
-    """Lower Cholesky factor of a batch of PSD matrices, adding jitter only where needed.
+    """Lower Cholesky factor ``[..., C, C]`` of PSD matrices, adding jitter only to the ones that fail.
 
-    Matrices that fail the factorisation are first checked with an eigendecomposition: an
-    eigenvalue below ``−√eps · max|λ|`` means ``cov`` is not positive semi-definite and raises.
-    Otherwise ``jitter·I`` is added to those matrices only, starting at ``10·eps·mean(diag)``
-    and growing tenfold per try.
-
-    Args:
-        cov: Symmetric PSD matrices ``[..., C, C]``.
-        max_tries: Number of jitter levels tried.
-
-    Returns:
-        ``L`` with ``L Lᵀ ≈ cov``, ``[..., C, C]``.
-
-    Raises:
-        ValueError: If ``cov`` is not a finite ``[..., C, C]`` tensor or not positive semi-definite,
-            ``max_tries`` is not a positive int, or no jitter level succeeds.
+    A failing matrix with an eigenvalue below ``−√eps · max|λ|`` is not PSD and raises; the others get
+    ``jitter·I``, from ``10·eps·mean(diag)`` growing tenfold for up to ``max_tries`` levels.
     """
     check_tensor("cov", cov)
     if cov.ndim < 2 or cov.shape[-1] != cov.shape[-2]:

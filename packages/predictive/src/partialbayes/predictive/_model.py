@@ -110,10 +110,7 @@ class PosteriorModel(nn.Module):
 
 
 def _named_inputs(wrapper: PosteriorModel, model: Any) -> Any:
-    """``wrapper.forward`` with a signature naming the keyword inputs of ``model.forward``.
-
-    ``Trainer`` drops every batch column its model's ``forward`` does not name (``remove_unused_columns``).
-    """
+    """``wrapper.forward`` with ``model.forward``'s keyword names (``Trainer`` drops columns ``forward`` does not name)."""
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     try:
         inner = [

@@ -99,11 +99,7 @@ class Posterior(Protocol):
 
 
 def resolve_link(link: str | None, offered: Sequence[str], family: str) -> str:
-    """The link to use: ``offered[0]`` for ``None``, else ``link`` if the family offers it.
-
-    Raises:
-        ValueError: If ``link`` is not one of ``offered`` (the message lists them).
-    """
+    """The link to use: ``offered[0]`` for ``None``, else ``link`` if offered (else a ``ValueError`` listing them)."""
     if link is None:
         return offered[0]
     if link not in offered:
@@ -118,21 +114,13 @@ LIKELIHOODS = ("classification", "regression")
 
 
 def check_likelihood(likelihood: object, sigma_noise: object = 1.0) -> float:
-    """Check a family's ``likelihood`` and observation noise; return ``sigma_noise`` as a float.
-
-    Raises:
-        TypeError: If ``sigma_noise`` is not a real number.
-        ValueError: If ``likelihood`` is not one of `LIKELIHOODS`, or ``sigma_noise`` is not finite > 0.
-    """
+    """Check ``likelihood`` (one of `LIKELIHOODS`) and ``sigma_noise`` (finite > 0); return the latter as a float."""
     check_choice("likelihood", likelihood, LIKELIHOODS)
     return check_number("sigma_noise", sigma_noise)
 
 
 def available_memory(device: torch.device | str) -> tuple[int | None, str]:
-    """Bytes free for new tensors on ``device`` (``None``: unknown), and where the number comes from.
-
-    CUDA: free plus cached by torch's allocator; CPU: ``MemAvailable`` (the machine's, not a container's).
-    """
+    """Bytes free on ``device`` (``None``: unknown) and their source: CUDA free + cached, CPU ``MemAvailable``."""
     dev = torch.device(device)
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)

@@ -48,12 +48,7 @@ def check_int(name: str, value: object, interval: str = "[1, inf)") -> int:
 
 
 def check_number(name: str, value: object, interval: str = "(0, inf)") -> float:
-    """A real number (an ``int`` or ``float``, not a ``bool``) in ``interval``, as a float.
-
-    Raises:
-        TypeError: If ``value`` is not a real number.
-        ValueError: If it lies outside ``interval`` (NaN always does).
-    """
+    """A real number (``int`` or ``float``, not ``bool``) in ``interval`` (NaN lies in none), as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     _check_in(name, value, interval)
@@ -75,10 +70,7 @@ def check_choice(name: str, value: object, options: Collection[Any]) -> Any:
 
 
 def ranged(default: Any, interval: str, kind: type = float, *, optional: bool = False) -> Any:
-    """A dataclass field whose value `check_fields` checks: a ``kind`` (``int`` or ``float``) in ``interval``.
-
-    ``optional`` also admits ``None``.
-    """
+    """A dataclass field `check_fields` checks: a ``kind`` (``int`` / ``float``) in ``interval`` (or ``None`` if ``optional``)."""
     return dataclasses.field(
         default=default, metadata={"interval": interval, "kind": kind, "optional": optional}
     )
@@ -129,11 +121,7 @@ def check_same_device(**tensors: Tensor) -> None:
 
 
 def check_probs(name: str, probs: object) -> Tensor:
-    """Check categorical probabilities ``[..., C]``: finite, non-negative, rows sum to one.
-
-    Two passes over the data: the row sums (a NaN or inf anywhere makes its row sum non-finite)
-    and the minimum.
-    """
+    """Check categorical probabilities ``[..., C]``: finite, non-negative, rows sum to one (two passes)."""
     if not isinstance(probs, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(probs).__name__}")
     if not probs.is_floating_point():
@@ -183,20 +171,10 @@ def check_labels(name: str, labels: object, n: int, n_classes: int | None) -> Te
 def gaussian_logits(
     mean: object, cov: object, *, full: bool = True, symmetrize: bool = True
 ) -> tuple[Tensor, Tensor, bool]:
-    """Validate Gaussian logits ``N(mean, cov)``.
+    """Validate ``N(mean [..., C], cov [..., C] or [..., C, C])``; return ``(mean, cov, is_full)``.
 
-    Args:
-        mean: ``[..., C]``.
-        cov: ``[..., C]`` (diagonal variances) or ``[..., C, C]`` (full covariance).
-        full: Whether the caller uses the whole covariance. When ``False`` only its diagonal is
-            read, returned and checked (finite, non-negative), which is cheaper.
-        symmetrize: Check that a full ``cov`` is symmetric up to round-off and return
-            ``(cov + covᵀ)/2``. ``False`` returns it unchecked and as given: the caller must
-            check the symmetry it relies on.
-
-    Returns:
-        ``(mean, cov, is_full)``; a full ``cov`` is symmetrised (or reduced to its diagonal when
-        ``full`` is ``False``, with ``is_full`` then ``False``).
+    ``full=False`` reads and returns only the diagonal; ``symmetrize`` checks a full ``cov`` is symmetric up to
+    round-off and returns ``(cov + covᵀ)/2`` (``False``: unchecked, as given).
     """
     mu = check_tensor("mean", mean)
     if not isinstance(cov, Tensor):

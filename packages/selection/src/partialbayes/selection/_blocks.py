@@ -133,15 +133,8 @@ Block = KronBlock | MaskBlock
 class KronModule:
     """A linear map of a Kronecker-structured Subset, as KFAC-type methods consume it.
 
-    Attributes:
-        module_name: Qualified module name.
-        weight_name: Parameter name of the weight.
-        bias_name: Parameter name of the bias when it is in the subset, else ``None``.
-        rows: Selected outputs (sorted int64), or ``None`` for all ``n_out``.
-        cols: Selected inputs (sorted int64), or ``None`` for all ``n_in``.
-        n_out: Number of outputs of the map.
-        n_in: Number of inputs of the map.
-        transposed: ``True`` for Hugging Face ``Conv1D`` (weight stored as n_in x n_out).
+    ``bias_name`` is ``None`` when the bias is not in the subset; ``rows`` / ``cols`` (sorted int64, ``None``:
+    all) index the logical ``n_out x n_in`` weight; ``transposed`` marks a Hugging Face ``Conv1D``.
     """
 
     module_name: str

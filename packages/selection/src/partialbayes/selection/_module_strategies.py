@@ -24,12 +24,7 @@ PAPER_COUNTS: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 8, 11, 17, 38)
 
 
 def whole_modules(model: nn.Module, names: Iterable[str]) -> Subset:
-    """Subset with every parameter of the named modules fully stochastic (names assumed valid).
-
-    Raises:
-        ValueError: If a parameter of a named module is registered first under another module (tied
-            weights, e.g. a language-model head sharing the token embedding).
-    """
+    """Subset making every parameter of the named (valid) modules stochastic; refuses tied weights."""
     all_modules = dict(model.named_modules())
     owner = {id(p): n for n, p in model.named_parameters()}
     blocks: dict[str, Block] = {}

@@ -20,11 +20,7 @@ MLP = "mlp"
 OTHER = "other"
 """Group of a linear map that no rule places (e.g. ELECTRA's ``embeddings_project``)."""
 
-# Path segments (module attribute names, compared in lower case) and class-name patterns that mark a
-# linear map as attention or MLP. A map is "attention" if its own name or the name of any module above it is
-# an attention segment, or any module above it has an attention class; else "mlp" by the same test; else
-# "other". Attention is tested first over the whole path, so BERT's ``attention.output.dense``
-# (``BertSelfOutput`` inside ``BertAttention``) is attention while ``output.dense`` (``BertOutput``) is MLP.
+# Name segments (compared in lower case) and class patterns of the default rules (see `module_groups`).
 _ATTENTION_SEGMENTS = frozenset(
     {
         "attention", "attn", "self_attn", "self_attention", "selfattention", "crossattention",
@@ -47,30 +43,18 @@ _MLP_CLASS = re.compile(
     r"Head|Classifier|Predictions|MoE|Moe|Expert"
 )
 
-# PEFT wrappers: a LoRA layer ``q`` wraps its frozen map as ``q.base_layer`` and holds its adapters as
-# ``q.lora_A.<adapter>`` / ``q.lora_B.<adapter>``; a trainable head copy is ``h.modules_to_save.<adapter>``
-# beside the frozen ``h.original_module``. They belong to the group of the wrapped module ``q`` / ``h``.
+# PEFT: ``q.base_layer``, ``q.lora_A.<adapter>``, ``h.modules_to_save.<adapter>``, ``h.original_module``.
 _PEFT_LEAVES = frozenset({"base_layer", "original_module"})
 _PEFT_DICTS = frozenset({"lora_A", "lora_B", "modules_to_save"})
 
 
 def is_conv1d(module: nn.Module) -> bool:
-    """Whether ``module`` is a Hugging Face ``Conv1D`` (GPT-2): a linear map stored as (n_in x n_out).
-
-    Detected by duck typing, without importing transformers.
-    """
+    """Whether ``module`` is a Hugging Face ``Conv1D`` (linear map stored n_in x n_out), by duck typing."""
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
 
 
 def linear_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Return the linear maps of ``model`` by qualified name, in registration order.
-
-    Args:
-        model: Any ``torch.nn.Module``.
-
-    Returns:
-        Mapping from module name (as in ``model.named_modules()``) to every ``nn.Linear`` and Hugging Face
-        ``Conv1D`` module.
+    """Every ``nn.Linear`` and Hugging Face ``Conv1D`` of ``model`` by qualified name, in registration order.
 
     Raises:
         TypeError: If ``model`` is not an ``nn.Module``.
@@ -85,14 +69,10 @@ def linear_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def tied_linear_modules(model: nn.Module) -> dict[str, str]:
-    """Linear maps whose weight is registered first under another module (tied weights).
+    """``{linear map: parameter it shares its weight with}`` for maps whose weight another module registers first.
 
-    A language-model head tied to the token embedding (GPT-2's ``lm_head``, T5's) does not own its weight:
-    ``model.named_parameters()`` lists it under the embedding. Such maps are never candidates of the
-    selection strategies (token embeddings are never stochastic).
-
-    Returns:
-        ``{linear map name: name of the parameter it shares its weight with}``, in model order.
+    A language-model head tied to the token embedding (GPT-2, T5) is one; such maps are never candidates of
+    the selection strategies.
     """
     owner = {id(p): n for n, p in model.named_parameters()}
     out: dict[str, str] = {}
@@ -106,12 +86,8 @@ def tied_linear_modules(model: nn.Module) -> dict[str, str]:
 
 def linear_shape(module: nn.Module) -> tuple[int, int]:
     """Logical shape (n_out, n_in) of a linear map (``nn.Linear`` or ``Conv1D``)."""
-    w = module.weight
-    if not isinstance(w, Tensor):
-        raise TypeError(f"module {type(module).__name__} has no weight tensor")
-    if is_conv1d(module):
-        return int(w.shape[1]), int(w.shape[0])
-    return int(w.shape[0]), int(w.shape[1])
+    n_out, n_in = module.weight.shape
+    return (int(n_in), int(n_out)) if is_conv1d(module) else (int(n_out), int(n_in))
 
 
 def _module_name(name: str) -> str:
@@ -123,11 +99,7 @@ def _module_name(name: str) -> str:
 
 
 def _peft_kept(parts: list[str]) -> list[int]:
-    """Indices of the path segments that are not PEFT's own (wrapped layer, adapter dicts and names).
-
-    ``...query.base_layer``, ``...query.lora_A.default`` and ``...query.lora_B.default`` keep ``...query``;
-    ``classifier.modules_to_save.default`` and ``classifier.original_module`` keep ``classifier``.
-    """
+    """Indices of the path segments that are not PEFT's own (``base_layer``, ``lora_A.default``, ``modules_to_save``...)."""
     kept: list[int] = []
     skip_next = False
     for i, seg in enumerate(parts):
@@ -149,10 +121,7 @@ class _Node:
 
 
 def _is_container(module: nn.Module) -> bool:
-    """Whole models and PEFT wrappers (``BertModel``, ``...ForSequenceClassification``, ``PeftModel``).
-
-    Their class names (``GPT2LMHeadModel``, ``...ForSequenceClassification``) say nothing about the maps inside.
-    """
+    """Whole models and PEFT wrappers, whose class names say nothing about the maps inside."""
     return "Model" in type(module).__name__ or hasattr(module, "base_model_prefix")
 
 
@@ -211,18 +180,10 @@ def _user_group(name: str, grouping: Grouping) -> str | None:
 def module_groups(model: nn.Module, grouping: Grouping | None = None) -> dict[str, str]:
     """Group of every linear map of ``model``: each map is in exactly one group.
 
-    Default rules (``grouping=None``), on the module structure rather than full names: a map is
-    ``"attention"`` when its own name or the name of a module above it is an attention name (``attention``,
-    ``attn``, ``self_attn``, ``encoder_attn``, ``SelfAttention``, ``EncDecAttention``, ``crossattention``,
-    ``query``, ``q_proj``, ...) or a module above it has an attention class (``BertSelfAttention``,
-    ``T5Attention``, ``DisentangledSelfAttention``, ...). Otherwise it is ``"mlp"`` when a name on its path is
-    a feed-forward or head name (``mlp``, ``ffn``, ``intermediate``, ``output``, ``DenseReluDense``, ``fc1``,
-    ``pooler``, ``classifier``, ``score``, ``lm_head``, ``head``, ...) or a module above it has such a class
-    (``...MLP``, ``FFN``, ``...Intermediate``, ``...Output``, ``...Pooler``, ``...Head``, ...). So self- and
-    cross-attention are attention; feed-forward, pooler and heads are MLP, as in Kampen et al. A map no rule
-    places is ``"other"`` (ELECTRA's ``embeddings_project``). Whole-model classes (``...Model``,
-    ``...ForSequenceClassification``) are not read, and PEFT wrappers (``base_layer``, ``lora_A`` /
-    ``lora_B`` adapters, ``modules_to_save``) take the group of the module they wrap.
+    Default rules (``grouping=None``, stated on the selection concept page): ``"attention"`` when a name or
+    class on the map's path is an attention one (``attn``, ``query``, ``q_proj``, ``BertSelfAttention``...),
+    else ``"mlp"`` for feed-forward maps, poolers and heads (``mlp``, ``intermediate``, ``output``,
+    ``classifier``, ``lm_head``...), else ``"other"``. PEFT wrappers take the group of the module they wrap.
 
     Args:
         model: The model.
@@ -247,20 +208,15 @@ def module_groups(model: nn.Module, grouping: Grouping | None = None) -> dict[st
 def module_group(
     name: str, grouping: Grouping | None = None, *, model: nn.Module | None = None
 ) -> str | None:
-    """Group of one linear map: ``"attention"``, ``"mlp"``, ``"other"`` (or ``None``, see below).
+    """Group of one linear map: ``"attention"``, ``"mlp"``, ``"other"``, or ``None`` without ``model``.
 
-    With ``model`` the structural rules of :func:`module_groups` apply (module classes included) and the
-    answer is never ``None``. Without it only the names on the path count (the same name rules): a name that
-    matches no rule gives ``None``, since a name alone cannot tell a linear map from any other module.
+    With ``model`` the rules of :func:`module_groups` apply. Without it only the names on the path count, and a
+    name no rule matches gives ``None`` (a name alone cannot tell a linear map from any other module).
 
     Args:
         name: Module name, or a parameter name ending in ``.weight`` / ``.bias``.
-        grouping: Optional user grouping: a mapping ``{group: regex}`` (the first group whose pattern
-            ``re.search``-matches the name wins) or a function ``name -> group | None``.
+        grouping: Optional user grouping (see :func:`module_groups`).
         model: The model the name belongs to (enables the class rules and the ``"other"`` group).
-
-    Returns:
-        The group name; ``None`` only without ``model`` when nothing matches.
 
     Raises:
         TypeError: If ``name`` is not a string, or ``grouping`` is of the wrong type or returns a non-string.
@@ -295,21 +251,10 @@ def _peft_originals(model: nn.Module) -> list[str]:
 def candidate_modules(
     model: nn.Module, modules: Iterable[str] | None = None
 ) -> dict[str, nn.Module]:
-    """Linear maps a strategy may select: every linear map except tied ones, or the named ``modules``.
+    """``{name: module}`` a strategy may select, in model order: the named ``modules``, or every linear map.
 
-    Args:
-        model: The model.
-        modules: Only these linear maps (any iterable of names, e.g. ``lora_modules(model)``); default every
-            linear map that owns its weight (see :func:`tied_linear_modules`), except PEFT's
-            ``original_module`` copies (the frozen head that a ``modules_to_save`` copy replaces in the
-            forward pass).
-
-    Returns:
-        ``{name: module}`` in model order.
-
-    Raises:
-        ValueError: Unknown names (close matches), an empty ``modules``, a named map whose weight is tied to
-            another module.
+    The default leaves out maps whose weight is tied to another module and PEFT's ``original_module`` copies.
+    Unknown names (close matches), an empty ``modules`` or a tied named map raise ``ValueError``.
     """
     mods = linear_modules(model)
     tied = tied_linear_modules(model)
@@ -338,21 +283,9 @@ def grouped_linear_modules(
     grouping: Grouping | None = None,
     modules: Iterable[str] | None = None,
 ) -> dict[str, nn.Module]:
-    """Candidate linear maps of ``model`` in ``group`` (``"all"`` for every one), in model order.
+    """The `candidate_modules` of ``model`` in ``group`` (``"all"``: every one, else a group of `module_group`).
 
-    The candidates are those of :func:`candidate_modules`: every linear map but those whose weight is tied to
-    another module (a language-model head sharing the token embedding) and PEFT's idle ``original_module``
-    copies, or the given ``modules``.
-
-    Args:
-        model: The model.
-        group: ``"attention"``, ``"mlp"``, ``"other"``, ``"all"`` or a group of the user ``grouping``.
-        grouping: Optional user grouping (see :func:`module_groups`).
-        modules: Only these linear maps are candidates (e.g. ``lora_modules(model)``); default all.
-
-    Raises:
-        ValueError: If no candidate belongs to ``group``, listing the groups that exist; unknown or tied
-            names in ``modules``.
+    Raises ``ValueError`` listing the existing groups if no candidate belongs to ``group``.
     """
     mods = candidate_modules(model, modules)
     if group == "all":

@@ -8,52 +8,20 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from partialbayes.selection._modules import Grouping, grouped_linear_modules
+from partialbayes.selection._modules import Grouping, grouped_linear_modules, is_conv1d
 
 
 def spectral_norm_svd(weight: Tensor) -> Tensor:
-    """Exact largest singular value of each matrix.
-
-    Args:
-        weight: (..., n, m) matrices.
-
-    Returns:
-        (...) largest singular values (``torch.linalg.svdvals``), in the dtype of ``weight``.
-
-    Raises:
-        ValueError: If ``weight`` has fewer than 2 dimensions or non-finite entries.
-    """
-    _check_matrices(weight)
+    """Largest singular values ``[...]`` of finite matrices ``[..., n, m]``, exact (``svdvals``)."""
     return torch.linalg.svdvals(weight)[..., 0]
 
 
-def _check_matrices(weight: Tensor) -> None:
-    if not isinstance(weight, Tensor) or not weight.is_floating_point():
-        raise TypeError(f"weight must be a floating tensor, got {type(weight).__name__}")
-    if weight.ndim < 2:
-        raise ValueError(f"weight must have shape (..., n, m), got {tuple(weight.shape)}")
-    if not bool(torch.isfinite(weight).all()):
-        raise ValueError("weight has non-finite entries")
-
-
 def spectral_norm_gram(weight: Tensor) -> Tensor:
-    """Exact largest singular value from the symmetric eigenproblem of the smaller Gram matrix.
+    """Largest singular values, exact, from ``eigvalsh`` of the smaller Gram matrix (``W Wᵀ`` or ``Wᵀ W``).
 
-    σ₁(W)² is the largest eigenvalue of ``W Wᵀ`` (or ``Wᵀ W``, whichever is smaller). Forming the Gram
-    matrix is one matrix product (BLAS-3) and ``eigvalsh`` is much cheaper than an SVD; by Weyl's
-    inequality the largest eigenvalue is accurate to about machine precision relative to σ₁², so σ₁ is
-    too (small singular values would not be, but they are not needed).
-
-    Args:
-        weight: (..., n, m) matrices.
-
-    Returns:
-        (...) largest singular values, in the dtype of ``weight``.
-
-    Raises:
-        ValueError: If ``weight`` has fewer than 2 dimensions or non-finite entries.
+    One BLAS-3 product and a symmetric eigenproblem, cheaper than an SVD; by Weyl's inequality σ₁² (hence
+    σ₁) is accurate to about machine precision.
     """
-    _check_matrices(weight)
     wt = weight.transpose(-1, -2)
     gram = weight @ wt if weight.shape[-2] <= weight.shape[-1] else wt @ weight
     return torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0).sqrt()
@@ -65,35 +33,18 @@ def spectral_norm_power(
     tol: float = 1e-6,
     generator: torch.Generator | None = None,
 ) -> Tensor:
-    """Largest singular value by power iteration on ``W^T W``, batched over leading dimensions.
+    """Largest singular values by power iteration on ``Wᵀ W`` (random start: ``generator``, else seed 0).
 
-    Converges geometrically with ratio (σ₂/σ₁)²; the estimate ``||W v||`` is a lower bound that is
-    quadratically accurate in the error of ``v``. Stops when every relative change (checked every 8 iterations) is below ``tol``.
-
-    Args:
-        weight: (..., n, m) matrices.
-        n_iter: Maximum number of iterations.
-        tol: Relative tolerance on the change of the estimate.
-        generator: Generator for the random start (cpu); default a fixed seed 0.
-
-    Returns:
-        (...) estimates of the largest singular values.
-
-    Raises:
-        ValueError: If ``weight`` has fewer than 2 dimensions or non-finite entries, or n_iter < 1.
+    Converges with ratio (σ₂/σ₁)²; ``||W v||`` is a lower bound. Stops after ``n_iter`` iterations, or when
+    every relative change (checked every 8 iterations) is below ``tol``.
     """
-    _check_matrices(weight)
-    if isinstance(n_iter, bool) or not isinstance(n_iter, int) or n_iter < 1:
-        raise ValueError(f"n_iter must be an int >= 1, got {n_iter!r}")
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < float("inf"):
-        raise ValueError(f"tol must be a finite number >= 0, got {tol!r}")
     gen = generator if generator is not None else torch.Generator().manual_seed(0)
     v = torch.randn(*weight.shape[:-2], weight.shape[-1], 1, generator=gen, dtype=weight.dtype)
+    tiny = torch.finfo(weight.dtype).tiny
     v = v.to(weight.device)
-    v = v / v.norm(dim=-2, keepdim=True).clamp_min(torch.finfo(weight.dtype).tiny)
+    v = v / v.norm(dim=-2, keepdim=True).clamp_min(tiny)
     wt = weight.transpose(-1, -2)
     sigma = torch.zeros(weight.shape[:-2], dtype=weight.dtype, device=weight.device)
-    tiny = torch.finfo(weight.dtype).tiny
     for i in range(n_iter):
         u = weight @ v
         new = u.norm(dim=(-2, -1))
@@ -108,10 +59,7 @@ def spectral_norm_power(
 
 def logical_weight(module: nn.Module) -> Tensor:
     """The (n_out x n_in) weight of a linear map (transposing Hugging Face ``Conv1D`` storage)."""
-    w = module.weight
-    if not isinstance(w, Tensor):
-        raise TypeError(f"module {type(module).__name__} has no weight tensor")
-    return w.detach().t() if type(module).__name__ == "Conv1D" else w.detach()
+    return module.weight.detach().t() if is_conv1d(module) else module.weight.detach()
 
 
 def operator_norms(
@@ -125,25 +73,9 @@ def operator_norms(
 ) -> dict[str, float]:
     """Operator norm (largest singular value) of every linear map in ``group``, in model order.
 
-    Matrices of equal shape are stacked and processed in one batched call.
-
-    Args:
-        model: The model.
-        group: ``"attention"``, ``"mlp"``, ``"other"``, ``"all"`` or a group of the user ``grouping``.
-        method: ``"svd"`` (exact, ``svdvals``), ``"gram"`` (exact, ``eigvalsh`` of the smaller Gram
-            matrix; faster) or ``"power"`` (power iteration).
-        grouping: Optional user grouping (see :func:`module_group`).
-        n_iter: Maximum power iterations (``method="power"``).
-        tol: Relative tolerance of power iteration.
-        modules: Only these linear maps are candidates (e.g. ``lora_modules(model)`` for the LoRA
-            adapters); default every linear map not tied to another module.
-
-    Returns:
-        Module name -> operator norm.
-
-    Raises:
-        ValueError: Unknown ``method``, no linear map in ``group``, non-finite weights (naming the module),
-            unknown or tied names in ``modules``.
+    ``method``: ``"svd"`` (exact), ``"gram"`` (exact, faster) or ``"power"`` (``n_iter``, ``tol``); matrices
+    of equal shape go through one batched call. ``group``, ``grouping`` and ``modules`` select the maps as
+    in `grouped_linear_modules`. Non-finite weights raise, naming the module.
     """
     if method not in ("svd", "gram", "power"):
         raise ValueError(f"method must be 'svd', 'gram' or 'power', got {method!r}")

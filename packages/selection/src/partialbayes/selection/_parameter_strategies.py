@@ -60,18 +60,10 @@ def _top_scores(
 
 
 def top_k_stable(flat: Tensor, k: int) -> Tensor:
-    """Indices of the ``k`` largest entries of ``flat``, ties broken by lower index, in O(n).
+    """Sorted indices of the ``k`` largest entries of ``flat`` (no NaN), ties by lower index, in O(n).
 
-    Equals ``torch.sort(flat, descending=True, stable=True).indices[:k]`` as a set, without the full sort:
-    the k-th largest value ``t`` comes from ``kthvalue``; every entry above ``t`` is kept, then the first
-    entries equal to ``t`` fill up to ``k``.
-
-    Args:
-        flat: (n,) scores without NaN.
-        k: 1 <= k <= n.
-
-    Returns:
-        (k,) int64 indices in increasing order.
+    The set of ``torch.sort(flat, descending=True, stable=True).indices[:k]``: every entry above the k-th
+    largest value ``t`` (``kthvalue``), then the first entries equal to ``t``.
     """
     n = flat.numel()
     if k >= n:

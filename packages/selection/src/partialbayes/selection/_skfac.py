@@ -16,15 +16,7 @@ from partialbayes.selection._validate import ceil_fraction, check_percent
 
 
 def top_by_linf(norms: Tensor, k: int) -> Tensor:
-    """Indices of the ``k`` largest entries of ``norms``, ties broken by lower index, returned sorted.
-
-    Args:
-        norms: (n,) non-negative norms.
-        k: Number to keep, 1 <= k <= n.
-
-    Returns:
-        (k,) int64 indices in increasing order.
-    """
+    """Sorted indices of the ``k`` largest of the ``[n]`` ``norms``, ties broken by lower index."""
     order = torch.sort(norms, descending=True, stable=True).indices
     return torch.sort(order[:k].to("cpu", torch.int64)).values
 
@@ -32,29 +24,11 @@ def top_by_linf(norms: Tensor, k: int) -> Tensor:
 def skfac_rows_cols(
     weight: Tensor, percent: float, sequential: bool = False
 ) -> tuple[Tensor, Tensor]:
-    """S-KFAC rows and columns of one (n_out x n_in) weight.
+    """S-KFAC rows and columns (sorted int64) of one ``(n_out, n_in)`` weight at ``percent`` in (0, 100].
 
-    Independent rule (default): R = the ceil(p·n_out/100) rows with the largest l-inf norm, C = the
-    ceil(p·n_in/100) columns with the largest l-inf norm, ties by index. Sequential rule: C first, then R
-    by the l-inf norms of the rows of ``W[:, C]``.
-
-    Args:
-        weight: (n_out, n_in) logical weight.
-        percent: p in (0, 100].
-        sequential: Use the sequential (columns first) rule.
-
-    Returns:
-        (rows, cols): sorted int64 index tensors of sizes ceil(p·n_out/100), ceil(p·n_in/100).
-
-    Raises:
-        TypeError: If ``weight`` is not a floating tensor.
-        ValueError: If the weight is not 2-D or has non-finite entries.
+    Independent rule: the ceil(p·n_out/100) rows and ceil(p·n_in/100) columns of largest l-inf norm, ties
+    by index. Sequential rule: columns first, then rows by the l-inf norms of the rows of ``W[:, C]``.
     """
-    if not isinstance(weight, Tensor) or not weight.is_floating_point():
-        raise TypeError(f"weight must be a floating tensor, got {type(weight).__name__}")
-    if weight.ndim != 2:
-        raise ValueError(f"weight must have shape (n_out, n_in), got {tuple(weight.shape)}")
-    percent = check_percent(percent)
     if not bool(torch.isfinite(weight).all()):
         raise ValueError("weight has non-finite entries")
     a = weight.detach().abs()

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from partialbayes.selection._blocks import Block, KronBlock, KronModule, MaskBlock
-from partialbayes.selection._modules import is_conv1d, linear_modules
+from partialbayes.selection._modules import is_conv1d, linear_shape
 
 _FORMAT = "partialbayes.selection.Subset"
 _VERSION = 1
@@ -40,30 +40,19 @@ def _model_structure(model: nn.Module) -> dict[str, _ParamInfo]:
     """Parameter name -> structure, in ``named_parameters`` order."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    owner: dict[str, tuple[str, str, int, int, bool]] = {}
-    try:
-        lin = linear_modules(model)
-    except ValueError:
-        lin = {}
-    for mname, mod in lin.items():
-        conv = is_conv1d(mod)
-        w = mod.weight
-        assert isinstance(w, Tensor)
-        n_out, n_in = (
-            (int(w.shape[1]), int(w.shape[0])) if conv else (int(w.shape[0]), int(w.shape[1]))
-        )
-        prefix = f"{mname}." if mname else ""
-        owner[prefix + "weight"] = (mname, "weight", n_out, n_in, conv)
-        if getattr(mod, "bias", None) is not None:
-            owner[prefix + "bias"] = (mname, "bias", n_out, n_in, False)
-    out: dict[str, _ParamInfo] = {}
-    for i, (name, p) in enumerate(model.named_parameters()):
-        if name in owner:
-            mname, role, n_out, n_in, tr = owner[name]
-            out[name] = _ParamInfo(i, p.shape, tr, mname, role, n_out, n_in)
-        else:
-            out[name] = _ParamInfo(i, p.shape, False, None, None, 0, 0)
-    return out
+    owner: dict[str, tuple[bool, str, str, int, int]] = {}
+    for mname, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) or is_conv1d(mod):
+            prefix = f"{mname}." if mname else ""
+            n_out, n_in = linear_shape(mod)
+            owner[prefix + "weight"] = (is_conv1d(mod), mname, "weight", n_out, n_in)
+            if getattr(mod, "bias", None) is not None:
+                owner[prefix + "bias"] = (False, mname, "bias", n_out, n_in)
+    none = (False, None, None, 0, 0)
+    return {
+        name: _ParamInfo(i, p.shape, *owner.get(name, none))
+        for i, (name, p) in enumerate(model.named_parameters())
+    }
 
 
 def _close(name: str, options: Iterable[str]) -> str:
@@ -222,19 +211,11 @@ class Subset:
         shape = self._info[name].shape
         if isinstance(b, MaskBlock):
             return b.mask.clone()
-        m = torch.zeros(shape, dtype=torch.bool)
         if len(shape) not in (1, 2):
-            m.fill_(True)
-            return m
-        r, c = self._storage_index(name)
-        if len(shape) == 1:
-            m[slice(None) if r is None else r] = True
-            return m
-        rows = torch.zeros(shape[0], dtype=torch.bool)
-        cols = torch.zeros(shape[1], dtype=torch.bool)
-        rows[slice(None) if r is None else r] = True
-        cols[slice(None) if c is None else c] = True
-        return rows[:, None] & cols[None, :]
+            return torch.ones(shape, dtype=torch.bool)
+        m = torch.zeros(shape, dtype=torch.bool)
+        self._put(name, m, torch.ones(self.num_entries(name), dtype=torch.bool))
+        return m
 
     def num_entries(self, name: str | None = None) -> int:
         """Number of stochastic entries of ``name``, or of the whole subset when ``name`` is None."""
@@ -508,13 +489,8 @@ class Subset:
         blocks: dict[str, Block] = {}
         for n in {*self._blocks, *other._blocks}:
             a, b = self._blocks.get(n), other._blocks.get(n)
-            if a is None or b is None:
-                one = a if b is None else b
-                assert one is not None
-                blocks[n] = one
-                continue
-            if a == b:
-                blocks[n] = a
+            if a is None or b is None or a == b:
+                blocks[n] = b if a is None else a
                 continue
             ma, mb = self.mask(n), other.mask(n)
             mu = ma | mb
@@ -638,14 +614,11 @@ def _json_type(value: object) -> str:
     return names.get(type(value), f"a number ({value!r})")
 
 
-def _json_field(name: str, d: dict[str, Any], key: str) -> Any:
+def _json_ints(name: str, d: dict[str, Any], key: str, *, nullable: bool) -> list[int] | None:
+    """Field ``key`` of a block: a JSON array of non-negative integers (or null when allowed)."""
     if key not in d:
         raise ValueError(f"block of {name!r} has no {key!r} key")
-    return d[key]
-
-
-def _json_ints(name: str, key: str, value: object, *, nullable: bool) -> list[int] | None:
-    """A JSON array of non-negative integers (or null when allowed), else an error naming the key."""
+    value = d[key]
     if value is None and nullable:
         return None
     if not isinstance(value, list):
@@ -668,14 +641,12 @@ def _block_from_json(name: str, d: object) -> Block:
         raise TypeError(f"block of {name!r} must be an object, got {_json_type(d)}")
     kind = d.get("type")
     if kind == "kron":
-        rows = _json_ints(name, "rows", _json_field(name, d, "rows"), nullable=True)
-        cols = _json_ints(name, "cols", _json_field(name, d, "cols"), nullable=True)
-        return KronBlock(rows, cols)
+        return KronBlock(
+            _json_ints(name, d, "rows", nullable=True), _json_ints(name, d, "cols", nullable=True)
+        )
     if kind == "mask":
-        shape = _json_ints(name, "shape", _json_field(name, d, "shape"), nullable=False)
-        indices = _json_ints(name, "indices", _json_field(name, d, "indices"), nullable=False)
-        assert shape is not None
-        assert indices is not None
+        shape = _json_ints(name, d, "shape", nullable=False) or []
+        indices = _json_ints(name, d, "indices", nullable=False) or []
         flat = torch.zeros(int(torch.Size(shape).numel()), dtype=torch.bool)
         idx = torch.as_tensor(indices, dtype=torch.int64)
         if idx.numel() and int(idx.max()) >= flat.numel():

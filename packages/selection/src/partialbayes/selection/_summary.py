@@ -10,15 +10,7 @@ from partialbayes.selection._subset import Subset
 
 
 def summary_rows(subset: Subset, grouping: Grouping | None = None) -> list[dict[str, Any]]:
-    """One row per selected parameter: name, group, storage shape, block kind, stochastic count, percent.
-
-    Args:
-        subset: The subset.
-        grouping: Optional user grouping for the group column (see :func:`module_group`).
-
-    Raises:
-        TypeError: If ``subset`` is not a Subset.
-    """
+    """One row per selected parameter: name, group, storage shape, block kind, stochastic count, percent."""
     if not isinstance(subset, Subset):
         raise TypeError(f"subset must be a Subset, got {type(subset).__name__}")
     rows = []
