@@ -1,20 +1,9 @@
 """Run an in-place kernel of :mod:`partialbayes.ivon._math` on every parameter: compiled or eager, direct or packed.
 
-A kernel takes one named tuple of tensors (`~partialbayes.ivon._math.Update` and its siblings) and overwrites
-the fields its ``written`` property names.
-
-* **Compiled** (:func:`call`): ``torch.compile`` of the very kernel, one fused pass per call, compiled once per
-  structural key (kernel, item type, dtype, device type, absent fields, static options) with dynamic shapes;
-  float hyperparameters are passed as 0-d tensors so that a changing value never recompiles. If compiling
-  fails (no C++ compiler on a CPU, an unsupported backend or Python) the process falls back to eager.
-* **Eager**: one pass per torch operation, so a large parameter goes in chunks: of :data:`CHUNK` entries on a
-  CPU (the intermediates stay in the caches between the passes) and of :data:`GPU_CHUNK` on a GPU (bounded
-  temporaries).
-* A parameter of more than ``small`` entries that is contiguous goes **direct**; the others (biases,
-  LayerNorm, strided tensors) are **packed**: concatenated into one flat tensor per field, one kernel call,
-  and the written fields copied back.
-
-Every entry gets the same arithmetic whichever way it is cut.
+Compiled: one fused ``torch.compile`` pass per call, compiled once per structural key with dynamic shapes
+(float hyperparameters as 0-d tensors). Eager: chunks of :data:`CHUNK` (CPU) or :data:`GPU_CHUNK` entries.
+Parameters of at most ``small`` entries, or strided, are packed into one flat tensor per field. Every entry
+gets the same arithmetic whichever way it is cut (the IVON concept page has the details).
 """
 
 from __future__ import annotations
@@ -53,10 +42,7 @@ def apply(
     warn: bool = False,
     **kwargs: Any,
 ) -> None:
-    """Call ``kernel(item, **kwargs)`` for every item (one per parameter, all on one device), directly or packed.
-
-    ``compiled`` falls back to eager where compiling fails, with a warning (once per process) if ``warn``.
-    """
+    """Call ``kernel(item, **kwargs)`` on every item (one device), directly or packed; ``compiled`` falls back to eager."""
     if not items:
         return
     prepared = (
@@ -167,11 +153,7 @@ def _prepare(kwargs: dict[str, Any], like: Tensor) -> _Prepared:
 
 
 def _compiled(key: tuple[Any, ...], fn: Callable[..., None]) -> Callable[..., None]:
-    """``torch.compile(fn)`` with a code object of its own per ``key``.
-
-    Dynamo caches compiled graphs per code object and recompiles when a guard (flag, dtype, device) fails,
-    up to a small limit; one copy of the code per key keeps each cache at one entry.
-    """
+    """``torch.compile(fn)`` on a code object of its own per ``key``, so that each Dynamo cache holds one entry."""
     fns = _STATE["fns"]
     if key not in fns:
         name = f"{fn.__name__}_{len(fns)}"

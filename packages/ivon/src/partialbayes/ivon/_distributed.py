@@ -18,10 +18,7 @@ def rank_seed(base: int) -> int:
 
 
 def all_reduce_weighted_mean_(tensors: list[Tensor], weight: float) -> None:
-    """Replace each tensor ``t_r`` of rank ``r`` by ``Σ_r w_r·t_r / Σ_r w_r``, in place, with one all-reduce.
-
-    ``weight`` is this rank's ``w_r``; the tensors share a device and dtype.
-    """
+    """In place, with one all-reduce: each tensor becomes ``Σ_r w_r·t_r / Σ_r w_r`` (``weight``: this rank's ``w_r``)."""
     if not tensors:
         return
     flat = torch._utils._flatten_dense_tensors(tensors).mul_(weight)

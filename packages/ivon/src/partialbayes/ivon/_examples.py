@@ -1,9 +1,7 @@
-"""A loader read example by example: the labelled examples of every batch, as batches of one.
+"""A loader read example by example (``vmap`` over an HF model fails on its attention masks).
 
-Per-example Jacobians and gradients of Hugging Face models come from backward passes on one example at a
-time (``torch.func.vmap`` over an HF model fails on transformers' attention masks). The cross-family rules
-(issue #27) hold: an example labelled -100 has no label and is skipped; a batch without any labelled example is
-skipped, and one warning counts them at the end; a loader with no labelled example at all is refused.
+Examples labelled -100 and batches without a labelled example are skipped (one warning counts them); a
+loader with no labelled example is refused.
 """
 
 from __future__ import annotations
@@ -33,12 +31,7 @@ Example = tuple[int, Tensor | dict[str, Any], int]
 
 
 def labelled_batches(loader: Iterable[Any], model: nn.Module, who: str) -> Iterator[list[Example]]:
-    """The labelled examples of each batch of ``loader`` that has any: ``(position, inputs, label)``.
-
-    The position counts every example of the loader in order, the unlabelled ones included; the inputs are
-    the example's model inputs as a batch of one, on the device of the model's first parameter. ``who``
-    (the caller) starts every message.
-    """
+    """``(position in the loader, inputs as a batch of one on the model's device, label)`` of each labelled example."""
     device = next(model.parameters()).device
     seen = skipped = position = 0
     for i, raw in enumerate(loader):

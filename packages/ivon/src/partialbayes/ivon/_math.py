@@ -1,16 +1,9 @@
 """IVON's arithmetic (Shen et al., 2024, Alg. 1) and its update contract: the one statement of both.
 
-Notation per entry: ``m`` the mean (held in the parameter), ``μ`` the gradient momentum, ``h`` the Hessian
-estimate, ``δ`` the weight decay, ``λ`` the effective sample size ``ess``, ``σ = 1/√(λ(h+δ))`` the posterior
-standard deviation and ``z ~ N(0, 1)`` the noise of a weight sample, so that the sample is
-``w = m + ε`` with ``ε = σ·z``.
-
-What a kernel reads and writes is a named tuple (`Shift`, `Fold`, `Update`), one tensor per field, all of one
-shape (``None`` where a field is absent); its `written` property names the fields the kernel overwrites. The
-pure functions return new tensors; the kernels (``*_``) write them back in place. The optimizer runs the
-kernels eagerly on chunks or as ``torch.compile``'d fused passes (:mod:`partialbayes.ivon._blocked`); both
-execute these very functions. Hyperparameters are Python floats, or 0-d tensors inside compiled kernels (so
-that a changing bias correction never recompiles).
+Per entry: mean ``m`` (the parameter), momentum ``μ``, Hessian estimate ``h``, weight decay ``δ``,
+``λ = ess``, ``σ = 1/√(λ(h+δ))``, sample ``w = m + σ·z`` with ``z ~ N(0, 1)``. A kernel (``*_``) reads a
+named tuple (`Shift`, `Fold`, `Update`; ``None`` for an absent field) and overwrites its ``written``
+fields with what the pure function of the same name returns, eagerly or compiled.
 """
 
 from __future__ import annotations
@@ -85,11 +78,7 @@ def perturbation(hess: Tensor, noise: Tensor, *, scale: Scalar, weight_decay: Sc
 
 
 def hess_statistic(grad: Tensor, noise: Tensor | None, *, hess_approx: str) -> Tensor:
-    """One MC sample's Hessian statistic: ``z·g`` (``"price"``) or ``g²`` (``"gradsq"``).
-
-    The Price estimate of the diagonal Hessian is ``ε·g/σ² = √(λ(h+δ))·z·g``; the factor is applied in
-    :func:`ivon_update` (``h`` does not change between the samples of one step).
-    """
+    """One sample's Hessian statistic ``z·g`` (``"price"``; `ivon_update` applies ``√(λ(h+δ))``) or ``g²``."""
     if hess_approx == "gradsq":
         return grad * grad
     return noise.to(grad.dtype) * grad  # type: ignore[union-attr]

@@ -1,15 +1,4 @@
-"""Uncertainty-weighted merging of fine-tunes of one base model (Daheim et al., 2024; Shen et al., 2024, §4.3).
-
-With ``θ₀`` the base weights, ``θ_t`` the mean of fine-tune ``t`` and ``H_t`` its precision (elementwise)::
-
-    θ = θ₀ + Σ_t (h₀ + Σ_s H_s)⁻¹ H_t (θ_t − θ₀)
-
-This is the exact minimiser of ``Σ_t L_t(θ) + ½ h₀ ‖θ − θ₀‖²`` when each task loss is the quadratic
-``L_t(θ) = ½ (θ − θ_t)ᵀ H_t (θ − θ_t)`` with diagonal ``H_t``. ``H_t`` is IVON's posterior precision
-``1/σ_t² = λ_t (h_t + δ_t)`` by default, or the squared-gradient (diagonal empirical Fisher) estimate of
-:func:`squared_gradients`, the alternative the paper compares against. Task arithmetic (plain averaging) is
-the case ``H_t = 1``, ``h₀ = 0``.
-"""
+"""Uncertainty-weighted merging of fine-tunes of one base model (Daheim et al., 2024; Shen et al., 2024, §4.3)."""
 
 from __future__ import annotations
 
@@ -75,7 +64,7 @@ def merge(
 ) -> dict[str, Tensor]:
     """Merge IVON fine-tunes of one base model, each weight weighted by the fine-tunes' precisions.
 
-    ``θ = θ₀ + Σ_t (h₀ + Σ_s H_s)⁻¹ H_t (θ_t − θ₀)`` elementwise (module docstring). With ``h₀ = 0`` the base
+    ``θ = θ₀ + Σ_t (h₀ + Σ_s H_s)⁻¹ H_t (θ_t − θ₀)`` elementwise. With ``h₀ = 0`` the base
     cancels: ``θ = Σ_t H_t θ_t / Σ_s H_s``. Where every ``H_t`` and ``h₀`` are 0 (no fine-tune has
     information on the entry) the merged entry is the plain average of the ``θ_t``.
 

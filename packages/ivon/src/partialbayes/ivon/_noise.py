@@ -1,14 +1,8 @@
-"""The normal draw of IVON's weight samples: float32 standard normals, on CPUs in parallel pieces.
+"""IVON's noise: float32 standard normals (whatever the target dtype), on CPUs drawn in parallel pieces.
 
-Every draw is a float32 ``normal_`` (whatever the dtype of the tensor it fills, so the noise stream does not
-depend on the dtype the optimizer stores it in), written into the target with a cast. torch's CPU
-``normal_`` runs on one thread (a Mersenne twister behind a lock) at 3–4 ns per entry, which on
-a large model costs more than the whole rest of the update. So on CPUs a tensor of more than :data:`PIECE`
-entries is drawn in pieces of :data:`PIECE` entries, piece ``k`` from a CPU generator seeded with the
-``k``-th of a list of seeds drawn from the optimizer's generator; the pieces are drawn on a pool of
-``torch.get_num_threads()`` threads (``normal_`` releases the GIL). The noise depends on the seed only,
-never on the number of threads. Smaller tensors, and every tensor on a GPU (where ``normal_`` is fast),
-draw straight from the generator, in list order.
+On a CPU a tensor of more than :data:`PIECE` entries is drawn in pieces, piece ``k`` from a generator seeded
+with the ``k``-th seed drawn from the optimizer's generator, on a thread pool; the noise does not depend on
+the thread count. Smaller tensors, and GPU tensors, draw straight from the generator in list order.
 """
 
 from __future__ import annotations
@@ -26,10 +20,7 @@ _POOL: dict[str, ThreadPoolExecutor | int | None] = {"pool": None, "workers": 0}
 
 
 def normal_(tensors: list[Tensor], generator: torch.Generator | None) -> None:
-    """Fill tensors (all on one device) with standard normals drawn in float32 on ``generator``'s device.
-
-    Same generator state, same noise; ``generator=None`` draws from the device's global RNG.
-    """
+    """Fill tensors (one device) with float32-drawn standard normals (``generator=None``: the global RNG)."""
     pending: list[Future[None]] = []
     try:
         for z in tensors:

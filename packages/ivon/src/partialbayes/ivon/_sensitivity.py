@@ -1,14 +1,7 @@
 """Sensitivity to each training example and the leave-one-out estimate (Nickl et al., 2023; Shen et al., §4.4).
 
-The memory-perturbation equation: leaving example ``i`` out of training moves its logits by about
-
-    Δf_i ≈ V_i e_i,    V_i = J_i Σ J_iᵀ  (``[C, C]``),    e_i = softmax(f_i) − onehot(y_i),
-
-with ``f_i`` the logits at the posterior mean, ``J_i = ∂f_i/∂θ`` and ``Σ = diag(σ²)`` IVON's posterior
-variances (the posterior of the summed loss, ``ess = N``). The leave-one-out NLL is estimated as
-``mean_i −log softmax(f_i + V_i e_i)[y_i]`` without retraining, and ``‖V_i e_i‖₁`` scores how much the model
-depends on example ``i`` (mislabelled and unusual examples score high). ``J_i`` comes from one backward pass
-per class on the example alone (never ``vmap`` over the model).
+Leaving example ``i`` out moves its logits by ``Δf_i ≈ V_i e_i`` with ``V_i = J_i Σ J_iᵀ`` and
+``e_i = softmax(f_i) − onehot(y_i)`` (see `sensitivity`); ``J_i`` from one backward pass per class.
 """
 
 from __future__ import annotations

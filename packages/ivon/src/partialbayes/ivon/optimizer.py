@@ -380,11 +380,10 @@ class IVON(torch.optim.Optimizer):
         )  # fmt: skip
 
     def _collect(self, weight: float) -> None:
-        """Fold the gradients at the sample into the weighted running means; expose the mean as ``p.grad``.
+        """Fold the sample's gradients into the weighted running means, exposed as ``p.grad``.
 
-        The first sample's Hessian statistic is left pending (``_pending``): with one MC sample per step it is
-        computed inside the update, from the noise and the gradient, which saves a pass and a buffer. A
-        second sample first folds it into a buffer of its own (:meth:`_materialize`).
+        The first sample's statistic stays pending (computed inside the update with one sample per step); a
+        second sample first folds it into a buffer (:meth:`_materialize`).
         """
         self._count += 1
         self._weight += weight

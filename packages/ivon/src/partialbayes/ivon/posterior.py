@@ -1,11 +1,4 @@
-"""Posterior use of an IVON run: the learned Gaussian, weight samples, predictions, Multi-IVON, files.
-
-`GaussianPosterior` and `MultiIVON` implement ``partialbayes.predictive.Posterior``: the subset is the
-entries with σ > 0 (for a mixture: the entries where the runs differ), samples are ``{param name: [n, k]}``
-in ``Subset.gather`` order, swaps go through ``Subset.swapped`` (what was there on entry is restored), and
-`predict` averages the softmax over weight samples. Files are ``partialbayes.predictive`` posterior files
-(formats ``partialbayes.ivon.GaussianPosterior`` and ``partialbayes.ivon.MultiIVON``, version 2).
-"""
+"""Posterior use of an IVON run: `GaussianPosterior`, `MultiIVON` (both ``partialbayes.predictive.Posterior``), files."""
 
 from __future__ import annotations
 
@@ -120,13 +113,7 @@ class _SampledFamily:
         raise NotImplementedError
 
     def swapped(self, sample: Mapping[str, Tensor]) -> AbstractContextManager[nn.Module]:
-        """Write one sample ``{param name: [k]}`` into the model; restore what was there on exit, even on error.
-
-        Entries outside the subset are never touched (the model holds the posterior mean there).
-
-        Raises:
-            ValueError: If the sample does not cover the subset exactly or has the wrong sizes.
-        """
+        """Write one sample ``{param name: [k]}`` into the model; restore what was there on exit, even on error."""
         return self.subset.swapped(self.model, sample)
 
     def sampled(
@@ -147,28 +134,7 @@ class _SampledFamily:
         generator: torch.Generator | None = None,
         target_ids: Sequence[int] | Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Monte Carlo predictive over ``n_samples`` weight samples (eval mode, no gradients).
-
-        Classification: ``(1/S) Σ_s softmax(f(x; w_s))``, probabilities of the logits' shape (``[B, C]``,
-        or ``[B, T, C]`` for token-level outputs). Regression: the mean and variance of the outputs plus
-        ``sigma_noise²``. One weight sample is held at a time.
-
-        Args:
-            batch: Any batch kind (tensor, ``(inputs, labels)``, dict / ``BatchEncoding``); labels only
-                mark the answers of ``target_ids``.
-            link: ``"mc"`` (the only one).
-            n_samples: Number of weight samples ``S``.
-            generator: Source of randomness (same seed, same prediction).
-            target_ids: Answer-only: the ``K`` answer tokens' distribution at the answer positions (the
-                labelled ones, shifted for a causal LM), renormalised over them, ``[P, K]``
-                (``partialbayes.predictive.sampled_predict``).
-
-        Returns:
-            Probabilities, or ``(mean, variance)`` for regression.
-
-        Raises:
-            ValueError: ``target_ids`` repeated, out of range or with regression (naming the id).
-        """
+        """Monte Carlo predictive over ``n_samples`` weight samples (``partialbayes.predictive.sampled_predict``)."""
         resolve_link(link, self.links, type(self).__name__)
         return sampled_predict(
             self,
@@ -196,18 +162,7 @@ class _SampledFamily:
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write this `GaussianPosterior` or `MultiIVON` to ``path``, one ``.safetensors`` file.
-
-        A ``partialbayes.predictive`` posterior file (written atomically; a missing parent folder is
-        created): tensors ``"<run>/mean/<name>"`` and ``"<run>/std/<name>"`` (on the CPU), metadata with the
-        format (``partialbayes.ivon.GaussianPosterior`` or ``partialbayes.ivon.MultiIVON``), version 2, the
-        model's structure, the number of runs, the parameter names, the likelihood and ``sigma_noise``.
-        Read it back with `load_posterior` (either class) or the class's ``load``.
-
-        Raises:
-            ValueError: If the posterior has no model (the file records the model's structure), or ``path``
-                is a folder.
-        """
+        """Save as a ``partialbayes.predictive`` posterior file: tensors ``"<run>/mean|std/<name>"``, runs and names."""
         runs = self._runs()
         tensors = {
             f"{k}/{what}/{name}": t

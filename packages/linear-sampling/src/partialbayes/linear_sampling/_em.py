@@ -125,11 +125,7 @@ def feature_scales(
     batch_size: int | None = None,
     generator: torch.Generator | None = None,
 ) -> Tensor:
-    """g-prior scales ``s_i = sqrt((ΦᵀBΦ)_ii)``: exact for dense features, else a probe estimate.
-
-    The estimate averages ``(Φᵀ B^½ ε_p)_i²`` over ``n_probes`` Rademacher vectors ``ε_p``. Returns
-    ``[d]`` positive scales; raises ``ValueError`` if a parameter has no curvature (a zero column).
-    """
+    """g-prior scales ``s_i = sqrt((ΦᵀBΦ)_ii)`` ``[d]``: exact for dense features, else a Rademacher-probe estimate."""
     check_generator(generator)
     check_int("n_probes", n_probes)
     noise.check(features.n, features.m)

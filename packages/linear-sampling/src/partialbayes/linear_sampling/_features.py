@@ -160,10 +160,7 @@ class Features:
 
 
 def scale_features(features: Features, scale: Tensor) -> Features:
-    """Features of the reparametrised model ``θ = θ' / s``: ``Φ' = Φ diag(1/s)``.
-
-    Used for the g-prior: with ``s_i² = (ΦᵀBΦ)_ii`` every normalised feature has unit curvature.
-    """
+    """Features ``Φ' = Φ diag(1/s)`` of the reparametrised model ``θ = θ' / s`` (the g-prior's)."""
     if scale.shape != (features.d,):
         raise ValueError(f"scale has shape {_shape(scale)} but the features have d={features.d}")
     if not bool((scale > 0).all() & torch.isfinite(scale).all()):

@@ -58,11 +58,7 @@ def write_posterior(posterior: SampledLaplace, path: str | os.PathLike[str]) -> 
 def read_posterior(
     path: str | os.PathLike[str], model: nn.Module, cls: type[SampledLaplace], check_weights: bool
 ) -> SampledLaplace:
-    """The work of `SampledLaplace.load`: the saved posterior built as a ``cls``.
-
-    Every way a file can be damaged raises a ``ValueError`` that names the file (see
-    ``partialbayes.predictive.internal.read_posterior_file``), as do samples that do not fit the saved subset.
-    """
+    """The work of `SampledLaplace.load`; every fault is a ``ValueError`` naming the file."""
     file = read_posterior_file(path, formats=FORMAT, version=VERSION, fields=_FIELDS)
     file.check_model(model)
     meta = file.meta

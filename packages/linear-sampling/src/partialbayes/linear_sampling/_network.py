@@ -75,11 +75,7 @@ def network_parameters(model: nn.Module, params: ParamSpec) -> Tensor:
 
 
 class _Chosen:
-    """The chosen entries: names, masks, MAP values, and flat ``[d, k]`` <-> per-parameter tensors.
-
-    ``dtype`` is the dtype of the flat vectors: the parameters' own, at least float32 (a half-precision
-    model's Jacobian products are solved in float32).
-    """
+    """The chosen entries: names, masks, MAP values, and flat ``[d, k]`` (dtype at least float32) <-> per parameter."""
 
     def __init__(self, model: nn.Module, params: ParamSpec) -> None:
         subset = as_subset(model, params)
@@ -122,12 +118,10 @@ def _columns(numel: int, k: int, dtype: torch.dtype) -> int:
 
 
 class _Operators:
-    """``J z`` and ``Jᵀ v`` of the network's output in the chosen entries, on given inputs.
+    """``J z`` and ``Jᵀ v`` (``k`` right-hand sides last) of the output in the chosen entries, on given inputs.
 
-    Outputs keep the model's shape (``[b, m]`` or ``[b, T, m]``; a ``[b]`` output becomes ``[b, 1]``),
-    or ``[r, m]`` for the ``rows`` selected from it, with the ``k`` right-hand sides as the last
-    dimension. ``numel`` is the size of the model's whole output on the inputs: the ``k`` columns are
-    taken a few at a time so that one call's output tangents stay under `WORKING_BYTES`.
+    Outputs keep the model's shape (``[b]`` becomes ``[b, 1]``), or ``[r, m]`` for selected ``rows``; columns
+    go a few at a time so that one call's tangents of ``numel`` outputs stay under `WORKING_BYTES`.
     """
 
     def __init__(self, model: nn.Module, chosen: _Chosen, output_fn: OutputFn | None) -> None:
@@ -199,12 +193,7 @@ class _Operators:
 
 
 def _kept(out: Tensor, batch: Batch, model: nn.Module) -> Rows:
-    """``(example,)`` or ``(example, position)`` of every output of ``out`` that carries a label.
-
-    ``[B, m]``: examples whose integer label is not -100 (all, without integer ``[B]`` labels).
-    ``[B, T, m]``: positions with attention mask 1 and label not -100; for a causal LM (Hugging Face
-    shifts its labels) the position before each label (``predictive.kept_positions(shift=True)``).
-    """
+    """``(example,)`` or ``(example, position)`` of every labelled output of ``out`` (``kept_positions`` rules)."""
     if out.ndim == 3:
         mask, labels = batch.attention_mask, batch.labels
         keep = kept_positions(out, attention_mask=mask, labels=labels, shift=is_causal_lm(model))
@@ -235,12 +224,7 @@ class _Part:
 def read_batches(
     ops: _Operators, batches: Iterable[Any], *, check_finite: bool = True
 ) -> tuple[Features, Tensor]:
-    """Features over every kept output of ``batches`` and the logits ``[n, m]`` there.
-
-    Each batch is read once (one forward pass). A batch without kept outputs (every label -100) is
-    skipped; one warning (pointing at the caller's caller) counts them, and a loader of nothing else
-    is refused (the errors of `loader_features`).
-    """
+    """Features over every kept output of ``batches`` (each read once) and the logits ``[n, m]`` there."""
     parts: list[_Part] = []
     logits: list[Tensor] = []
     total = 0
@@ -322,14 +306,12 @@ def loader_features(
     output_fn: OutputFn | None = None,
     check_finite: bool = True,
 ) -> Features:
-    """Features ``Φ`` over every output of several batches (a training loader), at the current weights.
+    """Features ``Φ`` over every kept output of several batches (a training loader), at the current weights.
 
-    Observation ``i`` is the ``i``-th kept output in loader order (examples in batch order; kept token
-    positions in row-major order). Each batch keeps its own padding length, so a loader built with
-    Hugging Face's ``DataCollatorWithPadding`` works; the batches are read once and held (on the model's
-    device) for as long as the features live. An operator call on indices spread over several batches
-    costs one JVP (or VJP) per batch touched, on the touched examples only. A batch without a labelled
-    output (every label -100) is skipped, with one warning that counts them.
+    Observation ``i`` is the ``i``-th kept output in loader order (token positions row-major). Batches keep
+    their own padding length and are held on the model's device while the features live; a call touching
+    several batches costs one JVP / VJP per batch touched. Batches without a labelled output are skipped
+    (one warning).
 
     Args:
         model: The network, in eval mode.
@@ -364,22 +346,15 @@ def network_features(
 ) -> Features:
     """Features ``Φ_n = ∂ f(x_n; θ) / ∂ θ_S`` of the network linearised at its current weights, on one batch.
 
-    ``θ_S`` is the flat vector of the chosen entries (see
-    [`network_parameters`][partialbayes.linear_sampling.network_parameters]). ``Φ z`` is a forward-mode
-    ``torch.func.jvp`` and ``Φᵀ v`` a reverse-mode ``torch.func.vjp`` through
-    ``torch.func.functional_call``; ``k`` columns run jointly under ``vmap`` where the model allows it
-    (else one by one: Hugging Face attention masks), a few at a time so that the output tangents stay
-    small at a large vocabulary. This is [`loader_features`][partialbayes.linear_sampling.loader_features]
-    on one batch: its arguments and errors.
+    ``Φ z`` is a ``torch.func.jvp``, ``Φᵀ v`` a ``torch.func.vjp`` (``k`` columns under ``vmap`` where the
+    model allows it). This is `loader_features` on one batch: same observations, arguments and errors.
 
     Args:
         model: The network, in eval mode (dropout would make the features random).
-        inputs: One batch of any kind ``partialbayes.predictive.internal.split_batch`` reads (labels are not
-            passed to the model). Observations: each example of ``[n, m]`` logits whose integer label
-            is not -100, each position of token-level ``[n, T, m]`` logits with attention mask 1 and
-            label not -100.
+        inputs: One batch of any kind ``partialbayes.predictive.internal.split_batch`` reads.
         params: Parameter names, ``{name: bool mask}`` in storage shape, or a
-            ``partialbayes.selection.Subset``.
+            ``partialbayes.selection.Subset`` (the flat order of
+            [`network_parameters`][partialbayes.linear_sampling.network_parameters]).
         output_fn: Maps the model output to logits (``[b]`` becomes ``[b, 1]``).
         check_finite: Raise on non-finite Jacobian products.
 

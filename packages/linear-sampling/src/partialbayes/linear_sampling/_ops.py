@@ -101,10 +101,7 @@ def features_t_noise_sqrt(
     generator: torch.Generator | None,
     keep: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """``Φᵀ B^½ ε`` for fresh ``ε ~ N(0, I)`` of shape ``[n, m, k]``, drawn batch by batch.
-
-    A sample of ``N(0, ΦᵀBΦ)``; returns ``(Φᵀ B^½ ε [d, k], ε [n, m, k] if keep else None)``.
-    """
+    """``(Φᵀ B^½ ε [d, k], ε [n, m, k] if keep else None)`` for fresh ``ε ~ N(0, I)``: a draw of ``N(0, ΦᵀBΦ)``."""
     out = torch.zeros(features.d, k, dtype=features.dtype, device=features.device)
     eps_all = torch.empty(features.n, features.m, k, dtype=features.dtype) if keep else None
     for idx in batches(features.n, batch_size, features.device):

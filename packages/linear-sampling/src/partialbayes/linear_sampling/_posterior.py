@@ -42,24 +42,15 @@ from partialbayes.selection import Subset
 class SampledLaplace:
     """Linearised Laplace on a ``Subset`` of a network, represented by sample-then-optimise samples.
 
-    Build it from the model (at its MAP) and the subset, then `fit` it on the training batches: the
-    features are the Jacobian ``J`` of the logits in the subset's entries (JVP / VJP operators, never a
-    ``d × d`` matrix), the noise precision ``B`` is the softmax Hessian at the MAP (classification) or
-    ``1/σ²`` (regression), the prior ``A`` is ``prior_precision``, and ``k`` zero-mean samples
-    ``z_j ~ N(0, H⁻¹)``, ``H = JᵀBJ + A``, are drawn jointly with `posterior_samples`. Only the samples are
-    kept (``d·k`` floats) and the MAP values of the entries (``d``).
+    `fit` reads the training batches: features ``J`` (the logits' Jacobian in the subset, as JVP / VJP
+    operators), noise precision ``B`` (softmax Hessian at the MAP, or ``1/σ²``), prior ``A``, and ``k``
+    samples ``z_j ~ N(0, H⁻¹)``, ``H = JᵀBJ + A``. Only the samples (``d·k`` floats) and the MAP entries are
+    kept. As a ``partialbayes.predictive.Posterior``:
 
-    Implements ``partialbayes.predictive.Posterior``:
-
-    * `sample` returns stored samples, not fresh draws: ``θ* + z_j`` for ``n`` distinct columns ``j``
-      chosen at random (``generator``); asking for more than the ``k`` stored raises (fit with a larger
-      ``n_samples``). The stored samples are exact posterior draws up to the solver's tolerance.
-    * `predict` with ``"mc"`` averages ``softmax(f(x; θ*) + J(x) z_j)`` over ``min(n_samples, k)`` stored
-      samples (the linearised predictive, not the network at sampled weights); with ``"probit"`` it applies
-      the probit approximation to ``f`` and the sample variances ``(1/k) Σ_j (J z_j)²`` of all ``k``
-      samples. Regression returns ``(f, variance + σ²)`` for either link.
-    * `swapped` / `sampled` write ``θ* + z_j`` into the network itself (the nonlinear network at the sampled
-      weights, as for the other families).
+    * `sample` returns ``θ* + z_j`` for ``n`` distinct stored columns (more than ``k`` raises);
+    * `predict` ``"mc"`` averages ``softmax(f(x; θ*) + J(x) z_j)`` (the linearised predictive); ``"probit"``
+      uses the sample variances of ``J z_j``; regression returns ``(f, variance + σ²)``;
+    * `swapped` / `sampled` write ``θ* + z_j`` into the network itself.
 
     Args:
         model: The network at its MAP.
@@ -150,12 +141,10 @@ class SampledLaplace:
         batch_size: int | None = None,
         generator: torch.Generator | None = None,
     ) -> SampledLaplace:
-        """Draw ``n_samples`` posterior samples ``z_j ~ N(0, H⁻¹)`` from the training batches.
+        """Draw ``n_samples`` posterior samples ``z_j ~ N(0, H⁻¹)`` from the training batches (eval mode).
 
-        The model runs in eval mode (restored afterwards). The batches are read once and held while
-        sampling (see [`loader_features`][partialbayes.linear_sampling.loader_features]); their labels
-        only decide which outputs count (the samples do not depend on the labels): label -100 skips an
-        output, and a batch without labelled outputs is skipped (one warning counts them).
+        The batches are read once and held while sampling (`loader_features`); labels only decide which outputs
+        count (-100 skips an output; a batch without any is skipped with a warning).
 
         Args:
             batches: Training batches of any kind (a ``DataLoader`` with ``DataCollatorWithPadding``,
@@ -165,8 +154,7 @@ class SampledLaplace:
                 ``"sgd"`` (minibatch SGD, the paper's choice for very large ``n``).
             objective: ``"low_variance"`` or ``"standard"`` (see `posterior_samples`).
             tol: CG relative residual tolerance.
-            max_iter: CG iteration cap (default ``2d + 10``: in floating point CG may need somewhat more
-                than the ``d`` iterations of exact arithmetic).
+            max_iter: CG iteration cap (default ``2d + 10``).
             sgd: SGD settings.
             batch_size: Observations per operator call (CG) / SGD batch size.
             generator: CPU generator for the sample-then-optimise noise.
@@ -180,7 +168,6 @@ class SampledLaplace:
 
         Warns:
             RuntimeWarning: If the solver stops before its tolerance (the samples are then approximate).
-            UserWarning: If batches without labelled outputs were skipped.
         """
         k = check_int("n_samples", n_samples)
         with eval_mode(self.model):
@@ -261,13 +248,10 @@ class SampledLaplace:
         result: tuple[Callable[[Tensor], int], str, str] | None = None,
         target_ids: Sequence[int] | Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """``f(x; θ*)`` in the model's output shape and ``each(f, J z_c)`` summed (or concatenated).
+        """``f(x; θ*)`` and ``each(f, J z_c)`` over the chosen columns ``z_c``, pushed forward a few at a time.
 
-        The chosen columns ``z_c`` of the stored samples (all for ``cols=None``) are pushed forward a few
-        at a time (``J z_c`` is ``[*f, c]``), so no ``[*f, k]`` block is formed unless asked for.
-        ``result = (f -> floats per output, what, instead)`` sizes the result: the call is refused before
-        the first column if the device's free memory cannot hold it. ``target_ids``: ``f`` and ``J z`` are
-        the ``[P, K]`` answer logits (``partialbayes.predictive.answer_index``: the labels mark them).
+        ``result`` sizes the output so the call is refused up front if free memory cannot hold it; with
+        ``target_ids`` ``f`` and ``J z`` are the ``[P, K]`` answer logits.
         """
         z = self._require_fit()
         z = z if cols is None else z[:, cols.to(z.device)]
@@ -357,21 +341,17 @@ class SampledLaplace:
         generator: torch.Generator | None = None,
         target_ids: Sequence[int] | Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """The linearised predictive for a batch (labels ignored, except that they mark the answers).
-
-        The samples are pushed forward a few at a time, so memory stays a few times the output's size
-        (no ``[..., C, k]`` block at a large vocabulary).
+        """The linearised predictive for a batch, samples pushed forward a few at a time.
 
         Args:
-            batch: Any batch kind.
+            batch: Any batch kind (labels only mark the answers of ``target_ids``).
             link: ``"mc"`` (default: average softmax over ``min(n_samples, k)`` stored samples, chosen
                 with ``generator`` when fewer than ``k``) or ``"probit"`` (probit approximation with the
                 sample variances of all ``k`` samples; ``n_samples`` unused).
             n_samples: Linearised samples to average (``"mc"``), at most the ``k`` stored.
             generator: Chooses the samples for ``"mc"``.
-            target_ids: Answer-only (classification): the ``K`` answer tokens' distribution at the
-                answer positions (the labelled ones, shifted for a causal LM; without labels each
-                sequence's last real token), renormalised over them; the JVPs keep only those logits.
+            target_ids: Answer-only (classification): the ``K`` answer tokens' distribution at the answer
+                positions, renormalised over them; the JVPs keep only those logits.
 
         Returns:
             Probabilities of the logits' shape (``[P, K]`` with ``target_ids``); regression:

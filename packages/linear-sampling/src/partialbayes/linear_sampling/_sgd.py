@@ -27,15 +27,7 @@ class DivergenceError(ValueError):
 
 @dataclass(frozen=True)
 class SGDConfig:
-    """Settings of the minibatch solvers.
-
-    The default is a variance-reduced solver (SVRG): every ``check_every`` steps it computes the exact
-    gradient at a snapshot with one full pass, and each minibatch step corrects its estimate with that
-    snapshot. For a quadratic the correction vanishes at the optimum, so a constant step converges
-    linearly to the exact minimiser, and the full pass doubles as the convergence check. With
-    ``variance_reduction=False`` it runs the plain SGD of Antorán et al. (2023): independent minibatches,
-    Nesterov momentum and exponential iterate averaging, which leaves an error of the order of the
-    averaged minibatch noise and rarely meets a small ``tol``.
+    """Settings of the minibatch solvers: variance-reduced SVRG (default) or the plain SGD of Antorán et al.
 
     Attributes:
         lr: Fixed step size; ``None`` sets ``lr_scale / λ̂`` with ``λ̂`` a power-iteration estimate of the
@@ -148,15 +140,8 @@ def sgd_minimise(
 ) -> tuple[Tensor, SolveInfo]:
     """Plain minibatch Nesterov SGD with exponential iterate averaging (Antorán et al., 2023).
 
-    Each step draws ``batch_size`` observations independently and with replacement (all of them, in
-    order, when ``batch_size >= n``), so every stochastic gradient is unbiased; shuffling without
-    replacement at a constant step would bias the stationary point towards the start. Every
-    ``check_every`` steps the averaged iterate is checked with one full pass (``problem.residual``).
-    Returns ``(averaged iterate [d, k], info)``.
-
-    Raises:
-        DivergenceError: If the iterate becomes non-finite or the residual grows beyond
-            ``divergence_factor`` times its initial size.
+    Minibatches are drawn with replacement (unbiased gradients); every ``check_every`` steps one full pass
+    checks the averaged iterate. Returns ``(x [d, k], info)``; raises `DivergenceError`.
     """
     residual_fn, c, a, n = problem.residual, problem.c, problem.a, problem.features.n
     x = x0.clone()

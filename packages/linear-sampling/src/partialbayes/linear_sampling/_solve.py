@@ -88,10 +88,7 @@ def check_problem(
 
 
 def _lr(problem: Problem, batch_size: int, config: SGDConfig, generator) -> float:
-    """``config.lr``, else ``lr_scale / λ̂``, ``λ̂`` estimating the largest minibatch curvature.
-
-    ``λ̂`` is the largest Rayleigh quotient of 20 power steps on minibatch curvatures (from below).
-    """
+    """``config.lr``, else ``lr_scale / λ̂`` (``λ̂``: 20 power steps on minibatch curvatures)."""
     if config.lr is not None:
         return config.lr
     f = problem.features
@@ -224,14 +221,9 @@ def posterior_samples(
 ) -> PosteriorSamples:
     """``k`` zero-mean posterior samples ``z_j ~ N(0, H⁻¹)`` by sample-then-optimise, jointly.
 
-    With ``θ⁰ ~ N(0, A⁻¹)`` and ``ε ~ N(0, I)`` (one ``m``-vector per observation), the low-variance
-    objective ``½ Σ_n ‖Φ_n z‖²_{B_n} + ½ ‖z − θⁿ‖²_A`` with ``θⁿ = θ⁰ + A⁻¹ Φᵀ B^½ ε`` has the minimiser
-    ``H⁻¹(Aθ⁰ + ΦᵀB^½ε)``, exactly ``N(0, H⁻¹)``. The standard objective
-    ``½ Σ_n ‖Φ_n z − B_n^{-½ᵀ} ε_n‖²_{B_n} + ½ ‖z − θ⁰‖²_A`` has the same minimiser, but its
-    minibatch gradients are noisier near the optimum (the noise targets enter every step). The
-    objective matters only to plain SGD (``SGDConfig(variance_reduction=False)``): CG and the default
-    variance-reduced solver take the same steps for both. Every solver starts at ``θ⁰``, which is
-    already the minimiser on the null space of ``Φ`` (where only the prior pulls).
+    Both objectives (the concept page derives them) have the minimiser ``H⁻¹(Aθ⁰ + ΦᵀB^½ε)`` with
+    ``θ⁰ ~ N(0, A⁻¹)``, ``ε ~ N(0, I)``; they differ only for plain SGD, where ``"low_variance"`` has less
+    noisy minibatch gradients. Every solver starts at ``θ⁰``.
 
     Args:
         features: Features ``Φ``.

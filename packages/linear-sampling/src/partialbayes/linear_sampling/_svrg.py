@@ -45,18 +45,11 @@ def svrg_minimise(
     adapt_lr: bool,
     generator: torch.Generator | None,
 ) -> tuple[Tensor, SolveInfo]:
-    """Minimise ``½xᵀHx − cᵀx`` column by column with variance-reduced minibatch Nesterov steps.
+    """Minimise ``½xᵀHx − cᵀx`` (columns jointly) with variance-reduced minibatch Nesterov steps.
 
-    Every ``check_every`` steps (default one epoch) the residual at the current iterate is computed
-    with one full pass; it is the next snapshot's gradient and gives the objective and the certified
-    error bound. The solve stops when the bound is at most ``config.tol``. With ``adapt_lr``, a check
-    whose objective did not decrease (or a non-finite iterate) halves the step and restarts from the
-    best snapshot. Returns ``(solution [d, k], info)``.
-
-    Raises:
-        DivergenceError: At a fixed step, if the iterate becomes non-finite or the residual grows
-            beyond ``divergence_factor`` times its initial size; with ``adapt_lr``, if 30 halvings
-            did not help.
+    Every ``check_every`` steps a full pass gives the next snapshot's gradient, the objective and the certified
+    error bound (stop at ``config.tol``). With ``adapt_lr`` a check without progress halves the step and
+    restarts from the best snapshot. Returns ``(x [d, k], info)``; raises `DivergenceError`.
     """
     residual_fn, c, a, n = problem.residual, problem.c, problem.a, problem.features.n
     steps_per_epoch = math.ceil(n / batch_size)
