@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from partialbayes.swag import SWAG, NonFiniteLossError, collect_swag, predictive_nll
-from partialbayes.swag._moments import update_moments
+from partialbayes.swag._moments import update_moments_
 from partialbayes.swag._train import classification_loss
 
 FILES = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -72,7 +72,7 @@ def test_float64_moments_take_the_same_snapshots(helpers):
 def test_update_moments_refuses_squares_that_overflow(peak):
     w = torch.tensor([1.0, peak], dtype=torch.float32)
     with pytest.raises(ValueError, match="overflow float32"):
-        update_moments(torch.zeros(2), torch.zeros(2), w, 0)
+        update_moments_(torch.zeros(2), torch.zeros(2), w, 0)
 
 
 @pytest.mark.parametrize("bad", [3, -1, 7])

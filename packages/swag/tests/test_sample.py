@@ -81,17 +81,9 @@ def test_scale_zero_returns_the_mean(device):
 
 def test_bad_input_is_named():
     mean, var, dev = _problem(4, 3, 0, "cpu")
-    with pytest.raises(ValueError, match="at least 2 deviation columns"):
-        swag_sample(mean, var, dev[:, :1])
     with pytest.raises(ValueError, match="scale"):
         swag_sample(mean, var, dev, scale=-1.0)
     with pytest.raises(ValueError, match="scale"):
         swag_sample(mean, var, dev, scale=float("nan"))
     with pytest.raises(ValueError, match="n_samples"):
         swag_sample(mean, var, dev, n_samples=0)
-    with pytest.raises(ValueError, match="deviations must have shape"):
-        swag_sample(mean, var, dev[:3])
-    with pytest.raises(ValueError, match="negative"):
-        swag_sample(mean, -var, dev)
-    with pytest.raises(ValueError, match="mean and variance"):
-        swag_sample(mean, var[:2], dev)

@@ -6,28 +6,23 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from partialbayes.ivon.optimizer import IVON
+from partialbayes.predictive.internal import TrainerEvents
 
 
 class _Discard(Exception):
     """Leaves an open sample without collecting it (training stopped inside an optimizer step)."""
 
 
-class IVONCallback:
+class IVONCallback(TrainerEvents):
     """Train with IVON in a ``transformers.Trainer``: ``callbacks=[IVONCallback()]``.
 
     ``Trainer(..., optimizers=(IVON(model.parameters(), lr=..., ess=...), None), callbacks=[IVONCallback()])``
-    draws one weight sample per optimizer step: the sample is put into the model when the step begins (before
-    the forward pass of its first micro-batch; gradient accumulation over several micro-batches is one
-    sample, one step) and taken out again, its gradient collected, just before ``optimizer.step()``, after
-    the Trainer clipped the gradients (``max_grad_norm``) and a ``GradScaler`` unscaled them (fp16). bf16 /
-    fp16 autocast need nothing more. Between steps the model holds the means, so ``evaluate``, ``predict``
-    and checkpoints see (and save) the means, and ``evaluate()`` is repeatable. Posteriors for prediction:
-    ``ivon_posterior(optimizer, trainer.model)`` after training.
-
-    A ``TrainerCallback`` by duck typing: ivon does not depend on transformers; events it does not use are
-    no-ops. Multi-process Trainer runs are refused (DDP would average the ranks' gradients before IVON pairs
-    each rank's noise with its own gradient; use a plain loop with ``torch.distributed``, see the concept
-    page).
+    draws one weight sample per optimizer step: it enters the model before the step's first micro-batch and
+    leaves, its gradient collected, just before ``optimizer.step()`` (after gradient clipping and fp16
+    unscaling). Between steps the model holds the means, so ``evaluate``, ``predict`` and checkpoints see
+    the means. After training, ``ivon_posterior(optimizer, trainer.model)`` gives the posterior. A
+    ``TrainerCallback`` by duck typing. Multi-process Trainer runs are refused (DDP would average the ranks'
+    gradients before IVON pairs each rank's noise with its own gradient; see the concept page).
 
     Raises:
         TypeError: At the start of training, if the Trainer's optimizer is not an IVON optimizer (the message
@@ -38,11 +33,6 @@ class IVONCallback:
     def __init__(self) -> None:
         self._ivon: IVON | None = None
         self._sample: AbstractContextManager[None] | None = None  # the open sampled_params context
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("on_"):
-            return _ignore
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Find the IVON optimizer inside the Trainer's (possibly wrapped) optimizer."""
@@ -86,7 +76,3 @@ class IVONCallback:
             sample.__exit__(None, None, None)
         elif sample is not None:
             sample.__exit__(_Discard, _Discard(), None)
-
-
-def _ignore(*args: Any, **kwargs: Any) -> None:
-    return None

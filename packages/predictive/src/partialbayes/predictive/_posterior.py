@@ -155,6 +155,15 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
             m.training = mode
 
 
+class TrainerEvents:
+    """Base of a ``transformers.TrainerCallback`` by duck typing: ``on_*`` events it does not define do nothing."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
 SampleContext = Callable[[int], AbstractContextManager[Any]]
 
 

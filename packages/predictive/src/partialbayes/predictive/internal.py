@@ -26,6 +26,7 @@ from partialbayes.predictive._link import probit_kernel
 from partialbayes.predictive._mc import cholesky_jitter
 from partialbayes.predictive._posterior import (
     LIKELIHOODS,
+    TrainerEvents,
     available_memory,
     check_likelihood,
     eval_mode,
@@ -47,6 +48,7 @@ __all__ = [
     "LIKELIHOODS",
     "Batch",
     "PosteriorFile",
+    "TrainerEvents",
     "available_memory",
     "batch_size",
     "check_bool",

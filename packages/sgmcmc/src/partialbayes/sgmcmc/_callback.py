@@ -5,27 +5,19 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from partialbayes.predictive.internal import TrainerEvents
 from partialbayes.sgmcmc._posterior import SampledPosterior
 from partialbayes.sgmcmc._sampler import SGMCMC
 
 
-def _ignore(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-class SGMCMCCallback:
+class SGMCMCCallback(TrainerEvents):
     """Sample with `SGMCMC` inside a ``transformers.Trainer``; `posterior` holds the kept samples.
 
     ``Trainer(..., optimizers=(SGMCMC(model, subset, lr=..., num_data=len(train), burn_in=..., thin=...),
-    None), callbacks=[SGMCMCCallback()])``: the sampler is the Trainer's optimizer (one step per optimizer
-    step, gradient accumulation included; the Trainer's loss is the batch mean, as `SGMCMC` expects) and
-    keeps a sample after every ``thin``-th step past ``burn_in``. Use ``lr_scheduler_type="constant"`` for
-    a stationary chain (the default linear decay is a decreasing step size, which SGLD allows). Weights
-    outside the subset receive gradients but do not move; freeze them (``requires_grad_(False)``) to save
-    their backward pass.
-
-    A ``TrainerCallback`` by duck typing (``transformers`` is not a dependency); events it does not use do
-    nothing.
+    None), callbacks=[SGMCMCCallback()])``: the sampler is the Trainer's optimizer (the Trainer's loss is the
+    batch mean, as `SGMCMC` expects) and keeps a sample after every ``thin``-th step past ``burn_in``. Use
+    ``lr_scheduler_type="constant"`` for a stationary chain; freeze the weights outside the subset to save
+    their backward pass. A ``TrainerCallback`` by duck typing.
 
     Args:
         **posterior_options: Keywords of `SampledPosterior` (``likelihood``, ``sigma_noise``).
@@ -37,11 +29,6 @@ class SGMCMCCallback:
     def __init__(self, **posterior_options: Any) -> None:
         self.posterior_options = posterior_options
         self.sampler: SGMCMC | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("on_"):
-            return _ignore
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Find the `SGMCMC` sampler inside the Trainer's (possibly wrapped) optimizer."""

@@ -3,38 +3,25 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from partialbayes.predictive.internal import check_int
+from partialbayes.predictive.internal import TrainerEvents, check_int
 from partialbayes.selection import Subset
 from partialbayes.swag._posterior import SWAG
 
 
-def _ignore(*args: Any, **kwargs: Any) -> None:
-    return None
+class SWAGCallback(TrainerEvents):
+    """A ``transformers.TrainerCallback`` (by duck typing) that collects the SWAG moments of a subset in training.
 
-
-class SWAGCallback:
-    """A ``transformers.TrainerCallback`` that collects the SWAG moments of a subset during training.
-
-    ``Trainer(..., callbacks=[cb])``: once ``start_step`` optimizer steps are done, the subset's entries of
-    the model are folded into a `SWAG` after every ``every``-th optimizer step (after steps
-    ``start_step + every``, ``start_step + 2·every``, …; gradient accumulation counts as one step), with
-    `SWAG.collect`, the update `collect_swag` uses. After ``trainer.train()``, `posterior` is the `SWAG` of
-    ``trainer.model``: weights outside the subset are whatever the model holds (its final weights), and
-    the subset's entries are replaced by SWAG samples inside `SWAG.sampled`. Each ``train()`` call starts
-    a new collection.
-
-    SWAG assumes the snapshots come from a constant learning rate around a (local) optimum: start from a
-    fine-tuned model or set ``start_step`` past the fine-tuning, and use a constant schedule
-    (``TrainingArguments(lr_scheduler_type="constant")``) for the steps collected.
-
-    ``transformers`` is not imported: the class has the ``on_*`` methods ``Trainer`` calls (the events it
-    does not use do nothing), so ``partialbayes-swag`` does not depend on it.
+    ``Trainer(..., callbacks=[cb])``: after every ``every``-th optimizer step past ``start_step`` (gradient
+    accumulation counts as one step) the subset's entries are folded into a `SWAG` with `SWAG.collect`, as in
+    `collect_swag`. After ``trainer.train()``, `posterior` is the `SWAG` of ``trainer.model`` (weights outside
+    the subset are its final ones). Each ``train()`` call starts a new collection. SWAG assumes a constant
+    learning rate around an optimum: start from a fine-tuned model (or set ``start_step`` past the
+    fine-tuning) with ``TrainingArguments(lr_scheduler_type="constant")``.
 
     Args:
         subset: The ``partialbayes.selection.Subset`` of the trained model to collect.
@@ -65,11 +52,6 @@ class SWAGCallback:
         self.every = check_int("every", every)
         self.swag_options = swag_options
         self._swag: SWAG | None = None
-
-    def __getattr__(self, name: str) -> Callable[..., None]:
-        if name.startswith("on_"):  # a Trainer event this callback does not use
-            return _ignore
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def _needed(self) -> int:
@@ -124,10 +106,7 @@ class SWAGCallback:
             ) from err
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Warn about too few snapshots (e.g. ``start_step`` too late) or a negligible spread.
-
-        The spread: `SWAG.warn_if_negligible`, a posterior whose samples barely move the weights.
-        """
+        """Warn about too few snapshots, or a negligible spread (`SWAG.warn_if_negligible`)."""
         if self._swag is not None:
             self._swag.warn_if_negligible("SWAGCallback")
         if self.n_snapshots < self._needed:

@@ -15,14 +15,8 @@ from partialbayes.selection import Subset
 class FlatLayout:
     """Where the stochastic entries of each parameter sit in one flat vector.
 
-    The entries of parameter ``names[i]`` occupy ``flat[offsets[i]:offsets[i + 1]]``, in the row-major order of
-    the parameter's storage mask (the order of ``Subset.gather``).
-
-    Attributes:
-        names: Parameter names, model order.
-        shapes: Storage shape of each parameter.
-        indices: Per parameter, the int64 positions (cpu) of its stochastic entries in the flattened storage.
-        offsets: Start of each parameter's slice in the flat vector, plus the total at the end.
+    The entries of ``names[i]`` (storage shape ``shapes[i]``, int64 positions ``indices[i]`` in its
+    flattened storage) occupy ``flat[offsets[i]:offsets[i + 1]]``, in ``Subset.gather`` order.
     """
 
     names: tuple[str, ...]
@@ -32,12 +26,7 @@ class FlatLayout:
 
     @classmethod
     def from_subset(cls, subset: Subset) -> FlatLayout:
-        """Build the layout of a ``partialbayes.selection.Subset``.
-
-        Raises:
-            TypeError: If ``subset`` is not a ``Subset``.
-            ValueError: If the subset has no stochastic entries.
-        """
+        """The layout of a non-empty ``partialbayes.selection.Subset``."""
         if not isinstance(subset, Subset):
             raise TypeError(
                 f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
@@ -77,15 +66,7 @@ class FlatLayout:
         return self.offsets[-1]
 
     def gather(self, tensors: Mapping[str, Tensor], dtype: torch.dtype | None = None) -> Tensor:
-        """Concatenate the stochastic entries of storage-shaped tensors.
-
-        Args:
-            tensors: Parameter name -> tensor in the parameter's storage shape (parameters or gradients).
-            dtype: Result dtype (default: that of the first tensor).
-
-        Returns:
-            Flat tensor of shape ``(d,)`` on the device of the tensors.
-        """
+        """The stochastic entries of storage-shaped ``tensors`` as one ``(d,)`` vector (default dtype: theirs)."""
         first = tensors[self.names[0]]
         flat = torch.empty(
             self.size, dtype=first.dtype if dtype is None else dtype, device=first.device
@@ -101,21 +82,14 @@ class FlatLayout:
         return flat
 
     def scatter_(self, params: Mapping[str, Tensor], flat: Tensor) -> None:
-        """Write ``flat`` (shape ``(d,)``) into the stochastic entries of ``params``, in place.
-
-        Entries outside the subset are not touched.
-        """
-        if flat.shape != (self.size,):
-            raise ValueError(f"flat must have shape ({self.size},), got {tuple(flat.shape)}")
+        """Write ``flat`` ``(d,)`` into the stochastic entries of ``params``, in place."""
         with torch.no_grad():
             for i, (name, idx) in enumerate(zip(self.names, self.indices, strict=True)):
                 p = params[name]
                 idx = idx if idx.device == p.device else idx.to(p.device)
                 values = flat[self.offsets[i] : self.offsets[i + 1]].to(p.device, p.dtype)
-                if p.is_contiguous():
-                    p.view(-1).scatter_(
-                        0, idx, values
-                    )  # unique indices; much faster than index_copy_
+                if p.is_contiguous():  # unique indices: scatter_ is much faster than index_copy_
+                    p.view(-1).scatter_(0, idx, values)
                 else:
                     tmp = p.detach().reshape(-1).clone()
                     tmp.index_copy_(0, idx, values)

@@ -50,15 +50,10 @@ NEGLIGIBLE_SPREAD = 1e-3
 class SWAG:
     """SWAG (Maddox et al., 2019) restricted to the stochastic entries of a ``Subset``.
 
-    Implements the ``partialbayes.predictive.Posterior`` protocol: `sample` gives ``{param name: [n, k]}``,
-    `swapped` / `sampled` write samples into the model and restore its weights on exit (even on error),
-    `predict` averages the softmax over weight samples (link ``"mc"``), `predictive_samples` stacks logit
-    samples, `save` / `load` use safetensors + JSON.
-
-    Only the ``d`` stochastic entries (``subset.gather`` order, parameters in model order) are stored: the
-    running mean and mean of squares (``2d`` floats) and, unless ``diagonal_only``, the last ``max_rank``
-    deviation columns ``w_i − w̄_i`` (``K·d`` floats), where ``w̄_i`` is the running mean after snapshot ``i``
-    was folded in. Everything outside the subset stays at the MAP.
+    A ``partialbayes.predictive.Posterior`` (link ``"mc"``). Only the ``d`` stochastic entries
+    (``subset.gather`` order) are stored: running mean and mean of squares (``2d`` floats) and, unless
+    ``diagonal_only``, the last ``max_rank`` deviation columns ``w_i − w̄_i`` (``K·d``), ``w̄_i`` the running
+    mean after snapshot ``i``. Everything outside the subset stays at the MAP.
 
     Args:
         model: The model the subset belongs to (kept as ``self.model``); fixes the device and (by default)
@@ -135,10 +130,7 @@ class SWAG:
 
     @property
     def num_floats(self) -> int:
-        """Floats stored: ``(2 + K)·d``, or ``2d`` for the diagonal only.
-
-        Not counted: the int64 positions of the ``d`` entries in their parameters (the flat layout).
-        """
+        """Floats stored: ``(2 + K)·d``, or ``2d`` for the diagonal only (the layout's int64 positions not counted)."""
         return self.layout.size * (2 + (0 if self.diagonal_only else self.max_rank))
 
     @property
@@ -160,20 +152,13 @@ class SWAG:
 
     @property
     def deviations(self) -> Tensor | None:
-        """Deviation matrix ``D``, shape ``(d, k)`` with ``k = min(n_snapshots, K)`` columns, oldest first.
-
-        ``None`` for diagonal-only SWAG.
-        """
+        """Deviation matrix ``D`` ``(d, min(n_snapshots, K))``, oldest column first; ``None`` for SWAG-Diag."""
         if self._buffer is None:
             return None
         return ring_ordered(self._buffer, self._n_columns)
 
     def spread(self) -> tuple[float, float]:
-        """``(median σ, median |w̄|)`` over the stochastic entries: spread against the weights' size.
-
-        ``σ`` is a sample's standard deviation per entry, from the diagonal of the sampling covariance
-        ``½ Σ_diag + D Dᵀ / (2(k−1))`` (``Σ_diag`` alone for SWAG-Diag).
-        """
+        """``(median σ, median |w̄|)``: a sample's standard deviation per entry against the weights' size."""
         self._require_snapshots(1 if self.diagonal_only else 2)
         var, dev = self.variance, self.deviations
         if dev is not None:
@@ -193,11 +178,7 @@ class SWAG:
         return f"{head}\nspread: median σ {sigma:.3g}, median |w| {size:.3g} (ratio {sigma / max(size, 1e-30):.2g})"
 
     def warn_if_negligible(self, where: str) -> None:
-        """Warn when a sample's spread is below ``NEGLIGIBLE_SPREAD`` of the weights' size (median σ / median |w̄|).
-
-        Such a posterior predicts as its mean does: the learning rate was too small (or the snapshots too few)
-        for the weights to move.
-        """
+        """Warn when median σ is below ``NEGLIGIBLE_SPREAD`` of median |w̄|: the posterior predicts as its mean."""
         if self.n_snapshots < (1 if self.diagonal_only else 2):
             return
         sigma, size = self.spread()
@@ -219,11 +200,7 @@ class SWAG:
 
     # ------------------------------------------------------------- collecting
     def collect(self, model: nn.Module | None = None) -> None:
-        """Fold the current stochastic entries of the model (default ``self.model``) in as one snapshot.
-
-        Raises:
-            ValueError: If the model does not match the subset or the entries are not finite.
-        """
+        """Fold the current stochastic entries of ``model`` (default ``self.model``) in as one snapshot."""
         params = self.subset.parameters_of(self.model if model is None else model)
         w = self.layout.gather(params, dtype=self.dtype).to(self.device)
         if not bool(torch.isfinite(w).all()):
@@ -249,18 +226,10 @@ class SWAG:
         scale: float = 1.0,
         generator: torch.Generator | None = None,
     ) -> Tensor:
-        """Draw samples of the stochastic entries as flat vectors (see `swag_sample`).
+        """Draw samples of the stochastic entries as flat vectors ``(d,)`` (one) or ``(n_samples, d)``.
 
-        Uses the ``k = min(n_snapshots, K)`` deviation columns collected so far. `unflatten` splits a flat
-        vector per parameter; ``swag.swapped(swag.unflatten(w))`` swaps one in.
-
-        Args:
-            n_samples: Number of samples; ``None`` for one sample of shape ``(d,)``.
-            scale: Covariance scale (``1`` is plain SWAG; ``0`` returns the SWA mean).
-            generator: Source of randomness (same generator state, same sample).
-
-        Returns:
-            Shape ``(d,)`` or ``(n_samples, d)``.
+        Uses the ``k = min(n_snapshots, K)`` columns collected so far; ``scale`` multiplies the covariance
+        (``0``: the SWA mean). ``swag.swapped(swag.unflatten(w))`` swaps a flat vector in.
 
         Raises:
             ValueError: Before any snapshot, or with fewer than two snapshots and the low-rank part.
@@ -280,23 +249,9 @@ class SWAG:
     def sample(
         self, n: int = 1, *, scale: float = 1.0, generator: torch.Generator | None = None
     ) -> dict[str, Tensor]:
-        """``n`` weight samples ``{param name: [n, k]}`` (``Subset.gather`` order, the protocol's layout).
+        """``n`` weight samples ``{param name: [n, k]}``: ``unflatten(sample_flat(n, scale=scale, generator=g))``.
 
-        The samples are ``w = w_swa + √scale (Σ_diag^½ z₁ / √2 + D z₂ / √(2(k−1)))`` (see `swag_sample`),
-        drawn with one call on the flat vector, so ``sample(n, generator=g)`` equals
-        ``unflatten(sample_flat(n, generator=g))``.
-
-        Args:
-            n: Number of samples.
-            scale: Covariance scale (SWAG-specific; ``1`` is plain SWAG).
-            generator: Source of randomness (same generator state, same samples).
-
-        Returns:
-            ``{param name: [n, k]}`` on the model's device.
-
-        Raises:
-            ValueError: Before any snapshot, with fewer than two snapshots and the low-rank part, or if
-                ``n`` is not a positive int.
+        A sample is ``w = w_swa + √scale (Σ_diag^½ z₁ / √2 + D z₂ / √(2(k−1)))``.
         """
         check_int("n", n)
         return self.layout.unflatten(self.sample_flat(n, scale=scale, generator=generator))
@@ -306,26 +261,12 @@ class SWAG:
         return self.layout.unflatten(flat)
 
     def flatten(self, sample: Mapping[str, Tensor]) -> Tensor:
-        """Concatenate one sample ``{param name: [k]}`` into the flat vector ``(d,)`` (inverse of `unflatten`).
-
-        Raises:
-            ValueError: If the sample does not cover the subset exactly or has the wrong sizes.
-        """
+        """Concatenate one sample ``{param name: [k]}`` into the flat vector ``(d,)`` (inverse of `unflatten`)."""
         one = self.subset.check_values(sample)
         return torch.cat([one[n].to(self.device, self.dtype) for n in self.layout.names])
 
     def swapped(self, sample: Mapping[str, Tensor]) -> AbstractContextManager[nn.Module]:
-        """Write one sample ``{param name: [k]}`` into ``self.model``; restore what was there on exit.
-
-        The values present on entry come back even when the body raises (``Subset.swapped``), so nested
-        swaps unwind correctly. Entries outside the subset are never touched. A flat vector ``w`` of shape
-        ``(d,)`` goes in as ``swag.swapped(swag.unflatten(w))``.
-
-        Args:
-            sample: One row of `sample`, ``{param name: [k]}`` (``[1, k]`` also accepted).
-
-        Returns:
-            A context manager yielding the model.
+        """Write one sample ``{param name: [k]}`` into ``self.model``; restore what was there on exit, even on error.
 
         Raises:
             TypeError: If ``sample`` is a flat tensor (say ``swapped(unflatten(w))``) or not a mapping.
@@ -342,18 +283,11 @@ class SWAG:
     def sampled(
         self, *, scale: float = 1.0, generator: torch.Generator | None = None
     ) -> AbstractContextManager[nn.Module]:
-        """Swap one SWAG sample into ``self.model``; its weights come back on exit, also on error.
+        """Swap one SWAG sample (covariance ``scale``) into ``self.model``; its weights come back on exit.
 
         Example:
             >>> with swag.sampled(generator=g) as m:  # doctest: +SKIP
             ...     logits = m(**inputs).logits
-
-        Args:
-            scale: Covariance scale of the sample.
-            generator: Source of randomness.
-
-        Returns:
-            A context manager yielding the model.
         """
         w = self.sample_flat(scale=scale, generator=generator)
         return self.subset.swapped(self.model, self.layout.unflatten(w))
@@ -369,28 +303,12 @@ class SWAG:
         scale: float = 1.0,
         target_ids: Sequence[int] | Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Monte Carlo predictive over ``n_samples`` weight samples (eval mode, no gradients).
+        """Monte Carlo predictive over ``n_samples`` weight samples (``partialbayes.predictive.sampled_predict``).
 
-        Classification: ``(1/S) Σ_s softmax(f(x; w_s))``, probabilities of the logits' shape (``[B, C]``, or
-        ``[B, T, C]`` for token-level outputs, where padded or ``-100`` positions are predicted too: drop
-        them with ``partialbayes.predictive.flatten_outputs``). Regression: the mean of the outputs and
-        their variance plus ``sigma_noise²``. One sample is held at a time.
-
-        Args:
-            batch: Any batch kind (tensor, ``(inputs, labels)``, dict / ``BatchEncoding``); labels ignored.
-            link: ``"mc"`` (the only one).
-            n_samples: Number of weight samples ``S``.
-            generator: Source of randomness (same seed, same prediction).
-            scale: Covariance scale of the samples.
-            target_ids: Answer-only: the ``K`` answer tokens' distribution at the answer positions (the
-                labelled ones, shifted for a causal LM), renormalised over them, ``[P, K]``
-                (``partialbayes.predictive.sampled_predict``).
-
-        Returns:
-            Probabilities, or ``(mean, variance)`` for regression.
-
-        Raises:
-            ValueError: For a link other than ``"mc"`` (the message lists the offered links).
+        Classification: ``(1/S) Σ_s softmax(f(x; w_s))`` of the logits' shape (token-level outputs include padded
+        positions: drop them with ``partialbayes.predictive.flatten_outputs``). Regression: ``(mean, variance)``
+        of the outputs, plus ``sigma_noise²``. ``link`` is ``"mc"`` only; ``scale`` is the covariance scale;
+        ``target_ids`` gives the answer tokens' distribution at the answer positions, ``[P, K]``.
         """
         resolve_link(link, self.links, "SWAG")
         return sampled_predict(
@@ -418,12 +336,7 @@ class SWAG:
 
     # ------------------------------------------------------------------ io
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Save to one safetensors file (``partialbayes.predictive.internal.write_posterior_file``, atomic).
-
-        The tensors are ``mean``, ``sq_mean`` and, for the low-rank variant, ``deviations`` (``(d, k)``,
-        oldest column first). The metadata (format ``partialbayes.swag.SWAG``, version 2) records the
-        model's structure, the subset (``Subset.to_json``), ``max_rank``, ``diagonal_only``,
-        ``n_snapshots``, the dtype, the likelihood and ``sigma_noise``.
+        """Save to one safetensors file, atomically: ``mean``, ``sq_mean``, ``deviations`` ``(d, k)`` and metadata.
 
         Raises:
             ValueError: If no snapshot has been collected, or ``path`` is a folder.
@@ -449,22 +362,14 @@ class SWAG:
     def load(
         cls, path: str | os.PathLike[str], model: nn.Module, subset: Subset | None = None
     ) -> SWAG:
-        """Load a SWAG saved by `save` onto ``model``.
+        """Load a SWAG saved by `save` onto ``model`` (``subset``, if given, must select the saved entries).
 
-        Args:
-            path: The safetensors file.
-            model: The model the posterior belongs to (same parameter names and shapes as when saved).
-            subset: Optional ``Subset``; when given it must select exactly the saved entries. By default the
-                saved subset is rebuilt with ``Subset.from_json(..., model)``.
-
-        Returns:
-            The SWAG posterior, on the model's device (moments saved in half precision come back in float32).
+        Moments saved in half precision come back in float32, on the model's device.
 
         Raises:
             FileNotFoundError: If there is no file at ``path``.
-            ValueError: Naming the file: not a SWAG file of this version (garbage, truncated, an earlier
-                format: re-save it), metadata that lacks or mistypes a field, a missing tensor, a tensor of
-                the wrong shape or with NaN / inf entries, a model or ``subset`` that does not match.
+            ValueError: Naming the file: not a SWAG file of this version (re-save an earlier one), a missing or
+                mistyped field or tensor, NaN / inf entries, a model or ``subset`` that does not match.
         """
         file = read_posterior_file(path, formats=FORMAT, version=VERSION, fields=_FIELDS)
         file.check_model(model)

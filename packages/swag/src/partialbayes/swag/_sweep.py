@@ -42,11 +42,7 @@ def _batch_logits(model: nn.Module, batch: Batch) -> Tensor:
 def _per_example_log_probs(
     model: nn.Module, batches: Iterable[Batch], logits_fn: LogitsFn, device: torch.device
 ) -> tuple[Tensor, int, int]:
-    """``log p(y | x, w)`` of every kept output of ``batches``, shape ``(N,)``; batches skipped, seen.
-
-    Labels -100 are skipped (a batch with no other label is not run); so are token positions whose
-    attention mask is 0.
-    """
+    """``log p(y | x, w)`` ``(N,)`` of every labelled output of ``batches``; the batches skipped and seen."""
     out, skipped, seen = [], 0, 0
     for i, batch in enumerate(batches):
         seen += 1
@@ -85,10 +81,8 @@ def predictive_nll(
 ) -> float:
     """Mean negative log-likelihood of the Monte Carlo SWAG predictive on labelled batches.
 
-    ``NLL = −1/N Σ_n log(1/S Σ_s softmax(f(x_n; w_s))[y_n])`` with ``S = n_samples`` samples ``w_s``, computed
-    with log-sum-exp in float64, over every kept output (labels -100 and, for token-level logits, padded
-    positions are left out; a batch with no labelled output is skipped, with one warning that counts
-    them). ``swag.model`` runs in eval mode (restored afterwards); its weights are restored.
+    ``NLL = −1/N Σ_n log(1/S Σ_s softmax(f(x_n; w_s))[y_n])`` over every labelled output, in float64
+    (unlabelled batches are skipped with one warning). ``swag.model``'s modes and weights are restored.
 
     Args:
         swag: A collected `SWAG`.
@@ -97,9 +91,6 @@ def predictive_nll(
         scale: Covariance scale of the samples.
         generator: Source of randomness.
         logits_fn: ``logits_fn(model, batch) -> logits``; default: the model called on the batch's inputs.
-
-    Returns:
-        The mean NLL (a Python float).
 
     Raises:
         TypeError: If ``swag`` is not a `SWAG`.
@@ -160,16 +151,11 @@ def sweep_learning_rate(
 ) -> SweepResult:
     """Choose the SWAG learning rate by validation NLL, then collect the final posterior (Kampen et al.).
 
-    For each ``lr`` in ``lrs``, run `collect_swag` from the MAP for ``sweep_steps`` steps and score it with
-    `predictive_nll` (``n_samples`` samples) on ``val_batches``; a learning rate whose loss diverges scores
-    ``inf`` (with a warning). The best one is rerun for ``final_steps`` steps. Defaults are the paper's:
-    ``lr ∈ {1e-3, 1e-2, 5e-2, 1e-1}``, 400 sweep steps, 2000 final steps, a snapshot every 5, K = 20, 50
-    samples.
-
-    Cost: ``len(lrs) * sweep_steps + final_steps`` training steps (each one forward and backward pass of
-    the model on one batch) plus ``len(lrs) * n_samples`` passes over ``val_batches``. With the defaults
-    that is 3600 steps and 200 validation passes: 772 s for the packaged MiniLM on a 2-core CPU. Pass
-    smaller values to try it out.
+    For each ``lr`` in ``lrs``, `collect_swag` runs ``sweep_steps`` steps from the MAP and `predictive_nll`
+    scores it on ``val_batches`` (a diverging ``lr`` scores ``inf``, with a warning); the best is rerun for
+    ``final_steps`` steps. The defaults are the paper's. Cost: ``len(lrs)·sweep_steps + final_steps``
+    training steps plus ``len(lrs)·n_samples`` validation passes (defaults: 772 s for the packaged MiniLM on
+    a 2-core CPU).
 
     Returns:
         A `SweepResult` with the chosen ``lr``, the NLL of every sweep point and the final `SWAG`.

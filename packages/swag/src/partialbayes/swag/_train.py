@@ -23,6 +23,7 @@ from partialbayes.predictive.internal import (
     split_batch,
 )
 from partialbayes.selection import Subset
+from partialbayes.swag._layout import FlatLayout
 from partialbayes.swag._posterior import SWAG
 
 Batch = Any
@@ -47,11 +48,7 @@ class NonFiniteLossError(ValueError):
 
 # ---------------------------------------------------------------------------------------- checks
 def check_snapshots(name: str, n_steps: int, every: int, diagonal_only: bool) -> None:
-    """Refuse ``n_steps`` that give fewer snapshots (one per ``every`` steps) than sampling needs.
-
-    Raises:
-        ValueError: Naming ``name``, if ``n_steps // every`` is below 2 (1 with ``diagonal_only``).
-    """
+    """Refuse ``n_steps`` (named ``name``) giving fewer snapshots, one per ``every`` steps, than sampling needs."""
     needed = 1 if diagonal_only else 2
     if n_steps // every < needed:
         raise ValueError(
@@ -64,13 +61,7 @@ def check_snapshots(name: str, n_steps: int, every: int, diagonal_only: bool) ->
 def check_class_labels(logits: Tensor, labels: Tensor) -> Tensor:
     """Check integer class labels for ``logits`` ``[..., C]``: shape ``[...]``, values in ``[0, C)`` or -100.
 
-    On CPU torch raises a bare ``IndexError`` for a label out of range, on CUDA a device-side assert that
-    poisons the process; checking first gives an error that says what is wrong.
-
-    Raises:
-        TypeError: If ``labels`` is not an integer tensor.
-        ValueError: If its shape does not match the logits, or a label lies outside ``[0, C)`` and is not
-            -100.
+    Checked first, as torch raises a bare ``IndexError`` on CPU and a process-poisoning assert on CUDA.
     """
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise TypeError(f"labels must be integer class indices, got dtype {labels.dtype}")
@@ -92,11 +83,7 @@ def check_class_labels(logits: Tensor, labels: Tensor) -> Tensor:
 
 
 def has_labelled_outputs(labels: Tensor | None) -> bool:
-    """False when every class label of a batch is -100 (no output to score), True otherwise.
-
-    The one rule of every family (issue #27): label -100 means "no label", for token-level and
-    sequence-level outputs alike; a batch without labels or with float targets counts as labelled.
-    """
+    """False when every class label of a batch is -100; a batch without labels or with float targets counts."""
     if labels is None or labels.is_floating_point() or labels.numel() == 0:
         return True
     return bool((labels != IGNORE_INDEX).any())
@@ -143,10 +130,7 @@ def classification_loss(model: nn.Module, batch: Batch) -> Tensor:
 
 
 def regression_loss(model: nn.Module, batch: Batch) -> Tensor:
-    """Mean squared error of the model's outputs against the batch's targets (any batch kind).
-
-    Targets are reshaped to the outputs' shape when they have as many entries (``[B]`` for ``[B, 1]``).
-    """
+    """Mean squared error of the model's outputs against the batch's targets (reshaped if they fit)."""
     b = _labelled(batch)
     out = model_logits(model, b.inputs)
     target = b.labels.to(out.device, out.dtype)
@@ -157,14 +141,7 @@ def regression_loss(model: nn.Module, batch: Batch) -> Tensor:
 
 # ---------------------------------------------------------------------------------------- the loop
 def numbered_cycle(batches: Iterable[Batch]) -> Iterator[tuple[int, int, Batch]]:
-    """Iterate over ``batches`` again and again, yielding ``(pass, index within the pass, batch)``.
-
-    The iterator is re-created for each pass, so loaders reshuffle.
-
-    Raises:
-        ValueError: If ``batches`` is empty, or yields nothing on a later pass (a generator, not a
-            re-iterable).
-    """
+    """``(pass, index within the pass, batch)`` over ``batches`` again and again (re-iterated: loaders reshuffle)."""
     for passes in itertools.count():
         i = -1
         for i, b in enumerate(batches):
@@ -205,6 +182,31 @@ def _progress(total: int, enabled: bool, desc: str) -> Any:
     return tqdm(total=total, desc=desc, leave=False)
 
 
+def _batch_loss(
+    loss_fn: LossFn, model: nn.Module, batch: Batch, device: torch.device, *where: int
+) -> Tensor | None:
+    """``loss_fn`` on ``batch`` moved to ``device``; ``None`` for a batch without labelled outputs."""
+    try:
+        if not has_labelled_outputs(split_batch(batch).labels):
+            return None
+        return loss_fn(model, move_batch(batch, device))
+    except (ValueError, IndexError) as err:
+        step, index, n_pass = where
+        raise ValueError(
+            f"loss at SGD step {step + 1} (batch {index} of pass {n_pass}): {err}"
+        ) from err
+
+
+def _take_grads(layout: FlatLayout, params: Mapping[str, nn.Parameter]) -> Tensor:
+    """The stochastic entries of the gradients (0 where none), which are cleared."""
+    g = layout.gather(
+        {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in params.items()}
+    )
+    for p in params.values():
+        p.grad = None
+    return g
+
+
 def collect_swag(
     model: nn.Module,
     subset: Subset,
@@ -225,15 +227,11 @@ def collect_swag(
 ) -> SWAG:
     """Run SWAG from the MAP: SGD with momentum on the stochastic entries only, snapshotting as it goes.
 
-    Starting from the model's current weights (the MAP), take ``n_steps`` steps of SGD with momentum at the
-    constant learning rate ``lr`` (``buf ← μ·buf + g``, ``w ← w − lr·buf``, as ``torch.optim.SGD``),
-    touching only the stochastic entries of ``subset``; after every ``snapshot_every``-th step the entries
-    are folded into a `SWAG`. Every other weight, including the frozen entries of partially stochastic
-    tensors, never changes. On return (or error) the stochastic entries are reset to the MAP, and the
-    model's train/eval modes and ``requires_grad`` flags are restored.
-
-    A batch whose labels are all -100 (no labelled output) is skipped without taking a step; the call
-    ends with one warning that counts the skipped batches, and refuses batches that are all unlabelled.
+    From the model's current weights, ``n_steps`` steps of SGD with momentum at the constant ``lr``
+    (``buf ← μ·buf + g``, ``w ← w − lr·buf``, as ``torch.optim.SGD``) move only the subset's entries; after
+    every ``snapshot_every``-th step they are folded into a `SWAG`. On return (or error) the entries are
+    reset to the MAP and the modules' modes and ``requires_grad`` flags restored. Batches whose labels are all
+    -100 are skipped without a step (one warning counts them; all unlabelled is an error).
 
     Args:
         model: The fine-tuned model.
@@ -249,9 +247,8 @@ def collect_swag(
         momentum: Momentum (0.9).
         weight_decay: L2 coefficient added to the gradient of the stochastic entries.
         loss_fn: ``loss_fn(model, batch) -> scalar``, given the batch in its own kind with its tensors
-            on the model's device; default `classification_loss` (cross-entropy, padded and -100
-            positions of token-level outputs left out), or `regression_loss` (mean squared error) for
-            ``likelihood="regression"``.
+            on the model's device; default: cross-entropy over the labelled outputs, or the mean squared
+            error for ``likelihood="regression"``.
         dtype: dtype of the SWAG moments.
         progress: Show a tqdm progress bar (when tqdm is installed).
         likelihood: ``"classification"`` or ``"regression"``: what `SWAG.predict` returns.
@@ -307,26 +304,16 @@ def collect_swag(
                 if n_pass and not step:  # a whole pass without a labelled batch
                     break
                 drawn += 1
-                try:
-                    if not has_labelled_outputs(split_batch(batch).labels):
-                        skipped += 1
-                        continue
-                    loss = loss_fn(model, move_batch(batch, device))
-                except (ValueError, IndexError) as err:
-                    raise ValueError(
-                        f"loss at SGD step {step + 1} (batch {index} of pass {n_pass}): {err}"
-                    ) from err
+                loss = _batch_loss(loss_fn, model, batch, device, step, index, n_pass)
+                if loss is None:
+                    skipped += 1
+                    continue
                 step += 1
                 loss_value = float(loss.detach())  # the one host sync per step
                 if not math.isfinite(loss_value):
                     raise NonFiniteLossError(step, lr, f"loss {loss_value}")
                 loss.backward()
-                grads = {
-                    n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in params.items()
-                }
-                g = layout.gather(grads)
-                for p in params.values():
-                    p.grad = None
+                g = _take_grads(layout, params)
                 if weight_decay:
                     g = g + weight_decay * w
                 buf.mul_(momentum).add_(g)
