@@ -30,7 +30,7 @@ from partialbayes.predictive import (
     reliability,
     sample_logits,
 )
-from partialbayes.predictive.internal import batch_size, cholesky_jitter
+from partialbayes.predictive.internal import batch_size
 
 F64 = torch.float64
 NON_FINITE = st.sampled_from([math.nan, math.inf, -math.inf])
@@ -197,8 +197,6 @@ def test_regression_pieces_refuse_non_finite_values(bad):
         decompose_regression(torch.stack([x, x]))
     with pytest.raises(ValueError, match="logit_samples"):
         decompose_classification(torch.stack([x, x]).unsqueeze(0))
-    with pytest.raises(ValueError, match="cov"):
-        cholesky_jitter(torch.diag(x.abs() + 1).fill_diagonal_(bad))
 
 
 def test_negative_variances_and_other_values():
@@ -206,10 +204,6 @@ def test_negative_variances_and_other_values():
         probit_scale(torch.tensor([-1.0]))
     with pytest.raises(TypeError, match="noise_var must be a number"):
         gaussian_predictive(torch.zeros(2), torch.ones(2), "0.1")
-    with pytest.raises(ValueError, match="max_tries"):
-        cholesky_jitter(torch.eye(2), max_tries=0)
-    with pytest.raises(ValueError, match=r"cov must have shape \[\.\.\., C, C\]"):
-        cholesky_jitter(torch.ones(2, 3))
 
 
 # --- counts, generators, callables, batches ------------------------------------------------------

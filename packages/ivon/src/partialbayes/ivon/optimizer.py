@@ -40,7 +40,7 @@ _Mask = Tensor | bool  # True: all entries variational; False: none; BoolTensor:
 
 
 class IVON(torch.optim.Optimizer):
-    r"""Improved Variational Online Newton: a mean-field Gaussian posterior learned at the cost of AdamW.
+    """Improved Variational Online Newton: a mean-field Gaussian posterior learned at the cost of AdamW.
 
     Each parameter entry has a mean ``m`` (held in the parameter), a Hessian estimate ``h`` and a gradient
     momentum; the posterior is ``N(m, σ²)`` with ``σ = 1/√(ess·(h + weight_decay))``. Draw a weight sample
@@ -53,19 +53,13 @@ class IVON(torch.optim.Optimizer):
                     loss_fn(model(x), y).backward()  # the loss is the *mean* over the batch, as for AdamW
             optimizer.step()
 
-    or ``optimizer.step(closure)`` with a closure that computes the loss and calls ``backward()`` (the
-    optimizer wraps each of its ``mc_samples`` calls in ``sampled_params(train=True)``).
+    or ``optimizer.step(closure)`` (each of the ``mc_samples`` closure calls runs inside
+    ``sampled_params(train=True)``). Memory between steps is AdamW's (momentum and ``h``). ``GradScaler``,
+    ``torch.distributed`` data parallelism and the Hugging Face ``Trainer`` (:class:`IVONCallback`) are
+    supported; the concept page (``docs/pages/concepts/ivon.md``) states the algorithm, the kernels, the
+    differences from ``ivon-opt`` and the errors you may see.
 
-    Between steps IVON keeps AdamW's memory: momentum and ``h`` (two copies of the parameters); a sample adds
-    its noise to the parameters in place and subtracts it on exit. The update is
-    :func:`partialbayes.ivon._math.ivon_update`, run as fused ``torch.compile``'d kernels on models of
-    ``AUTO_COMPILE_MIN`` entries or more when a compiler is available, else eagerly (``compiled``).
-    ``torch.amp.GradScaler``, ``torch.distributed`` data parallelism and the Hugging Face ``Trainer`` (with
-    :class:`~partialbayes.ivon.IVONCallback`) are supported; non-finite gradients raise in :meth:`step`. The
-    concept page (``docs/pages/concepts/ivon.md``) states the algorithm, the differences from ``ivon-opt``,
-    the cost and the errors you may see.
-
-    The state between calls (private fields; ``k`` = samples collected since the last step):
+    The private state between calls (``k`` = samples collected since the last step):
 
     | state | ``_count`` | ``_avg_grad`` (= ``p.grad``) | ``_stat`` | ``_pending`` | ``_noise`` |
     |---|---|---|---|---|---|
@@ -74,11 +68,8 @@ class IVON(torch.optim.Optimizer):
     | after 1 sample | 1 | its gradient | empty | True | its ``z`` (``"price"``) |
     | after ``k ≥ 2`` samples | ``k`` | weighted mean | weighted mean of ``z·g`` / ``g²`` | False | empty |
 
-    ``sampled_params`` moves idle / ``k`` samples to ``k + 1`` (``_enter`` folds a pending first statistic
-    into ``_stat`` before it redraws ``_noise``; ``_weight`` sums the batch sizes, ``_stash`` holds exact
-    means of half-precision parameters inside a sample only); ``step`` (or a skipped step) returns to idle.
-    With one sample per step the statistic is never stored: the update computes it from ``_noise`` and
-    ``p.grad``.
+    ``_enter`` folds a pending first statistic into ``_stat`` before it redraws ``_noise``; ``_weight`` sums the
+    batch sizes; ``_stash`` holds exact means of half-precision parameters inside a sample only.
     """
 
     #: ``torch.amp.GradScaler.step`` hands this optimizer its scale and inf flag instead of unscaling ``.grad``
@@ -194,16 +185,9 @@ class IVON(torch.optim.Optimizer):
     def from_subset(cls, model: nn.Module, subset: Subset, **kwargs: Any) -> IVON:
         """IVON over a model's trainable parameters, variational only on the entries of ``subset``.
 
-        Entries outside the subset get no noise and keep ``h = hess_init`` (no Hessian update), so their
-        mean follows a heavy-ball SGD step of size ``lr`` (with ``rescale_lr``) with weight decay δ.
-
-        Args:
-            model: The model; ``subset`` names its parameters (``model.named_parameters()``).
-            subset: A ``partialbayes.selection.Subset`` (anything with ``names`` and ``mask(name)``).
-            **kwargs: Arguments of :class:`IVON` (``lr`` and ``ess`` are required).
-
-        Returns:
-            The optimizer.
+        Entries outside the subset get no noise and keep ``h = hess_init``: heavy-ball SGD steps of size ``lr``
+        (with ``rescale_lr``) with weight decay δ. ``subset`` is a ``partialbayes.selection.Subset`` (anything with
+        ``names`` and ``mask(name)``); ``**kwargs`` are :class:`IVON`'s (``lr`` and ``ess`` required).
 
         Raises:
             TypeError: If ``model`` is no ``nn.Module`` or ``subset`` has no ``names`` and ``mask``.
@@ -250,11 +234,7 @@ class IVON(torch.optim.Optimizer):
         return self._masks.get(p, True)
 
     def posterior_std(self, p: Tensor) -> Tensor:
-        """``σ = 1/√(ess·(h+δ))`` of parameter ``p`` (a new tensor), 0 outside its variational entries.
-
-        Raises:
-            KeyError: If the optimizer does not hold ``p``.
-        """
+        """``σ = 1/√(ess·(h+δ))`` of parameter ``p`` (a new tensor), 0 outside its variational entries."""
         group = next((g for g in self.param_groups if any(q is p for q in g["params"])), None)
         if group is None:
             raise KeyError(f"IVON.posterior_std: the optimizer does not hold {_describe(p)}")
@@ -263,15 +243,7 @@ class IVON(torch.optim.Optimizer):
         return std * mask if isinstance(mask, Tensor) else std if mask else torch.zeros_like(std)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the gradients, as :meth:`torch.optim.Optimizer.zero_grad`, without touching collected samples.
-
-        Between the samples of one step ``p.grad`` is the running MC-averaged gradient this optimizer
-        collected (see :meth:`sampled_params`). It is detached from ``p.grad`` first (``p.grad`` becomes
-        ``None`` there), so that ``zero_grad(set_to_none=False)`` never zeroes the average in place.
-
-        Args:
-            set_to_none: Set the other gradients to ``None`` instead of zeroing them.
-        """
+        """:meth:`torch.optim.Optimizer.zero_grad` that first detaches the collected MC-averaged gradient from ``p.grad``."""
         self._release_grads()
         super().zero_grad(set_to_none=set_to_none)
 
@@ -282,18 +254,11 @@ class IVON(torch.optim.Optimizer):
     ) -> Iterator[None]:
         """Put a weight sample ``w = m + ε``, ``ε ~ N(0, σ²)``, into the parameters; restore the means on exit.
 
-        The noise is added to the parameters in place and subtracted on exit, also when the body raises (the
-        sample is then discarded); so the means come back up to one rounding of the parameters' dtype (a
-        relative 6e-8 in float32). float16 and bfloat16 parameters, where that rounding would accumulate, and
-        data-parallel runs, whose replicas must stay equal to the bit, keep an exact copy of their means for
-        the duration of the block instead.
-
-        With ``train=True`` the gradients at ``w`` (``p.grad``, accumulated over any number of backward passes
-        in the body; missing gradients count as zero) are collected on exit for the next :meth:`step`.
-        Afterwards ``p.grad`` holds the weighted running MC average of the gradient (the tensor :meth:`step`
-        will use: a ``torch.amp.GradScaler`` checks and unscales it there); it is detached again when the next
-        sample is drawn and after the step. The sample's float16 noise is kept until the step when its Hessian
-        statistic needs it, and freed at once otherwise.
+        The noise is added in place and subtracted on exit, also when the body raises (the sample is then
+        discarded), so the means come back up to one rounding; half-precision parameters and data-parallel runs
+        keep an exact copy of their means instead. With ``train=True`` the gradients at ``w`` (missing ones count
+        as zero) are collected on exit, and ``p.grad`` then holds the weighted running MC average :meth:`step`
+        will use.
 
         Args:
             train: Collect the gradient sample for training.
@@ -427,11 +392,9 @@ class IVON(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update means, momentum and Hessian from the gradient samples collected since the last step.
 
-        With ``torch.amp.GradScaler``, ``scaler.step(optimizer)`` passes its scale and inf flag
-        (``_step_supports_amp_scaling``): a step with non-finite gradients is skipped without touching the
-        state (means, momentum, ``h`` and the step counter stay as they were, the samples are dropped),
-        otherwise the gradient statistics are unscaled before the update. Without a scaler, non-finite
-        gradients raise (the state is left untouched and the samples are dropped).
+        A ``GradScaler`` (``scaler.step(optimizer)``) passes its scale and inf flag: a step with non-finite
+        gradients is skipped, the state untouched and the samples dropped; otherwise the statistics are unscaled.
+        Without a scaler non-finite gradients raise (state untouched, samples dropped).
 
         Args:
             closure: Optional; computes the loss and calls ``backward()``. Called ``mc_samples`` times, each
@@ -442,9 +405,8 @@ class IVON(torch.optim.Optimizer):
 
         Raises:
             RuntimeError: If called inside ``sampled_params`` or with no gradient sample collected (the
-                message says how to collect one, in a plain loop and with the Hugging Face ``Trainer``), or
-                if a ``GradScaler`` unscaled the gradients of several MC samples before the step (call
-                ``scaler.unscale_`` only with one sample per step).
+                message says how to collect one), or if a ``GradScaler`` unscaled the gradients of several MC
+                samples before the step (call ``scaler.unscale_`` only with one sample per step).
             ValueError: If the collected gradient of a parameter holds NaN or inf (no GradScaler); the
                 message names the parameters.
             TypeError: If ``closure`` is not callable.
@@ -645,14 +607,7 @@ class IVON(torch.optim.Optimizer):
         return int(self.param_groups[0]["step"]) if self.param_groups else 0
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer state: momentum and Hessian per parameter, hyperparameters and step per group.
-
-        Also holds the state of ``generator`` when one was given, so that a reloaded run continues exactly.
-        Gradient samples collected since the last :meth:`step` are not saved (a warning says so).
-
-        Returns:
-            A dict as :meth:`torch.optim.Optimizer.state_dict` returns, plus ``"generator_state"``.
-        """
+        """The optimizer state plus ``"generator_state"`` (of ``generator``, if given); pending samples are not saved."""
         if self._count:
             warnings.warn(
                 "IVON.state_dict: gradient samples collected since the last step are not saved",
@@ -664,19 +619,13 @@ class IVON(torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by :meth:`state_dict` (step counters and the generator state included).
-
-        The whole state dict is checked before anything is changed: on an error the optimizer is as it was.
-
-        Args:
-            state_dict: The saved state.
+        """Load a state saved by :meth:`state_dict`, checked whole before anything changes.
 
         Raises:
             RuntimeError: If called inside ``sampled_params``.
             TypeError: If ``state_dict`` is no dict of the expected structure.
             ValueError: If it is not an IVON state dict or does not fit this optimizer's parameters (the
-                message names the group and the parameter: another count, another shape, a missing or
-                non-finite momentum or Hessian, a hyperparameter out of range).
+                message names the group and the parameter).
         """
         if self._sampling:
             raise RuntimeError("IVON.load_state_dict: not allowed inside sampled_params")

@@ -114,18 +114,9 @@ def reliability(
 def ece(
     probs: Tensor, labels: Tensor, *, n_bins: int = 20, binning: Binning = "equal_mass"
 ) -> Tensor:
-    """Expected calibration error of the top-label confidence.
+    """Expected calibration error ``Σ_b (n_b / N) |acc_b − conf_b|`` of the top-label confidence, in ``[0, 1]``.
 
-    ``ECE = Σ_b (n_b / N) |acc_b − conf_b|``; see [`reliability`][partialbayes.predictive.reliability].
-
-    Args:
-        probs: Probabilities ``[N, C]``.
-        labels: Integer labels ``[N]``.
-        n_bins: Number of bins.
-        binning: ``"equal_mass"`` (default) or ``"equal_width"``.
-
-    Returns:
-        Scalar tensor in ``[0, 1]``.
+    Arguments as [`reliability`][partialbayes.predictive.reliability].
     """
     return reliability(probs, labels, n_bins=n_bins, binning=binning).ece
 
@@ -133,15 +124,8 @@ def ece(
 def mce(
     probs: Tensor, labels: Tensor, *, n_bins: int = 20, binning: Binning = "equal_mass"
 ) -> Tensor:
-    """Maximum calibration error ``max_b |acc_b − conf_b|`` over non-empty bins.
+    """Maximum calibration error ``max_b |acc_b − conf_b|`` over non-empty bins, in ``[0, 1]``.
 
-    Args:
-        probs: Probabilities ``[N, C]``.
-        labels: Integer labels ``[N]``.
-        n_bins: Number of bins.
-        binning: ``"equal_mass"`` (default) or ``"equal_width"``.
-
-    Returns:
-        Scalar tensor in ``[0, 1]``.
+    Arguments as [`reliability`][partialbayes.predictive.reliability].
     """
     return reliability(probs, labels, n_bins=n_bins, binning=binning).mce

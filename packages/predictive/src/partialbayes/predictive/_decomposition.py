@@ -90,27 +90,13 @@ def _check_samples(name: str, samples: Tensor) -> Tensor:
 
 
 def log_average_softmax(logit_samples: Tensor) -> Tensor:
-    """Log of the Monte Carlo predictive ``log( (1/S) Σ_s softmax(f_s) )``, via log-sum-exp.
-
-    Args:
-        logit_samples: ``[S, ..., C]``.
-
-    Returns:
-        Log-probabilities ``[..., C]`` (finite even when a probability underflows in float).
-    """
+    """``log((1/S) Σ_s softmax(f_s))`` ``[..., C]`` from logit samples ``[S, ..., C]``, via log-sum-exp (finite)."""
     f = _check_samples("logit_samples", logit_samples)
     return torch.logsumexp(torch.log_softmax(f, dim=-1), dim=0) - math.log(f.shape[0])
 
 
 def average_softmax(logit_samples: Tensor) -> Tensor:
-    """Monte Carlo predictive ``(1/S) Σ_s softmax(f_s)`` from logit samples.
-
-    Args:
-        logit_samples: ``[S, ..., C]`` (e.g. ``[S, B, C]``).
-
-    Returns:
-        Probabilities ``[..., C]``.
-    """
+    """Monte Carlo predictive ``(1/S) Σ_s softmax(f_s)`` ``[..., C]`` from logit samples ``[S, ..., C]``."""
     return log_average_softmax(logit_samples).exp()
 
 

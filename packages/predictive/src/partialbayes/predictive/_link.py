@@ -18,13 +18,7 @@ _PI_OVER_8 = math.pi / 8.0
 
 
 def probit_scale(var: Tensor) -> Tensor:
-    """The probit scaling factor κ = (1 + π/8 · var)^(-1/2), elementwise.
-
-    Args:
-        var: Non-negative variances, any shape.
-
-    Returns:
-        κ, same shape as ``var``, in ``(0, 1]``.
+    """The probit scaling factor ``κ = (1 + π/8 · var)^(-1/2)`` in ``(0, 1]``, elementwise over ``var ≥ 0``.
 
     Raises:
         ValueError: If ``var`` has NaN/inf or negative entries.
@@ -152,17 +146,9 @@ def laplace_bridge_alpha(mean: Tensor, cov: Tensor, *, correct_mean: bool = True
 
 
 def laplace_bridge(mean: Tensor, cov: Tensor, *, correct_mean: bool = True) -> Tensor:
-    """Predictive probabilities of the Laplace bridge: the mean ``α / Σα`` of its Dirichlet.
+    """Predictive probabilities ``[..., K]`` of the Laplace bridge: the mean ``α / Σα`` of its Dirichlet.
 
-    See [`laplace_bridge_alpha`][partialbayes.predictive.laplace_bridge_alpha] for the formula.
-
-    Args:
-        mean: Logit means ``[..., K]``.
-        cov: Variances ``[..., K]`` or covariances ``[..., K, K]``.
-        correct_mean: Apply the sum-to-zero correction first (as laplace-torch does).
-
-    Returns:
-        Probabilities ``[..., K]``.
+    Arguments and errors as [`laplace_bridge_alpha`][partialbayes.predictive.laplace_bridge_alpha].
     """
     alpha = laplace_bridge_alpha(mean, cov, correct_mean=correct_mean)
     return alpha / alpha.sum(-1, keepdim=True)

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from partialbayes.predictive._validate import check_generator, check_int, check_tensor
+from partialbayes.predictive._validate import check_generator, check_int
 from partialbayes.predictive._validate import gaussian_logits as _gaussian_logits
 
 #: Elements of one sample chunk ``[s, ..., C]``; bounds the memory of `mc_predictive`.
@@ -15,15 +15,11 @@ _CHUNK_ELEMENTS = 1 << 22
 
 
 def cholesky_jitter(cov: Tensor, *, max_tries: int = 8) -> Tensor:
-    """Lower Cholesky factor ``[..., C, C]`` of PSD matrices, adding jitter only to the ones that fail.
+    """Lower Cholesky factor ``[..., C, C]`` of finite PSD matrices, adding jitter only to the ones that fail.
 
     A failing matrix with an eigenvalue below ``−√eps · max|λ|`` is not PSD and raises; the others get
     ``jitter·I``, from ``10·eps·mean(diag)`` growing tenfold for up to ``max_tries`` levels.
     """
-    check_tensor("cov", cov)
-    if cov.ndim < 2 or cov.shape[-1] != cov.shape[-2]:
-        raise ValueError(f"cov must have shape [..., C, C], got {tuple(cov.shape)}")
-    check_int("max_tries", max_tries)
     chol, info = torch.linalg.cholesky_ex(cov)
     bad = info > 0
     if not bool(bad.any()):
@@ -68,8 +64,7 @@ def sample_logits(
         Samples ``[S, ..., C]``.
 
     Raises:
-        ValueError: On invalid shapes, NaN/inf, negative variances, a non-PSD covariance or a bad
-            ``n_samples``.
+        ValueError: On invalid shapes or ``n_samples``, NaN/inf, negative variances, a non-PSD covariance.
         TypeError: If ``generator`` is not a ``torch.Generator``.
     """
     check_int("n_samples", n_samples)
@@ -86,23 +81,16 @@ def mc_predictive(
     *,
     generator: torch.Generator | None = None,
 ) -> Tensor:
-    """Monte Carlo estimate of ``E[softmax(f)]`` for ``f ~ N(mean, cov)``.
+    """Monte Carlo estimate of ``E[softmax(f)]``, ``[..., C]``, for ``f ~ N(mean, cov)`` (errors: `sample_logits`).
 
-    Samples are drawn in chunks, so memory stays bounded for large batches; the estimate is
-    unbiased with standard error ``O(S^{-1/2})``.
+    Samples are drawn in chunks, so memory stays bounded for large batches; the estimate is unbiased with
+    standard error ``O(S^{-1/2})`` for ``S = n_samples``.
 
     Args:
         mean: Logit means ``[..., C]``.
         cov: Variances ``[..., C]`` or covariances ``[..., C, C]``.
         n_samples: Number of samples ``S``.
         generator: Random generator.
-
-    Returns:
-        Predictive probabilities ``[..., C]``.
-
-    Raises:
-        ValueError: On invalid shapes, NaN/inf, negative variances or a non-PSD covariance.
-        TypeError: If ``generator`` is not a ``torch.Generator``.
     """
     check_int("n_samples", n_samples)
     check_generator(generator)

@@ -1,9 +1,4 @@
-"""The one interface every posterior family implements, and the helpers that sample-based families share.
-
-``predictive`` defines the protocol but never imports a posterior class: Laplace (``curvature``), SWAG,
-IVON and the sampling-based linearised Laplace (``linear_sampling``) each implement it, so a user switches
-family by changing the line that builds the posterior.
-"""
+"""The one interface every posterior family implements, and the helpers that sample-based families share."""
 
 from __future__ import annotations
 
@@ -206,11 +201,10 @@ def sampled_logits(
     target_ids: Sequence[int] | Tensor | None = None,
     causal_lm: bool | None = None,
 ) -> Tensor:
-    """Logits of the model under ``n`` weight samples of ``posterior``, stacked: ``[n, *logits shape]``.
+    """Logits under ``n`` weight samples of ``posterior``, stacked: ``[n, *logits shape]`` (eval mode, no gradients).
 
-    Each sample is drawn and swapped in with ``posterior.sampled(generator=generator)``, one at a time, so
-    only one weight sample is held at once (the MAP is restored after each). Runs without gradients and in
-    eval mode (dropout off); every module's mode is restored afterwards.
+    Samples are swapped in one at a time with ``posterior.sampled(generator=generator)`` (the MAP restored
+    after each); every module's mode is restored afterwards.
 
     Args:
         posterior: Any `Posterior`.
@@ -218,11 +212,10 @@ def sampled_logits(
         n: Number of weight samples.
         generator: Source of randomness (same seed, same logits).
         sample_ctx: ``s -> context manager`` that swaps sample ``s`` in, used instead of
-            ``posterior.sampled`` (for a family's own options, e.g. SWAG's ``scale``, or stratified
-            mixtures); it must restore the weights on exit.
+            ``posterior.sampled`` (a family's own options, e.g. SWAG's ``scale``, or stratified mixtures);
+            it must restore the weights on exit.
         target_ids: Answer-only: the ``K`` answer tokens, whose logits are kept at the answer positions
-            only (`answer_logits`; each sample is reduced before the next, so ``[n, B, T, V]`` is never
-            held).
+            only (`answer_logits`, sample by sample: ``[n, B, T, V]`` is never held).
         causal_lm: Whether labels are shifted to find the answers (``None``: `is_causal_lm` of the model).
 
     Returns:
@@ -252,30 +245,28 @@ def sampled_predict(
     target_ids: Sequence[int] | Tensor | None = None,
     causal_lm: bool | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Monte Carlo predictive over ``n`` weight samples, streaming (one sample and one logit tensor at a time).
+    """Monte Carlo predictive over ``n`` weight samples, streaming (`mc_predict`; one sample at a time).
 
-    Classification: the average softmax ``(1/n) Σ_s softmax(f(x; w_s))``. Regression: the mean of the
-    outputs and their variance (``1/n`` normaliser) plus the observation noise ``noise_var``. Samples come
-    from ``posterior.sampled(generator=generator)`` (or ``sample_ctx``). Runs without gradients and in eval
-    mode (restored afterwards); accumulates in at least float32.
+    Classification: ``(1/n) Σ_s softmax(f(x; w_s))``. Regression: the mean of the outputs and their variance
+    (``1/n`` normaliser) plus ``noise_var``. Eval mode, no gradients, at least float32 accumulation.
 
     Args:
         posterior: Any `Posterior`.
-        batch: A batch in any accepted form (labels are ignored).
+        batch: A batch in any accepted form (labels only mark the answers of ``target_ids``).
         n: Number of weight samples.
         generator: Source of randomness.
         sample_ctx: ``s -> context manager`` swapping sample ``s`` in (see `sampled_logits`).
         regression: Gaussian-likelihood outputs instead of class logits.
         noise_var: Observation noise variance σ² added to the regression variance.
         target_ids: Answer-only (classification): the distribution over the ``K`` answer tokens at the
-            answer positions, the softmax renormalised over them (see `sampled_logits`).
+            answer positions, the softmax renormalised over them.
         causal_lm: Whether labels are shifted to find the answers (``None``: detected).
 
     Returns:
         Probabilities of the logits' shape (``[P, K]`` with ``target_ids``), or ``(mean, variance)``.
 
     Raises:
-        ValueError: ``target_ids`` with ``regression``, or bad ``target_ids`` (see `check_target_ids`).
+        ValueError: ``target_ids`` with ``regression``, or repeated / out-of-range ``target_ids``.
     """
     check_int("n", n)
     if regression and target_ids is not None:

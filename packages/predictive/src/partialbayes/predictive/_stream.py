@@ -1,9 +1,4 @@
-"""Streaming Monte Carlo over sampled forward passes, holding only running sums.
-
-Any posterior that offers a context manager swapping sampled weights into the model (e.g.
-``with posterior.sampled(generator): ...``) plugs in through a factory ``sample_ctx(s)``; this
-module never imports a posterior class.
-"""
+"""Streaming Monte Carlo over sampled forward passes, holding only running sums."""
 
 from __future__ import annotations
 
@@ -73,11 +68,10 @@ def mc_predict(
     *,
     grad: bool = False,
 ) -> MCPrediction:
-    """Average the softmax over ``S`` sampled forward passes, streaming.
+    """Average the softmax over ``S`` sampled forward passes, streaming (the ``S`` logits are never held together).
 
-    For ``s = 0..S−1`` it enters ``sample_ctx(s)`` (which puts sampled weights in place), calls
-    ``forward()`` for logits ``[..., C]`` and adds ``softmax`` and its entropy to running sums;
-    the ``S`` logit tensors are never held together. Example::
+    For ``s = 0..S−1`` it enters ``sample_ctx(s)`` (which puts sampled weights in place) and calls
+    ``forward()`` for logits ``[..., C]``. Example::
 
         g = torch.Generator().manual_seed(0)
         pred = mc_predict(lambda s: posterior.sampled(generator=g), lambda: model(x), 32)

@@ -107,19 +107,11 @@ def _check_temperature(name: str, value: object) -> float:
 
 
 def apply_temperature(logits: Tensor, temperature: Tensor | float) -> Tensor:
-    """Scale logits by ``1 / T``.
-
-    Args:
-        logits: ``[..., C]``.
-        temperature: ``T > 0``, a float or a 0-dim tensor.
-
-    Returns:
-        ``logits / T``.
+    """Scale logits ``[..., C]`` by ``1 / T`` for ``T`` a finite float or 0-dim tensor ``> 0``.
 
     Raises:
         TypeError: If ``logits`` is not a floating tensor or ``temperature`` not a number.
-        ValueError: If ``logits`` holds NaN/inf or ``T`` is not finite and positive (``T = inf``
-            would turn every logit into 0, ``T = 0`` into inf).
+        ValueError: If ``logits`` holds NaN/inf or ``T`` is not finite and positive.
     """
     z = check_tensor("logits", logits)
     t = _check_temperature("temperature", temperature)

@@ -1,11 +1,8 @@
 """Bayesian LoRA: subsets over the LoRA adapter maps of a PEFT model (Yang et al., 2024).
 
-PEFT (``peft.get_peft_model``) replaces a targeted layer ``q`` by a wrapper that keeps the frozen layer as
-``q.base_layer`` and adds, per adapter, two linear maps ``q.lora_A.<adapter>`` (r x n_in) and
-``q.lora_B.<adapter>`` (n_out x r): the layer computes ``base_layer(x) + s · B A x``. The adapters are plain
-``nn.Linear`` modules, so every strategy of this package (S-KFAC, operator norm, random) and every
-Kronecker-factored posterior works on them unchanged. PEFT is read by duck typing (modules with ``lora_A`` /
-``lora_B`` module dicts); it is never imported here.
+PEFT wraps a targeted layer ``q`` as ``q.base_layer`` plus, per adapter, the ``nn.Linear`` maps
+``q.lora_A.<adapter>`` and ``q.lora_B.<adapter>``, which every strategy and Kronecker-factored posterior
+handles unchanged. PEFT is read by duck typing, never imported.
 """
 
 from __future__ import annotations
@@ -61,23 +58,15 @@ def lora_modules(
 ) -> dict[str, nn.Module]:
     """The LoRA adapter maps (``lora_A`` and ``lora_B``) of a PEFT model, by module name in model order.
 
-    Pass the result as ``modules=`` to :func:`sparse_kfac`, :func:`max_operator_norm` (with ``group="all"``
-    or the group of the wrapped layers), :func:`random_modules` or :func:`operator_norms` to restrict them to
-    the adapters.
-
-    Args:
-        model: A PEFT model (``peft.get_peft_model(...)``) or any model with LoRA layers.
-        adapter: Adapter name(s) to take; default the active adapter(s) of each layer.
-
-    Returns:
-        ``{"...q.lora_A.default": nn.Linear, "...q.lora_B.default": nn.Linear, ...}``.
+    Pass the result as ``modules=`` to a strategy (:func:`sparse_kfac`, :func:`max_operator_norm` with
+    ``group="all"``, :func:`random_modules`) to restrict it to the adapters. ``adapter``: the adapter
+    name(s) to take; default the active adapter(s) of each layer.
 
     Raises:
         TypeError: If ``model`` is not an ``nn.Module`` or ``adapter`` is not a name / list of names.
-        ValueError: If ``model`` has no LoRA adapters (it says so), an adapter name is unknown (listing the
-            adapters present), no adapter is active, the adapters of a layer are merged into its base weights
-            (they would take no part in the forward pass), or an adapter is not a linear map (LoRA on a
-            convolution or embedding).
+        ValueError: If ``model`` has no LoRA adapters, an adapter name is unknown (listing those
+            present), no adapter is active, a layer's adapters are merged into its base weights, or an
+            adapter is not a linear map.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -127,11 +116,10 @@ def lora_subset(
     *,
     modules_to_save: bool = False,
 ) -> Subset:
-    """Every weight of the LoRA adapter maps of a PEFT model is stochastic (Bayesian LoRA).
+    """Every weight of the LoRA adapter maps of a PEFT model is stochastic (Bayesian LoRA), in model order.
 
-    The subset holds the ``lora_A`` and ``lora_B`` weights (and their biases, if PEFT made any) of every
-    LoRA layer, whole; it is Kronecker-structured, so `KronLaplace` fits it directly. For a sparser subset
-    use ``sparse_kfac(model, p, modules=lora_modules(model))``.
+    Kronecker-structured, so `KronLaplace` fits it directly; for a sparser subset use
+    ``sparse_kfac(model, p, modules=lora_modules(model))``.
 
     Args:
         model: A PEFT model with LoRA adapters.
@@ -139,12 +127,8 @@ def lora_subset(
         modules_to_save: Also make the trainable copies of PEFT's ``modules_to_save`` (e.g. a new
             classification head, ``classifier.modules_to_save.<adapter>``) stochastic, whole.
 
-    Returns:
-        The subset, in model order.
-
     Raises:
-        ValueError: As :func:`lora_modules` (no adapters, unknown adapter, merged adapters, ...); with
-            ``modules_to_save=True``, a model without such copies.
+        ValueError: As :func:`lora_modules`; with ``modules_to_save=True``, a model without such copies.
     """
     names = list(lora_modules(model, adapter))
     if modules_to_save:

@@ -49,18 +49,9 @@ def rank_by_operator_norm(
     grouping: Grouping | None = None,
     modules: Iterable[str] | None = None,
 ) -> list[tuple[str, float]]:
-    """Linear maps of ``group`` ordered by operator norm (ties by model order).
+    """``[(module name, operator norm), ...]`` of ``group``'s linear maps, largest first if ``descending``.
 
-    Args:
-        model: The model.
-        group: ``"mlp"``, ``"attention"``, ``"other"``, ``"all"`` or a group of the user ``grouping``.
-        descending: Largest first.
-        method: ``"svd"``, ``"gram"`` or ``"power"`` (see :func:`operator_norms`).
-        grouping: Optional user grouping (see :func:`module_groups`).
-        modules: Only these linear maps are candidates (e.g. ``lora_modules(model)``).
-
-    Returns:
-        ``[(module name, operator norm), ...]``, largest first when ``descending``.
+    Ties keep model order; the arguments are :func:`max_operator_norm`'s.
     """
     norms = operator_norms(model, group=group, method=method, grouping=grouping, modules=modules)
     position = {n: i for i, n in enumerate(norms)}
@@ -120,18 +111,11 @@ def random_modules(
     grouping: Grouping | None = None,
     modules: Iterable[str] | None = None,
 ) -> Subset:
-    """``k`` linear maps of ``group`` drawn uniformly without replacement.
+    """``k`` linear maps of ``group`` (default ``"all"``) drawn uniformly without replacement.
 
-    The draw is the first ``k`` entries of a seeded random permutation, so for a fixed seed the subsets
-    are nested in ``k``.
-
-    Args:
-        model: The model.
-        k: Number of modules.
-        seed: Int seed or cpu ``torch.Generator``.
-        group: ``"all"`` (default), ``"mlp"``, ``"attention"``, ``"other"`` or a user group.
-        grouping: Optional user grouping.
-        modules: Only these linear maps are candidates (e.g. ``lora_modules(model)``).
+    The first ``k`` of a random permutation drawn with ``seed`` (an int or a cpu ``torch.Generator``), so
+    for a fixed seed the subsets are nested in ``k``. ``grouping`` and ``modules`` as in
+    :func:`max_operator_norm`.
 
     Raises:
         ValueError: If ``k`` exceeds the number of modules in ``group``; unknown or tied names in

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -16,7 +15,12 @@ from partialbayes.selection._subset import (
     countable_named_parameters,
     countable_parameters,
 )
-from partialbayes.selection._validate import as_generator, check_names, check_percent
+from partialbayes.selection._validate import (
+    as_generator,
+    ceil_fraction,
+    check_names,
+    check_percent,
+)
 
 
 def _countable(model: nn.Module, exclude: str | Iterable[str] | None) -> dict[str, Tensor]:
@@ -24,10 +28,6 @@ def _countable(model: nn.Module, exclude: str | Iterable[str] | None) -> dict[st
     if not params:
         countable_parameters(model, exclude)  # raises the clear error
     return {n: p.detach() for n, p in params.items()}
-
-
-def _k_of(percent: float, n: int) -> int:
-    return min(n, max(1, math.ceil(percent * n / 100.0 - 1e-9)))
 
 
 def _masks_from_flat(
@@ -48,7 +48,7 @@ def _top_scores(
     model: nn.Module, scores: Mapping[str, Tensor], percent: float, total: int
 ) -> Subset:
     """Top ``ceil(percent·total/100)`` entries of the concatenated scores (ties by flat index)."""
-    k = _k_of(percent, total)
+    k = ceil_fraction(percent, total)
     n_scores = sum(int(s.numel()) for s in scores.values())
     if k > n_scores:
         raise ValueError(
@@ -108,7 +108,9 @@ def random_parameters(
     params = _countable(model, exclude)
     total = sum(w.numel() for w in params.values())
     perm = torch.randperm(total, generator=as_generator(seed))
-    return _masks_from_flat(model, {n: w.shape for n, w in params.items()}, perm[: _k_of(p, total)])
+    return _masks_from_flat(
+        model, {n: w.shape for n, w in params.items()}, perm[: ceil_fraction(p, total)]
+    )
 
 
 def largest_marginal_variance(

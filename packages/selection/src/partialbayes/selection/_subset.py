@@ -126,15 +126,7 @@ class Subset:
     # --------------------------------------------------------------------------- construction
     @classmethod
     def from_model(cls, model: nn.Module, blocks: Mapping[str, Block]) -> Subset:
-        """Build a Subset of ``model`` from ``{parameter name: block}``, validating against the model.
-
-        Args:
-            model: The model whose parameters are selected.
-            blocks: Parameter name (as in ``model.named_parameters()``) -> :class:`KronBlock` or
-                :class:`MaskBlock`.
-
-        Returns:
-            The validated Subset (names in model order).
+        """Build a Subset of ``model`` from ``{parameter name: KronBlock | MaskBlock}``, validated, in model order.
 
         Raises:
             ValueError: Unknown parameter name (with close matches), index out of range, mask of the
@@ -291,14 +283,9 @@ class Subset:
             tensor[r[:, None], c[None, :]] = values.view(r.numel(), c.numel())
 
     def check_values(self, values: Any, what: str = "sample") -> dict[str, Tensor]:
-        """Validate one value per stochastic entry: ``{param name: [k]}`` (or ``[1, k]``) for every name.
+        """Validate one value per stochastic entry, ``{param name: [k]}`` (or ``[1, k]``); return ``{name: [k]}``.
 
-        Args:
-            values: The mapping to check (e.g. one row of a posterior's ``sample(n)``).
-            what: How to call it in error messages.
-
-        Returns:
-            ``{name: [k]}`` in `names` order.
+        ``what`` names ``values`` in the messages (e.g. one row of a posterior's ``sample(n)``).
 
         Raises:
             TypeError: If ``values`` is not a mapping of tensors.
@@ -369,22 +356,11 @@ class Subset:
 
     @contextmanager
     def swapped(self, model: nn.Module, values: Mapping[str, Tensor]) -> Iterator[nn.Module]:
-        """Write ``values`` into the stochastic entries of ``model``; restore what was there on exit.
+        """Write ``values`` (``{param name: [k]}``, see `check_values`) into ``model``; restore what was there on exit.
 
-        The one way every posterior family swaps a weight sample in. The entries found on entry are
-        saved (only the subset's, ``num_entries()`` floats) and written back on exit, even when the body
-        raises, so nested swaps unwind correctly and weights the user changed stay as they were.
-
-        Args:
-            model: The model (the structure this subset was built for).
-            values: ``{param name: [k]}`` (or ``[1, k]``) for every parameter of the subset, in `gather`
-                order; cast to each parameter's dtype and device.
-
-        Yields:
-            ``model``, carrying ``values``.
-
-        Raises:
-            TypeError, ValueError: See `check_values` and `parameters_of` (the model is left untouched).
+        The one way every posterior family swaps a weight sample in: the subset's entries found on entry are
+        written back on exit, even when the body raises, so nested swaps unwind and user changes stay. Yields
+        ``model``; errors as `check_values` and `parameters_of`, with the model left untouched.
         """
         params = self.parameters_of(model)
         new = self.check_values(values)
@@ -455,14 +431,7 @@ class Subset:
     def percent_of(
         self, model: nn.Module, exclude: str | Iterable[str] | None = EMBEDDINGS
     ) -> float:
-        """Stochastic entries as a percentage of the model's countable parameters.
-
-        Args:
-            model: The model (must have the structure this subset was built for).
-            exclude: ``"embeddings"`` (default: every ``nn.Embedding`` parameter, i.e. token, position and
-                token-type embeddings, as in Kampen et al.), an iterable of regexes matched with
-                ``re.search`` against parameter names, or ``None`` to count everything.
-        """
+        """Stochastic entries as a percentage of the model's countable parameters (``exclude``: `countable_parameters`)."""
         self._check_model(model)
         return 100.0 * self.num_entries() / countable_parameters(model, exclude)
 
@@ -570,13 +539,6 @@ class Subset:
     @classmethod
     def from_json(cls, text: str | bytes, model: nn.Module) -> Subset:
         """Load a Subset saved with :meth:`to_json`, validating it against ``model``.
-
-        Args:
-            text: The JSON text.
-            model: The model the subset must fit.
-
-        Returns:
-            The subset.
 
         Raises:
             TypeError: If ``text`` is not a string, or a field has the wrong JSON type (named, with
@@ -704,11 +666,8 @@ def countable_named_parameters(
 def countable_parameters(model: nn.Module, exclude: str | Iterable[str] | None = EMBEDDINGS) -> int:
     """Number of countable parameters of ``model`` (denominator of "percent of parameters").
 
-    Args:
-        model: The model.
-        exclude: ``"embeddings"`` (default: parameters of every ``nn.Embedding`` module: token, position
-            and token-type embeddings), an iterable of regexes matched with ``re.search`` against
-            parameter names, or ``None`` (count everything).
+    ``exclude``: ``"embeddings"`` (default: every ``nn.Embedding`` parameter, as in Kampen et al.), an
+    iterable of regexes ``re.search``-ed in parameter names, or ``None`` (count everything).
 
     Raises:
         ValueError: If nothing is countable or ``exclude`` is an unknown keyword.

@@ -55,10 +55,8 @@ def run_chain(
 ) -> SGMCMC:
     """Run one chain of `SGMCMC` for ``n_steps`` steps from the model's current weights; restore them after.
 
-    ``data`` is iterated over and over (re-iterated when exhausted, so a shuffling ``DataLoader`` gives a
-    new order per epoch). Each step: ``loss_fn(model, batch).backward()`` (the **mean** loss of the batch)
-    and ``sampler.step()``. The model is left as it was (the chain runs inside ``subset.swapped``); the
-    kept samples are in ``sampler.samples`` and ``sampler.posterior()`` builds the posterior.
+    Each step: ``loss_fn(model, batch).backward()`` (the **mean** batch loss) and ``sampler.step()``, with
+    ``data`` re-iterated when exhausted. The kept samples are in ``sampler.samples`` (``sampler.posterior()``).
 
     Args:
         model: The model (its mode is kept: call ``model.eval()`` first to sample without dropout).
@@ -69,9 +67,6 @@ def run_chain(
         seed: Seed of the chain's noise (a generator on the model's device).
         progress: Called as ``progress(step, loss)`` after each step.
         **sampler_options: Keywords of `SGMCMC` (``lr``, ``num_data``, ``method``, ``temperature``, …).
-
-    Returns:
-        The sampler after the last step.
 
     Raises:
         ValueError: A non-finite loss (naming the step), empty data, or a bad sampler setting.
@@ -113,12 +108,10 @@ def parallel_chains(
 ) -> SampledPosterior:
     """Parallel SGMCMC: ``n_chains`` independent chains from the model's weights, the last state of each.
 
-    Chain ``c`` uses noise seed ``seed + c`` and the batches of ``data(c)`` when ``data`` is callable (e.g. a
-    ``DataLoader`` shuffled with its own seed), else of ``data``. At ``temperature=0`` this is a deep
-    ensemble (of the subset) that differs only in data order; at ``T = 1`` each member is, as the steps grow,
-    an exact posterior draw (Duffield et al., 2024, Sec. 4.2). The chains run one after the other in this
-    process (they are independent: to use several devices, run groups of chains and `SampledPosterior.concat`
-    the results).
+    Chain ``c`` uses noise seed ``seed + c`` and the batches of ``data(c)`` (if callable) or ``data``. At
+    ``temperature=0`` this is a deep ensemble of the subset; at ``T = 1`` each member tends to an exact
+    posterior draw (Duffield et al., 2024, Sec. 4.2). Chains run one after the other (`SampledPosterior.concat`
+    joins groups run elsewhere).
 
     Args:
         model: The model (left with its weights).
@@ -129,11 +122,8 @@ def parallel_chains(
         seed: Seed of chain 0.
         likelihood: Of the returned posterior (``"classification"`` / ``"regression"``).
         sigma_noise: Observation noise of a regression posterior.
-        **chain_options: Keywords of `run_chain` and `SGMCMC` (``lr``, ``num_data``, ``method``, ``loss_fn``, …;
-            ``burn_in`` and ``thin`` are set to keep only the last state).
-
-    Returns:
-        A `SampledPosterior` with one sample per chain.
+        **chain_options: Keywords of `run_chain` and `SGMCMC` (not ``burn_in`` / ``thin``: only the last
+            state is kept).
     """
     check_int("n_chains", n_chains)
     check_int("n_steps", n_steps)

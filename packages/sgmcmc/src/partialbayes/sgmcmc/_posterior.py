@@ -29,10 +29,8 @@ _FIELDS = {"subset": str, "likelihood": str, "sigma_noise": (int, float)}
 class SampledPosterior:
     """The empirical distribution of ``S`` stored samples of a subset's entries (``partialbayes.predictive.Posterior``).
 
-    What SGMCMC returns: the kept states of one chain (`SGMCMC.posterior`), or the last state of each of
-    several independent chains (`parallel_chains`, the Bayesian deep ensemble; `concat` joins posteriors).
-    Weights outside the subset are the model's. `sample` draws stored samples uniformly with replacement;
-    `predict` with ``n_samples=None`` (the default) averages over every stored sample, in order, once.
+    What `SGMCMC.posterior` and `parallel_chains` return (`concat` joins posteriors). `sample` draws stored
+    samples uniformly with replacement; `predict` with ``n_samples=None`` averages over every stored sample once.
 
     Args:
         model: The model the samples belong to.
@@ -141,18 +139,10 @@ class SampledPosterior:
         generator: torch.Generator | None = None,
         target_ids: Sequence[int] | Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Monte Carlo predictive (eval mode, no gradients; ``partialbayes.predictive.sampled_predict``).
+        """Monte Carlo predictive (``partialbayes.predictive.sampled_predict``; link ``"mc"``).
 
-        Args:
-            batch: Any batch kind; labels ignored (but for ``target_ids``).
-            link: ``"mc"`` (the only one).
-            n_samples: ``None``: average over every stored sample once; an int: that many draws with
-                replacement from ``generator``.
-            generator: Source of randomness of the draws.
-            target_ids: Answer-only: the ``K`` answer tokens' distribution at the answer positions, ``[P, K]``.
-
-        Returns:
-            Probabilities of the logits' shape, or ``(mean, variance)`` for regression.
+        ``n_samples=None`` averages over every stored sample once; an int draws that many with replacement from
+        ``generator``. ``target_ids``: the answer tokens' distribution at the answer positions, ``[P, K]``.
         """
         resolve_link(link, self.links, "SampledPosterior")
         n, ctx = self._contexts(n_samples, generator)

@@ -18,31 +18,20 @@ METHODS = ("sgld", "sghmc", "sgnht", "baoa")
 class SGMCMC(torch.optim.Optimizer):
     """Tempered stochastic-gradient MCMC over the entries of a ``Subset``; ``T = 0`` is an optimizer.
 
-    Only the subset's entries move (every other weight keeps its value, whatever its gradient). The
-    parametrisation is the optimizer's: the loss is the **mean** loss ``ℓ`` of a minibatch (as for SGD), so
-    ``N·ℓ`` estimates the negative log-likelihood of the ``N = num_data`` training examples, and the target
-    is the tempered posterior ``p(θ | D)^{1/T} ∝ exp(−N ℓ(θ) / T − λ‖θ‖² / (2T))`` (Gaussian prior of
-    precision ``λ = prior_precision``, which enters as SGD's weight decay ``λ / N``). With
-    ``g = ∇ℓ(θ) + (λ/N) θ``, ``ξ ~ N(0, I)``, learning rate ``η`` and momentum ``μ``:
+    Only the subset's entries move. The loss is the **mean** minibatch loss ``ℓ`` (as for SGD) and the target
+    the tempered posterior ``p(θ | D)^{1/T} ∝ exp(−N ℓ(θ) / T − λ‖θ‖² / (2T))`` (``N = num_data``,
+    ``λ = prior_precision``: SGD's weight decay ``λ / N``). With ``g = ∇ℓ(θ) + (λ/N) θ`` and ``ξ ~ N(0, I)``:
 
-    * ``"sgld"`` (Welling & Teh, 2011): ``θ ← θ − η g + √(2ηT/N) ξ``; ``T = 0``: SGD.
-    * ``"sghmc"`` (Chen et al., 2014): ``b ← μ b + g + √(2(1−μ)T/(ηN)) ξ``, ``θ ← θ − η b``; ``T = 0``:
-      ``torch.optim.SGD(lr=η, momentum=μ, weight_decay=λ/N)`` bit for bit. In the physical units of Chen et
-      al. (step ``ε = √(η/N)``, momentum ``m = −εN b``, friction ``α = (1−μ)/ε``) this is their Euler
-      scheme with the momentum's stationary variance ``T``.
-    * ``"sgnht"`` (Ding et al., 2014): SGHMC with the friction ``1−μ`` replaced by a thermostat ``f``
-      (start ``1−μ``, one scalar for the whole subset) updated as ``f ← f + (η/N)(ηN·mean(b²) − 2T/(2−f))``,
-      which drives the momentum's kinetic temperature to ``T`` (``2T/(2−f)`` is that of the discretised
-      momentum, whose variance is ``T·2/(2−f)``, not ``T``; targeting ``T`` itself would cool the chain by
-      ``≈ f/2``); the injected noise keeps SGHMC's. Its ``T = 0`` limit is no optimizer (the friction only
-      grows; Duffield et al., App. C).
-    * ``"baoa"`` (Leimkuhler & Matthews, 2013; ``posteriors``' BAOA): ``b ← b + g``, ``θ ← θ − (η/2) b``,
-      ``b ← μ b + √((1−μ²)T/(ηN)) ξ``, ``θ ← θ − (η/2) b``: the exact Ornstein–Uhlenbeck step ``O`` with
-      ``μ = e^{−εα}``; ``T = 0`` is a momentum method.
+    * ``"sgld"``: ``θ ← θ − η g + √(2ηT/N) ξ``; ``T = 0``: SGD.
+    * ``"sghmc"``: ``b ← μ b + g + √(2(1−μ)T/(ηN)) ξ``, ``θ ← θ − η b``; ``T = 0``:
+      ``torch.optim.SGD(lr=η, momentum=μ, weight_decay=λ/N)`` bit for bit.
+    * ``"sgnht"``: SGHMC with ``μ`` replaced by a thermostat ``1 − f`` (one scalar, from ``f = 1−μ``),
+      ``f ← f + (η/N)(ηN·mean(b²) − 2T/(2−f))``; no ``T = 0`` optimizer.
+    * ``"baoa"``: ``b ← b + g``, ``θ ← θ − (η/2) b``, ``b ← μ b + √((1−μ²)T/(ηN)) ξ``, ``θ ← θ − (η/2) b``.
 
-    Samples: after optimizer step ``t`` with ``t > burn_in`` and ``(t − burn_in) % thin == 0`` the subset's
-    values are kept (``subset.gather`` order, the parameters' dtype); `posterior` turns them into a
-    `SampledPosterior`. The learning rate may follow any ``torch.optim.lr_scheduler`` (it must stay ``> 0``).
+    The concept page relates them to the papers' units. After step ``t > burn_in`` with
+    ``(t − burn_in) % thin == 0`` the subset's values are kept; `posterior` makes them a `SampledPosterior`.
+    The learning rate may follow any ``torch.optim.lr_scheduler`` (it must stay ``> 0``).
 
     Args:
         model: The model; its current weights are the chain's start.
@@ -117,13 +106,7 @@ class SGMCMC(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:  # type: ignore[override]
-        """One sampler step from the gradients in ``.grad`` (call ``loss.backward()`` first).
-
-        Args:
-            closure: Optional, re-evaluates the loss with gradients (as for any optimizer).
-
-        Returns:
-            The closure's loss, or ``None``.
+        """One sampler step from the gradients in ``.grad``; returns the optional ``closure``'s loss.
 
         Raises:
             ValueError: A parameter of the subset without a gradient; a kept sample with NaN or inf entries
@@ -177,7 +160,7 @@ class SGMCMC(torch.optim.Optimizer):
         done = self.steps - self.burn_in
         if (
             done > 0 and done % self.thin == 0
-        ):  # a kept sample is checked (a per-step check costs a pass)
+        ):  # only kept samples are checked: a check costs a pass
             sample = self.current()
             bad = [n for n, v in sample.items() if not bool(torch.isfinite(v).all())]
             if bad:
