@@ -22,14 +22,21 @@ class _Boom(Exception):
     """Raised inside `swapped` to check that the MAP comes back on error."""
 
 
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise AssertionError(message)
+
+
 def _state(model: nn.Module) -> dict[str, Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _assert_state(model: nn.Module, expected: Mapping[str, Tensor], when: str) -> None:
     for name, p in model.named_parameters():
-        if not torch.equal(p.detach(), expected[name]):
-            raise AssertionError(f"parameter {name!r} differs from the MAP {when}")
+        _require(
+            torch.equal(p.detach(), expected[name]),
+            f"parameter {name!r} differs from the MAP {when}",
+        )
 
 
 def _generator(seed: int, model: nn.Module) -> torch.Generator:
@@ -40,27 +47,25 @@ def _generator(seed: int, model: nn.Module) -> torch.Generator:
 def _check_samples(post: Posterior, n: int, seed: int) -> dict[str, Tensor]:
     subset = post.subset
     draws = post.sample(n, generator=_generator(seed, post.model))
-    if list(draws) != list(subset.names):
-        raise AssertionError(
-            f"sample() keys {list(draws)} must be the subset's names in order {list(subset.names)}"
-        )
+    _require(
+        list(draws) == list(subset.names),
+        f"sample() keys {list(draws)} must be the subset's names in order {list(subset.names)}",
+    )
     params = dict(post.model.named_parameters())
     for name, values in draws.items():
         k = subset.num_entries(name)
-        if tuple(values.shape) != (n, k):
-            raise AssertionError(
-                f"sample({n})[{name!r}] has shape {tuple(values.shape)}, expected [n, k] = {(n, k)}"
-            )
-        if not bool(torch.isfinite(values).all()):
-            raise AssertionError(f"sample({n})[{name!r}] holds non-finite values")
-        if values.device != params[name].device:
-            raise AssertionError(
-                f"sample({n})[{name!r}] is on {values.device}, the model on {params[name].device}"
-            )
+        where = f"sample({n})[{name!r}]"
+        shape = tuple(values.shape)
+        _require(shape == (n, k), f"{where} has shape {shape}, expected [n, k] = {(n, k)}")
+        _require(bool(torch.isfinite(values).all()), f"{where} holds non-finite values")
+        device = params[name].device
+        _require(values.device == device, f"{where} is on {values.device}, the model on {device}")
     again = post.sample(n, generator=_generator(seed, post.model))
     for name in draws:
-        if not torch.equal(draws[name], again[name]):
-            raise AssertionError(f"sample() is not reproducible from the generator ({name!r})")
+        _require(
+            torch.equal(draws[name], again[name]),
+            f"sample() is not reproducible from the generator ({name!r})",
+        )
     return draws
 
 
@@ -69,16 +74,15 @@ def _check_swapping(post: Posterior, draws: Mapping[str, Tensor], seed: int) -> 
     before = _state(model)
     one = rows(draws, 0)
     with post.swapped(one) as swapped_model:
-        if swapped_model is not model:
-            raise AssertionError("swapped() must yield the posterior's model")
+        _require(swapped_model is model, "swapped() must yield the posterior's model")
         params = dict(model.named_parameters())
         for name in post.subset.names:
             got = post.subset.gather(name, params[name].detach())
-            if not torch.equal(got, one[name].to(device=got.device, dtype=got.dtype)):
-                raise AssertionError(f"swapped() did not write the sample into {name!r}")
+            wrote = torch.equal(got, one[name].to(device=got.device, dtype=got.dtype))
+            _require(wrote, f"swapped() did not write the sample into {name!r}")
             outside = ~post.subset.mask(name).to(params[name].device)
-            if not torch.equal(params[name].detach()[outside], before[name][outside]):
-                raise AssertionError(f"swapped() changed entries of {name!r} outside the subset")
+            kept = torch.equal(params[name].detach()[outside], before[name][outside])
+            _require(kept, f"swapped() changed entries of {name!r} outside the subset")
     _assert_state(model, before, "after swapped()")
     try:
         with post.swapped(one):
@@ -114,42 +118,37 @@ def _check_predict(post: Posterior, batch: Any, regression: bool, seed: int) -> 
         pred = post.predict(batch, link=link, n_samples=8, generator=_generator(seed, post.model))
         if regression:
             mean, var = pred
-            if mean.shape != logits.shape or var.shape != logits.shape:
-                raise AssertionError(
-                    f"predict(link={link!r}) gave mean {tuple(mean.shape)} and variance "
-                    f"{tuple(var.shape)}; the model's outputs are {tuple(logits.shape)}"
-                )
-            if not bool(torch.isfinite(var).all()) or bool((var < 0).any()):
-                raise AssertionError(f"predict(link={link!r}) variance is negative or non-finite")
+            _require(
+                mean.shape == logits.shape == var.shape,
+                f"predict(link={link!r}) gave mean {tuple(mean.shape)} and variance "
+                f"{tuple(var.shape)}; the model's outputs are {tuple(logits.shape)}",
+            )
+            ok = bool(torch.isfinite(var).all()) and not bool((var < 0).any())
+            _require(ok, f"predict(link={link!r}) variance is negative or non-finite")
         else:
-            if not isinstance(pred, Tensor) or pred.shape != logits.shape:
-                raise AssertionError(
-                    f"predict(link={link!r}) must return probabilities of the logits' shape "
-                    f"{tuple(logits.shape)}, got {getattr(pred, 'shape', type(pred).__name__)}"
-                )
-            if not bool(torch.isfinite(pred).all()) or bool((pred < 0).any()):
-                raise AssertionError(f"predict(link={link!r}) gave negative or non-finite values")
+            _require(
+                isinstance(pred, Tensor) and pred.shape == logits.shape,
+                f"predict(link={link!r}) must return probabilities of the logits' shape "
+                f"{tuple(logits.shape)}, got {getattr(pred, 'shape', type(pred).__name__)}",
+            )
+            ok = bool(torch.isfinite(pred).all()) and not bool((pred < 0).any())
+            _require(ok, f"predict(link={link!r}) gave negative or non-finite values")
             err = float((pred.sum(-1) - 1).abs().max())
-            if err > 1e-5:
-                raise AssertionError(f"predict(link={link!r}) rows sum to 1 ± {err:.2e}")
+            _require(err <= 1e-5, f"predict(link={link!r}) rows sum to 1 ± {err:.2e}")
         out[link] = pred
     try:
         post.predict(batch, link="no-such-link")
     except ValueError as err:
-        if not all(link in str(err) for link in post.links):
-            raise AssertionError(
-                f"an unknown link's error must list the offered links: {err}"
-            ) from err
+        listed = all(link in str(err) for link in post.links)
+        _require(listed, f"an unknown link's error must list the offered links: {err}")
     else:
         raise AssertionError("predict(link='no-such-link') must raise ValueError")
     samples = post.predictive_samples(batch, 3, generator=_generator(seed, post.model))
-    if tuple(samples.shape) != (3, *logits.shape):
-        raise AssertionError(
-            f"predictive_samples(batch, 3) has shape {tuple(samples.shape)}, expected "
-            f"{(3, *logits.shape)}"
-        )
-    if not bool(torch.isfinite(samples).all()):
-        raise AssertionError("predictive_samples gave non-finite logits")
+    _require(
+        tuple(samples.shape) == (3, *logits.shape),
+        f"predictive_samples(batch, 3) has shape {tuple(samples.shape)}, expected {(3, *logits.shape)}",
+    )
+    _require(bool(torch.isfinite(samples).all()), "predictive_samples gave non-finite logits")
     return out
 
 
@@ -170,23 +169,23 @@ def _check_answers(post: Posterior, batch: Any, seed: int) -> None:
     flipped = post.predict(batch, target_ids=[0, c - 1], n_samples=8, generator=gen[1])
     draws = post.predictive_samples(batch, 3, target_ids=[c - 1, 0], generator=gen[2])
     ok = isinstance(probs, Tensor) and isinstance(flipped, Tensor) and probs.shape == shape
-    if not ok or tuple(draws.shape) != (3, *shape):
-        raise AssertionError(
-            f"target_ids=[{c - 1}, 0] must give [P, K] = {shape} (draws [n, P, K])"
-        )
+    _require(
+        ok and tuple(draws.shape) == (3, *shape),
+        f"target_ids=[{c - 1}, 0] must give [P, K] = {shape} (draws [n, P, K])",
+    )
     assert isinstance(probs, Tensor)
     assert isinstance(flipped, Tensor)
-    if float((probs.sum(-1) - 1).abs().max()) > 1e-5 or not torch.allclose(probs, flipped.flip(-1)):
-        raise AssertionError(
-            "predict(target_ids=...) must renormalise over the ids, in their order"
-        )
+    _require(
+        float((probs.sum(-1) - 1).abs().max()) <= 1e-5 and torch.allclose(probs, flipped.flip(-1)),
+        "predict(target_ids=...) must renormalise over the ids, in their order",
+    )
     for bad in ([0, 0], [c]):
         try:
             post.predict(batch, target_ids=bad)
         except ValueError:
             continue
-        raise AssertionError(
-            f"predict(target_ids={bad}) must raise ValueError (repeated / out of range)"
+        _require(
+            False, f"predict(target_ids={bad}) must raise ValueError (repeated / out of range)"
         )
 
 
@@ -203,8 +202,8 @@ def check_posterior(
     Checked: it is a `Posterior`; ``sample(n)`` gives ``{name: [n, k]}`` in subset order, finite, on the
     model's device, reproducible from a generator; ``swapped`` writes exactly the subset's entries, yields
     the model and restores every parameter bit for bit, also when the body raises (and so does
-    ``sampled``), and refuses a sample with NaN entries with a ``ValueError``; ``predict`` with every offered link returns probabilities of the logits' shape that sum
-    to one (regression: a mean and a non-negative variance of that shape); an unknown link is a
+    ``sampled``), and refuses a sample with NaN entries with a ``ValueError``; ``predict`` with every
+    offered link returns probabilities of the logits' shape that sum to one (regression: a mean and a non-negative variance of that shape); an unknown link is a
     ``ValueError`` listing the offered ones; ``predictive_samples`` has shape ``[n, *logits]``; and
     ``save`` → ``load`` onto the same model gives identical predictions. Classification with two or more
     outputs: ``predict(target_ids=ids)`` is ``[P, K]`` (the answer positions of
@@ -223,10 +222,12 @@ def check_posterior(
         names = [*Posterior.__annotations__, *(m for m in vars(Posterior) if m[0] != "_")]
         missing = [m for m in names if not hasattr(posterior, m)]
         raise AssertionError(f"{type(posterior).__name__} is not a Posterior: missing {missing}")
-    if not posterior.links:
-        raise AssertionError("links must name at least one link")
-    if isinstance(posterior.num_floats, bool) or not isinstance(posterior.num_floats, int):
-        raise AssertionError(f"num_floats must be an int, got {posterior.num_floats!r}")
+    _require(bool(posterior.links), "links must name at least one link")
+    floats = posterior.num_floats
+    _require(
+        isinstance(floats, int) and not isinstance(floats, bool),
+        f"num_floats must be an int, got {floats!r}",
+    )
     draws = _check_samples(posterior, 3, seed)
     _check_swapping(posterior, draws, seed)
     before = _check_predict(posterior, batch, regression, seed)
@@ -239,5 +240,4 @@ def check_posterior(
         got = after[link]
         pairs = zip(pred, got, strict=True) if regression else [(pred, got)]
         for a, b in pairs:
-            if not torch.equal(a, b):
-                raise AssertionError(f"predict(link={link!r}) changed after save -> load")
+            _require(torch.equal(a, b), f"predict(link={link!r}) changed after save -> load")
