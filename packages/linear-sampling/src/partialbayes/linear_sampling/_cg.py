@@ -66,16 +66,10 @@ def cg_solve(
 def conjugate_gradients(
     matvec: Callable[[Tensor], Tensor], b: Tensor, tol: float = 1e-8, max_iter: int | None = None
 ) -> Tensor:
-    """Solve ``H x = b`` for a symmetric positive-definite ``H`` given as ``matvec``.
+    """Solve ``H x = b`` (``b``: ``[d]`` or ``[d, k]``, columns jointly) for a symmetric positive-definite ``H``.
 
-    Args:
-        matvec: ``v -> H v`` for ``v`` of shape ``[d]`` or ``[d, k]`` (k right-hand sides solved jointly).
-        b: Right-hand side(s), ``[d]`` or ``[d, k]``.
-        tol: Relative residual tolerance ``‖r‖ / ‖b‖`` per column.
-        max_iter: Iteration cap, default ``d``.
-
-    Returns:
-        ``x`` with the shape of ``b``.
+    ``matvec`` is ``v -> H v`` on ``b``'s shape; ``tol`` bounds ``‖r‖ / ‖b‖`` per column; ``max_iter``
+    defaults to ``d``. Returns ``x`` of ``b``'s shape.
 
     Raises:
         TypeError: If ``b`` is not a floating tensor, ``matvec`` is not callable or ``tol`` no number.

@@ -38,23 +38,12 @@ def effective_dimension(
     estimator: str = "function",
     batch_size: int | None = None,
 ) -> Tensor:
-    """Sample estimate of the effective dimension ``γ_g = Tr_g(H⁻¹ΦᵀBΦ) = d_g − α_g Tr_g(H⁻¹)`` per group.
+    """Sample estimate of the effective dimension ``γ_g = Tr_g(H⁻¹ΦᵀBΦ) = d_g − α_g Tr_g(H⁻¹)`` per group, ``[G]``.
 
-    With ``z_j ~ N(0, H⁻¹)``: the function-space estimate is
-    ``γ_g ≈ (1/k) Σ_j z_{j,g}ᵀ (ΦᵀBΦ z_j)_g`` (summed over groups: ``(1/k) Σ_j ‖Φ z_j‖²_B``; one pass
-    over the data), the weight-space estimate is ``γ_g ≈ d_g − α_g (1/k) Σ_j ‖z_{j,g}‖²`` (free, but
-    noisier when ``γ_g ≪ d_g``). Both are unbiased.
-
-    Args:
-        features: Features ``Φ``.
-        noise: Noise precision ``B``.
-        prior: Prior precision (its groups define the per-group sums).
-        samples: ``[d, k]`` zero-mean posterior samples.
-        estimator: ``"function"`` or ``"weight"``.
-        batch_size: Observations per operator call.
-
-    Returns:
-        ``[G]`` estimates (``G = 1`` for a scalar prior).
+    With ``z_j ~ N(0, H⁻¹)`` (``samples`` ``[d, k]``): ``"function"`` estimates
+    ``γ_g ≈ (1/k) Σ_j z_{j,g}ᵀ (ΦᵀBΦ z_j)_g`` (one pass over the data), ``"weight"`` estimates
+    ``γ_g ≈ d_g − α_g (1/k) Σ_j ‖z_{j,g}‖²`` (free, noisier when ``γ_g ≪ d_g``); both are unbiased. The groups
+    are ``prior``'s; ``batch_size`` observations go per operator call.
 
     Raises:
         ValueError: On an unknown estimator, a shape mismatch or non-finite samples.
@@ -76,20 +65,10 @@ def effective_dimension(
 
 
 def mackay_update(mean: Tensor, gamma: Tensor, prior: Prior) -> Prior:
-    """MacKay's fixed-point update ``α_g ← γ_g / ‖θ̄_g‖²``.
-
-    Its fixed point is a stationary point of the log evidence in ``α``.
-
-    Args:
-        mean: ``[d]`` posterior mean ``θ̄``.
-        gamma: ``[G]`` effective dimensions.
-        prior: Current prior (supplies the groups).
-
-    Returns:
-        The updated prior (same groups; ``alpha`` keeps its shape).
+    """MacKay's fixed-point update ``α_g ← γ_g / ‖θ̄_g‖²`` (a stationary point of the evidence): the new `Prior`.
 
     Raises:
-        ValueError: If ``mean`` or ``gamma`` is not finite, a group has a non-positive ``γ_g`` (too
+        ValueError: If ``mean`` ``[d]`` or ``gamma`` ``[G]`` is not finite, a group has ``γ_g ≤ 0`` (too
             few samples for the weight-space estimate) or a zero mean.
     """
     if not bool(torch.isfinite(mean).all()):
@@ -193,10 +172,9 @@ def fit_prior_precision(
 ) -> EMResult:
     """EM for the prior precision: E-step posterior mean and ``k`` samples, M-step MacKay update.
 
-    Each iteration solves for ``θ̄`` and draws ``z_j ~ N(0, H⁻¹)`` by sample-then-optimise (low-variance
-    objective), estimates ``γ_g`` from the samples, and sets ``α_g ← γ_g / ‖θ̄_g‖²``. It stops when
-    ``max_g |Δα_g| / α_g < tol``. Because ``γ`` is estimated from ``k`` samples, ``α`` fluctuates with
-    relative size about ``sqrt(2 / k)``: pick ``tol`` above that.
+    Each iteration solves for ``θ̄``, draws ``z_j ~ N(0, H⁻¹)`` (low-variance sample-then-optimise), estimates
+    ``γ_g`` and sets ``α_g ← γ_g / ‖θ̄_g‖²``, until ``max_g |Δα_g| / α_g < tol``. ``α`` fluctuates by about
+    ``sqrt(2 / k)`` relative: pick ``tol`` above that.
 
     Args:
         features: Features ``Φ``.
@@ -215,9 +193,6 @@ def fit_prior_precision(
         solver_tol: CG tolerance.
         batch_size: Observations per operator call.
         generator: CPU generator.
-
-    Returns:
-        The fitted prior, mean, samples and history.
 
     Raises:
         ValueError: On bad arguments (``sgd`` settings with ``method="cg"`` among them) or divergence.

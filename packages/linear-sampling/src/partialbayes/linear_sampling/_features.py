@@ -27,23 +27,12 @@ def _shape(x: Tensor | tuple[int, ...]) -> tuple[int, ...]:
 class Features:
     """Features ``Φ`` of ``n`` observations with ``m`` outputs each over ``d`` parameters, as operators.
 
-    The linear model is ``y_n = Φ_n θ + η_n`` with ``Φ_n`` of shape ``[m, d]``. Only two operations are
-    needed, both minibatched over observations: ``Φ_idx z`` (a Jacobian-vector product) and ``Φ_idxᵀ v``
-    (a vector-Jacobian product). ``k`` right-hand sides are carried jointly as a trailing dimension.
-
-    Use [`Features.dense`][partialbayes.linear_sampling.Features.dense] for an explicit matrix and
-    [`network_features`][partialbayes.linear_sampling.network_features] for the Jacobian of a network.
-
-    Attributes:
-        jvp: ``(idx [b], z [d, k]) -> [b, m, k]``.
-        vjp: ``(idx [b], v [b, m, k]) -> [d, k]``.
-        n: Number of observations.
-        m: Outputs per observation.
-        d: Number of parameters.
-        dtype: Floating dtype of the features.
-        device: Device of the features.
-        matrix: The dense ``[n, m, d]`` matrix when the features were built from one, else ``None``.
-        check_finite: Raise when an operator returns NaN or inf (one device sync per call).
+    The linear model is ``y_n = Φ_n θ + η_n`` with ``Φ_n`` ``[m, d]``, used only through minibatched
+    ``jvp(idx [b], z [d, k]) -> [b, m, k]`` (``Φ_idx z``) and ``vjp(idx [b], v [b, m, k]) -> [d, k]``
+    (``Φ_idxᵀ v``). Build it with [`Features.dense`][partialbayes.linear_sampling.Features.dense] from a
+    matrix (then kept as ``matrix``, ``[n, m, d]``) or
+    [`network_features`][partialbayes.linear_sampling.network_features] for a network's Jacobian.
+    ``check_finite`` raises when an operator returns NaN or inf (one device sync per call).
     """
 
     jvp: JvpFn

@@ -1,8 +1,6 @@
 """`SampledLaplace` files: ``partialbayes.predictive``'s posterior files with this family's fields.
 
-`write_posterior` reads a posterior through its attributes and `read_posterior` builds the class it is
-given, so ``_posterior`` imports this module and not the other way round (the class is imported for type
-annotations only).
+This module reads and builds the class through its attributes, so ``_posterior`` imports it, not the reverse.
 """
 
 from __future__ import annotations

@@ -34,20 +34,13 @@ def linearised_logit_samples(
     batch_size: int = 64,
     output_fn: Callable[[Any], Tensor] | None = None,
 ) -> Tensor:
-    """Logit samples ``f(x; θ*) + J(x) z_j`` of the linearised network.
+    """``[k, n, m]`` logit samples ``f(x; θ*) + J(x) z_j`` of the linearised network (the layout ``predictive`` takes).
 
-    Args:
-        model: The network at the MAP ``θ*``, in eval mode.
-        inputs: ``[n, ...]`` tensor or dict of tensors (test points).
-        params: The stochastic parameters (as in
-            [`network_features`][partialbayes.linear_sampling.network_features]).
-        samples: ``[d, k]`` zero-mean posterior samples of the stochastic parameters (for example
-            [`posterior_samples`][partialbayes.linear_sampling.posterior_samples]).
-        batch_size: Test points per JVP call.
-        output_fn: Maps the model output to logits.
-
-    Returns:
-        ``[k, n, m]`` logit samples (the layout ``predictive`` takes).
+    ``model`` is at the MAP ``θ*``, in eval mode; ``inputs`` are the ``[n, ...]`` test points (tensor or dict);
+    ``params`` are the stochastic parameters (as in
+    [`network_features`][partialbayes.linear_sampling.network_features]); ``samples`` are ``[d, k]`` zero-mean
+    posterior samples (e.g. [`posterior_samples`][partialbayes.linear_sampling.posterior_samples]);
+    ``batch_size`` test points go per JVP call; ``output_fn`` maps the output to logits.
 
     Raises:
         ValueError: If the samples are not ``[d, k]`` or not finite.
@@ -75,26 +68,12 @@ def linearised_logit_moments(
     tol: float = 1e-8,
     output_fn: Callable[[Any], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Logit mean ``f(x; θ*)`` and covariance ``J H⁻¹ Jᵀ`` of the linearised network.
+    """Logit mean ``f(x; θ*)`` ``[n, m]`` and covariance ``J H⁻¹ Jᵀ`` ``[n, m, m]`` of the linearised network.
 
-    Give either ``samples`` (Monte Carlo covariance ``(1/k) Σ_j (J z_j)(J z_j)ᵀ``, cost ``k`` JVPs per
-    test batch) or ``train_features``, ``noise`` and ``prior`` (exact covariance: ``Jᵀ`` by ``m`` VJPs
-    per test point, then conjugate gradients on ``H = ΦᵀBΦ + A``; for modest numbers of test points).
-
-    Args:
-        model: The network at the MAP, in eval mode.
-        inputs: Test points.
-        params: The stochastic parameters.
-        train_features: Training features ``Φ`` (for the exact covariance).
-        noise: Training noise precision ``B`` (for the exact covariance).
-        prior: Prior precision ``A`` (for the exact covariance).
-        samples: ``[d, k]`` zero-mean posterior samples (for the Monte Carlo covariance).
-        batch_size: Test points per call.
-        tol: CG relative tolerance.
-        output_fn: Maps the model output to logits.
-
-    Returns:
-        ``(mean [n, m], covariance [n, m, m])``.
+    Give either ``samples`` (``[d, k]``; Monte Carlo ``(1/k) Σ_j (J z_j)(J z_j)ᵀ``, ``k`` JVPs per test batch)
+    or ``train_features``, ``noise`` and ``prior`` (exact: ``Jᵀ`` by ``m`` VJPs per test point, then CG on
+    ``H = ΦᵀBΦ + A`` to ``tol``; for modest numbers of test points). Other arguments as
+    [`linearised_logit_samples`][partialbayes.linear_sampling.linearised_logit_samples].
 
     Raises:
         ValueError: If neither or both ways are given, ``d`` disagrees, or the ``[n, m, m]``
@@ -150,13 +129,12 @@ def linearised_targets(
     *,
     batch_size: int | None = None,
 ) -> Tensor:
-    """Targets of the linear model that linearised Laplace for classification solves: ``Φθ* + B⁻¹(y − p)``.
+    """``[n, m]`` targets ``Φθ* + B⁻¹(y − p)`` of the linear model that linearised Laplace for classification solves.
 
-    Expanding the categorical log-likelihood to second order in the logits around the MAP ``θ*`` gives a
-    Gaussian linear model with noise precision ``B_n`` (the softmax Hessian) and these pseudo-targets. At a
-    MAP trained with the same prior precision, ``Φᵀ(y − p) = Aθ*``, so the linear model's posterior mean
-    is ``θ*`` itself; [`fit_prior_precision`][partialbayes.linear_sampling.fit_prior_precision] uses
-    them to re-estimate ``A``.
+    The second-order expansion of the categorical log-likelihood in the logits at the MAP ``θ*`` is a Gaussian
+    linear model with noise precision ``B`` (the softmax Hessian) and these pseudo-targets; at a MAP trained
+    with the same prior its posterior mean is ``θ*`` itself.
+    [`fit_prior_precision`][partialbayes.linear_sampling.fit_prior_precision] uses them to re-estimate ``A``.
 
     Args:
         features: Training features ``Φ`` at ``θ*`` (``n`` examples, ``m`` classes).
@@ -166,9 +144,6 @@ def linearised_targets(
         labels: ``[n]`` int64 class labels.
         noise: ``B``, a [`softmax_hessian`][partialbayes.linear_sampling.softmax_hessian].
         batch_size: Observations per JVP call.
-
-    Returns:
-        ``[n, m]`` targets.
 
     Raises:
         ValueError: On shape mismatches, non-finite logits or ``theta``, or labels out of range.

@@ -1,11 +1,7 @@
 """Features of a linearised network: the Jacobian of the logits in chosen parameters, via torch.func.
 
-Batches are read with ``partialbayes.predictive.internal.split_batch`` (tensors, ``(inputs, labels)`` pairs, dicts,
-``transformers.BatchEncoding``). Every output that carries a label is one observation: for ``[B, C]``
-logits each example whose label is not -100, for token-level logits ``[B, T, C]`` every position with
-attention mask 1 and label not -100, in row-major ``(b, t)`` order (as
-``partialbayes.predictive.flatten_outputs`` orders them). The Jacobian products run on the kept outputs
-only, a few columns at a time, so no ``[B, T, C, k]`` block is formed at a large vocabulary ``C``.
+Every labelled output is one observation, in ``partialbayes.predictive.flatten_outputs`` order; the
+Jacobian products run on those only, a few columns at a time (no ``[B, T, C, k]`` block).
 """
 
 from __future__ import annotations

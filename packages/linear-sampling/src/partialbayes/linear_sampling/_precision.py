@@ -63,15 +63,7 @@ class NoisePrecision:
         object.__setattr__(self, "_rest", j * (p / (p + j)).sum(-1))
 
     def check(self, n: int, m: int) -> None:
-        """Raise if this precision does not fit ``n`` observations with ``m`` outputs.
-
-        Args:
-            n: Number of observations.
-            m: Outputs per observation.
-
-        Raises:
-            ValueError: On a shape mismatch, naming both shapes.
-        """
+        """Raise a ``ValueError`` naming both shapes if this precision does not fit ``n`` observations of ``m`` outputs."""
         v = self.value
         if (v.ndim == 1 and v.shape[0] != n) or (v.ndim == 2 and tuple(v.shape) != (n, m)):
             raise ValueError(
@@ -148,22 +140,13 @@ class NoisePrecision:
 
 
 def softmax_hessian(logits: Tensor, jitter: float = 1e-6) -> NoisePrecision:
-    """Hessian of the categorical negative log-likelihood in the logits: ``diag(p) − ppᵀ + jitter·I``.
+    """Hessian ``diag(p) − ppᵀ + jitter·I`` of the categorical NLL in the ``[n, m]`` logits: the ``B_n`` of classification.
 
-    This is the ``B_n`` of linearised Laplace for classification (the GGN). It is singular along the
-    all-ones direction, hence the jitter. It is kept as the probabilities ``p`` (float64, ``[n, m]``):
-    every product with it costs ``O(m)``, so a 50,257-token vocabulary needs no ``[n, m, m]`` block.
-
-    Args:
-        logits: ``[n, m]`` logits at the MAP.
-        jitter: Positive value added to the diagonal.
-
-    Returns:
-        A [`NoisePrecision`][partialbayes.linear_sampling.NoisePrecision] of ``[n, m]`` probabilities.
+    Singular along the all-ones direction, hence the positive ``jitter``. Kept as the probabilities (float64):
+    every product costs ``O(m)``, so a 50,257-token vocabulary needs no ``[n, m, m]`` block.
 
     Raises:
-        ValueError: If ``logits`` is not ``[n, m]``, has non-finite entries, or ``jitter`` is not
-            positive.
+        ValueError: If ``logits`` is not ``[n, m]``, has non-finite entries, or ``jitter`` is not positive.
     """
     if not isinstance(logits, Tensor) or not logits.dtype.is_floating_point:
         raise TypeError(f"logits must be a floating tensor, got {type(logits).__name__}")

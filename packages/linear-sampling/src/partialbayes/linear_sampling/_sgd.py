@@ -1,9 +1,4 @@
-"""Settings, diagnostics and the plain minibatch SGD solver (Nesterov momentum, Polyak averaging).
-
-Every minibatch solver minimises the quadratic ``f(x) = ½ xᵀHx − cᵀx`` (one column per right-hand side)
-with ``H = ΦᵀBΦ + A``, and checks its progress with one full pass over the data: the residual
-``r = Hx − c`` gives the objective and a certified bound on the error (``error_bound``).
-"""
+"""Settings, diagnostics and the plain minibatch SGD solver of ``½ xᵀHx − cᵀx`` (Nesterov, Polyak averaging)."""
 
 from __future__ import annotations
 

@@ -153,8 +153,7 @@ def posterior_mean(
         targets: ``[n]`` (when ``m = 1``) or ``[n, m]``.
         noise: Noise precision ``B``.
         prior: Prior precision ``A``.
-        method: ``"cg"`` (conjugate gradients, full-data products; for moderate sizes) or ``"sgd"``
-            (minibatch steps, variance-reduced by default, see
+        method: ``"cg"`` (conjugate gradients, full-data products) or ``"sgd"`` (minibatch steps, see
             [`SGDConfig`][partialbayes.linear_sampling.SGDConfig]; one epoch costs ``O(n·d)``).
         tol: CG relative residual tolerance (SGD uses ``sgd.tol``, a bound on the relative error).
         max_iter: CG iteration cap (default ``d``).
@@ -167,9 +166,8 @@ def posterior_mean(
         The mean and solver information (``info.converged`` says whether the tolerance was met).
 
     Raises:
-        ValueError: On shape mismatches (``init`` of the wrong shape names ``[d]``), non-finite
-            inputs, ``sgd`` settings with ``method="cg"``, or divergence
-            ([`DivergenceError`][partialbayes.linear_sampling.DivergenceError]).
+        ValueError: On shape mismatches, non-finite inputs, ``sgd`` settings with ``method="cg"``, or
+            divergence ([`DivergenceError`][partialbayes.linear_sampling.DivergenceError]).
         TypeError: If an argument has the wrong type.
     """
     noise, a = check_problem(features, noise, prior, method, sgd)

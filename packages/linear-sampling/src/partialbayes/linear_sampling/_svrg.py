@@ -1,10 +1,7 @@
 """Variance-reduced minibatch solver (SVRG with Nesterov momentum) for ``Hx = c``, ``H = ΦᵀBΦ + A``.
 
-At a snapshot ``x̃`` one full pass gives the exact gradient ``r̃ = Hx̃ − c``; between snapshots each step
-uses ``Ĥ_S (x − x̃) + r̃`` with ``Ĥ_S = (n/|S|) Φ_SᵀB_SΦ_S + A`` the curvature of a minibatch ``S``. The
-estimate is unbiased, and its noise ``(Ĥ_S − H)(x − x̃)`` vanishes as ``x`` and ``x̃`` approach the
-solution, so a constant step converges linearly to the exact minimiser (plain SGD only reaches a
-neighbourhood whose size is set by the step). The full pass is also the convergence check.
+Between snapshots ``x̃`` (exact gradient ``r̃ = Hx̃ − c`` by one full pass) a step uses
+``Ĥ_S (x − x̃) + r̃`` with ``Ĥ_S`` a minibatch's curvature: unbiased, with noise vanishing at the solution.
 """
 
 from __future__ import annotations

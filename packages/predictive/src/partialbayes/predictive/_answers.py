@@ -1,9 +1,4 @@
-"""Answer-only predictions: where a batch's answers are, and the logits of the answer tokens there.
-
-A multiple-choice answer of a language model is scored by the next-token logits of its ``K`` answer tokens
-(``target_ids``) at the answer positions only: ``[P, K]`` instead of ``[B, T, V]``, and its distribution is
-the softmax renormalised over the ``K`` tokens.
-"""
+"""Answer-only predictions: the ``[P, K]`` logits of the ``K`` answer tokens (``target_ids``) at the answer positions."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
 """Posterior files: one safetensors file per posterior, one JSON metadata entry, never pickle.
 
-Every family (Laplace, SWAG, IVON, SampledLaplace) writes through `write_posterior_file` and reads through
-`read_posterior_file`, so all share one layout, one atomic write and one error style:
-
-* the family's tensors, stored on the CPU;
-* the metadata entry ``"partialbayes"`` of the safetensors header: a JSON object with ``format``
-  (``"partialbayes.<package>.<Class>"``), ``version``, ``structure`` (the model's parameter names and
-  shapes, so a posterior is never loaded onto another model) and the family's own fields.
-
-``safetensors`` is imported inside the two functions: importing ``predictive`` does not load it.
+Every family writes and reads through these two functions (tensors on the CPU; metadata ``"partialbayes"``
+with ``format``, ``version``, the model's ``structure`` and the family's fields); they import safetensors.
 """
 
 from __future__ import annotations

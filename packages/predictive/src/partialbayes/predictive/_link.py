@@ -1,8 +1,4 @@
-"""Deterministic link approximations for Gaussian logits: probit and the Laplace bridge.
-
-Given logits ``f ~ N(mean, cov)`` per example, these approximate the predictive
-``E[softmax(f)]`` (or ``E[sigmoid(f)]`` for one binary logit) without sampling.
-"""
+"""Deterministic link approximations of ``E[softmax(f)]`` (or ``E[sigmoid(f)]``) for Gaussian logits ``f``."""
 
 from __future__ import annotations
 

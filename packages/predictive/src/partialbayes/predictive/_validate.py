@@ -1,8 +1,7 @@
 """The argument checks of every package: a wrong type is a ``TypeError``, a value out of range a ``ValueError``.
 
-Every message names the argument. Numbers are given an interval in the usual notation (``"(0, inf)"``,
-``"[0, 1)"``); NaN lies in none. An ``int`` never accepts a ``bool``. Configuration dataclasses declare their
-ranges once with `ranged` and check them all with `check_fields`.
+Messages name the argument; intervals use the usual notation (``"(0, inf)"``; NaN lies in none); an ``int``
+never accepts a ``bool``. Dataclasses declare ranges with `ranged` and check them with `check_fields`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,4 @@
-"""Plumbing the sibling packages share: no compatibility promise, not part of the API reference.
-
-The one batch reader (`split_batch`), the one model call (`model_logits`), the posterior files, the
-argument checks (one rule: a wrong type is a `TypeError`, a value out of range a `ValueError`) and small
-helpers every posterior family needs. Users import from `partialbayes.predictive`; the packages of this
-workspace import these names from here.
-"""
+"""Plumbing the sibling packages share: no compatibility promise, not part of the API reference."""
 
 from partialbayes.predictive._answers import check_target_ids
 from partialbayes.predictive._batch import (
