@@ -64,9 +64,9 @@ def merge(
 ) -> dict[str, Tensor]:
     """Merge IVON fine-tunes of one base model, each weight weighted by the fine-tunes' precisions.
 
-    ``θ = θ₀ + Σ_t (h₀ + Σ_s H_s)⁻¹ H_t (θ_t − θ₀)`` elementwise. With ``h₀ = 0`` the base
-    cancels: ``θ = Σ_t H_t θ_t / Σ_s H_s``. Where every ``H_t`` and ``h₀`` are 0 (no fine-tune has
-    information on the entry) the merged entry is the plain average of the ``θ_t``.
+    ``θ = θ₀ + Σ_t (h₀ + Σ_s H_s)⁻¹ H_t (θ_t − θ₀)`` elementwise; with ``h₀ = 0`` the base cancels:
+    ``θ = Σ_t H_t θ_t / Σ_s H_s``. An entry no fine-tune has information on (every ``H_t`` and ``h₀`` 0) is the
+    plain average of the ``θ_t``.
 
     Args:
         posteriors: ``ivon_posterior(optimizer, model)`` of each fine-tune (same parameters and shapes).
@@ -82,7 +82,7 @@ def merge(
         TypeError: If ``posteriors`` is not a list (or other iterable) of :class:`GaussianPosterior`.
         ValueError: If the posteriors differ in their parameters or shapes (the first mismatch is named),
             ``precisions`` does not fit them, ``base_precision`` is negative, or it is positive and ``base``
-            is missing (the posteriors do not carry their start point) or does not fit.
+            is missing or does not fit.
     """
     if isinstance(posteriors, GaussianPosterior | str | Mapping) or not isinstance(
         posteriors, Iterable
@@ -131,20 +131,11 @@ def squared_gradients(
     sampled: bool = True,
     generator: torch.Generator | None = None,
 ) -> dict[str, Tensor]:
-    """The squared-gradient precisions ``Σ_n (∇ℓ_n)²`` of a fine-tune, for :func:`merge`.
+    """The squared-gradient precisions ``{name: Σ_n (∂ℓ_n/∂θ)²}`` of a fine-tune, for :func:`merge`.
 
-    The diagonal empirical Fisher of the cross-entropy ``ℓ_n`` of every labelled example, each gradient from a
-    backward pass on the example alone, at one weight sample of the posterior per batch (the paper's
-    estimator), or at the mean (``sampled=False``). Eval mode; examples labelled -100 are skipped.
-
-    Args:
-        posterior: The fine-tune's posterior (bound to its model).
-        loader: The fine-tune's training data, with class labels ``[B]``.
-        sampled: Draw a weight sample per batch (``False``: at the mean the model holds).
-        generator: Source of the weight samples.
-
-    Returns:
-        ``{param name: Σ_n (∂ℓ_n/∂θ)²}`` for every parameter of the posterior (0 where unused).
+    The diagonal empirical Fisher of the cross-entropy of every labelled example of ``loader`` (class labels
+    ``[B]``; -100 skipped), one backward pass per example, in eval mode, at one weight sample of ``posterior``
+    per batch drawn with ``generator`` (the paper's estimator) or at the mean (``sampled=False``).
 
     Raises:
         ValueError: If the loader has no labelled example, a batch has no labels or is empty, or the logits

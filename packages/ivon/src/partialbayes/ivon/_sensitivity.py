@@ -111,19 +111,10 @@ def sensitivity(
 ) -> Sensitivity:
     """Per-example sensitivities, their scores and the leave-one-out NLL estimate of a (training) posterior.
 
-    Usable during training: ``sensitivity(optimizer, train_loader, model=model)`` every few steps reads the
-    optimizer's current means and ``σ`` without copying them (outside ``sampled_params``). Runs in eval mode
-    (restored afterwards), one forward and ``C`` backward passes per labelled example; examples labelled
-    -100 are skipped (issue #27's rule, with one warning counting skipped batches).
-
-    Args:
-        source: A :class:`GaussianPosterior` (bound to its model), or an :class:`IVON` optimizer.
-        loader: Batches with class labels ``[B]`` (any kind ``predictive.internal.split_batch`` reads); the training
-            data, for the leave-one-out estimate.
-        model: The model, with an optimizer as ``source``.
-
-    Returns:
-        The :class:`Sensitivity` of every labelled example (``.scores``, ``.shift``, ``.loo_nll``, ...).
+    ``source`` is a :class:`GaussianPosterior` bound to its model, or an :class:`IVON` optimizer with its
+    ``model`` (its current means and ``σ``, read outside ``sampled_params`` without copies: usable during
+    training). ``loader`` gives batches with class labels ``[B]`` (the training data, for leave-one-out;
+    -100 skipped). Eval mode; one forward and ``C`` backward passes per labelled example.
 
     Raises:
         TypeError: If ``source`` is neither.

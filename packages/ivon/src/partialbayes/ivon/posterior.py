@@ -184,9 +184,8 @@ class _SampledFamily:
 class GaussianPosterior(_SampledFamily):
     """A mean-field Gaussian over named parameters: ``w[name] ~ N(mean[name], std[name]²)``.
 
-    Implements ``partialbayes.predictive.Posterior`` once it knows its model (`ivon_posterior` and
-    `load_posterior` give it one): the subset is the entries with ``σ > 0``; the model must hold the means
-    (it does after IVON training: outside ``sampled_params`` the parameters are the means).
+    A ``partialbayes.predictive.Posterior`` once it has its model (`ivon_posterior` and `load_posterior` give
+    it one), which must hold the means (it does after IVON training); the subset is the entries with ``σ > 0``.
 
     Args:
         mean: Parameter name -> mean, in the parameter's storage shape.
@@ -259,29 +258,16 @@ class GaussianPosterior(_SampledFamily):
         return self._gathered
 
     def sample_full(self, generator: torch.Generator | None = None) -> dict[str, Tensor]:
-        """One weight sample ``mean + std·z`` of every parameter, in storage shape (noise in ``mean`` order).
-
-        Args:
-            generator: Random generator (same seed, same sample); ``None`` for the global RNG.
-
-        Returns:
-            Parameter name -> sampled tensor.
-        """
+        """One weight sample ``mean + std·z`` of every parameter, in storage shape (noise drawn in ``mean`` order)."""
         return {
             name: torch.addcmul(m, self._std[name], _randn(tuple(m.shape), m, generator))
             for name, m in self._mean.items()
         }
 
     def sample(self, n: int = 1, *, generator: torch.Generator | None = None) -> dict[str, Tensor]:
-        """``n`` weight samples ``{param name: [n, k]}`` of the subset's entries (``Subset.gather`` order).
+        """``n`` weight samples ``{param name: [n, k]}`` of the subset's entries, on the parameters' devices.
 
-        Args:
-            n: Number of samples.
-            generator: Source of randomness (same generator state, same samples); noise is drawn on its
-                device, parameter by parameter in ``subset.names`` order.
-
-        Returns:
-            ``{param name: [n, k]}`` on the parameters' devices.
+        The noise is drawn on ``generator``'s device, parameter by parameter in ``subset.names`` order.
         """
         check_int("n", n)
         return {
@@ -309,20 +295,11 @@ def ivon_posterior(
     likelihood: str = "classification",
     sigma_noise: float = 1.0,
 ) -> GaussianPosterior:
-    """The Gaussian learned by ``optimizer`` for ``model``: means and ``σ = 1/√(ess·(h+δ))``.
+    """The Gaussian learned by ``optimizer`` for ``model``: means and ``σ = 1/√(ess·(h+δ))``, as copies.
 
-    Only parameters of ``model`` that ``optimizer`` holds are included; entries outside a subset given to
-    :meth:`IVON.from_subset` get ``σ = 0``. The posterior records ``model`` (its parameters hold the means
-    outside ``sampled_params``), so it is a ready ``partialbayes.predictive.Posterior``.
-
-    Args:
-        optimizer: The IVON optimizer that trained ``model``.
-        model: The model.
-        likelihood: ``"classification"`` or ``"regression"`` (what `GaussianPosterior.predict` returns).
-        sigma_noise: Observation noise standard deviation of the regression likelihood.
-
-    Returns:
-        The posterior (tensors are copies, detached from the model).
+    Only parameters the optimizer holds are included; entries outside a subset given to
+    :meth:`IVON.from_subset` get ``σ = 0``. The posterior records ``model``, so it is a ready
+    ``partialbayes.predictive.Posterior``; ``likelihood`` and ``sigma_noise`` are `GaussianPosterior`'s.
 
     Raises:
         ValueError: If the optimizer holds none of the model's parameters.
@@ -346,11 +323,9 @@ def ivon_posterior(
 class MultiIVON(_SampledFamily):
     """Multi-IVON: the uniform mixture of the Gaussians of several independent IVON runs.
 
-    As a ``partialbayes.predictive.Posterior`` its subset is every entry that varies under the mixture:
-    ``σ > 0`` in some run, or means that differ between runs (independent runs differ in every trained
-    weight). The model must hold the runs' common values elsewhere (the first run's model does). Samples
-    are stratified over the runs: sample ``i`` of a draw comes from run ``(o + i) mod K`` with a uniformly
-    drawn offset ``o``, so each sample is a draw from the mixture and ``n = K`` draws visit every run once.
+    Its subset is every entry that varies under the mixture (``σ > 0`` in some run, or means that differ);
+    the model must hold the runs' common values elsewhere (the first run's model does). Samples are
+    stratified: sample ``i`` of a draw comes from run ``(o + i) mod K`` for a uniformly drawn offset ``o``.
 
     Args:
         components: Posteriors of the runs (same parameter names and shapes).
@@ -443,15 +418,7 @@ class MultiIVON(_SampledFamily):
     def sample_full(
         self, generator: torch.Generator | None = None, component: int | None = None
     ) -> dict[str, Tensor]:
-        """One full-shape sample: a uniformly drawn run (or the given one), then its Gaussian.
-
-        Args:
-            generator: Random generator; ``None`` for the global RNG.
-            component: Index of the run to sample from; ``None`` draws it uniformly.
-
-        Returns:
-            Parameter name -> sampled tensor, storage shape.
-        """
+        """One full-shape sample: from run ``component`` (``None``: drawn uniformly), then its Gaussian."""
         k = len(self.components)
         if component is None:
             component = self._offset(generator)
@@ -462,18 +429,7 @@ class MultiIVON(_SampledFamily):
         return self.components[component].sample_full(generator)
 
     def sample(self, n: int = 1, *, generator: torch.Generator | None = None) -> dict[str, Tensor]:
-        """``n`` stratified mixture samples ``{param name: [n, k]}`` (``Subset.gather`` order).
-
-        The offset ``o`` is drawn first, then the noise parameter by parameter; sample ``i`` comes from run
-        ``(o + i) mod K``.
-
-        Args:
-            n: Number of samples.
-            generator: Source of randomness (same generator state, same samples).
-
-        Returns:
-            ``{param name: [n, k]}`` on the parameters' devices.
-        """
+        """``n`` stratified mixture samples ``{param name: [n, k]}``: the offset ``o`` first, then the noise."""
         check_int("n", n)
         k = len(self.components)
         runs = (self._offset(generator) + torch.arange(n)) % k
@@ -545,22 +501,15 @@ def load_posterior(
 ) -> IVONPosterior:
     """Read a posterior written by ``GaussianPosterior.save`` / ``MultiIVON.save``.
 
-    Args:
-        path: The ``.safetensors`` file.
-        model: If given, its parameter names and shapes must be the saved structure; the tensors are then
-            placed on each parameter's device (unless ``device`` is given).
-        device: Device for the loaded tensors; default: the model's parameters' devices, else the CPU.
-
-    Returns:
-        A :class:`GaussianPosterior`, or a :class:`MultiIVON` if a mixture was saved; bound to ``model``
-        when one is given (a ready ``partialbayes.predictive.Posterior``).
+    With ``model`` (whose parameter names and shapes must be the saved structure) the result is bound to it
+    and its tensors sit on each parameter's device; ``device`` overrides that (default without a model: the
+    CPU). Returns a :class:`GaussianPosterior`, or a :class:`MultiIVON` if a mixture was saved.
 
     Raises:
         FileNotFoundError: If there is no file at ``path``.
-        ValueError: Naming the file: if it is not a readable IVON posterior of version 2 (garbage,
-            truncated, an earlier version, metadata that is not JSON or lacks a field, a missing or unexpected
-            tensor, a tensor of the wrong shape or dtype, NaN or inf entries, negative standard deviations, an
-            invalid likelihood or ``sigma_noise``), or does not fit ``model``.
+        ValueError: Naming the file: not a readable IVON posterior of version 2 (a missing or malformed
+            field or tensor, NaN / inf entries, negative standard deviations, invalid settings), or one that
+            does not fit ``model``.
     """
     file = read_posterior_file(
         path,
@@ -602,18 +551,10 @@ def load_posterior(
 def predict_mean(
     model: nn.Module, posterior: IVONPosterior, fn: Callable[[nn.Module], Tensor]
 ) -> Tensor:
-    """``fn(model)`` with the posterior mean swapped in (``Subset.swapped``), without gradients.
+    """``fn(model)`` (e.g. ``lambda m: m(x).logits``) with the posterior mean swapped in, without gradients.
 
-    Args:
-        model: The model (any model with the posterior's parameter names and shapes).
-        posterior: A :class:`GaussianPosterior`, or a :class:`MultiIVON` of one component. The mean of a
-            mixture of several runs is refused: independent runs sit in different modes (and permutations)
-            of the weights, so their averaged weights are no meaningful network. Use ``posterior.predict``,
-            or ``predict_mean`` on each component.
-        fn: Computes the output from the model, e.g. ``lambda m: m(x).logits``.
-
-    Returns:
-        The output at the mean.
+    ``posterior`` is a :class:`GaussianPosterior` or a :class:`MultiIVON` of one component: the averaged
+    weights of independent runs are no meaningful network (use ``posterior.predict`` instead).
 
     Raises:
         ValueError: For a :class:`MultiIVON` of several components, or a model that lacks a parameter.

@@ -55,14 +55,7 @@ class Features:
 
     @classmethod
     def dense(cls, phi: Tensor, *, check_finite: bool = True) -> Features:
-        """Features from an explicit matrix (a convenience for small problems and tests).
-
-        Args:
-            phi: ``[n, d]`` (one output per observation) or ``[n, m, d]``.
-            check_finite: See the class attributes.
-
-        Returns:
-            Features whose operators are matrix products with ``phi``.
+        """Features from an explicit ``[n, d]`` (one output per observation) or ``[n, m, d]`` matrix ``phi``.
 
         Raises:
             TypeError: If ``phi`` is not a floating tensor.
@@ -88,14 +81,7 @@ class Features:
         return cls(jvp, vjp, n, m, d, phi.dtype, phi.device, matrix=phi, check_finite=check_finite)
 
     def apply(self, idx: Tensor, z: Tensor) -> Tensor:
-        """``Φ_idx z``, validated.
-
-        Args:
-            idx: ``[b]`` int64 observation indices.
-            z: ``[d, k]``.
-
-        Returns:
-            ``[b, m, k]``.
+        """``Φ_idx z`` ``[b, m, k]`` for ``[b]`` int64 observation indices ``idx`` and ``z`` ``[d, k]``, validated.
 
         Raises:
             ValueError: On a shape mismatch (both shapes named) or non-finite output.
@@ -114,14 +100,7 @@ class Features:
         return out
 
     def apply_t(self, idx: Tensor, v: Tensor) -> Tensor:
-        """``Φ_idxᵀ v``, validated.
-
-        Args:
-            idx: ``[b]`` int64 observation indices.
-            v: ``[b, m, k]``.
-
-        Returns:
-            ``[d, k]``.
+        """``Φ_idxᵀ v`` ``[d, k]`` for ``[b]`` int64 observation indices ``idx`` and ``v`` ``[b, m, k]``, validated.
 
         Raises:
             ValueError: On a shape mismatch (both shapes named) or non-finite output.

@@ -53,18 +53,9 @@ def as_subset(model: nn.Module, params: ParamSpec) -> Subset:
 
 
 def network_parameters(model: nn.Module, params: ParamSpec) -> Tensor:
-    """The chosen parameter entries as one flat vector ``[d]`` (model order, row-major within a mask).
+    """The chosen entries as one flat vector ``[d]``, detached: ``subset.gather`` over ``subset.names``.
 
-    This is the concatenation of ``subset.gather`` over ``subset.names`` (for names or masks, of the
-    subset they make).
-
-    Args:
-        model: The network.
-        params: Parameter names, ``{name: bool mask}`` (storage shape) or a
-            ``partialbayes.selection.Subset``.
-
-    Returns:
-        ``[d]`` detached values.
+    ``params``: parameter names, ``{name: bool mask}`` (storage shape) or a ``partialbayes.selection.Subset``.
     """
     subset = as_subset(model, params)
     return torch.cat([subset.gather(n, p.detach()) for n, p in subset.parameters_of(model).items()])
@@ -367,17 +358,10 @@ def network_logits(
     batch_size: int = 64,
     output_fn: OutputFn | None = None,
 ) -> Tensor:
-    """Logits ``[n, m]`` of the network at its current weights, in minibatches, without gradients.
+    """Logits ``[n, m]`` at the current weights, one row per observation of `network_features`, without gradients.
 
-    Args:
-        model: The network.
-        inputs: One batch of any kind (see [`network_features`][partialbayes.linear_sampling.network_features]).
-        batch_size: Examples per forward pass.
-        output_fn: As in [`network_features`][partialbayes.linear_sampling.network_features].
-
-    Returns:
-        ``[n, m]`` logits, one row per observation of `network_features` (for token-level logits the
-        kept positions, in row-major order).
+    ``inputs`` and ``output_fn`` as in [`network_features`][partialbayes.linear_sampling.network_features];
+    ``batch_size`` examples go per forward pass.
     """
     check_int("batch_size", batch_size)
     b = split_batch(inputs, device=next(model.parameters()).device)

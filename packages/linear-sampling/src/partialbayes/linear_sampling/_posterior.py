@@ -208,11 +208,7 @@ class SampledLaplace:
         return torch.randperm(k, generator=generator, device=device)[:n]
 
     def sample(self, n: int = 1, *, generator: torch.Generator | None = None) -> dict[str, Tensor]:
-        """``n`` distinct stored samples ``θ* + z_j`` as ``{param name: [n, k]}`` (``Subset.gather`` order).
-
-        Args:
-            n: Number of samples, at most the ``k`` stored.
-            generator: Chooses which stored samples (same seed, same samples).
+        """``n`` distinct stored samples ``θ* + z_j`` as ``{param name: [n, k]}``, chosen with ``generator``.
 
         Raises:
             ValueError: Before `fit`, or if ``n`` exceeds the stored samples.
@@ -287,14 +283,12 @@ class SampledLaplace:
         generator: torch.Generator | None = None,
         target_ids: Sequence[int] | Tensor | None = None,
     ) -> Tensor:
-        """``n`` linearised logit samples ``f(x; θ*) + J(x) z_j``, ``[n, B, C]`` (or ``[n, B, T, C]``).
+        """``n`` linearised logit samples ``f(x; θ*) + J(x) z_j``, ``[n, B, C]`` (``[n, P, K]`` with ``target_ids``).
 
         The ``z_j`` are ``n`` distinct stored samples chosen with ``generator`` (as in `sample`).
-        ``target_ids``: the answer logits only, ``[n, P, K]`` (see `predict`).
 
         Raises:
-            ValueError: If ``n`` exceeds the stored samples, or the result would not fit in the free
-                memory (its bytes are named, before anything is allocated).
+            ValueError: If ``n`` exceeds the stored samples, or the result would not fit in the free memory.
         """
         check_int("n", n)
 
@@ -309,19 +303,14 @@ class SampledLaplace:
     def logit_mean_cov(
         self, batch: Any, *, target_ids: Sequence[int] | Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        """Linearised predictive ``f(x; θ*)`` and the sample covariance ``(1/k) Σ_j (J z_j)(J z_j)ᵀ``.
+        """``(f [..., C], cov [..., C, C])``: ``f(x; θ*)`` and the sample covariance ``(1/k) Σ_j (J z_j)(J z_j)ᵀ``.
 
-        The covariance estimates ``J H⁻¹ Jᵀ`` from all ``k`` stored samples (unbiased: the samples have
-        known mean zero). ``target_ids``: of the answer logits only (see `predict`).
-
-        Returns:
-            ``(f [..., C], cov [..., C, C])`` for outputs ``[..., C]``; ``[P, K]``, ``[P, K, K]`` with
-            ``target_ids``.
+        An unbiased estimate of ``J H⁻¹ Jᵀ`` from all ``k`` stored samples; ``target_ids``: of the ``[P, K]``
+        answer logits only.
 
         Raises:
-            ValueError: If the ``[..., C, C]`` covariances would not fit in the free memory (at a
-                50,257-token vocabulary that is 10 GB per output): the bytes are named, before
-                anything is allocated, with the alternative (`predict`, `predictive_samples`).
+            ValueError: If the covariances would not fit in the free memory (10 GB per output at a 50,257-token
+                vocabulary): `predict` and `predictive_samples` form no ``C x C`` blocks.
         """
         k = self.n_stored
 
@@ -378,12 +367,10 @@ class SampledLaplace:
 
     # ------------------------------------------------------------------ io
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Save a fitted posterior to ``path`` (one safetensors file, JSON metadata in its header).
+        """Save a fitted posterior to ``path``: one safetensors file, JSON metadata in its header.
 
-        Tensors: ``samples`` ``[d, k]``, ``map`` ``[d]`` (the MAP values of the entries), ``prior_alpha`` and,
-        for grouped priors, ``prior_groups``. Metadata: the subset (``Subset.to_json``), every parameter's
-        name and shape (the structure a loading model must have), the likelihood, ``sigma_noise``, ``jitter``
-        and what the solver did.
+        Tensors ``samples`` ``[d, k]``, ``map`` ``[d]``, ``prior_alpha`` (and ``prior_groups``); metadata: the
+        subset, the model's structure, the likelihood, ``sigma_noise``, ``jitter`` and the solver's info.
 
         Raises:
             ValueError: If the posterior is not fitted.
@@ -394,14 +381,13 @@ class SampledLaplace:
     def load(
         cls, path: str | os.PathLike[str], model: nn.Module, *, check_weights: bool = True
     ) -> SampledLaplace:
-        """Load a posterior saved by `save` onto ``model``.
+        """Load a posterior saved by `save` onto ``model`` (its device and dtype).
 
-        The tensors go to the model's device and dtype. A model whose current values of the subset differ from
-        the saved MAP is refused unless ``check_weights=False`` (then the predictive linearises at the
-        model's current weights).
+        A model whose subset values differ from the saved MAP is refused unless ``check_weights=False`` (the
+        predictive then linearises at its current weights).
 
         Raises:
-            ValueError: If the file is not a saved `SampledLaplace`, ``model``'s parameters (names and
-                shapes) do not match the saved structure, or its weights differ from the saved MAP.
+            ValueError: If the file is not a saved `SampledLaplace`, or ``model``'s structure or weights do
+                not match.
         """
         return read_posterior(path, model, cls, check_weights)

@@ -70,10 +70,9 @@ class SolveInfo:
         steps: Iterations (CG) or optimiser steps (SGD).
         converged: Whether the tolerance was met.
         lr: Final step size (SGD only; smaller than the first one when it was halved).
-        history: One entry per check. SGD: ``step``, ``epoch``, ``objective`` (``½xᵀHx − cᵀx``, mean
-            over columns), ``error_bound`` and ``lr``; CG: the final relative ``residual``.
-        error_bound: SGD: the certified bound on the relative error in the norm of ``H`` at the
-            returned solution (see ``SGDConfig.tol``); ``None`` for CG.
+        history: One entry per check. SGD: ``step``, ``epoch``, ``objective``, ``error_bound`` and ``lr``;
+            CG: the final relative ``residual``.
+        error_bound: SGD: the certified bound on the relative error (see ``SGDConfig.tol``); CG: ``None``.
     """
 
     method: str

@@ -70,17 +70,10 @@ def answer_index(
 ) -> tuple[Tensor, ...]:
     """The index of the answer logits: ``logits[answer_index(logits, ...)]`` is `answer_logits`, ``[P, K]``.
 
-    Args:
-        logits: ``[B, T, V]`` (or ``[B, V]``: every row is an answer).
-        target_ids: The ``K`` answer tokens (distinct ids in ``[0, V)``).
-        labels: ``[B, T]`` labels marking the answers (-100 elsewhere), or ``None``.
-        attention_mask: ``[B, T]`` real tokens.
-        causal_lm: Shift the labels (see `answer_positions`).
-
-    Returns:
-        (example, position, token) index tensors (example, token for ``[B, V]``) that broadcast to
-        ``[P, K]``: the ``P`` answer positions in row-major ``(b, t)`` order, for the logits or any output
-        of their shape.
+    ``logits`` are ``[B, T, V]`` (or ``[B, V]``: every row is an answer), ``target_ids`` the ``K`` distinct
+    answer tokens; ``labels``, ``attention_mask`` and ``causal_lm`` find the answers as in `answer_positions`.
+    Returns (example, position, token) index tensors (example, token for ``[B, V]``) broadcasting to
+    ``[P, K]``, the ``P`` answer positions in row-major ``(b, t)`` order.
     """
     ids = check_target_ids(target_ids, logits.shape[-1]).to(logits.device)
     keep = answer_positions(

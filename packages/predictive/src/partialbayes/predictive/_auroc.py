@@ -9,23 +9,14 @@ from partialbayes.predictive._validate import check_same_device, check_tensor
 
 
 def auroc(scores: Tensor, positives: Tensor) -> Tensor:
-    """AUROC: the probability that a random positive scores above a random negative.
+    """AUROC: the probability that a random positive scores above a random negative (ties count one half).
 
-    Ties count one half: ``AUROC = (Σ_{i∈P} r_i − n_P (n_P + 1)/2) / (n_P n_N)`` with ``r_i`` the
-    mid-ranks (average rank within a tie group) of the scores. Typical uses: misclassification
-    detection (score = predictive entropy, positive = error) and out-of-distribution detection
-    (positive = OOD). Cost ``O(N log N)``.
-
-    Args:
-        scores: Real scores ``[N]``, higher meaning "more positive".
-        positives: Boolean (or 0/1 integer) labels ``[N]``.
-
-    Returns:
-        Scalar tensor in ``[0, 1]`` (dtype of ``scores``).
+    ``AUROC = (Σ_{i∈P} r_i − n_P (n_P + 1)/2) / (n_P n_N)`` with mid-ranks ``r_i``, in ``O(N log N)``; e.g.
+    misclassification detection (score = entropy, positive = error). ``scores`` ``[N]`` (higher: more
+    positive), ``positives`` bool or 0/1 ``[N]``; returns a scalar in the dtype of ``scores``.
 
     Raises:
-        ValueError: On NaN/inf scores, mismatched shapes, labels other than 0/1, or when only one
-            class is present.
+        ValueError: On NaN/inf scores, mismatched shapes, labels other than 0/1, or only one class present.
     """
     s = check_tensor("scores", scores)
     if not isinstance(positives, Tensor):

@@ -177,23 +177,15 @@ def kept_positions(
     ignore_index: int = IGNORE_INDEX,
     shift: bool = False,
 ) -> Tensor | None:
-    """Which positions of token-level logits count as outputs.
+    """``[B, T]`` bool mask of the positions of ``[B, T, C]`` logits that count as outputs (``None`` for ``[B, C]``).
 
-    Args:
-        logits: ``[B, C]`` (one output per example: returns ``None``) or ``[B, T, C]``.
-        attention_mask: ``[B, T]``; positions where it is 0 are dropped.
-        labels: ``[B, T]`` integer labels; positions labelled ``ignore_index`` are dropped.
-        ignore_index: The label value of an ignored position.
-        shift: Causal-LM convention (Hugging Face shifts the labels inside the model): with labels, the
-            output at ``t`` is scored against ``labels[t + 1]`` and kept when tokens ``t`` and ``t + 1``
-            are both real and ``labels[t + 1] != ignore_index``; the last position has no target.
-
-    Returns:
-        ``None`` for ``[B, C]`` logits, else a ``[B, T]`` bool mask of the kept positions.
+    Positions with ``attention_mask`` 0 or labelled ``ignore_index`` are dropped. ``shift`` is the causal-LM
+    convention (Hugging Face shifts the labels inside the model): the output at ``t`` is scored against
+    ``labels[t + 1]`` and kept when tokens ``t`` and ``t + 1`` are real and ``labels[t + 1]`` is not ignored.
 
     Raises:
-        ValueError: For ``[B, T, C]`` logits with neither an attention mask nor labels (nothing tells which
-            positions count), or a mask / labels whose shape is not ``[B, T]``.
+        ValueError: For ``[B, T, C]`` logits with neither an attention mask nor labels, or a mask / labels
+            whose shape is not ``[B, T]``.
     """
     if logits.ndim != 3:
         return None
@@ -247,17 +239,8 @@ def flatten_outputs(
 ) -> tuple[Tensor, Tensor | None]:
     """Outputs as rows: ``[B, C]`` logits unchanged, ``[B, T, C]`` reduced to the kept positions ``[N, C]``.
 
-    Every kept position of a token-level output is one output (as in the ``expand`` convention), in
-    row-major ``(b, t)`` order.
-
-    Args:
-        logits: ``[B, C]`` or ``[B, T, C]``.
-        labels: ``[B]`` / ``[B, C]`` (regression targets) for ``[B, C]`` logits; ``[B, T]`` for token logits.
-        attention_mask: ``[B, T]`` for token logits.
-        ignore_index: Label value of an ignored position.
-
-    Returns:
-        ``(logits [N, C], labels [N] | None)``.
+    Token-level: every kept position (`kept_positions`) is one output, in row-major ``(b, t)`` order, and
+    ``labels`` ``[B, T]`` go along. Returns ``(logits [N, C], labels [N] | None)``.
     """
     keep = kept_positions(
         logits, attention_mask=attention_mask, labels=labels, ignore_index=ignore_index

@@ -54,22 +54,11 @@ class ReliabilityData:
 def reliability(
     probs: Tensor, labels: Tensor, *, n_bins: int = 20, binning: Binning = "equal_mass"
 ) -> ReliabilityData:
-    """Bin top-label confidences and compare with accuracy per bin.
+    """Bin top-label confidences ``max_c p_c`` of ``probs`` ``[N, C]`` and compare with accuracy per bin.
 
-    The confidence of an example is ``max_c p_c``; it is correct when ``argmax_c p_c = y``.
-    ``"equal_mass"`` (the default; Kampen et al. place 20 bins by the prediction distribution)
-    sorts the confidences (stably) and splits them into ``n_bins`` contiguous chunks whose sizes
-    differ by at most one (``numpy.array_split``); ``"equal_width"`` uses ``(k/n_bins, (k+1)/n_bins]``.
-
-    Args:
-        probs: Probabilities ``[N, C]``.
-        labels: Integer labels ``[N]``.
-        n_bins: Number of bins ``≥ 1``.
-        binning: ``"equal_mass"`` or ``"equal_width"``.
-
-    Returns:
-        A [`ReliabilityData`][partialbayes.predictive.ReliabilityData]; its ``ece`` and ``mce``
-        properties give the calibration errors.
+    ``"equal_mass"`` (default; Kampen et al. use 20 bins) splits the stably sorted confidences into
+    ``n_bins`` contiguous chunks whose sizes differ by at most one; ``"equal_width"`` uses
+    ``(k/n_bins, (k+1)/n_bins]``. ``labels`` are ``[N]``. The result's ``ece`` and ``mce`` give the errors.
     """
     p, y = _probs_labels(probs, labels)
     check_int("n_bins", n_bins)

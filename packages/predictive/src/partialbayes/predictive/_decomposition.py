@@ -37,20 +37,14 @@ class Uncertainty:
 
 
 def entropy(log_probs: Tensor, dim: int = -1) -> Tensor:
-    """Shannon entropy (nats) of categorical distributions given as log-probabilities.
+    """Shannon entropy (nats) of categorical distributions given as log-probabilities along ``dim`` (removed).
 
-    Args:
-        log_probs: Log-probabilities, shape ``[..., C]`` along ``dim``; ``-inf`` allowed.
-        dim: The class dimension.
-
-    Returns:
-        Entropy with ``dim`` removed. Zero-probability classes contribute 0 (no ``0 * log 0`` NaN).
+    ``-inf`` entries contribute 0.
 
     Raises:
         TypeError: If ``log_probs`` is not a floating tensor.
-        ValueError: If it holds NaN or ``+inf``, or its rows are not normalised log-probabilities
-            (``logsumexp`` along ``dim`` must be 0). Probabilities passed by mistake are always
-            caught: a probability vector has ``logsumexp ≥ log C + 1/C ≥ 1``.
+        ValueError: If it holds NaN or ``+inf``, or its rows are not normalised (``logsumexp`` must be 0;
+            probabilities passed by mistake are always caught).
     """
     if not isinstance(log_probs, Tensor) or not log_probs.is_floating_point():
         raise TypeError("log_probs must be a floating-point torch.Tensor")
@@ -101,19 +95,10 @@ def average_softmax(logit_samples: Tensor) -> Tensor:
 
 
 def decompose_classification(logit_samples: Tensor) -> Uncertainty:
-    """Entropy decomposition of the predictive from logit samples.
+    """Entropy decomposition of the predictive from logit samples ``[S, ..., C]``: an `Uncertainty` of shape ``[...]``.
 
-    ``total = H[p̄]``, ``aleatoric = (1/S) Σ_s H[p_s]`` and
-    ``epistemic = (1/S) Σ_s KL(p_s ‖ p̄) = total − aleatoric`` (the mutual information), with
-    ``p_s = softmax(f_s)`` and ``p̄`` their mean. Everything is computed from log-probabilities
-    (log-softmax, log-sum-exp), so no ``log 0`` occurs. ``epistemic`` is computed as the mean KL
-    divergence and clipped at 0 against round-off.
-
-    Args:
-        logit_samples: ``[S, ..., C]``; log-probabilities are valid logits too.
-
-    Returns:
-        An [`Uncertainty`][partialbayes.predictive.Uncertainty] with fields of shape ``[...]``.
+    ``total = H[p̄]``, ``aleatoric = (1/S) Σ_s H[p_s]``, ``epistemic = (1/S) Σ_s KL(p_s ‖ p̄)`` (the mutual
+    information, clipped at 0) with ``p_s = softmax(f_s)``, all from log-probabilities (no ``log 0``).
     """
     f = _check_samples("logit_samples", logit_samples)
     log_p = torch.log_softmax(f, dim=-1)
@@ -128,19 +113,10 @@ def decompose_classification(logit_samples: Tensor) -> Uncertainty:
 def decompose_regression(
     mean_samples: Tensor, var_samples: Tensor | float | None = None
 ) -> Uncertainty:
-    """Law of total variance for a Gaussian mixture predictive ``(1/S) Σ_s N(m_s, v_s)``.
+    """Law of total variance for the mixture ``(1/S) Σ_s N(m_s, v_s)``: an `Uncertainty` of shape ``[...]``.
 
-    ``total = aleatoric + epistemic`` with ``aleatoric = mean_s v_s`` and
-    ``epistemic = mean_s (m_s − m̄)²`` (the population variance of the sampled means, i.e. the
-    exact variance of the equally weighted mixture).
-
-    Args:
-        mean_samples: Sampled predictive means ``[S, ...]``.
-        var_samples: Observation-noise variances: ``[S, ...]``, anything broadcastable to it
-            (e.g. a homoscedastic float), or ``None`` for zero.
-
-    Returns:
-        An [`Uncertainty`][partialbayes.predictive.Uncertainty] of shape ``[...]``.
+    ``aleatoric = mean_s v_s``, ``epistemic = mean_s (m_s − m̄)²``. ``mean_samples`` are ``[S, ...]``;
+    ``var_samples`` anything broadcastable to them (e.g. a float), or ``None`` for zero.
     """
     m = check_tensor("mean_samples", mean_samples)
     if m.ndim < 1 or m.shape[0] < 1:

@@ -23,18 +23,10 @@ def probit_scale(var: Tensor) -> Tensor:
 
 
 def probit_binary(mean: Tensor, var: Tensor) -> Tensor:
-    """Probit approximation of ``E[sigmoid(f)]`` for one logit ``f ~ N(mean, var)``.
+    """Probit approximation ``E[σ(f)] ≈ σ(κ·mean)``, ``κ = (1 + π var / 8)^(-1/2)``, for one logit ``f ~ N(mean, var)``.
 
-    ``E[σ(f)] ≈ σ(κ·mean)`` with ``κ = (1 + π var / 8)^(-1/2)`` (MacKay 1992). The approximation
-    replaces σ(x) by Φ(√(π/8)·x), whose Gaussian integral is exact, so its error is at most
-    ``sup_x |σ(x) − Φ(√(π/8) x)| ≈ 0.0177``.
-
-    Args:
-        mean: Logit means, any shape ``[...]``.
-        var: Logit variances, same shape, non-negative.
-
-    Returns:
-        Probability of the positive class, shape ``[...]``.
+    MacKay (1992): σ(x) replaced by Φ(√(π/8)·x), error at most about 0.0177. ``mean`` and ``var ≥ 0`` have
+    one shape; returns the positive class's probability of that shape.
 
     Raises:
         ValueError: On NaN/inf, negative ``var`` or mismatched shapes.
@@ -48,19 +40,11 @@ def probit_binary(mean: Tensor, var: Tensor) -> Tensor:
 
 
 def probit(mean: Tensor, cov: Tensor) -> Tensor:
-    """Multiclass probit approximation of ``E[softmax(f)]`` for ``f ~ N(mean, cov)``.
+    """Multiclass probit ``softmax(κ ⊙ mean)``, ``κ_c = (1 + π/8 · Σ_cc)^(-1/2)``, of ``E[softmax(f)]``, ``f ~ N(mean, cov)``.
 
-    The form of Kampen et al. (2024, Eq. 12): ``softmax(κ ⊙ mean)`` with
-    ``κ_c = (1 + π/8 · Σ_cc)^(-1/2)``. Only the diagonal of a full covariance enters the formula, but
-    the whole matrix is validated (finite, symmetric up to round-off, non-negative diagonal): an
-    asymmetric matrix is not a covariance, and is most likely a transposed or mis-shaped tensor.
-
-    Args:
-        mean: Logit means ``[..., C]``.
-        cov: Variances ``[..., C]`` or covariances ``[..., C, C]`` (positive semi-definite).
-
-    Returns:
-        Predictive probabilities ``[..., C]``.
+    Kampen et al. (2024, Eq. 12). ``mean`` is ``[..., C]``, ``cov`` variances ``[..., C]`` or covariances
+    ``[..., C, C]``; only the diagonal enters, but a full matrix is validated whole (an asymmetric one is
+    most likely a transposed or mis-shaped tensor). Returns ``[..., C]``.
 
     Raises:
         ValueError: On NaN/inf, negative variances, asymmetric covariances or mismatched shapes.
@@ -153,17 +137,10 @@ def laplace_bridge(mean: Tensor, cov: Tensor, *, correct_mean: bool = True) -> T
 def gaussian_predictive(
     mean: Tensor, var: Tensor, noise_var: Tensor | float
 ) -> tuple[Tensor, Tensor]:
-    """Regression predictive ``N(mean, var + σ²)`` with the observation noise σ² added.
+    """Regression predictive ``(mean, var + σ²)``: the observation noise ``noise_var`` σ² ≥ 0 added.
 
-    Args:
-        mean: Predictive means of the function, ``[...]``.
-        var: Function variances ``[...]`` (or covariances ``[..., D, D]`` for ``mean [..., D]``,
-            in which case σ² is added to the diagonal).
-        noise_var: Observation noise variance σ² ≥ 0: a float or a tensor broadcastable to the
-            variances.
-
-    Returns:
-        ``(mean, predictive variance)``.
+    ``var`` is ``[...]``, or covariances ``[..., D, D]`` for ``mean [..., D]`` (σ² on the diagonal);
+    ``noise_var`` a float or a tensor broadcastable to the variances.
 
     Raises:
         ValueError: On NaN/inf, negative variances or mismatched shapes.

@@ -41,32 +41,16 @@ def _probs_labels(probs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def accuracy(probs: Tensor, labels: Tensor) -> Tensor:
-    """Fraction of examples whose most probable class equals the label.
-
-    Args:
-        probs: Probabilities ``[N, C]`` (rows sum to one).
-        labels: Integer labels ``[N]`` in ``[0, C)``.
-
-    Returns:
-        Scalar tensor in ``[0, 1]``.
-    """
+    """Fraction (in ``[0, 1]``) of examples whose most probable class of ``probs`` ``[N, C]`` equals ``labels`` ``[N]``."""
     p, y = _probs_labels(probs, labels)
     return (p.argmax(-1) == y).to(p.dtype).mean()
 
 
 def nll(probs: Tensor, labels: Tensor, *, reduction: Reduction = "mean") -> Tensor:
-    """Negative log-likelihood ``−log p[y]`` of categorical predictions.
+    """Negative log-likelihood ``−log p[y]`` in nats of ``probs`` ``[N, C]`` at ``labels`` ``[N]``.
 
-    A probability of exactly 0 for the true label is clamped to the dtype's smallest normal
-    number, so the result stays finite (about 708 nats in float64, 87 in float32).
-
-    Args:
-        probs: Probabilities ``[N, C]``.
-        labels: Integer labels ``[N]``.
-        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per example ``[N]``).
-
-    Returns:
-        The reduced NLL in nats.
+    A probability of exactly 0 is clamped to the dtype's smallest normal number, so the result stays finite
+    (about 708 nats in float64, 87 in float32). ``reduction``: ``"mean"``, ``"sum"`` or ``"none"`` (``[N]``).
     """
     p, y = _probs_labels(probs, labels)
     py = p.gather(1, y[:, None]).squeeze(1)
@@ -76,16 +60,10 @@ def nll(probs: Tensor, labels: Tensor, *, reduction: Reduction = "mean") -> Tens
 def gaussian_nll(
     mean: Tensor, var: Tensor | float, targets: Tensor, *, reduction: Reduction = "mean"
 ) -> Tensor:
-    """Gaussian negative log-likelihood ``½ log(2π v) + (y − m)² / (2 v)``.
+    """Gaussian negative log-likelihood ``½ log(2π v) + (y − m)² / (2 v)`` in nats.
 
-    Args:
-        mean: Predictive means ``[...]``.
-        var: Predictive variances (``> 0``), broadcastable to ``mean``.
-        targets: Targets, the shape of ``mean``.
-        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
-
-    Returns:
-        The reduced NLL in nats.
+    ``var`` (``> 0``) broadcasts to ``mean``, ``targets`` has its shape; ``reduction``: ``"mean"``, ``"sum"``
+    or ``"none"``.
     """
     m = check_tensor("mean", mean)
     t = check_tensor("targets", targets)
@@ -108,15 +86,9 @@ def gaussian_nll(
 
 
 def brier(probs: Tensor, labels: Tensor, *, reduction: Reduction = "mean") -> Tensor:
-    """Multiclass Brier score ``Σ_c (p_c − 1[y = c])²`` (summed over classes, range ``[0, 2]``).
+    """Multiclass Brier score ``Σ_c (p_c − 1[y = c])²`` in ``[0, 2]`` of ``probs`` ``[N, C]`` and ``labels`` ``[N]``.
 
-    Args:
-        probs: Probabilities ``[N, C]``.
-        labels: Integer labels ``[N]``.
-        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
-
-    Returns:
-        The reduced Brier score.
+    ``reduction``: ``"mean"``, ``"sum"`` or ``"none"``.
     """
     p, y = _probs_labels(probs, labels)
     py = p.gather(1, y[:, None]).squeeze(1)

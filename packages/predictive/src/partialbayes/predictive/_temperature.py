@@ -32,17 +32,9 @@ def fit_temperature(
 ) -> Tensor:
     """Fit the temperature ``T`` minimising the NLL of ``softmax(logits / T)`` on validation data.
 
-    Optimises ``log T`` (so ``T > 0`` without constraints) with L-BFGS and a strong-Wolfe line
-    search, in float64. The objective is convex in ``1/T``, so the optimum is unique.
-
-    Args:
-        logits: Validation logits ``[N, C]``.
-        labels: Validation labels ``[N]``.
-        init: Starting temperature ``> 0``.
-        max_iter: Maximum L-BFGS iterations.
-
-    Returns:
-        The fitted temperature, a 0-dim tensor in the dtype and on the device of ``logits``.
+    L-BFGS (strong-Wolfe) on ``log T`` in float64 from ``init`` for at most ``max_iter`` iterations; the
+    objective is convex in ``1/T``. ``logits`` are ``[N, C]``, ``labels`` ``[N]``. Returns a 0-dim tensor in
+    the dtype and on the device of ``logits``.
 
     Raises:
         ValueError: On invalid inputs, or when no finite optimum exists (every validation
