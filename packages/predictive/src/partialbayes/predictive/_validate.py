@@ -191,15 +191,15 @@ def gaussian_logits(
             f"cov must have shape {tuple(mu.shape)} (variances) or {(*mu.shape, c)} "
             f"(covariances) to match mean {tuple(mu.shape)}, got {tuple(cov.shape)}"
         )
-    if not full:
-        diag = check_tensor("cov", cov.diagonal(dim1=-2, dim2=-1))
-        _check_psd_diag(diag)
-        return mu, diag, False
-    var = check_tensor("cov", cov)
-    diag = var.diagonal(dim1=-2, dim2=-1)
-    _check_psd_diag(diag)
-    if not symmetrize:
-        return mu, var, True
+    var = check_tensor("cov", cov if full else cov.diagonal(dim1=-2, dim2=-1))
+    diag = var.diagonal(dim1=-2, dim2=-1) if full else var
+    if bool((diag < 0).any()):
+        raise ValueError(
+            f"cov is not positive semi-definite: negative variance {float(diag.min()):.3g} "
+            "on its diagonal"
+        )
+    if not full or not symmetrize:
+        return mu, var, full
     scale = diag.amax(-1, keepdim=True).unsqueeze(-1)
     tol = 1e3 * torch.finfo(var.dtype).eps * scale.clamp_min(torch.finfo(var.dtype).tiny)
     asym = (var - var.mT).abs()
@@ -210,11 +210,3 @@ def gaussian_logits(
             "precision, pass 0.5 * (cov + cov.mT)"
         )
     return mu, 0.5 * (var + var.mT), True
-
-
-def _check_psd_diag(diag: Tensor) -> None:
-    if bool((diag < 0).any()):
-        raise ValueError(
-            f"cov is not positive semi-definite: negative variance {float(diag.min()):.3g} "
-            "on its diagonal"
-        )

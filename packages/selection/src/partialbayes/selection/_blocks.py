@@ -19,23 +19,16 @@ def _as_index(value: Tensor | Sequence[int] | None, what: str) -> Tensor | None:
             raise TypeError(f"KronBlock {what} must be integer indices, got dtype {value.dtype}")
         t = value.detach().to("cpu", torch.int64)
     else:
-        try:
-            if isinstance(value, (str, bytes)):
-                raise TypeError
-            values = list(value)
-        except TypeError:
-            raise TypeError(f"KronBlock {what} must be a sequence of ints, got {value!r}") from None
-        items = []
-        for v in values:
-            # operator.index accepts ints (numpy ints too) and refuses floats: 0.5 must not become 0
-            try:
-                if isinstance(v, bool):
-                    raise TypeError
-                items.append(operator.index(v))
-            except TypeError:
-                raise TypeError(
-                    f"KronBlock {what} must be a sequence of ints, got {v!r} in {value!r}"
-                ) from None
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+            raise TypeError(f"KronBlock {what} must be a sequence of ints, got {value!r}")
+        items = list(value)
+        # only true integers (numpy ints too): 0.5 must not become 0
+        bad = [v for v in items if isinstance(v, bool) or not hasattr(type(v), "__index__")]
+        if bad:
+            raise TypeError(
+                f"KronBlock {what} must be a sequence of ints, got {bad[0]!r} in {value!r}"
+            )
+        items = [operator.index(v) for v in items]
         t = torch.tensor(items, dtype=torch.int64)
     if t.ndim != 1:
         raise ValueError(f"KronBlock {what} must be 1-D, got shape {tuple(t.shape)}")
@@ -52,18 +45,12 @@ def _same(a: Tensor | None, b: Tensor | None) -> bool:
 
 @dataclass(frozen=True, eq=False)
 class KronBlock:
-    """Kronecker-structured block: the entries ``rows x cols`` of a parameter.
+    """Kronecker-structured block: the entries ``rows x cols`` of a parameter (``None``: all).
 
-    For a linear map's weight, ``rows`` are output indices and ``cols`` input indices in the logical
-    (n_out x n_in) orientation, also for Hugging Face ``Conv1D`` whose storage is transposed. For a bias
-    (or any 1-D parameter), ``rows`` are the selected entries and ``cols`` must be ``None``. For other 2-D
-    parameters, rows and cols index the storage dimensions. ``None`` means all.
-
-    Indices are stored as sorted, unique int64 cpu tensors.
-
-    Attributes:
-        rows: Selected rows (outputs), or ``None`` for all.
-        cols: Selected columns (inputs), or ``None`` for all.
+    For a linear map's weight ``rows`` index outputs and ``cols`` inputs in the logical (n_out x n_in)
+    orientation, also for Hugging Face ``Conv1D``; for a 1-D parameter ``rows`` are the entries and ``cols``
+    is ``None``; for other 2-D parameters they index the storage dimensions. Stored as sorted, unique int64
+    cpu tensors.
     """
 
     rows: Tensor | None = None
