@@ -63,12 +63,7 @@ class Sensitivity:
         return float(F.cross_entropy(self.logits + self.shift, self.labels))
 
     def rescaled(self, factor: float) -> Sensitivity:
-        """The sensitivities under ``factor`` times the posterior's variances (``V_i`` scaled).
-
-        A posterior trained with ``ess = λ`` is that of ``λ`` examples; ``factor = λ / N`` reads it as the
-        posterior of the ``N`` training examples the leave-one-out refers to (to the extent that the
-        curvature ``h`` does not depend on ``λ``).
-        """
+        """The sensitivities with the variances ``V_i`` scaled by ``factor`` (``λ / N`` reads an ``ess = λ`` run as N's)."""
         check_number("Sensitivity.rescaled: factor", factor, "[0, inf)")
         return replace(self, variance=self.variance * factor)
 

@@ -16,13 +16,11 @@ from partialbayes.predictive._metrics import gaussian_nll, nll
 class PosteriorModel(nn.Module):
     """A posterior's predictive as a model, for ``transformers.Trainer``, ``compute_metrics`` and pipelines.
 
-    ``forward(**inputs, labels=None)`` calls only ``posterior.predict`` (once) and returns, for
-    classification (``[B, C]`` or ``[B, T, C]``), ``{"loss", "logits"}``: the log predictive
-    probabilities (floored at the dtype's smallest normal number, never ``-inf``) and their mean NLL over
-    the outputs whose label is not -100 (causal LMs: the output at ``t`` against ``labels[t + 1]``); for
-    regression ``{"loss", "mean", "variance"}`` with the Gaussian NLL. ``loss`` only when labels are
-    given. The posterior's model is not a submodule (build the posterior on Trainer's device);
-    ``forward``'s signature names that model's inputs, so Trainer keeps those dataset columns.
+    ``forward(**inputs, labels=None)`` calls ``posterior.predict`` once and returns ``{"loss", "logits"}`` for
+    classification (the log predictive probabilities, floored at the dtype's smallest normal number, and
+    their mean NLL over the outputs not labelled -100) or ``{"loss", "mean", "variance"}`` with the Gaussian
+    NLL for regression; ``loss`` only with labels. The posterior's model is not a submodule (build the
+    posterior on Trainer's device); ``forward``'s signature names its inputs, so Trainer keeps those columns.
 
     Args:
         posterior: Any ``Posterior`` (an object with ``predict(batch, **predict_kwargs)``).
@@ -69,9 +67,8 @@ class PosteriorModel(nn.Module):
         """Predictive of one batch of keyword inputs (see the class); ``labels`` (or ``label``) only score it.
 
         Raises:
-            ValueError: If no model input is given, labels are given under both keys or do not fit the
-                outputs (shape, class range), or every label is -100 (the predictive NLL of no output is
-                undefined).
+            ValueError: If no model input is given, labels are given twice or do not fit the outputs, or every
+                label is -100 (the NLL of no output is undefined).
         """
         if "label" in inputs:  # split_batch's other key: a score, never a silent drop
             if labels is not None:
