@@ -97,8 +97,8 @@ class IVON(torch.optim.Optimizer):
 
         Args:
             params: Parameters or parameter groups (dicts may override every hyperparameter but
-                ``mc_samples``, ``hess_approx``, ``rescale_lr`` and ``debias``); with a torch whose optimizers
-                accept them, ``model.named_parameters()`` too (error messages then name the parameters).
+                ``mc_samples``, ``hess_approx``, ``rescale_lr`` and ``debias``), or ``model.named_parameters()``
+                where torch accepts it (messages then name the parameters).
             lr: Learning rate, > 0.
             ess: Effective sample size λ (usually the number of training examples), > 0.
             hess_init: Initial Hessian ``h₀`` > 0.
@@ -112,11 +112,9 @@ class IVON(torch.optim.Optimizer):
             debias: Debias the gradient momentum by ``1 − β1ᵗ``.
             sync: All-reduce across ranks; ``None`` means "when torch.distributed is initialised".
             generator: Generator for the noise (same seed, same trajectory); ``None``: the global RNG.
-            compiled: ``None`` (default): fused ``torch.compile``'d kernels for models of at least
-                ``AUTO_COMPILE_MIN`` entries per device and dtype, falling back silently to the eager kernels
-                where compilation fails; ``True``: compiled kernels whatever the size (warns once if
-                compilation fails); ``False``: eager kernels only. Both compute the same update (to
-                rounding) from the same noise.
+            compiled: ``None``: fused ``torch.compile``'d kernels for at least ``AUTO_COMPILE_MIN`` entries per
+                device and dtype, silently eager where compiling fails; ``True``: compiled whatever the size (warns
+                once on failure); ``False``: eager only. Both compute the same update to rounding.
 
         Raises:
             ValueError: If a hyperparameter is out of range or ``hess_approx`` is unknown.

@@ -64,11 +64,10 @@ class Posterior(Protocol):
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Predictive for a batch of any kind, in eval mode, without gradients.
 
-        Classification: probabilities with the logits' shape, ``[B, C]`` or ``[B, T, C]``. Regression:
-        ``(mean, variance)`` of the predictive, each of the outputs' shape, the variance including the
-        observation noise σ². ``n_samples`` counts Monte Carlo samples where the link uses them; an unknown
-        ``link`` is a ``ValueError`` listing `links`. Labels are ignored but for ``target_ids``: the ``K``
-        answer tokens' distribution at the answer positions (`answer_positions`), renormalised, ``[P, K]``.
+        Classification: probabilities of the logits' shape; regression: ``(mean, variance)`` with σ² in the
+        variance. ``n_samples`` counts Monte Carlo samples where the link uses them; an unknown ``link`` is a
+        ``ValueError`` listing `links`. ``target_ids``: the ``K`` answer tokens' renormalised distribution at the
+        answer positions (`answer_positions`), ``[P, K]``.
         """
         ...
 

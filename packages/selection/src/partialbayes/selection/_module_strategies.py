@@ -76,9 +76,8 @@ def max_operator_norm(
         group: ``"mlp"``, ``"attention"``, ``"other"``, ``"all"`` or a group of the user ``grouping``.
         method: ``"svd"`` (exact), ``"gram"`` (exact, faster) or ``"power"`` (power iteration).
         grouping: Optional user grouping (see :func:`module_groups`).
-        modules: Only these linear maps are candidates; ``lora_modules(model)`` ranks the LoRA adapter maps
-            of a PEFT model (with ``group="all"``, or the group of the wrapped layers). Default: every
-            linear map not tied to another module.
+        modules: Only these linear maps are candidates (``lora_modules(model)``: the LoRA adapters, with
+            ``group="all"``); default every linear map not tied to another module.
 
     Raises:
         ValueError: If ``k`` exceeds the number of modules in ``group`` (the message gives the count);
@@ -164,12 +163,8 @@ def ramp(
 ) -> Iterator[Subset]:
     """Yield ``strategy(k)`` for each ``k`` in ``counts``, checking that the subsets are nested.
 
-    Example: ``ramp(lambda k: max_operator_norm(model, k, group="mlp"))``, or
-    ``ramp(functools.partial(random_modules, model, seed=0))``.
-
-    Args:
-        strategy: Function of the module count returning a Subset (must be nested in ``k``).
-        counts: Non-decreasing non-negative counts (default the paper's 0, 1, 2, 3, 4, 5, 8, 11, 17, 38).
+    ``strategy`` maps a module count to a Subset, e.g. ``lambda k: max_operator_norm(model, k)``;
+    ``counts`` are non-decreasing (default the paper's ``PAPER_COUNTS``).
 
     Raises:
         ValueError: If ``counts`` is not non-decreasing, or a subset is not contained in the next one.

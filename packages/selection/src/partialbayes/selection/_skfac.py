@@ -48,17 +48,14 @@ def sparse_kfac(
 ) -> Subset:
     """Sparse-KFAC subset: in each linear map keep the top ``percent`` % rows and columns by l-inf norm.
 
-    Stochastic entries of a map are ``R x C`` plus the bias entries of ``R`` (see :func:`skfac_rows_cols`).
-    With the default independent rule the subsets are nested: p1 < p2 gives subset(p1) ⊆ subset(p2). The
-    sequential rule (``sequential=True``: columns first, rows chosen within ``W[:, C]``) is not nested in
-    general.
+    A map's stochastic entries are ``R x C`` plus the bias entries of ``R``. The default independent rule is
+    nested in ``percent``; the ``sequential`` one (columns first, rows within ``W[:, C]``) in general is not.
 
     Args:
         model: The model (its current weights decide the selection).
         percent: Percentage p in (0, 100] of rows and of columns kept (stochastic fraction ≈ (p/100)²).
         modules: Restrict to these linear maps (Kampen et al. appendix A.3; ``lora_modules(model)`` for the
-            LoRA adapters of a PEFT model); default every linear map not tied to another module (a
-            language-model head sharing the token embedding stays out).
+            LoRA adapters); default every linear map not tied to another module.
         sequential: Use the sequential variant.
         include_bias: Also make the bias entries of R stochastic.
 
