@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from partialbayes.glue_bench import __version__, experiment, uci
+from partialbayes.glue_bench import quickstart as qs
 from partialbayes.glue_bench.context import FISHERS, Settings
 from partialbayes.glue_bench.data_glue import (
     TASKS,
@@ -28,13 +29,6 @@ from partialbayes.glue_bench.figures import ramping_plot
 from partialbayes.glue_bench.methods import METHODS
 from partialbayes.glue_bench.models import DEFAULT_MODEL, minilm_path
 from partialbayes.glue_bench.quickstart import QUICKSTART_ARGS as QUICK
-from partialbayes.glue_bench.quickstart import (
-    QUICKSTART_METHODS,
-    QUICKSTART_SETTINGS,
-    QUICKSTART_TRAIN,
-    order_rows,
-    read_table,
-)
 from partialbayes.glue_bench.report import short_table, summarise, write_report
 from partialbayes.glue_bench.store import grid_units, iter_records, parse_shard
 from partialbayes.glue_bench.tables import BUDGET_TOLERANCE, col, markdown
@@ -85,61 +79,80 @@ def _names(text: str) -> list[str]:
 
 
 def _floats(text: str) -> tuple[float, ...]:
-    """``"0.01,0.1,1"`` -> (0.01, 0.1, 1.0)."""
     try:
         return tuple(float(t) for t in _names(text))
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"cannot parse {text!r} as numbers ({err})") from None
 
 
+# Options of `run` and `quickstart` that set a field of RunConfig, TrainConfig or Settings: their help. The
+# default (and the type) of each is the field's, so the help shows each command's own defaults.
+FIELD_HELP = {
+    "model": "Hugging Face model name or folder (%(default)s)",
+    "max_train_examples": "training cap (%(default)s; None: the paper's)",
+    "max_test_examples": "test set cap (%(default)s; None: all)",
+    "seed": "base seed (%(default)s)",
+    "optimizer": "of fine-tuning (%(default)s)",
+    "epochs": "fine-tuning (%(default)s; 0: --model is MAP)",
+    "lr": "AdamW learning rate (%(default)s)",
+    "batch_size": "fine-tuning batch (%(default)s)",
+    "max_length": "max tokens (default: the model's limit, as the paper)",
+    "length_buckets": "k: sort each run of k shuffled batches by length (less padding; 0: plain, "
+    "%(default)s)",
+    "prior": "how Laplace cells tune the prior precision (%(default)s)",
+    "fisher": "KFAC curvature (%(default)s)",
+    "curvature_pass": "shared: one pass per ramp; per-cell: one per cell, same records (%(default)s)",
+    "n_samples": "MC samples (%(default)s)",
+}
+CHOICES = {"optimizer": OPTIMIZERS, "prior": ("val_nll", "marglik"), "fisher": FISHERS}
+CHOICES["curvature_pass"] = CURVATURE_PASSES
+# UCI options of `run`: dest -> (UCIProtocol field, type, what it sets; the presets' values are added).
+UCI_OPTIONS = {
+    "sigma": ("sigma", str, "noise σ rule"),
+    "hidden_width": ("width", int, "hidden units"),
+    "hidden_layers": ("depth", int, "hidden layers"),
+    "uci_epochs": ("epochs", int, "most epochs"),
+    "uci_lr": ("lr", float, "Adam learning rate"),
+    "uci_batch_size": ("batch_size", int, "minibatch"),
+    "weight_decay": ("weight_decay", _floats, "weight decay(s), several: on validation"),
+    "swag_lr": ("swag_lrs", _floats, "SWAG lr(s), several: on validation"),
+}
+# Options of `run` that only one kind of task uses: given with tasks of the other kind only, they are
+# refused, never ignored. The Settings options prior, prior_grid and n_samples also set the UCI protocol.
+SHARED = {"prior": "prior", "prior_grid": "prior_grid", "n_samples": "n_samples"}
+GLUE_ONLY = {*FIELD_HELP, "glue_dir", "executor", "ray_address", "take_over"} - {"seed", *SHARED}
+UCI_ONLY = {*UCI_OPTIONS, "uci_dir", "protocol"}
+
+
+def _preset(value: object) -> str:
+    if isinstance(value, tuple):
+        return ",".join(f"{v:g}" for v in value)
+    return "full batch" if value is None else format(value, "g" if isinstance(value, float) else "")
+
+
 def _common(p: argparse.ArgumentParser, grid: str) -> None:
-    """The options of ``run`` and ``quickstart``; help shows each command's own defaults."""
-    train, device = TrainConfig(), "cuda" if _cuda() else "cpu"
+    """The options of ``run`` and ``quickstart``."""
+    config = RunConfig()
+    defaults = {**vars(config.settings), **vars(config.train), **vars(config)}
+    for dest, text in FIELD_HELP.items():
+        value = defaults[dest]
+        kind = int if value is None else type(value)
+        flag = f"--{dest.replace('_', '-')}"
+        p.add_argument(flag, type=kind, default=value, choices=CHOICES.get(dest), help=text)
     add = p.add_argument
-    add("--model", default=DEFAULT_MODEL, help="Hugging Face model name or folder (%(default)s)")
-    add("--device", default=device, help="torch device (%(default)s)")
-    add("--glue-dir", type=Path, help="folder of SST-2/, MRPC/, RTE/ ($PARTIALBAYES_DATA/glue)")
-    add("--max-train-examples", type=int, help="training cap (%(default)s; None: the paper's)")
-    add("--max-test-examples", type=int, help="test set cap (%(default)s; None: all)")
-    add("--seed", type=int, default=0, help="base seed (%(default)s)")
-    add("--optimizer", choices=OPTIMIZERS, default="adamw", help="of fine-tuning (%(default)s)")
     add(
-        "--epochs",
-        type=int,
-        default=train.epochs,
-        help="fine-tuning (%(default)s; 0: --model is MAP)",
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="torch device (%(default)s)",
     )
-    add("--lr", type=float, default=train.lr, help="AdamW learning rate (%(default)s)")
-    add("--batch-size", type=int, default=train.batch_size, help="fine-tuning batch (%(default)s)")
-    add("--max-length", type=int, help="max tokens (default: the model's limit, as the paper)")
-    buckets = (
-        "k: sort each run of k shuffled batches by length (less padding; 0: plain, %(default)s)"
-    )
-    add("--length-buckets", type=int, default=train.length_buckets, help=buckets)
-    prior = "how Laplace cells tune the prior precision (%(default)s)"
-    add("--prior", choices=("val_nll", "marglik"), default="val_nll", help=prior)
+    add("--glue-dir", type=Path, help="folder of SST-2/, MRPC/, RTE/ ($PARTIALBAYES_DATA/glue)")
     add("--prior-grid", type=_floats, help=f"prior precisions, e.g. 1e-3,0.1,1 (default {grid})")
-    add("--fisher", choices=FISHERS, default="empirical", help="KFAC curvature (%(default)s)")
-    passes = "shared: one pass per ramp; per-cell: one per cell, same records (%(default)s)"
-    add("--curvature-pass", choices=CURVATURE_PASSES, default="shared", help=passes)
-    add("--n-samples", type=int, default=Settings().n_samples, help="MC samples (%(default)s)")
     add("--no-progress", action="store_true", help="hide progress bars")
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    return {}
-
-
-def _cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:  # pragma: no cover
-        return False
+    (action,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,7 +167,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command")
-
     run = sub.add_parser(
         "run", help="fill (part of) the grid in a results folder", allow_abbrev=False
     )
@@ -173,38 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--ray-address", help="HOST:PORT of a running Ray cluster (default: start a local one)")
     add("--take-over", action="store_true", help="take over claims of units whose owner is gone")
     _common(run, "10^-1 ... 10^3 in half decades, the paper's")
-    uci_opts = run.add_argument_group("UCI options (refused with GLUE-only runs)")
-    add = uci_opts.add_argument
-    lit = PROTOCOLS["literature"]
+    add = run.add_argument_group("UCI options (refused with GLUE-only runs)").add_argument
     add("--protocol", choices=PROTOCOLS, default="paper", help="UCI preset (%(default)s)")
-    add(
-        "--sigma", choices=SIGMA_RULES, help=f"noise σ rule (paper: train, literature: {lit.sigma})"
-    )
-    add("--hidden-width", type=int, help="hidden units (50)")
-    add("--hidden-layers", type=int, help=f"hidden layers (paper 2, literature {lit.depth})")
-    add(
-        "--uci-epochs",
-        type=int,
-        help=f"most epochs (paper 2000 full batch, literature {lit.epochs})",
-    )
-    add("--uci-lr", type=float, help=f"Adam learning rate (paper 0.01, literature {lit.lr:g})")
-    add(
-        "--uci-batch-size",
-        type=int,
-        help=f"minibatch (paper full batch, literature {lit.batch_size})",
-    )
-    wd = ",".join(f"{v:g}" for v in lit.weight_decay)
-    add(
-        "--weight-decay",
-        type=_floats,
-        help=f"weight decay(s), several: on validation (paper 1e-4, literature {wd})",
-    )
-    swag = ",".join(f"{v:g}" for v in lit.swag_lrs)
-    add(
-        "--swag-lr",
-        type=_floats,
-        help=f"SWAG lr(s), several: on validation (paper 0.01, literature {swag})",
-    )
+    paper, lit = PROTOCOLS["paper"], PROTOCOLS["literature"]
+    for dest, (key, kind, what) in UCI_OPTIONS.items():
+        values = f"paper {_preset(getattr(paper, key))}, literature {_preset(getattr(lit, key))}"
+        choices = SIGMA_RULES if dest == "sigma" else None
+        add(f"--{dest.replace('_', '-')}", type=kind, choices=choices, help=f"{what} ({values})")
 
     rep = sub.add_parser(
         "report", help="tables and figures of a results folder", allow_abbrev=False
@@ -216,9 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--budget", type=float, default=10.0, help="Table 2's budget in percent (%(default)s)")
     add("--budget-tolerance", type=float, default=BUDGET_TOLERANCE, help="'≈' (%(default)s)")
     add("--calibration-methods", type=_names, help="default: map, temperature, the 4 best")
-
     sub.add_parser("methods", help="list the methods", allow_abbrev=False)
-
     quick = sub.add_parser(
         "quickstart",
         help="a CPU demo on one GLUE task: MAP, temperature scaling, last-layer and S-KFAC Laplace "
@@ -235,24 +220,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _configs(args: argparse.Namespace, quick: bool = False) -> RunConfig:
-    train = {"optimizer": args.optimizer, "seed": args.seed, "epochs": args.epochs, "lr": args.lr}
-    train.update(batch_size=args.batch_size, max_length=args.max_length)
-    train.update(length_buckets=args.length_buckets)
-    settings = {"prior": args.prior, "fisher": args.fisher, "n_samples": args.n_samples}
+    def given(cls: type) -> dict:
+        return {
+            f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name in FIELD_HELP
+        }
+
+    train, settings = given(TrainConfig), given(Settings)
     if quick:
-        train.update(QUICKSTART_TRAIN)
-        settings.update(QUICKSTART_SETTINGS)
+        train.update(qs.QUICKSTART_TRAIN)
+        settings.update(qs.QUICKSTART_SETTINGS)
     if args.prior_grid is not None:
         settings["prior_grid"] = args.prior_grid
-    return RunConfig(
-        model=args.model,
-        train=TrainConfig(**train),
-        settings=Settings(**settings),
-        max_train_examples=args.max_train_examples,
-        max_test_examples=args.max_test_examples,
-        seed=args.seed,
-        curvature_pass=args.curvature_pass,
-    )
+    return RunConfig(**given(RunConfig), train=TrainConfig(**train), settings=Settings(**settings))
 
 
 def resolve_task(name: str) -> tuple[str, str]:
@@ -301,12 +280,10 @@ def plan_run(
         raise ValueError(
             f"unknown method(s) {bad}; valid methods: {', '.join(METHODS)} (UCI: {', '.join(UCI_METHODS)})"
         )
-    plan: dict[str, tuple[list[str], list[str]]] = {}
-    errors = []
+    plan, errors = {}, []
     for kind, names in by_kind.items():
         chosen = list(DEFAULT_METHODS[kind]) if methods is None else list(dict.fromkeys(methods))
-        bad = [m for m in chosen if m not in valid[kind]]
-        if bad:
+        if bad := [m for m in chosen if m not in valid[kind]]:
             errors.append(
                 f"method(s) {bad} have no {TASK_KINDS[kind]} version (tasks {', '.join(names)}); "
                 f"valid {TASK_KINDS[kind]} methods: {', '.join(valid[kind])}"
@@ -324,10 +301,7 @@ def plan_run(
 def _splits(args: argparse.Namespace, plan: dict[str, tuple[list[str], list[str]]]) -> dict:
     """The splits of each kind of task: ``--splits`` or the kind's default, UCI ones checked per folder."""
     given = args.splits
-    default = {
-        **DEFAULT_SPLITS,
-        "uci": DEFAULT_SPLITS.get(f"uci-{args.protocol}", DEFAULT_SPLITS["uci"]),
-    }
+    default = {**DEFAULT_SPLITS, "uci": DEFAULT_SPLITS.get(f"uci-{args.protocol}", "0-14")}
     splits = {kind: given or parse_splits(default[kind]) for kind in plan}
     for name in plan.get("uci", ([], []))[0]:
         folder = uci_folder(name, args.uci_dir)
@@ -373,78 +347,36 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
         kind, task, split = units[args.unit]
         plan, splits = {kind: ([task], plan[kind][1])}, {kind: [split]}
-    glue = {"executor": args.executor, "ray_address": args.ray_address, "take_over": args.take_over}
-    glue.update(device=args.device, glue_dir=args.glue_dir, progress=not args.no_progress)
     failures: list[str] = []
     if "glue" in plan:
         tasks, methods = plan["glue"]
+        glue = {"executor": args.executor, "ray_address": args.ray_address, "shard": shard}
+        glue.update(take_over=args.take_over, progress=not args.no_progress, keep_going=True)
         store = experiment.run_grid(
             tasks,
             splits["glue"],
             methods,
             _configs(args),
             args.results,
-            shard=shard,
-            keep_going=True,
+            args.device,
+            args.glue_dir,
             **glue,
         )
         failures += store.failures
     if "uci" in plan:
         tasks, methods = plan["uci"]
         at = {"uci_dir": args.uci_dir, "shard": shard, "seed": args.seed, "device": args.device}
-        at["protocol"] = protocol
         failures += uci.run_uci(
-            tasks, splits["uci"], methods, args.results / "uci", keep_going=True, **at
+            tasks,
+            splits["uci"],
+            methods,
+            args.results / "uci",
+            keep_going=True,
+            protocol=protocol,
+            **at,
         ).failures
     print(f"results in {args.results}; summarise with: glue-bench report --results {args.results}")
     return _report_failures(failures)
-
-
-# Options of `run` that only one kind of task uses (the others apply to both): given with tasks of the other
-# kind only, they are refused, never ignored.
-GLUE_ONLY = [
-    "model",
-    "glue_dir",
-    "max_train_examples",
-    "max_test_examples",
-    "optimizer",
-    "epochs",
-    "lr",
-    "batch_size",
-    "max_length",
-    "fisher",
-    "curvature_pass",
-    "executor",
-    "ray_address",
-    "take_over",
-    "length_buckets",
-]
-UCI_ONLY = [
-    "uci_dir",
-    "protocol",
-    "sigma",
-    "hidden_width",
-    "hidden_layers",
-    "uci_epochs",
-    "uci_lr",
-    "uci_batch_size",
-    "weight_decay",
-    "swag_lr",
-]
-# UCIProtocol field of each UCI option (and of the shared ones that the UCI protocol takes).
-UCI_FIELDS = {
-    "sigma": "sigma",
-    "hidden_width": "width",
-    "hidden_layers": "depth",
-    "uci_epochs": "epochs",
-    "uci_lr": "lr",
-    "uci_batch_size": "batch_size",
-    "weight_decay": "weight_decay",
-    "swag_lr": "swag_lrs",
-    "prior": "prior",
-    "prior_grid": "prior_grid",
-    "n_samples": "n_samples",
-}
 
 
 def given_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict[str, str]:
@@ -467,8 +399,8 @@ def check_options(given: dict[str, str], plan: dict[str, tuple[list[str], list[s
 
 def uci_protocol(args: argparse.Namespace) -> UCIProtocol:
     """The ``--protocol`` preset with the UCI options given on the command line (``ValueError`` if bad)."""
-    given = getattr(args, "given", {})
-    changes = {f: getattr(args, d) for d, f in UCI_FIELDS.items() if d in given}
+    fields = {**SHARED, **{dest: field for dest, (field, _, _) in UCI_OPTIONS.items()}}
+    changes = {f: getattr(args, d) for d, f in fields.items() if d in getattr(args, "given", {})}
     return dataclasses.replace(PROTOCOLS[args.protocol], **changes)
 
 
@@ -543,26 +475,18 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
         f"{threads}"
     )
     timings: list[dict] = []
+    methods, unit = qs.QUICKSTART_METHODS, ([args.task], [args.split])
+    options = {"progress": not args.no_progress, "keep_going": True, "timings": timings}
     store = experiment.run_grid(
-        [args.task],
-        [args.split],
-        list(QUICKSTART_METHODS),
-        config,
-        args.results,
-        args.device,
-        folder,
-        progress=not args.no_progress,
-        keep_going=True,
-        timings=timings,
+        *unit, methods, config, args.results, args.device, folder, **options
     )
-    records = [
-        r
-        for r in iter_records(args.results)
-        if (r["task"], r["split"]) == (args.task, args.split) and r["method"] in QUICKSTART_METHODS
-    ]
-    print(f"\n{short_table(order_rows(summarise(records)))}")
+    here = (args.task, args.split)
+    records = [r for r in iter_records(args.results) if (r["task"], r["split"]) == here]
+    records = [r for r in records if r["method"] in methods]
+    rows = summarise(records)
+    print(f"\n{short_table(qs.order_rows(rows))}")
     plot = args.results / f"{args.task}_split{args.split}_ramping_nll.png"
-    if ramping_plot(summarise(records), args.task, plot):
+    if ramping_plot(rows, args.task, plot):
         print(f"wrote {plot}")
     print(f"\n{stage_table(timings, time.perf_counter() - start, time.process_time() - cpu_start)}")
     print(
@@ -570,7 +494,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
         f"glue-bench report --results {args.results}"
     )
     if any(r["method"] == "map" for r in records):
-        print(f"\n{read_table(records)}")
+        print(f"\n{qs.read_table(records)}")
     return _report_failures(store.failures)
 
 
@@ -600,11 +524,9 @@ def stage_table(timings: list[dict], total_wall: float, total_cpu: float) -> str
         rows["fine-tuning"]["cells"] = "cached"
     wall = max(total_wall - sum(r["wall"] for r in rows.values()), 0)
     cpu = max(total_cpu - sum(r["cpu"] for r in rows.values()), 0)
-    rest = [
-        {"stage": "other", "cells": "", "wall": wall, "cpu": cpu},
-        {"stage": "**total**", "cells": "", "wall": total_wall, "cpu": total_cpu},
-    ]
-    return markdown([*rows.values(), *rest], STAGE_COLUMNS).rstrip("\n")
+    other = {"stage": "other", "cells": "", "wall": wall, "cpu": cpu}
+    total = {"stage": "**total**", "cells": "", "wall": total_wall, "cpu": total_cpu}
+    return markdown([*rows.values(), other, total], STAGE_COLUMNS).rstrip("\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -614,15 +536,13 @@ def main(argv: list[str] | None = None) -> int:
     --bogus`` prints ``run``'s usage, not the top-level one), exit status 2.
     """
     parser = build_parser()
+    subs = _subparsers(parser)
     args, extra = parser.parse_known_args(argv)
     if extra:
-        sub = _subparsers(parser).get(args.command) if args.command else None
-        (sub or parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        subs.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
     os.environ.setdefault("MPLBACKEND", "Agg")
     if args.command == "run":
-        args.given = given_options(
-            _subparsers(parser)["run"], sys.argv[1:] if argv is None else argv
-        )
+        args.given = given_options(subs["run"], sys.argv[1:] if argv is None else argv)
     if args.command is None:
         parser.print_help()
         return 0
