@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from partialbayes import predictive
-from partialbayes.glue_bench.context import Context, Prediction, Settings, check_int
+from partialbayes.glue_bench.context import Context, Prediction, Settings
 from partialbayes.glue_bench.data_glue import (
     Examples,
     count_truncated,
@@ -42,6 +42,7 @@ from partialbayes.glue_bench.train import (
     progress_path,
     save_checkpoint,
 )
+from partialbayes.predictive.internal import check_choice, check_fields, ranged
 
 ModelFactory = Callable[[str, int, float], tuple[torch.nn.Module, Any]]
 CURVATURE_PASSES = ("shared", "per-cell")
@@ -66,45 +67,33 @@ class RunConfig:
     model: str = DEFAULT_MODEL
     train: TrainConfig = field(default_factory=TrainConfig)
     settings: Settings = field(default_factory=Settings)
-    max_train_examples: int | None = None
-    max_test_examples: int | None = None
-    curvature_batch_size: int = 16
-    seed: int = 0
+    max_train_examples: int | None = ranged(None, "[1, inf)", int, optional=True)
+    max_test_examples: int | None = ranged(None, "[1, inf)", int, optional=True)
+    curvature_batch_size: int = ranged(16, "[1, inf)", int)
+    seed: int = ranged(0, "[0, inf)", int)
     curvature_pass: str = "shared"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise TypeError(f"RunConfig.model must be a non-empty string, got {self.model!r}")
         for key, kind in (("train", TrainConfig), ("settings", Settings)):
-            if not isinstance(getattr(self, key), kind):
+            if not isinstance(value := getattr(self, key), kind):
                 raise TypeError(
-                    f"RunConfig.{key} must be a {kind.__name__}, got {type(getattr(self, key)).__name__}"
+                    f"RunConfig.{key} must be a {kind.__name__}, got {type(value).__name__}"
                 )
-        for key in ("max_train_examples", "max_test_examples", "curvature_batch_size"):
-            if getattr(self, key) is not None:
-                check_int("RunConfig", key, getattr(self, key))
-        check_int("RunConfig", "seed", self.seed, 0)
-        if self.curvature_pass not in CURVATURE_PASSES:
-            raise ValueError(
-                f"RunConfig.curvature_pass must be one of {CURVATURE_PASSES}, got "
-                f"{self.curvature_pass!r}"
-            )
+        check_fields(self)
+        check_choice("RunConfig.curvature_pass", self.curvature_pass, CURVATURE_PASSES)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict (the store's fingerprint is taken of it)."""
         return json_ready(self)
 
 
-def _to(
-    batches: list[dict[str, torch.Tensor]], device: torch.device
-) -> list[dict[str, torch.Tensor]]:
-    return [{k: v.to(device) for k, v in b.items()} for b in batches]
-
-
 def model_length_limit(model: torch.nn.Module, tokenizer: Any) -> int:
     """The longest input ``model`` takes: its position embeddings and the tokenizer's ``model_max_length``."""
+    config = getattr(model, "config", None)
     limits = [
-        getattr(getattr(model, "config", None), "max_position_embeddings", None),
+        getattr(config, "max_position_embeddings", None),
         getattr(tokenizer, "model_max_length", None),
     ]
     usable = [int(v) for v in limits if isinstance(v, int) and 0 < v < 1_000_000]
@@ -136,13 +125,10 @@ def map_checkpoint(
     """Load the MAP checkpoint at ``folder`` into ``model``, fine-tuning and publishing it first if absent.
 
     A fresh checkpoint (meta headed by ``about``) is published atomically (``train.save_checkpoint``); the
-    model always scores with the published weights, so every cell of the folder uses the same MAP. While
-    it fine-tunes, the loop's state after each epoch is kept in :func:`progress_path` (a killed run resumes
-    there, bit for bit), deleted once the checkpoint is published.
-
-    Returns:
-        ``(meta, IVON Hessians or None)``; the meta says ``cached``, ``finetune_seconds`` and
-        ``finetune_cpu_seconds`` (this process's) and, after fine-tuning, ``published_here``.
+    model always scores with the published weights. While it fine-tunes, the loop's state after each epoch
+    is kept in :func:`progress_path` (a killed run resumes there), deleted once the checkpoint is published.
+    Returns ``(meta, IVON Hessians or None)``; the meta says ``cached``, ``finetune_seconds`` and
+    ``finetune_cpu_seconds`` (this process's) and, after fine-tuning, ``published_here``.
     """
     own: dict[str, Any] = {"cached": True, "finetune_seconds": 0.0, "finetune_cpu_seconds": 0.0}
     if load_checkpoint(model, folder) is None:
@@ -178,16 +164,12 @@ def prepare_context(
     progress: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> tuple[Context, dict[str, Any]]:
-    """Load data, fine-tune or reuse the checkpoint of (task, split), and build the method context.
+    """Load data, fine-tune or reuse the checkpoint of (task, split); ``(method context, checkpoint meta)``.
 
     The model comes from ``model_factory(name, num_labels, dropout) -> (model, tokenizer)`` (default
     :func:`load_encoder`, which with ``config.train.epochs == 0`` refuses a model that is not a fine-tuned
     classifier), built after seeding with the split's seed so that a new head is the same in every run.
-    The task's data are checked against the folder's (``ResultStore.check_data``) before any work; the
-    checkpoint comes from :func:`map_checkpoint`.
-
-    Returns:
-        ``(context, checkpoint meta)``.
+    The task's data are checked against the folder's (``ResultStore.check_data``) before any work.
     """
     spec = task_spec(task)
     parts, data = split_data(task, split, config, glue_dir)
@@ -211,48 +193,42 @@ def prepare_context(
     ivon = None
     if hess is not None and "ivon" in meta:
         ivon = {"hess": hess, **meta["ivon"], "finetune_seconds": float(meta["seconds"])}
-    bs = config.curvature_batch_size
-    batches = {k: _to(encode(e, tokenizer, bs, max_length, True), device) for k, e in parts.items()}
-    ctx = Context(
-        **batches,
-        model=model,
-        num_labels=spec.num_labels,
-        device=device,
-        seed=seed,
-        settings=config.settings,
-        ivon=ivon,
-        progress=progress,
-    )
+    bs, batches = config.curvature_batch_size, {}
+    for name, examples in parts.items():
+        batches[name] = [
+            {k: v.to(device) for k, v in b.items()}
+            for b in encode(examples, tokenizer, bs, max_length, True)
+        ]
+    ctx = Context(**batches, model=model, num_labels=spec.num_labels, device=device, seed=seed)
+    ctx.settings, ctx.ivon, ctx.progress = config.settings, ivon, progress
     return ctx, meta
 
 
 def all_metrics(probs: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
     """The test metrics of a record from ``probs`` (N, C) and ``labels`` (N,), by ``partialbayes.predictive``.
 
-    Returns:
-        ``accuracy``, ``nll``, ``ece`` (20 equal-mass bins, the paper's) and ``brier``, and ``reliability``:
-        confidence, accuracy and count of those 20 bins (for calibration curves).
+    ``accuracy``, ``nll``, ``ece`` (20 equal-mass bins, the paper's) and ``brier``, and ``reliability``:
+    confidence, accuracy and count of those 20 bins (for calibration curves).
     """
     p = probs.double()
     rel = predictive.reliability(p, labels, n_bins=20, binning="equal_mass")
+    bins = {
+        "confidence": [float(v) for v in rel.confidence],
+        "accuracy": [float(v) for v in rel.accuracy],
+    }
     return {
         "accuracy": float(predictive.accuracy(p, labels)),
         "nll": float(predictive.nll(p, labels)),
         "ece": float(rel.ece),
         "brier": float(predictive.brier(p, labels)),
-        "reliability": {
-            "confidence": [float(v) for v in rel.confidence],
-            "accuracy": [float(v) for v in rel.accuracy],
-            "count": [int(v) for v in rel.count],
-        },
+        "reliability": {**bins, "count": [int(v) for v in rel.count]},
     }
 
 
 def prediction_record(ctx: Context, method: Method, pred: Prediction, cpu: float) -> dict[str, Any]:
-    """The results record of a finished cell (metrics on the test set, floats, times, method facts).
+    """The results record of a finished cell (test metrics, floats, times, method facts).
 
-    Raises:
-        ValueError: Non-finite probabilities (naming the method).
+    Non-finite probabilities raise ``ValueError`` naming the method.
     """
     labels = ctx.labels("test")
     if not torch.isfinite(pred.probs).all():
@@ -361,21 +337,11 @@ class _Unit:
                 self.done(method.name, size, {**record, "seconds": time.perf_counter() - t0})
 
     def prepare(self) -> Context:
-        self.say(f"preparing model {self.grid.config.model}")
-        w0, c0 = time.perf_counter(), time.process_time()
         g = self.grid
-        device = torch.device(g.device)
-        ctx, meta = prepare_context(
-            self.task,
-            self.split,
-            g.config,
-            self.store,
-            device,
-            g.glue_dir,
-            g.model_factory,
-            g.progress,
-            self.say,
-        )
+        self.say(f"preparing model {g.config.model}")
+        w0, c0 = time.perf_counter(), time.process_time()
+        where = (self.task, self.split, g.config, self.store, torch.device(g.device), g.glue_dir)
+        ctx, meta = prepare_context(*where, g.model_factory, g.progress, self.say)
         if meta.get("published_here") is False:
             self.say("another process published this checkpoint first: using its weights")
         tuning = {
@@ -439,17 +405,16 @@ class _Unit:
         self.store.write(Cell(self.task, self.split, name, size), record)
         self.timing(name, record["seconds"], record["cpu_seconds"], size=size)
         extra = record.get("extra") or {}
-        edge = extra.get("prior_at_grid_edge")  # issue 34: said at run time, not only in the report
-        self.say(
-            f"{name} {size}: acc {record['accuracy']:.3f} nll {record['nll']:.3f} "
-            f"ece {record['ece']:.3f} ({record['seconds']:.1f} s)"
-            + (
+        line = f"{name} {size}: acc {record['accuracy']:.3f} nll {record['nll']:.3f} "
+        line += f"ece {record['ece']:.3f} ({record['seconds']:.1f} s)"
+        if edge := extra.get(
+            "prior_at_grid_edge"
+        ):  # issue 34: said at run time, not only in the report
+            line += (
                 f"; its prior precision {extra.get('prior_precision', 0):g} is the {edge} value of "
-                "the grid: widen it (--prior-grid)"
-                if edge
-                else ""
             )
-        )
+            line += "the grid: widen it (--prior-grid)"
+        self.say(line)
 
     def timing(self, stage: str, wall: float, cpu: float, **extra: Any) -> None:
         """One stage dict of ``run_grid(..., timings=...)``."""
@@ -504,13 +469,10 @@ def run_grid(
         check_model_folder(config.model)
     store = ResultStore(results, config.to_dict())
     folder = Path(glue_dir).absolute() if glue_dir is not None else None
-    grid = Grid(
-        methods, config, store.root.absolute(), str(device), folder, model_factory, progress
-    )
-    grid = dataclasses.replace(grid, keep_going=keep_going, take_over=take_over)
+    root, options = store.root.absolute(), (progress, keep_going, take_over)
+    grid = Grid(methods, config, root, str(device), folder, model_factory, *options)
     gpus = 1.0 if torch.device(device).type == "cuda" else 0.0
-    units = grid_units(tasks, splits, shard)
-    job = partial(run_unit, grid)
+    job, units = partial(run_unit, grid), grid_units(tasks, splits, shard)
     for unit in run_units(units, job, store.root, executor, ray_address, keep_going, log, gpus):
         store.failures += unit.failures
         if timings is not None:

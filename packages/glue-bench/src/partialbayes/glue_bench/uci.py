@@ -96,17 +96,14 @@ class UCIProtocol:
         bad += [f"{k}={list(v)}" for k, v in grids.items() if not v or min(v) < 0]
         if bad or self.lr <= 0 or min(self.prior_grid, default=0) <= 0 or min(self.swag_lrs) <= 0:
             raise ValueError(f"bad UCI protocol settings: {', '.join(bad) or 'lr or a grid <= 0'}")
-        needs_val = [
-            what
-            for what, needed in (
-                (f"sigma={self.sigma!r}", self.sigma in ("val", "evidence")),
-                ("prior='val_nll'", self.prior == "val_nll"),
-                ("several weight decays", len(self.weight_decay) > 1),
-                ("several SWAG learning rates", len(self.swag_lrs) > 1),
-                ("early stopping (patience)", self.patience is not None),
-            )
-            if needed
-        ]
+        needs = {
+            f"sigma={self.sigma!r}": self.sigma in ("val", "evidence"),
+            "prior='val_nll'": self.prior == "val_nll",
+            "several weight decays": len(self.weight_decay) > 1,
+            "several SWAG learning rates": len(self.swag_lrs) > 1,
+            "early stopping (patience)": self.patience is not None,
+        }
+        needs_val = [what for what, needed in needs.items() if needed]
         if needs_val and not 0 < self.val_fraction <= 0.5:
             raise ValueError(
                 f"{', '.join(needs_val)} need(s) a validation part: val_fraction in (0, 0.5], "
@@ -114,7 +111,7 @@ class UCIProtocol:
             )
 
     def store_config(self, seed: int) -> dict[str, Any]:
-        """The results folder's configuration, fingerprinted by the store.
+        """The results folder's configuration (fingerprinted by the store).
 
         The paper preset's keys (``steps`` = epochs, their legacy name) plus every setting that differs
         from the paper preset, so that paper-preset folders keep their fingerprint.
@@ -158,11 +155,8 @@ def train_mlp(
     """Adam on the squared error (or, ``learn_sigma``, the Gaussian NLL with a learned log σ).
 
     Standardised units; with ``protocol.patience`` and a validation part, the epoch with the lowest
-    validation loss is kept (early stopping).
-
-    Returns:
-        ``(model in eval mode, info)``: ``info`` has ``epochs`` (trained), ``val_loss`` (or ``None``) and,
-        with ``learn_sigma``, ``sigma`` (standardised).
+    validation loss is kept. Returns the model (eval mode) and ``info``: ``epochs`` (trained),
+    ``val_loss`` (or ``None``) and, with ``learn_sigma``, ``sigma`` (standardised).
     """
     torch.manual_seed(seed)
     x, y = split.x_train.float(), split.y_train.float()
@@ -270,10 +264,7 @@ def gaussian_metrics(
 # ------------------------------------------------------------------------------------------ cells
 @dataclass
 class _Pred:
-    """A cell's Gaussian predictive (standardised) on the test and (if any) validation part.
-
-    With the σ it includes, how σ was chosen, and the cell's other choices (``extra``).
-    """
+    """A cell's Gaussian predictive (standardised) on the test and validation part, its σ and choices."""
 
     test: tuple[torch.Tensor, torch.Tensor]
     val: tuple[torch.Tensor, torch.Tensor] | None
@@ -369,17 +360,10 @@ def _swag(ctx: UCIContext, subset: Subset) -> _Pred:
 
     choose = p.sigma in ("val", "evidence")
     best: tuple[float, _Pred] | None = None
+    options = {"n_steps": p.swag_steps, "loss_fn": loss_fn, "progress": False}
     for lr in p.swag_lrs:
         try:
-            swag = collect_swag(
-                ctx.model,
-                subset,
-                batches,
-                lr=lr,
-                n_steps=p.swag_steps,
-                loss_fn=loss_fn,
-                progress=False,
-            )
+            swag = collect_swag(ctx.model, subset, batches, lr=lr, **options)
         except ValueError as err:  # a learning rate that diverges is not a candidate
             if len(p.swag_lrs) == 1:
                 raise
@@ -398,8 +382,8 @@ def _swag(ctx: UCIContext, subset: Subset) -> _Pred:
         score = float(_nll(*val, data.y_val.double())) if val is not None else 0.0
         rule = "val" if choose else ctx.info["sigma_rule"]
         extra = {"swag_lr": lr, "swag_lr_rule": "val_nll" if len(p.swag_lrs) > 1 else "fixed"}
-        pred = _Pred((mean[:n_te], var[:n_te]), val, sigma, rule, int(swag.num_floats), 0, extra)
-        pred.n_stochastic = subset.num_entries()
+        floats, n = int(swag.num_floats), subset.num_entries()
+        pred = _Pred((mean[:n_te], var[:n_te]), val, sigma, rule, floats, n, extra)
         if best is None or score < best[0]:
             best = (score, pred)
     if best is None:
@@ -432,10 +416,6 @@ def subnet_subset(
 
 
 # ------------------------------------------------------------------------------------------ registry
-def _one(_: UCIContext) -> list[str]:
-    return ["-"]
-
-
 def _modules(ctx: UCIContext) -> list[str]:
     """1 .. the MLP's number of linear maps (hidden layers + output); ``ctx`` needs only ``protocol``."""
     return [str(k) for k in range(1, ctx.protocol.depth + 2)]
@@ -445,89 +425,68 @@ def _percents(_: UCIContext) -> list[str]:
     return [f"{p:g}" for p in SUBNET_PERCENTS]
 
 
-def _module_ramp(strategy: str) -> Callable[[UCIContext, str], _Pred]:
-    pick = {
-        "random": lambda m, k, s: selection.random_modules(m, k, seed=s, group="all"),
-        "max": lambda m, k, s: selection.max_operator_norm(m, k, group="all"),
-        "min": lambda m, k, s: selection.min_operator_norm(m, k, group="all"),
-    }[strategy]
-    return lambda ctx, size: _laplace(ctx, pick(ctx.model, int(size), ctx.seed), KronLaplace)
+def _variance(c: UCIContext, size: str) -> Subset:
+    x, y = c.data.x_train.float(), c.data.y_train.float()
+    return subnet_subset(c.model, "subnet-variance", float(size), x, y, c.sigma)
 
 
-def _subnet(method: str) -> Callable[[UCIContext, str], _Pred]:
-    def run(ctx: UCIContext, size: str) -> _Pred:
-        x, y = ctx.data.x_train.float(), ctx.data.y_train.float()
-        return _laplace(
-            ctx, subnet_subset(ctx.model, method, float(size), x, y, ctx.sigma), DenseLaplace
-        )
+# The subsets of the methods by key: ``(ctx, size) -> Subset``.
+_SUBSETS: dict[str, Callable[[UCIContext, str], Subset]] = {
+    "last": lambda c, s: selection.last_layer(c.model),
+    "all": lambda c, s: every_linear_map(c.model),
+    "random": lambda c, s: selection.random_modules(c.model, int(s), seed=c.seed, group="all"),
+    "max": lambda c, s: selection.max_operator_norm(c.model, int(s), group="all"),
+    "min": lambda c, s: selection.min_operator_norm(c.model, int(s), group="all"),
+    "largest": lambda c, s: selection.largest_magnitude(c.model, float(s)),
+    "variance": _variance,
+}
 
-    return run
+
+_SIZES = {**dict.fromkeys(("random", "max", "min"), _modules), "largest": _percents}
+_SIZES["variance"] = _percents
+
+
+def _one(_: UCIContext) -> list[str]:
+    return ["-"]
+
+
+def _method(name: str, about: str, posterior: type | None, subset: str) -> Method:
+    """A UCI method: ``posterior`` (a Laplace class; ``None``: SWAG) on the ``_SUBSETS[subset]`` subset."""
+    pick, sizes = _SUBSETS[subset], _SIZES.get(subset, _one)
+    if posterior is None:
+        return Method(name, about, sizes, lambda c, s: _swag(c, pick(c, s)))
+    return Method(name, about, sizes, lambda c, s: _laplace(c, pick(c, s), posterior))
 
 
 UCI_METHODS: dict[str, Method] = {
-    m.name: m
-    for m in (
-        Method("map", "the trained network (MAP) with its noise σ", _one, _map),
-        Method(
-            "last-layer",
-            "Laplace, dense GGN on the output layer",
-            _one,
-            lambda c, s: _laplace(c, selection.last_layer(c.model), DenseLaplace),
-        ),
-        Method(
-            "kfac-full",
-            "KFAC Laplace on every linear map",
-            _one,
-            lambda c, s: _laplace(c, every_linear_map(c.model), KronLaplace),
-        ),
-        Method(
-            "kfac-random", "KFAC Laplace on k random linear maps", _modules, _module_ramp("random")
-        ),
-        Method(
-            "kfac-max", "KFAC Laplace on the k largest-norm maps", _modules, _module_ramp("max")
-        ),
-        Method(
-            "kfac-min", "KFAC Laplace on the k smallest-norm maps", _modules, _module_ramp("min")
-        ),
-        Method(
-            "diag-full",
-            "diagonal GGN Laplace on every linear map",
-            _one,
-            lambda c, s: _laplace(c, every_linear_map(c.model), DiagLaplace),
-        ),
-        Method(
-            "subnet-norm",
-            "dense Laplace on the p % largest weights",
-            _percents,
-            _subnet("subnet-norm"),
-        ),
-        Method(
-            "subnet-variance",
-            "dense Laplace on the p % largest-variance weights",
-            _percents,
-            _subnet("subnet-variance"),
-        ),
-        Method(
-            "swag-full",
-            "SWAG on every linear map",
-            _one,
-            lambda c, s: _swag(c, every_linear_map(c.model)),
-        ),
-        Method(
-            "swag-l1",
-            "SWAG on the p % largest-magnitude weights (Fig. 9)",
-            _percents,
-            lambda c, s: _swag(c, selection.largest_magnitude(c.model, float(s))),
-        ),
-    )
+    "map": Method("map", "the trained network (MAP) with its noise σ", _one, _map),
+    **{
+        row[0]: _method(*row)
+        for row in (
+            ("last-layer", "Laplace, dense GGN on the output layer", DenseLaplace, "last"),
+            ("kfac-full", "KFAC Laplace on every linear map", KronLaplace, "all"),
+            ("kfac-random", "KFAC Laplace on k random linear maps", KronLaplace, "random"),
+            ("kfac-max", "KFAC Laplace on the k largest-norm maps", KronLaplace, "max"),
+            ("kfac-min", "KFAC Laplace on the k smallest-norm maps", KronLaplace, "min"),
+            ("diag-full", "diagonal GGN Laplace on every linear map", DiagLaplace, "all"),
+            ("subnet-norm", "dense Laplace on the p % largest weights", DenseLaplace, "largest"),
+            (
+                "subnet-variance",
+                "dense Laplace on the p % largest-variance weights",
+                DenseLaplace,
+                "variance",
+            ),
+            ("swag-full", "SWAG on every linear map", None, "all"),
+            ("swag-l1", "SWAG on the p % largest-magnitude weights (Fig. 9)", None, "largest"),
+        )
+    },
 }
 
 
 def run_uci_cell(ctx: UCIContext, method: str, size: str) -> dict[str, Any]:
     """One UCI cell: the method's posterior, its choices (σ, prior, SWAG lr) and its test metrics.
 
-    Raises:
-        ValueError: An unknown method (listing the valid ones).
+    An unknown method raises ``ValueError`` listing the valid ones.
     """
     if method not in UCI_METHODS:
         raise ValueError(
@@ -594,33 +553,33 @@ def run_uci(
     if str(device) != "cpu":
         log("UCI models are tiny: running them on cpu")
     store = ResultStore(results, protocol.store_config(seed))
+    sized = SimpleNamespace(protocol=protocol)
     for name, split in grid_units(datasets, splits, shard):
-        unit_seed, sized = seed * 100 + split, SimpleNamespace(protocol=protocol)
-        todo = [
-            Cell(name, split, m, size)
+        cells = [
+            Cell(name, split, m, s)
             for m in sorted(set(methods))
-            for size in UCI_METHODS[m].sizes(sized)  # type: ignore[arg-type]
-            if not store.has(Cell(name, split, m, size))
-        ]
+            for s in UCI_METHODS[m].sizes(sized)
+        ]  # type: ignore[arg-type]
+        todo = [cell for cell in cells if not store.has(cell)]
         if not todo:
             continue
-        data = load_uci(name, split, uci_dir, protocol.val_fraction, unit_seed)
-        ctx = fit_map(data, protocol, unit_seed)
+        data = load_uci(name, split, uci_dir, protocol.val_fraction, seed * 100 + split)
+        ctx = fit_map(data, protocol, seed * 100 + split)
         for cell in todo:
+            where = f"[{name} split {split}] {cell.method} {cell.size}"
             try:
                 rec = run_uci_cell(ctx, cell.method, cell.size)
             except Exception as err:  # one broken cell must not stop the grid
-                where = f"{name}/split{split}/{cell.method}/{cell.size}"
-                store.failures.append(f"{where}: {type(err).__name__}: {err}")
-                log(
-                    f"[{name} split {split}] {cell.method} {cell.size}: FAILED ({store.failures[-1]})"
+                store.failures.append(
+                    f"{name}/split{split}/{cell.method}/{cell.size}: {type(err).__name__}: {err}"
                 )
+                log(f"{where}: FAILED ({store.failures[-1]})")
                 if not keep_going:
                     raise
                 continue
             store.write(cell, rec)
+            extra = rec["extra"]
             log(
-                f"[{name} split {split}] {cell.method} {cell.size}: rmse {rec['rmse']:.3f} nll "
-                f"{rec['nll']:.3f} (σ {rec['extra']['sigma']:.3g} by {rec['extra']['sigma_rule']})"
+                f"{where}: rmse {rec['rmse']:.3f} nll {rec['nll']:.3f} (σ {extra['sigma']:.3g} by {extra['sigma_rule']})"
             )
     return store
