@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,34 +59,18 @@ PUBLISHED: dict[str, list[tuple[str, float, float, float, float]]] = {
     ],
 }
 
-__all__ = [
-    "COLUMNS",
-    "METRICS",
-    "PUBLISHED",
-    "UCI_COLUMNS",
-    "markdown_table",
-    "short_table",
-    "summarise",
-    "write_report",
-]
-
 
 def summarise(
     records: Iterable[dict[str, Any]], columns: Sequence[str] = COLUMNS
 ) -> list[dict[str, Any]]:
     """Median, interquartile range, mean and standard error over splits for each (task, method, size).
 
-    Args:
-        records: Results records.
-        columns: Numeric record fields to summarise; a field missing (or ``None``) in some record of a group
-            is left out of that group's row.
-
-    Returns:
-        One row per (task, method, size) with ``n_splits`` and, for every column, ``<col>`` (median),
-        ``<col>_q25``, ``<col>_q75`` (``numpy.percentile``, linear interpolation), ``<col>_mean`` and
-        ``<col>_se`` (sample standard deviation / √n; NaN for one split); sorted by task, method, size.
-        Laplace cells also get ``prior_edge_splits`` (how many splits tuned the prior precision to an end
-        of its grid) and ``prior_edge`` (which ends: ``"lowest"``, ``"highest"``, both, or ``""``).
+    ``columns``: numeric record fields; one missing (or ``None``) in some record of a group is left out of
+    that group's row. One row per (task, method, size), sorted, with ``n_splits`` and for every column
+    ``<col>`` (median), ``<col>_q25``, ``<col>_q75`` (``numpy.percentile``, linear), ``<col>_mean`` and
+    ``<col>_se`` (sample standard deviation / √n; NaN for one split). Laplace cells also get
+    ``prior_edge_splits`` (splits whose prior precision was tuned to an end of its grid) and ``prior_edge``
+    (which ends: ``"lowest"``, ``"highest"``, both, or ``""``).
     """
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in records:
@@ -98,22 +82,13 @@ def summarise(
             if not all(r.get(column) is not None for r in recs):
                 continue
             values = np.array([float(r[column]) for r in recs])
-            q25, med, q75 = np.percentile(values, [25, 50, 75])
-            row[column], row[f"{column}_q25"], row[f"{column}_q75"] = (
-                float(med),
-                float(q25),
-                float(q75),
-            )
+            q25, med, q75 = (float(v) for v in np.percentile(values, [25, 50, 75]))
+            row[column], row[f"{column}_q25"], row[f"{column}_q75"] = med, q25, q75
             row[f"{column}_mean"] = float(values.mean())
-            row[f"{column}_se"] = (
-                float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else math.nan
-            )
-        edges = [
-            (r.get("extra") or {}).get("prior_at_grid_edge")
-            for r in recs
-            if "prior_at_grid_edge" in (r.get("extra") or {})
-        ]
-        if edges:
+            se = values.std(ddof=1) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+            row[f"{column}_se"] = float(se)
+        extras = [r.get("extra") or {} for r in recs]
+        if edges := [e["prior_at_grid_edge"] for e in extras if "prior_at_grid_edge" in e]:
             row["prior_edge_splits"] = sum(e is not None for e in edges)
             row["prior_edge"] = ",".join(sorted({e for e in edges if e is not None}))
         rows.append(row)
@@ -246,8 +221,7 @@ class _Report:
 
     def table(self, name: str, rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> str:
         """``<name>.md`` and ``<name>.csv`` of ``rows``; returns the markdown."""
-        md = markdown(rows, columns)
-        self.text(f"{name}.md", md)
+        self.text(f"{name}.md", md := markdown(rows, columns))
         self.csv(f"{name}.csv", rows)
         return md
 
@@ -267,9 +241,7 @@ def _records(results: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]
     recs = list(iter_records(results))
     if (results / "uci" / "records").is_dir():
         recs += list(iter_records(results / "uci"))
-    uci = [r for r in recs if "rmse" in r]
-    glue = [r for r in recs if "rmse" not in r]
-    return glue, uci
+    return [r for r in recs if "rmse" not in r], [r for r in recs if "rmse" in r]
 
 
 def write_report(
@@ -331,11 +303,10 @@ def write_report(
     report.section("Figures", "\n".join(f"* `{f}`" for f in figs) or "none")
     if report.skipped:
         report.section("Skipped", "\n".join(f"* {s}" for s in report.skipped))
-    markdown_text = "\n".join(report.parts)
-    report.text("report.md", markdown_text)
+    report.text("report.md", text := "\n".join(report.parts))
     return {
         "rows": rows,
-        "markdown": markdown_text,
+        "markdown": text,
         "files": [str(f) for f in report.files],
         "skipped": report.skipped,
     }
@@ -417,8 +388,8 @@ def _glue_outputs(
         report.csv("calibration.csv", curves)
         for task in tasks:
             path = report.out / f"{task}_calibration.png"
-            drawn = figures.calibration_plot(curves, task, path)
-            report.figure(drawn, path, "no reliability bins for the chosen cells of this task")
+            why = "no reliability bins for the chosen cells of this task"
+            report.figure(figures.calibration_plot(curves, task, path), path, why)
     report.section("All cells", summary)
 
 
@@ -453,24 +424,21 @@ LAPLACE = ("last-layer", "kfac-", "diag-", "subnet-")
 
 def _uci_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Summary rows of UCI records, with σ / prior (from ``extra``) and how they were chosen."""
+    by_cell = defaultdict(list)
+    for r in records:
+        by_cell[(r["task"], r["method"], str(r["size"]))].append(r.get("extra") or {})
     flat = [
         {**r, **{k: (r.get("extra") or {}).get(k) for k in ("sigma", "prior_precision")}}
         for r in records
     ]
     rows = summarise(flat, UCI_COLUMNS)
     for row in rows:
-        recs = [
-            r
-            for r in records
-            if (r["task"], r["method"], str(r["size"])) == (row["task"], row["method"], row["size"])
-        ]
+        extras = by_cell[(row["task"], row["method"], row["size"])]
         for rule in ("sigma_rule", "prior_rule"):
-            counts = defaultdict(int)
-            for r in recs:
-                if (r.get("extra") or {}).get(rule):
-                    counts[r["extra"][rule]] += 1
+            counts = Counter(e[rule] for e in extras if e.get(rule))
+            n = len(extras)
             row[rule] = ", ".join(
-                k if n == len(recs) else f"{k} {n}/{len(recs)}" for k, n in sorted(counts.items())
+                k if c == n else f"{k} {c}/{n}" for k, c in sorted(counts.items())
             )
     return rows
 
@@ -489,9 +457,11 @@ def published_table(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 {**pub, "nll_mean": nll, "nll_se": nll_se, "rmse_mean": rmse, "rmse_se": rmse_se}
             )
         mine = [r for r in rows if r["task"] == task]
-        for r in mine:
-            if r["size"] == "-":
-                out.append({**r, "method": f"ours: {r['method']}", "rule": "single cell"})
+        out += [
+            {**r, "method": f"ours: {r['method']}", "rule": "single cell"}
+            for r in mine
+            if r["size"] == "-"
+        ]
         for family, prefixes in (("Laplace", LAPLACE), ("SWAG", ("swag-",))):
             cand = [r for r in mine if r["method"].startswith(prefixes) and "val_nll_mean" in r]
             most = max((r["n_splits"] for r in cand), default=0)
@@ -522,20 +492,18 @@ def _uci_outputs(report: _Report, records: list[dict[str, Any]], results: Path) 
         "ours; the best Laplace / SWAG cell is the one with the lowest mean validation NLL.\n\n"
         + report.table("uci_published", published_table(rows), PUBLISHED_COLUMNS),
     )
-    figs = (
-        (
-            "selection",
+    figs = {
+        "selection": (
             ("subnet-norm", "subnet-variance"),
             "norm- vs variance-based subnetwork Laplace (Fig. 10)",
         ),
-        (
-            "ramp",
+        "ramp": (
             ("subnet-norm", "swag-l1"),
             "Laplace and SWAG on the p % largest weights (Fig. 9)",
         ),
-    )
+    }
     for dataset in sorted({r["task"] for r in rows}):
-        for name, methods, title in figs:
+        for name, (methods, title) in figs.items():
             path = report.out / f"uci_{dataset}_{name}.png"
             drawn = figures.uci_selection_plot(rows, dataset, path, methods, title=title)
             report.figure(drawn, path, f"no {' / '.join(methods)} records")
