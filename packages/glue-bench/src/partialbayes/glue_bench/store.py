@@ -49,11 +49,7 @@ TIMING_FIELDS = frozenset(
 
 
 def without_timings(obj: Any) -> Any:
-    """``obj`` (a record, a checkpoint meta, any JSON value) with every :data:`TIMING_FIELDS` key removed.
-
-    Applied recursively to nested dicts and lists: two runs with the same configuration on the same
-    machine and device give equal results under this function.
-    """
+    """``obj`` (any JSON value) with every :data:`TIMING_FIELDS` key removed, recursively."""
     if isinstance(obj, dict):
         return {k: without_timings(v) for k, v in obj.items() if k not in TIMING_FIELDS}
     if isinstance(obj, list):
@@ -64,11 +60,9 @@ def without_timings(obj: Any) -> Any:
 def read_json(path: Path, what: str = "file") -> Any:
     """Parse the JSON file ``path``; a missing, unreadable or corrupt file raises ``ValueError`` naming it."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as err:
         raise ValueError(f"cannot read {what} {path}: {err}") from err
-    try:
-        return json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(
             f"{what} {path} is not valid JSON ({err}); it is damaged: delete or restore it"
@@ -118,8 +112,7 @@ def temp_path(path: Path) -> Path:
 def atomic_write(path: Path, content: str | Callable[[Path], object]) -> Path:
     """Write ``path`` (its folder created) into a :func:`temp_path` sibling, then ``os.replace``; ``path``.
 
-    The one writer of every file glue-bench stores: ``content`` is the text, or ``write(temporary path)``
-    (a figure's ``savefig``, safetensors' ``save_file``). No reader ever sees half a file.
+    The one writer of every file glue-bench stores: ``content`` is the text, or ``write(temporary path)``.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
@@ -204,11 +197,7 @@ class ResultStore:
         return read_json(path, what), records.is_dir() and any(records.rglob("*.json"))
 
     def _check_config(self) -> bool:
-        """Refuse a folder whose records belong to another configuration.
-
-        Returns:
-            Whether ``config.json`` holds this configuration already.
-        """
+        """Refuse a folder whose records belong to another configuration; whether it holds this one."""
         old, binds = self._stored(self.config_path, "results configuration", self.root / "records")
         if old is None:
             return False
@@ -219,11 +208,8 @@ class ResultStore:
             )
         if old.get("fingerprint") == self.fingerprint or not binds:
             return old.get("fingerprint") == self.fingerprint
-        diff = sorted(
-            k
-            for k in set(old.get("config", {})) | set(self.config)
-            if old.get("config", {}).get(k) != self.config.get(k)
-        )
+        stored = old.get("config", {})
+        diff = sorted(k for k in {*stored, *self.config} if stored.get(k) != self.config.get(k))
         raise ValueError(
             f"results folder {self.root} holds results of another configuration "
             f"(fingerprint {old.get('fingerprint')} != {self.fingerprint}; differs in {diff}); "
@@ -233,9 +219,8 @@ class ResultStore:
     def check_data(self, task: str, data: dict[str, Any]) -> bool:
         """Refuse to mix results of ``task`` computed on other data; ``data`` is remembered for :meth:`claim`.
 
-        ``data`` is the task's fingerprint (``data_glue.data_fingerprint``). Returns whether
-        ``data/<task>.json`` holds it already; another one, with records of ``task``, raises ``ValueError``
-        naming the task and both digests.
+        ``data``: the task's ``data_glue.data_fingerprint``. Returns whether ``data/<task>.json`` holds it
+        already; another one, with records of ``task``, raises ``ValueError`` naming both digests.
         """
         path = self.root / "data" / f"{task}.json"
         old, binds = self._stored(path, "data fingerprint", self.root / "records" / task)
@@ -252,11 +237,13 @@ class ResultStore:
         """Bind the folder to this configuration (and the checked data) before a result is stored.
 
         Checks again (another process may have bound it meanwhile), then writes ``config.json`` and
-        ``data/<task>.json`` (for every task given to :meth:`check_data`) where they do not hold them yet.
+        ``data/<task>.json`` where they do not hold them yet.
         """
         if not self._check_config():
-            config = {"fingerprint": self.fingerprint, "config": self.config}
-            atomic_write(self.config_path, json_text(config))
+            atomic_write(
+                self.config_path,
+                json_text({"fingerprint": self.fingerprint, "config": self.config}),
+            )
         for task, data in self._data.items():
             if not self.check_data(task, data):
                 atomic_write(self.root / "data" / f"{task}.json", json_text(data))
@@ -271,14 +258,7 @@ class ResultStore:
 
     def write(self, cell: Cell, record: dict[str, Any]) -> None:
         """Write the record of ``cell`` atomically (the cell's keys and the fingerprint are added)."""
-        full = {
-            **record,
-            "task": cell.task,
-            "split": cell.split,
-            "method": cell.method,
-            "size": cell.size,
-            "fingerprint": self.fingerprint,
-        }
+        full = {**record, **dataclasses.asdict(cell), "fingerprint": self.fingerprint}
         self.claim()
         atomic_write(self.record_path(cell), json_text(full))
 
@@ -298,11 +278,8 @@ class ResultStore:
         The claim is ``claims/<task>-split<k>.json``, created with ``O_CREAT | O_EXCL`` (atomic, also on
         network file systems), holding host, pid, start time and a token, and removed when the block ends.
         A dead owner's claim is taken over when that is provable (same host, no process of its pid); one
-        from another host only with ``take_over``.
-
-        Raises:
-            UnitBusyError: Another process holds the claim (the message names it and says what to do).
-            OSError: The claims folder cannot be written (the message names the folder and the host).
+        from another host only with ``take_over``. Raises ``UnitBusyError`` when another process holds it,
+        ``OSError`` naming the folder and host when the claims folder cannot be written.
         """
         path = self.root / "claims" / f"{task}-split{split}.json"
         me = {
@@ -341,11 +318,7 @@ class ResultStore:
 
 
 def _take_over(path: Path, stale: dict[str, Any]) -> None:
-    """Remove the stale claim ``path``, unless another process is taking it over at the same time.
-
-    A second ``O_EXCL`` file makes the removal exclusive: only its creator removes the claim, and only if
-    the claim still holds the stale token (not a fresh claim created meanwhile).
-    """
+    """Remove the stale claim ``path`` (if it still holds ``stale``'s token) under an ``O_EXCL`` marker."""
     marker = path.with_name(path.name + ".takeover")
     if not _create(marker, {"host": _host(), "pid": os.getpid()}):
         raise UnitBusyError(f"another process is taking over {path} (delete {marker} if none is)")
@@ -357,11 +330,7 @@ def _take_over(path: Path, stale: dict[str, Any]) -> None:
 
 
 def iter_records(root: str | Path) -> Iterator[dict[str, Any]]:
-    """Every record under ``root/records`` (sorted by path).
-
-    Raises:
-        ValueError: A damaged record (the message names the file).
-    """
+    """Every record under ``root/records`` (sorted by path); a damaged one raises ``ValueError`` naming it."""
     for path in sorted((Path(root) / "records").rglob("*.json")):
         yield _record(path)
 
@@ -390,24 +359,17 @@ def parse_shard(text: str | None) -> tuple[int, int]:
 def grid_units(
     tasks: Sequence[str], splits: Sequence[int], shard: tuple[int, int] = (0, 1)
 ) -> list[tuple[str, int]]:
-    """The (task, split) units of a grid, sorted, and of those shard ``i`` of ``n``: every n-th.
-
-    A unit is what one process does at a time: fine-tune (or reuse) one MAP, then every cell of it. Every
-    unit lands in exactly one shard, whatever order the caller listed the tasks and splits in.
-    """
+    """The (task, split) units of a grid, sorted, and of those shard ``i`` of ``n``: every n-th."""
     i, n = shard
-    ordered = sorted({(t, s) for t in tasks for s in splits})
-    return [u for k, u in enumerate(ordered) if k % n == i]
+    return sorted({(t, s) for t in tasks for s in splits})[i::n]
 
 
 def unit_states(root: str | Path) -> list[dict[str, Any]]:
     """Where each (task, split) unit of a results folder stands, for ``glue-bench report``.
 
-    One row per unit that has records, a checkpoint, a fine-tuning progress file or a claim: ``records``
-    (how many cells are finished), ``map`` (the published MAP: its best epoch of the epochs trained, or
-    ``fine-tuning: k/n epochs`` from its progress file, or ``-``) and ``state``: ``running`` while a
-    process holds its claim, ``partial`` with a progress file and no claim (rerun to resume), ``done``
-    otherwise.
+    One row per unit with records, a checkpoint, a progress file or a claim: ``records`` (finished
+    cells), ``map`` (``epoch <best> of <trained>``, ``fine-tuning: k/n epochs`` or ``-``) and ``state``:
+    ``running`` (claimed), ``partial`` (a progress file, no claim: rerun to resume) or ``done``.
     """
     root = Path(root)
     units: dict[tuple[str, int], dict[str, Any]] = {}
