@@ -6,7 +6,6 @@ The lowest module of the method layer: :mod:`~partialbayes.glue_bench.laplace_ce
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,12 +21,12 @@ from partialbayes.predictive import nll
 from partialbayes.predictive.internal import (
     check_choice,
     check_fields,
+    check_int,
+    check_number,
     model_logits,
     ranged,
     split_batch,
 )
-from partialbayes.predictive.internal import check_int as shared_check_int
-from partialbayes.predictive.internal import check_number as shared_check_number
 from partialbayes.selection import Subset, modules
 from partialbayes.selection.internal import grouped_linear_modules
 
@@ -52,42 +51,19 @@ def prior_grid(values: Sequence[float] = PRIOR_GRID) -> torch.Tensor:
 
 
 def prior_edge(chosen: float, grid: Sequence[float]) -> str | None:
-    """``"lowest"`` / ``"highest"`` when ``chosen`` is the smallest / largest value of ``grid``, else ``None``.
-
-    A prior tuned to an end of its grid may not be the optimum (the lowest gives the widest posterior).
-    """
-    if chosen == min(grid):
-        return "lowest"
-    if chosen == max(grid):
-        return "highest"
-    return None
+    """``"lowest"`` / ``"highest"`` when ``chosen`` is the smallest / largest value of ``grid``, else ``None``."""
+    return "lowest" if chosen == min(grid) else "highest" if chosen == max(grid) else None
 
 
-def check_int(owner: str, key: str, value: Any, low: int = 1) -> None:
-    """``owner.key`` an int ``>= low`` (the shared checker's rule; kept for the configurations' call sites)."""
-    shared_check_int(f"{owner}.{key}", value, f"[{low}, inf)")
-
-
-def check_number(
-    owner: str, key: str, value: Any, low: float = 0.0, high: float = math.inf, closed: bool = False
-) -> float:
-    """``value`` of ``owner.key`` as a float in ``(low, high)`` (``[low, high)`` if ``closed``), or an error."""
-    return shared_check_number(
-        f"{owner}.{key}", value, f"{'[' if closed else '('}{low:g}, {high:g})"
-    )
-
-
-def check_numbers(owner: str, key: str, values: Any, high: float = math.inf) -> tuple[float, ...]:
-    """A non-empty sequence of distinct numbers in (0, ``high``], as floats, or an error naming the field."""
+def check_numbers(name: str, values: Any, interval: str = "(0, inf)") -> tuple[float, ...]:
+    """A non-empty sequence of distinct numbers in ``interval``, as floats, or an error naming ``name``."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise TypeError(f"{owner}.{key} must be a sequence of numbers, got {values!r}")
-    out = tuple(check_number(owner, key, v) for v in values)
-    if any(v > high for v in out):
-        raise ValueError(f"{owner}.{key} values must be in (0, {high:g}], got {list(values)}")
+        raise TypeError(f"{name} must be a sequence of numbers, got {values!r}")
+    out = tuple(check_number(name, v, interval) for v in values)
     if not out:
-        raise ValueError(f"{owner}.{key} is empty")
+        raise ValueError(f"{name} is empty")
     if len(set(out)) != len(out):
-        raise ValueError(f"{owner}.{key} has repeated values: {list(values)}")
+        raise ValueError(f"{name} has repeated values: {list(values)}")
     return out
 
 
@@ -131,24 +107,18 @@ class Settings:
         check_choice("Settings.fisher", self.fisher, FISHERS)
         check_choice("Settings.last_layer_fisher", self.last_layer_fisher, FISHERS)
         check_fields(self)
-        self.prior_grid = check_numbers("Settings", "prior_grid", self.prior_grid)
+        for key in ("prior_grid", "swag_lrs", "skfac_percents", "swag_l1_percents"):
+            interval = "(0, 100]" if key.endswith("percents") else "(0, inf)"
+            setattr(self, key, check_numbers(f"Settings.{key}", getattr(self, key), interval))
         if len(self.prior_grid) < 2:
             raise ValueError(f"Settings.prior_grid needs at least 2 values, got {self.prior_grid}")
-        self.swag_lrs = check_numbers("Settings", "swag_lrs", self.swag_lrs)
-        self.skfac_percents = check_numbers("Settings", "skfac_percents", self.skfac_percents, 100)
-        self.swag_l1_percents = check_numbers(
-            "Settings", "swag_l1_percents", self.swag_l1_percents, 100
-        )
         counts = self.module_counts
         if isinstance(counts, (str, bytes)) or not isinstance(counts, Sequence) or not counts:
             raise TypeError(f"Settings.module_counts must be a non-empty sequence, got {counts!r}")
-        for k in counts:
-            check_int("Settings", "module_counts", k)
-        self.module_counts = tuple(counts)
-        if not isinstance(self.linear_sampling, LinearSamplingConfig):
+        self.module_counts = tuple(check_int("Settings.module_counts", k) for k in counts)
+        if not isinstance(ls := self.linear_sampling, LinearSamplingConfig):
             raise TypeError(
-                "Settings.linear_sampling must be a LinearSamplingConfig, got "
-                f"{type(self.linear_sampling).__name__}"
+                f"Settings.linear_sampling must be a LinearSamplingConfig, got {type(ls).__name__}"
             )
 
     def to_dict(self) -> dict[str, Any]:
@@ -160,18 +130,10 @@ class Settings:
 class Context:
     """Everything a method needs about one fine-tuned (task, split).
 
-    Attributes:
-        model: The fine-tuned classifier at its MAP weights, in eval mode, on ``device``.
-        train: Training batches (dicts with ``labels``) on ``device``, for curvature and SWAG.
-        val: Validation batches on ``device``.
-        test: Test batches on ``device``.
-        num_labels: Number of classes.
-        device: The device.
-        seed: Seed of this (task, split): random module choices and sampling derive from it.
-        settings: Method hyperparameters.
-        progress: Show progress bars in the long stages (curvature pass, prior search, test predictive).
-        ivon: ``{"hess": {name: tensor}, "ess", "weight_decay", "finetune_seconds"}`` when fine-tuned with
-            IVON (``finetune_seconds``: the wall-clock time of that fine-tuning).
+    ``model`` is the fine-tuned classifier at its MAP weights (eval mode); ``train``, ``val`` and ``test``
+    are dict batches (with ``labels``) on ``device``; random choices and sampling derive from ``seed``;
+    ``progress`` shows bars in the long stages; ``ivon`` is ``{"hess": {name: tensor}, "ess",
+    "weight_decay", "finetune_seconds"}`` when fine-tuned with IVON.
     """
 
     model: nn.Module
@@ -209,17 +171,10 @@ class Context:
 class Prediction:
     """A method's output on the test set (keyword arguments only; the counts and times default to 0).
 
-    Attributes:
-        probs: (N, C) float64 predictive probabilities.
-        floats: Floats the posterior stores beyond the MAP weights.
-        n_stochastic: Number of stochastic parameters.
-        percent_stochastic: Percent of the countable parameters that are stochastic.
-        fit_seconds: Time to build the posterior (including hyperparameter search).
-        predict_seconds: Time to predict the test set.
-        extra: Method-specific facts (chosen prior precision, learning rate, modules).
-        val_nll: Mean validation NLL of the method's predictive (chooses a ramp's level, the paper's §5.4).
-        curvature_pass: Laplace cells: ``"per-cell"`` (the cell's own pass over the training set) or
-            ``"shared"`` (the ramp's one pass); ``None`` otherwise.
+    ``probs``: (N, C) float64 predictive probabilities; ``floats``: what the posterior stores beyond the
+    MAP; ``percent_stochastic``: of the countable parameters; ``fit_seconds`` includes hyperparameter
+    search; ``extra``: method-specific facts; ``val_nll``: of the method's predictive (chooses a ramp's
+    level, the paper's §5.4); ``curvature_pass``: Laplace cells' ``"per-cell"`` or ``"shared"``.
     """
 
     probs: torch.Tensor
@@ -267,8 +222,5 @@ def modules_of(subset: Subset) -> list[str]:
 
 
 def every_linear_map(model: nn.Module) -> Subset:
-    """Every candidate linear map of ``model``, weights and biases: the subset of the ``*-full`` methods.
-
-    The subset of ``selection.max_operator_norm`` with every map, without computing any norm.
-    """
+    """Every candidate linear map of ``model``, weights and biases: the subset of the ``*-full`` methods."""
     return modules(model, list(grouped_linear_modules(model, "all")))

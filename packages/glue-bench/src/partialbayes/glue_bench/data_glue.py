@@ -23,18 +23,7 @@ DATA_ENV = "PARTIALBAYES_DATA"
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """How to read one GLUE task.
-
-    Attributes:
-        name: Task name on the command line (``sst2``, ``mrpc``, ``rte``) and in ``nyu-mll/glue``.
-        folder: Folder name inside the GLUE directory (``SST-2``, ...).
-        text_columns: Header names of the one or two text columns.
-        label_column: Header name of the label column.
-        labels: Label strings in class-index order.
-        train_size: Training-part size of the paper's split.
-        val_size: Validation-part size of the paper's split.
-        hub_text_columns: Text column names in the Hugging Face dataset.
-    """
+    """How to read one GLUE task: its TSV columns, labels (in class order), the paper's split sizes."""
 
     name: str
     folder: str
@@ -51,30 +40,17 @@ class TaskSpec:
         return len(self.labels)
 
 
-BINARY = ("0", "1")
+BINARY, ENTAILMENT = ("0", "1"), ("entailment", "not_entailment")
 TASKS: dict[str, TaskSpec] = {
     "sst2": TaskSpec("sst2", "SST-2", ("sentence",), "label", BINARY, 60_600, 6_700, ("sentence",)),
     "mrpc": TaskSpec("mrpc", "MRPC", ("#1 String", "#2 String"), "Quality", BINARY, 3_300, 370),
-    "rte": TaskSpec(
-        "rte",
-        "RTE",
-        ("sentence1", "sentence2"),
-        "label",
-        ("entailment", "not_entailment"),
-        2_240,
-        250,
-    ),
+    "rte": TaskSpec("rte", "RTE", ("sentence1", "sentence2"), "label", ENTAILMENT, 2_240, 250),
 }
 
 
 @dataclass(frozen=True)
 class Examples:
-    """Texts and integer labels of one data split.
-
-    Attributes:
-        texts: One tuple of one or two strings per example.
-        labels: Class indices, one per example.
-    """
+    """Texts (a tuple of one or two strings per example) and class indices of one data split."""
 
     texts: tuple[tuple[str, ...], ...]
     labels: tuple[int, ...]
@@ -104,14 +80,10 @@ def default_glue_dir() -> Path | None:
 
 
 def read_glue_tsv(path: str | Path, spec: TaskSpec) -> Examples:
-    """Read one GLUE TSV file (tab-separated, quoting off, optional UTF-8 BOM).
+    """Read one GLUE TSV file (tab-separated, quoting off, optional UTF-8 BOM); labels index ``spec.labels``.
 
-    Returns the examples, labels as indices into ``spec.labels``.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist (the message names it).
-        ValueError: A missing column, or a row with the wrong number of fields or an unknown label
-            (the message names the file and the line number).
+    A missing file raises ``FileNotFoundError``; a missing column, or a row with the wrong number of fields
+    or an unknown label, ``ValueError`` naming the file and line.
     """
     path = Path(path)
     if not path.is_file():
@@ -157,12 +129,7 @@ def load_glue_local(task: str, glue_dir: str | Path) -> tuple[Examples, Examples
 
 
 def load_glue_hub(task: str) -> tuple[Examples, Examples]:
-    """Download the task from the Hugging Face hub (``nyu-mll/glue``); returns ``(train, test)``.
-
-    Raises:
-        ImportError: ``datasets`` is not installed (the message names the ``hub`` extra).
-        OSError: The hub is switched off (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``), or unreachable.
-    """
+    """Download ``(train, test)`` from the Hugging Face hub (``nyu-mll/glue``; needs the ``hub`` extra)."""
     spec = task_spec(task)
     try:
         import datasets
@@ -194,17 +161,10 @@ def glue_missing_message(task: str, glue_dir: Path | None) -> str:
 
 
 def load_glue(task: str, glue_dir: str | Path | None = None) -> tuple[Examples, Examples]:
-    """Load ``(train, test)`` for a GLUE task: local folder first, then the hub if reachable.
+    """Load ``(train, test)`` for a GLUE task: ``glue_dir`` (default ``$PARTIALBAYES_DATA/glue``), else the hub.
 
-    Args:
-        task: ``sst2``, ``mrpc`` or ``rte``.
-        glue_dir: Folder with ``SST-2/``, ``MRPC/``, ``RTE/``; defaults to ``$PARTIALBAYES_DATA/glue``.
-
-    Raises:
-        ValueError: Unknown task.
-        FileNotFoundError: The given folder lacks a file (named), or no folder was given and the hub
-            fallback failed (the message says where to put the data, and why the hub failed: the ``hub``
-            extra missing, the hub switched off by ``HF_HUB_OFFLINE``, or unreachable).
+    ``FileNotFoundError`` when the folder lacks a file, or no folder holds the task and the hub failed (the
+    message says where to put the data and why the hub failed).
     """
     spec = task_spec(task)
     folder = Path(glue_dir) if glue_dir is not None else default_glue_dir()
@@ -220,11 +180,7 @@ def load_glue(task: str, glue_dir: str | Path | None = None) -> tuple[Examples, 
 
 
 def data_fingerprint(train: Examples, test: Examples) -> dict[str, Any]:
-    """``{"sha256", "n_train", "n_test"}``: what a results folder remembers about a task's data.
-
-    The digest covers the parsed texts and labels, so an edit the experiment would see changes it, while
-    byte-level details (a byte-order mark, line endings) do not.
-    """
+    """``{"sha256", "n_train", "n_test"}`` of the parsed texts and labels (not the files' bytes)."""
     h = hashlib.sha256()
     for part in (train, test):
         h.update(json.dumps([part.texts, part.labels], ensure_ascii=False).encode())
@@ -235,14 +191,11 @@ def data_fingerprint(train: Examples, test: Examples) -> dict[str, Any]:
 def split_indices(
     n: int, spec: TaskSpec, split: int, max_train: int | None = None
 ) -> tuple[list[int], list[int]]:
-    """Seeded training / validation indices into the ``n`` rows of the training file.
+    """Seeded, disjoint ``(train indices, validation indices)`` into the ``n`` rows of the training file.
 
     The validation part is the first ``spec.val_size`` entries of a permutation seeded by ``split``, the
     training part the next ``spec.train_size`` (MRPC: 3,298, the file being short). ``max_train`` cuts the
     training part and the validation part in proportion (at least 64): nested subsets of the full split.
-
-    Returns:
-        ``(train_indices, val_indices)``, disjoint.
     """
     if split < 0:
         raise ValueError(f"split must be >= 0, got {split}")
@@ -265,31 +218,24 @@ def encode(
     max_length: int | None = 128,
     sort_by_length: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
-    """Tokenise into a list of dict batches (padded to the longest sequence in each batch).
+    """Tokenise into dict batches: the tokenizer's (B, L) tensors, padded per batch, and ``labels`` (B,).
 
-    Each batch holds the tokenizer's (B, L) tensors and ``labels`` (B,). ``max_length`` truncates (``None``:
-    the tokenizer's limit); ``sort_by_length`` orders the examples by text length first (less padding for
-    passes where the order does not matter).
+    ``max_length`` truncates (``None``: the tokenizer's limit); ``sort_by_length`` orders the examples by
+    text length first (less padding for passes where the order does not matter).
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if sort_by_length:
         order = sorted(range(len(examples)), key=lambda i: sum(len(t) for t in examples.texts[i]))
         examples = examples.take(order)
-    if max_length is not None and (isinstance(max_length, bool) or max_length < 1):
-        raise ValueError(f"max_length must be >= 1 or None, got {max_length!r}")
+    options = {
+        "padding": "longest",
+        "truncation": True,
+        "max_length": max_length,
+        "return_tensors": "pt",
+    }
     out = []
     for start in range(0, len(examples), batch_size):
-        chunk = examples.texts[start : start + batch_size]
-        columns = list(zip(*chunk, strict=True))
-        enc = tokenizer(
-            *[list(c) for c in columns],
-            padding="longest",
-            truncation=True,
-            max_length=max_length,
-            return_tensors="pt",
-        )
-        batch = dict(enc.items())
+        columns = zip(*examples.texts[start : start + batch_size], strict=True)
+        batch = dict(tokenizer(*[list(c) for c in columns], **options).items())
         batch["labels"] = torch.tensor(examples.labels[start : start + batch_size])
         out.append(batch)
     return out

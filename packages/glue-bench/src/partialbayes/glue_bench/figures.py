@@ -25,7 +25,7 @@ def pyplot() -> Any:
 
 
 def save_figure(fig: Any, path: Path, dpi: int = 120) -> None:
-    """Lay ``fig`` out, save it as PNG at ``path`` atomically (``store.atomic_write``) and close it."""
+    """Lay ``fig`` out, save it as PNG at ``path`` atomically and close it."""
     try:
         fig.tight_layout()
         atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
@@ -34,9 +34,15 @@ def save_figure(fig: Any, path: Path, dpi: int = 120) -> None:
 
 
 def _band(ax: Any, x: list[float], rows: list[dict[str, Any]], metric: str, line: Any) -> None:
-    """The interquartile band of ``metric`` over splits around ``line``."""
     low, high = [r[f"{metric}_q25"] for r in rows], [r[f"{metric}_q75"] for r in rows]
     ax.fill_between(x, low, high, alpha=0.2, color=line.get_color())
+
+
+def _by(rows: Sequence[dict[str, Any]], key: str) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        out[r[key]].append(r)
+    return out
 
 
 def ramping_plot(
@@ -49,13 +55,9 @@ def ramping_plot(
     mine = [r for r in rows if r["task"] == task and metric in r]
     if not mine:
         return False
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for r in mine:
-        by_method[r["method"]].append(r)
+    fig, ax = pyplot().subplots(figsize=(6.4, 4.2))
     flat_styles = iter(["--", ":", "-.", (0, (5, 1)), (0, (1, 3))])
-    for method, rs in sorted(by_method.items()):
+    for method, rs in sorted(_by(mine, "method").items()):
         pts = sorted(rs, key=lambda r: r["percent_stochastic"])
         x = [max(r["percent_stochastic"], 1e-4) for r in pts]
         y = [r[metric] for r in pts]
@@ -83,21 +85,15 @@ def rank_plot(rank_rows: Sequence[dict[str, Any]], task: str, path: Path) -> boo
     mine = [r for r in rank_rows if r["task"] == task]
     if not mine:
         return False
-    plt = pyplot()
-    families = sorted({r["family"] for r in mine})
-    fig, axes = plt.subplots(
-        1, len(families), figsize=(5.2 * len(families), 3.8), squeeze=False, sharey=True
-    )
-    for ax, family in zip(axes[0], families, strict=True):
-        by_strategy: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        for r in mine:
-            if r["family"] == family:
-                by_strategy[r["strategy"]].append(r)
-        for strategy, rs in sorted(by_strategy.items()):
+    families = _by(mine, "family")
+    size = (5.2 * len(families), 3.8)
+    fig, axes = pyplot().subplots(1, len(families), figsize=size, squeeze=False, sharey=True)
+    for ax, family in zip(axes[0], sorted(families), strict=True):
+        for strategy, rs in sorted(_by(families[family], "strategy").items()):
             rs.sort(key=lambda r: r["modules"])
             ax.plot([r["modules"] for r in rs], [r["rank"] for r in rs], marker="o", label=strategy)
         ax.set_xscale("log")
-        counts = sorted({r["modules"] for r in mine if r["family"] == family})
+        counts = sorted({r["modules"] for r in families[family]})
         ax.set_xticks(counts, [str(k) for k in counts])
         ax.minorticks_off()
         ax.set_xlabel("number of stochastic modules")
@@ -110,10 +106,9 @@ def rank_plot(rank_rows: Sequence[dict[str, Any]], task: str, path: Path) -> boo
 
 
 def merged_bins(rows: Sequence[dict[str, Any]], n_bins: int) -> list[dict[str, float]]:
-    """Merge consecutive reliability bins into at most ``n_bins`` bins of about equal count.
+    """Merge one curve's reliability bins, in confidence order, into at most ``n_bins`` of about equal count.
 
-    ``rows`` (one curve's ``confidence``, ``accuracy``, ``count``) are merged in confidence order into
-    count-weighted means and summed counts, so equal-mass bins stay equal-mass; ``n_bins < 1`` raises.
+    Count-weighted means of ``confidence`` and ``accuracy``, summed counts; ``n_bins < 1`` raises.
     """
     if n_bins < 1:
         raise ValueError(f"n_bins must be at least 1, got {n_bins}")
@@ -126,22 +121,16 @@ def merged_bins(rows: Sequence[dict[str, Any]], n_bins: int) -> list[dict[str, f
         done = sum(g["count"] for g in group) + sum(o["count"] for o in out)
         if done * n_bins >= total * (len(out) + 1) or r is ordered[-1]:
             n = sum(g["count"] for g in group)
-            out.append(
-                {
-                    "confidence": sum(g["count"] * g["confidence"] for g in group) / n,
-                    "accuracy": sum(g["count"] * g["accuracy"] for g in group) / n,
-                    "count": n,
-                }
-            )
+            merged = {
+                k: sum(g["count"] * g[k] for g in group) / n for k in ("confidence", "accuracy")
+            }
+            out.append({**merged, "count": n})
             group = []
     return out
 
 
 def calibration_bins(examples: float, stored: int, per_bin: int = 40) -> int:
-    """How many bins a reliability curve of ``examples`` test points gets: about ``per_bin`` points each.
-
-    At least 3 (a curve needs a shape) and at most ``stored`` (the bins the records carry).
-    """
+    """Bins of a reliability curve of ``examples`` test points: about ``per_bin`` each, 3 to ``stored``."""
     return max(1, min(stored, max(3, int(examples // per_bin))))
 
 
@@ -156,10 +145,8 @@ def calibration_plot(
     mine = [r for r in curve_rows if r["task"] == task]
     if not mine:
         return False
-    plt = pyplot()
-    fig, (ax, ax_n) = plt.subplots(
-        2, 1, figsize=(5.6, 6.4), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
-    )
+    panels = {"figsize": (5.6, 6.4), "sharex": True, "gridspec_kw": {"height_ratios": [3, 1]}}
+    fig, (ax, ax_n) = pyplot().subplots(2, 1, **panels)
     curves: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in mine:
         curves[(r["method"], r["size"])].append(r)
@@ -182,22 +169,16 @@ def calibration_plot(
         line = ax.errorbar(
             x, acc, yerr=err, marker="o", markersize=4, linestyle=style, capsize=2, label=label
         )[0]
-        ax_n.plot(
-            x,
-            [b["count"] / splits for b in bins],
-            marker="o",
-            markersize=3,
-            linestyle=style,
-            color=line.get_color(),
-        )
+        per_split = [b["count"] / splits for b in bins]
+        ax_n.plot(x, per_split, marker="o", markersize=3, linestyle=style, color=line.get_color())
         n_examples = max(n_examples, sum(b["count"] for b in bins) / splits)
     ax.set_xlim(lo, 1.0)
     ax.set_ylim(lo, 1.0)
     ax.set_ylabel("accuracy (± binomial s.e.)")
-    ax.set_title(
-        f"{task}: calibration, {n_examples:.0f} test examples, equal-mass bins of about {per_bin}",
-        fontsize=9,
+    title = (
+        f"{task}: calibration, {n_examples:.0f} test examples, equal-mass bins of about {per_bin}"
     )
+    ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     ax_n.set_ylim(bottom=0)
     ax_n.set_xlabel("confidence (mean per bin)")
@@ -216,24 +197,14 @@ def memory_plot(rows: Sequence[dict[str, Any]], task: str, path: Path, metric: s
     posteriors = [r for r in mine if r.get("floats", 0) > 0 and r["method"] != "temperature"]
     if not posteriors:
         return False
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for r in posteriors:
-        by_method[r["method"]].append(r)
-    for method, rs in sorted(by_method.items()):
+    fig, ax = pyplot().subplots(figsize=(6.4, 4.2))
+    for method, rs in sorted(_by(posteriors, "method").items()):
         pts = sorted(rs, key=lambda r: r["floats"])
         ax.plot([r["floats"] for r in pts], [r[metric] for r in pts], marker="o", label=method)
     for method, style in (("map", "--"), ("temperature", ":")):
-        base = next((r for r in mine if r["method"] == method), None)
-        if base is not None:
-            ax.axhline(
-                base[metric],
-                color="0.25",
-                linestyle=style,
-                linewidth=1.2,
-                label=f"{method} (no posterior)" if method == "map" else method,
-            )
+        if (base := next((r for r in mine if r["method"] == method), None)) is not None:
+            label = f"{method} (no posterior)" if method == "map" else method
+            ax.axhline(base[metric], color="0.25", linestyle=style, linewidth=1.2, label=label)
     ax.set_xscale("log")
     ax.set_xlabel("floats stored by the posterior")
     ax.set_ylabel(f"test {metric.upper()} (median over splits)")
@@ -250,11 +221,7 @@ def is_constant(values: Sequence[float]) -> bool:
 
 
 def value_limits(values: Sequence[float], pad: float = 0.15) -> tuple[float, float]:
-    """Y-limits that fit ``values`` (medians, baselines) with ``pad`` of their range on each side.
-
-    When every value is the same (up to 1e-9 relative), the limits are that value ± 1 %, so the axis does
-    not blow rounding noise up into apparent differences.
-    """
+    """Y-limits that fit ``values`` with ``pad`` of their range on each side (± 1 % when all are equal)."""
     lo, hi = min(values), max(values)
     scale = max(abs(lo), abs(hi), 1e-12)
     if is_constant(values):
@@ -288,8 +255,7 @@ def uci_selection_plot(
     if not ramps:
         return False
     metrics = [k for k in metrics if any(k in r for rs in ramps.values() for r in rs)]
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5.0 * len(metrics), 3.8), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(metrics), figsize=(5.0 * len(metrics), 3.8), squeeze=False)
     map_row = next((r for r in mine if r["method"] == "map"), None)
     for ax, metric in zip(axes[0], metrics, strict=True):
         shown = [r[metric] for rs in ramps.values() for r in rs if metric in r]

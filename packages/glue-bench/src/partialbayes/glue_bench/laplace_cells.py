@@ -51,16 +51,9 @@ def choose_prior(
 ) -> dict[str, Any]:
     """Set the prior precision of ``la`` by ``method`` and describe the choice.
 
-    Args:
-        la: The fitted posterior.
-        nll: ``[len(grid)]`` its mean validation NLL per prior (``grid_val_nll``).
-        grid: The prior precisions (``Settings.prior_grid``).
-        method: ``val_nll`` (lowest validation NLL on the grid, ties to the smaller prior) or
-            ``marglik`` (largest marginal likelihood on the grid, the library's rule).
-
-    Returns:
-        ``{"prior_precision", "prior_method", "prior_at_grid_edge", "val_nll_grid"}`` and ``"val_nll"``
-        (the validation NLL at the chosen prior).
+    ``nll``: the mean validation NLL per prior of ``grid``; ``method``: ``val_nll`` (its lowest, ties to the
+    smaller prior) or ``marglik`` (the largest marginal likelihood on the grid). Returns
+    ``{"prior_precision", "prior_method", "prior_at_grid_edge", "val_nll_grid", "val_nll"}``.
     """
     if method == "val_nll":
         best = int(torch.argmin(nll))
@@ -90,10 +83,7 @@ def laplace_result(
     curvature_pass: str,
     skfac_percent: float | None = None,
 ) -> Prediction:
-    """The :class:`Prediction` of a finished Laplace cell (the same fields whichever path fitted it).
-
-    ``seconds``: its fit (prior search included) and predict times.
-    """
+    """The :class:`Prediction` of a finished Laplace cell; ``seconds``: its fit and predict times."""
     extra = {k: v for k, v in prior.items() if k != "val_nll"}
     extra.update({"fisher": la.fisher, "modules": modules_of(la.subset)})
     if skfac_percent is not None:
@@ -114,26 +104,14 @@ def laplace_result(
 def laplace_prediction(
     ctx: Context, la: LaplaceBase, skfac_percent: float | None = None
 ) -> Prediction:
-    """Fit the posterior ``la`` on its own, tune its prior, predict (``curvature_pass="per-cell"``).
-
-    The cell's own curvature pass over the training set (the MC fisher seeded by the run), the validation
-    NLL of every prior of ``settings.prior_grid``, the prior chosen by validation NLL or by the marginal
-    likelihood (``settings.prior``), then the linearised probit predictive on the test set.
-    """
-    s = ctx.settings
-    t0 = time.perf_counter()
+    """Fit the posterior ``la`` on its own, tune its prior, predict (``curvature_pass="per-cell"``)."""
+    s, t0 = ctx.settings, time.perf_counter()
     la.fit(ctx.train, generator=mc_generator(ctx, la.fisher), progress=ctx.progress)
-    prior = choose_prior(
-        la,
-        la.grid_val_nll(ctx.bar(ctx.val, "prior search"), prior_grid(s.prior_grid)),
-        s.prior_grid,
-        s.prior,
-    )
-    fit = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    probs = torch.cat(
-        [probit_probs(*la.logit_mean_cov(batch)) for batch in ctx.bar(ctx.test, "test predictive")]
-    )
+    nll = la.grid_val_nll(ctx.bar(ctx.val, "prior search"), prior_grid(s.prior_grid))
+    prior = choose_prior(la, nll, s.prior_grid, s.prior)
+    fit, t0 = time.perf_counter() - t0, time.perf_counter()
+    probs = [probit_probs(*la.logit_mean_cov(b)) for b in ctx.bar(ctx.test, "test predictive")]
+    probs = torch.cat(probs)
     seconds = (fit, time.perf_counter() - t0)
     return laplace_result(ctx, la, probs, prior, seconds, "per-cell", skfac_percent)
 
@@ -156,7 +134,7 @@ def floats_of(cell: KronCell) -> int:
 def groups_of(cells: Sequence[KronCell], memory_floats: int = MEMORY_FLOATS) -> list[list[int]]:
     """Consecutive groups of cell indices whose floats sum to at most ``memory_floats`` (at least one)."""
     out: list[list[int]] = []
-    used = 0
+    used = 0  # floats of the last group
     for i, cell in enumerate(cells):
         need = floats_of(cell)
         if out and used + need <= memory_floats:
@@ -173,22 +151,17 @@ def shared_predictions(
 ) -> tuple[list[Prediction], dict[str, float]]:
     """The cells' predictions from one training, one validation and one test pass for them all.
 
-    Returns:
-        The predictions, and the group's seconds: ``fit`` (``fit_many``: the curvature pass and the
-        eigendecompositions), ``prior``, ``predict`` (wall clock) and ``cpu`` (process CPU time). A cell's
-        ``fit_seconds`` / ``predict_seconds`` are its share of the group's, so a ramp's records add up.
+    Returns the predictions, and the group's seconds: ``fit`` (``fit_many``: the curvature pass and the
+    eigendecompositions), ``prior``, ``predict`` (wall clock) and ``cpu`` (process CPU time). A cell's
+    ``fit_seconds`` / ``predict_seconds`` are its share of the group's, so a ramp's records add up.
     """
     s, c0, t0 = ctx.settings, time.process_time(), time.perf_counter()
-    subsets = [c.subset for c in cells]
-    generator = mc_generator(ctx, s.fisher)
-    posts = KronLaplace.fit_many(
-        ctx.model,
-        subsets,
-        ctx.train,
-        generator=generator,
-        progress=ctx.progress,
+    options = {
+        "generator": mc_generator(ctx, s.fisher),
+        "progress": ctx.progress,
         **kron_options(ctx),
-    )
+    }
+    posts = KronLaplace.fit_many(ctx.model, [c.subset for c in cells], ctx.train, **options)
     t1 = time.perf_counter()
     nll = grid_val_nll_many(posts, ctx.bar(ctx.val, "prior search"), prior_grid(s.prior_grid))
     priors = [choose_prior(la, v, s.prior_grid, s.prior) for la, v in zip(posts, nll, strict=True)]

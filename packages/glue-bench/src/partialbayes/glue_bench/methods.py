@@ -45,7 +45,7 @@ class Method:
     """One registered method: ``sizes(ctx) -> size keys`` (``["-"]``: one cell), ``run(ctx, size)``.
 
     KFAC-type Laplace methods also give ``kron(ctx, size) -> KronCell``, so that a ramp shares one
-    curvature pass (:mod:`~partialbayes.glue_bench.ramp`).
+    curvature pass (:mod:`~partialbayes.glue_bench.laplace_cells`).
     """
 
     name: str
@@ -55,13 +55,8 @@ class Method:
     kron: Callable[[Context, str], KronCell] | None = None
 
 
-# ------------------------------------------------------------------------------------------ helpers
-def _single(_: Context) -> list[str]:
+def _one(_: Context) -> list[str]:
     return ["-"]
-
-
-def _fmt(p: float) -> str:
-    return f"{p:g}"
 
 
 # ------------------------------------------------------------------------------------------ MAP, TS
@@ -76,14 +71,13 @@ def run_map(ctx: Context, size: str) -> Prediction:
 def temperature_or_grid(logits: torch.Tensor, labels: torch.Tensor) -> float:
     """``predictive.fit_temperature`` of (N, C) validation ``logits``, or the best grid temperature.
 
-    When the validation NLL has no finite optimum (``predictive`` refuses), the best T of
-    ``logspace(-2, 2, 81)`` is taken with a warning, so one degenerate cell does not stop a grid.
+    When the validation NLL has no finite optimum, the best T of ``logspace(-2, 2, 81)`` is taken with a
+    warning, so one degenerate cell does not stop a grid.
     """
     try:
         return float(fit_temperature(logits.double(), labels))
     except ValueError as err:
-        grid = torch.logspace(-2, 2, 81, dtype=torch.float64)
-        z = logits.double()
+        grid, z = torch.logspace(-2, 2, 81, dtype=torch.float64), logits.double()
         losses = torch.stack([torch.nn.functional.cross_entropy(z / t, labels) for t in grid])
         best = float(grid[int(losses.argmin())])
         warnings.warn(
@@ -96,28 +90,17 @@ def run_temperature(ctx: Context, size: str) -> Prediction:
     """Temperature scaling fitted on the validation set."""
     t0 = time.perf_counter()
     temp = temperature_or_grid(ctx.logits("val"), ctx.labels("val"))
-    fit = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    fit, t0 = time.perf_counter() - t0, time.perf_counter()
     probs = torch.softmax(ctx.logits("test") / temp, -1)
     val = val_nll(torch.softmax(ctx.logits("val") / temp, -1), ctx.labels("val"))
-    return Prediction(
-        probs=probs,
-        floats=1,
-        fit_seconds=fit,
-        predict_seconds=time.perf_counter() - t0,
-        extra={"temperature": temp},
-        val_nll=val,
-    )
+    took = {"fit_seconds": fit, "predict_seconds": time.perf_counter() - t0}
+    return Prediction(probs=probs, floats=1, **took, extra={"temperature": temp}, val_nll=val)
 
 
 # ------------------------------------------------------------------------------------------ subsets
-def _n_linear(ctx: Context, group: str) -> int:
-    return len(grouped_linear_modules(ctx.model, group))
-
-
 def _count_sizes(group: str) -> Callable[[Context], list[str]]:
     def sizes(ctx: Context) -> list[str]:
-        n = _n_linear(ctx, group)
+        n = len(grouped_linear_modules(ctx.model, group))
         return [str(k) for k in ctx.settings.module_counts if k <= n]
 
     return sizes
@@ -132,11 +115,7 @@ _MODULE_CHOICES = {
 
 
 def module_subset(ctx: Context, strategy: str, group: str, k: int) -> Subset:
-    """``k`` linear maps of ``group`` chosen by ``strategy`` (``random``, ``max`` or ``min`` operator norm).
-
-    Raises:
-        ValueError: If ``strategy`` is none of those.
-    """
+    """``k`` linear maps of ``group`` chosen by ``strategy`` (``random``, ``max`` or ``min`` operator norm)."""
     return _MODULE_CHOICES[check_choice("strategy", strategy, _MODULE_CHOICES)](ctx, k, group)
 
 
@@ -158,25 +137,16 @@ def kron_skfac(ctx: Context, size: str) -> KronCell:
     return KronCell(selection.sparse_kfac(ctx.model, float(size)), float(size))
 
 
-def kron_method(
-    name: str,
-    description: str,
-    sizes: Callable[[Context], list[str]],
-    kron: Callable[[Context, str], KronCell],
-) -> Method:
-    """A KFAC-type Laplace method: its cells' subsets (``kron``), each cell on its own by ``run``."""
+def kron_method(name: str, description: str, sizes: Callable, kron: Callable) -> Method:
+    """A KFAC-type Laplace method: its cells' subsets (``kron(ctx, size)``), each cell on its own by ``run``."""
     return Method(name, description, sizes, lambda c, size: kron_prediction(c, kron(c, size)), kron)
 
 
 # ------------------------------------------------------------------------------------------ SWAG
 def _mc_probs(ctx: Context, posterior: Posterior, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(test probs [N_test, C], validation probs [N_val, C])`` of ``settings.n_samples`` weight samples.
-
-    Each sample scores both sets, so the validation NLL is that of the test probabilities' posterior.
-    """
+    """``(test probs [N_test, C], validation probs [N_val, C])`` of ``settings.n_samples`` weight samples."""
     gen = ctx.generator(offset)
-    test = torch.zeros_like(ctx.logits("test"))
-    val = torch.zeros_like(ctx.logits("val"))
+    test, val = torch.zeros_like(ctx.logits("test")), torch.zeros_like(ctx.logits("val"))
     for _ in range(ctx.settings.n_samples):
         with posterior.sampled(generator=gen):
             test += torch.softmax(batch_logits(ctx.model, ctx.test), -1)
@@ -189,26 +159,16 @@ def swag_prediction(ctx: Context, subset: Subset) -> Prediction:
 
     The SGD steps' dropout draws come from the global generator, which ``experiment.run_cell`` seeds.
     """
-    s = ctx.settings
-    t0 = time.perf_counter()
+    s, t0 = ctx.settings, time.perf_counter()
     if len(s.swag_lrs) == 1:
         lr = float(s.swag_lrs[0])
         swag = collect_swag(
             ctx.model, subset, ctx.train, lr=lr, n_steps=s.swag_steps, progress=False
         )
     else:
-        result = sweep_learning_rate(
-            ctx.model,
-            subset,
-            ctx.train,
-            ctx.val,
-            lrs=s.swag_lrs,
-            sweep_steps=s.swag_sweep_steps,
-            final_steps=s.swag_steps,
-            n_samples=min(s.n_samples, 20),
-            generator=ctx.generator(SWAG_SWEEP_OFFSET),
-            progress=False,
-        )
+        sweep = {"sweep_steps": s.swag_sweep_steps, "final_steps": s.swag_steps, "progress": False}
+        sweep.update(n_samples=min(s.n_samples, 20), generator=ctx.generator(SWAG_SWEEP_OFFSET))
+        result = sweep_learning_rate(ctx.model, subset, ctx.train, ctx.val, lrs=s.swag_lrs, **sweep)
         lr, swag = result.lr, result.swag
     extra = {"swag_lr": lr, "swag_lr_swept": len(s.swag_lrs) > 1}
     return _sampled_prediction(ctx, subset, swag, time.perf_counter() - t0, extra)
@@ -220,14 +180,28 @@ def _sampled_prediction(
     """The :class:`Prediction` of a sample-based posterior on ``subset`` (its MC test / validation probs)."""
     t0 = time.perf_counter()
     test, val = _mc_probs(ctx, post, SWAG_SAMPLES_OFFSET)
+    took = {"fit_seconds": fit, "predict_seconds": time.perf_counter() - t0}
+    extra = {**extra, "modules": modules_of(subset)}
+    return _subset_prediction(ctx, subset, test, val, int(post.num_floats), took, extra)
+
+
+def _subset_prediction(
+    ctx: Context,
+    subset: Subset,
+    test: torch.Tensor,
+    val: torch.Tensor,
+    floats: int,
+    took: dict,
+    extra: dict,
+) -> Prediction:
+    """The :class:`Prediction` of a posterior on ``subset`` from its test and validation probabilities."""
     return Prediction(
         probs=test,
-        floats=int(post.num_floats),
+        floats=floats,
         n_stochastic=subset.num_entries(),
         percent_stochastic=float(subset.percent_of(ctx.model)),
-        fit_seconds=fit,
-        predict_seconds=time.perf_counter() - t0,
-        extra={**extra, "modules": modules_of(subset)},
+        **took,
+        extra=extra,
         val_nll=val_nll(val, ctx.labels("val")),
     )
 
@@ -258,23 +232,19 @@ def sghmc_prediction(ctx: Context, subset: Subset, *, parallel: bool) -> Predict
     chains of ``swag_steps // 2`` steps each, each with its own noise seed and a rotated batch order, the
     last state of each. The model's weights are restored afterwards.
     """
-    s, steps = ctx.settings, ctx.settings.swag_steps
+    s, steps, k = ctx.settings, ctx.settings.swag_steps, len(ctx.train)
     n_train = sum(len(b["labels"]) for b in ctx.train)
     seed = ctx.seed * 1000 + SGHMC_SEED_OFFSET
     options = dict(lr=SGHMC_LR, momentum=SGHMC_MOMENTUM, num_data=n_train, method="sghmc")
     t0 = time.perf_counter()
     with eval_mode(ctx.model):
         if parallel:
-            k = len(ctx.train)
-            post = parallel_chains(
-                ctx.model,
-                subset,
-                lambda c: ctx.train[c * k // SGHMC_CHAINS :] + ctx.train[: c * k // SGHMC_CHAINS],
-                n_chains=SGHMC_CHAINS,
-                n_steps=max(1, steps // 2),
-                seed=seed,
-                **options,
-            )
+
+            def rotated(c: int) -> list:
+                return ctx.train[c * k // SGHMC_CHAINS :] + ctx.train[: c * k // SGHMC_CHAINS]
+
+            options.update(n_chains=SGHMC_CHAINS, n_steps=max(1, steps // 2), seed=seed)
+            post = parallel_chains(ctx.model, subset, rotated, **options)
         else:
             thin = max(1, (steps - steps // 2) // s.n_samples)
             chain = run_chain(ctx.model, subset, ctx.train, n_steps=steps, seed=seed,
@@ -312,10 +282,15 @@ def run_ivon(ctx: Context, size: str) -> Prediction:
     means = {k: params[k].detach().clone() for k in std}
     posterior = GaussianPosterior(means, std, ctx.model)
     setup = time.perf_counter() - t0
-    finetune = float(ctx.ivon.get("finetune_seconds", 0.0))
-    t0 = time.perf_counter()
+    finetune, t0 = float(ctx.ivon.get("finetune_seconds", 0.0)), time.perf_counter()
     test, val = _mc_probs(ctx, posterior, IVON_SAMPLES_OFFSET)
     n = sum(int(h.numel()) for h in hess.values())
+    note = "IVON fine-tuning (the posterior is its by-product) plus setup"
+    extra = {
+        "finetune_seconds": finetune,
+        "posterior_setup_seconds": setup,
+        "fit_seconds_note": note,
+    }
     return Prediction(
         probs=test,
         floats=n,
@@ -323,11 +298,7 @@ def run_ivon(ctx: Context, size: str) -> Prediction:
         percent_stochastic=100.0 * n / max(selection.countable_parameters(ctx.model), 1),
         fit_seconds=finetune + setup,
         predict_seconds=time.perf_counter() - t0,
-        extra={
-            "finetune_seconds": finetune,
-            "posterior_setup_seconds": setup,
-            "fit_seconds_note": "IVON fine-tuning (the posterior is its by-product) plus setup",
-        },
+        extra=extra,
         val_nll=val_nll(val, ctx.labels("val")),
     )
 
@@ -335,31 +306,18 @@ def run_ivon(ctx: Context, size: str) -> Prediction:
 # ------------------------------------------------------------------------------------------ linear sampling
 def linear_sampling_prediction(ctx: Context, subset: Subset) -> Prediction:
     """Sampling-based linearised Laplace on ``subset``: ``floats`` counts the ``d·K`` samples and ``α``."""
-    config = ctx.settings.linear_sampling
-    t0 = time.perf_counter()
+    config, t0 = ctx.settings.linear_sampling, time.perf_counter()
     post = fit_linearised(ctx.model, ctx.train, subset, config, ctx.generator(LS_OFFSET))
-    fit = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    fit, t0 = time.perf_counter() - t0, time.perf_counter()
     probs = linearised_probs(ctx.model, ctx.test, subset, post.samples, config.dense_max_floats)
-    predict = time.perf_counter() - t0
+    took = {"fit_seconds": fit, "predict_seconds": time.perf_counter() - t0}
     val = linearised_probs(ctx.model, ctx.val, subset, post.samples, config.dense_max_floats)
-    return Prediction(
-        probs=probs,
-        floats=int(post.samples.shape[0]) * int(post.samples.shape[1]) + 1,
-        n_stochastic=subset.num_entries(),
-        percent_stochastic=float(subset.percent_of(ctx.model)),
-        fit_seconds=fit,
-        predict_seconds=predict,
-        extra={
-            "prior_precision": post.alpha,
-            "prior_method": "em",
-            "em_converged": post.converged,
-            "cg_converged": post.cg_converged,
-            "em_history": post.history,
-            "modules": modules_of(subset),
-        },
-        val_nll=val_nll(val, ctx.labels("val")),
+    extra = {"prior_precision": post.alpha, "prior_method": "em", "em_converged": post.converged}
+    extra.update(
+        cg_converged=post.cg_converged, em_history=post.history, modules=modules_of(subset)
     )
+    floats = int(post.samples.shape[0]) * int(post.samples.shape[1]) + 1
+    return _subset_prediction(ctx, subset, probs, val, floats, took, extra)
 
 
 def run_ls_last_layer(ctx: Context, size: str) -> Prediction:
@@ -419,58 +377,45 @@ def _module_ramp(family: str, strategy: str, group: str, about: str) -> Method:
 
 # ------------------------------------------------------------------------------------------ registry
 def _pct_sizes(attr: str) -> Callable[[Context], list[str]]:
-    return lambda ctx: [_fmt(p) for p in getattr(ctx.settings, attr)]
+    return lambda ctx: [f"{p:g}" for p in getattr(ctx.settings, attr)]
 
 
 def _registry() -> dict[str, Method]:
-    skfac_sizes, l1_sizes = _pct_sizes("skfac_percents"), _pct_sizes("swag_l1_percents")
-    ls = "sampling-based linearised Laplace"
+    skfac, l1, ls = _pct_sizes("skfac_percents"), _pct_sizes("swag_l1_percents"), "sampling-based"
+    ls += " linearised Laplace"
     methods = [
-        Method("map", "the fine-tuned network (MAP)", _single, run_map),
-        Method("temperature", "temperature scaling on validation NLL", _single, run_temperature),
-        Method(
-            "last-layer", "Laplace, dense GGN on the classification head", _single, run_last_layer
+        Method("map", "the fine-tuned network (MAP)", _one, run_map),
+        Method("temperature", "temperature scaling on validation NLL", _one, run_temperature),
+        Method("last-layer", "Laplace, dense GGN on the classification head", _one, run_last_layer),
+        kron_method("kfac-full", "KFAC Laplace on every linear map", _one, kron_full),
+        kron_method("skfac", "S-KFAC Laplace ramping (percent of rows/cols)", skfac, kron_skfac),
+        Method("swag-l1", "SWAG on the p % largest-magnitude weights", l1, run_swag_l1),
+        Method("swag-full", "SWAG on every linear map", _one, run_swag_full),
+        Method("ivon", "IVON posterior (needs --optimizer ivon)", _one, run_ivon),
+    ]
+    sghmc_on = {
+        "skfac": (
+            "the S-KFAC subsets (percent of rows/cols)",
+            skfac,
+            lambda c, z: kron_skfac(c, z).subset,
         ),
-        kron_method("kfac-full", "KFAC Laplace on every linear map", _single, kron_full),
-        kron_method(
-            "skfac", "S-KFAC Laplace ramping (percent of rows/cols)", skfac_sizes, kron_skfac
-        ),
-        Method("swag-l1", "SWAG on the p % largest-magnitude weights", l1_sizes, run_swag_l1),
-        Method("swag-full", "SWAG on every linear map", _single, run_swag_full),
-        Method("ivon", "IVON posterior (needs --optimizer ivon)", _single, run_ivon),
-        *(
-            _sghmc_method(
-                f"{prefix}-{which}",
-                f"{kind} SGHMC (T=1) on {what}",
-                sizes,
-                prefix == "psghmc",
-                subset,
+        "full": ("every linear map", _one, lambda c, z: every_linear_map(c.model)),
+    }
+    for prefix, kind in (("sghmc", "serial"), ("psghmc", "parallel")):
+        for which, (what, sizes, subset) in sghmc_on.items():
+            about = f"{kind} SGHMC (T=1) on {what}"
+            methods.append(
+                _sghmc_method(f"{prefix}-{which}", about, sizes, prefix == "psghmc", subset)
             )
-            for prefix, kind in (("sghmc", "serial"), ("psghmc", "parallel"))
-            for which, what, sizes, subset in (
-                (
-                    "skfac",
-                    "the S-KFAC subsets (percent of rows/cols)",
-                    skfac_sizes,
-                    lambda c, z: kron_skfac(c, z).subset,
-                ),
-                ("full", "every linear map", _single, lambda c, z: every_linear_map(c.model)),
-            )
+    methods += [
+        Method(
+            "ls-last-layer", f"{ls} (EM prior) on the classification head", _one, run_ls_last_layer
         ),
         Method(
-            "ls-last-layer",
-            f"{ls} (EM prior) on the classification head",
-            _single,
-            run_ls_last_layer,
-        ),
-        Method(
-            "ls-skfac",
-            f"{ls} on the S-KFAC subsets (percent of rows/cols)",
-            skfac_sizes,
-            run_ls_skfac,
+            "ls-skfac", f"{ls} on the S-KFAC subsets (percent of rows/cols)", skfac, run_ls_skfac
         ),
         Method("ls-random", f"{ls} on k random linear maps", _count_sizes("all"), run_ls_random),
-        Method("ls-full", f"{ls} on every linear map", _single, run_ls_full),
+        Method("ls-full", f"{ls} on every linear map", _one, run_ls_full),
     ]
     for family, posterior in RAMP_FAMILIES.items():
         for strategy, group in MODULE_STRATEGIES:

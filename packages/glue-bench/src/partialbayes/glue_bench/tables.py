@@ -37,11 +37,8 @@ def markdown(rows: Iterable[dict[str, Any]], columns: Sequence[Column]) -> str:
         "|" + "".join("---:|" if align == "r" else "---|" for _, _, align in columns),
     ]
     for r in rows:
-        lines.append(
-            "|"
-            + "|".join(f" {text} " if text else " " for text in (c(r) for _, c, _ in columns))
-            + "|"
-        )
+        cells = (c(r) for _, c, _ in columns)
+        lines.append("|" + "|".join(f" {text} " if text else " " for text in cells) + "|")
     return "\n".join(lines) + "\n"
 
 
@@ -87,13 +84,9 @@ def budget_table(
     Rule (the paper's §5.4): among a method's sizes whose median percent stochastic is at most
     ``target · (1 + tolerance)``, the one with the lowest mean validation NLL over splits (ties: the smaller
     percentage, then size). Methods with one size contribute their only cell; sizes without a validation
-    NLL (older records) fall back to the size closest to ``target``. The how-to's Table 2 section has an
-    example.
-
-    Returns:
-        The chosen summary rows, with ``target``, ``limit``, ``candidates`` (sizes within the budget) and
-        ``rule`` (``single``, ``val_nll``, ``closest``), by task and method; ``target`` outside [0, 100] or
-        a negative ``tolerance`` raise ``ValueError``.
+    NLL (older records) fall back to the size closest to ``target``. Returns the chosen summary rows with
+    ``target``, ``limit``, ``candidates`` (sizes within the budget) and ``rule`` (``single``, ``val_nll``,
+    ``closest``); ``target`` outside [0, 100] or a negative ``tolerance`` raise ``ValueError``.
     """
     if not 0 <= target <= 100 or math.isnan(target):
         raise ValueError(f"target must be a percentage in [0, 100], got {target}")
@@ -114,22 +107,13 @@ def budget_table(
                 continue
             n = len(within)
             scored = [r for r in within if "val_nll_mean" in r]
-            if scored:
-                chosen = min(
-                    scored,
-                    key=lambda r: (r["val_nll_mean"], r["percent_stochastic"], size_key(r["size"])),
-                )
-                rule = "val_nll"
-            else:
-                chosen = min(
-                    within,
-                    key=lambda r: (
-                        abs(r["percent_stochastic"] - target),
-                        r["percent_stochastic"],
-                        size_key(r["size"]),
-                    ),
-                )
-                rule = "closest"
+            rule = "val_nll" if scored else "closest"
+
+            def key(r: dict[str, Any], by_val: bool = bool(scored)) -> tuple:
+                first = r["val_nll_mean"] if by_val else abs(r["percent_stochastic"] - target)
+                return first, r["percent_stochastic"], size_key(r["size"])
+
+            chosen = min(scored or within, key=key)
         out.append(
             {**chosen, "target": float(target), "limit": limit, "candidates": n, "rule": rule}
         )
@@ -157,18 +141,14 @@ def average_ranks(values: Sequence[float]) -> list[float]:
 
 
 def strategy_ranks(records: Iterable[dict[str, Any]], metric: str = "nll") -> list[dict[str, Any]]:
-    """Ranks of the module-selection strategies, as the paper's Fig. 4 defines them.
-
-    Strategies are the module ramps ``<kfac|swag>-<random|max|min>[-mlp|-attn]`` (sizes: module counts).
+    """Ranks of the module-selection strategies (``<kfac|swag>-<random|max|min>[-mlp|-attn]``), Fig. 4.
 
     Rule (the paper's §5.2): for every (task, family, module count) the strategies with that count are
     ranked by their median ``metric`` over splits, 0 for the lowest (ties share the mean rank); the ``"all"``
     row is the median over tasks of the per-task ranks. Extra: ``split_rank``, the mean over splits of the
-    per-split ranks (splits where every strategy of the group has a record).
-
-    Returns:
-        Rows ``task, family, modules, strategy, rank, n_splits, n_tasks, n_strategies, split_rank,
-        <metric>_median`` (lower ``metric`` is better), ``"all"`` last; one-strategy groups are left out.
+    per-split ranks (splits where every strategy of the group has a record). Rows ``task, family, modules,
+    strategy, rank, n_splits, n_tasks, n_strategies, split_rank, <metric>_median``, ``"all"`` last;
+    one-strategy groups are left out.
     """
     values: dict[tuple[str, str, int], dict[str, dict[int, float]]] = defaultdict(
         lambda: defaultdict(dict)
@@ -177,9 +157,8 @@ def strategy_ranks(records: Iterable[dict[str, Any]], metric: str = "nll") -> li
         m = STRATEGY_PATTERN.match(str(r.get("method", "")))
         if m is None or metric not in r or not str(r["size"]).isdigit():
             continue
-        values[(r["task"], m["family"], int(r["size"]))][m["strategy"]][int(r["split"])] = float(
-            r[metric]
-        )
+        group = values[(r["task"], m["family"], int(r["size"]))]
+        group[m["strategy"]][int(r["split"])] = float(r[metric])
     rows = []
     per_task: dict[tuple[str, int, str], list[float]] = defaultdict(list)
     split_count: dict[tuple[str, int, str], int] = defaultdict(int)
@@ -193,43 +172,22 @@ def strategy_ranks(records: Iterable[dict[str, Any]], metric: str = "nll") -> li
         complete = set.intersection(*(set(by_strategy[s]) for s in strategies))
         split_ranks: dict[str, list[float]] = defaultdict(list)
         for split in sorted(complete):
-            for s, rk in zip(
-                strategies, average_ranks([by_strategy[s][split] for s in strategies]), strict=True
-            ):
+            ranked = average_ranks([by_strategy[s][split] for s in strategies])
+            for s, rk in zip(strategies, ranked, strict=True):
                 split_ranks[s].append(rk - 1)
         for s, rk, med in zip(strategies, ranks, medians, strict=True):
-            rows.append(
-                {
-                    "task": task,
-                    "family": family,
-                    "modules": k,
-                    "strategy": s,
-                    "rank": rk,
-                    "n_splits": len(by_strategy[s]),
-                    "n_tasks": 1,
-                    "n_strategies": len(strategies),
-                    "split_rank": float(np.mean(split_ranks[s])) if split_ranks[s] else math.nan,
-                    f"{metric}_median": med,
-                }
-            )
+            cell = {"task": task, "family": family, "modules": k, "strategy": s, "rank": rk}
+            cell.update(n_splits=len(by_strategy[s]), n_tasks=1, n_strategies=len(strategies))
+            cell["split_rank"] = float(np.mean(split_ranks[s])) if split_ranks[s] else math.nan
+            rows.append({**cell, f"{metric}_median": med})
             per_task[(family, k, s)].append(rk)
             split_count[(family, k, s)] += len(by_strategy[s])
         n_strat_all[(family, k)] = max(n_strat_all.get((family, k), 0), len(strategies))
     for (family, k, s), ranks_ in per_task.items():
-        rows.append(
-            {
-                "task": "all",
-                "family": family,
-                "modules": k,
-                "strategy": s,
-                "rank": float(np.median(ranks_)),
-                "n_splits": split_count[(family, k, s)],
-                "n_tasks": len(ranks_),
-                "n_strategies": n_strat_all[(family, k)],
-                "split_rank": math.nan,
-                f"{metric}_median": math.nan,
-            }
-        )
+        cell = {"task": "all", "family": family, "modules": k, "strategy": s}
+        cell.update(rank=float(np.median(ranks_)), n_splits=split_count[(family, k, s)])
+        cell.update(n_tasks=len(ranks_), n_strategies=n_strat_all[(family, k)], split_rank=math.nan)
+        rows.append({**cell, f"{metric}_median": math.nan})
     rows.sort(
         key=lambda r: (r["task"] == "all", r["task"], r["family"], r["modules"], r["strategy"])
     )
@@ -238,7 +196,7 @@ def strategy_ranks(records: Iterable[dict[str, Any]], metric: str = "nll") -> li
 
 # ------------------------------------------------------------------------------------------ Fig. 6
 def has_reliability(record: dict[str, Any]) -> bool:
-    """Whether a record carries reliability-diagram bins (records written before they existed do not)."""
+    """Whether a record carries reliability-diagram bins (older records do not)."""
     rel = record.get("reliability")
     return isinstance(rel, dict) and all(k in rel for k in ("confidence", "accuracy", "count"))
 
@@ -248,10 +206,8 @@ def calibration_curves(
 ) -> list[dict[str, Any]]:
     """Reliability-diagram points of the chosen (task, method, size) cells, pooled over splits.
 
-    Bin ``b`` of a cell pools bin ``b`` of every split, weighted by the counts (the test set is the same
-    GLUE dev set in every split). Empty pooled bins are dropped.
-
-    Returns rows ``task, method, size, bin, confidence, accuracy, count, n_splits`` in ``cells`` order.
+    Bin ``b`` of a cell pools bin ``b`` of every split, weighted by the counts; empty pooled bins are
+    dropped. Rows ``task, method, size, bin, confidence, accuracy, count, n_splits`` in ``cells`` order.
     """
     wanted = list(dict.fromkeys(cells))
     found: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
@@ -265,29 +221,16 @@ def calibration_curves(
         if not rels:
             continue
         n_bins = max(len(rel["count"]) for rel in rels)
-        count = np.zeros(n_bins)
-        conf = np.zeros(n_bins)
-        acc = np.zeros(n_bins)
+        count, conf, acc = np.zeros(n_bins), np.zeros(n_bins), np.zeros(n_bins)
         for rel in rels:
             c = np.asarray(rel["count"], dtype=float)
             count[: len(c)] += c
             conf[: len(c)] += c * np.asarray(rel["confidence"], dtype=float)
             acc[: len(c)] += c * np.asarray(rel["accuracy"], dtype=float)
-        for b in range(n_bins):
-            if count[b] == 0:
-                continue
-            rows.append(
-                {
-                    "task": key[0],
-                    "method": key[1],
-                    "size": key[2],
-                    "bin": b,
-                    "confidence": float(conf[b] / count[b]),
-                    "accuracy": float(acc[b] / count[b]),
-                    "count": int(count[b]),
-                    "n_splits": len(rels),
-                }
-            )
+        cell = dict(zip(("task", "method", "size"), key, strict=True))
+        for b in np.flatnonzero(count).tolist():
+            pooled = {"confidence": float(conf[b] / count[b]), "accuracy": float(acc[b] / count[b])}
+            rows.append({**cell, "bin": b, **pooled, "count": int(count[b]), "n_splits": len(rels)})
     return rows
 
 
@@ -296,10 +239,10 @@ def calibration_cells(
     methods: Sequence[str] | None = None,
     n_best: int = 4,
 ) -> list[tuple[str, str, str]]:
-    """Which cells the calibration figure draws, per task.
+    """The (task, method, size) cells of the calibration figure, per task, baselines first.
 
     The Table 2 cells (``budget_rows``) of ``methods``, or of MAP, temperature scaling and the ``n_best``
-    others with the lowest median test NLL; (task, method, size) triples, baselines first.
+    others with the lowest median test NLL.
     """
     by_task: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in budget_rows:

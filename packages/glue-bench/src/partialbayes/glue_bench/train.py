@@ -8,6 +8,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,11 +95,6 @@ class TrainConfig:
         return json_ready(self)
 
 
-def logits_of(model: nn.Module, batch: Batch, device: torch.device | str) -> torch.Tensor:
-    """(B, C) logits of a Hugging Face classifier on a dict batch (``labels`` ignored), moved to ``device``."""
-    return model_logits(model, split_batch(batch, device=device).inputs)
-
-
 def accuracy(model: nn.Module, batches: Sequence[Batch], device: torch.device | str) -> float:
     """Accuracy of ``model`` on dict batches, in eval mode (the model's mode is restored)."""
     with eval_mode(model):
@@ -106,20 +102,15 @@ def accuracy(model: nn.Module, batches: Sequence[Batch], device: torch.device | 
     return float((logits.argmax(-1) == torch.cat([b["labels"] for b in batches])).double().mean())
 
 
-def _epoch_batches(
-    train: Examples, tokenizer: Any, config: TrainConfig, epoch: int
-) -> list[dict[str, torch.Tensor]]:
+def _epoch_batches(train: Examples, tokenizer: Any, config: TrainConfig, epoch: int) -> list[Batch]:
     gen = torch.Generator().manual_seed(config.seed * 1000 + epoch)
     order = torch.randperm(len(train), generator=gen).tolist()
+    bs, max_length = config.batch_size, config.max_length
     if config.length_buckets == 0:
-        return encode(train.take(order), tokenizer, config.batch_size, config.max_length)
-    span = config.length_buckets * config.batch_size
-    batches = []
+        return encode(train.take(order), tokenizer, bs, max_length)
+    span, batches = config.length_buckets * bs, []
     for start in range(0, len(order), span):
-        bucket = train.take(order[start : start + span])
-        batches += encode(
-            bucket, tokenizer, config.batch_size, config.max_length, sort_by_length=True
-        )
+        batches += encode(train.take(order[start : start + span]), tokenizer, bs, max_length, True)
     perm = torch.randperm(len(batches), generator=gen).tolist()
     return [batches[i] for i in perm]
 
@@ -127,41 +118,22 @@ def _epoch_batches(
 def _make_optimizers(
     model: nn.Module, config: TrainConfig, n_train: int
 ) -> list[torch.optim.Optimizer]:
-    """``[AdamW]``, or ``[IVON on the countable parameters, AdamW on the embeddings]``.
-
-    IVON's posterior never covers an ``nn.Embedding``; its noise has its own generator (``config.seed``).
-    """
+    """``[AdamW]``, or ``[IVON on the countable parameters, AdamW on the others (embeddings)]``."""
     if config.freeze_embeddings:
         get = getattr(model, "get_input_embeddings", None)
-        emb = get() if get is not None else None
-        if emb is None:
+        if (emb := get() if get is not None else None) is None:
             raise ValueError("freeze_embeddings: the model exposes no get_input_embeddings()")
         emb.weight.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
-
-    def adamw(ps: list[nn.Parameter]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(
-            ps, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, foreach=True
-        )
-
+    adamw = {"lr": config.lr, "betas": config.betas, "weight_decay": config.weight_decay}
     if config.optimizer != "ivon":
-        return [adamw(params)]
+        return [torch.optim.AdamW(params, **adamw, foreach=True)]
     countable = {id(p) for p in countable_named_parameters(model).values()}
-    stochastic = [p for p in params if id(p) in countable]
     others = [p for p in params if id(p) not in countable]
-    opts: list[torch.optim.Optimizer] = [
-        IVON(
-            stochastic,
-            lr=config.ivon_lr,
-            ess=float(n_train),
-            hess_init=config.ivon_hess_init,
-            weight_decay=1e-4,
-            generator=torch.Generator().manual_seed(config.seed),
-        )
-    ]
-    if others:
-        opts.append(adamw(others))
-    return opts
+    ivon = {"lr": config.ivon_lr, "ess": float(n_train), "hess_init": config.ivon_hess_init}
+    ivon.update(weight_decay=1e-4, generator=torch.Generator().manual_seed(config.seed))
+    opts = [IVON([p for p in params if id(p) in countable], **ivon)]
+    return [*opts, torch.optim.AdamW(others, **adamw, foreach=True)] if others else opts
 
 
 def train_epoch(
@@ -174,9 +146,8 @@ def train_epoch(
 ) -> float:
     """One epoch of optimizer steps in training mode (the caller's mode is restored, also on error).
 
-    ``opts`` come from :func:`_make_optimizers` (IVON first: its weights are sampled for every step and it
-    zeroes its own gradients). Returns the mean training loss; a non-finite one raises
-    ``FloatingPointError`` (``epoch``, 0-based, names it).
+    ``opts`` from :func:`_make_optimizers` (IVON first: it samples the weights of every step and zeroes
+    its own gradients). Returns the mean training loss; a non-finite one raises ``FloatingPointError``.
     """
     ivon = opts[0] if isinstance(opts[0], IVON) else None
     was_training = model.training
@@ -185,15 +156,11 @@ def train_epoch(
         bar = tqdm(batches, desc=f"fine-tune epoch {epoch + 1}", disable=not progress, leave=False)
         total = 0.0
         for batch in bar:
-            labels = batch["labels"].to(device)
             for o in opts[1:] if ivon is not None else opts:
                 o.zero_grad(set_to_none=True)
-            if ivon is not None:
-                with ivon.sampled_params(train=True):
-                    loss = F.cross_entropy(logits_of(model, batch, device), labels)
-                    loss.backward()
-            else:
-                loss = F.cross_entropy(logits_of(model, batch, device), labels)
+            with ivon.sampled_params(train=True) if ivon is not None else nullcontext():
+                logits = model_logits(model, split_batch(batch, device=device).inputs)
+                loss = F.cross_entropy(logits, batch["labels"].to(device))
                 loss.backward()
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite training loss at epoch {epoch + 1}")
@@ -219,18 +186,14 @@ def finetune(
 ) -> dict[str, Any]:
     """Fine-tune ``model`` in place; keep the weights of the epoch with the best validation accuracy.
 
-    With ``config.epochs == 0`` nothing is trained: the summary scores the model as it is. The model is
-    left in the mode the caller had it in. ``log`` (if given) receives one line per epoch (its training
-    loss and validation accuracy), so a run without progress bars still shows where it is.
+    With ``config.epochs == 0`` nothing is trained: the summary scores the model as it is. ``log`` (if
+    given) receives one line per epoch. ``resume``: a file where the loop's whole state is written
+    atomically after every epoch; when it exists, fine-tuning continues after its last finished epoch, bit
+    for bit as an uninterrupted run (same device and thread count); the caller deletes it.
 
-    ``resume``: a file where the loop's whole state is written atomically after every epoch; when it
-    exists, fine-tuning continues after its last finished epoch, and the result is bit for bit that of an
-    uninterrupted run (same device and thread count). The caller deletes it once the result is kept.
-
-    Returns:
-        A summary: best epoch, its validation accuracy, per-epoch history, wall-clock ``seconds`` and
-        process ``cpu_seconds`` (all threads); with ``optimizer="ivon"`` also ``"ivon_hess"`` (parameter
-        name -> Hessian) and ``"ivon"`` (the hyperparameters that rebuild the posterior).
+    Returns a summary: best epoch, its validation accuracy, per-epoch history, wall-clock ``seconds`` and
+    process ``cpu_seconds``; with ``optimizer="ivon"`` also ``"ivon_hess"`` (parameter name -> Hessian)
+    and ``"ivon"`` (the hyperparameters that rebuild the posterior).
     """
     if len(train) == 0 or len(val) == 0:
         raise ValueError(f"need training and validation examples, got {len(train)} and {len(val)}")
@@ -278,6 +241,9 @@ def finetune(
         group = opts[0].param_groups[0]
         summary["ivon"] = {"ess": group["ess"], "weight_decay": group["weight_decay"]}
     return summary
+
+
+_COUNTERS = ("epoch", "best_acc", "best_epoch", "stale", "history")
 
 
 @dataclass
@@ -329,11 +295,7 @@ def _write_progress(
     st: _Progress,
     took: tuple[float, float],
 ) -> None:
-    """Write the loop's state after an epoch to ``path`` in one atomic step (one safetensors file).
-
-    Model, optimizers (IVON's generator included), the global RNG (dropout; CUDA's too), the
-    early-stopping bookkeeping and the best weights so far: a run resumed from it continues bit for bit.
-    """
+    """Write the loop's state after an epoch (model, optimizers, RNGs, best weights) to ``path`` atomically."""
     device = next(model.parameters()).device
     rng = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -341,11 +303,7 @@ def _write_progress(
     tensors: dict[str, torch.Tensor] = {}
     skeleton = {
         "config": config.to_dict(),
-        "epoch": st.epoch,
-        "best_acc": st.best_acc,
-        "best_epoch": st.best_epoch,
-        "stale": st.stale,
-        "history": st.history,
+        **{k: getattr(st, k) for k in _COUNTERS},
         "seconds": st.seconds + took[0],
         "cpu_seconds": st.cpu_seconds + took[1],
         "model": _pack(model.state_dict(), tensors),
@@ -370,11 +328,7 @@ def _read_progress(
     config: TrainConfig,
     device: torch.device | str,
 ) -> _Progress:
-    """Restore the state :func:`_write_progress` saved into ``model``, ``opts`` and the RNGs.
-
-    Raises:
-        ValueError: The file is damaged or was written for other fine-tuning settings (names it).
-    """
+    """Restore the state :func:`_write_progress` saved (``ValueError`` naming a damaged or foreign file)."""
     tensors = _load_tensors(path, "fine-tuning progress")
     try:
         with safe_open(str(path), "pt") as f:
@@ -392,17 +346,8 @@ def _read_progress(
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng:
         torch.cuda.set_rng_state(rng["cuda"], torch.device(device))
-    return _Progress(
-        epoch=skel["epoch"],
-        best_acc=skel["best_acc"],
-        best_epoch=skel["best_epoch"],
-        stale=skel["stale"],
-        history=skel["history"],
-        best=_unpack(skel["best"], tensors),
-        hess=_unpack(skel["hess"], tensors),
-        seconds=skel["seconds"],
-        cpu_seconds=skel["cpu_seconds"],
-    )
+    tensors_of = {k: _unpack(skel[k], tensors) for k in ("best", "hess")}
+    return _Progress(**{k: skel[k] for k in (*_COUNTERS, "seconds", "cpu_seconds")}, **tensors_of)
 
 
 def _ivon_hessians(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -422,12 +367,8 @@ def save_checkpoint(
     """Publish a checkpoint directory ``folder`` in one atomic step, unless one is there already.
 
     ``model.safetensors``, the optional ``ivon_hess.safetensors`` (``extra``) and ``meta.json`` go into a
-    fresh temporary sibling directory, renamed onto ``folder`` with one ``os.rename``: a reader sees no
-    checkpoint or a complete one. When another process published first, the rename fails and this
-    checkpoint is discarded (load the published one with :func:`load_checkpoint`).
-
-    Returns:
-        ``True`` when this call published ``folder``, ``False`` when another checkpoint was already there.
+    temporary sibling, renamed onto ``folder`` with one ``os.rename``. Returns whether this call published
+    it (``False``: another process published first; this checkpoint is discarded).
     """
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(folder)
@@ -455,14 +396,10 @@ def save_checkpoint(
 def load_checkpoint(
     model: nn.Module, folder: Path
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None] | None:
-    """Load the checkpoint published at ``folder`` into ``model``; ``None`` when there is none.
+    """Load the checkpoint at ``folder`` into ``model``: ``(meta, IVON Hessians or None)``, or ``None``.
 
-    Returns:
-        ``(meta, ivon_hessians or None)``.
-
-    Raises:
-        ValueError: The checkpoint does not match the model's parameter names or shapes, ``folder`` is
-            a non-empty directory without ``meta.json``, or a file of it is damaged (the message names it).
+    A checkpoint that does not match the model's parameters, a folder without ``meta.json`` or a damaged
+    file raise ``ValueError`` naming it.
     """
     if not folder.is_dir() or not any(folder.iterdir()):
         return None
