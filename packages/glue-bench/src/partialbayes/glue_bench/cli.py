@@ -49,10 +49,7 @@ MAX_SPLITS = 1000
 
 
 def parse_splits(text: str, limit: int = MAX_SPLITS) -> list[int]:
-    """``"0-4"`` -> [0, 1, 2, 3, 4]; ``"0,2"`` -> [0, 2]; every split below ``limit``.
-
-    A range is checked against ``limit`` before it is expanded, so ``0-100000000000`` is refused at once.
-    """
+    """``"0-4"`` -> [0, 1, 2, 3, 4]; ``"0,2"`` -> [0, 2]; every split below ``limit`` (checked before expanding)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("--splits: empty (use e.g. 0-4 or 0,2)")
     out: set[int] = set()
@@ -237,8 +234,7 @@ def _configs(args: argparse.Namespace, quick: bool = False) -> RunConfig:
 def resolve_task(name: str) -> tuple[str, str]:
     """Kind (``"glue"`` or ``"uci"``) and canonical name of a ``--tasks`` entry; unknown: ``ValueError``.
 
-    The one place task names are normalised: case and hyphens are ignored (``SST-2``, ``Boston``), and a UCI
-    dataset may be named by its folder (``bostonHousing``).
+    Case and hyphens are ignored (``SST-2``, ``Boston``); a UCI dataset may be named by its folder.
     """
     key = name.strip().lower().replace("-", "")
     if key in TASKS:
@@ -256,9 +252,8 @@ def plan_run(
 ) -> dict[str, tuple[list[str], list[str]]]:
     """``{kind: (canonical tasks, methods)}``: every (task kind, method) of ``glue-bench run`` checked first.
 
-    ``methods=None`` takes each kind's :data:`DEFAULT_METHODS`; the ``ivon`` method needs ``optimizer``
-    ``ivon``. Unknown tasks or methods, or methods without a version for a kind asked for, raise one
-    ``ValueError`` (a line per kind, listing its valid methods).
+    ``methods=None`` takes each kind's :data:`DEFAULT_METHODS`. Unknown tasks or methods, methods without a
+    version for a kind asked for, or ``ivon`` without ``optimizer="ivon"`` raise one ``ValueError``.
     """
     valid = {"glue": list(METHODS), "uci": list(UCI_METHODS)}
     by_kind: dict[str, list[str]] = {}
@@ -321,11 +316,7 @@ def _splits(args: argparse.Namespace, plan: dict[str, tuple[list[str], list[str]
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """``glue-bench run``: validate the whole request, then the GLUE units, then the UCI units.
-
-    ``--list-units`` prints the (task, split) units with their index; ``--unit INDEX`` runs one of them
-    (GLUE units first, then UCI), ``--shard i/n`` every n-th unit of each kind.
-    """
+    """``glue-bench run``: validate the whole request, then run the GLUE units, then the UCI units."""
     plan = plan_run(args.tasks, args.methods, args.optimizer)
     check_options(getattr(args, "given", {}), plan)
     protocol = uci_protocol(args) if "uci" in plan else None
@@ -434,10 +425,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 def choose_threads() -> str:
     """Set torch's thread count for a machine others may share; the line that says what was chosen and why.
 
-    ``OMP_NUM_THREADS`` when set (torch reads it); else the CPUs this process may use
-    (``os.sched_getaffinity``) less the 1-minute load average of the machine, at least 1 and never above
-    torch's default: a thread beyond the free cores spins against the other processes (measured in the
-    GLUE how-to). When the load is at or above the usable CPUs, the line says to expect a slow run.
+    ``OMP_NUM_THREADS`` when set; else the usable CPUs less the 1-minute load average, at least 1 and never
+    above torch's default (a thread beyond the free cores spins against the other processes).
     """
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
@@ -448,10 +437,8 @@ def choose_threads() -> str:
         why = f"{cpus} usable CPUs less the load average {load:.1f}; set OMP_NUM_THREADS to choose"
     line = f"threads: {torch.get_num_threads()} ({why})"
     if load >= cpus:
-        line += (
-            f". The machine is busy (load {load:.1f} on {cpus} CPUs): expect several times the time "
-            "of an idle machine"
-        )
+        line += f". The machine is busy (load {load:.1f} on {cpus} CPUs): expect several times the time "
+        line += "of an idle machine"
     return line
 
 
@@ -509,8 +496,7 @@ STAGE_COLUMNS = [
 def stage_table(timings: list[dict], total_wall: float, total_cpu: float) -> str:
     """Markdown table of where the time went: fine-tuning, each method (its cells summed), the rest.
 
-    ``timings`` from ``run_grid(..., timings=...)``; the totals are the command's wall and process CPU
-    seconds (all threads: on a busy machine a better cost measure than wall time).
+    ``timings`` from ``run_grid(..., timings=...)``; the totals: the command's wall and process CPU seconds.
     """
     rows: dict[str, dict] = {}
     for t in timings:
@@ -530,11 +516,7 @@ def stage_table(timings: list[dict], total_wall: float, total_cpu: float) -> str
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``glue-bench``; returns the process exit status.
-
-    An unknown option is reported with the usage of the subcommand it was given to (``glue-bench run
-    --bogus`` prints ``run``'s usage, not the top-level one), exit status 2.
-    """
+    """Run ``glue-bench``; the exit status (2 and the subcommand's usage for an unknown option)."""
     parser = build_parser()
     subs = _subparsers(parser)
     args, extra = parser.parse_known_args(argv)
@@ -547,9 +529,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if args.command == "methods":
-        print("\n".join(f"{m.name:16s} {m.description}" for m in METHODS.values()))
-        print("\nUCI regression (glue-bench run --tasks boston,energy,yacht):")
-        print("\n".join(f"{m.name:16s} {m.description}" for m in UCI_METHODS.values()))
+        for title, methods in (
+            ("", METHODS),
+            ("\nUCI regression (glue-bench run --tasks boston,energy,yacht):\n", UCI_METHODS),
+        ):
+            print(title + "\n".join(f"{m.name:16s} {m.description}" for m in methods.values()))
         return 0
     commands = {"run": cmd_run, "report": cmd_report, "quickstart": cmd_quickstart}
     try:

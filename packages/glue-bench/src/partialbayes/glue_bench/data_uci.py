@@ -18,10 +18,9 @@ UCI_DATASETS: dict[str, str] = {"boston": "bostonHousing", "energy": "energy", "
 
 @dataclass(frozen=True)
 class UCISplit:
-    """One train/test split: float64 inputs (N, D) and targets (N,), standardised by the training part.
+    """One split: float64 inputs (N, D) and targets (N,), standardised by the training part.
 
-    ``y_mean`` and ``y_std`` undo the targets' standardisation. With a validation part (``x_val``,
-    ``y_val``, carved from the split's training rows) the training part is the rest of those rows.
+    ``y_mean`` and ``y_std`` undo it; a validation part (``x_val``, ``y_val``) is carved from the training rows.
     """
 
     x_train: torch.Tensor
@@ -49,18 +48,20 @@ def uci_folder(name: str, uci_dir: str | Path | None = None) -> Path:
     return Path(uci_dir) / UCI_DATASETS[name] / "data"
 
 
-def _read_ints(path: Path) -> list[int]:
+def _read(path: Path) -> str:
     if not path.is_file():
         raise FileNotFoundError(f"UCI file not found: {path}")
-    return [int(float(t)) for t in path.read_text().split()]
+    return path.read_text()
+
+
+def _read_ints(path: Path) -> list[int]:
+    return [int(float(t)) for t in _read(path).split()]
 
 
 def read_uci_matrix(path: Path) -> torch.Tensor:
     """``data.txt`` as a (rows, columns) float64 tensor; a ragged row or a non-number raises, naming the line."""
-    if not path.is_file():
-        raise FileNotFoundError(f"UCI file not found: {path}")
     rows: list[list[float]] = []
-    for line_no, line in enumerate(path.read_text().splitlines(), start=1):
+    for line_no, line in enumerate(_read(path).splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -90,12 +91,8 @@ def load_uci(
     """Load split ``split`` of UCI dataset ``name``, standardised with training statistics.
 
     ``val_fraction`` > 0 carves that share of the split's training rows (a permutation seeded by ``seed``)
-    out as the validation part; inputs and targets are then standardised on the remaining training part
-    only, so the validation and test rows influence nothing but what they are used for.
-
-    Raises:
-        ValueError: Unknown dataset, split out of range, ``val_fraction`` outside [0, 0.5].
-        FileNotFoundError: A missing file (named).
+    out as the validation part; the standardisation uses the remaining training part only. ``ValueError``
+    for an unknown dataset, a split out of range or ``val_fraction`` outside [0, 0.5].
     """
     if not 0.0 <= val_fraction <= 0.5:
         raise ValueError(f"val_fraction must be in [0, 0.5], got {val_fraction}")
@@ -115,13 +112,7 @@ def load_uci(
     x_mean, x_std = x[train].mean(0), x[train].std(0)
     x_std = torch.where(x_std > 0, x_std, torch.ones_like(x_std))
     y_mean, y_std = float(y[train].mean()), float(y[train].std())
-    return UCISplit(
-        x_train=(x[train] - x_mean) / x_std,
-        y_train=(y[train] - y_mean) / y_std,
-        x_test=(x[test] - x_mean) / x_std,
-        y_test=(y[test] - y_mean) / y_std,
-        y_mean=y_mean,
-        y_std=y_std,
-        x_val=(x[val] - x_mean) / x_std if n_val else None,
-        y_val=(y[val] - y_mean) / y_std if n_val else None,
-    )
+    parts = {"train": train, "test": test, **({"val": val} if n_val else {})}
+    xs = {f"x_{k}": (x[rows] - x_mean) / x_std for k, rows in parts.items()}
+    ys = {f"y_{k}": (y[rows] - y_mean) / y_std for k, rows in parts.items()}
+    return UCISplit(**xs, **ys, y_mean=y_mean, y_std=y_std)

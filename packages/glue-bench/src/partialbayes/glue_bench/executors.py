@@ -77,9 +77,7 @@ def run_units(
     try:
         atomic_write(probe, socket.gethostname())
         remote = ray.remote(num_cpus=1, num_gpus=gpus_per_unit)(on_worker)
-        pending = {
-            remote.remote(job, task, split, str(probe)): (task, split) for task, split in units
-        }
+        pending = {remote.remote(job, t, s, str(probe)): (t, s) for t, s in units}
         log(f"{len(pending)} unit(s) sent to the Ray cluster")
         out = []
         while pending:

