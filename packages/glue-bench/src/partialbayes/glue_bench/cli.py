@@ -343,29 +343,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         tasks, methods = plan["glue"]
         glue = {"executor": args.executor, "ray_address": args.ray_address, "shard": shard}
         glue.update(take_over=args.take_over, progress=not args.no_progress, keep_going=True)
-        store = experiment.run_grid(
-            tasks,
-            splits["glue"],
-            methods,
-            _configs(args),
-            args.results,
-            args.device,
-            args.glue_dir,
-            **glue,
-        )
-        failures += store.failures
+        config, where = _configs(args), (args.results, args.device, args.glue_dir)
+        failures += experiment.run_grid(
+            tasks, splits["glue"], methods, config, *where, **glue
+        ).failures
     if "uci" in plan:
         tasks, methods = plan["uci"]
         at = {"uci_dir": args.uci_dir, "shard": shard, "seed": args.seed, "device": args.device}
-        failures += uci.run_uci(
-            tasks,
-            splits["uci"],
-            methods,
-            args.results / "uci",
-            keep_going=True,
-            protocol=protocol,
-            **at,
-        ).failures
+        at.update(keep_going=True, protocol=protocol)
+        failures += uci.run_uci(tasks, splits["uci"], methods, args.results / "uci", **at).failures
     print(f"results in {args.results}; summarise with: glue-bench report --results {args.results}")
     return _report_failures(failures)
 

@@ -319,13 +319,11 @@ def _laplace(ctx: UCIContext, subset: Subset, kind: type) -> _Pred:
     la.fit(ctx.batches("train"))
     grid, n_stoch = prior_grid(p.prior_grid), subset.num_entries()
     chosen = _evidence(ctx, la, n_stoch) if p.sigma == "evidence" else None
-    extra: dict[str, Any] = {}
     if chosen is not None:
-        prior, rule = chosen
-        extra["prior_rule"] = "evidence"
+        (prior, rule), how = chosen, "evidence"
     elif p.prior == "marglik":
         prior, rule = la.optimize_prior_precision("marglik", grid=grid), ctx.info["sigma_rule"]
-        extra["prior_rule"] = "marglik"
+        how = "marglik"
     else:  # validation NLL, jointly with σ when σ is chosen on validation data
         sigmas = [ctx.sigma * f for f in SIGMA_FACTORS] if p.sigma != "learned" else [ctx.sigma]
         scores = []
@@ -334,19 +332,17 @@ def _laplace(ctx: UCIContext, subset: Subset, kind: type) -> _Pred:
             scores.append(la.grid_val_nll(val, grid))
         i, j = divmod(int(torch.stack(scores).argmin()), len(grid))
         la.sigma_noise, prior = sigmas[i], float(grid[j])
-        rule = "val" if p.sigma != "learned" else "learned"
-        extra["prior_rule"] = "val_nll"
+        rule, how = "val" if p.sigma != "learned" else "learned", "val_nll"
     la.prior_precision = prior
-    extra.update(prior_precision=prior, prior_at_grid_edge=prior_edge(prior, p.prior_grid))
+    extra = {"prior_rule": how, "prior_precision": prior}
+    extra["prior_at_grid_edge"] = prior_edge(prior, p.prior_grid)
 
     def pred(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         f, cov = la.logit_mean_cov(x.float())
         return f.squeeze(-1).double(), cov[:, 0, 0].double().clamp_min(0) + la.sigma_noise**2
 
-    val_pred = pred(ctx.data.x_val) if ctx.has_val else None
-    return _Pred(
-        pred(ctx.data.x_test), val_pred, la.sigma_noise, rule, int(la.num_floats), n_stoch, extra
-    )
+    val_pred, floats = pred(ctx.data.x_val) if ctx.has_val else None, int(la.num_floats)
+    return _Pred(pred(ctx.data.x_test), val_pred, la.sigma_noise, rule, floats, n_stoch, extra)
 
 
 def _swag(ctx: UCIContext, subset: Subset) -> _Pred:
@@ -408,9 +404,9 @@ def subnet_subset(
     full = every_linear_map(model)
     h = diag_curvature(model, [(x, y[:, None])], full, likelihood="regression", sigma_noise=sigma)
     params = dict(model.named_parameters())
+    zeros = {n: torch.zeros_like(params[n]) for n in full.names}
     variances = {
-        n: 1.0 / (full.scatter(n, h[n].to(params[n].dtype), torch.zeros_like(params[n])) + 1.0)
-        for n in full.names
+        n: 1.0 / (full.scatter(n, h[n].to(zeros[n].dtype), zeros[n]) + 1.0) for n in full.names
     }
     return selection.largest_marginal_variance(model, variances, percent)
 
