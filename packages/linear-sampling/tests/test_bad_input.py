@@ -12,7 +12,6 @@ from partialbayes.linear_sampling import (
     NoisePrecision,
     Prior,
     SGDConfig,
-    conjugate_gradients,
     effective_dimension,
     fit_prior_precision,
     mackay_update,
@@ -22,6 +21,7 @@ from partialbayes.linear_sampling import (
 )
 from partialbayes.linear_sampling._em import feature_scales
 from partialbayes.linear_sampling._features import scale_features
+from partialbayes.linear_sampling.internal import conjugate_gradients
 
 F64 = torch.float64
 NON_FINITE = st.sampled_from([math.nan, math.inf, -math.inf])

@@ -1,6 +1,6 @@
 import torch
 
-from partialbayes.linear_sampling import conjugate_gradients
+from partialbayes.linear_sampling.internal import conjugate_gradients
 
 
 def test_cg_matches_dense_solve():

@@ -26,11 +26,10 @@ from partialbayes.predictive import (
     nll,
     probit,
     probit_binary,
-    probit_scale,
     reliability,
     sample_logits,
 )
-from partialbayes.predictive.internal import batch_size
+from partialbayes.predictive.internal import batch_size, probit_scale
 
 F64 = torch.float64
 NON_FINITE = st.sampled_from([math.nan, math.inf, -math.inf])

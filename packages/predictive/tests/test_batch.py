@@ -5,8 +5,13 @@ import pytest
 import torch
 from torch import nn
 
-from partialbayes.predictive import Posterior, flatten_outputs, kept_positions, sampled_logits
-from partialbayes.predictive.internal import model_logits, resolve_link, split_batch
+from partialbayes.predictive import Posterior, kept_positions, sampled_logits
+from partialbayes.predictive.internal import (
+    flatten_outputs,
+    model_logits,
+    resolve_link,
+    split_batch,
+)
 
 
 class FrozenMapping(Mapping):

@@ -18,10 +18,10 @@ from partialbayes.selection import (
     max_operator_norm,
     random_modules,
     random_parameters,
-    skfac_percent_for_target,
     sparse_kfac,
     summary,
 )
+from partialbayes.selection.internal import skfac_percent_for_target
 
 
 class Tiny(nn.Module):

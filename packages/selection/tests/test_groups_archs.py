@@ -10,12 +10,11 @@ from partialbayes.selection import (
     linear_modules,
     max_operator_norm,
     min_operator_norm,
-    module_group,
     module_groups,
     random_modules,
-    rank_by_operator_norm,
 )
 from partialbayes.selection._modules import grouped_linear_modules
+from partialbayes.selection.internal import module_group, rank_by_operator_norm
 
 transformers = pytest.importorskip("transformers")
 

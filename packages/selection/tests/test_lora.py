@@ -12,7 +12,6 @@ from partialbayes.selection import (
     lora_modules,
     lora_subset,
     max_operator_norm,
-    module_group,
     module_groups,
     modules,
     random_modules,
@@ -22,6 +21,7 @@ from partialbayes.selection import (
 )
 from partialbayes.selection._modules import grouped_linear_modules
 from partialbayes.selection._norms import operator_norms
+from partialbayes.selection.internal import module_group
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

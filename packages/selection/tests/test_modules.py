@@ -4,8 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from partialbayes.selection import linear_modules, module_group
+from partialbayes.selection import linear_modules
 from partialbayes.selection._modules import grouped_linear_modules
+from partialbayes.selection.internal import module_group
 
 
 def test_linear_modules_in_order():

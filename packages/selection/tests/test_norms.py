@@ -7,18 +7,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from partialbayes.selection import (
-    linear_modules,
-    max_operator_norm,
-    min_operator_norm,
-    rank_by_operator_norm,
-)
+from partialbayes.selection import linear_modules, max_operator_norm, min_operator_norm
 from partialbayes.selection._norms import (
     operator_norms,
     spectral_norm_gram,
     spectral_norm_power,
     spectral_norm_svd,
 )
+from partialbayes.selection.internal import rank_by_operator_norm
 
 
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -7,18 +7,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from partialbayes.selection import (
-    KronBlock,
-    countable_parameters,
-    linear_modules,
+from partialbayes.selection import KronBlock, countable_parameters, linear_modules, sparse_kfac
+from partialbayes.selection._skfac import skfac_rows_cols
+from partialbayes.selection.internal import (
     skfac_count,
     skfac_fraction,
     skfac_percent_for_fraction,
     skfac_percent_for_target,
     skfac_percent_of_params,
-    sparse_kfac,
 )
-from partialbayes.selection._skfac import skfac_rows_cols
 
 percents = st.floats(0.01, 100.0, allow_nan=False)
 

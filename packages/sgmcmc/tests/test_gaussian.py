@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from partialbayes.selection import KronBlock, Subset
-from partialbayes.sgmcmc import METHODS, SGMCMC
+from partialbayes.sgmcmc import SGMCMC
+from partialbayes.sgmcmc.internal import METHODS
 
 C, N, D, SIGMA, LAM, FIXED = 64, 32, 2, 1.0, 2.0, 0.7
 Z_MAX = (

@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from partialbayes.selection import KronBlock, Subset
-from partialbayes.sgmcmc import METHODS, SGMCMC, run_chain
+from partialbayes.sgmcmc import SGMCMC, run_chain
+from partialbayes.sgmcmc.internal import METHODS
 
 
 def whole(model):

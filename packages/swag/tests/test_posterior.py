@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from partialbayes.predictive import Posterior, average_softmax, flatten_outputs
+from partialbayes.predictive import Posterior, average_softmax
+from partialbayes.predictive.internal import flatten_outputs
 from partialbayes.predictive.testing import check_posterior
 from partialbayes.selection import KronBlock, Subset
 from partialbayes.swag import SWAG, collect_swag, predictive_nll

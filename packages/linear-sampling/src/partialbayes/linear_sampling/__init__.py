@@ -12,7 +12,6 @@ For a network, `SampledLaplace` is the sampling-based linearised Laplace posteri
 
 from importlib.metadata import version
 
-from partialbayes.linear_sampling._cg import conjugate_gradients
 from partialbayes.linear_sampling._em import (
     effective_dimension,
     fit_prior_precision,
@@ -49,7 +48,6 @@ __all__ = [
     "SGDConfig",
     "SampledLaplace",
     "__version__",
-    "conjugate_gradients",
     "effective_dimension",
     "fit_prior_precision",
     "linearised_logit_moments",

@@ -26,8 +26,9 @@ from partialbayes.linear_sampling._ops import check_memory
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior, softmax_hessian
 from partialbayes.linear_sampling._sgd import SGDConfig, SolveInfo
 from partialbayes.linear_sampling._solve import posterior_samples
-from partialbayes.predictive import answer_index, is_causal_lm, probit
+from partialbayes.predictive import is_causal_lm, probit
 from partialbayes.predictive.internal import (
+    answer_index,
     check_int,
     check_likelihood,
     check_number,

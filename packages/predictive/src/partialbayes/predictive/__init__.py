@@ -10,13 +10,11 @@ lives in `partialbayes.predictive.internal`. Depends on torch only; never import
 from importlib.metadata import version
 
 from partialbayes.predictive._answers import (
-    answer_index,
     answer_logits,
     answer_positions,
 )
 from partialbayes.predictive._auroc import auroc
 from partialbayes.predictive._batch import (
-    flatten_outputs,
     is_causal_lm,
     kept_positions,
 )
@@ -35,7 +33,6 @@ from partialbayes.predictive._link import (
     laplace_bridge_alpha,
     probit,
     probit_binary,
-    probit_scale,
 )
 from partialbayes.predictive._mc import mc_predictive, sample_logits
 from partialbayes.predictive._metrics import accuracy, brier, gaussian_nll, nll
@@ -63,7 +60,6 @@ __all__ = [
     "Uncertainty",
     "__version__",
     "accuracy",
-    "answer_index",
     "answer_logits",
     "answer_positions",
     "apply_temperature",
@@ -75,7 +71,6 @@ __all__ = [
     "ece",
     "entropy",
     "fit_temperature",
-    "flatten_outputs",
     "gaussian_nll",
     "gaussian_predictive",
     "is_causal_lm",
@@ -90,7 +85,6 @@ __all__ = [
     "nll",
     "probit",
     "probit_binary",
-    "probit_scale",
     "reliability",
     "sample_logits",
     "sampled_logits",

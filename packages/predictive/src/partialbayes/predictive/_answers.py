@@ -68,13 +68,7 @@ def answer_index(
     attention_mask: Tensor | None = None,
     causal_lm: bool = False,
 ) -> tuple[Tensor, ...]:
-    """The index of the answer logits: ``logits[answer_index(logits, ...)]`` is `answer_logits`, ``[P, K]``.
-
-    ``logits`` are ``[B, T, V]`` (or ``[B, V]``: every row is an answer), ``target_ids`` the ``K`` distinct
-    answer tokens; ``labels``, ``attention_mask`` and ``causal_lm`` find the answers as in `answer_positions`.
-    Returns (example, position, token) index tensors (example, token for ``[B, V]``) broadcasting to
-    ``[P, K]``, the ``P`` answer positions in row-major ``(b, t)`` order.
-    """
+    """(example, position, token) index tensors broadcasting to ``[P, K]``: ``logits[index]`` is `answer_logits`."""
     ids = check_target_ids(target_ids, logits.shape[-1]).to(logits.device)
     keep = answer_positions(
         logits, labels=labels, attention_mask=attention_mask, causal_lm=causal_lm
@@ -92,9 +86,12 @@ def answer_logits(
     attention_mask: Tensor | None = None,
     causal_lm: bool = False,
 ) -> Tensor:
-    """The logits of the answer tokens at the answer positions, ``[P, K]`` (arguments: `answer_index`).
+    """The logits of the answer tokens at the answer positions, ``[P, K]``.
 
-    ``softmax(-1)`` of it is the answer's distribution renormalised over the ``K`` tokens.
+    ``logits`` are ``[B, T, V]`` (or ``[B, V]``: every row is an answer), ``target_ids`` the ``K`` distinct
+    answer tokens; ``labels``, ``attention_mask`` and ``causal_lm`` find the answers as in `answer_positions`;
+    the ``P`` answer positions come in row-major ``(b, t)`` order. ``softmax(-1)`` of it is the answer's
+    distribution renormalised over the ``K`` tokens.
     """
     mask = attention_mask
     return logits[

@@ -1,10 +1,11 @@
 """Plumbing the sibling packages share: no compatibility promise, not part of the API reference."""
 
-from partialbayes.predictive._answers import check_target_ids
+from partialbayes.predictive._answers import answer_index, check_target_ids
 from partialbayes.predictive._batch import (
     IGNORE_INDEX,
     Batch,
     batch_size,
+    flatten_outputs,
     model_logits,
     move_batch,
     output_logits,
@@ -16,7 +17,7 @@ from partialbayes.predictive._files import (
     read_posterior_file,
     write_posterior_file,
 )
-from partialbayes.predictive._link import probit_kernel
+from partialbayes.predictive._link import probit_kernel, probit_scale
 from partialbayes.predictive._mc import cholesky_jitter
 from partialbayes.predictive._posterior import (
     LIKELIHOODS,
@@ -43,6 +44,7 @@ __all__ = [
     "Batch",
     "PosteriorFile",
     "TrainerEvents",
+    "answer_index",
     "available_memory",
     "batch_size",
     "check_bool",
@@ -55,11 +57,13 @@ __all__ = [
     "check_target_ids",
     "cholesky_jitter",
     "eval_mode",
+    "flatten_outputs",
     "model_logits",
     "model_structure",
     "move_batch",
     "output_logits",
     "probit_kernel",
+    "probit_scale",
     "ranged",
     "read_posterior_file",
     "resolve_link",

@@ -20,12 +20,9 @@ from partialbayes.selection._module_strategies import (
     modules,
     ramp,
     random_modules,
-    rank_by_operator_norm,
 )
 from partialbayes.selection._modules import (
-    MLP,
     linear_modules,
-    module_group,
     module_groups,
     tied_linear_modules,
 )
@@ -35,11 +32,6 @@ from partialbayes.selection._parameter_strategies import (
     random_parameters,
 )
 from partialbayes.selection._skfac import (
-    skfac_count,
-    skfac_fraction,
-    skfac_percent_for_fraction,
-    skfac_percent_for_target,
-    skfac_percent_of_params,
     sparse_kfac,
 )
 from partialbayes.selection._subset import (
@@ -50,7 +42,6 @@ from partialbayes.selection._summary import summary
 
 __version__ = version("partialbayes-selection")
 __all__ = [
-    "MLP",
     "PAPER_COUNTS",
     "KronBlock",
     "MaskBlock",
@@ -65,18 +56,11 @@ __all__ = [
     "lora_subset",
     "max_operator_norm",
     "min_operator_norm",
-    "module_group",
     "module_groups",
     "modules",
     "ramp",
     "random_modules",
     "random_parameters",
-    "rank_by_operator_norm",
-    "skfac_count",
-    "skfac_fraction",
-    "skfac_percent_for_fraction",
-    "skfac_percent_for_target",
-    "skfac_percent_of_params",
     "sparse_kfac",
     "summary",
     "tied_linear_modules",

@@ -11,18 +11,16 @@ keeping the last state of each (the Bayesian deep ensemble), `SGMCMCCallback` sa
 from importlib.metadata import version
 
 from partialbayes.sgmcmc._callback import SGMCMCCallback
-from partialbayes.sgmcmc._chains import classification_loss, parallel_chains, run_chain
+from partialbayes.sgmcmc._chains import parallel_chains, run_chain
 from partialbayes.sgmcmc._posterior import SampledPosterior
-from partialbayes.sgmcmc._sampler import METHODS, SGMCMC
+from partialbayes.sgmcmc._sampler import SGMCMC
 
 __version__ = version("partialbayes-sgmcmc")
 __all__ = [
-    "METHODS",
     "SGMCMC",
     "SGMCMCCallback",
     "SampledPosterior",
     "__version__",
-    "classification_loss",
     "parallel_chains",
     "run_chain",
 ]

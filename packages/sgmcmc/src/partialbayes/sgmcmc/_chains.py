@@ -9,8 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from partialbayes.predictive import flatten_outputs
-from partialbayes.predictive.internal import IGNORE_INDEX, check_int, model_logits, split_batch
+from partialbayes.predictive.internal import (
+    IGNORE_INDEX,
+    check_int,
+    flatten_outputs,
+    model_logits,
+    split_batch,
+)
 from partialbayes.selection import Subset
 from partialbayes.sgmcmc._posterior import SampledPosterior
 from partialbayes.sgmcmc._sampler import SGMCMC
@@ -63,7 +68,7 @@ def run_chain(
         subset: The entries to sample.
         data: Batches of any kind ``loss_fn`` reads.
         n_steps: Number of steps.
-        loss_fn: ``(model, batch) -> mean loss`` (default: `classification_loss`).
+        loss_fn: ``(model, batch) -> mean loss`` (default: the mean cross-entropy over the labelled outputs, label -100 skipped).
         seed: Seed of the chain's noise (a generator on the model's device).
         progress: Called as ``progress(step, loss)`` after each step.
         **sampler_options: Keywords of `SGMCMC` (``lr``, ``num_data``, ``method``, ``temperature``, …).

@@ -306,7 +306,7 @@ class SWAG:
         """Monte Carlo predictive over ``n_samples`` weight samples (``partialbayes.predictive.sampled_predict``).
 
         Classification: ``(1/S) Σ_s softmax(f(x; w_s))`` of the logits' shape (token-level outputs include padded
-        positions: drop them with ``partialbayes.predictive.flatten_outputs``). Regression: ``(mean, variance)``
+        positions: keep the rows of ``partialbayes.predictive.kept_positions``). Regression: ``(mean, variance)``
         of the outputs, plus ``sigma_noise²``. ``link`` is ``"mc"`` only; ``scale`` is the covariance scale;
         ``target_ids`` gives the answer tokens' distribution at the answer positions, ``[P, K]``.
         """

@@ -11,11 +11,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.predictive import flatten_outputs
 from partialbayes.predictive.internal import (
     IGNORE_INDEX,
     check_int,
     eval_mode,
+    flatten_outputs,
     model_logits,
     move_batch,
     split_batch,

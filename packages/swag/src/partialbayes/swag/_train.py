@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from partialbayes.predictive import flatten_outputs
 from partialbayes.predictive.internal import (
     IGNORE_INDEX,
     check_int,
     check_number,
+    flatten_outputs,
     model_logits,
     move_batch,
     split_batch,
