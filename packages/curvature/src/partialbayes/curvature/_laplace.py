@@ -27,12 +27,7 @@ from partialbayes.curvature._prior import (
     grid_val_nlls,
     prior_vector,
 )
-from partialbayes.predictive import (
-    gaussian_predictive,
-    laplace_bridge,
-    mc_predictive,
-    sample_logits,
-)
+from partialbayes.predictive import gaussian_predictive, laplace_bridge
 from partialbayes.predictive.internal import (
     PosteriorFile,
     check_choice,
@@ -40,6 +35,8 @@ from partialbayes.predictive.internal import (
     check_int,
     check_target_ids,
     eval_mode,
+    gaussian_draws,
+    gaussian_mc,
     probit_kernel,
     read_posterior_file,
     resolve_link,
@@ -815,7 +812,7 @@ class LaplaceBase(ABC):
         elif link == "bridge":
             probs = laplace_bridge(f, cov)
         else:
-            probs = mc_predictive(f, cov, n_samples, generator=generator)
+            probs = gaussian_mc(f, cov, True, n_samples, generator)
         if target_ids is not None:
             return probs.to(logits.dtype)
         return _place(torch.softmax(full, dim=-1), keep, probs).to(logits.dtype)
@@ -846,7 +843,7 @@ class LaplaceBase(ABC):
         n = check_int("n", n)
         check_generator(generator)
         logits, keep, f, (cov,) = _linearised([self], batch, labels=False, target_ids=target_ids)
-        draws = sample_logits(f.to(cov.dtype), cov, n, generator=generator)
+        draws = gaussian_draws(f.to(cov.dtype), cov, True, n, generator)
         if target_ids is not None:
             return draws.to(logits.dtype)
         full = logits.to(cov.dtype).expand(n, *logits.shape)

@@ -69,9 +69,15 @@ def sample_logits(
     """
     check_int("n_samples", n_samples)
     check_generator(generator)
-    mu, var, full = _gaussian_logits(mean, cov)
+    return gaussian_draws(*_gaussian_logits(mean, cov), n_samples, generator)
+
+
+def gaussian_draws(
+    mu: Tensor, var: Tensor, full: bool, n: int, generator: torch.Generator | None
+) -> Tensor:
+    """`sample_logits` on checked input (``full``: ``var`` is ``[..., C, C]``)."""
     scale = cholesky_jitter(var) if full else var.sqrt()
-    return _draw_t(mu, scale, full, n_samples, generator).movedim(-1, 0)
+    return _draw_t(mu, scale, full, n, generator).movedim(-1, 0)
 
 
 def mc_predictive(
@@ -94,7 +100,13 @@ def mc_predictive(
     """
     check_int("n_samples", n_samples)
     check_generator(generator)
-    mu, var, full = _gaussian_logits(mean, cov)
+    return gaussian_mc(*_gaussian_logits(mean, cov), n_samples, generator)
+
+
+def gaussian_mc(
+    mu: Tensor, var: Tensor, full: bool, n_samples: int, generator: torch.Generator | None
+) -> Tensor:
+    """`mc_predictive` on checked input (``full``: ``var`` is ``[..., C, C]``)."""
     scale = cholesky_jitter(var) if full else var.sqrt()
     chunk = max(1, _CHUNK_ELEMENTS // max(1, mu.numel()))
     total = torch.zeros_like(mu)

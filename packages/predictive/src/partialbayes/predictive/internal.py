@@ -18,7 +18,7 @@ from partialbayes.predictive._files import (
     write_posterior_file,
 )
 from partialbayes.predictive._link import probit_kernel, probit_scale
-from partialbayes.predictive._mc import cholesky_jitter
+from partialbayes.predictive._mc import cholesky_jitter, gaussian_draws, gaussian_mc
 from partialbayes.predictive._posterior import (
     LIKELIHOODS,
     TrainerEvents,
@@ -58,6 +58,8 @@ __all__ = [
     "cholesky_jitter",
     "eval_mode",
     "flatten_outputs",
+    "gaussian_draws",
+    "gaussian_mc",
     "model_logits",
     "model_structure",
     "move_batch",
