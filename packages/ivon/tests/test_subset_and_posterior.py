@@ -235,7 +235,7 @@ def test_posterior_bad_input():
     b = GaussianPosterior({"b": torch.zeros(1)}, {"b": torch.ones(1)})
     with pytest.raises(ValueError, match="component 1"):
         MultiIVON([a, b])
-    with pytest.raises(ValueError, match="component must be"):
+    with pytest.raises(ValueError, match=r"component must lie in \[0, 1\)"):
         MultiIVON([a]).sample_full(component=3)
     model = _model("cpu")
     other = IVON([torch.nn.Parameter(torch.zeros(2))], lr=0.1, ess=1)

@@ -222,7 +222,7 @@ def test_other_bad_arguments():
     for tol in (math.nan, 0.0, -1.0, True):
         with pytest.raises(ValueError, match="tol must be a positive number"):
             skfac_percent_for_target(MODEL, 5.0, tol=tol)
-    with pytest.raises(TypeError, match="subset must be a Subset"):
+    with pytest.raises(TypeError, match=r"subset must be a partialbayes\.selection\.Subset"):
         summary("fc1")
     with pytest.raises(TypeError, match="parameter name must be a string"):
         Subset.from_json(SAVED, MODEL).num_entries(3)

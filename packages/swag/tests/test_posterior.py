@@ -132,6 +132,11 @@ def test_predict_is_the_average_softmax_of_predictive_samples(helpers, device):
     torch.testing.assert_close(
         swag.predictive_samples(x, 2, scale=0.0), at_mean.expand(2, *at_mean.shape)
     )
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="scale"):
+            swag.sample_flat(scale=bad)
+    with pytest.raises(ValueError, match="n_samples"):
+        swag.sample_flat(0)
 
 
 def test_sample_layout_is_the_flat_sample_split_by_parameter(helpers):

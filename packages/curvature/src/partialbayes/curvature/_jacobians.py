@@ -21,6 +21,7 @@ from partialbayes.curvature._outputs import (
 )
 from partialbayes.predictive.internal import model_logits
 from partialbayes.selection import KronBlock, Subset, linear_modules
+from partialbayes.selection.internal import check_subset
 
 
 def example_weight_grads(x: Tensor, d: Tensor) -> Tensor:
@@ -128,10 +129,7 @@ def param_targets(
     model: nn.Module, subset: Subset
 ) -> tuple[list[ParamTarget], dict[str, nn.Module]]:
     """Every parameter of ``subset`` with its owning linear map (refusing any other parameter), and those maps."""
-    if not isinstance(subset, Subset):
-        raise TypeError(
-            f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
-        )
+    check_subset(subset)
     if not subset.names:
         raise ValueError("subset is empty: no parameter to compute the curvature for")
     lin = linear_modules(model)

@@ -22,7 +22,7 @@ from partialbayes.curvature._lowrank import LowRankFactor, NystromSketch
 from partialbayes.curvature._outputs import resolve_shift_labels
 from partialbayes.predictive.internal import check_generator
 from partialbayes.selection import Subset
-from partialbayes.selection.internal import KronModule
+from partialbayes.selection.internal import KronModule, check_subset
 
 
 @dataclass(frozen=True)
@@ -141,10 +141,7 @@ def row_count(x: Tensor, mask: Tensor | None, sharing: str) -> Tensor | int:
 
 def kron_targets(model: nn.Module, subset: Subset, what: str) -> KronTargets:
     """``subset.kron_modules()`` checked against ``model`` (present, untied) and resolved for the hooks."""
-    if not isinstance(subset, Subset):
-        raise TypeError(
-            f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
-        )
+    check_subset(subset)
     try:
         kmods = subset.kron_modules()
     except TypeError as err:

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from partialbayes.curvature._hooks import Run, all_reduce
 from partialbayes.curvature._likelihood import CurvatureOptions, check_list
-from partialbayes.curvature._memory import MemoryEstimate, sized
+from partialbayes.curvature._memory import MemoryEstimate, entries_estimate, sized
 from partialbayes.curvature._outputs import Outputs, read_batch, resolve_shift_labels, split_chunks
 from partialbayes.curvature._prior import (
     MarglikFit,
@@ -43,6 +43,7 @@ from partialbayes.predictive.internal import (
     write_posterior_file,
 )
 from partialbayes.selection import Subset
+from partialbayes.selection.internal import check_subset
 
 _Posterior = TypeVar("_Posterior", bound="LaplaceBase")
 
@@ -177,10 +178,7 @@ class LaplaceBase(ABC):
         shift_labels: bool | None = None,
         max_memory: int | None = None,
     ) -> None:
-        if not isinstance(subset, Subset):
-            raise TypeError(
-                f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
-            )
+        check_subset(subset)
         if len(subset.names) == 0:
             raise ValueError("subset is empty: select at least one parameter")
         params = subset.parameters_of(model)
@@ -287,11 +285,15 @@ class LaplaceBase(ABC):
     ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
         """Structure: ``(logits [B, (T,) C] detached, keep [B, T] | None, [Σ_f [N, C, C] per prior])`` (eval mode)."""
 
-    @abstractmethod
+    #: `_estimate`'s default: the curvature is ``num_entries`` floats, or its square when dense.
+    _dense_curvature = False
+
     def _estimate(
         self, logits: Tensor, keep: Tensor | None, mask: Tensor | None, k_out: int
     ) -> MemoryEstimate:
         """Structure: the memory of a fit, and of a predictive of ``k_out`` logits, for a batch's logits."""
+        n, dense = self.subset.num_entries(), self._dense_curvature
+        return entries_estimate(n, dense, logits, keep, mask, self._options, k_out)
 
     @classmethod
     def _covariances_of(
@@ -638,8 +640,7 @@ class LaplaceBase(ABC):
         """
         self._require_fit()
         check_choice("method", method, ("marglik", "val_nll"))
-        if optimizer not in ("grid", "gradient"):
-            raise ValueError(f"optimizer must be 'grid' or 'gradient', got {optimizer!r}")
+        check_choice("optimizer", optimizer, ("grid", "gradient"))
         options = {
             "val_loader": val_loader,
             "grid": grid,

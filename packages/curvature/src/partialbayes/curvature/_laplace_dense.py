@@ -13,7 +13,6 @@ from partialbayes.curvature._hooks import Run
 from partialbayes.curvature._jacobians import subset_jacobians
 from partialbayes.curvature._laplace import LaplaceBase
 from partialbayes.curvature._lowrank import clamped_eigh
-from partialbayes.curvature._memory import MemoryEstimate, entries_estimate
 from partialbayes.curvature._outputs import Outputs
 from partialbayes.predictive.internal import PosteriorFile
 from partialbayes.selection import Subset
@@ -32,6 +31,8 @@ class DenseLaplace(LaplaceBase):
         max_entries: Refuse larger subsets (``P²`` floats are stored).
         **kwargs: See `LaplaceBase`.
     """
+
+    _dense_curvature = True
 
     _SAVED: ClassVar[tuple[str, ...]] = ("max_entries",)
     _eig: tuple[Tensor, Tensor]
@@ -127,12 +128,6 @@ class DenseLaplace(LaplaceBase):
                     v = torch.linalg.solve_triangular(chol, jac.mT, upper=False)
                     covs.append(v.mT @ v)
         return logits.detach(), keep, covs
-
-    def _estimate(
-        self, logits: Tensor, keep: Tensor | None, mask: Tensor | None, k_out: int
-    ) -> MemoryEstimate:
-        n = self.subset.num_entries()
-        return entries_estimate(n, True, logits, keep, mask, self._options, k_out)
 
     def _state(self) -> dict[str, Tensor]:
         return {"eigvals": self._eig[0], "eigvecs": self._eig[1]}

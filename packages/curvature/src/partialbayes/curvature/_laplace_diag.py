@@ -12,7 +12,6 @@ from partialbayes.curvature._diag_dense import diagonal
 from partialbayes.curvature._hooks import Run
 from partialbayes.curvature._jacobians import subset_jacobians
 from partialbayes.curvature._laplace import LaplaceBase
-from partialbayes.curvature._memory import MemoryEstimate, entries_estimate
 from partialbayes.curvature._outputs import Outputs
 from partialbayes.predictive.internal import PosteriorFile
 
@@ -106,12 +105,6 @@ class DiagLaplace(LaplaceBase):
                 ]
                 covs.append(sum((j @ j.mT for j in scaled[1:]), scaled[0] @ scaled[0].mT))
         return logits.detach(), keep, covs
-
-    def _estimate(
-        self, logits: Tensor, keep: Tensor | None, mask: Tensor | None, k_out: int
-    ) -> MemoryEstimate:
-        n = self.subset.num_entries()
-        return entries_estimate(n, False, logits, keep, mask, self._options, k_out)
 
     def _state(self) -> dict[str, Tensor]:
         return {f"{n}:diag": h for n, h in self._h.items()}

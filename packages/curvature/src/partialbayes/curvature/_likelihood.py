@@ -11,9 +11,11 @@ import torch
 from torch import Tensor, nn
 
 from partialbayes.predictive.internal import (
+    check_bool,
     check_choice,
     check_int,
     check_likelihood,
+    check_type,
 )
 
 
@@ -119,12 +121,9 @@ class CurvatureOptions:
             raise ValueError(
                 f"num_classes must be a positive int or None, got {self.num_classes!r}"
             )
-        if not isinstance(self.shift_labels, bool):
-            raise TypeError(f"shift_labels must be True, False or None, got {self.shift_labels!r}")
-        if self.sharing not in (None, "reduce", "expand"):
-            raise ValueError(f"sharing must be 'reduce', 'expand' or None, got {self.sharing!r}")
-        if self.bias not in ("fold", "separate"):
-            raise ValueError(f"bias must be 'fold' or 'separate', got {self.bias!r}")
+        check_bool("shift_labels", self.shift_labels)
+        check_choice("sharing", self.sharing, (None, "reduce", "expand"))
+        check_choice("bias", self.bias, ("fold", "separate"))
         if self.max_rank is not None:
             check_int("max_rank", self.max_rank)
 
@@ -165,10 +164,7 @@ def check_logits(logits: Tensor, num_classes: int | None, batch_index: int) -> N
 
 def check_labels(labels: Tensor, logits: Tensor, likelihood: str, batch_index: int) -> Tensor:
     """One batch's labels checked against its output rows ``[B, C]``: ``int64 [B]`` or regression ``[B, C]``."""
-    if not isinstance(labels, Tensor):
-        raise TypeError(
-            f"batch {batch_index}: labels must be a tensor, got {type(labels).__name__}"
-        )
+    check_type(f"batch {batch_index}: labels", labels, Tensor, "a tensor")
     b, c = logits.shape
     if likelihood == "classification":
         if labels.dtype.is_floating_point or labels.is_complex() or labels.dtype == torch.bool:

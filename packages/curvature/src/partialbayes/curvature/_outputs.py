@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from partialbayes.predictive import answer_positions, is_causal_lm, kept_positions
-from partialbayes.predictive.internal import IGNORE_INDEX, batch_size, split_batch
+from partialbayes.predictive.internal import IGNORE_INDEX, batch_size, split_batch, take_inputs
 
 
 def resolve_shift_labels(model: nn.Module, shift_labels: bool | None) -> bool:
@@ -134,15 +134,7 @@ def take_examples(
     inputs: Tensor | dict[str, Any], outputs: Outputs, index: slice | Tensor
 ) -> tuple[Tensor | dict[str, Any], Outputs]:
     """The examples ``index`` of model inputs (tensors with the batch dimension) and of their `Outputs`."""
-    n = batch_size(inputs)
-    part: Tensor | dict[str, Any]
-    if isinstance(inputs, Tensor):
-        part = inputs[index]
-    else:
-        part = {
-            k: (v[index] if isinstance(v, Tensor) and v.ndim > 0 and v.shape[0] == n else v)
-            for k, v in inputs.items()
-        }
+    part = take_inputs(inputs, index, batch_size(inputs))
     mask = part.get("attention_mask") if isinstance(part, dict) else None
     labels = None if outputs.labels is None else outputs.labels[index]
     return part, replace(outputs, attention_mask=mask, labels=labels)

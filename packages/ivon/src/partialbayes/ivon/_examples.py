@@ -13,18 +13,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from partialbayes.predictive.internal import IGNORE_INDEX, split_batch
-
-
-def _row(inputs: Tensor | dict[str, Any], j: int, size: int) -> Tensor | dict[str, Any]:
-    """Example ``j`` of model inputs, as a batch of one."""
-    if isinstance(inputs, Tensor):
-        return inputs[j : j + 1]
-    return {
-        k: v[j : j + 1] if isinstance(v, Tensor) and v.ndim and v.shape[0] == size else v
-        for k, v in inputs.items()
-    }
-
+from partialbayes.predictive.internal import IGNORE_INDEX, split_batch, take_inputs
 
 #: ``(position in the loader, inputs of one example, label)``.
 Example = tuple[int, Tensor | dict[str, Any], int]
@@ -54,7 +43,10 @@ def labelled_batches(loader: Iterable[Any], model: nn.Module, who: str) -> Itera
         kept = (labels != IGNORE_INDEX).nonzero().flatten().tolist()
         skipped += not kept
         if kept:
-            yield [(position + j, _row(batch.inputs, j, size), int(labels[j])) for j in kept]
+            yield [
+                (position + j, take_inputs(batch.inputs, slice(j, j + 1), size), int(labels[j]))
+                for j in kept
+            ]
         position += size
     if skipped == seen:
         raise ValueError(

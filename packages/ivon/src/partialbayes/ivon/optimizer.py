@@ -22,6 +22,7 @@ from partialbayes.predictive.internal import (
     check_generator,
     check_int,
     check_number,
+    check_type,
 )
 
 if TYPE_CHECKING:  # the selection package is an optional extra: never imported at run time
@@ -192,10 +193,7 @@ class IVON(torch.optim.Optimizer):
             ValueError: If the subset names a parameter the model lacks or that is frozen, a mask has the
                 wrong shape, or the subset is empty.
         """
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"IVON.from_subset: model must be an nn.Module, got {type(model).__name__}"
-            )
+        check_type("IVON.from_subset: model", model, nn.Module, "an nn.Module")
         if not (hasattr(subset, "names") and callable(getattr(subset, "mask", None))):
             raise TypeError(
                 f"IVON.from_subset: subset must have `names` and `mask(name)`, got {type(subset).__name__}"

@@ -16,6 +16,7 @@ from partialbayes.predictive.internal import (
     PosteriorFile,
     check_int,
     check_likelihood,
+    check_type,
     read_posterior_file,
     resolve_link,
     rows,
@@ -43,8 +44,7 @@ def _randn(shape: tuple[int, ...], like: Tensor, generator: torch.Generator | No
 
 
 def _check_model(model: nn.Module, shapes: Mapping[str, torch.Size], who: str) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{who}: model must be a torch.nn.Module, got {type(model).__name__}")
+    check_type(f"{who}: model", model, nn.Module, "a torch.nn.Module")
     params = dict(model.named_parameters())
     for name, shape in shapes.items():
         if name not in params:
@@ -422,10 +422,7 @@ class MultiIVON(_SampledFamily):
         k = len(self.components)
         if component is None:
             component = self._offset(generator)
-        if not 0 <= component < k:
-            raise ValueError(
-                f"MultiIVON.sample_full: component must be in [0, {k}), got {component}"
-            )
+        check_int("MultiIVON.sample_full: component", component, f"[0, {k})")
         return self.components[component].sample_full(generator)
 
     def sample(self, n: int = 1, *, generator: torch.Generator | None = None) -> dict[str, Tensor]:

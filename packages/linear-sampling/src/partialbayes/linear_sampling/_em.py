@@ -18,7 +18,13 @@ from partialbayes.linear_sampling._ops import (
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior
 from partialbayes.linear_sampling._sgd import SGDConfig
 from partialbayes.linear_sampling._solve import check_problem, posterior_mean, posterior_samples
-from partialbayes.predictive.internal import check_bool, check_generator, check_int, check_number
+from partialbayes.predictive.internal import (
+    check_bool,
+    check_choice,
+    check_generator,
+    check_int,
+    check_number,
+)
 
 _ESTIMATORS = ("function", "weight")
 
@@ -48,8 +54,7 @@ def effective_dimension(
     Raises:
         ValueError: On an unknown estimator, a shape mismatch or non-finite samples.
     """
-    if estimator not in _ESTIMATORS:
-        raise ValueError(f"estimator must be one of {_ESTIMATORS}, got {estimator!r}")
+    check_choice("estimator", estimator, _ESTIMATORS)
     check_samples(samples, features.d)
     groups = prior.group_index(features.d, features.device)
     n_groups = prior.n_groups
@@ -198,8 +203,7 @@ def fit_prior_precision(
         ValueError: On bad arguments (``sgd`` settings with ``method="cg"`` among them) or divergence.
         TypeError: If an argument has the wrong type.
     """
-    if estimator not in _ESTIMATORS:
-        raise ValueError(f"estimator must be one of {_ESTIMATORS}, got {estimator!r}")
+    check_choice("estimator", estimator, _ESTIMATORS)
     check_problem(features, noise, prior, method, sgd)
     check_generator(generator)
     check_int("k", k)

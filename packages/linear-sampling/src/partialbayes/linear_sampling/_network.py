@@ -24,6 +24,7 @@ from partialbayes.predictive.internal import (
     check_int,
     output_logits,
     split_batch,
+    take_inputs,
 )
 from partialbayes.predictive.internal import batch_size as n_examples
 from partialbayes.selection import KronBlock, MaskBlock, Subset
@@ -87,16 +88,6 @@ class _Chosen:
         """``[*shape, k]`` per parameter -> ``[d, k]``."""
         parts = [g.movedim(-1, 0)[:, mask] for g, mask in zip(grads, self.masks, strict=True)]
         return torch.cat(parts, 1).T
-
-
-def _index(inputs: Inputs, idx: Tensor, n: int) -> Inputs:
-    """Examples ``idx`` of the inputs (mapping values that are not ``[n, ...]`` tensors pass through)."""
-    if isinstance(inputs, Tensor):
-        return inputs[idx.to(inputs.device)]
-    return {
-        k: v[idx.to(v.device)] if isinstance(v, Tensor) and v.ndim > 0 and v.shape[0] == n else v
-        for k, v in inputs.items()
-    }
 
 
 def _columns(numel: int, k: int, dtype: torch.dtype) -> int:
@@ -205,7 +196,7 @@ class _Part:
         """Outputs ``local``: the inputs of their examples, their rows there, the output's size."""
         uniq, inv = torch.unique(self.rows[0][local], return_inverse=True)
         rows = (inv, *(r[local] for r in self.rows[1:]))
-        return _index(self.inputs, uniq, self.n_examples), rows, uniq.numel() * self.length * m
+        return take_inputs(self.inputs, uniq, self.n_examples), rows, uniq.numel() * self.length * m
 
 
 def read_batches(
@@ -370,7 +361,7 @@ def network_logits(
     outs = []
     with torch.no_grad():
         for s in range(0, n, batch_size):
-            batch = _index(b.inputs, torch.arange(s, min(s + batch_size, n)), n)
+            batch = take_inputs(b.inputs, torch.arange(s, min(s + batch_size, n)), n)
             out = get(model(**batch) if isinstance(batch, Mapping) else model(batch))
             outs.append(out.unsqueeze(1) if out.ndim == 1 else out)
     logits = torch.cat(outs)

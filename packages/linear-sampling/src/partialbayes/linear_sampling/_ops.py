@@ -9,7 +9,7 @@ from torch import Tensor
 
 from partialbayes.linear_sampling._features import WORKING_BYTES, Features, batches
 from partialbayes.linear_sampling._precision import NoisePrecision
-from partialbayes.predictive.internal import available_memory, check_int
+from partialbayes.predictive.internal import available_memory, check_int, check_type
 
 
 def default_batch_size(features: Features, batch_size: int | None, k: int = 1) -> int:
@@ -32,8 +32,7 @@ def check_samples(samples: Tensor, d: int) -> None:
 
 def targets_3d(features: Features, targets: Tensor) -> Tensor:
     """Targets ``[n]`` (``m = 1``) or ``[n, m]``, validated, as ``[n, m, 1]`` in the features' device, dtype."""
-    if not isinstance(targets, torch.Tensor):
-        raise TypeError(f"targets must be a tensor, got {type(targets).__name__}")
+    check_type("targets", targets, torch.Tensor, "a tensor")
     y = targets.unsqueeze(1) if targets.ndim == 1 else targets
     if y.ndim != 2 or tuple(y.shape) != (features.n, features.m):
         raise ValueError(

@@ -38,6 +38,7 @@ from partialbayes.predictive.internal import (
     split_batch,
 )
 from partialbayes.selection import Subset
+from partialbayes.selection.internal import check_subset
 
 
 class SampledLaplace:
@@ -81,10 +82,7 @@ class SampledLaplace:
         sigma_noise: float = 1.0,
         jitter: float = 1e-6,
     ) -> None:
-        if not isinstance(subset, Subset):
-            raise TypeError(
-                f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
-            )
+        check_subset(subset)
         subset.parameters_of(model)
         if subset.num_entries() == 0:
             raise ValueError("subset is empty: choose at least one entry")

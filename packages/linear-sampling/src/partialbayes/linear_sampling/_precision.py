@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from partialbayes.predictive.internal import check_number
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,7 @@ class NoisePrecision:
                     f"noise precision must be positive, got a value {v.min().item():.3g}"
                 )
             return
-        j = self.jitter
-        if isinstance(j, bool) or not isinstance(j, (int, float)) or not 0 < j < math.inf:
-            raise ValueError(f"jitter must be a finite number > 0, got {j!r}")
+        j = check_number("jitter", self.jitter)
         sums = v.sum(-1, dtype=torch.float64)
         if bool((v < 0).any()) or not bool(((sums - 1).abs() <= 1e-3).all()):
             raise ValueError("softmax probabilities [n, m] must be >= 0 with rows summing to one")

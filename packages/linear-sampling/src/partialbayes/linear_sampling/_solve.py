@@ -26,7 +26,7 @@ from partialbayes.linear_sampling._ops import (
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior
 from partialbayes.linear_sampling._sgd import SGDConfig, SolveInfo, sgd_minimise
 from partialbayes.linear_sampling._svrg import svrg_minimise
-from partialbayes.predictive.internal import check_generator, check_int
+from partialbayes.predictive.internal import check_choice, check_generator, check_int, check_type
 
 _METHODS = ("cg", "sgd")
 _OBJECTIVES = ("low_variance", "standard")
@@ -67,16 +67,11 @@ def check_problem(
     sgd: SGDConfig | None,
 ) -> tuple[NoisePrecision, Tensor]:
     """Validate the common arguments; returns the noise on the features' device and ``diag(A)``."""
-    if not isinstance(features, Features):
-        raise TypeError(f"features must be Features, got {type(features).__name__}")
-    if not isinstance(noise, NoisePrecision):
-        raise TypeError(f"noise must be a NoisePrecision, got {type(noise).__name__}")
-    if not isinstance(prior, Prior):
-        raise TypeError(f"prior must be a Prior, got {type(prior).__name__}")
-    if method not in _METHODS:
-        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
-    if sgd is not None and not isinstance(sgd, SGDConfig):
-        raise TypeError(f"sgd must be an SGDConfig or None, got {type(sgd).__name__}")
+    check_type("features", features, Features, "Features")
+    check_type("noise", noise, NoisePrecision)
+    check_type("prior", prior, Prior)
+    check_choice("method", method, _METHODS)
+    check_type("sgd", sgd, (SGDConfig, type(None)), "an SGDConfig or None")
     if sgd is not None and method != "sgd":
         raise ValueError(
             f"sgd settings were given but method={method!r}: they apply to method='sgd' only"
@@ -247,8 +242,7 @@ def posterior_samples(
     noise, a = check_problem(features, noise, prior, method, sgd)
     check_options(tol, max_iter)
     check_generator(generator)
-    if objective not in _OBJECTIVES:
-        raise ValueError(f"objective must be one of {_OBJECTIVES}, got {objective!r}")
+    check_choice("objective", objective, _OBJECTIVES)
     check_int("k", k)
     bs = default_batch_size(features, batch_size, k)
     a1 = a.unsqueeze(1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from partialbayes.predictive._validate import check_same_device, check_tensor
+from partialbayes.predictive._validate import check_same_device, check_tensor, check_type
 
 
 def auroc(scores: Tensor, positives: Tensor) -> Tensor:
@@ -19,8 +19,7 @@ def auroc(scores: Tensor, positives: Tensor) -> Tensor:
         ValueError: On NaN/inf scores, mismatched shapes, labels other than 0/1, or only one class present.
     """
     s = check_tensor("scores", scores)
-    if not isinstance(positives, Tensor):
-        raise TypeError(f"positives must be a torch.Tensor, got {type(positives).__name__}")
+    check_type("positives", positives, Tensor, "a torch.Tensor")
     check_same_device(scores=s, positives=positives)
     if s.ndim != 1 or positives.shape != s.shape:
         raise ValueError(

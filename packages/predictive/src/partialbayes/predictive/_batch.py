@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from partialbayes.predictive._validate import check_type
+
 #: Label value that marks a position to ignore (Hugging Face and ``torch.nn.functional.cross_entropy``).
 IGNORE_INDEX = -100
 #: Keys under which a mapping batch may carry its labels, in the order they are looked up.
@@ -139,10 +141,7 @@ def move_batch(batch: Any, device: torch.device | str) -> Any:
 
 def batch_size(inputs: Tensor | Mapping[str, Any]) -> int:
     """Number of examples in model inputs: the common leading size of its tensors."""
-    if not isinstance(inputs, (Tensor, Mapping)):
-        raise TypeError(
-            f"inputs must be a tensor or a mapping of tensors, got {type(inputs).__name__}"
-        )
+    check_type("inputs", inputs, (Tensor, Mapping), "a tensor or a mapping of tensors")
     if isinstance(inputs, Tensor):
         if inputs.ndim == 0:
             raise ValueError("inputs must have a batch dimension, got a 0-d tensor")
@@ -151,6 +150,20 @@ def batch_size(inputs: Tensor | Mapping[str, Any]) -> int:
     if len(set(sizes.values())) != 1:
         raise ValueError(f"cannot tell the batch size of inputs with leading sizes {sizes}")
     return next(iter(sizes.values()))
+
+
+def take_inputs(inputs: Any, index: slice | Tensor, n: int) -> Any:
+    """Examples ``index`` of model inputs of ``n`` examples (mapping values not ``[n, ...]`` tensors pass through)."""
+
+    def take(v: Tensor) -> Tensor:
+        return v[index.to(v.device) if isinstance(index, Tensor) else index]
+
+    if isinstance(inputs, Tensor):
+        return take(inputs)
+    return {
+        k: take(v) if isinstance(v, Tensor) and v.ndim and v.shape[0] == n else v
+        for k, v in inputs.items()
+    }
 
 
 def output_logits(output: Any) -> Tensor:

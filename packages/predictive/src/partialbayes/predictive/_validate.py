@@ -68,6 +68,14 @@ def check_choice(name: str, value: object, options: Collection[Any]) -> Any:
     return value
 
 
+def check_type(name: str, value: object, kind: type | tuple[type, ...], what: str = "") -> Any:
+    """An instance of ``kind``, else a ``TypeError`` naming ``name`` (``what``: the expected type in words)."""
+    if not isinstance(value, kind):
+        expected = what or f"a {getattr(kind, '__name__', kind)}"
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
+    return value
+
+
 def ranged(default: Any, interval: str, kind: type = float, *, optional: bool = False) -> Any:
     """A dataclass field `check_fields` checks: a ``kind`` (``int`` / ``float``) in ``interval`` (or ``None`` if ``optional``)."""
     return dataclasses.field(
@@ -89,8 +97,7 @@ def check_fields(obj: Any, owner: str | None = None) -> None:
 
 def check_tensor(name: str, x: object, *, floating: bool = True) -> Tensor:
     """Check that ``x`` is a tensor (floating point when asked) with only finite entries."""
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    check_type(name, x, Tensor, "a torch.Tensor")
     if floating and not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
     # Fast path: a NaN or inf anywhere makes the total non-finite (inf - inf is NaN). Only when
@@ -121,8 +128,7 @@ def check_same_device(**tensors: Tensor) -> None:
 
 def check_probs(name: str, probs: object) -> Tensor:
     """Check categorical probabilities ``[..., C]``: finite, non-negative, rows sum to one (two passes)."""
-    if not isinstance(probs, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(probs).__name__}")
+    check_type(name, probs, Tensor, "a torch.Tensor")
     if not probs.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {probs.dtype}")
     p = probs
@@ -154,8 +160,7 @@ def check_nonneg(name: str, x: object) -> Tensor:
 
 def check_labels(name: str, labels: object, n: int, n_classes: int | None) -> Tensor:
     """Check integer labels ``[N]`` with values in ``[0, n_classes)``."""
-    if not isinstance(labels, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(labels).__name__}")
+    check_type(name, labels, Tensor, "a torch.Tensor")
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got dtype {labels.dtype}")
     if labels.shape != (n,):
@@ -176,8 +181,7 @@ def gaussian_logits(
     round-off and returns ``(cov + covᵀ)/2`` (``False``: unchecked, as given).
     """
     mu = check_tensor("mean", mean)
-    if not isinstance(cov, Tensor):
-        raise TypeError(f"cov must be a torch.Tensor, got {type(cov).__name__}")
+    check_type("cov", cov, Tensor, "a torch.Tensor")
     check_same_device(mean=mu, cov=cov)
     if mu.ndim < 1:
         raise ValueError(f"mean must have shape [..., C], got {tuple(mu.shape)}")

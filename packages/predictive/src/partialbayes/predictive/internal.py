@@ -10,6 +10,7 @@ from partialbayes.predictive._batch import (
     move_batch,
     output_logits,
     split_batch,
+    take_inputs,
 )
 from partialbayes.predictive._files import (
     PosteriorFile,
@@ -35,6 +36,7 @@ from partialbayes.predictive._validate import (
     check_generator,
     check_int,
     check_number,
+    check_type,
     ranged,
 )
 
@@ -55,6 +57,7 @@ __all__ = [
     "check_likelihood",
     "check_number",
     "check_target_ids",
+    "check_type",
     "cholesky_jitter",
     "eval_mode",
     "flatten_outputs",
@@ -71,5 +74,6 @@ __all__ = [
     "resolve_link",
     "rows",
     "split_batch",
+    "take_inputs",
     "write_posterior_file",
 ]

@@ -568,6 +568,15 @@ class Subset:
         return cls.from_model(model, blocks)
 
 
+def check_subset(subset: object) -> Subset:
+    """``subset`` itself if it is a `Subset`, else a ``TypeError``."""
+    if not isinstance(subset, Subset):
+        raise TypeError(
+            f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
+        )
+    return subset
+
+
 def _json_type(value: object) -> str:
     """JSON name of a decoded value's type."""
     names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}

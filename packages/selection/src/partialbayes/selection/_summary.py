@@ -6,13 +6,12 @@ from typing import Any
 
 from partialbayes.selection._blocks import KronBlock
 from partialbayes.selection._modules import Grouping, module_group
-from partialbayes.selection._subset import Subset
+from partialbayes.selection._subset import Subset, check_subset
 
 
 def summary_rows(subset: Subset, grouping: Grouping | None = None) -> list[dict[str, Any]]:
     """One row per selected parameter: name, group, storage shape, block kind, stochastic count, percent."""
-    if not isinstance(subset, Subset):
-        raise TypeError(f"subset must be a Subset, got {type(subset).__name__}")
+    check_subset(subset)
     rows = []
     for n in subset.names:
         shape = tuple(subset.shape(n))

@@ -10,12 +10,13 @@ from partialbayes.selection._skfac import (
     skfac_percent_for_target,
     skfac_percent_of_params,
 )
-from partialbayes.selection._subset import countable_named_parameters
+from partialbayes.selection._subset import check_subset, countable_named_parameters
 
 __all__ = [
     "MLP",
     "Block",
     "KronModule",
+    "check_subset",
     "countable_named_parameters",
     "grouped_linear_modules",
     "module_group",

@@ -21,6 +21,7 @@ from partialbayes.predictive.internal import (
     write_posterior_file,
 )
 from partialbayes.selection import Subset
+from partialbayes.selection.internal import check_subset
 
 FORMAT, VERSION = "partialbayes.sgmcmc.SampledPosterior", 1
 _FIELDS = {"subset": str, "likelihood": str, "sigma_noise": (int, float)}
@@ -57,10 +58,7 @@ class SampledPosterior:
         likelihood: str = "classification",
         sigma_noise: float = 1.0,
     ) -> None:
-        if not isinstance(subset, Subset):
-            raise TypeError(
-                f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
-            )
+        check_subset(subset)
         self.sigma_noise = check_likelihood(likelihood, sigma_noise)
         self.likelihood, self.model, self.subset = likelihood, model, subset
         params = subset.parameters_of(model)

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from partialbayes.predictive.internal import check_choice, check_generator, check_int, check_number
 from partialbayes.selection import Subset
+from partialbayes.selection.internal import check_subset
 
 METHODS = ("sgld", "sghmc", "sgnht", "baoa")
 
@@ -68,10 +69,7 @@ class SGMCMC(torch.optim.Optimizer):
         thin: int = 1,
         generator: torch.Generator | None = None,
     ) -> None:
-        if not isinstance(subset, Subset):
-            raise TypeError(
-                f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
-            )
+        check_subset(subset)
         check_choice("method", method, METHODS)
         if subset.num_entries() == 0:
             raise ValueError("subset has no entries: SGMCMC needs at least one to sample")

@@ -10,6 +10,7 @@ from torch import nn
 
 from partialbayes.predictive.internal import TrainerEvents, check_int
 from partialbayes.selection import Subset
+from partialbayes.selection.internal import check_subset
 from partialbayes.swag._posterior import SWAG
 
 
@@ -43,10 +44,7 @@ class SWAGCallback(TrainerEvents):
     def __init__(
         self, subset: Subset, *, start_step: int = 0, every: int = 5, **swag_options: Any
     ) -> None:
-        if not isinstance(subset, Subset):
-            raise TypeError(
-                f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
-            )
+        check_subset(subset)
         self.subset = subset
         self.start_step = check_int("start_step", start_step, "[0, inf)")
         self.every = check_int("every", every)

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from partialbayes.selection import Subset
+from partialbayes.selection.internal import check_subset
 
 
 @dataclass(frozen=True)
@@ -27,10 +28,7 @@ class FlatLayout:
     @classmethod
     def from_subset(cls, subset: Subset) -> FlatLayout:
         """The layout of a non-empty ``partialbayes.selection.Subset``."""
-        if not isinstance(subset, Subset):
-            raise TypeError(
-                f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
-            )
+        check_subset(subset)
         names = tuple(subset.names)
         shapes, indices, offsets = [], [], [0]
         for name in names:

@@ -16,6 +16,7 @@ from partialbayes.predictive.internal import (
     check_generator,
     check_int,
     check_likelihood,
+    check_number,
     read_posterior_file,
     resolve_link,
     write_posterior_file,
@@ -236,6 +237,9 @@ class SWAG:
             TypeError: If ``generator`` is not a ``torch.Generator``.
         """
         check_generator(generator)
+        check_number("scale", scale, "[0, inf)")
+        if n_samples is not None:
+            check_int("n_samples", n_samples)
         self._require_snapshots(1 if self.diagonal_only else 2)
         return swag_sample(
             self._mean,

@@ -23,10 +23,6 @@ def swag_sample(
     ``w_swa + √scale Σ_diag^½ z₁``). ``scale`` multiplies the covariance, as in Maddox et al.'s code. Noise
     is drawn on the generator's device. Returns ``(d,)`` for ``n_samples=None``, else ``(n_samples, d)``.
     """
-    if not math.isfinite(scale) or scale < 0:
-        raise ValueError(f"scale must be finite and >= 0, got {scale}")
-    if n_samples is not None and n_samples < 1:
-        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
     d = mean.shape[0]
     s = 1 if n_samples is None else n_samples
     device = generator.device if generator is not None else mean.device
