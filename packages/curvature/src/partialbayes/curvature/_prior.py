@@ -267,9 +267,7 @@ def grid_val_nlls(
                         score = gaussian_nll(mean, var, y.to(f.dtype), reduction="sum")
                     totals[i, j] += float(score)
             count += rows.shape[0]
-    for (
-        p
-    ) in posteriors:  # the grid's inverse eigenvalues (`KronLaplace._blocks`) are not needed now
+    for p in posteriors:  # the grid's inverse eigenvalues (`KronLaplace._blocks`) are done with
         if hasattr(p, "_memo"):
             p._memo = None
     if batches == 0:
