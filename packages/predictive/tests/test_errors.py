@@ -90,7 +90,7 @@ def test_other_argument_checks():
         laplace_bridge(torch.zeros(1, 1), torch.ones(1, 1))
     with pytest.raises(ValueError, match="positive logit variances"):
         laplace_bridge(torch.zeros(1, 3), torch.tensor([[1.0, 0.0, 1.0]]), correct_mean=False)
-    with pytest.raises(ValueError, match="noise_var must be non-negative"):
+    with pytest.raises(ValueError, match="noise_var must be a finite number >= 0"):
         gaussian_predictive(torch.zeros(2), torch.ones(2), -1.0)
     with pytest.raises(ValueError, match="noise_var of shape"):
         gaussian_predictive(torch.zeros(2), torch.ones(2), torch.ones(3))

@@ -7,7 +7,12 @@ import math
 import torch
 from torch import Tensor
 
-from partialbayes.predictive._validate import check_nonneg, check_same_device, check_tensor
+from partialbayes.predictive._validate import (
+    check_nonneg,
+    check_number,
+    check_same_device,
+    check_tensor,
+)
 from partialbayes.predictive._validate import gaussian_logits as _gaussian_logits
 
 _PI_OVER_8 = math.pi / 8.0
@@ -147,11 +152,8 @@ def gaussian_predictive(
     """
     mu, v, full = _gaussian_logits(mean, var)
     if not isinstance(noise_var, Tensor):
-        if isinstance(noise_var, bool) or not isinstance(noise_var, (int, float)):
-            raise TypeError(
-                f"noise_var must be a number or a tensor, got {type(noise_var).__name__}"
-            )
-        noise_var = torch.as_tensor(float(noise_var), dtype=mu.dtype, device=mu.device)
+        value = check_number("noise_var", noise_var, "[0, inf)")
+        noise_var = torch.as_tensor(value, dtype=mu.dtype, device=mu.device)
     noise = check_nonneg("noise_var", noise_var)
     target = v.diagonal(dim1=-2, dim2=-1) if full else v
     try:
