@@ -1,9 +1,7 @@
 """Run the GLUE grid, one unit per (task, split): fine-tune (or reuse) its MAP, then fill every method cell.
 
-:func:`run_grid` lists the units and hands them to an executor (:mod:`~partialbayes.glue_bench.executors`:
-this process, or Ray tasks). :func:`run_unit` is one unit: claim it, :func:`prepare_context` (data, model,
-the MAP checkpoint), then its cells, each by :func:`run_cell` or, for the KFAC-type Laplace cells, together
-from shared passes (:func:`partialbayes.glue_bench.laplace_cells.shared_predictions`).
+Units go to an executor (:mod:`~partialbayes.glue_bench.executors`); the KFAC-type Laplace cells of a unit
+share passes (:mod:`~partialbayes.glue_bench.laplace_cells`).
 """
 
 from __future__ import annotations
@@ -96,10 +94,8 @@ class RunConfig:
 def model_length_limit(model: torch.nn.Module, tokenizer: Any) -> int:
     """The longest input ``model`` takes: its position embeddings and the tokenizer's ``model_max_length``."""
     config = getattr(model, "config", None)
-    limits = [
-        getattr(config, "max_position_embeddings", None),
-        getattr(tokenizer, "model_max_length", None),
-    ]
+    limits = [getattr(config, "max_position_embeddings", None)]
+    limits.append(getattr(tokenizer, "model_max_length", None))
     usable = [int(v) for v in limits if isinstance(v, int) and 0 < v < 1_000_000]
     return min(usable) if usable else 512
 
@@ -128,11 +124,9 @@ def map_checkpoint(
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
     """Load the MAP checkpoint at ``folder`` into ``model``, fine-tuning and publishing it first if absent.
 
-    A fresh checkpoint (meta headed by ``about``) is published atomically (``train.save_checkpoint``); the
-    model always scores with the published weights. While it fine-tunes, the loop's state after each epoch
-    is kept in :func:`progress_path` (a killed run resumes there), deleted once the checkpoint is published.
-    Returns ``(meta, IVON Hessians or None)``; the meta says ``cached``, ``finetune_seconds`` and
-    ``finetune_cpu_seconds`` (this process's) and, after fine-tuning, ``published_here``.
+    Fine-tuning resumes from, and keeps its state in, :func:`progress_path` (deleted once published); the model
+    scores with the published weights. Returns ``(meta, IVON Hessians or None)``; the meta adds ``cached``,
+    ``finetune_seconds``, ``finetune_cpu_seconds`` (this process's) and, after fine-tuning, ``published_here``.
     """
     own: dict[str, Any] = {"cached": True, "finetune_seconds": 0.0, "finetune_cpu_seconds": 0.0}
     if load_checkpoint(model, folder) is None:
@@ -144,12 +138,9 @@ def map_checkpoint(
         hess = summary.pop("ivon_hess", None)
         cut = {n: count_truncated(e, tokenizer, train.max_length) for n, e in parts.items()}
         meta = {**about, "max_length": train.max_length, "truncated": cut, **summary}
-        own = {
-            "cached": False,
-            "published_here": save_checkpoint(model, folder, meta, hess),
-            "finetune_seconds": float(summary["seconds"]),
-            "finetune_cpu_seconds": float(summary["cpu_seconds"]),
-        }
+        own = {"cached": False, "published_here": save_checkpoint(model, folder, meta, hess)}
+        own.update(finetune_seconds=float(summary["seconds"]))
+        own.update(finetune_cpu_seconds=float(summary["cpu_seconds"]))
         resume.unlink(missing_ok=True)
     loaded = load_checkpoint(model, folder)
     if loaded is None:  # pragma: no cover - save_checkpoint either published or found a checkpoint
@@ -170,10 +161,9 @@ def prepare_context(
 ) -> tuple[Context, dict[str, Any]]:
     """Load data, fine-tune or reuse the checkpoint of (task, split); ``(method context, checkpoint meta)``.
 
-    The model comes from ``model_factory(name, num_labels, dropout) -> (model, tokenizer)`` (default
-    :func:`load_encoder`, which with ``config.train.epochs == 0`` refuses a model that is not a fine-tuned
-    classifier), built after seeding with the split's seed so that a new head is the same in every run.
-    The task's data are checked against the folder's (``ResultStore.check_data``) before any work.
+    ``model_factory(name, num_labels, dropout) -> (model, tokenizer)`` (default :func:`load_encoder`) runs after
+    seeding with the split's seed (a new head is the same in every run); the data are checked against the
+    folder's before any work.
     """
     spec = task_spec(task)
     parts, data = split_data(task, split, config, glue_dir)
@@ -190,50 +180,36 @@ def prepare_context(
     train = dataclasses.replace(config.train, seed=seed, max_length=max_length)
     folder = store.checkpoint_dir(task, split, config.model)
     about = {"task": task, "split": split, "model": config.model}
-    meta, hess = map_checkpoint(
-        model.to(device), tokenizer, parts, train, folder, progress, about, log
-    )
+    model.to(device)
+    meta, hess = map_checkpoint(model, tokenizer, parts, train, folder, progress, about, log)
     model.eval()
     ivon = None
     if hess is not None and "ivon" in meta:
         ivon = {"hess": hess, **meta["ivon"], "finetune_seconds": float(meta["seconds"])}
     bs, batches = config.curvature_batch_size, {}
     for name, examples in parts.items():
-        batches[name] = [
-            {k: v.to(device) for k, v in b.items()}
-            for b in encode(examples, tokenizer, bs, max_length, True)
-        ]
+        encoded = encode(examples, tokenizer, bs, max_length, True)
+        batches[name] = [{k: v.to(device) for k, v in b.items()} for b in encoded]
     ctx = Context(**batches, model=model, num_labels=spec.num_labels, device=device, seed=seed)
     ctx.settings, ctx.ivon, ctx.progress = config.settings, ivon, progress
     return ctx, meta
 
 
 def all_metrics(probs: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
-    """The test metrics of a record from ``probs`` (N, C) and ``labels`` (N,), by ``partialbayes.predictive``.
-
-    ``accuracy``, ``nll``, ``ece`` (20 equal-mass bins, the paper's) and ``brier``, and ``reliability``:
-    confidence, accuracy and count of those 20 bins (for calibration curves).
-    """
+    """``accuracy``, ``nll``, ``ece`` (20 equal-mass bins, the paper's), ``brier`` and those bins' ``reliability``."""
     p = probs.double()
     rel = predictive.reliability(p, labels, n_bins=20, binning="equal_mass")
-    bins = {
-        "confidence": [float(v) for v in rel.confidence],
-        "accuracy": [float(v) for v in rel.accuracy],
-    }
-    return {
+    bins = {"confidence": rel.confidence.tolist(), "accuracy": rel.accuracy.tolist()}
+    out = {
         "accuracy": float(predictive.accuracy(p, labels)),
         "nll": float(predictive.nll(p, labels)),
-        "ece": float(rel.ece),
-        "brier": float(predictive.brier(p, labels)),
-        "reliability": {**bins, "count": [int(v) for v in rel.count]},
     }
+    out.update(ece=float(rel.ece), brier=float(predictive.brier(p, labels)))
+    return {**out, "reliability": {**bins, "count": [int(v) for v in rel.count]}}
 
 
 def prediction_record(ctx: Context, method: Method, pred: Prediction, cpu: float) -> dict[str, Any]:
-    """The results record of a finished cell (test metrics, floats, times, method facts).
-
-    Non-finite probabilities raise ``ValueError`` naming the method.
-    """
+    """The results record of a finished cell (test metrics, floats, times, method facts)."""
     labels = ctx.labels("test")
     if not torch.isfinite(pred.probs).all():
         raise ValueError(f"method {method.name!r} produced non-finite probabilities")
@@ -245,10 +221,9 @@ def prediction_record(ctx: Context, method: Method, pred: Prediction, cpu: float
 
 
 def run_cell(ctx: Context, method: Method, size: str) -> dict[str, Any]:
-    """Run one cell on its own and return its record (metrics, floats, times, method facts).
+    """Run one cell on its own, the global generator seeded by its (task, split) first; its record.
 
-    The global generator is seeded by the (task, split) first, so a cell's record does not depend on what
-    ran before it. ``cpu_seconds`` is the process CPU time of the cell (all threads).
+    ``cpu_seconds`` is the process CPU time of the cell (all threads).
     """
     torch.manual_seed(ctx.seed)
     cpu = time.process_time()
@@ -262,10 +237,7 @@ def run_cell(ctx: Context, method: Method, size: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Grid:
-    """What every unit of one :func:`run_grid` call shares (its arguments; sent as it is to each worker).
-
-    ``results`` and ``glue_dir`` are absolute (workers may run elsewhere); ``methods`` in run order.
-    """
+    """What every unit of one :func:`run_grid` call shares (paths absolute: workers may run elsewhere)."""
 
     methods: tuple[str, ...]
     config: RunConfig
@@ -281,8 +253,7 @@ class Grid:
 def run_unit(grid: Grid, task: str, split: int, log: Callable[[str], None] = print) -> UnitResult:
     """One unit: claim (task, split), fine-tune or reuse its MAP, then run every cell not finished yet.
 
-    A unit claimed by another process that may still run it is left to that process (a failure line says
-    so, and nothing is written); see :meth:`~partialbayes.glue_bench.store.ResultStore.unit_claim`.
+    A unit claimed by another live process is left to it (a failure line says so, nothing is written).
     """
     unit = _Unit(grid, task, split, log, ResultStore(grid.results, grid.config.to_dict()))
     try:
@@ -345,9 +316,8 @@ class _Unit:
     def run_ramp(self, ctx: Context, ramp: list[tuple[Method, str]]) -> None:
         """The KFAC-type cells from shared passes, a group at a time (:func:`shared_predictions`).
 
-        A shared cell's times are its share of its group's passes (``extra.curvature_seconds``: the
-        group's curvature pass and eigendecompositions; ``extra.shared_cells``: its size). A failure of a
-        group's passes fails each of its cells.
+        A cell's times are its share of its group's passes (``extra.curvature_seconds``, ``extra.shared_cells``);
+        a failure of a group's passes fails each of its cells.
         """
         torch.manual_seed(ctx.seed)
         cells = []

@@ -1,17 +1,8 @@
 """Sampling-based linearised Laplace (Antorán et al., ICLR 2023) on a weight subset of the fine-tuned model.
 
-Our extension of the paper's grid, built on ``partialbayes.linear_sampling``: the classifier is linearised
-at its MAP weights in the stochastic subset ``S``, ``f(x; θ) ≈ f(x; θ*) + J(x)(θ_S − θ*_S)``, with the
-softmax Hessian as the observation-noise precision (the GGN). The prior precision ``α`` (one scalar) is
-fitted by EM with MacKay updates, effective dimensions estimated from sample-then-optimise samples; the
-predictive averages ``softmax(f(x; θ*) + J(x) z_j)`` over ``z_j ~ N(0, H⁻¹)``,
-``H = Σ_n J_nᵀ B_n J_n + α I``. Nothing of size ``d × d`` is formed: ``J`` is used through JVPs and VJPs.
-
-The training features are ``linear_sampling.loader_features`` over the benchmark's batches (each padded to
-its own length). On Hugging Face models its forward-mode JVPs cost about 16 forward passes per column
-(measured on MiniLM, CPU), so when the training Jacobian fits in memory (``dense_max_floats``) it is computed
-once with one backward pass per class (:func:`dense_jacobians`) and handed to ``linear_sampling`` as
-``Features.dense``.
+Built on ``partialbayes.linear_sampling``; the how-to's "Sampling-based linearised Laplace" section gives the
+model, the EM for the prior precision and why the training Jacobian is computed densely
+(:func:`dense_jacobians`) when it fits in ``dense_max_floats``.
 """
 
 from __future__ import annotations
@@ -84,9 +75,7 @@ class LinearSamplingConfig:
 def dense_jacobians(model: nn.Module, batch: Batch, subset: Subset) -> tuple[Tensor, Tensor]:
     """Logits ``[b, m]`` and per-example logit Jacobians ``[b, m, d]`` in a Kronecker ``subset``.
 
-    Columns follow ``linear_sampling.network_parameters``' order (parameters in model order, the entries
-    of each in row-major order of its storage mask): the dense ``Φ`` of ``network_features(model, batch,
-    subset)``, by ``curvature.logit_jacobians`` (one backward pass per class).
+    The dense ``Φ`` of ``network_features(model, batch, subset)`` (same column order), one backward pass per class.
     """
     logits, jac = logit_jacobians(model, batch, subset)
     owner = {}
@@ -132,13 +121,9 @@ def fit_linearised(
     config: LinearSamplingConfig,
     generator: torch.Generator,
 ) -> LinearisedPosterior:
-    """EM for the prior precision, then fresh posterior samples of the linearised model (eval mode).
+    """EM for the prior precision (MacKay updates), then fresh posterior samples (eval mode).
 
-    Each EM step solves for the posterior mean ``θ̄ = H⁻¹ΦᵀB Y`` of the linear model with the linearised
-    targets ``Y = Φθ* + B⁻¹(y − p)`` and draws ``k`` sample-then-optimise samples (both by conjugate
-    gradients, ``cg_iters`` at most), estimates the effective dimension ``γ`` from the samples and sets
-    ``α ← γ / ‖θ̄‖²`` (MacKay). ``linear_sampling.fit_prior_precision`` does the same but cannot cap the
-    conjugate-gradient iterations, which bounds the cost here.
+    As ``linear_sampling.fit_prior_precision``, but with the conjugate-gradient iterations capped (``cg_iters``).
     """
     theta = network_parameters(model, params)
     n, d = sum(int(b["labels"].shape[0]) for b in train), theta.shape[0]
@@ -190,8 +175,7 @@ def linearised_probs(
 ) -> Tensor:
     """(N, C) float64 predictive ``(1/K) Σ_j softmax(f(x; θ*) + J(x) z_j)`` over ``batches``.
 
-    ``samples``: ``[d, K]`` of ``params``. A batch whose Jacobian has at most ``dense_max_floats`` entries
-    (Kronecker subsets only) uses :func:`dense_jacobians`, others ``linearised_logit_samples`` (JVPs).
+    ``samples``: ``[d, K]``; a batch within ``dense_max_floats`` (Kronecker subsets) uses :func:`dense_jacobians`.
     """
     out, d = [], samples.shape[0]
     for b in batches:

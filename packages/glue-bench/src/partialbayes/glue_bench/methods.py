@@ -162,9 +162,8 @@ def swag_prediction(ctx: Context, subset: Subset) -> Prediction:
     s, t0 = ctx.settings, time.perf_counter()
     if len(s.swag_lrs) == 1:
         lr = float(s.swag_lrs[0])
-        swag = collect_swag(
-            ctx.model, subset, ctx.train, lr=lr, n_steps=s.swag_steps, progress=False
-        )
+        options = {"lr": lr, "n_steps": s.swag_steps, "progress": False}
+        swag = collect_swag(ctx.model, subset, ctx.train, **options)
     else:
         sweep = {"sweep_steps": s.swag_sweep_steps, "final_steps": s.swag_steps, "progress": False}
         sweep.update(n_samples=min(s.n_samples, 20), generator=ctx.generator(SWAG_SWEEP_OFFSET))
@@ -255,9 +254,9 @@ def sghmc_prediction(ctx: Context, subset: Subset, *, parallel: bool) -> Predict
 
 
 def _sghmc_method(name: str, about: str, sizes: Callable[[Context], list[str]], parallel: bool,
-                  subset: Callable[[Context, str], Subset]) -> Method:  # fmt: skip
+                  cell: Callable[[Context, str], KronCell]) -> Method:  # fmt: skip
     return Method(
-        name, about, sizes, lambda c, size: sghmc_prediction(c, subset(c, size), parallel=parallel)
+        name, about, sizes, lambda c, z: sghmc_prediction(c, cell(c, z).subset, parallel=parallel)
     )
 
 
@@ -286,11 +285,8 @@ def run_ivon(ctx: Context, size: str) -> Prediction:
     test, val = _mc_probs(ctx, posterior, IVON_SAMPLES_OFFSET)
     n = sum(int(h.numel()) for h in hess.values())
     note = "IVON fine-tuning (the posterior is its by-product) plus setup"
-    extra = {
-        "finetune_seconds": finetune,
-        "posterior_setup_seconds": setup,
-        "fit_seconds_note": note,
-    }
+    extra = {"finetune_seconds": finetune, "posterior_setup_seconds": setup}
+    extra["fit_seconds_note"] = note
     return Prediction(
         probs=test,
         floats=n,
@@ -313,33 +309,32 @@ def linear_sampling_prediction(ctx: Context, subset: Subset) -> Prediction:
     took = {"fit_seconds": fit, "predict_seconds": time.perf_counter() - t0}
     val = linearised_probs(ctx.model, ctx.val, subset, post.samples, config.dense_max_floats)
     extra = {"prior_precision": post.alpha, "prior_method": "em", "em_converged": post.converged}
-    extra.update(
-        cg_converged=post.cg_converged, em_history=post.history, modules=modules_of(subset)
-    )
+    extra.update(cg_converged=post.cg_converged, em_history=post.history)
+    extra["modules"] = modules_of(subset)
     floats = int(post.samples.shape[0]) * int(post.samples.shape[1]) + 1
     return _subset_prediction(ctx, subset, probs, val, floats, took, extra)
 
 
-def run_ls_last_layer(ctx: Context, size: str) -> Prediction:
-    """Sampling-based linearised Laplace on the classification head."""
-    return linear_sampling_prediction(ctx, selection.last_layer(ctx.model))
+#: The subsets of the ``ls-*`` and SGHMC methods by key: ``(ctx, size) -> KronCell``.
+_CELLS: dict[str, Callable[[Context, str], KronCell]] = {
+    "last-layer": lambda c, size: KronCell(selection.last_layer(c.model)),
+    "skfac": kron_skfac,
+    "random": lambda c, size: KronCell(module_subset(c, "random", "all", int(size))),
+    "full": kron_full,
+}
 
 
-def run_ls_skfac(ctx: Context, size: str) -> Prediction:
-    """Sampling-based linearised Laplace on the S-KFAC subset of ``size`` % rows and columns."""
-    pred = linear_sampling_prediction(ctx, selection.sparse_kfac(ctx.model, float(size)))
-    pred.extra["skfac_percent"] = float(size)
-    return pred
+def _ls_run(cell: Callable[[Context, str], KronCell]) -> Callable[[Context, str], Prediction]:
+    """Linear sampling on the subset of ``cell(ctx, size)``, its S-KFAC level recorded."""
 
+    def run(ctx: Context, size: str) -> Prediction:
+        kron = cell(ctx, size)
+        pred = linear_sampling_prediction(ctx, kron.subset)
+        if kron.skfac_percent is not None:
+            pred.extra["skfac_percent"] = kron.skfac_percent
+        return pred
 
-def run_ls_random(ctx: Context, size: str) -> Prediction:
-    """Sampling-based linearised Laplace on ``size`` random linear maps."""
-    return linear_sampling_prediction(ctx, module_subset(ctx, "random", "all", int(size)))
-
-
-def run_ls_full(ctx: Context, size: str) -> Prediction:
-    """Sampling-based linearised Laplace on every linear map (weights and biases)."""
-    return linear_sampling_prediction(ctx, every_linear_map(ctx.model))
+    return run
 
 
 # ------------------------------------------------------------------------------------------ module ramps
@@ -381,8 +376,8 @@ def _pct_sizes(attr: str) -> Callable[[Context], list[str]]:
 
 
 def _registry() -> dict[str, Method]:
-    skfac, l1, ls = _pct_sizes("skfac_percents"), _pct_sizes("swag_l1_percents"), "sampling-based"
-    ls += " linearised Laplace"
+    skfac, l1 = _pct_sizes("skfac_percents"), _pct_sizes("swag_l1_percents")
+    ls = "sampling-based linearised Laplace"
     methods = [
         Method("map", "the fine-tuned network (MAP)", _one, run_map),
         Method("temperature", "temperature scaling on validation NLL", _one, run_temperature),
@@ -393,30 +388,17 @@ def _registry() -> dict[str, Method]:
         Method("swag-full", "SWAG on every linear map", _one, run_swag_full),
         Method("ivon", "IVON posterior (needs --optimizer ivon)", _one, run_ivon),
     ]
-    sghmc_on = {
-        "skfac": (
-            "the S-KFAC subsets (percent of rows/cols)",
-            skfac,
-            lambda c, z: kron_skfac(c, z).subset,
-        ),
-        "full": ("every linear map", _one, lambda c, z: every_linear_map(c.model)),
-    }
+    on = {"skfac": "the S-KFAC subsets (percent of rows/cols)", "full": "every linear map"}
+    on.update({"last-layer": "the classification head", "random": "k random linear maps"})
+    sizes = {"skfac": skfac, "full": _one, "last-layer": _one, "random": _count_sizes("all")}
     for prefix, kind in (("sghmc", "serial"), ("psghmc", "parallel")):
-        for which, (what, sizes, subset) in sghmc_on.items():
-            about = f"{kind} SGHMC (T=1) on {what}"
-            methods.append(
-                _sghmc_method(f"{prefix}-{which}", about, sizes, prefix == "psghmc", subset)
-            )
-    methods += [
-        Method(
-            "ls-last-layer", f"{ls} (EM prior) on the classification head", _one, run_ls_last_layer
-        ),
-        Method(
-            "ls-skfac", f"{ls} on the S-KFAC subsets (percent of rows/cols)", skfac, run_ls_skfac
-        ),
-        Method("ls-random", f"{ls} on k random linear maps", _count_sizes("all"), run_ls_random),
-        Method("ls-full", f"{ls} on every linear map", _one, run_ls_full),
-    ]
+        for k in ("skfac", "full"):
+            about, parallel = f"{kind} SGHMC (T=1) on {on[k]}", prefix == "psghmc"
+            methods.append(_sghmc_method(f"{prefix}-{k}", about, sizes[k], parallel, _CELLS[k]))
+    for k in ("last-layer", "skfac", "random", "full"):
+        em = " (EM prior)" if k == "last-layer" else ""
+        about = f"{ls}{em} on {on[k]}"
+        methods.append(Method(f"ls-{k}", about, sizes[k], _ls_run(_CELLS[k])))
     for family, posterior in RAMP_FAMILIES.items():
         for strategy, group in MODULE_STRATEGIES:
             label = "random" if strategy == "random" else f"{strategy} operator norm"

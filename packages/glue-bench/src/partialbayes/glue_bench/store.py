@@ -35,16 +35,8 @@ from safetensors import safe_open
 # same settings on the same machine that may differ (everything else is bit-identical, see
 # `without_timings`).
 TIMING_FIELDS = frozenset(
-    [
-        "seconds",
-        "cpu_seconds",
-        "fit_seconds",
-        "predict_seconds",
-        "finetune_seconds",
-        "finetune_cpu_seconds",
-        "posterior_setup_seconds",
-        "curvature_seconds",
-    ]
+    {"seconds", "cpu_seconds", "fit_seconds", "predict_seconds", "finetune_seconds"}
+    | {"finetune_cpu_seconds", "posterior_setup_seconds", "curvature_seconds"}
 )
 
 
@@ -282,12 +274,8 @@ class ResultStore:
         ``OSError`` naming the folder and host when the claims folder cannot be written.
         """
         path = self.root / "claims" / f"{task}-split{split}.json"
-        me = {
-            "host": _host(),
-            "pid": os.getpid(),
-            "started": time.ctime(),
-            "token": uuid.uuid4().hex,
-        }
+        me = {"host": _host(), "pid": os.getpid(), "started": time.ctime()}
+        me["token"] = uuid.uuid4().hex
         made = [d for d in (self.root, path.parent) if not d.exists()]
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,7 @@
-"""UCI regression: the paper's protocol (appendix B) and the literature's, with Laplace and SWAG posteriors.
+"""UCI regression with Laplace and SWAG posteriors: the paper's protocol (appendix B) and the literature's.
 
-Two presets of :class:`UCIProtocol` (:data:`PROTOCOLS`): ``paper`` (the paper's appendix B as glue-bench has
-always run it: a 2×50 network, 2,000 full-batch Adam steps, the noise σ from the training residuals, the
-prior by marginal likelihood) and ``literature`` (Hernández-Lobato & Adams, 2015; Gal & Ghahramani, 2016:
-one hidden layer of 50 units, 20 % of each training split held out as validation data for early stopping
-and every choice: weight decay, σ, prior precision, SWAG learning rate). Metrics are in the original target
-units: RMSE and the mean Gaussian negative log-likelihood of the predictive ``N(mean, var)``. Records go to
-the same kind of results store as GLUE (task = dataset name).
+The presets (:data:`PROTOCOLS`) and the metrics (RMSE, Gaussian NLL, original units) are described in the
+how-to's UCI sections; records go to a results store like GLUE's (task = dataset name).
 """
 
 from __future__ import annotations
@@ -46,24 +41,13 @@ SIGMA_FACTORS = tuple(2.0 ** (k / 8) for k in range(-16, 5))
 class UCIProtocol:
     """Everything that determines a UCI result besides the data, the split and the seed.
 
-    Attributes:
-        protocol: Preset name (``paper`` or ``literature``), recorded in the configuration fingerprint.
-        width: Hidden units per layer.
-        depth: Hidden layers.
-        epochs: Most passes over the training part (full batch: Adam steps).
-        lr: Adam learning rate.
-        weight_decay: Adam weight decay; several values: the one with the lowest validation error is kept.
-        batch_size: Minibatch size (``None``: full batch).
-        val_fraction: Share of each training split held out as validation data (0: none).
-        patience: Early stopping: epochs without a better validation error (``None``: train to the end).
-        sigma: Noise σ: ``train`` (training residual RMS), ``val`` (each method's σ minimises its
-            validation NLL), ``evidence`` (Laplace: maximise the marginal likelihood in σ and the prior,
-            guarded), ``learned`` (a log σ trained jointly with the MAP on the Gaussian NLL).
-        prior: Laplace prior precision: ``marglik`` (evidence on the grid) or ``val_nll`` (validation NLL).
-        prior_grid: Candidate prior precisions.
-        swag_lrs: SWAG learning rates; several: the one with the lowest validation NLL is kept.
-        swag_steps: SWAG SGD steps (one snapshot every 5).
-        n_samples: SWAG predictive samples.
+    ``protocol`` names the preset (fingerprinted). Several ``weight_decay`` or ``swag_lrs``: the lowest
+    validation error/NLL wins; ``batch_size=None``: full batch (an Adam step per epoch); ``patience=None``:
+    no early stopping; ``val_fraction``: the validation share of each training split. ``sigma``: ``train``
+    (training residual RMS), ``val`` (each method's σ minimises its validation NLL), ``evidence`` (Laplace:
+    guarded marginal likelihood in σ and the prior) or ``learned`` (a log σ trained with the MAP);
+    ``prior``: ``marglik`` or ``val_nll`` on ``prior_grid``; SWAG: ``swag_steps`` SGD steps (a snapshot every
+    5), ``n_samples`` predictive samples.
     """
 
     protocol: str = "paper"
@@ -111,11 +95,7 @@ class UCIProtocol:
             )
 
     def store_config(self, seed: int) -> dict[str, Any]:
-        """The results folder's configuration (fingerprinted by the store).
-
-        The paper preset's keys (``steps`` = epochs, their legacy name) plus every setting that differs
-        from the paper preset, so that paper-preset folders keep their fingerprint.
-        """
+        """The paper preset's keys (``steps`` = epochs) and what differs from it: paper folders keep their fingerprint."""
         paper, mine = json_ready(PROTOCOLS["paper"]), json_ready(self)
         legacy = {"kind": "uci", "width": self.width, "depth": self.depth, "steps": self.epochs}
         rest = {k: v for k, v in mine.items() if k not in ("width", "depth", "epochs")}
@@ -152,11 +132,9 @@ def train_mlp(
     seed: int = 0,
     learn_sigma: bool = False,
 ) -> tuple[MLP, dict[str, Any]]:
-    """Adam on the squared error (or, ``learn_sigma``, the Gaussian NLL with a learned log σ).
+    """Adam on the squared error (or, ``learn_sigma``, the Gaussian NLL with a learned log σ), standardised.
 
-    Standardised units; with ``protocol.patience`` and a validation part, the epoch with the lowest
-    validation loss is kept. Returns the model (eval mode) and ``info``: ``epochs`` (trained),
-    ``val_loss`` (or ``None``) and, with ``learn_sigma``, ``sigma`` (standardised).
+    Early stopping keeps the best validation epoch. ``info``: ``epochs``, ``val_loss`` (or ``None``), ``sigma``.
     """
     torch.manual_seed(seed)
     x, y = split.x_train.float(), split.y_train.float()
@@ -392,10 +370,8 @@ def subnet_subset(
 ) -> Subset:
     """The elementwise subnetwork of the norm- vs variance-based comparison (Figs. 9, 10).
 
-    ``subnet-norm`` keeps the ``percent`` % of weights and biases with the largest magnitude;
-    ``subnet-variance`` those with the largest marginal variance under a diagonal GGN Laplace (Daxberger et
-    al., 2021): with a scalar prior ``δ`` that is ``1 / (h_i / σ² + δ)``, ascending GGN diagonal ``h_i``
-    whatever ``δ``, so no prior is fitted. ``x`` (N, D), ``y`` (N,) and ``sigma`` are standardised.
+    ``subnet-norm``: the ``percent`` % largest-magnitude weights and biases; ``subnet-variance``: the largest
+    marginal variances under a diagonal GGN Laplace, ``1 / (h_i / σ² + δ)``, whose order does not depend on δ.
     """
     if method == "subnet-norm":
         return selection.largest_magnitude(model, percent)
@@ -480,10 +456,7 @@ UCI_METHODS: dict[str, Method] = {
 
 
 def run_uci_cell(ctx: UCIContext, method: str, size: str) -> dict[str, Any]:
-    """One UCI cell: the method's posterior, its choices (σ, prior, SWAG lr) and its test metrics.
-
-    An unknown method raises ``ValueError`` listing the valid ones.
-    """
+    """One UCI cell: the method's posterior, its choices (σ, prior, SWAG lr) and its test metrics."""
     if method not in UCI_METHODS:
         raise ValueError(
             f"unknown UCI method {method!r}; valid UCI methods: {', '.join(UCI_METHODS)}"
@@ -549,13 +522,9 @@ def run_uci(
     if str(device) != "cpu":
         log("UCI models are tiny: running them on cpu")
     store = ResultStore(results, protocol.store_config(seed))
-    sized = SimpleNamespace(protocol=protocol)
+    sizes = {m: UCI_METHODS[m].sizes(SimpleNamespace(protocol=protocol)) for m in methods}  # type: ignore[arg-type]
     for name, split in grid_units(datasets, splits, shard):
-        cells = [
-            Cell(name, split, m, s)
-            for m in sorted(set(methods))
-            for s in UCI_METHODS[m].sizes(sized)
-        ]  # type: ignore[arg-type]
+        cells = [Cell(name, split, m, s) for m in sorted(set(methods)) for s in sizes[m]]
         todo = [cell for cell in cells if not store.has(cell)]
         if not todo:
             continue
