@@ -9,6 +9,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -164,9 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command")
-    run = sub.add_parser(
-        "run", help="fill (part of) the grid in a results folder", allow_abbrev=False
-    )
+    subcommand = partial(sub.add_parser, allow_abbrev=False)
+    run = subcommand("run", help="fill (part of) the grid in a results folder")
     add = run.add_argument
     tasks = f"GLUE tasks {list(TASKS)}, UCI datasets {list(UCI_DATASETS)} (case, hyphens ignored)"
     add("--tasks", type=_names, default=["sst2"], help=f"{tasks} (default sst2)")
@@ -190,9 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices = SIGMA_RULES if dest == "sigma" else None
         add(f"--{dest.replace('_', '-')}", type=kind, choices=choices, help=f"{what} ({values})")
 
-    rep = sub.add_parser(
-        "report", help="tables and figures of a results folder", allow_abbrev=False
-    )
+    rep = subcommand("report", help="tables and figures of a results folder")
     add = rep.add_argument
     add("results_dir", nargs="?", type=Path, metavar="RESULTS", help="results folder")
     add("--results", type=Path, help="results folder (default results)")
@@ -200,12 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--budget", type=float, default=10.0, help="Table 2's budget in percent (%(default)s)")
     add("--budget-tolerance", type=float, default=BUDGET_TOLERANCE, help="'≈' (%(default)s)")
     add("--calibration-methods", type=_names, help="default: map, temperature, the 4 best")
-    sub.add_parser("methods", help="list the methods", allow_abbrev=False)
-    quick = sub.add_parser(
+    subcommand("methods", help="list the methods")
+    quick = subcommand(
         "quickstart",
         help="a CPU demo on one GLUE task: MAP, temperature scaling, last-layer and S-KFAC Laplace "
         "(about 3 min on an idle 2-core CPU: 165 s of CPU time measured; 10+ min on a busy one)",
-        allow_abbrev=False,
     )
     add = quick.add_argument
     add("--task", default=QUICK["task"], choices=list(TASKS), help="GLUE task (%(default)s)")
@@ -218,9 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _configs(args: argparse.Namespace, quick: bool = False) -> RunConfig:
     def given(cls: type) -> dict:
-        return {
-            f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name in FIELD_HELP
-        }
+        names = [f.name for f in dataclasses.fields(cls) if f.name in FIELD_HELP]
+        return {name: getattr(args, name) for name in names}
 
     train, settings = given(TrainConfig), given(Settings)
     if quick:
@@ -515,10 +511,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if args.command == "methods":
-        for title, methods in (
-            ("", METHODS),
-            ("\nUCI regression (glue-bench run --tasks boston,energy,yacht):\n", UCI_METHODS),
-        ):
+        uci_title = "\nUCI regression (glue-bench run --tasks boston,energy,yacht):\n"
+        for title, methods in (("", METHODS), (uci_title, UCI_METHODS)):
             print(title + "\n".join(f"{m.name:16s} {m.description}" for m in methods.values()))
         return 0
     commands = {"run": cmd_run, "report": cmd_report, "quickstart": cmd_quickstart}

@@ -1,15 +1,11 @@
 """Laplace cells: the posterior, its prior precision, its test predictive, its record; alone or shared.
 
-A cell on its own (``curvature_pass="per-cell"``, :func:`kron_prediction`) streams the training set for
-its curvature and the validation and test sets for its predictive. The KFAC, S-KFAC and module-ramp cells
-of a (task, split) can instead share those passes (``curvature_pass="shared"``,
-:func:`shared_predictions`) through the curvature library's several-posterior calls:
-``KronLaplace.fit_many`` (one training pass for every cell's factors, each bit for bit its own fit's, and
-the training loss), ``grid_val_nll_many`` (one forward and backward pass per validation batch for every
-cell's prior grid) and ``logit_mean_cov_many`` (the same per test batch). Both paths build their posteriors
-with :func:`kron_options`, choose the prior with :func:`choose_prior` and report with
-:func:`laplace_result`, so the records are equal. A group's posteriors live in memory together; cells are
-grouped (:func:`groups_of`) so that a group's eigenbases and MAP entries stay below :data:`MEMORY_FLOATS`.
+A cell on its own (``curvature_pass="per-cell"``, :func:`kron_prediction`) makes its own passes over the
+training, validation and test sets; the KFAC-type cells of a (task, split) can share them
+(``"shared"``, :func:`shared_predictions`: ``KronLaplace.fit_many``, ``grid_val_nll_many``,
+``logit_mean_cov_many``, each bit for bit the single-posterior call). Both paths use :func:`kron_options`,
+:func:`choose_prior` and :func:`laplace_result`, so the records are equal; :func:`groups_of` keeps a group's
+eigenbases and MAP entries below :data:`MEMORY_FLOATS`.
 """
 
 from __future__ import annotations
@@ -51,9 +47,8 @@ def choose_prior(
 ) -> dict[str, Any]:
     """Set the prior precision of ``la`` by ``method`` and describe the choice.
 
-    ``nll``: the mean validation NLL per prior of ``grid``; ``method``: ``val_nll`` (its lowest, ties to the
-    smaller prior) or ``marglik`` (the largest marginal likelihood on the grid). Returns
-    ``{"prior_precision", "prior_method", "prior_at_grid_edge", "val_nll_grid", "val_nll"}``.
+    ``nll``: the mean validation NLL per prior of ``grid``; ``val_nll`` takes its lowest (ties: the smaller
+    prior), ``marglik`` the largest marginal likelihood on the grid.
     """
     if method == "val_nll":
         best = int(torch.argmin(nll))
@@ -151,16 +146,12 @@ def shared_predictions(
 ) -> tuple[list[Prediction], dict[str, float]]:
     """The cells' predictions from one training, one validation and one test pass for them all.
 
-    Returns the predictions, and the group's seconds: ``fit`` (``fit_many``: the curvature pass and the
-    eigendecompositions), ``prior``, ``predict`` (wall clock) and ``cpu`` (process CPU time). A cell's
-    ``fit_seconds`` / ``predict_seconds`` are its share of the group's, so a ramp's records add up.
+    Also the group's seconds: ``fit`` (curvature pass and eigendecompositions), ``prior``, ``predict`` (wall)
+    and ``cpu``; a cell's ``fit_seconds`` / ``predict_seconds`` are its share, so a ramp's records add up.
     """
     s, c0, t0 = ctx.settings, time.process_time(), time.perf_counter()
-    options = {
-        "generator": mc_generator(ctx, s.fisher),
-        "progress": ctx.progress,
-        **kron_options(ctx),
-    }
+    options = {"generator": mc_generator(ctx, s.fisher), "progress": ctx.progress}
+    options.update(kron_options(ctx))
     posts = KronLaplace.fit_many(ctx.model, [c.subset for c in cells], ctx.train, **options)
     t1 = time.perf_counter()
     nll = grid_val_nll_many(posts, ctx.bar(ctx.val, "prior search"), prior_grid(s.prior_grid))

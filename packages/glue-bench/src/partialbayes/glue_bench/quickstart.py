@@ -179,11 +179,7 @@ def read_table(records: Iterable[Mapping[str, Any]]) -> str:
     picked = [_pick(rs) for m, rs in by_method.items() if m not in ("map", "temperature")]
     if picked:
         clauses = [_method_clause(map_r, r) for r in picked]
-        ramps = [
-            _label(m)
-            for m, rs in by_method.items()
-            if len(rs) > 1 and m not in ("map", "temperature")
-        ]
+        ramps = [_label(r["method"]) for r in picked if len(by_method[r["method"]]) > 1]
         note = f" ({', '.join(ramps)}: the level with the lowest validation NLL)" if ramps else ""
         sentences.append(f"Against the MAP{note}, " + "; ".join(clauses) + ".")
     edge = _edge_sentence(picked)

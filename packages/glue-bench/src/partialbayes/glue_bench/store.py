@@ -355,9 +355,8 @@ def grid_units(
 def unit_states(root: str | Path) -> list[dict[str, Any]]:
     """Where each (task, split) unit of a results folder stands, for ``glue-bench report``.
 
-    One row per unit with records, a checkpoint, a progress file or a claim: ``records`` (finished
-    cells), ``map`` (``epoch <best> of <trained>``, ``fine-tuning: k/n epochs`` or ``-``) and ``state``:
-    ``running`` (claimed), ``partial`` (a progress file, no claim: rerun to resume) or ``done``.
+    Rows ``task, split, records, map`` (best / trained epochs or fine-tuning progress) and ``state``: ``running``
+    (claimed), ``partial`` (a progress file, no claim) or ``done``.
     """
     root = Path(root)
     units: dict[tuple[str, int], dict[str, Any]] = {}

@@ -144,10 +144,9 @@ def train_epoch(
     epoch: int,
     progress: bool = True,
 ) -> float:
-    """One epoch of optimizer steps in training mode (the caller's mode is restored, also on error).
+    """One epoch of steps in training mode (the caller's mode restored); the mean loss (non-finite: raises).
 
-    ``opts`` from :func:`_make_optimizers` (IVON first: it samples the weights of every step and zeroes
-    its own gradients). Returns the mean training loss; a non-finite one raises ``FloatingPointError``.
+    ``opts`` from :func:`_make_optimizers` (IVON first: it samples the weights and zeroes its own gradients).
     """
     ivon = opts[0] if isinstance(opts[0], IVON) else None
     was_training = model.training
@@ -186,14 +185,10 @@ def finetune(
 ) -> dict[str, Any]:
     """Fine-tune ``model`` in place; keep the weights of the epoch with the best validation accuracy.
 
-    With ``config.epochs == 0`` nothing is trained: the summary scores the model as it is. ``log`` (if
-    given) receives one line per epoch. ``resume``: a file where the loop's whole state is written
-    atomically after every epoch; when it exists, fine-tuning continues after its last finished epoch, bit
-    for bit as an uninterrupted run (same device and thread count); the caller deletes it.
-
-    Returns a summary: best epoch, its validation accuracy, per-epoch history, wall-clock ``seconds`` and
-    process ``cpu_seconds``; with ``optimizer="ivon"`` also ``"ivon_hess"`` (parameter name -> Hessian)
-    and ``"ivon"`` (the hyperparameters that rebuild the posterior).
+    ``epochs == 0`` only scores the model. ``resume``: a file that holds the loop's state after every epoch
+    (written atomically); an existing one is continued bit for bit (same device and threads). The summary:
+    best epoch, its validation accuracy, history, ``seconds``, ``cpu_seconds``; with IVON also ``ivon_hess``
+    (name -> Hessian) and ``ivon`` (the hyperparameters that rebuild the posterior).
     """
     if len(train) == 0 or len(val) == 0:
         raise ValueError(f"need training and validation examples, got {len(train)} and {len(val)}")
@@ -364,11 +359,9 @@ def save_checkpoint(
     meta: dict[str, Any],
     extra: dict[str, torch.Tensor] | None = None,
 ) -> bool:
-    """Publish a checkpoint directory ``folder`` in one atomic step, unless one is there already.
+    """Publish the checkpoint folder ``folder`` in one ``os.rename`` of a temporary sibling, unless one is there.
 
-    ``model.safetensors``, the optional ``ivon_hess.safetensors`` (``extra``) and ``meta.json`` go into a
-    temporary sibling, renamed onto ``folder`` with one ``os.rename``. Returns whether this call published
-    it (``False``: another process published first; this checkpoint is discarded).
+    Returns whether this call published it (``False``: another process was first; this one is discarded).
     """
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(folder)
@@ -398,8 +391,7 @@ def load_checkpoint(
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None] | None:
     """Load the checkpoint at ``folder`` into ``model``: ``(meta, IVON Hessians or None)``, or ``None``.
 
-    A checkpoint that does not match the model's parameters, a folder without ``meta.json`` or a damaged
-    file raise ``ValueError`` naming it.
+    A structure mismatch, a missing ``meta.json`` or a damaged file raise ``ValueError`` naming it.
     """
     if not folder.is_dir() or not any(folder.iterdir()):
         return None
