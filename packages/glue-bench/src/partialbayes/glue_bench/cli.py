@@ -138,11 +138,8 @@ def _common(p: argparse.ArgumentParser, grid: str) -> None:
         flag = f"--{dest.replace('_', '-')}"
         p.add_argument(flag, type=kind, default=value, choices=CHOICES.get(dest), help=text)
     add = p.add_argument
-    add(
-        "--device",
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="torch device (%(default)s)",
-    )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    add("--device", default=device, help="torch device (%(default)s)")
     add("--glue-dir", type=Path, help="folder of SST-2/, MRPC/, RTE/ ($PARTIALBAYES_DATA/glue)")
     add("--prior-grid", type=_floats, help=f"prior precisions, e.g. 1e-3,0.1,1 (default {grid})")
     add("--no-progress", action="store_true", help="hide progress bars")
@@ -154,10 +151,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``glue-bench`` argument parser (no option may be abbreviated: ``--task`` is not ``--tasks``).
-
-    ``--epochs 0`` takes ``--model FOLDER``, a classifier fine-tuned for the task, as the MAP as it is.
-    """
+    """The ``glue-bench`` argument parser (no option may be abbreviated: ``--task`` is not ``--tasks``)."""
     parser = argparse.ArgumentParser(
         prog="glue-bench",
         description="Stochastic-subset Bayesian transformers on GLUE (Kampen et al., UAI 2024).",
@@ -228,10 +222,7 @@ def _configs(args: argparse.Namespace, quick: bool = False) -> RunConfig:
 
 
 def resolve_task(name: str) -> tuple[str, str]:
-    """Kind (``"glue"`` or ``"uci"``) and canonical name of a ``--tasks`` entry; unknown: ``ValueError``.
-
-    Case and hyphens are ignored (``SST-2``, ``Boston``); a UCI dataset may be named by its folder.
-    """
+    """Kind (``glue`` or ``uci``) and canonical name of a ``--tasks`` entry (case, hyphens, UCI folder names ok)."""
     key = name.strip().lower().replace("-", "")
     if key in TASKS:
         return "glue", key
@@ -246,10 +237,9 @@ def resolve_task(name: str) -> tuple[str, str]:
 def plan_run(
     tasks: Sequence[str], methods: Sequence[str] | None, optimizer: str = "adamw"
 ) -> dict[str, tuple[list[str], list[str]]]:
-    """``{kind: (canonical tasks, methods)}``: every (task kind, method) of ``glue-bench run`` checked first.
+    """``{kind: (canonical tasks, methods)}`` of ``glue-bench run``, every (kind, method) checked first.
 
-    ``methods=None`` takes each kind's :data:`DEFAULT_METHODS`. Unknown tasks or methods, methods without a
-    version for a kind asked for, or ``ivon`` without ``optimizer="ivon"`` raise one ``ValueError``.
+    ``methods=None``: each kind's :data:`DEFAULT_METHODS`; all problems are raised as one ``ValueError``.
     """
     valid = {"glue": list(METHODS), "uci": list(UCI_METHODS)}
     by_kind: dict[str, list[str]] = {}
@@ -405,10 +395,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def choose_threads() -> str:
-    """Set torch's thread count for a machine others may share; the line that says what was chosen and why.
+    """Set torch's threads for a shared machine; the line that says what was chosen and why.
 
-    ``OMP_NUM_THREADS`` when set; else the usable CPUs less the 1-minute load average, at least 1 and never
-    above torch's default (a thread beyond the free cores spins against the other processes).
+    ``OMP_NUM_THREADS`` when set, else the usable CPUs less the load average (at least 1, at most torch's default).
     """
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
@@ -476,10 +465,7 @@ STAGE_COLUMNS = [
 
 
 def stage_table(timings: list[dict], total_wall: float, total_cpu: float) -> str:
-    """Markdown table of where the time went: fine-tuning, each method (its cells summed), the rest.
-
-    ``timings`` from ``run_grid(..., timings=...)``; the totals: the command's wall and process CPU seconds.
-    """
+    """Markdown table of where the time went (``run_grid`` timings; the command's wall and CPU totals)."""
     rows: dict[str, dict] = {}
     for t in timings:
         tuning = t["stage"] == "prepare"

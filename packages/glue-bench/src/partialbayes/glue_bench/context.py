@@ -1,8 +1,4 @@
-"""What a method of the benchmark receives and returns: its settings, its context, its prediction.
-
-The lowest module of the method layer: :mod:`~partialbayes.glue_bench.laplace_cells`,
-:mod:`~partialbayes.glue_bench.methods` and :mod:`~partialbayes.glue_bench.uci` build on it.
-"""
+"""What a method of the benchmark receives and returns: its settings, its context, its prediction."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """GLUE SST-2, MRPC and RTE: TSV readers, the paper's train/validation splits and tokenised batches.
 
-The GLUE dev set serves as the test set (GLUE test labels are hidden). The training file is split into
-a training and a validation part with the sizes of Kampen et al. (2024), one seeded permutation per split.
+The GLUE dev set is the test set (test labels are hidden); the training file is split per seed.
 """
 
 from __future__ import annotations
@@ -82,8 +81,7 @@ def default_glue_dir() -> Path | None:
 def read_glue_tsv(path: str | Path, spec: TaskSpec) -> Examples:
     """Read one GLUE TSV file (tab-separated, quoting off, optional UTF-8 BOM); labels index ``spec.labels``.
 
-    A missing file raises ``FileNotFoundError``; a missing column, or a row with the wrong number of fields
-    or an unknown label, ``ValueError`` naming the file and line.
+    Errors (missing file, column, field or an unknown label) name the file and line.
     """
     path = Path(path)
     if not path.is_file():
@@ -161,10 +159,9 @@ def glue_missing_message(task: str, glue_dir: Path | None) -> str:
 
 
 def load_glue(task: str, glue_dir: str | Path | None = None) -> tuple[Examples, Examples]:
-    """Load ``(train, test)`` for a GLUE task: ``glue_dir`` (default ``$PARTIALBAYES_DATA/glue``), else the hub.
+    """``(train, test)`` of a GLUE task from ``glue_dir`` (default ``$PARTIALBAYES_DATA/glue``), else the hub.
 
-    ``FileNotFoundError`` when the folder lacks a file, or no folder holds the task and the hub failed (the
-    message says where to put the data and why the hub failed).
+    ``FileNotFoundError`` saying where to put the data (and why the hub failed) when neither has it.
     """
     spec = task_spec(task)
     folder = Path(glue_dir) if glue_dir is not None else default_glue_dir()
@@ -193,9 +190,8 @@ def split_indices(
 ) -> tuple[list[int], list[int]]:
     """Seeded, disjoint ``(train indices, validation indices)`` into the ``n`` rows of the training file.
 
-    The validation part is the first ``spec.val_size`` entries of a permutation seeded by ``split``, the
-    training part the next ``spec.train_size`` (MRPC: 3,298, the file being short). ``max_train`` cuts the
-    training part and the validation part in proportion (at least 64): nested subsets of the full split.
+    Validation: the first ``spec.val_size`` of a permutation seeded by ``split``, training the next
+    ``spec.train_size``; ``max_train`` cuts both in proportion (validation at least 64), nested in the full split.
     """
     if split < 0:
         raise ValueError(f"split must be >= 0, got {split}")
@@ -218,20 +214,12 @@ def encode(
     max_length: int | None = 128,
     sort_by_length: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
-    """Tokenise into dict batches: the tokenizer's (B, L) tensors, padded per batch, and ``labels`` (B,).
-
-    ``max_length`` truncates (``None``: the tokenizer's limit); ``sort_by_length`` orders the examples by
-    text length first (less padding for passes where the order does not matter).
-    """
+    """Tokenise into dict batches padded per batch, with ``labels``; ``sort_by_length`` orders by text length first."""
     if sort_by_length:
         order = sorted(range(len(examples)), key=lambda i: sum(len(t) for t in examples.texts[i]))
         examples = examples.take(order)
-    options = {
-        "padding": "longest",
-        "truncation": True,
-        "max_length": max_length,
-        "return_tensors": "pt",
-    }
+    options = {"padding": "longest", "truncation": True, "max_length": max_length}
+    options["return_tensors"] = "pt"
     out = []
     for start in range(0, len(examples), batch_size):
         columns = zip(*examples.texts[start : start + batch_size], strict=True)

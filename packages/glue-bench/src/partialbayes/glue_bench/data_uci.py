@@ -18,10 +18,7 @@ UCI_DATASETS: dict[str, str] = {"boston": "bostonHousing", "energy": "energy", "
 
 @dataclass(frozen=True)
 class UCISplit:
-    """One split: float64 inputs (N, D) and targets (N,), standardised by the training part.
-
-    ``y_mean`` and ``y_std`` undo it; a validation part (``x_val``, ``y_val``) is carved from the training rows.
-    """
+    """One split: float64 inputs (N, D) and targets (N,), standardised by the training part (``y_mean``, ``y_std``)."""
 
     x_train: torch.Tensor
     y_train: torch.Tensor
@@ -88,11 +85,9 @@ def load_uci(
     val_fraction: float = 0.0,
     seed: int = 0,
 ) -> UCISplit:
-    """Load split ``split`` of UCI dataset ``name``, standardised with training statistics.
+    """Split ``split`` of UCI dataset ``name``, standardised with the statistics of its training part.
 
-    ``val_fraction`` > 0 carves that share of the split's training rows (a permutation seeded by ``seed``)
-    out as the validation part; the standardisation uses the remaining training part only. ``ValueError``
-    for an unknown dataset, a split out of range or ``val_fraction`` outside [0, 0.5].
+    ``val_fraction`` (at most 0.5) of the training rows, by a permutation seeded by ``seed``, become ``x_val``, ``y_val``.
     """
     if not 0.0 <= val_fraction <= 0.5:
         raise ValueError(f"val_fraction must be in [0, 0.5], got {val_fraction}")

@@ -1,10 +1,8 @@
 """Where the units of a grid run: one after another in this process (``local``), or as Ray tasks (``ray``).
 
-A unit is one (task, split): fine-tune (or reuse) its MAP, then every cell of it. Units never repeat each
-other's work, so they are what a cluster distributes: one Ray task per unit, one Slurm array task per unit
-(``glue-bench run --unit INDEX``), or every n-th unit per process (``--shard i/n``). All write into one
-results folder, each unit under its claim (``ResultStore.unit_claim``), every file atomically. Ray is an
-optional extra (``partialbayes-glue-bench[ray]``), imported only when asked for.
+A unit is one (task, split), each under its claim (``ResultStore.unit_claim``) in one shared results folder;
+how units spread over processes, Ray and Slurm is in the how-to. Ray (``partialbayes-glue-bench[ray]``) is
+imported only when asked for.
 """
 
 from __future__ import annotations
@@ -119,9 +117,8 @@ def on_worker(job: UnitJob, task: str, split: int, probe: str) -> UnitResult:
 def import_ray() -> Any:
     """The ``ray`` module, or an ``ImportError`` naming the extra that installs it.
 
-    Ray's ``uv run`` hook is switched off (``RAY_ENABLE_UV_RUN_RUNTIME_ENV=0``, read at the first import):
-    under ``uv run`` it starts each worker with its own ``uv run``, which syncs an environment without
-    this package's extras. Workers run in the cluster's Python environment as it is.
+    Ray's ``uv run`` hook is switched off (``RAY_ENABLE_UV_RUN_RUNTIME_ENV=0``): it would start each worker in an
+    environment synced without this package's extras.
     """
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     try:

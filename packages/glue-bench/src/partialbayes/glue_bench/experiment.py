@@ -402,10 +402,8 @@ def run_grid(
     A unit fine-tunes (or reuses) its MAP once, then runs its cells (:func:`run_unit`) under a claim that
     keeps other processes off it. ``shard=(i, n)``: every n-th unit. ``executor="ray"``: one Ray task per
     unit (:func:`~partialbayes.glue_bench.executors.run_units`), into a results folder every node sees.
-    ``take_over``: take over claims whose owner on another host is gone. With ``curvature_pass="shared"``
-    the KFAC-type Laplace cells of a unit run together from shared passes
-    (:func:`~partialbayes.glue_bench.laplace_cells.shared_predictions`), the others each on its own
-    (:func:`run_cell`).
+    ``take_over``: take over claims whose owner on another host is gone. ``config.curvature_pass``: see
+    :class:`RunConfig`.
 
     With ``keep_going`` a failing cell is logged and skipped (no record: a later run retries it); the
     messages, and one per unit that another process holds, are in ``store.failures``. ``timings`` receives

@@ -48,10 +48,7 @@ def _by(rows: Sequence[dict[str, Any]], key: str) -> dict[str, list[dict[str, An
 def ramping_plot(
     rows: Sequence[dict[str, Any]], task: str, path: Path, metric: str = "nll"
 ) -> bool:
-    """NLL (or ``metric``) against percent stochastic for every method of ``task`` (Figs. 2, 3).
-
-    Medians with IQR bands; single-size methods with nothing stochastic (MAP, temperature) as flat lines.
-    """
+    """``metric`` against percent stochastic per method of ``task`` (Figs. 2, 3): medians, IQR bands, flat baselines."""
     mine = [r for r in rows if r["task"] == task and metric in r]
     if not mine:
         return False
@@ -78,10 +75,7 @@ def ramping_plot(
 
 
 def rank_plot(rank_rows: Sequence[dict[str, Any]], task: str, path: Path) -> bool:
-    """Rank of every module strategy against the number of modules (the paper's Fig. 4).
-
-    One panel per family (KFAC, SWAG); rank 0 is the lowest NLL (``tables.strategy_ranks``).
-    """
+    """Rank (``tables.strategy_ranks``, 0 = lowest NLL) of each module strategy against the module count, per family (Fig. 4)."""
     mine = [r for r in rank_rows if r["task"] == task]
     if not mine:
         return False
@@ -106,10 +100,7 @@ def rank_plot(rank_rows: Sequence[dict[str, Any]], task: str, path: Path) -> boo
 
 
 def merged_bins(rows: Sequence[dict[str, Any]], n_bins: int) -> list[dict[str, float]]:
-    """Merge one curve's reliability bins, in confidence order, into at most ``n_bins`` of about equal count.
-
-    Count-weighted means of ``confidence`` and ``accuracy``, summed counts; ``n_bins < 1`` raises.
-    """
+    """One curve's reliability bins, in confidence order, merged (count-weighted) into at most ``n_bins`` of about equal count."""
     if n_bins < 1:
         raise ValueError(f"n_bins must be at least 1, got {n_bins}")
     ordered = sorted(rows, key=lambda r: r["confidence"])
@@ -137,10 +128,9 @@ def calibration_bins(examples: float, stored: int, per_bin: int = 40) -> int:
 def calibration_plot(
     curve_rows: Sequence[dict[str, Any]], task: str, path: Path, per_bin: int = 40
 ) -> bool:
-    """Reliability diagram of ``task`` (the paper's Fig. 6): accuracy against confidence per bin.
+    """Reliability diagram of ``task`` (Fig. 6), one line per (method, size), with binomial errors and bin counts.
 
-    One line per (method, size); the records' pooled bins are merged to about ``per_bin`` test examples
-    per split (so accuracies are not noise), with binomial standard errors and a panel of bin counts.
+    The pooled bins are merged to about ``per_bin`` test examples per split, so the accuracies are not noise.
     """
     mine = [r for r in curve_rows if r["task"] == task]
     if not mine:
@@ -166,9 +156,8 @@ def calibration_plot(
         x = [b["confidence"] for b in bins]
         acc = [b["accuracy"] for b in bins]
         err = [(a * (1 - a) / (b["count"] / splits)) ** 0.5 for a, b in zip(acc, bins, strict=True)]
-        line = ax.errorbar(
-            x, acc, yerr=err, marker="o", markersize=4, linestyle=style, capsize=2, label=label
-        )[0]
+        options = {"marker": "o", "markersize": 4, "linestyle": style, "capsize": 2, "label": label}
+        line = ax.errorbar(x, acc, yerr=err, **options)[0]
         per_split = [b["count"] / splits for b in bins]
         ax_n.plot(x, per_split, marker="o", markersize=3, linestyle=style, color=line.get_color())
         n_examples = max(n_examples, sum(b["count"] for b in bins) / splits)
@@ -188,11 +177,7 @@ def calibration_plot(
 
 
 def memory_plot(rows: Sequence[dict[str, Any]], task: str, path: Path, metric: str = "nll") -> bool:
-    """``metric`` against the floats each posterior stores (the paper's Fig. 5), medians per cell.
-
-    The MAP (no posterior) is a dashed baseline, temperature scaling a dotted one; ``False`` when no cell
-    of ``task`` stores floats.
-    """
+    """``metric`` against the floats each posterior stores (Fig. 5), MAP and temperature scaling as baselines."""
     mine = [r for r in rows if r["task"] == task and metric in r]
     posteriors = [r for r in mine if r.get("floats", 0) > 0 and r["method"] != "temperature"]
     if not posteriors:
@@ -237,21 +222,14 @@ def uci_selection_plot(
     metrics: Sequence[str] = ("nll", "rmse"),
     title: str = "norm- vs variance-based selection",
 ) -> bool:
-    """Percent-of-parameters ramps on a UCI dataset (the paper's Figs. 9, 10).
+    """Percent-of-parameters ramps of ``methods`` on a UCI dataset (Figs. 9, 10), one panel per metric.
 
-    Fig. 10: norm- vs variance-based subnetwork Laplace (the default ``methods``); Fig. 9: Laplace and
-    SWAG on the largest weights (``subnet-norm``, ``swag-l1``).
-
-    One panel per metric (those in the rows) against percent stochastic: medians with IQR bands, the MAP
-    as a line. The y-axis fits the medians and the MAP (bands clipped); a metric that is the same at every
-    size (the linearised Laplace's RMSE) is drawn on a ±1 % axis and says so.
+    Medians with IQR bands and the MAP as a line; the y-axis fits the medians (bands clipped), and a metric that
+    is the same at every size is drawn on a ±1 % axis that says so.
     """
     mine = [r for r in rows if r["task"] == dataset]
-    ramps = {
-        m: sorted((r for r in mine if r["method"] == m), key=lambda r: r["percent_stochastic"])
-        for m in methods
-    }
-    ramps = {m: rs for m, rs in ramps.items() if rs}
+    mine.sort(key=lambda r: r["percent_stochastic"])
+    ramps = {m: rs for m in methods if (rs := [r for r in mine if r["method"] == m])}
     if not ramps:
         return False
     metrics = [k for k in metrics if any(k in r for rs in ramps.values() for r in rs)]

@@ -41,11 +41,7 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 
 def check_model_folder(name: str) -> None:
-    """Refuse (``ValueError``), before any work, a ``--model`` folder without config or tokenizer.
-
-    Hub ids (``name``, ``org/name``) and ``minilm`` pass. Without a tokenizer file transformers would build
-    one of five special tokens (every word ``[UNK]``).
-    """
+    """Refuse (``ValueError``), before any work, a ``--model`` folder without config or tokenizer (hub ids pass)."""
     path = Path(name).expanduser()
     if name == DEFAULT_MODEL or (not path.exists() and HUB_ID.fullmatch(name)):
         return
@@ -74,10 +70,8 @@ def load_encoder(
 ) -> tuple[nn.Module, Any]:
     """Load a sequence-classification model (``minilm``, a folder or a hub name) and its tokenizer.
 
-    ``dropout`` overrides the hidden and attention dropout. With ``trained`` (``--epochs 0``) the checkpoint
-    must hold a classification head of ``num_labels`` outputs; otherwise a missing head is freshly
-    initialised. ``ValueError`` for a name that cannot be loaded, a folder that fails
-    :func:`check_model_folder`, a tokenizer larger than the embeddings, or (``trained``) a missing head.
+    ``dropout`` overrides the encoder's dropouts; ``trained`` (``--epochs 0``) requires a stored head of
+    ``num_labels`` outputs, else a missing head is new. Unloadable models raise ``ValueError``.
     """
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -132,10 +126,7 @@ def load_encoder(
 
 
 class MLP(nn.Module):
-    """The UCI regression network of the paper's appendix B: ``depth`` SiLU layers of ``width`` units.
-
-    Output (N, 1): the predicted mean of a Gaussian likelihood; the noise scale is fitted separately.
-    """
+    """The UCI regression network of the paper's appendix B: ``depth`` SiLU layers of ``width`` units, output (N, 1)."""
 
     def __init__(self, in_features: int, width: int = 50, depth: int = 2) -> None:
         super().__init__()

@@ -43,13 +43,8 @@ QUICKSTART_SETTINGS: dict[str, Any] = {
 """:class:`~partialbayes.glue_bench.context.Settings` fields the quickstart sets (two S-KFAC levels and the
 wider prior grid)."""
 
-LABELS = {
-    "map": "MAP",
-    "temperature": "temperature scaling",
-    "last-layer": "last-layer Laplace",
-    "skfac": "S-KFAC",
-    "swag-random": "SWAG on random linear maps",
-}
+LABELS = {"map": "MAP", "temperature": "temperature scaling", "last-layer": "last-layer Laplace"}
+LABELS |= {"skfac": "S-KFAC", "swag-random": "SWAG on random linear maps"}
 
 
 def _label(method: str) -> str:

@@ -54,14 +54,10 @@ PUBLISHED: dict[str, list[tuple[str, float, float, float, float]]] = {
 def summarise(
     records: Iterable[dict[str, Any]], columns: Sequence[str] = COLUMNS
 ) -> list[dict[str, Any]]:
-    """Median, interquartile range, mean and standard error over splits for each (task, method, size).
+    """Median, IQR, mean and standard error over splits for each (task, method, size), sorted.
 
-    ``columns``: numeric record fields; one missing (or ``None``) in some record of a group is left out of
-    that group's row. One row per (task, method, size), sorted, with ``n_splits`` and for every column
-    ``<col>`` (median), ``<col>_q25``, ``<col>_q75`` (``numpy.percentile``, linear), ``<col>_mean`` and
-    ``<col>_se`` (sample standard deviation / √n; NaN for one split). Laplace cells also get
-    ``prior_edge_splits`` (splits whose prior precision was tuned to an end of its grid) and ``prior_edge``
-    (which ends: ``"lowest"``, ``"highest"``, both, or ``""``).
+    Per column ``<col>``, ``<col>_q25``, ``<col>_q75``, ``<col>_mean``, ``<col>_se`` (NaN for one split), left out
+    of a group where a record lacks it; Laplace cells also ``prior_edge_splits`` and ``prior_edge``.
     """
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in records:
@@ -422,10 +418,8 @@ def _uci_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by_cell = defaultdict(list)
     for r in records:
         by_cell[(r["task"], r["method"], str(r["size"]))].append(r.get("extra") or {})
-    flat = [
-        {**r, **{k: (r.get("extra") or {}).get(k) for k in ("sigma", "prior_precision")}}
-        for r in records
-    ]
+    chosen = ("sigma", "prior_precision")
+    flat = [{**r, **{k: (r.get("extra") or {}).get(k) for k in chosen}} for r in records]
     rows = summarise(flat, UCI_COLUMNS)
     for row in rows:
         extras = by_cell[(row["task"], row["method"], row["size"])]
@@ -441,8 +435,8 @@ def _uci_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def published_table(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per dataset: the :data:`PUBLISHED` baselines beside ours.
 
-    Ours: the MAP and the other single-size methods, and the Laplace and the SWAG cell with the lowest mean
-    validation NLL over splits (never the test NLL), among the cells run on the most splits.
+    Ours: the single-size cells, and the Laplace and SWAG cells with the lowest mean validation NLL among those
+    run on the most splits.
     """
     out: list[dict[str, Any]] = []
     for task in sorted({r["task"] for r in rows}):

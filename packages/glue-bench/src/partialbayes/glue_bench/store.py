@@ -267,10 +267,9 @@ class ResultStore:
     def unit_claim(self, task: str, split: int, take_over: bool = False) -> Iterator[None]:
         """Hold the claim of the unit (task, split) while the block runs, so no other process runs it.
 
-        The claim is ``claims/<task>-split<k>.json``, created with ``O_CREAT | O_EXCL`` (atomic, also on
-        network file systems), holding host, pid, start time and a token, and removed when the block ends.
-        A dead owner's claim is taken over when that is provable (same host, no process of its pid); one
-        from another host only with ``take_over``. Raises ``UnitBusyError`` when another process holds it,
+        The claim, ``claims/<task>-split<k>.json`` (``O_CREAT | O_EXCL``: atomic, also on network file
+        systems), is removed when the block ends; a dead owner's is taken over when provably dead (same host,
+        no such pid), another host's only with ``take_over``. ``UnitBusyError`` when another process holds it,
         ``OSError`` naming the folder and host when the claims folder cannot be written.
         """
         path = self.root / "claims" / f"{task}-split{split}.json"

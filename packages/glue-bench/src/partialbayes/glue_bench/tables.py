@@ -75,18 +75,14 @@ BUDGET_TOLERANCE = 0.15
 
 
 def budget_table(
-    rows: Sequence[dict[str, Any]],
-    target: float = 10.0,
-    tolerance: float = BUDGET_TOLERANCE,
+    rows: Sequence[dict[str, Any]], target: float = 10.0, tolerance: float = BUDGET_TOLERANCE
 ) -> list[dict[str, Any]]:
     """The paper's Table 2: per (task, method) the level chosen by validation NLL within the budget.
 
-    Rule (the paper's §5.4): among a method's sizes whose median percent stochastic is at most
-    ``target · (1 + tolerance)``, the one with the lowest mean validation NLL over splits (ties: the smaller
-    percentage, then size). Methods with one size contribute their only cell; sizes without a validation
-    NLL (older records) fall back to the size closest to ``target``. Returns the chosen summary rows with
-    ``target``, ``limit``, ``candidates`` (sizes within the budget) and ``rule`` (``single``, ``val_nll``,
-    ``closest``); ``target`` outside [0, 100] or a negative ``tolerance`` raise ``ValueError``.
+    Among a method's sizes with median percent stochastic ``<= target · (1 + tolerance)``, the lowest mean
+    validation NLL (ties: smaller percentage, then size; rule ``val_nll``), or without one the size closest to
+    ``target`` (``closest``); one-size methods give their cell (``single``). Rows gain ``target``, ``limit``,
+    ``candidates``, ``rule``.
     """
     if not 0 <= target <= 100 or math.isnan(target):
         raise ValueError(f"target must be a percentage in [0, 100], got {target}")
@@ -114,9 +110,8 @@ def budget_table(
                 return first, r["percent_stochastic"], size_key(r["size"])
 
             chosen = min(scored or within, key=key)
-        out.append(
-            {**chosen, "target": float(target), "limit": limit, "candidates": n, "rule": rule}
-        )
+        out.append({**chosen, "target": float(target), "limit": limit, "candidates": n})
+        out[-1]["rule"] = rule
     return out
 
 
@@ -143,12 +138,9 @@ def average_ranks(values: Sequence[float]) -> list[float]:
 def strategy_ranks(records: Iterable[dict[str, Any]], metric: str = "nll") -> list[dict[str, Any]]:
     """Ranks of the module-selection strategies (``<kfac|swag>-<random|max|min>[-mlp|-attn]``), Fig. 4.
 
-    Rule (the paper's §5.2): for every (task, family, module count) the strategies with that count are
-    ranked by their median ``metric`` over splits, 0 for the lowest (ties share the mean rank); the ``"all"``
-    row is the median over tasks of the per-task ranks. Extra: ``split_rank``, the mean over splits of the
-    per-split ranks (splits where every strategy of the group has a record). Rows ``task, family, modules,
-    strategy, rank, n_splits, n_tasks, n_strategies, split_rank, <metric>_median``, ``"all"`` last;
-    one-strategy groups are left out.
+    Per (task, family, module count) the strategies are ranked by median ``metric`` over splits (0 = lowest,
+    ties share the mean rank), ``"all"`` rows (last) by the median of the per-task ranks; ``split_rank``: the
+    mean of per-split ranks over the splits every strategy has. One-strategy groups are left out.
     """
     values: dict[tuple[str, str, int], dict[str, dict[int, float]]] = defaultdict(
         lambda: defaultdict(dict)
@@ -204,11 +196,7 @@ def has_reliability(record: dict[str, Any]) -> bool:
 def calibration_curves(
     records: Iterable[dict[str, Any]], cells: Iterable[tuple[str, str, str]]
 ) -> list[dict[str, Any]]:
-    """Reliability-diagram points of the chosen (task, method, size) cells, pooled over splits.
-
-    Bin ``b`` of a cell pools bin ``b`` of every split, weighted by the counts; empty pooled bins are
-    dropped. Rows ``task, method, size, bin, confidence, accuracy, count, n_splits`` in ``cells`` order.
-    """
+    """Reliability points of the chosen (task, method, size) cells, bins pooled over splits by count (empty ones dropped)."""
     wanted = list(dict.fromkeys(cells))
     found: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in records:
@@ -235,15 +223,9 @@ def calibration_curves(
 
 
 def calibration_cells(
-    budget_rows: Sequence[dict[str, Any]],
-    methods: Sequence[str] | None = None,
-    n_best: int = 4,
+    budget_rows: Sequence[dict[str, Any]], methods: Sequence[str] | None = None, n_best: int = 4
 ) -> list[tuple[str, str, str]]:
-    """The (task, method, size) cells of the calibration figure, per task, baselines first.
-
-    The Table 2 cells (``budget_rows``) of ``methods``, or of MAP, temperature scaling and the ``n_best``
-    others with the lowest median test NLL.
-    """
+    """The calibration figure's Table 2 cells per task: of ``methods``, or MAP, temperature and the ``n_best`` lowest-NLL others."""
     by_task: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in budget_rows:
         by_task[r["task"]].append(r)
@@ -255,7 +237,7 @@ def calibration_cells(
         else:
             base = [r for m in BASELINES for r in rows if r["method"] == m]
             others = sorted(
-                (r for r in rows if r["method"] not in BASELINES), key=lambda r: r["nll"]
+                [r for r in rows if r["method"] not in BASELINES], key=lambda r: r["nll"]
             )
             chosen = base + others[:n_best]
         cells += [(task, r["method"], r["size"]) for r in chosen]

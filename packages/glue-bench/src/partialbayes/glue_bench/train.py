@@ -115,10 +115,8 @@ def _epoch_batches(train: Examples, tokenizer: Any, config: TrainConfig, epoch: 
     return [batches[i] for i in perm]
 
 
-def _make_optimizers(
-    model: nn.Module, config: TrainConfig, n_train: int
-) -> list[torch.optim.Optimizer]:
-    """``[AdamW]``, or ``[IVON on the countable parameters, AdamW on the others (embeddings)]``."""
+def _make_optimizers(model: nn.Module, config: TrainConfig, n: int) -> list[torch.optim.Optimizer]:
+    """``[AdamW]``, or ``[IVON on the countable parameters (``n`` data), AdamW on the others (embeddings)]``."""
     if config.freeze_embeddings:
         get = getattr(model, "get_input_embeddings", None)
         if (emb := get() if get is not None else None) is None:
@@ -130,7 +128,7 @@ def _make_optimizers(
         return [torch.optim.AdamW(params, **adamw, foreach=True)]
     countable = {id(p) for p in countable_named_parameters(model).values()}
     others = [p for p in params if id(p) not in countable]
-    ivon = {"lr": config.ivon_lr, "ess": float(n_train), "hess_init": config.ivon_hess_init}
+    ivon = {"lr": config.ivon_lr, "ess": float(n), "hess_init": config.ivon_hess_init}
     ivon.update(weight_decay=1e-4, generator=torch.Generator().manual_seed(config.seed))
     opts = [IVON([p for p in params if id(p) in countable], **ivon)]
     return [*opts, torch.optim.AdamW(others, **adamw, foreach=True)] if others else opts
@@ -224,13 +222,9 @@ def finetune(
         model.load_state_dict(st.best)
     else:  # epochs=0: the model as it came, scored on the validation set
         st.best_acc, st.best_epoch = accuracy(model, val_batches, device), 0
-    summary: dict[str, Any] = {
-        "best_epoch": st.best_epoch,
-        "val_accuracy": st.best_acc,
-        "history": st.history,
-        "seconds": st.seconds + time.perf_counter() - start,
-        "cpu_seconds": st.cpu_seconds + time.process_time() - start_cpu,
-    }
+    summary: dict[str, Any] = {"best_epoch": st.best_epoch, "val_accuracy": st.best_acc}
+    summary.update(history=st.history, seconds=st.seconds + time.perf_counter() - start)
+    summary["cpu_seconds"] = st.cpu_seconds + time.process_time() - start_cpu
     if config.optimizer == "ivon":
         summary["ivon_hess"] = st.hess
         group = opts[0].param_groups[0]
@@ -346,11 +340,8 @@ def _read_progress(
 
 
 def _ivon_hessians(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    return {
-        name: opt.state[p]["hess"].detach().clone()
-        for name, p in model.named_parameters()
-        if p in opt.state and "hess" in opt.state[p]
-    }
+    states = {name: opt.state.get(p, {}) for name, p in model.named_parameters()}
+    return {name: s["hess"].detach().clone() for name, s in states.items() if "hess" in s}
 
 
 def save_checkpoint(
