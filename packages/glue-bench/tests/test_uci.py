@@ -272,8 +272,10 @@ def test_subnet_selection_matches_dense_reference(seed, n, percent):
     assert int(got.sum()) == k
     chosen = h[got]
     rest = h[~got]
-    # every chosen entry has curvature no larger than any left-out one (up to float error)
-    assert rest.numel() == 0 or float(chosen.max()) <= float(rest.min()) * (1 + 1e-5) + 1e-9
+    # every chosen entry has curvature no larger than any left-out one, up to float32 error on the scale of
+    # the largest entry (entries ~1e-8 of a 0.1 diagonal are rounding noise: their order is arbitrary)
+    tol = 1e-6 * float(h.max())
+    assert rest.numel() == 0 or float(chosen.max()) <= float(rest.min()) * (1 + 1e-5) + tol
 
 
 def test_subnet_selection_bad_method():
