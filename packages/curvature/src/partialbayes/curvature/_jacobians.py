@@ -13,12 +13,7 @@ from torch import Tensor, nn
 from partialbayes.curvature._hooks import check_untied, in_row_order, output_passes
 from partialbayes.curvature._kfac import kron_targets
 from partialbayes.curvature._likelihood import CurvatureOptions, model_device
-from partialbayes.curvature._outputs import (
-    Outputs,
-    position_plan,
-    read_batch,
-    resolve_shift_labels,
-)
+from partialbayes.curvature._outputs import Outputs, position_plan, read_batch, resolve_shift_labels
 from partialbayes.predictive.internal import model_logits
 from partialbayes.selection import KronBlock, Subset, linear_modules
 from partialbayes.selection.internal import check_subset

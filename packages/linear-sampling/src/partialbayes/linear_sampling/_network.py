@@ -240,8 +240,7 @@ def read_batches(
         )
     if skipped:
         warnings.warn(
-            f"skipped {skipped} of {total} batches with no labelled outputs",
-            stacklevel=3,
+            f"skipped {skipped} of {total} batches with no labelled outputs", stacklevel=3
         )
     m = int(logits[0].shape[-1])
     return _features(ops, parts, m, check_finite=check_finite), torch.cat(logits)
@@ -343,11 +342,7 @@ def network_features(
 
 
 def network_logits(
-    model: nn.Module,
-    inputs: Any,
-    *,
-    batch_size: int = 64,
-    output_fn: OutputFn | None = None,
+    model: nn.Module, inputs: Any, *, batch_size: int = 64, output_fn: OutputFn | None = None
 ) -> Tensor:
     """Logits ``[n, m]`` at the current weights, one row per observation of `network_features`, without gradients.
 

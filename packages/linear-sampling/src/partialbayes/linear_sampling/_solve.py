@@ -60,11 +60,7 @@ class PosteriorSamples:
 
 
 def check_problem(
-    features: Features,
-    noise: NoisePrecision,
-    prior: Prior,
-    method: str,
-    sgd: SGDConfig | None,
+    features: Features, noise: NoisePrecision, prior: Prior, method: str, sgd: SGDConfig | None
 ) -> tuple[NoisePrecision, Tensor]:
     """Validate the common arguments; returns the noise on the features' device and ``diag(A)``."""
     check_type("features", features, Features, "Features")

@@ -81,11 +81,7 @@ def gaussian_draws(
 
 
 def mc_predictive(
-    mean: Tensor,
-    cov: Tensor,
-    n_samples: int = 100,
-    *,
-    generator: torch.Generator | None = None,
+    mean: Tensor, cov: Tensor, n_samples: int = 100, *, generator: torch.Generator | None = None
 ) -> Tensor:
     """Monte Carlo estimate of ``E[softmax(f)]``, ``[..., C]``, for ``f ~ N(mean, cov)`` (errors: `sample_logits`).
 

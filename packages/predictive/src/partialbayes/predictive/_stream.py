@@ -62,11 +62,7 @@ def _checked_output(out: object, s: int, shape: torch.Size | None) -> Tensor:
 
 
 def mc_predict(
-    sample_ctx: SampleContext,
-    forward: Callable[[], Tensor],
-    n_samples: int,
-    *,
-    grad: bool = False,
+    sample_ctx: SampleContext, forward: Callable[[], Tensor], n_samples: int, *, grad: bool = False
 ) -> MCPrediction:
     """Average the softmax over ``S`` sampled forward passes, streaming (the ``S`` logits are never held together).
 

@@ -24,11 +24,7 @@ def _logits_labels(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def fit_temperature(
-    logits: Tensor,
-    labels: Tensor,
-    *,
-    init: float = 1.0,
-    max_iter: int = 100,
+    logits: Tensor, labels: Tensor, *, init: float = 1.0, max_iter: int = 100
 ) -> Tensor:
     """Fit the temperature ``T`` minimising the NLL of ``softmax(logits / T)`` on validation data.
 

@@ -111,10 +111,7 @@ def lora_modules(
 
 
 def lora_subset(
-    model: nn.Module,
-    adapter: str | Iterable[str] | None = None,
-    *,
-    modules_to_save: bool = False,
+    model: nn.Module, adapter: str | Iterable[str] | None = None, *, modules_to_save: bool = False
 ) -> Subset:
     """Every weight of the LoRA adapter maps of a PEFT model is stochastic (Bayesian LoRA), in model order.
 

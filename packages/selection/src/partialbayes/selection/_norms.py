@@ -28,10 +28,7 @@ def spectral_norm_gram(weight: Tensor) -> Tensor:
 
 
 def spectral_norm_power(
-    weight: Tensor,
-    n_iter: int = 300,
-    tol: float = 1e-6,
-    generator: torch.Generator | None = None,
+    weight: Tensor, n_iter: int = 300, tol: float = 1e-6, generator: torch.Generator | None = None
 ) -> Tensor:
     """Largest singular values by power iteration on ``Wᵀ W`` (random start: ``generator``, else seed 0).
 

@@ -15,12 +15,7 @@ from partialbayes.selection._subset import (
     countable_named_parameters,
     countable_parameters,
 )
-from partialbayes.selection._validate import (
-    as_generator,
-    ceil_fraction,
-    check_names,
-    check_percent,
-)
+from partialbayes.selection._validate import as_generator, ceil_fraction, check_names, check_percent
 
 
 def _countable(model: nn.Module, exclude: str | Iterable[str] | None) -> dict[str, Tensor]:

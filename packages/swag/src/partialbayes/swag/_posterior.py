@@ -23,12 +23,7 @@ from partialbayes.predictive.internal import (
 )
 from partialbayes.selection import Subset
 from partialbayes.swag._layout import FlatLayout
-from partialbayes.swag._moments import (
-    diagonal_variance,
-    ring_append,
-    ring_ordered,
-    update_moments_,
-)
+from partialbayes.swag._moments import diagonal_variance, ring_append, ring_ordered, update_moments_
 from partialbayes.swag._sample import swag_sample
 
 FORMAT, VERSION = "partialbayes.swag.SWAG", 2
