@@ -12,11 +12,7 @@ For a network, `SampledLaplace` is the sampling-based linearised Laplace posteri
 
 from importlib.metadata import version
 
-from partialbayes.linear_sampling._em import (
-    effective_dimension,
-    fit_prior_precision,
-    mackay_update,
-)
+from partialbayes.linear_sampling._em import effective_dimension, fit_prior_precision, mackay_update
 from partialbayes.linear_sampling._features import Features
 from partialbayes.linear_sampling._linearised import (
     linearised_logit_moments,
@@ -29,15 +25,10 @@ from partialbayes.linear_sampling._network import (
     network_logits,
     network_parameters,
 )
-from partialbayes.linear_sampling._posterior import (
-    SampledLaplace,
-)
+from partialbayes.linear_sampling._posterior import SampledLaplace
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior, softmax_hessian
 from partialbayes.linear_sampling._sgd import DivergenceError, SGDConfig
-from partialbayes.linear_sampling._solve import (
-    posterior_mean,
-    posterior_samples,
-)
+from partialbayes.linear_sampling._solve import posterior_mean, posterior_samples
 
 __version__ = version("partialbayes-linear-sampling")
 __all__ = [

@@ -9,15 +9,9 @@ lives in `partialbayes.predictive.internal`. Depends on torch only; never import
 
 from importlib.metadata import version
 
-from partialbayes.predictive._answers import (
-    answer_logits,
-    answer_positions,
-)
+from partialbayes.predictive._answers import answer_logits, answer_positions
 from partialbayes.predictive._auroc import auroc
-from partialbayes.predictive._batch import (
-    is_causal_lm,
-    kept_positions,
-)
+from partialbayes.predictive._batch import is_causal_lm, kept_positions
 from partialbayes.predictive._calibration import ReliabilityData, ece, mce, reliability
 from partialbayes.predictive._decomposition import (
     Uncertainty,
@@ -37,11 +31,7 @@ from partialbayes.predictive._link import (
 from partialbayes.predictive._mc import mc_predictive, sample_logits
 from partialbayes.predictive._metrics import accuracy, brier, gaussian_nll, nll
 from partialbayes.predictive._model import PosteriorModel
-from partialbayes.predictive._posterior import (
-    Posterior,
-    sampled_logits,
-    sampled_predict,
-)
+from partialbayes.predictive._posterior import Posterior, sampled_logits, sampled_predict
 from partialbayes.predictive._stream import (
     MCPrediction,
     MCRegression,

@@ -21,23 +21,14 @@ from partialbayes.selection._module_strategies import (
     ramp,
     random_modules,
 )
-from partialbayes.selection._modules import (
-    linear_modules,
-    module_groups,
-    tied_linear_modules,
-)
+from partialbayes.selection._modules import linear_modules, module_groups, tied_linear_modules
 from partialbayes.selection._parameter_strategies import (
     largest_magnitude,
     largest_marginal_variance,
     random_parameters,
 )
-from partialbayes.selection._skfac import (
-    sparse_kfac,
-)
-from partialbayes.selection._subset import (
-    Subset,
-    countable_parameters,
-)
+from partialbayes.selection._skfac import sparse_kfac
+from partialbayes.selection._subset import Subset, countable_parameters
 from partialbayes.selection._summary import summary
 
 __version__ = version("partialbayes-selection")

@@ -15,10 +15,7 @@ from importlib.metadata import version
 from partialbayes.swag._callback import SWAGCallback
 from partialbayes.swag._posterior import SWAG
 from partialbayes.swag._sweep import predictive_nll, sweep_learning_rate
-from partialbayes.swag._train import (
-    NonFiniteLossError,
-    collect_swag,
-)
+from partialbayes.swag._train import NonFiniteLossError, collect_swag
 
 __version__ = version("partialbayes-swag")
 __all__ = [
