@@ -157,9 +157,7 @@ def diagonal(
                     inc[t.name] = d2[t.name].T @ (x * x)
             for name, v in inc.items():
                 if not bool(torch.isfinite(v).all()):
-                    raise ValueError(
-                        f"non-finite curvature in parameter {name!r} at batch {bp.index}"
-                    )
+                    raise ValueError(f"non-finite curvature of {name!r} at batch {bp.index}")
                 if name in d2:
                     full_2d[name] = full_2d[name] + v if name in full_2d else v
                 else:

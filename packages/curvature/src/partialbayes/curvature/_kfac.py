@@ -102,9 +102,7 @@ class FactorAccumulator:
             p for f in (G, A) for p in ((f.U, f.s, f.rest) if isinstance(f, LowRankFactor) else [f])
         ]
         if not all(bool(torch.isfinite(p).all()) for p in parts):
-            raise ValueError(
-                f"non-finite curvature in module {m!r} (overflow in the accumulated factors)"
-            )
+            raise ValueError(f"non-finite curvature in module {m!r} (overflow in the factor sums)")
         # a separate bias's input factor: the average of the constant input 1, [1] once a row counted
         has_bias = k.bias_name is not None
         separate = has_bias and not self.bias  # a bias in the block, not folded into A

@@ -83,9 +83,7 @@ class DenseLaplace(LaplaceBase):
         precision = precision + torch.diag(self._entry_prior(prior))
         chol, info = torch.linalg.cholesky_ex(precision)
         if int(info) != 0:
-            raise ValueError(
-                f"posterior precision is not positive definite (prior {prior.tolist()})"
-            )
+            raise ValueError(f"posterior precision not positive definite (prior {prior.tolist()})")
         return chol
 
     def _log_det(self, prior: Tensor, scale: Tensor | float) -> Tensor:

@@ -36,9 +36,7 @@ class DiagLaplace(LaplaceBase):
         missing = [n for n in self.subset.names if n not in curvature]
         extra = [n for n in curvature if n not in self.subset.names]
         if missing or extra:
-            raise ValueError(
-                f"diagonal does not match the subset: missing {missing}, unknown {extra}"
-            )
+            raise ValueError(f"diagonal and subset differ: missing {missing}, unknown {extra}")
         h = {}
         for n in self.subset.names:
             v = curvature[n].to(device=self.device, dtype=self.dtype).reshape(-1)

@@ -301,9 +301,7 @@ class KronLaplace(LaplaceBase):
         for m in self.modules:
             new = curvature[m]
             if isinstance(new.G, LowRankFactor) or isinstance(new.A, LowRankFactor):
-                raise ValueError(
-                    f"module {m!r}: continual learning needs whole factors (max_rank=None)"
-                )
+                raise ValueError(f"{m!r}: continual learning needs whole factors (max_rank=None)")
             g, a = (f.U * f.s @ f.U.T for f in previous._whole(m))
             cw = new.A.shape[0]
             mix = lambda t, old: (1 - w) * t.to(self.device, self.dtype) + w * old  # noqa: E731

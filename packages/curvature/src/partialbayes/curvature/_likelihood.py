@@ -118,9 +118,7 @@ class CurvatureOptions:
             or not isinstance(self.num_classes, int)
             or self.num_classes < 1
         ):
-            raise ValueError(
-                f"num_classes must be a positive int or None, got {self.num_classes!r}"
-            )
+            raise ValueError(f"num_classes must be a positive int or None: {self.num_classes!r}")
         check_bool("shift_labels", self.shift_labels)
         check_choice("sharing", self.sharing, (None, "reduce", "expand"))
         check_choice("bias", self.bias, ("fold", "separate"))
@@ -180,9 +178,7 @@ def check_labels(labels: Tensor, logits: Tensor, likelihood: str, batch_index: i
         if b > 0:
             lo, hi = int(labels.min()), int(labels.max())
             if lo < 0 or hi >= c:
-                raise ValueError(
-                    f"batch {batch_index}: labels out of range [0, {c}): min {lo}, max {hi}"
-                )
+                raise ValueError(f"batch {batch_index}: labels not in [0, {c}): min {lo}, max {hi}")
         return labels.long()
     if labels.is_complex() or labels.dtype == torch.bool:
         raise ValueError(

@@ -155,9 +155,7 @@ def evidence_ascent(
     if fit_sigma_noise is None:
         fit_sigma_noise = post.likelihood == "regression"
     elif check_bool("fit_sigma_noise", fit_sigma_noise) and post.likelihood != "regression":
-        raise ValueError(
-            "fit_sigma_noise=True needs likelihood='regression' (classification has no noise)"
-        )
+        raise ValueError("fit_sigma_noise=True needs likelihood='regression' (no noise to fit)")
     check_bool("per_module", per_module)
     check_number("lr", lr)
     check_number("tol", tol)
@@ -238,9 +236,7 @@ def grid_val_nlls(
             batches += 1
             inputs, outputs = first._read(batch)
             if outputs.labels is None:
-                raise ValueError(
-                    f"batch {index}: val_loader batches need labels to score the predictive"
-                )
+                raise ValueError(f"batch {index}: val_loader batches need labels for the NLL")
             if outputs.unlabelled:
                 skipped += 1
                 continue

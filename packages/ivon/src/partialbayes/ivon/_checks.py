@@ -71,9 +71,7 @@ def check_state_dict(
     if gen_state is not None and not (
         isinstance(gen_state, Tensor) and gen_state.dtype == torch.uint8
     ):
-        raise TypeError(
-            f"{where}'generator_state' must be a uint8 tensor (torch.Generator.get_state())"
-        )
+        raise TypeError(f"{where}'generator_state' must be a uint8 tensor (Generator.get_state())")
 
 
 def _check_param_state(entry: Any, p: Tensor, where: str) -> None:
@@ -85,9 +83,7 @@ def _check_param_state(entry: Any, p: Tensor, where: str) -> None:
     for key in ("momentum", "hess"):
         t = entry.get(key)
         if not isinstance(t, Tensor):
-            raise ValueError(
-                f"{where}the state dict has no tensor {key!r} for it (not an IVON state dict)"
-            )
+            raise ValueError(f"{where}no tensor {key!r} for it (not an IVON state dict)")
         if tuple(t.shape) != tuple(p.shape):
             raise ValueError(
                 f"{where}saved {key!r} has shape {tuple(t.shape)}, the parameter has {tuple(p.shape)}"
@@ -95,6 +91,4 @@ def _check_param_state(entry: Any, p: Tensor, where: str) -> None:
         if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
             raise ValueError(f"{where}saved {key!r} is not a finite floating-point tensor")
     if not bool((entry["hess"] > 0).all()):
-        raise ValueError(
-            f"{where}saved 'hess' has entries <= 0 (the Hessian estimate must be positive)"
-        )
+        raise ValueError(f"{where}saved 'hess' has entries <= 0 (the Hessian estimate must be > 0)")

@@ -72,18 +72,14 @@ def _variances(source: Any, model: nn.Module | None) -> tuple[nn.Module, dict[st
     """The model and ``{name: σ²}`` of its parameters with some ``σ > 0``."""
     if isinstance(source, GaussianPosterior):
         if model is not None and model is not source.model:
-            raise ValueError(
-                "sensitivity: model= is for an IVON optimizer; a posterior has its model"
-            )
+            raise ValueError("sensitivity: model= is for an IVON optimizer; a posterior has one")
         model = source.model
         std = source.std
     elif isinstance(source, IVON):
         if model is None:
             raise ValueError("sensitivity(optimizer, loader) needs model=...: the model it trains")
         if source._sampling:
-            raise RuntimeError(
-                "sensitivity: called inside sampled_params (the model holds a sample)"
-            )
+            raise RuntimeError("sensitivity: called inside sampled_params (model holds a sample)")
         held = {p for g in source.param_groups for p in g["params"]}
         std = {n: source.posterior_std(p) for n, p in model.named_parameters() if p in held}
     else:

@@ -408,9 +408,7 @@ class IVON(torch.optim.Optimizer):
             TypeError: If ``closure`` is not callable.
         """
         if self._sampling:
-            raise RuntimeError(
-                "IVON.step() was called inside sampled_params; call it after the block"
-            )
+            raise RuntimeError("IVON.step() called inside sampled_params; call it after the block")
         loss = None if closure is None else self._run_closure(closure)
         if self._count == 0:
             outside = any(p.grad is not None for g in self.param_groups for p in g["params"])

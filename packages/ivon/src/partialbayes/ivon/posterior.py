@@ -306,9 +306,7 @@ def ivon_posterior(
         RuntimeError: If called inside ``sampled_params``.
     """
     if optimizer._sampling:
-        raise RuntimeError(
-            "ivon_posterior: called inside sampled_params (parameters hold a sample)"
-        )
+        raise RuntimeError("ivon_posterior: called inside sampled_params (parameters hold a draw)")
     held = {p for g in optimizer.param_groups for p in g["params"]}
     mean, std = {}, {}
     for name, p in model.named_parameters():

@@ -85,7 +85,7 @@ def mackay_update(mean: Tensor, gamma: Tensor, prior: Prior) -> Prior:
     gamma = gamma.to(norms)
     if gamma.shape != norms.shape:
         raise ValueError(
-            f"gamma has shape {tuple(gamma.shape)} but the prior has {prior.n_groups} groups"
+            f"gamma has shape {tuple(gamma.shape)} , the prior {prior.n_groups} groups"
         )
     for g in range(prior.n_groups):
         if not float(gamma[g]) > 0:
@@ -128,9 +128,7 @@ def feature_scales(
             diag += (proj * proj).mean(1)
     if not bool((diag > 0).all()):
         bad = (diag <= 0).nonzero().flatten()[:5].tolist()
-        raise ValueError(
-            f"parameters {bad} have zero curvature: the g-prior needs every feature column"
-        )
+        raise ValueError(f"parameters {bad} have zero curvature: a g-prior needs every feature")
     return diag.sqrt()
 
 

@@ -152,9 +152,7 @@ def linearised_targets(
     if tuple(logits.shape) != (n, m):
         raise ValueError(f"logits have shape {tuple(logits.shape)}, expected (n, m) = ({n}, {m})")
     if labels.shape != (n,) or labels.dtype not in (torch.int64, torch.int32):
-        raise ValueError(
-            f"labels must be [n={n}] integers, got {labels.dtype} {tuple(labels.shape)}"
-        )
+        raise ValueError(f"labels must be [n={n}] ints, got {labels.dtype} {tuple(labels.shape)}")
     if not bool(torch.isfinite(logits).all()):
         raise ValueError("logits have non-finite entries")
     if theta.shape != (features.d,) or not bool(torch.isfinite(theta).all()):

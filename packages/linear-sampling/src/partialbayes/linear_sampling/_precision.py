@@ -48,9 +48,7 @@ class NoisePrecision:
             raise ValueError("noise precision has non-finite entries")
         if v.ndim < 2:
             if not bool((v > 0).all()):
-                raise ValueError(
-                    f"noise precision must be positive, got a value {v.min().item():.3g}"
-                )
+                raise ValueError(f"noise precision must be positive, got {v.min().item():.3g}")
             return
         j = check_number("jitter", self.jitter)
         sums = v.sum(-1, dtype=torch.float64)

@@ -191,7 +191,5 @@ def read_posterior_file(
     for key, t in tensors.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).sum())
-            raise file.error(
-                f"tensor {key!r} has {bad} NaN or inf entries; the saved posterior is corrupt"
-            )
+            raise file.error(f"tensor {key!r} has {bad} NaN or inf entries; the file is corrupt")
     return file

@@ -166,9 +166,7 @@ def _contexts(
 ) -> SampleContext:
     if sample_ctx is not None:
         if not callable(sample_ctx):
-            raise TypeError(
-                f"sample_ctx must be callable (s -> context manager), got {sample_ctx!r}"
-            )
+            raise TypeError(f"sample_ctx must be callable (s -> context), got {sample_ctx!r}")
         return sample_ctx
     return lambda s: posterior.sampled(generator=generator)
 

@@ -184,9 +184,7 @@ def _check_answers(post: Posterior, batch: Any, seed: int) -> None:
             post.predict(batch, target_ids=bad)
         except ValueError:
             continue
-        _require(
-            False, f"predict(target_ids={bad}) must raise ValueError (repeated / out of range)"
-        )
+        _require(False, f"predict(target_ids={bad}) must raise ValueError (repeated/out of range)")
 
 
 def check_posterior(

@@ -91,9 +91,7 @@ class MaskBlock:
 
     def __post_init__(self) -> None:
         if not isinstance(self.mask, Tensor):
-            raise TypeError(
-                f"MaskBlock mask must be a torch.Tensor, got {type(self.mask).__name__}"
-            )
+            raise TypeError(f"MaskBlock mask must be a Tensor, got {type(self.mask).__name__}")
         if self.mask.dtype != torch.bool:
             raise TypeError(f"MaskBlock mask must have dtype torch.bool, got {self.mask.dtype}")
         object.__setattr__(self, "mask", self.mask.detach().to("cpu").clone())

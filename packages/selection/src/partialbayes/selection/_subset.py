@@ -79,9 +79,7 @@ def _check_block(name: str, block: Any, info: _ParamInfo) -> None:
         )
     if len(shape) == 1:
         if block.cols is not None:
-            raise ValueError(
-                f"KronBlock for 1-D parameter {name!r} (e.g. a bias) must have cols=None"
-            )
+            raise ValueError(f"KronBlock for 1-D {name!r} (e.g. a bias) must have cols=None")
         limits = {"rows": int(shape[0])}
     elif len(shape) == 2:
         if info.transposed:
@@ -227,9 +225,7 @@ class Subset:
 
     def _check_storage(self, name: str, tensor: Tensor, what: str) -> None:
         if not isinstance(tensor, Tensor):
-            raise TypeError(
-                f"{what} for {name!r} must be a torch.Tensor, got {type(tensor).__name__}"
-            )
+            raise TypeError(f"{what} for {name!r} must be a Tensor, got {type(tensor).__name__}")
         if tensor.shape != self._info[name].shape:
             raise ValueError(
                 f"{what} for {name!r} has shape {tuple(tensor.shape)}, expected storage shape "

@@ -88,9 +88,7 @@ def run_chain(
             model.zero_grad(set_to_none=True)
             loss = loss_fn(model, next(batches))
             if not bool(torch.isfinite(loss)):
-                raise ValueError(
-                    f"non-finite loss {float(loss.detach())} at step {step} of the chain"
-                )
+                raise ValueError(f"non-finite loss {float(loss.detach())} at chain step {step}")
             loss.backward()
             sampler.step()
             if progress is not None:

@@ -198,9 +198,7 @@ class SampledPosterior:
         flat = file.tensor("samples")
         sizes = [subset.num_entries(n) for n in subset.names]
         if flat.ndim != 2 or flat.shape[1] != sum(sizes):
-            raise file.error(
-                f"tensor 'samples' has shape {tuple(flat.shape)}, expected (S, {sum(sizes)})"
-            )
+            raise file.error(f"'samples' has shape {tuple(flat.shape)}, expected (S, {sum(sizes)})")
         params = subset.parameters_of(model)
         samples = {
             n: part.to(params[n].dtype)

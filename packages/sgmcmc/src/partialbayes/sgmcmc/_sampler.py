@@ -162,9 +162,7 @@ class SGMCMC(torch.optim.Optimizer):
             sample = self.current()
             bad = [n for n, v in sample.items() if not bool(torch.isfinite(v).all())]
             if bad:
-                raise ValueError(
-                    f"the chain has NaN or inf entries in {bad[:5]} at step {self.steps}"
-                )
+                raise ValueError(f"NaN or inf entries in {bad[:5]} at step {self.steps}")
             self.samples.append(sample)
         return loss
 

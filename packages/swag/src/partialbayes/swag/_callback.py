@@ -85,9 +85,7 @@ class SWAGCallback(TrainerEvents):
         """Start a new collection on the ``model`` Trainer passes (checks the `SWAG` options)."""
         model = kwargs.get("model")
         if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"SWAGCallback needs the model Trainer trains, got {type(model).__name__}"
-            )
+            raise TypeError(f"SWAGCallback needs the Trainer's model, got {type(model).__name__}")
         self._swag = SWAG(model, self.subset, **self.swag_options)
 
     @torch.no_grad()

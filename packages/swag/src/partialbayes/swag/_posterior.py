@@ -201,9 +201,7 @@ class SWAG:
         w = self.layout.gather(params, dtype=self.dtype).to(self.device)
         if not bool(torch.isfinite(w).all()):
             bad = [n for n in self.layout.names if not bool(torch.isfinite(params[n]).all())]
-            raise ValueError(
-                f"snapshot {self.n_snapshots + 1} has non-finite stochastic entries in {bad}"
-            )
+            raise ValueError(f"snapshot {self.n_snapshots + 1} has non-finite entries in {bad}")
         update_moments_(self._mean, self._sq_mean, w, self.n_snapshots)
         self.n_snapshots += 1
         if self._buffer is not None:
