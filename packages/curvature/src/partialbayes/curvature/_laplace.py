@@ -27,7 +27,7 @@ from partialbayes.curvature._prior import (
     grid_val_nlls,
     prior_vector,
 )
-from partialbayes.predictive import gaussian_predictive, laplace_bridge
+from partialbayes.predictive import laplace_bridge
 from partialbayes.predictive.internal import (
     PosteriorFile,
     check_choice,
@@ -804,10 +804,9 @@ class LaplaceBase(ABC):
         logits, keep, f, (cov,) = _linearised([self], batch, labels=False, target_ids=target_ids)
         full, f = logits.to(cov.dtype), f.to(cov.dtype)
         if self.likelihood == "regression":
-            noise = self.sigma_noise**2
-            mean, var = gaussian_predictive(f, cov.diagonal(dim1=-2, dim2=-1), noise)
-            mean, var = _place(full, keep, mean), _place(torch.full_like(full, noise), keep, var)
-            return mean.to(logits.dtype), var.to(logits.dtype)
+            noise = self.sigma_noise**2  # our own covariance: added unchecked
+            var = _place(torch.full_like(full, noise), keep, cov.diagonal(dim1=-2, dim2=-1) + noise)
+            return _place(full, keep, f).to(logits.dtype), var.to(logits.dtype)
         if link == "probit":  # our own covariance: nothing to check
             probs = probit_kernel(f, cov.diagonal(dim1=-2, dim2=-1))
         elif link == "bridge":
