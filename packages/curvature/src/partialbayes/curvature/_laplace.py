@@ -397,9 +397,7 @@ class LaplaceBase(ABC):
         prev = self._check_previous(previous)
         loss = MapLoss(self.likelihood)
         run = Run(check_generator(generator), progress, loss)
-        run.preflight = lambda f, keep, mask: self._estimate(f, keep, mask, 0).check(
-            self.max_memory
-        )
+        run.preflight = lambda f, k, m: self._estimate(f, k, m, 0).check(self.max_memory)
         curvature = self._compute_curvature(loader, run)
         total, n, n_out = loss.result(self.device)
         run.finish(self.model)

@@ -241,9 +241,7 @@ def grid_val_nlls(
                 skipped += 1
                 continue
             with eval_mode(first.model), sized(posteriors, outputs):
-                logits, keep, covs = type(first)._covariances_of(
-                    posteriors, inputs, outputs, priors
-                )
+                logits, keep, covs = first._covariances_of(posteriors, inputs, outputs, priors)
             rows = logits if keep is None else logits[keep]
             if rows.shape[0] == 0:
                 skipped += 1

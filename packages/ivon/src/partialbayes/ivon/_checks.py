@@ -91,4 +91,4 @@ def _check_param_state(entry: Any, p: Tensor, where: str) -> None:
         if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
             raise ValueError(f"{where}saved {key!r} is not a finite floating-point tensor")
     if not bool((entry["hess"] > 0).all()):
-        raise ValueError(f"{where}saved 'hess' has entries <= 0 (the Hessian estimate must be > 0)")
+        raise ValueError(f"{where}saved 'hess' has entries <= 0 (it must be positive)")

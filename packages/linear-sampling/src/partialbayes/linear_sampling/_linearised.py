@@ -112,9 +112,7 @@ def linearised_logit_moments(
         b = idx.shape[0]
         eye = torch.eye(b * m, dtype=feats.dtype, device=feats.device).reshape(b, m, b * m)
         jt = feats.apply_t(idx, eye).to(train_features.dtype)  # [d, b·m]
-        x, _, _ = cg_solve(
-            lambda v: curvature_matvec(train_features, noise, v, bs) + a * v, jt, tol
-        )
+        x = cg_solve(lambda v: curvature_matvec(train_features, noise, v, bs) + a * v, jt, tol)[0]
         block = (jt.T @ x).reshape(b, m, b, m)
         cov[idx] = block[torch.arange(b), :, torch.arange(b), :].to(feats.dtype)
     return mean, cov
