@@ -202,9 +202,7 @@ class IVON(torch.optim.Optimizer):
         masks: dict[Tensor, _Mask] = {}
         for name in subset.names:
             if name not in named:
-                raise ValueError(
-                    f"IVON.from_subset: subset names parameter {name!r}, not in the model"
-                )
+                raise ValueError(f"IVON.from_subset: subset names {name!r}, not in the model")
             p = named[name]
             if not p.requires_grad:
                 raise ValueError(f"IVON.from_subset: subset parameter {name!r} is frozen")

@@ -84,9 +84,7 @@ def mackay_update(mean: Tensor, gamma: Tensor, prior: Prior) -> Prior:
     norms = _group_sum(mean * mean, groups, prior.n_groups)
     gamma = gamma.to(norms)
     if gamma.shape != norms.shape:
-        raise ValueError(
-            f"gamma has shape {tuple(gamma.shape)} , the prior {prior.n_groups} groups"
-        )
+        raise ValueError(f"gamma has shape {tuple(gamma.shape)}, the prior {prior.n_groups} groups")
     for g in range(prior.n_groups):
         if not float(gamma[g]) > 0:
             raise ValueError(
@@ -94,9 +92,7 @@ def mackay_update(mean: Tensor, gamma: Tensor, prior: Prior) -> Prior:
                 "(k) or use estimator='function'"
             )
         if not float(norms[g]) > 0:
-            raise ValueError(
-                f"the posterior mean of group {g} is zero: the MacKay update is undefined"
-            )
+            raise ValueError(f"posterior mean of group {g} is zero: the MacKay update is undefined")
     alpha = (gamma / norms).to(prior.alpha.dtype).cpu()
     return Prior(alpha.reshape(prior.alpha.shape), prior.groups)
 

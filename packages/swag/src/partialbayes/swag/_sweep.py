@@ -183,9 +183,7 @@ def sweep_learning_rate(
         try:
             swag = collect_swag(model, subset, train_batches, lr=lr, n_steps=sweep_steps, **common)
         except NonFiniteLossError as err:
-            warnings.warn(
-                f"SWAG sweep: {err}; scoring lr={lr} as inf", RuntimeWarning, stacklevel=2
-            )
+            warnings.warn(f"SWAG sweep: {err}; lr={lr} scores inf", RuntimeWarning, stacklevel=2)
             nll[lr] = math.inf
             continue
         value = predictive_nll(
