@@ -10,6 +10,7 @@ from torch import Tensor
 
 from partialbayes.predictive._validate import (
     PROB_ATOL,
+    check_broadcasts,
     check_nonneg,
     check_same_device,
     check_tensor,
@@ -127,15 +128,7 @@ def decompose_regression(
         var_samples = torch.as_tensor(float(var_samples), dtype=m.dtype, device=m.device)
     v = check_nonneg("var_samples", var_samples)
     check_same_device(mean_samples=m, var_samples=v)
-    try:
-        ok = torch.broadcast_shapes(m.shape, v.shape) == m.shape
-    except RuntimeError:
-        ok = False
-    if not ok:
-        raise ValueError(
-            f"var_samples of shape {tuple(v.shape)} does not broadcast to mean_samples "
-            f"{tuple(m.shape)}"
-        )
+    check_broadcasts("var_samples", v, "mean_samples", m)
     aleatoric = v.expand(m.shape).mean(0)
     epistemic = (m - m.mean(0)).square().mean(0)
     return Uncertainty(total=aleatoric + epistemic, aleatoric=aleatoric, epistemic=epistemic)

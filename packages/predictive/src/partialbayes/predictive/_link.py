@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from partialbayes.predictive._validate import (
+    check_broadcasts,
     check_nonneg,
     check_number,
     check_same_device,
@@ -156,15 +157,7 @@ def gaussian_predictive(
         noise_var = torch.as_tensor(value, dtype=mu.dtype, device=mu.device)
     noise = check_nonneg("noise_var", noise_var)
     target = v.diagonal(dim1=-2, dim2=-1) if full else v
-    try:
-        ok = torch.broadcast_shapes(target.shape, noise.shape) == target.shape
-    except RuntimeError:
-        ok = False
-    if not ok:
-        raise ValueError(
-            f"noise_var of shape {tuple(noise.shape)} does not broadcast to the variances "
-            f"{tuple(target.shape)}"
-        )
+    check_broadcasts("noise_var", noise, "the variances", target)
     if full:
         return mu, v + torch.diag_embed(torch.zeros_like(target) + noise)
     return mu, v + noise

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from partialbayes.predictive._validate import (
+    check_broadcasts,
     check_labels,
     check_nonneg,
     check_probs,
@@ -75,12 +76,7 @@ def gaussian_nll(
         raise ValueError(f"targets shape {tuple(t.shape)} != mean shape {tuple(m.shape)}")
     if bool((v == 0).any()):
         raise ValueError("var must be strictly positive for a Gaussian NLL")
-    try:
-        ok = torch.broadcast_shapes(m.shape, v.shape) == m.shape
-    except RuntimeError:
-        ok = False
-    if not ok:
-        raise ValueError(f"var shape {tuple(v.shape)} does not broadcast to mean {tuple(m.shape)}")
+    check_broadcasts("var", v, "mean", m)
     out = 0.5 * (math.log(2 * math.pi) + v.log() + (t - m).square() / v)
     return _reduce(out, reduction)
 

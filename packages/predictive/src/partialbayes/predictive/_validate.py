@@ -158,6 +158,18 @@ def check_nonneg(name: str, x: object) -> Tensor:
     return v
 
 
+def check_broadcasts(name: str, x: Tensor, target: str, to: Tensor) -> None:
+    """Refuse ``x`` unless it broadcasts to the shape of ``to`` (named ``target``) without enlarging it."""
+    try:
+        ok = torch.broadcast_shapes(to.shape, x.shape) == to.shape
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{name} of shape {tuple(x.shape)} does not broadcast to {target} {tuple(to.shape)}"
+        )
+
+
 def check_labels(name: str, labels: object, n: int, n_classes: int | None) -> Tensor:
     """Check integer labels ``[N]`` with values in ``[0, n_classes)``."""
     check_type(name, labels, Tensor, "a torch.Tensor")
