@@ -1,10 +1,4 @@
-"""Run an in-place kernel of :mod:`partialbayes.ivon._math` on every parameter: compiled or eager, direct or packed.
-
-Compiled: one fused ``torch.compile`` pass per call, compiled once per structural key with dynamic shapes
-(float hyperparameters as 0-d tensors). Eager: chunks of :data:`CHUNK` (CPU) or :data:`GPU_CHUNK` entries.
-Parameters of at most ``small`` entries, or strided, are packed into one flat tensor per field. Every entry
-gets the same arithmetic whichever way it is cut (the IVON concept page has the details).
-"""
+"""Run an in-place kernel of :mod:`partialbayes.ivon._math` on every parameter: compiled or eager, direct or packed."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""A loader read example by example (``vmap`` over an HF model fails on its attention masks).
-
-Examples labelled -100 and batches without a labelled example are skipped (one warning counts them); a
-loader with no labelled example is refused.
-"""
+"""A loader read example by example (``vmap`` over an HF model fails on its attention masks)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""IVON's noise: float32 standard normals (whatever the target dtype), on CPUs drawn in parallel pieces.
-
-On a CPU a tensor of more than :data:`PIECE` entries is drawn in pieces, piece ``k`` from a generator seeded
-with the ``k``-th seed drawn from the optimizer's generator, on a thread pool; the noise does not depend on
-the thread count. Smaller tensors, and GPU tensors, draw straight from the generator in list order.
-"""
+"""IVON's noise: float32 standard normals (whatever the target dtype), on CPUs drawn in parallel pieces."""
 
 from __future__ import annotations
 

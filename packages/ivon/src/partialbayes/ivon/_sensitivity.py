@@ -1,8 +1,4 @@
-"""Sensitivity to each training example and the leave-one-out estimate (Nickl et al., 2023; Shen et al., §4.4).
-
-Leaving example ``i`` out moves its logits by ``Δf_i ≈ V_i e_i`` with ``V_i = J_i Σ J_iᵀ`` and
-``e_i = softmax(f_i) − onehot(y_i)`` (see `sensitivity`); ``J_i`` from one backward pass per class.
-"""
+"""Sensitivity to each training example and the leave-one-out estimate (Nickl et al., 2023; Shen et al., §4.4)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""`SampledLaplace` files: ``partialbayes.predictive``'s posterior files with this family's fields.
-
-This module reads and builds the class through its attributes, so ``_posterior`` imports it, not the reverse.
-"""
+"""`SampledLaplace` files: ``partialbayes.predictive``'s posterior files with this family's fields."""
 
 from __future__ import annotations
 

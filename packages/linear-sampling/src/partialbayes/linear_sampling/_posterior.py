@@ -1,9 +1,4 @@
-"""Sampling-based linearised Laplace over a subset of a network: a ``partialbayes.predictive.Posterior``.
-
-The posterior of the network linearised at its MAP ``θ*``, ``N(θ*, H⁻¹)`` with ``H = JᵀBJ + A`` on the
-subset's entries, is represented by ``k`` zero-mean samples ``z_j ~ N(0, H⁻¹)`` drawn by
-sample-then-optimise (Antorán et al., ICLR 2023); the predictive is ``f(x; θ*) + J(x) z_j``.
-"""
+"""Sampling-based linearised Laplace over a subset of a network: a ``partialbayes.predictive.Posterior``."""
 
 from __future__ import annotations
 

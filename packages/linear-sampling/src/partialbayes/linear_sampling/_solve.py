@@ -1,8 +1,4 @@
-"""Posterior mean and sample-then-optimise posterior samples of the Gaussian linear model.
-
-Model: ``y_n = Φ_n θ + η_n``, ``θ ~ N(0, A⁻¹)``, ``η_n ~ N(0, B_n⁻¹)``. Posterior precision
-``H = ΦᵀBΦ + A``, mean ``θ̄ = H⁻¹ΦᵀBY``.
-"""
+"""Posterior mean and sample-then-optimise posterior samples of the Gaussian linear model."""
 
 from __future__ import annotations
 

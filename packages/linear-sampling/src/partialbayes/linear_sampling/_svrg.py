@@ -1,8 +1,4 @@
-"""Variance-reduced minibatch solver (SVRG with Nesterov momentum) for ``Hx = c``, ``H = ΦᵀBΦ + A``.
-
-Between snapshots ``x̃`` (exact gradient ``r̃ = Hx̃ − c`` by one full pass) a step uses
-``Ĥ_S (x − x̃) + r̃`` with ``Ĥ_S`` a minibatch's curvature: unbiased, with noise vanishing at the solution.
-"""
+"""Variance-reduced minibatch solver (SVRG with Nesterov momentum) for ``Hx = c``, ``H = ΦᵀBΦ + A``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""One way to read a batch (tensor, ``(inputs, labels)`` pair, or mapping) and call a model.
-
-Token-level outputs ``[B, T, C]`` count one output per kept position (mask 1, label not -100).
-"""
+"""One way to read a batch (tensor, ``(inputs, labels)`` pair, or mapping) and call a model."""
 
 from __future__ import annotations
 

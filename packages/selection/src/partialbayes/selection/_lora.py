@@ -1,9 +1,4 @@
-"""Bayesian LoRA: subsets over the LoRA adapter maps of a PEFT model (Yang et al., 2024).
-
-PEFT wraps a targeted layer ``q`` as ``q.base_layer`` plus, per adapter, the ``nn.Linear`` maps
-``q.lora_A.<adapter>`` and ``q.lora_B.<adapter>``, which every strategy and Kronecker-factored posterior
-handles unchanged. PEFT is read by duck typing, never imported.
-"""
+"""Bayesian LoRA: subsets over the LoRA adapter maps of a PEFT model (Yang et al., 2024)."""
 
 from __future__ import annotations
 
