@@ -95,14 +95,14 @@ def check_fields(obj: Any, owner: str | None = None) -> None:
         check(f"{owner}.{field.name}", value, meta["interval"])
 
 
-def check_tensor(name: str, x: object, *, floating: bool = True) -> Tensor:
-    """Check that ``x`` is a tensor (floating point when asked) with only finite entries."""
+def check_tensor(name: str, x: object, *, floating: bool = True, finite: bool = True) -> Tensor:
+    """Check that ``x`` is a tensor (floating point when asked) with only finite entries (when asked)."""
     check_type(name, x, Tensor, "a torch.Tensor")
     if floating and not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
     # Fast path: a NaN or inf anywhere makes the total non-finite (inf - inf is NaN). Only when
     # the total is non-finite (possibly a harmless overflow) are the entries checked one by one.
-    if x.is_floating_point() and not bool(torch.isfinite(x.sum())):
+    if finite and x.is_floating_point() and not bool(torch.isfinite(x.sum())):
         n_bad = int((~torch.isfinite(x)).sum())
         if n_bad:
             raise ValueError(f"{name} contains {n_bad} NaN or infinite value(s)")
@@ -128,10 +128,7 @@ def check_same_device(**tensors: Tensor) -> None:
 
 def check_probs(name: str, probs: object) -> Tensor:
     """Check categorical probabilities ``[..., C]``: finite, non-negative, rows sum to one (two passes)."""
-    check_type(name, probs, Tensor, "a torch.Tensor")
-    if not probs.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {probs.dtype}")
-    p = probs
+    p = check_tensor(name, probs, finite=False)  # finiteness: through the row sums below
     if p.ndim < 1 or p.shape[-1] < 1:
         raise ValueError(f"{name} must have shape [..., C] with C >= 1, got {tuple(p.shape)}")
     if p.numel() == 0:
