@@ -146,53 +146,51 @@ def model_device(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
-def check_logits(logits: Tensor, num_classes: int | None, batch_index: int) -> None:
+def check_logits(logits: Tensor, num_classes: int | None, index: int) -> None:
     """Refuse output rows that are not ``[N, C]`` (``C == num_classes`` when given) or not finite."""
     if logits.ndim != 2:
-        raise ValueError(
-            f"batch {batch_index}: model output rows must be [N, C], got {tuple(logits.shape)}"
-        )
+        raise ValueError(f"batch {index}: output rows must be [N, C], got {tuple(logits.shape)}")
     if num_classes is not None and logits.shape[1] != num_classes:
         raise ValueError(
-            f"batch {batch_index}: model outputs {logits.shape[1]} logits but num_classes={num_classes}"
+            f"batch {index}: model outputs {logits.shape[1]} logits but num_classes={num_classes}"
         )
     if not bool(torch.isfinite(logits).all()):
-        raise ValueError(f"batch {batch_index}: the model's logits are not finite")
+        raise ValueError(f"batch {index}: the model's logits are not finite")
 
 
-def check_labels(labels: Tensor, logits: Tensor, likelihood: str, batch_index: int) -> Tensor:
+def check_labels(labels: Tensor, logits: Tensor, likelihood: str, index: int) -> Tensor:
     """One batch's labels checked against its output rows ``[B, C]``: ``int64 [B]`` or regression ``[B, C]``."""
-    check_type(f"batch {batch_index}: labels", labels, Tensor, "a tensor")
+    check_type(f"batch {index}: labels", labels, Tensor, "a tensor")
     b, c = logits.shape
     if likelihood == "classification":
         if labels.dtype.is_floating_point or labels.is_complex() or labels.dtype == torch.bool:
             raise ValueError(
-                f"batch {batch_index}: classification labels must be integer class indices, "
+                f"batch {index}: classification labels must be integer class indices, "
                 f"got dtype {labels.dtype}"
             )
         if tuple(labels.shape) != (b,):
             raise ValueError(
-                f"batch {batch_index}: classification labels must have shape [{b}] (one class per "
+                f"batch {index}: classification labels must have shape [{b}] (one class per "
                 f"example), got {tuple(labels.shape)}"
             )
         if b > 0:
             lo, hi = int(labels.min()), int(labels.max())
             if lo < 0 or hi >= c:
-                raise ValueError(f"batch {batch_index}: labels not in [0, {c}): min {lo}, max {hi}")
+                raise ValueError(f"batch {index}: labels out of range [0, {c}): min {lo}, max {hi}")
         return labels.long()
     if labels.is_complex() or labels.dtype == torch.bool:
         raise ValueError(
-            f"batch {batch_index}: regression targets must be real numbers, got dtype {labels.dtype}"
+            f"batch {index}: regression targets must be real numbers, got dtype {labels.dtype}"
         )
     y = labels[:, None] if labels.ndim == 1 and c == 1 else labels
     if tuple(y.shape) != (b, c):
         expected = f"[{b}, {c}]" + (f" or [{b}]" if c == 1 else "")
         raise ValueError(
-            f"batch {batch_index}: regression targets of shape {tuple(labels.shape)} do not match the "
+            f"batch {index}: regression targets of shape {tuple(labels.shape)} do not match the "
             f"model outputs: expected {expected}"
         )
     if not bool(torch.isfinite(y).all()):
-        raise ValueError(f"batch {batch_index}: regression targets are not finite")
+        raise ValueError(f"batch {index}: regression targets are not finite")
     return y
 
 

@@ -170,9 +170,7 @@ class Prior:
             a = torch.tensor(float(a))
             object.__setattr__(self, "alpha", a)
         if not isinstance(a, Tensor) or not a.dtype.is_floating_point or a.ndim > 1:
-            raise TypeError(
-                f"prior precision alpha must be a float or a [G] float tensor, got {a!r}"
-            )
+            raise TypeError(f"prior precision alpha must be a float or [G] float tensor, got {a!r}")
         if not bool(torch.isfinite(a).all() & (a > 0).all()):
             raise ValueError(f"prior precision alpha must be positive and finite, got {a.tolist()}")
         g = self.groups

@@ -46,7 +46,9 @@ def _top_scores(
     k = ceil_fraction(percent, total)
     n_scores = sum(int(s.numel()) for s in scores.values())
     if k > n_scores:
-        raise ValueError(f"percent={percent} asks for {k} entries but only {n_scores} have scores")
+        raise ValueError(
+            f"percent={percent} asks for {k} entries but only {n_scores} are given scores"
+        )
     dtype = functools.reduce(torch.promote_types, (s.dtype for s in scores.values()))
     flat = torch.cat([s.detach().reshape(-1).to("cpu", dtype) for s in scores.values()])
     return _masks_from_flat(model, {n: s.shape for n, s in scores.items()}, top_k_stable(flat, k))
