@@ -96,3 +96,22 @@ def test_bad_samples_and_files_are_refused(helpers, tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"not a file")
     with pytest.raises(ValueError, match="safetensors"):
         SampledPosterior.load(tmp_path / "junk.safetensors", model)
+
+
+def test_chains_compute_gradients_of_the_subsets_tensors_only(helpers):
+    """Backward stops below the subset (fc1.bias frozen, fc2.bias outside it); flags come back after."""
+    model = helpers.tiny_net(2)
+    subset = Subset.from_model(model, {"fc2.weight": KronBlock(rows=torch.tensor([0, 1]))})
+    model.fc1.bias.requires_grad_(False)
+    before = {n: p.requires_grad for n, p in model.named_parameters()}
+    seen = []
+
+    def loss(m, batch):
+        seen.append({n for n, p in m.named_parameters() if p.requires_grad})
+        return helpers.x_loss(m, batch)
+
+    batches = helpers.x_batches(model, seed=2)
+    run_chain(model, subset, batches, n_steps=3, lr=0.05, num_data=64, loss_fn=loss)
+    assert seen == [{"fc2.weight"}] * 3
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == before
+    assert all(p.grad is None for p in model.parameters())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -147,6 +147,20 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for m, mode in modes:
             m.training = mode
+
+
+@contextmanager
+def gradients_only(model: nn.Module, names: Iterable[str]) -> Iterator[nn.Module]:
+    """Only the parameters ``names`` require gradients (backward stops below them); flags restored on exit."""
+    keep = set(names)
+    flags = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
+    try:
+        for n, p, _ in flags:
+            p.requires_grad_(n in keep)
+        yield model
+    finally:
+        for _, p, flag in flags:
+            p.requires_grad_(flag)
 
 
 class TrainerEvents:

@@ -26,6 +26,7 @@ from partialbayes.predictive._posterior import (
     available_memory,
     check_likelihood,
     eval_mode,
+    gradients_only,
     resolve_link,
     rows,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "flatten_outputs",
     "gaussian_draws",
     "gaussian_mc",
+    "gradients_only",
     "model_logits",
     "model_structure",
     "move_batch",

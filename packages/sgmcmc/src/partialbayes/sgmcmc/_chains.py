@@ -13,6 +13,7 @@ from partialbayes.predictive.internal import (
     IGNORE_INDEX,
     check_int,
     flatten_outputs,
+    gradients_only,
     model_logits,
     split_batch,
 )
@@ -81,7 +82,8 @@ def run_chain(
     device = next(iter(params.values())).device
     generator = torch.Generator(device=device).manual_seed(seed)
     start = {n: subset.gather(n, p.detach()).clone() for n, p in params.items()}
-    with subset.swapped(model, start):  # the model gets its weights back, whatever happens
+    # the model gets its weights back, whatever happens; gradients only for the subset's tensors
+    with subset.swapped(model, start), gradients_only(model, subset.names):
         sampler = SGMCMC(model, subset, generator=generator, **sampler_options)
         batches = _cycle(data)
         for step in range(1, n_steps + 1):

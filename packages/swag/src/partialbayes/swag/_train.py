@@ -18,6 +18,7 @@ from partialbayes.predictive.internal import (
     check_int,
     check_number,
     flatten_outputs,
+    gradients_only,
     model_logits,
     move_batch,
     split_batch,
@@ -159,17 +160,12 @@ def numbered_cycle(batches: Iterable[Batch]) -> Iterator[tuple[int, int, Batch]]
 def _training_state(model: nn.Module, trainable: set[str]) -> Iterator[None]:
     """Train mode, gradients only for ``trainable`` parameters; modes and flags restored on exit."""
     modes = {m: m.training for m in model.modules()}
-    flags = {n: p.requires_grad for n, p in model.named_parameters()}
     try:
-        model.train()
-        for n, p in model.named_parameters():
-            p.requires_grad_(n in trainable)
-        yield
+        with gradients_only(model.train(), trainable):
+            yield
     finally:
         for m, mode in modes.items():
             m.training = mode
-        for n, p in model.named_parameters():
-            p.requires_grad_(flags[n])
 
 
 def _progress(total: int, enabled: bool, desc: str) -> Any:
