@@ -9,7 +9,8 @@ Usage::
 
 Each ``packages/<pkg>/benchmarks/bench_*.py`` module is imported and every ``bench_*`` function in it is
 called with a :class:`benchharness.Bench`. A benchmark that raises is reported as failed and the run goes on.
-Results are written atomically; the docs table is replaced between its markers.
+Results are written atomically after every benchmark (an interrupted run keeps what it measured); the docs
+table is replaced between its markers at the end.
 """
 
 from __future__ import annotations
@@ -157,6 +158,19 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     rows, failed = [], []
+
+    def snapshot() -> dict:
+        results = {
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": machine(),
+            "device": str(device),
+            "quick": args.quick,
+            "failed": failed,
+            "rows": rows_to_dicts(rows),
+        }
+        atomic_write(args.out, json.dumps(results, indent=2))
+        return results
+
     for pkg, path in modules:
         spec = importlib.util.spec_from_file_location(f"bench_{pkg}_{path.stem}", path)
         assert spec is not None
@@ -183,15 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc()
                 failed.append(f"{pkg}/{path.name}::{name}")
             rows.extend(bench.rows)
-    results = {
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine(),
-        "device": str(device),
-        "quick": args.quick,
-        "failed": failed,
-        "rows": rows_to_dicts(rows),
-    }
-    atomic_write(args.out, json.dumps(results, indent=2))
+            results = snapshot()  # after every benchmark: an interrupted run keeps what it measured
+    results = snapshot()
     print(f"wrote {args.out}")
     if not args.no_docs:
         write_page(results)

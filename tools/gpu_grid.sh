@@ -5,17 +5,21 @@
 #
 #   tools/gpu_grid.sh RESULTS_FOLDER [SECONDS]
 #
-# 1. RTE, splits 0-4: fine-tune the packaged MiniLM (up to 10 epochs, early stopping) and every Laplace
-#    and temperature row of Table 2 (no CPU run of RTE exists);
-# 2. SWAG's rows of Table 2 on RTE split 0 (full, and the module strategies);
+# 1. RTE split 0: fine-tune the packaged MiniLM (up to 10 epochs, early stopping) and every Laplace and
+#    temperature row of Table 2 (no CPU run of RTE exists);
+# 2. SWAG's rows of Table 2 on RTE split 0 (full, and the module strategies), from the same fine-tune;
+# 2b. RTE splits 1-4, as in 1;
 # 3. SST-2 in full (all ~60,000 training sentences), split 0, the Laplace rows.
 # Each stage gets what is left of the budget; an interrupted stage keeps every finished cell (and a
 # fine-tune resumes after its last epoch when the same command is rerun on the same machine).
+# GLUE_BENCH names the command (default `uv run --frozen glue-bench`; on a machine without uv, the
+# installed `glue-bench`), DEVICE the torch device (cuda).
 set -euo pipefail
 results=${1:?usage: tools/gpu_grid.sh RESULTS_FOLDER [SECONDS]}
 budget=${2:-840}
 end=$(($(date +%s) + budget))
 export HF_HUB_OFFLINE=1
+read -r -a glue_bench <<<"${GLUE_BENCH:-uv run --frozen glue-bench}"
 LAPLACE=map,temperature,last-layer,skfac,kfac-full,kfac-max-mlp,kfac-min-mlp,kfac-max-attn,kfac-min-attn,kfac-random
 SWAG=swag-full,swag-max-mlp,swag-min-mlp,swag-max-attn,swag-min-attn,swag-random
 
@@ -26,11 +30,12 @@ stage() {
     return 0
   fi
   echo "gpu_grid: ${left} s left, running: $*" >&2
-  timeout --signal=INT "$left" uv run --frozen glue-bench run --device "${DEVICE:-cuda}" \
+  timeout --signal=INT "$left" "${glue_bench[@]}" run --device "${DEVICE:-cuda}" \
     --length-buckets 8 --results "$results" --no-progress "$@" || echo "gpu_grid: stage ended early ($?)" >&2
 }
 
-stage --tasks rte --splits 0-4 --methods "$LAPLACE"
+stage --tasks rte --splits 0 --methods "$LAPLACE"
 stage --tasks rte --splits 0 --methods "$SWAG"
+stage --tasks rte --splits 1-4 --methods "$LAPLACE"
 stage --tasks sst2 --splits 0 --methods "$LAPLACE"
-uv run --frozen glue-bench report --results "$results" >/dev/null && echo "gpu_grid: report in $results/report" >&2
+"${glue_bench[@]}" report "$results" >/dev/null && echo "gpu_grid: report in $results/report" >&2
