@@ -81,7 +81,7 @@ def test_skfac_factors_are_principal_subblocks(seed, n, p, device):
     g = torch.Generator().manual_seed(seed)
     rows = torch.randperm(6, generator=g)[: max(1, 6 * p // 100)].sort().values
     cols = torch.randperm(5, generator=g)[: max(1, 5 * p // 100)].sort().values
-    x = torch.randn(n, 5, generator=g, dtype=torch.float64, device=device)
+    x = torch.randn(n, 5, generator=g, dtype=torch.float64).to(device)
     y = torch.randint(0, 3, (n,), generator=g).to(device)
     full = kfac(model, [(x, y)], modules(model, ["0"]), fisher="empirical")["0"]
     sub = Subset.from_model(model, {"0.weight": KronBlock(rows, cols), "0.bias": KronBlock(rows)})
