@@ -51,6 +51,14 @@ def bench_step(b: Bench) -> None:
     repeat = 5 if b.quick else 20
     sgd = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     b.time(SGD, sgd.step, group=group, repeat=repeat)
+    noise = torch.empty(n, device=b.device)  # what T > 0 adds: one normal per entry
+    b.time(
+        "normal_ of every weight (the draw alone)",
+        noise.normal_,
+        group=group,
+        reference=SGD,
+        repeat=repeat,
+    )
     whole = _subset(model, 1.0)
     for method, temperature in [
         ("sghmc", 0.0),

@@ -544,9 +544,7 @@ class LaplaceBase(ABC):
             prev, scale = self._previous, self._previous._scale(sigma_noise)
             delta = {n: self._map[n] - self._prior_mean[n] for n in self._map}
             log_det_prior, scatter = prev._log_det(prior, scale), prev._quad(delta, prior, scale)
-        log_det = self._log_det(
-            prior, self._scale(sigma_noise)
-        )  # the 2π factors of P and P₀ cancel
+        log_det = self._log_det(prior, self._scale(sigma_noise))  # P's and P₀'s 2π factors cancel
         return self.log_likelihood(sigma_noise) - 0.5 * (log_det - log_det_prior) - 0.5 * scatter
 
     @overload

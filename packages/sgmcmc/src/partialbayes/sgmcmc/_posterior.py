@@ -204,10 +204,5 @@ class SampledPosterior:
             n: part.to(params[n].dtype)
             for n, part in zip(subset.names, flat.split(sizes, 1), strict=True)
         }
-        return cls(
-            model,
-            subset,
-            samples,
-            likelihood=file.meta["likelihood"],
-            sigma_noise=file.meta["sigma_noise"],
-        )
+        options = {k: file.meta[k] for k in ("likelihood", "sigma_noise")}
+        return cls(model, subset, samples, **options)

@@ -87,20 +87,30 @@ class SGMCMC(torch.optim.Optimizer):
         self.thin = check_int("thin", thin)
         self.generator = check_generator(generator)
         self.names = list(params)
-        self._index = {  # flat positions of the entries; None: the whole parameter (updated in place)
-            n: None
+        self._index = [  # flat positions of the entries; None: the whole parameter (updated in place)
+            None
             if subset.num_entries(n) == p.numel() and p.is_contiguous()
             else subset.mask(n).to(p.device).reshape(-1).nonzero().squeeze(1)
             for n, p in params.items()
-        }
+        ]
+        chunks: dict[Any, list[int]] = {}  # updated together: on CUDA per dtype/device (foreach),
+        for k, p in enumerate(params.values()):  # else per tensor (cache-friendly, like SGD's loop)
+            chunks.setdefault((p.dtype, p.device) if p.is_cuda else k, []).append(k)
+        self._chunks = list(chunks.values())
+        self._noise: dict[int, tuple[Tensor, list[Tensor]]] = {}  # per chunk: a buffer, its views
         self.steps, self.friction = 0, 1.0 - self.defaults["momentum"]
         self.samples: list[dict[str, Tensor]] = []
 
-    def _add_noise(self, x: Tensor, std: float) -> None:
-        """``x += std · ξ``, ``ξ ~ N(0, I)`` from the sampler's generator (nothing drawn at ``std = 0``)."""
+    def _add_noise(self, chunk: int, xs: list[Tensor], std: float) -> None:
+        """``x += std · ξ`` for the tensors of a chunk: one ``normal_`` into the chunk's kept buffer."""
         if std:
-            noise = torch.randn(x.shape, generator=self.generator, dtype=x.dtype, device=x.device)
-            x.add_(noise, alpha=std)
+            if chunk not in self._noise:
+                sizes = [x.numel() for x in xs]
+                flat = xs[0].new_empty(sum(sizes))
+                self._noise[chunk] = flat, list(flat.split(sizes))
+            flat, views = self._noise[chunk]
+            flat.normal_(0.0, std, generator=self.generator)
+            torch._foreach_add_(xs, views)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:  # type: ignore[override]
@@ -115,50 +125,48 @@ class SGMCMC(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         group = self.param_groups[0]
-        lr, mu, temp = group["lr"], group["momentum"], group["temperature"]
+        lr, mu, temp, params = group["lr"], group["momentum"], group["temperature"], group["params"]
         if not lr > 0:
             raise ValueError(f"lr must be > 0 at every step, got {lr} at step {self.steps + 1}")
-        n, decay = self.num_data, group["prior_precision"] / self.num_data
-        kinetic, count = 0.0, 0
-        for name, p in zip(self.names, group["params"], strict=True):
+        n, theta, g, norms = self.num_data, [], [], []
+        for name, p, i in zip(self.names, params, self._index, strict=True):
             if p.grad is None:
                 raise ValueError(f"parameter {name!r} has no gradient: call loss.backward() first")
-            idx = self._index[name]
-            theta = p.view(-1) if idx is None else p.view(-1)[idx]
-            g = p.grad.reshape(-1) if idx is None else p.grad.reshape(-1)[idx]
-            if decay:
-                g = g.add(theta, alpha=decay)
+            theta.append(p.view(-1) if i is None else p.view(-1)[i])
+            g.append(p.grad.reshape(-1) if i is None else p.grad.reshape(-1)[i])
+            if self.method != "sgld" and "buf" not in self.state[p]:
+                self.state[p]["buf"] = torch.zeros_like(theta[-1])
+        for c, chunk in enumerate(self._chunks):
+            th, gr = [theta[k] for k in chunk], [g[k] for k in chunk]
+            if group["prior_precision"]:
+                gr = torch._foreach_add(gr, th, alpha=group["prior_precision"] / n)
             if self.method == "sgld":
-                theta.add_(g, alpha=-lr)
-                self._add_noise(theta, math.sqrt(2 * lr * temp / n))
+                torch._foreach_add_(th, gr, alpha=-lr)
+                self._add_noise(c, th, math.sqrt(2 * lr * temp / n))
+                continue
+            b = [self.state[params[k]]["buf"] for k in chunk]
+            if self.method == "baoa":
+                torch._foreach_add_(b, gr)
+                torch._foreach_add_(th, b, alpha=-lr / 2)
+                torch._foreach_mul_(b, mu)
+                self._add_noise(c, b, math.sqrt((1 - mu * mu) * temp / (lr * n)))
             else:
-                state = self.state[p]
-                if "buf" not in state:
-                    state["buf"] = torch.zeros_like(theta)
-                b = state["buf"]
-                if self.method == "baoa":
-                    b.add_(g)
-                    theta.add_(b, alpha=-lr / 2)
-                    b.mul_(mu)
-                    std = math.sqrt((1 - mu * mu) * temp / (lr * n))
-                else:
-                    b.mul_(mu if self.method == "sghmc" else 1 - self.friction).add_(g)
-                    std = math.sqrt(2 * (1 - mu) * temp / (lr * n))
-                self._add_noise(b, std)
-                theta.add_(b, alpha=-lr / 2 if self.method == "baoa" else -lr)
-                if self.method == "sgnht":
-                    kinetic += float(b.square().sum())
-                    count += b.numel()
-            if idx is not None:
-                p.view(-1).index_copy_(0, idx, theta)
+                torch._foreach_mul_(b, mu if self.method == "sghmc" else 1 - self.friction)
+                torch._foreach_add_(b, gr)
+                self._add_noise(c, b, math.sqrt(2 * (1 - mu) * temp / (lr * n)))
+            torch._foreach_add_(th, b, alpha=-lr / 2 if self.method == "baoa" else -lr)
+            if self.method == "sgnht":  # Σ b² of the chunk, read once all chunks moved
+                norms.append(torch.stack(torch._foreach_norm(b)).square().sum())
         if self.method == "sgnht":
+            kinetic = sum(float(x) for x in norms) / sum(t.numel() for t in theta)
             target = 2 * temp / (2 - self.friction)  # the Euler momentum's kinetic temperature at T
-            self.friction += lr / n * (lr * n * kinetic / count - target)
+            self.friction += lr / n * (lr * n * kinetic - target)
+        for p, i, t in zip(params, self._index, theta, strict=True):
+            if i is not None:
+                p.view(-1).index_copy_(0, i, t)
         self.steps += 1
         done = self.steps - self.burn_in
-        if (
-            done > 0 and done % self.thin == 0
-        ):  # only kept samples are checked: a check costs a pass
+        if done > 0 and done % self.thin == 0:  # only kept samples are checked (a check is a pass)
             sample = self.current()
             bad = [n for n, v in sample.items() if not bool(torch.isfinite(v).all())]
             if bad:
