@@ -31,6 +31,7 @@ FORMATS = {
     "MultiIVON": "partialbayes.ivon.MultiIVON",
 }
 VERSION = 2
+_FIELDS = {"components": int, "parameters": list, "likelihood": str, "sigma_noise": (int, float)}
 
 #: One run's ``(mean, std)``: parameter name -> tensor in the parameter's storage shape.
 Run = tuple[dict[str, Tensor], dict[str, Tensor]]
@@ -275,6 +276,17 @@ class GaussianPosterior(_SampledFamily):
             for name, (m, s) in self._moments().items()
         }
 
+    def penalty(self, model: nn.Module | None = None) -> Tensor:
+        """``½ Σ (θ − m)² / σ²`` over the subset's entries of ``model`` (default: the posterior's model).
+
+        Minus the log density up to a constant, differentiable. As the next episode's prior (continual
+        learning), train on ``loss + posterior.penalty() / N`` (``N`` its examples; IVON: weight decay 0).
+        """
+        params = self.subset.parameters_of(self.model if model is None else model)
+        moments = self._moments().items()
+        z = [(self.subset.gather(n, params[n]) - m) / s for n, (m, s) in moments]  # standardised
+        return 0.5 * sum(t.square().sum() for t in z)
+
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: nn.Module) -> GaussianPosterior:
         """Load a `GaussianPosterior` saved with `save` onto ``model``.
@@ -507,15 +519,7 @@ def load_posterior(
             does not fit ``model``.
     """
     file = read_posterior_file(
-        path,
-        formats=tuple(FORMATS.values()),
-        version=VERSION,
-        fields={
-            "components": int,
-            "parameters": list,
-            "likelihood": str,
-            "sigma_noise": (int, float),
-        },
+        path, formats=tuple(FORMATS.values()), version=VERSION, fields=_FIELDS
     )
     if model is not None:
         file.check_model(model)
@@ -527,16 +531,10 @@ def load_posterior(
             for n, t in tensors.items()
         }
 
+    options = {k: file.meta[k] for k in ("likelihood", "sigma_noise")}
     try:
         runs = [
-            GaussianPosterior(
-                place(mean),
-                place(std),
-                model,
-                likelihood=file.meta["likelihood"],
-                sigma_noise=file.meta["sigma_noise"],
-            )
-            for mean, std in _read_runs(file)
+            GaussianPosterior(place(m), place(s), model, **options) for m, s in _read_runs(file)
         ]
     except ValueError as err:
         raise file.error(f"the saved settings are invalid: {err}") from err
