@@ -196,3 +196,25 @@ def test_bad_use_is_explained(helpers):
         )
     with pytest.raises(ValueError, match="no batch"):
         run_chain(model, subset, [], n_steps=1, lr=0.1, num_data=10)
+
+
+def test_on_each_device_zero_temperature_is_sgd_and_a_seed_fixes_the_chain(helpers, device):
+    """On CUDA a dtype's tensors move together (foreach kernels, as torch.optim.SGD's default there)."""
+    model = helpers.tiny_net(5, device=device)
+    ref = copy.deepcopy(model)
+    batches = helpers.x_batches(model, seed=5)
+    sampler = SGMCMC(
+        model, whole(model), lr=0.1, num_data=50, temperature=0.0, prior_precision=10.0
+    )
+    train(model, sampler, batches, helpers.x_loss)
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=0.2)
+    train(ref, sgd, batches, helpers.x_loss)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+    subset = helpers.partial_subset(model)
+    kw = dict(n_steps=4, lr=0.05, num_data=64, loss_fn=helpers.x_loss, burn_in=3)
+    for method in METHODS:
+        a, b = (run_chain(model, subset, batches, method=method, seed=1, **kw) for _ in range(2))
+        for n in subset.names:
+            assert torch.equal(a.samples[-1][n], b.samples[-1][n])
+            assert not torch.equal(a.samples[-1][n], a.current()[n])  # the chain moved
