@@ -146,12 +146,18 @@ def ggn(
         lam = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
     else:
         c = logits.shape[-1]
-        lam = torch.eye(c, dtype=logits.dtype, device=logits.device).expand(logits.shape[0], c, c) / sigma**2
+        lam = (
+            torch.eye(c, dtype=logits.dtype, device=logits.device).expand(logits.shape[0], c, c)
+            / sigma**2
+        )
     return torch.einsum("ncp,ncd,ndq->pq", J, lam, J)
 
 
 def empirical_fisher(J: Tensor, logits: Tensor, labels: Tensor) -> Tensor:
     """``Σ_n g_n g_nᵀ``, ``g_n = J_nᵀ (p_n − e_{y_n})``."""
-    r = torch.softmax(logits, -1) - torch.eye(logits.shape[-1], dtype=logits.dtype, device=logits.device)[labels]
+    r = (
+        torch.softmax(logits, -1)
+        - torch.eye(logits.shape[-1], dtype=logits.dtype, device=logits.device)[labels]
+    )
     g = torch.einsum("ncp,nc->np", J, r)
     return g.T @ g

@@ -60,7 +60,11 @@ def _params(model, seed):
     gen = torch.Generator().manual_seed(seed)
     mask = torch.rand(model.inner.weight.shape, generator=gen) < 0.5
     mask.view(-1)[0] = True
-    return {"inner.weight": mask.to(model.inner.weight.device), "head.weight": None, "head.bias": None}
+    return {
+        "inner.weight": mask.to(model.inner.weight.device),
+        "head.weight": None,
+        "head.bias": None,
+    }
 
 
 def _dense_jacobian(model, batches, params):
