@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import operator
 import types
 import warnings
 from collections.abc import Callable, Sequence
@@ -28,72 +27,55 @@ _STATE: dict[str, Any] = {"ok": None, "fns": {}}
 _LOG = logging.getLogger("partialbayes.ivon")
 
 
-def apply(
+def apply(kernel: Callable[..., None], items: Sequence[Any], **kwargs: Any) -> None:
+    """:func:`run` on a list of named tuples (items with the same absent fields are run together)."""
+    by_pattern: dict[tuple[bool, ...], list[Any]] = {}
+    for item in items:
+        by_pattern.setdefault(tuple(t is None for t in item), []).append(item)
+    for group in by_pattern.values():
+        run(
+            kernel,
+            [None if c[0] is None else list(c) for c in zip(*group, strict=True)],
+            type(group[0]),
+            **kwargs,
+        )
+
+
+def run(
     kernel: Callable[..., None],
-    items: Sequence[Any],
+    columns: list[list[Tensor] | None],
+    kind: type,
     *,
     compiled: bool = False,
     warn: bool = False,
     **kwargs: Any,
 ) -> None:
-    """Call ``kernel(item, **kwargs)`` on every item (one device), directly or packed; ``compiled`` falls back to eager."""
-    if not items:
+    """``kernel(kind(*fields), **kwargs)`` per parameter, direct or packed; ``compiled`` falls back to eager.
+
+    ``columns`` hold one field each (``None``: absent) of the parameters of one device and dtype.
+    """
+    present = [c for c in columns if c is not None]
+    if not present[0]:
         return
-    prepared = (
-        _prepare(kwargs, _first(items[0])) if compiled and _STATE["ok"] is not False else None
-    )
-    small = SMALL[prepared is not None]
-    by_pattern: dict[tuple[bool, ...], list[Any]] = {}
-    for item in items:
-        by_pattern.setdefault(tuple(t is None for t in item), []).append(item)
-    for group in by_pattern.values():
-        packed = []
-        for item in group:
-            present = [t for t in item if t is not None]
-            if present[0].numel() > small and all(t.is_contiguous() for t in present):
-                _flat(kernel, _map(item, lambda t: t.view(-1)), prepared, warn, kwargs)
-            else:
-                packed.append(item)
-        if packed:
-            _packed(kernel, packed, prepared, warn, kwargs)
+    prepared = _prepare(kwargs, present[0][0]) if compiled and _STATE["ok"] is not False else None
+    small, packed = SMALL[prepared is not None], []
+    for i, t in enumerate(present[0]):
+        if t.numel() > small and all(c[i].is_contiguous() for c in present):
+            _flat(kernel, kind(*(c and c[i].view(-1) for c in columns)), prepared, warn, kwargs)
+        else:
+            packed.append(i)
+    if len(packed) < len(present[0]):
+        columns = [c and [c[i] for i in packed] for c in columns]
+    if packed:  # one call on the concatenation, its written fields copied back
+        flat = kind(*(c and torch._C._nn.flatten_dense_tensors(c) for c in columns))
+        _flat(kernel, flat, prepared, warn, kwargs)
+        for src, dst in zip(flat.written, kind(*columns).written, strict=True):
+            torch._foreach_copy_(dst, torch._C._nn.unflatten_dense_tensors(src, dst))
 
 
 def available() -> bool:
     """Whether compiled kernels may be used (``False`` after a failed compilation in this process)."""
     return _STATE["ok"] is not False
-
-
-def _first(item: Any) -> Tensor:
-    return next(t for t in item if t is not None)
-
-
-def _map(item: Any, fn: Callable[[Tensor], Tensor]) -> Any:
-    """The same kind of named tuple with ``fn`` applied to each tensor."""
-    return type(item)(*(None if t is None else fn(t) for t in item))
-
-
-def _packed(
-    kernel: Callable[..., None],
-    items: list[Any],
-    prepared: _Prepared | None,
-    warn: bool,
-    kwargs: dict[str, Any],
-) -> None:
-    """One call on the concatenation of the items, its written fields copied back into each item."""
-    if len(items) == 1 and all(t is None or t.is_contiguous() for t in items[0]):
-        _flat(kernel, _map(items[0], lambda t: t.view(-1)), prepared, warn, kwargs)
-        return
-    columns = list(zip(*items, strict=True))
-    flat = type(items[0])(
-        *(None if col[0] is None else torch.cat([t.reshape(-1) for t in col]) for col in columns)
-    )
-    _flat(kernel, flat, prepared, warn, kwargs)
-    sizes = [_first(it).numel() for it in items]
-    for k, packed in enumerate(flat.written):
-        dst = [it.written[k] for it in items]
-        torch._foreach_copy_(
-            dst, [s.view(t.shape) for s, t in zip(packed.split(sizes), dst, strict=True)]
-        )
 
 
 def _flat(
@@ -104,7 +86,7 @@ def _flat(
     kwargs: dict[str, Any],
 ) -> None:
     """The kernel on an item of flat tensors: compiled whole, or eagerly (in chunks on a CPU)."""
-    first = _first(item)
+    first = item[0]
     n = first.numel()
     if n == 0:
         return
@@ -112,7 +94,9 @@ def _flat(
         return
     step = CHUNK if first.device.type == "cpu" else GPU_CHUNK
     for start in range(0, n, step):
-        kernel(_map(item, operator.itemgetter(slice(start, start + step))), **kwargs)
+        kernel(
+            type(item)(*(None if t is None else t[start : start + step] for t in item)), **kwargs
+        )
 
 
 # ------------------------------------------------------------------------------------------ torch.compile
@@ -162,7 +146,7 @@ def call(fn: Callable[..., None], item: Any, prepared: _Prepared, *, warn: bool)
     """Run the compiled ``fn(item, **kwargs)`` on flat tensors; ``False`` (nothing written) if compiling fails."""
     if _STATE["ok"] is False:
         return False
-    like = _first(item)
+    like = item[0]
     absent = tuple(t is None for t in item)
     key = (fn.__name__, type(item).__name__, like.dtype, like.device.type, absent, prepared.static)
     try:

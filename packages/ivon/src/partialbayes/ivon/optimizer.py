@@ -6,7 +6,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -134,6 +134,7 @@ class IVON(torch.optim.Optimizer):
         self.generator = generator
         self.compiled = compiled
         self._rank_generators: dict[torch.device, torch.Generator] = {}
+        self._plan_cache: tuple[list[int], list[_Bucket]] | None = None
         self._masks: dict[Tensor, _Mask] = {}
         self._names: dict[Tensor, str] = {}
         self._sampling = False
@@ -174,6 +175,7 @@ class IVON(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         group.setdefault("step", 0)
+        self._plan_cache = None
         for p in group["params"]:
             self.state[p] = {
                 "momentum": torch.zeros_like(p, memory_format=torch.preserve_format),
@@ -220,6 +222,7 @@ class IVON(torch.optim.Optimizer):
         params = [p for p in named.values() if p.requires_grad]
         opt = cls(params, **kwargs)
         opt._masks = {p: masks.get(p, False) for p in params}
+        opt._plan_cache = None
         opt._names = {p: n for n, p in named.items()}
         return opt
 
@@ -302,40 +305,38 @@ class IVON(torch.optim.Optimizer):
             self._materialize()  # the first sample's statistic needs its noise, which is redrawn now
         if train:
             self._release_grads()
-        if not self._noise:
-            self._noise = {
-                p: torch.empty(p.shape, dtype=torch.float16, device=p.device)
-                for p in self._variational()
-            }
         # data-parallel replicas must stay equal to the bit: no rank-specific rounding of the means
         exact = self._sync_enabled()
-        for group, params in self._buckets():
-            var = [p for p in params if p in self._noise]
-            if not var:
+        for b in self._plan():
+            params = b.var[0]
+            if not params:
                 continue
-            normal_([self._noise[p] for p in var], self._generator_for(var[0].device))
-            for p in var:
-                mask = self.variational_mask(p)
-                if isinstance(mask, Tensor):
-                    self._noise[p].mul_(mask)
-                if exact or p.dtype in _HALF:
-                    self._stash[p] = p.detach().clone()
-            self._shift(group, var, 1.0)
+            if params[0] not in self._noise:  # one float16 buffer per bucket, a view per parameter
+                flat = torch.empty(b.size, dtype=torch.float16, device=params[0].device)
+                self._noise.update(
+                    zip(params, torch._C._nn.unflatten_dense_tensors(flat, params), strict=True)
+                )
+            noise = [self._noise[p] for p in params]
+            normal_(noise, self._generator_for(params[0].device))
+            if b.masks is not None:
+                torch._foreach_mul_(noise, b.masks)
+            if exact or params[0].dtype in _HALF:
+                self._stash.update((p, p.detach().clone()) for p in params)
+            self._shift(b, noise, 1.0)
 
     def _leave(self) -> None:
         """Take the sample's noise out of the parameters again (half precision: copy the means back)."""
         for p, mean in self._stash.items():
             p.detach().copy_(mean)
-        for group, params in self._buckets():
-            noisy = [p for p in params if p in self._noise and p not in self._stash]
-            self._shift(group, noisy, -1.0)
+        for b in self._plan():
+            if b.var[0] and b.var[0][0] in self._noise and b.var[0][0] not in self._stash:
+                self._shift(b, [self._noise[p] for p in b.var[0]], -1.0)
         self._stash = {}
 
-    def _shift(self, group: dict[str, Any], params: list[Tensor], sign: float) -> None:
-        items = [Shift(p.detach(), self.state[p]["hess"], self._noise[p]) for p in params]
-        blocked.apply(
-            shift_, items, scale=sign / math.sqrt(group["ess"]),
-            weight_decay=float(group["weight_decay"]), **self._compile_opts(params),
+    def _shift(self, b: _Bucket, noise: list[Tensor], sign: float) -> None:
+        blocked.run(
+            shift_, [b.var[0], b.var[2], noise], Shift, scale=sign / math.sqrt(b.group["ess"]),
+            weight_decay=float(b.group["weight_decay"]), **self._compile_opts(b.large[0]),
         )  # fmt: skip
 
     def _collect(self, weight: float) -> None:
@@ -347,32 +348,34 @@ class IVON(torch.optim.Optimizer):
         self._count += 1
         self._weight += weight
         rate = weight / self._weight
-        for _group, params in self._buckets():
+        for b in self._plan():
+            params = b.var[0] + b.fixed[0]
             grads = [self._take_grad(p) for p in params]
             if self._count == 1:
                 self._avg_grad.update(zip(params, grads, strict=True))
             else:
-                items = [
-                    Fold(self._stat[p], g, self._noise_of(p))
-                    for p, g in zip(params, grads, strict=True)
-                    if p in self._stat
-                ]
-                blocked.apply(fold_, items, hess_approx=self.hess_approx, rate=rate)
-                torch._foreach_lerp_([self._avg_grad[p] for p in params], grads, rate)
-            for p in params:
-                p.grad = self._avg_grad[p]
+                if self._stat:
+                    self._fold(b, grads[: len(b.var[0])], rate)
+                avg = [self._avg_grad[p] for p in params]
+                torch._foreach_lerp_(avg, grads, rate)
+                grads = avg
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
         self._pending = self._count == 1 and bool(self._noise)  # noise: the variational parameters
 
     def _materialize(self) -> None:
         """Fold the pending statistic of the first sample (``z·g`` or ``g²``) into its own zeroed buffers."""
-        self._stat = {p: torch.zeros_like(p) for p in self._variational()}
-        items = [Fold(s, self._avg_grad[p], self._noise_of(p)) for p, s in self._stat.items()]
-        blocked.apply(fold_, items, hess_approx=self.hess_approx, rate=1.0)
+        for b in self._plan():
+            self._stat.update((p, torch.zeros_like(p)) for p in b.var[0])
+            self._fold(b, [self._avg_grad[p] for p in b.var[0]], 1.0)
         self._pending = False
 
-    def _noise_of(self, p: Tensor) -> Tensor | None:
-        """The current noise of ``p`` if the Hessian statistic needs it (``"price"``)."""
-        return self._noise[p] if self.hess_approx == "price" else None
+    def _fold(self, b: _Bucket, grads: list[Tensor], rate: float) -> None:
+        """Fold one sample's statistic, from its gradients of the bucket's variational parameters, into ``_stat``."""
+        price = self.hess_approx == "price"
+        noise = [self._noise[p] for p in b.var[0]] if price else None
+        columns = [[self._stat[p] for p in b.var[0]], grads, noise]
+        blocked.run(fold_, columns, Fold, hess_approx=self.hess_approx, rate=rate)
 
     def _discard(self) -> None:
         """Forget the collected samples and free their buffers (after a step, or a skipped one)."""
@@ -429,8 +432,8 @@ class IVON(torch.optim.Optimizer):
             self._check_finite()
         for group in self.param_groups:
             group["step"] += 1
-        for group, params in self._buckets():
-            self._update(group, params)
+        for b in self._plan():
+            self._update(b)
         self._discard()
         return loss
 
@@ -455,9 +458,9 @@ class IVON(torch.optim.Optimizer):
                 )
             return
         inv = 1.0 / float(grad_scale)
-        for _group, params in self._buckets():
-            torch._foreach_mul_([self._avg_grad[p] for p in params], inv)
-            stats = [self._stat[p] for p in params if p in self._stat]
+        for b in self._plan():
+            torch._foreach_mul_([self._avg_grad[p] for p in b.var[0] + b.fixed[0]], inv)
+            stats = [self._stat[p] for p in b.var[0]] if self._stat else []
             if stats:  # a pending statistic is computed later from the unscaled gradient
                 torch._foreach_mul_(stats, inv if self.hess_approx == "price" else inv * inv)
 
@@ -465,23 +468,20 @@ class IVON(torch.optim.Optimizer):
         """Average gradient and Hessian statistics over the ranks, weighted by their samples' batch sizes."""
         if self._pending:
             self._materialize()
-        for _group, params in self._buckets():
-            tensors = [self._avg_grad[p] for p in params] + [
-                self._stat[p] for p in params if p in self._stat
-            ]
+        for b in self._plan():
+            tensors = [self._avg_grad[p] for p in b.var[0] + b.fixed[0]]
+            tensors += [self._stat[p] for p in b.var[0]] if self._stat else []
             dist_utils.all_reduce_weighted_mean_(tensors, self._weight)
 
     def _check_finite(self) -> None:
         """Raise, naming the parameters, if a collected gradient holds NaN or inf; the samples are dropped."""
         bad: list[str] = []
-        for _group, params in self._buckets():
-            params = [p for p in params if p.numel()]
-            if not params:
-                continue
-            # min and max propagate NaN and show ±inf, and cannot overflow (a sum or a norm can)
-            extremes = torch.stack([torch.stack(torch.aminmax(self._avg_grad[p])) for p in params])
-            finite = torch.isfinite(extremes).all(dim=1)
-            if not bool(finite.all()):
+        for b in self._plan():
+            params = b.var[0] + b.fixed[0]
+            # 0·g is 0 where g is finite, NaN elsewhere: its norm shows which gradients are not finite
+            zeros = torch._foreach_mul([self._avg_grad[p] for p in params], 0.0)
+            finite = torch.stack(torch._foreach_norm(zeros)).isfinite() if params else None
+            if finite is not None and not bool(finite.all()):
                 bad += [
                     self._label(p) for p, ok in zip(params, finite.tolist(), strict=True) if not ok
                 ]
@@ -493,23 +493,17 @@ class IVON(torch.optim.Optimizer):
                 "skip such steps instead)"
             )
 
-    def _update(self, group: dict[str, Any], params: list[Tensor]) -> None:
+    def _update(self, b: _Bucket) -> None:
         """The IVON update of one bucket, in place: learned ``h`` on variational entries, fixed elsewhere."""
-        learn, fixed = [], []
         pending = self._pending and self.hess_approx == "price"
-        for p in params:
-            state, mask = self.state[p], self.variational_mask(p)
-            fields = (p.detach(), state["momentum"], state["hess"], self._avg_grad[p])
-            if mask is False:
-                fixed.append(Update(*fields, None, None, None))
-            else:
-                noise = self._noise[p] if pending else None
-                mask = mask if isinstance(mask, Tensor) else None
-                learn.append(Update(*fields, noise, self._stat.get(p), mask))
-        hyper, opts = self._hyper(group), self._compile_opts(params)
-        for items, learn_hess in ((learn, True), (fixed, False)):
-            kw = {"hyper": hyper, "hess_approx": self.hess_approx, "learn_hess": learn_hess}
-            blocked.apply(update_, items, **kw, **opts)
+        kw = {"hyper": self._hyper(b.group), "hess_approx": self.hess_approx}
+        opts = self._compile_opts(b.large[1])
+        for (params, momentum, hess), learn in ((b.var, True), (b.fixed, False)):
+            grads = [self._avg_grad[p] for p in params]
+            noise = [self._noise[p] for p in params] if learn and pending else None
+            stat = [self._stat[p] for p in params] if learn and self._stat else None
+            columns = [params, momentum, hess, grads, noise, stat, b.masks if learn else None]
+            blocked.run(update_, columns, Update, **kw, learn_hess=learn, **opts)
 
     def _hyper(self, group: dict[str, Any]) -> Hyper:
         delta = float(group["weight_decay"])
@@ -526,31 +520,43 @@ class IVON(torch.optim.Optimizer):
         )
 
     # ---------------------------------------------------------------------------------------------- helpers
-    def _buckets(self) -> Iterator[tuple[dict[str, Any], list[Tensor]]]:
-        """Each parameter group split by (device, dtype), so that one call sees homogeneous tensors."""
-        for group in self.param_groups:
-            by_key: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-            for p in group["params"]:
-                by_key.setdefault((p.device, p.dtype), []).append(p)
-            for params in by_key.values():
-                yield group, params
+    def _plan(self) -> list[_Bucket]:
+        """Each parameter group split by (device, dtype), so that one call sees homogeneous tensors; cached."""
+        key = [len(g["params"]) for g in self.param_groups]
+        if self._plan_cache is None or self._plan_cache[0] != key:
+            self._plan_cache = (key, [])
+            for group in self.param_groups:
+                by_key: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+                for p in group["params"]:
+                    by_key.setdefault((p.device, p.dtype), []).append(p)
+                self._plan_cache[1].extend(self._bucket(group, ps) for ps in by_key.values())
+        return self._plan_cache[1]
 
-    def _variational(self) -> list[Tensor]:
-        """The parameters with variational entries, in bucket order."""
-        return [
-            p
-            for _g, params in self._buckets()
-            for p in params
-            if self.variational_mask(p) is not False
+    def _bucket(self, group: dict[str, Any], params: list[Tensor]) -> _Bucket:
+        masks = {p: self.variational_mask(p) for p in params}
+        var, fixed = ([p for p in params if (masks[p] is False) is f] for f in (False, True))
+        ones = [
+            m if isinstance(m := masks[p], Tensor) else torch.ones_like(p, dtype=torch.bool)
+            for p in var
         ]
+        large = [
+            sum(p.numel() for p in q if p.numel() > blocked.SMALL[True]) for q in (var, params)
+        ]
+        var_, fixed_ = (
+            [q, *([self.state[p][k] for p in q] for k in ("momentum", "hess"))]
+            for q in (var, fixed)
+        )
+        full = all(masks[p] is True for p in var)
+        return _Bucket(
+            group, var_, None if full else ones, fixed_, sum(p.numel() for p in var), large
+        )
 
-    def _compile_opts(self, params: list[Tensor]) -> dict[str, bool]:
+    def _compile_opts(self, large: int) -> dict[str, bool]:
         """Whether a bucket runs the compiled kernels (see ``compiled``), and whether a failure warns."""
         if self.compiled is False or not blocked.available():
             return {"compiled": False, "warn": False}
         if self.compiled:
             return {"compiled": True, "warn": True}
-        large = sum(p.numel() for p in params if p.numel() > blocked.SMALL[True])
         return {"compiled": large >= AUTO_COMPILE_MIN, "warn": False}
 
     def _generator_for(self, device: torch.device) -> torch.Generator | None:
@@ -627,9 +633,21 @@ class IVON(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         for group in self.param_groups:
             group.setdefault("step", 0)
+        self._plan_cache = None
         if gen_state is not None and self.generator is not None:
             self.generator.set_state(gen_state)
         self._discard()
+
+
+class _Bucket(NamedTuple):
+    """The parameters of one group on one device and of one dtype, with their state tensors."""
+
+    group: dict[str, Any]
+    var: list[list[Tensor]]  # the variational parameters, their momenta and their h
+    masks: list[Tensor] | None  # their variational entries (None: all)
+    fixed: list[list[Tensor]]  # the same for the parameters without variational entries
+    size: int  # entries of the variational parameters
+    large: list[int]  # entries in tensors above SMALL[True]: of the variational ones, of all
 
 
 def _describe(value: Any) -> str:
