@@ -313,13 +313,12 @@ class IVON(torch.optim.Optimizer):
                 continue
             if params[0] not in self._noise:  # one float16 buffer per bucket, a view per parameter
                 flat = torch.empty(b.size, dtype=torch.float16, device=params[0].device)
-                self._noise.update(
-                    zip(params, torch._C._nn.unflatten_dense_tensors(flat, params), strict=True)
-                )
+                views = torch._C._nn.unflatten_dense_tensors(flat, params)
+                self._noise.update(zip(params, views, strict=True))
             noise = [self._noise[p] for p in params]
             normal_(noise, self._generator_for(params[0].device))
-            if b.masks is not None:
-                torch._foreach_mul_(noise, b.masks)
+            for z, mask in zip(noise, b.masks or (), strict=False):
+                z.mul_(True if mask is None else mask)
             if exact or params[0].dtype in _HALF:
                 self._stash.update((p, p.detach().clone()) for p in params)
             self._shift(b, noise, 1.0)
@@ -503,7 +502,11 @@ class IVON(torch.optim.Optimizer):
             noise = [self._noise[p] for p in params] if learn and pending else None
             stat = [self._stat[p] for p in params] if learn and self._stat else None
             columns = [params, momentum, hess, grads, noise, stat, b.masks if learn else None]
-            blocked.run(update_, columns, Update, **kw, learn_hess=learn, **opts)
+            if columns[-1] is None:
+                blocked.run(update_, columns, Update, **kw, learn_hess=learn, **opts)
+            else:  # variational masks on some parameters only: items grouped by their absent fields
+                items = zip(*(c or [None] * len(params) for c in columns), strict=True)
+                blocked.apply(update_, [Update(*i) for i in items], **kw, learn_hess=learn, **opts)
 
     def _hyper(self, group: dict[str, Any]) -> Hyper:
         delta = float(group["weight_decay"])
@@ -535,10 +538,7 @@ class IVON(torch.optim.Optimizer):
     def _bucket(self, group: dict[str, Any], params: list[Tensor]) -> _Bucket:
         masks = {p: self.variational_mask(p) for p in params}
         var, fixed = ([p for p in params if (masks[p] is False) is f] for f in (False, True))
-        ones = [
-            m if isinstance(m := masks[p], Tensor) else torch.ones_like(p, dtype=torch.bool)
-            for p in var
-        ]
+        partial = (masks[p] if isinstance(masks[p], Tensor) else None for p in var)
         large = [
             sum(p.numel() for p in q if p.numel() > blocked.SMALL[True]) for q in (var, params)
         ]
@@ -546,10 +546,8 @@ class IVON(torch.optim.Optimizer):
             [q, *([self.state[p][k] for p in q] for k in ("momentum", "hess"))]
             for q in (var, fixed)
         )
-        full = all(masks[p] is True for p in var)
-        return _Bucket(
-            group, var_, None if full else ones, fixed_, sum(p.numel() for p in var), large
-        )
+        full, n = all(masks[p] is True for p in var), sum(p.numel() for p in var)
+        return _Bucket(group, var_, None if full else [*partial], fixed_, n, large)
 
     def _compile_opts(self, large: int) -> dict[str, bool]:
         """Whether a bucket runs the compiled kernels (see ``compiled``), and whether a failure warns."""
@@ -644,7 +642,7 @@ class _Bucket(NamedTuple):
 
     group: dict[str, Any]
     var: list[list[Tensor]]  # the variational parameters, their momenta and their h
-    masks: list[Tensor] | None  # their variational entries (None: all)
+    masks: list[Tensor | None] | None  # their variational entries (None: all)
     fixed: list[list[Tensor]]  # the same for the parameters without variational entries
     size: int  # entries of the variational parameters
     large: list[int]  # entries in tensors above SMALL[True]: of the variational ones, of all
