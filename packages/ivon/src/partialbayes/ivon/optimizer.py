@@ -134,7 +134,7 @@ class IVON(torch.optim.Optimizer):
         self.generator = generator
         self.compiled = compiled
         self._rank_generators: dict[torch.device, torch.Generator] = {}
-        self._plan_cache: tuple[list[int], list[_Bucket]] | None = None
+        self._plan_cache: tuple[list[tuple[int, int]], list[_Bucket]] | None = None
         self._masks: dict[Tensor, _Mask] = {}
         self._names: dict[Tensor, str] = {}
         self._sampling = False
@@ -525,7 +525,7 @@ class IVON(torch.optim.Optimizer):
     # ---------------------------------------------------------------------------------------------- helpers
     def _plan(self) -> list[_Bucket]:
         """Each parameter group split by (device, dtype), so that one call sees homogeneous tensors; cached."""
-        key = [len(g["params"]) for g in self.param_groups]
+        key = [(id(g), len(g["params"])) for g in self.param_groups]
         if self._plan_cache is None or self._plan_cache[0] != key:
             self._plan_cache = (key, [])
             for group in self.param_groups:
