@@ -3,7 +3,7 @@
 import math
 
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from partialbayes.ivon import IVON, _blocked
@@ -20,15 +20,23 @@ HYPER = Hyper(
     beta2=st.floats(0.0, 0.999999),
     delta=st.floats(0.0, 1.0),
 )
+@example(h=1e-6, h_hat=-1.0, beta2=0.0, delta=1.0)  # h' < 0, h' + δ > 0
 def test_hessian_stays_positive_and_fixes_h_hat_equal_h(h, h_hat, beta2, delta):
-    """h' = β2·h + (1−β2)·ĥ + ½(1−β2)²(h−ĥ)²/(h+δ) > 0 for every ĥ (gradsq feeds ĥ directly)."""
+    """h' = β2·h + (1−β2)·ĥ + ½(1−β2)²(h−ĥ)²/(h+δ) (gradsq feeds ĥ directly).
+
+    For every ĥ the precision stays positive, h' + δ ≥ (h + δ)/2 (Lin et al. 2020, Thm. 1: with S = h + δ and
+    x = (1−β2)(h−ĥ), S' = (S−x)²/(2S) + S/2); h' itself can fall below 0 only for ĥ < 0, which gradsq's
+    squares never give (h = 1e-6, ĥ = −1, β2 = 0, δ = 1 gives h' = −0.5, h' + δ = 0.5).
+    """
     t = torch.tensor([h], dtype=torch.float64)
     hyper = HYPER._replace(beta2=beta2, weight_decay=delta)
     zero = torch.zeros_like(t)
     kw = dict(hess_approx="gradsq", learn_hess=True)
     stat = torch.tensor([h_hat]).double()
     _, _, new = ivon_update(Update(zero, zero, t, zero, None, stat, None), hyper, **kw)
-    assert new.item() > 0
+    assert new.item() + delta >= (h + delta) / 2 * (1 - 1e-12)
+    if h_hat >= 0:
+        assert new.item() > 0
     _, _, same = ivon_update(Update(zero, zero, t, zero, None, t, None), hyper, **kw)
     torch.testing.assert_close(same, t, rtol=1e-12, atol=0)
 
