@@ -19,21 +19,20 @@ def _as_index(value: Tensor | Sequence[int] | None, what: str) -> Tensor | None:
             raise TypeError(f"KronBlock {what} must be integer indices, got dtype {value.dtype}")
         t = value.detach().to("cpu", torch.int64)
     else:
-        if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-            raise TypeError(f"KronBlock {what} must be a sequence of ints, got {value!r}")
-        items = list(value)
+        iterable = not isinstance(value, (str, bytes)) and hasattr(value, "__iter__")
+        items = list(value) if iterable else [value]
         # only true integers (numpy ints too): 0.5 must not become 0
         bad = [v for v in items if isinstance(v, bool) or not hasattr(type(v), "__index__")]
-        if bad:
-            raise TypeError(
-                f"KronBlock {what} must be a sequence of ints, got {bad[0]!r} in {value!r}"
-            )
+        if bad or not iterable:
+            got = f"{bad[0]!r} in {value!r}" if bad and iterable else repr(value)
+            raise TypeError(f"KronBlock {what} must be a sequence of ints, got {got}")
         items = [operator.index(v) for v in items]
         t = torch.tensor(items, dtype=torch.int64)
-    if t.ndim != 1:
-        raise ValueError(f"KronBlock {what} must be 1-D, got shape {tuple(t.shape)}")
-    if t.numel() and int(t.min()) < 0:
-        raise ValueError(f"KronBlock {what} must be non-negative, got {int(t.min())}")
+    if t.ndim != 1 or (t.numel() and int(t.min()) < 0):
+        low = int(t.min()) if t.numel() else None
+        raise ValueError(
+            f"KronBlock {what} must be 1-D and non-negative, got shape {tuple(t.shape)}, min {low}"
+        )
     return torch.unique(t, sorted=True)
 
 
@@ -90,10 +89,9 @@ class MaskBlock:
     mask: Tensor
 
     def __post_init__(self) -> None:
-        if not isinstance(self.mask, Tensor):
-            raise TypeError(f"MaskBlock mask must be a Tensor, got {type(self.mask).__name__}")
-        if self.mask.dtype != torch.bool:
-            raise TypeError(f"MaskBlock mask must have dtype torch.bool, got {self.mask.dtype}")
+        if not isinstance(self.mask, Tensor) or self.mask.dtype != torch.bool:
+            got = getattr(self.mask, "dtype", type(self.mask).__name__)
+            raise TypeError(f"MaskBlock mask must be a Tensor of dtype torch.bool, got {got}")
         object.__setattr__(self, "mask", self.mask.detach().to("cpu").clone())
 
     def __eq__(self, other: object) -> bool:

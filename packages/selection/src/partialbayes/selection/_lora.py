@@ -9,6 +9,7 @@ from torch import nn
 from partialbayes.selection._module_strategies import whole_modules
 from partialbayes.selection._modules import linear_modules
 from partialbayes.selection._subset import Subset
+from partialbayes.selection._validate import check_type
 
 
 def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -63,8 +64,7 @@ def lora_modules(
             present), no adapter is active, a layer's adapters are merged into its base weights, or an
             adapter is not a linear map.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_type("model", model, nn.Module, "a torch.nn.Module")
     wanted = _adapter_names(adapter)
     layers = _lora_layers(model)
     if not layers:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from partialbayes.selection._validate import check_names
+from partialbayes.selection._validate import check_names, check_type
 
 Grouping = Mapping[str, str] | Callable[[str], "str | None"]
 """A user grouping: ``{group: regex}`` (first ``re.search`` match wins) or a function ``name -> group | None``."""
@@ -60,8 +60,7 @@ def linear_modules(model: nn.Module) -> dict[str, nn.Module]:
         TypeError: If ``model`` is not an ``nn.Module``.
         ValueError: If ``model`` has no linear maps.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_type("model", model, nn.Module, "a torch.nn.Module")
     found = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) or is_conv1d(m)}
     if not found:
         raise ValueError(f"model {type(model).__name__} has no linear maps (nn.Linear or Conv1D)")
@@ -222,8 +221,7 @@ def module_group(
         TypeError: If ``name`` is not a string, or ``grouping`` is of the wrong type or returns a non-string.
         ValueError: If ``model`` is given and ``name`` is not one of its linear maps.
     """
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    check_type("name", name, str, "a str")
     name = _module_name(name)
     if model is not None:
         groups = module_groups(model, grouping)

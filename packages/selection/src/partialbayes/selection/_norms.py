@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from partialbayes.selection._modules import Grouping, grouped_linear_modules, is_conv1d
+from partialbayes.selection._validate import check_finite
 
 
 def spectral_norm_svd(weight: Tensor) -> Tensor:
@@ -81,8 +82,7 @@ def operator_norms(
     weights = {}
     for name, mod in mods.items():
         w = logical_weight(mod)
-        if not bool(torch.isfinite(w).all()):
-            raise ValueError(f"weight of module {name!r} has non-finite entries")
+        check_finite(f"weight of module {name!r}", w)
         weights[name] = w
         by_shape[(tuple(w.shape), w.dtype, w.device)].append(name)
     out: dict[str, float] = {}

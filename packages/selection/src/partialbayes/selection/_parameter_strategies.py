@@ -15,7 +15,14 @@ from partialbayes.selection._subset import (
     countable_named_parameters,
     countable_parameters,
 )
-from partialbayes.selection._validate import as_generator, ceil_fraction, check_names, check_percent
+from partialbayes.selection._validate import (
+    as_generator,
+    ceil_fraction,
+    check_finite,
+    check_names,
+    check_percent,
+    check_type,
+)
 
 
 def _countable(model: nn.Module, exclude: str | Iterable[str] | None) -> dict[str, Tensor]:
@@ -82,8 +89,7 @@ def largest_magnitude(
     p = check_percent(percent)
     params = _countable(model, exclude)
     for n, w in params.items():
-        if not bool(torch.isfinite(w).all()):
-            raise ValueError(f"parameter {n!r} has non-finite entries")
+        check_finite(f"parameter {n!r}", w)
     total = sum(w.numel() for w in params.values())
     return _top_scores(model, {n: w.abs() for n, w in params.items()}, p, total)
 
@@ -137,8 +143,7 @@ def largest_marginal_variance(
         if n not in variances:
             continue
         v = variances[n]
-        if not isinstance(v, Tensor):
-            raise TypeError(f"variances[{n!r}] must be a tensor, got {type(v).__name__}")
+        check_type(f"variances[{n!r}]", v, Tensor, "a tensor")
         if v.shape != named[n].shape:
             raise ValueError(
                 f"variances[{n!r}] has shape {tuple(v.shape)}, parameter has {tuple(named[n].shape)}"

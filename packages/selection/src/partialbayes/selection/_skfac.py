@@ -12,7 +12,7 @@ from partialbayes.selection._blocks import Block, KronBlock
 from partialbayes.selection._modules import candidate_modules, linear_shape
 from partialbayes.selection._norms import logical_weight
 from partialbayes.selection._subset import EMBEDDINGS, Subset, countable_parameters
-from partialbayes.selection._validate import ceil_fraction, check_percent
+from partialbayes.selection._validate import ceil_fraction, check_finite, check_percent
 
 
 def top_by_linf(norms: Tensor, k: int) -> Tensor:
@@ -29,8 +29,6 @@ def skfac_rows_cols(
     Independent rule: the ceil(p·n_out/100) rows and ceil(p·n_in/100) columns of largest l-inf norm, ties
     by index. Sequential rule: columns first, then rows by the l-inf norms of the rows of ``W[:, C]``.
     """
-    if not bool(torch.isfinite(weight).all()):
-        raise ValueError("weight has non-finite entries")
     a = weight.detach().abs()
     n_out, n_in = a.shape
     cols = top_by_linf(a.amax(dim=0), ceil_fraction(percent, n_in))
@@ -66,10 +64,9 @@ def sparse_kfac(
     p = check_percent(percent)
     blocks: dict[str, Block] = {}
     for name, mod in candidate_modules(model, modules).items():
-        try:
-            rows, cols = skfac_rows_cols(logical_weight(mod), p, sequential)
-        except ValueError as err:
-            raise ValueError(f"module {name!r}: {err}") from err
+        weight = logical_weight(mod)
+        check_finite(f"module {name!r}: weight", weight)
+        rows, cols = skfac_rows_cols(weight, p, sequential)
         prefix = f"{name}." if name else ""
         blocks[prefix + "weight"] = KronBlock(rows, cols)
         if include_bias and getattr(mod, "bias", None) is not None:
@@ -84,10 +81,7 @@ def skfac_fraction(percent: float) -> float:
 
 def skfac_percent_for_fraction(fraction: float) -> float:
     """Inverse of :func:`skfac_fraction`: the percentage p with (p/100)² = ``fraction`` in (0, 1]."""
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
-        raise TypeError(f"fraction must be a number in (0, 1], got {type(fraction).__name__}")
-    if not math.isfinite(fraction) or not 0.0 < fraction <= 1.0:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+    fraction = check_percent(fraction, "fraction", 1.0)
     return 100.0 * math.sqrt(fraction)
 
 

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from partialbayes.selection._blocks import Block, KronBlock, KronModule, MaskBlock
 from partialbayes.selection._modules import is_conv1d, linear_shape
+from partialbayes.selection._validate import check_type
 
 _FORMAT = "partialbayes.selection.Subset"
 _VERSION = 1
@@ -38,8 +39,7 @@ class _ParamInfo:
 
 def _model_structure(model: nn.Module) -> dict[str, _ParamInfo]:
     """Parameter name -> structure, in ``named_parameters`` order."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_type("model", model, nn.Module, "a torch.nn.Module")
     owner: dict[str, tuple[bool, str, str, int, int]] = {}
     for mname, mod in model.named_modules():
         if isinstance(mod, nn.Linear) or is_conv1d(mod):
@@ -73,10 +73,7 @@ def _check_block(name: str, block: Any, info: _ParamInfo) -> None:
         if not bool(block.mask.any()):
             raise ValueError(f"MaskBlock for {name!r} selects no entries; leave the parameter out")
         return
-    if not isinstance(block, KronBlock):
-        raise TypeError(
-            f"block for {name!r} must be a KronBlock or MaskBlock, got {type(block).__name__}"
-        )
+    check_type(f"block for {name!r}", block, KronBlock, "a KronBlock or MaskBlock")
     if len(shape) == 1:
         if block.cols is not None:
             raise ValueError(f"KronBlock for 1-D {name!r} (e.g. a bias) must have cols=None")
@@ -132,8 +129,7 @@ class Subset:
             TypeError: A block of the wrong type.
         """
         info = _model_structure(model)
-        if not isinstance(blocks, Mapping):
-            raise TypeError(f"blocks must be a mapping name -> block, got {type(blocks).__name__}")
+        check_type("blocks", blocks, Mapping, "a mapping name -> block")
         for name, block in blocks.items():
             if name not in info:
                 raise ValueError(
@@ -152,8 +148,7 @@ class Subset:
         return tuple(self._blocks)
 
     def _get(self, name: str) -> Block:
-        if not isinstance(name, str):
-            raise TypeError(f"parameter name must be a string, got {type(name).__name__}")
+        check_type("parameter name", name, str, "a string")
         if name not in self._blocks:
             where = "model" if name not in self._info else "subset"
             raise KeyError(f"parameter {name!r} is not in the {where}{_close(name, self._blocks)}")
@@ -224,8 +219,7 @@ class Subset:
         return n
 
     def _check_storage(self, name: str, tensor: Tensor, what: str) -> None:
-        if not isinstance(tensor, Tensor):
-            raise TypeError(f"{what} for {name!r} must be a Tensor, got {type(tensor).__name__}")
+        check_type(f"{what} for {name!r}", tensor, Tensor, "a Tensor")
         if tensor.shape != self._info[name].shape:
             raise ValueError(
                 f"{what} for {name!r} has shape {tuple(tensor.shape)}, expected storage shape "
@@ -288,11 +282,9 @@ class Subset:
             ValueError: If it misses a parameter of the subset or names another one, a value has the
                 wrong number of entries, or holds NaN or inf (the parameter is named).
         """
-        if not isinstance(values, Mapping):
-            raise TypeError(
-                f"{what} must be a mapping {{param name: [k] tensor}} (one row of sample(n)), "
-                f"got {type(values).__name__}"
-            )
+        check_type(
+            what, values, Mapping, "a mapping {param name: [k] tensor} (one row of sample(n))"
+        )
         missing = [n for n in self._blocks if n not in values]
         extra = [n for n in values if n not in self._blocks]
         if missing or extra:
@@ -302,8 +294,7 @@ class Subset:
         out: dict[str, Tensor] = {}
         for name in self._blocks:
             v, k = values[name], self.num_entries(name)
-            if not isinstance(v, Tensor):
-                raise TypeError(f"{what}[{name!r}] must be a tensor, got {type(v).__name__}")
+            check_type(f"{what}[{name!r}]", v, Tensor, "a tensor")
             if v.ndim == 2 and v.shape[0] == 1:
                 v = v[0]
             if v.ndim != 1 or v.shape[0] != k:
@@ -329,8 +320,7 @@ class Subset:
             ValueError: If a parameter of the subset is missing from ``model``, has another shape, or
                 lives on the ``meta`` device (no values to read or write; load real weights first).
         """
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        check_type("model", model, nn.Module, "a torch.nn.Module")
         params = dict(model.named_parameters())
         out: dict[str, nn.Parameter] = {}
         for name in self._blocks:
@@ -542,8 +532,7 @@ class Subset:
             ValueError: Malformed JSON, a missing key (named), non-integer, negative or out-of-range
                 indices, or a subset that does not fit ``model``.
         """
-        if not isinstance(text, (str, bytes, bytearray)):
-            raise TypeError(f"text must be a JSON string, got {type(text).__name__}")
+        check_type("text", text, (str, bytes, bytearray), "a JSON string")
         try:
             data = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -566,11 +555,7 @@ class Subset:
 
 def check_subset(subset: object) -> Subset:
     """``subset`` itself if it is a `Subset`, else a ``TypeError``."""
-    if not isinstance(subset, Subset):
-        raise TypeError(
-            f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
-        )
-    return subset
+    return check_type("subset", subset, Subset, "a partialbayes.selection.Subset")
 
 
 def _json_type(value: object) -> str:
@@ -639,8 +624,7 @@ def countable_named_parameters(
     model: nn.Module, exclude: str | Iterable[str] | None = EMBEDDINGS
 ) -> dict[str, nn.Parameter]:
     """Countable parameters of ``model`` by name, in model order (see :func:`countable_parameters`)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_type("model", model, nn.Module, "a torch.nn.Module")
     named = dict(model.named_parameters())
     if exclude is None:
         return named
@@ -659,8 +643,7 @@ def countable_named_parameters(
         ) from None
     pats = []
     for p in patterns:
-        if not isinstance(p, str):
-            raise TypeError(f"exclude patterns must be strings, got {p!r}")
+        check_type("exclude patterns", p, str, "strings")
         try:
             pats.append(re.compile(p))
         except re.error as err:

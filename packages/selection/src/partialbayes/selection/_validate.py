@@ -5,18 +5,31 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
 
-def check_percent(percent: float, name: str = "percent") -> float:
-    """Return ``percent`` as a float in (0, 100], else raise ``ValueError`` / ``TypeError`` naming it."""
+def check_type(name: str, value: object, kind: type | tuple[type, ...], what: str) -> Any:
+    """``value`` if it is a ``kind``, else a ``TypeError``: ``{name} must be {what}, got {its type}``."""
+    if not isinstance(value, kind):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
+    return value
+
+
+def check_finite(what: str, tensor: torch.Tensor) -> None:
+    """A ``ValueError`` naming ``what`` unless every entry of ``tensor`` is finite."""
+    if not bool(torch.isfinite(tensor).all()):
+        raise ValueError(f"{what} has non-finite entries")
+
+
+def check_percent(percent: float, name: str = "percent", high: float = 100.0) -> float:
+    """Return ``percent`` as a float in (0, ``high``], else raise ``ValueError`` / ``TypeError`` naming it."""
     if isinstance(percent, bool) or not isinstance(percent, (int, float)):
-        raise TypeError(f"{name} must be a number in (0, 100], got {type(percent).__name__}")
-    p = float(percent)
-    if not math.isfinite(p) or not 0.0 < p <= 100.0:
-        raise ValueError(f"{name} must be in (0, 100], got {percent!r}")
-    return p
+        raise TypeError(f"{name} must be a number in (0, {high:g}], got {type(percent).__name__}")
+    if not 0.0 < percent <= high:  # NaN too
+        raise ValueError(f"{name} must be in (0, {high:g}], got {percent!r}")
+    return float(percent)
 
 
 def check_count(k: int, available: int, what: str) -> int:
@@ -47,8 +60,7 @@ def check_names(names: Iterable[str], known: Iterable[str], what: str) -> list[s
     known_set = set(known)
     out = []
     for n in names:
-        if not isinstance(n, str):
-            raise TypeError(f"{what} names must be strings, got {n!r}")
+        check_type(f"{what} names", n, str, "strings")
         if n not in known_set:
             close = difflib.get_close_matches(n, known, n=3, cutoff=0.5)
             hint = f"; close matches: {close}" if close else f"; {len(known)} {what}s exist"
