@@ -47,8 +47,7 @@ def entropy(log_probs: Tensor, dim: int = -1) -> Tensor:
         ValueError: If it holds NaN or ``+inf``, or its rows are not normalised (``logsumexp`` must be 0;
             probabilities passed by mistake are always caught).
     """
-    if not isinstance(log_probs, Tensor) or not log_probs.is_floating_point():
-        raise TypeError("log_probs must be a floating-point torch.Tensor")
+    check_tensor("log_probs", log_probs, finite=False, what="a floating-point torch.Tensor")
     if bool(torch.isnan(log_probs).any()) or bool((log_probs == math.inf).any()):
         raise ValueError("log_probs contains NaN or +inf")
     if (

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Collection
 from typing import Any
 
@@ -31,34 +32,45 @@ def _check_in(name: str, value: Any, interval: str) -> None:
     ):
         return
     if high < float("inf"):
-        raise ValueError(f"{name} must lie in {interval}, got {value!r}")
-    if interval == "[1, inf)" and isinstance(value, int):
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    kind = "an int" if isinstance(value, int) else "a finite number"
-    raise ValueError(f"{name} must be {kind} {'>' if low_open else '>='} {low:g}, got {value!r}")
+        rule = f"lie in {interval}"
+    elif interval == "[1, inf)" and isinstance(value, int):
+        rule = "be a positive int"
+    else:
+        kind = "an int" if isinstance(value, int) else "a finite number"
+        rule = f"be {kind} {'>' if low_open else '>='} {low:g}"
+    raise ValueError(f"{name} must {rule}, got {value!r}")
+
+
+def _check_kind(name: str, value: object, kind: type | tuple[type, ...], what: str) -> None:
+    """A ``TypeError`` unless ``value`` is a ``kind``; a ``bool`` only where ``kind`` is ``bool``."""
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
 
 
 def check_int(name: str, value: object, interval: str = "[1, inf)") -> int:
     """An ``int`` (not a ``bool``) in ``interval``: else a ``TypeError`` (type) or ``ValueError`` (range)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    _check_kind(name, value, int, "an int")
     _check_in(name, value, interval)
     return value
 
 
 def check_number(name: str, value: object, interval: str = "(0, inf)") -> float:
     """A real number (``int`` or ``float``, not ``bool``) in ``interval`` (NaN lies in none), as a float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    _check_kind(name, value, (int, float), "a number")
     _check_in(name, value, interval)
     return float(value)
 
 
 def check_bool(name: str, value: object) -> bool:
     """A ``bool``, else a ``TypeError`` naming ``name``."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    _check_kind(name, value, bool, "a bool")
     return value
+
+
+def check_finite(x: Tensor | float, message: str) -> None:
+    """A ``ValueError`` saying ``message`` unless every entry of ``x`` (a tensor or a number) is finite."""
+    if not bool(torch.isfinite(x).all() if isinstance(x, Tensor) else math.isfinite(x)):
+        raise ValueError(message)
 
 
 def check_choice(name: str, value: object, options: Collection[Any]) -> Any:
@@ -66,6 +78,45 @@ def check_choice(name: str, value: object, options: Collection[Any]) -> Any:
     if value not in options:
         raise ValueError(f"{name} must be one of {sorted(options, key=str)}, got {value!r}")
     return value
+
+
+def check_keys(
+    where: str,
+    mapping: Any,
+    required: Collection = (),
+    allowed: Collection | None = None,
+    what: str = "entries",
+) -> None:
+    """A ``ValueError`` naming the ``required`` keys ``mapping`` lacks and those (``what``) outside ``allowed``."""
+    missing = [k for k in required if k not in mapping]
+    unknown = [] if allowed is None else sorted(map(str, set(mapping) - {*allowed, *required}))
+    if missing or unknown:
+        lacks = [f"has no {', '.join(map(repr, missing))}"] if missing else []
+        extra = [f"has unknown {what} {unknown}"] if unknown else []
+        raise ValueError(f"{where} {' and '.join(lacks + extra)}")
+
+
+def check_shapes(who: str, params: Any, shapes: Any, here: str, there: str) -> None:
+    """A ``ValueError`` naming the first of ``shapes`` (in ``there``) missing from ``params`` or shaped otherwise."""
+    for name, shape in shapes.items():
+        got = params.get(name)
+        if got is None or got.shape != shape:
+            what = "is missing from" if got is None else f"has shape {tuple(got.shape)} in"
+            raise ValueError(f"{who}parameter {name!r} {what} {here}, {tuple(shape)} in {there}")
+
+
+def check_known(kind: str, names: Any, valid: Collection[str], heading: str = "") -> None:
+    """``unknown {kind} {names}; {heading}: {valid, ...}`` (a ``ValueError``) unless every name is in ``valid``.
+
+    ``names``: one string or several; ``heading`` defaults to ``valid {kind}s``.
+    """
+    one = isinstance(names, str)
+    bad = [n for n in ([names] if one else names) if n not in valid]
+    if bad:
+        shown = repr(bad[0]) if one else str(bad)
+        raise ValueError(
+            f"unknown {kind} {shown}; {heading or f'valid {kind}s'}: {', '.join(valid)}"
+        )
 
 
 def check_type(name: str, value: object, kind: type | tuple[type, ...], what: str = "") -> Any:
@@ -95,11 +146,17 @@ def check_fields(obj: Any, owner: str | None = None) -> None:
         check(f"{owner}.{field.name}", value, meta["interval"])
 
 
-def check_tensor(name: str, x: object, *, floating: bool = True, finite: bool = True) -> Tensor:
-    """Check that ``x`` is a tensor (floating point when asked) with only finite entries (when asked)."""
-    check_type(name, x, Tensor, "a torch.Tensor")
-    if floating and not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+def check_tensor(
+    name: str, x: object, *, floating: bool = True, finite: bool = True, what: str = ""
+) -> Tensor:
+    """Check that ``x`` is a tensor (floating point when asked) with only finite entries (when asked).
+
+    ``what``: the expected kind in words, for the ``TypeError`` (default: a (floating-point) tensor).
+    """
+    if not isinstance(x, Tensor) or (floating and not x.is_floating_point()):
+        got = f"dtype {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
+        kind = what or ("a floating-point tensor" if floating else "a torch.Tensor")
+        raise TypeError(f"{name} must be {kind}, got {got}")
     # Fast path: a NaN or inf anywhere makes the total non-finite (inf - inf is NaN). Only when
     # the total is non-finite (possibly a harmless overflow) are the entries checked one by one.
     if finite and x.is_floating_point() and not bool(torch.isfinite(x.sum())):
