@@ -261,3 +261,42 @@ def test_check_likelihood_returns_a_float():
 
     assert check_likelihood("regression", 2) == 2.0
     assert isinstance(check_likelihood("classification"), float)
+
+
+def test_shared_checkers_name_the_culprit_and_keep_the_kind():
+    """Issue 33: the checkers the sibling packages share instead of hand-written raises."""
+    from partialbayes.predictive import internal as pi
+
+    with pytest.raises(ValueError, match=r"^sd has no 'b' and has unknown entries \['x'\]$"):
+        pi.check_keys("sd", {"a": 1, "x": 2}, ("a", "b"), ())
+    with pytest.raises(ValueError, match=r"unknown state entries \['x'\]"):
+        pi.check_keys("it", {"a": 1, "x": 2}, ("a",), (), "state entries")
+    pi.check_keys("sd", {"a": 1, "x": 2}, ("a",))  # allowed=None: extra keys pass
+    with pytest.raises(ValueError, match=r"^unknown task 'c'; valid tasks: a, b$"):
+        pi.check_known("task", "c", ("a", "b"))
+    with pytest.raises(ValueError, match=r"^unknown method\(s\) \['c'\]; valid: a, b$"):
+        pi.check_known("method(s)", ["a", "c"], ("a", "b"), "valid")
+    pi.check_known("task", ["a", "b"], ("a", "b"))
+    shapes = {"w": torch.Size([2])}
+    with pytest.raises(ValueError, match=r"^m: parameter 'w' has shape \(3,\) in A, \(2,\) in B$"):
+        pi.check_shapes("m: ", {"w": torch.zeros(3)}, shapes, "A", "B")
+    with pytest.raises(ValueError, match=r"parameter 'w' is missing from A, \(2,\) in B"):
+        pi.check_shapes("", {}, shapes, "A", "B")
+    pi.check_shapes("", {"w": torch.zeros(2), "v": torch.zeros(1)}, shapes, "A", "B")
+    for bad in (torch.tensor([1.0, math.inf]), math.nan):
+        with pytest.raises(ValueError, match=r"^boom$"):
+            pi.check_finite(bad, "boom")
+    pi.check_finite(torch.tensor([1.0, -2.0]), "boom")
+    for err, match in ((TypeError("t"), r"^batch 3: t$"), (ValueError("v"), r"^batch 3: v$")):
+        with pytest.raises(type(err), match=match), pi.prefixed("batch 3"):
+            raise err
+    with (
+        pytest.raises(IndexError, match=r"^i$"),
+        pi.prefixed("batch 3"),
+    ):  # other kinds pass as they are
+        raise IndexError("i")
+    with pytest.raises(TypeError, match=r"^b must be a floating tensor, got dtype torch.int64$"):
+        pi.check_tensor("b", torch.zeros(2, dtype=torch.long), what="a floating tensor")
+    with pytest.raises(TypeError, match=r"^n must be an int, got bool True$"):
+        pi.check_int("n", True)
+    assert pi.check_bool("flag", False) is False

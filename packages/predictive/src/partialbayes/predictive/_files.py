@@ -6,10 +6,11 @@ with ``format``, ``version``, the model's ``structure`` and the family's fields)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +48,6 @@ def write_posterior_file(
             f"cannot save a posterior to {os.fspath(path)!r}: it is a folder; give a file path such as "
             f"{os.fspath(target / 'posterior.safetensors')!r}"
         )
-    if "format" not in meta or "version" not in meta:
-        raise ValueError("posterior metadata must name its 'format' and 'version'")
     out: dict[str, Tensor] = {}
     seen: set[int] = set()
     for k, t in tensors.items():
@@ -82,6 +81,14 @@ class PosteriorFile:
     def error(self, what: str) -> ValueError:
         """A ``ValueError`` about this file: ``"'<path>': <what>"``."""
         return ValueError(f"{self.path!r}: {what}")
+
+    @contextlib.contextmanager
+    def reraised(self, what: str) -> Iterator[None]:
+        """Re-raise a ``TypeError`` / ``ValueError`` of the body as `error` ``"{what}: {message}"``."""
+        try:
+            yield
+        except (TypeError, ValueError) as err:
+            raise self.error(f"{what}: {err}") from err
 
     def field(self, key: str, kinds: type | tuple[type, ...]) -> Any:
         """Metadata field ``key``, checked to be of ``kinds`` (a bool is not an int unless asked)."""

@@ -32,10 +32,8 @@ def _reduce(x: Tensor, reduction: Reduction) -> Tensor:
 
 def _probs_labels(probs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     p = check_probs("probs", probs)
-    if p.ndim != 2:
-        raise ValueError(f"probs must have shape [N, C], got {tuple(p.shape)}")
-    if p.shape[0] == 0:
-        raise ValueError("probs must hold at least one example, got N = 0")
+    if p.ndim != 2 or p.shape[0] == 0:
+        raise ValueError(f"probs must have shape [N, C] with N >= 1, got {tuple(p.shape)}")
     y = check_labels("labels", labels, p.shape[0], p.shape[1])
     check_same_device(probs=p, labels=y)
     return p, y

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from partialbayes.predictive._answers import answer_logits
 from partialbayes.predictive._batch import is_causal_lm, model_logits, split_batch
 from partialbayes.predictive._stream import mc_predict, mc_predict_regression
-from partialbayes.predictive._validate import check_choice, check_int, check_number
+from partialbayes.predictive._validate import check_choice, check_int, check_number, check_type
 
 
 @runtime_checkable
@@ -179,9 +179,7 @@ def _contexts(
     posterior: Posterior, generator: torch.Generator | None, sample_ctx: SampleContext | None
 ) -> SampleContext:
     if sample_ctx is not None:
-        if not callable(sample_ctx):
-            raise TypeError(f"sample_ctx must be callable (s -> context), got {sample_ctx!r}")
-        return sample_ctx
+        return check_type("sample_ctx", sample_ctx, Callable, "callable (s -> context)")
     return lambda s: posterior.sampled(generator=generator)
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from partialbayes.predictive._decomposition import Uncertainty, entropy
-from partialbayes.predictive._validate import check_int, check_nonneg, check_tensor
+from partialbayes.predictive._validate import check_int, check_nonneg, check_tensor, check_type
 
 SampleContext = Callable[[int], AbstractContextManager[object]]
 
@@ -171,7 +171,5 @@ def mc_predict_regression(
 
 
 def _check_callables(sample_ctx: object, forward: object) -> None:
-    if not callable(sample_ctx):
-        raise TypeError(f"sample_ctx must be callable (s -> context manager), got {sample_ctx!r}")
-    if not callable(forward):
-        raise TypeError(f"forward must be a zero-argument callable, got {forward!r}")
+    check_type("sample_ctx", sample_ctx, Callable, "callable (s -> context manager)")
+    check_type("forward", forward, Callable, "a zero-argument callable")

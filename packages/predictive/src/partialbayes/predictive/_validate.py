@@ -6,10 +6,11 @@ never accepts a ``bool``. Dataclasses declare ranges with `ranged` and check the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -41,30 +42,38 @@ def _check_in(name: str, value: Any, interval: str) -> None:
     raise ValueError(f"{name} must {rule}, got {value!r}")
 
 
-def _check_kind(name: str, value: object, kind: type | tuple[type, ...], what: str) -> None:
-    """A ``TypeError`` unless ``value`` is a ``kind``; a ``bool`` only where ``kind`` is ``bool``."""
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
-
-
+# The type checks are inline (not one shared helper): check_int / check_number / check_bool run on every
+# hot path (a fit, a predict, an optimizer step), where each helper is one more call to follow.
 def check_int(name: str, value: object, interval: str = "[1, inf)") -> int:
     """An ``int`` (not a ``bool``) in ``interval``: else a ``TypeError`` (type) or ``ValueError`` (range)."""
-    _check_kind(name, value, int, "an int")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     _check_in(name, value, interval)
     return value
 
 
 def check_number(name: str, value: object, interval: str = "(0, inf)") -> float:
     """A real number (``int`` or ``float``, not ``bool``) in ``interval`` (NaN lies in none), as a float."""
-    _check_kind(name, value, (int, float), "a number")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     _check_in(name, value, interval)
     return float(value)
 
 
 def check_bool(name: str, value: object) -> bool:
     """A ``bool``, else a ``TypeError`` naming ``name``."""
-    _check_kind(name, value, bool, "a bool")
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
     return value
+
+
+@contextlib.contextmanager
+def prefixed(prefix: str) -> Iterator[None]:
+    """Re-raise a ``TypeError`` / ``ValueError`` of the body as one of that kind saying ``{prefix}: {message}``."""
+    try:
+        yield
+    except (TypeError, ValueError) as err:
+        raise (TypeError if isinstance(err, TypeError) else ValueError)(f"{prefix}: {err}") from err
 
 
 def check_finite(x: Tensor | float, message: str) -> None:
@@ -151,11 +160,11 @@ def check_tensor(
 ) -> Tensor:
     """Check that ``x`` is a tensor (floating point when asked) with only finite entries (when asked).
 
-    ``what``: the expected kind in words, for the ``TypeError`` (default: a (floating-point) tensor).
+    ``what``: the expected kind in words, for the ``TypeError`` (default: a torch.Tensor / a floating-point tensor).
     """
     if not isinstance(x, Tensor) or (floating and not x.is_floating_point()):
         got = f"dtype {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
-        kind = what or ("a floating-point tensor" if floating else "a torch.Tensor")
+        kind = what or ("a floating-point tensor" if isinstance(x, Tensor) else "a torch.Tensor")
         raise TypeError(f"{name} must be {kind}, got {got}")
     # Fast path: a NaN or inf anywhere makes the total non-finite (inf - inf is NaN). Only when
     # the total is non-finite (possibly a harmless overflow) are the entries checked one by one.

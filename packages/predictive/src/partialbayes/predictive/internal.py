@@ -43,6 +43,7 @@ from partialbayes.predictive._validate import (
     check_shapes,
     check_tensor,
     check_type,
+    prefixed,
     ranged,
 )
 
@@ -79,6 +80,7 @@ __all__ = [
     "model_structure",
     "move_batch",
     "output_logits",
+    "prefixed",
     "probit_kernel",
     "probit_scale",
     "ranged",
