@@ -7,7 +7,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from partialbayes.predictive.internal import check_int, check_number
+from partialbayes.predictive.internal import (
+    check_finite,
+    check_int,
+    check_number,
+    check_tensor,
+    check_type,
+)
 
 
 def check_options(tol: object, max_iter: object) -> None:
@@ -28,12 +34,10 @@ def cg_solve(
 
     Columns that have converged are frozen (no division by a zero residual).
     """
-    if not bool(torch.isfinite(b).all()):
-        raise ValueError("conjugate gradients: the right-hand side b has non-finite entries")
+    check_finite(b, "conjugate gradients: the right-hand side b has non-finite entries")
     x = torch.zeros_like(b) if x0 is None else x0.clone()
     r = b - matvec(x) if x0 is not None else b.clone()
-    if not bool(torch.isfinite(r).all()):
-        raise ValueError("conjugate gradients: the initial residual b - H x0 is not finite")
+    check_finite(r, "conjugate gradients: the initial residual b - H x0 is not finite")
     p = r.clone()
     rs = (r * r).sum(0)
     b_norm = b.norm(dim=0).clamp_min(torch.finfo(b.dtype).tiny)
@@ -53,8 +57,7 @@ def cg_solve(
         x = x + alpha * p
         r = r - alpha * hp
         rs_new = (r * r).sum(0)
-        if not bool(torch.isfinite(rs_new).all()):
-            raise ValueError("conjugate gradients produced a non-finite residual")
+        check_finite(rs_new, "conjugate gradients produced a non-finite residual")
         beta = torch.where(active, rs_new / torch.where(active, rs, 1.0), 0.0)
         p = torch.where(active, r + beta * p, p)
         rs = torch.where(active, rs_new, rs)
@@ -77,10 +80,8 @@ def conjugate_gradients(
             out of range, ``matvec`` returns the wrong shape or non-finite values, or the operator
             is not positive definite along a search direction.
     """
-    if not callable(matvec):
-        raise TypeError(f"matvec must be callable, got {type(matvec).__name__}")
-    if not isinstance(b, Tensor) or not b.dtype.is_floating_point:
-        raise TypeError(f"b must be a floating tensor, got {type(b).__name__}")
+    check_type("matvec", matvec, Callable, "callable")
+    check_tensor("b", b, finite=False, what="a floating tensor")
     if b.ndim not in (1, 2) or b.numel() == 0:
         raise ValueError(f"b must have shape [d] or [d, k] with d, k >= 1, got {tuple(b.shape)}")
     check_options(tol, max_iter)
@@ -94,8 +95,7 @@ def conjugate_gradients(
                 f"matvec returned {shape} for an input of shape {tuple(arg.shape)}; "
                 "it must return the shape of its input"
             )
-        if not bool(torch.isfinite(out).all()):
-            raise ValueError("matvec returned NaN or inf")
+        check_finite(out, "matvec returned NaN or inf")
         return out.unsqueeze(1) if b.ndim == 1 else out
 
     if b.ndim == 1:

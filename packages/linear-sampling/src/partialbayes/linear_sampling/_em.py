@@ -21,6 +21,7 @@ from partialbayes.linear_sampling._solve import check_problem, posterior_mean, p
 from partialbayes.predictive.internal import (
     check_bool,
     check_choice,
+    check_finite,
     check_generator,
     check_int,
     check_number,
@@ -76,10 +77,8 @@ def mackay_update(mean: Tensor, gamma: Tensor, prior: Prior) -> Prior:
         ValueError: If ``mean`` ``[d]`` or ``gamma`` ``[G]`` is not finite, a group has ``γ_g ≤ 0`` (too
             few samples for the weight-space estimate) or a zero mean.
     """
-    if not bool(torch.isfinite(mean).all()):
-        raise ValueError("mean has non-finite entries")
-    if not bool(torch.isfinite(gamma).all()):
-        raise ValueError("gamma has non-finite entries")
+    check_finite(mean, "mean has non-finite entries")
+    check_finite(gamma, "gamma has non-finite entries")
     groups = prior.group_index(mean.shape[0], mean.device)
     norms = _group_sum(mean * mean, groups, prior.n_groups)
     gamma = gamma.to(norms)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from partialbayes.predictive.internal import check_int
+from partialbayes.predictive.internal import check_int, check_tensor, check_type
 
 WORKING_BYTES = 1 << 28
 """Bytes of one observation-space block (``[b, m, k]``, or a model's output tangents) per operator call."""
@@ -50,8 +50,8 @@ class Features:
             check_int(f"Features.{name}", getattr(self, name))
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise TypeError(f"Features.dtype must be floating point, got {self.dtype}")
-        if not (callable(self.jvp) and callable(self.vjp)):
-            raise TypeError("Features.jvp and Features.vjp must be callable")
+        for name in ("jvp", "vjp"):
+            check_type(f"Features.{name}", getattr(self, name), Callable, "callable")
 
     @classmethod
     def dense(cls, phi: Tensor, *, check_finite: bool = True) -> Features:
@@ -61,8 +61,7 @@ class Features:
             TypeError: If ``phi`` is not a floating tensor.
             ValueError: If ``phi`` has the wrong rank or non-finite entries.
         """
-        if not isinstance(phi, Tensor) or not phi.dtype.is_floating_point:
-            raise TypeError(f"phi must be a floating-point tensor, got {type(phi).__name__}")
+        check_tensor("phi", phi, finite=False, what="a floating-point tensor")
         if phi.ndim == 2:
             phi = phi.unsqueeze(1)
         if phi.ndim != 3:

@@ -23,6 +23,7 @@ from partialbayes.linear_sampling._ops import (
     default_batch_size,
 )
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior
+from partialbayes.predictive.internal import check_finite
 
 
 def linearised_logit_samples(
@@ -151,8 +152,7 @@ def linearised_targets(
         raise ValueError(f"logits have shape {tuple(logits.shape)}, expected (n, m) = ({n}, {m})")
     if labels.shape != (n,) or labels.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"labels must be [n={n}] ints, got {labels.dtype} {tuple(labels.shape)}")
-    if not bool(torch.isfinite(logits).all()):
-        raise ValueError("logits have non-finite entries")
+    check_finite(logits, "logits have non-finite entries")
     if theta.shape != (features.d,) or not bool(torch.isfinite(theta).all()):
         raise ValueError(
             f"theta must be a finite [d] = [{features.d}] tensor, got shape {tuple(theta.shape)}"

@@ -23,6 +23,7 @@ from partialbayes.predictive.internal import (
     Batch,
     check_int,
     output_logits,
+    prefixed,
     split_batch,
     take_inputs,
 )
@@ -209,7 +210,7 @@ def read_batches(
     device = ops.chosen.primals[0].device
     for i, batch in enumerate(batches):
         total += 1
-        try:
+        with prefixed(f"batch {i}"):
             b = split_batch(batch, device=device)
             n = n_examples(b.inputs)
             out = ops.forward(b.inputs)
@@ -219,8 +220,6 @@ def read_batches(
                     "[B, T, m] logits (pass output_fn to pick the logits)"
                 )
             rows = _kept(out, b, ops.model)
-        except ValueError as err:
-            raise ValueError(f"batch {i}: {err}") from err
         if logits and out.shape[-1] != logits[0].shape[-1]:
             raise ValueError(
                 f"the batches disagree on the number of logits: batch {i} has {out.shape[-1]}, "

@@ -9,7 +9,13 @@ from torch import Tensor
 
 from partialbayes.linear_sampling._features import WORKING_BYTES, Features, batches
 from partialbayes.linear_sampling._precision import NoisePrecision
-from partialbayes.predictive.internal import available_memory, check_int, check_type
+from partialbayes.predictive.internal import (
+    available_memory,
+    check_finite,
+    check_int,
+    check_tensor,
+    check_type,
+)
 
 
 def default_batch_size(features: Features, batch_size: int | None, k: int = 1) -> int:
@@ -22,12 +28,10 @@ def default_batch_size(features: Features, batch_size: int | None, k: int = 1) -
 
 def check_samples(samples: Tensor, d: int) -> None:
     """Raise unless ``samples`` is a finite floating ``[d, k]`` tensor."""
-    if not isinstance(samples, Tensor) or not samples.dtype.is_floating_point:
-        raise TypeError(f"samples must be a floating [d, k] tensor, got {type(samples).__name__}")
+    check_tensor("samples", samples, finite=False, what="a floating [d, k] tensor")
     if samples.ndim != 2 or samples.shape[0] != d:
         raise ValueError(f"samples have shape {tuple(samples.shape)}, expected (d={d}, k)")
-    if not bool(torch.isfinite(samples).all()):
-        raise ValueError("samples have non-finite entries")
+    check_finite(samples, "samples have non-finite entries")
 
 
 def targets_3d(features: Features, targets: Tensor) -> Tensor:
@@ -39,8 +43,7 @@ def targets_3d(features: Features, targets: Tensor) -> Tensor:
             f"targets have shape {tuple(targets.shape)} but the features expect "
             f"(n, m) = ({features.n}, {features.m})"
         )
-    if not bool(torch.isfinite(y).all()):
-        raise ValueError("targets have non-finite entries")
+    check_finite(y, "targets have non-finite entries")
     return y.to(device=features.device, dtype=features.dtype).unsqueeze(2)
 
 

@@ -77,10 +77,8 @@ class SampledLaplace:
         sigma_noise: float = 1.0,
         jitter: float = 1e-6,
     ) -> None:
-        check_subset(subset)
+        check_subset(subset, empty_ok=False)
         subset.parameters_of(model)
-        if subset.num_entries() == 0:
-            raise ValueError("subset is empty: choose at least one entry")
         self.sigma_noise = check_likelihood(likelihood, sigma_noise)
         if isinstance(prior_precision, Prior):
             self.prior = prior_precision

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from partialbayes.predictive.internal import check_number
+from partialbayes.predictive.internal import check_finite, check_number, check_tensor
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,7 @@ class NoisePrecision:
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             v = torch.tensor(float(v))
             object.__setattr__(self, "value", v)
-        if not isinstance(v, Tensor) or not v.dtype.is_floating_point:
-            raise TypeError(f"noise precision must be a float or a floating tensor, got {v!r}")
+        check_tensor("noise precision", v, finite=False, what="a float or a floating tensor")
         if v.ndim > 2:
             raise ValueError(
                 f"noise precision must have shape [], [n] or [n, m] (softmax probabilities, with "
@@ -44,8 +43,7 @@ class NoisePrecision:
             )
         if (v.ndim == 2) != (self.jitter is not None):
             raise ValueError("give jitter exactly when the noise precision is [n, m] probabilities")
-        if not bool(torch.isfinite(v).all()):
-            raise ValueError("noise precision has non-finite entries")
+        check_finite(v, "noise precision has non-finite entries")
         if v.ndim < 2:
             if not bool((v > 0).all()):
                 raise ValueError(f"noise precision must be positive, got {v.min().item():.3g}")
@@ -145,8 +143,7 @@ def softmax_hessian(logits: Tensor, jitter: float = 1e-6) -> NoisePrecision:
     Raises:
         ValueError: If ``logits`` is not ``[n, m]``, has non-finite entries, or ``jitter`` is not positive.
     """
-    if not isinstance(logits, Tensor) or not logits.dtype.is_floating_point:
-        raise TypeError(f"logits must be a floating tensor, got {type(logits).__name__}")
+    check_tensor("logits", logits, finite=False, what="a floating tensor")
     if logits.ndim != 2:
         raise ValueError(f"logits must have shape [n, m], got {tuple(logits.shape)}")
     return NoisePrecision(logits.to(torch.float64).softmax(-1), jitter)

@@ -22,7 +22,13 @@ from partialbayes.linear_sampling._ops import (
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior
 from partialbayes.linear_sampling._sgd import SGDConfig, SolveInfo, sgd_minimise
 from partialbayes.linear_sampling._svrg import svrg_minimise
-from partialbayes.predictive.internal import check_choice, check_generator, check_int, check_type
+from partialbayes.predictive.internal import (
+    check_choice,
+    check_finite,
+    check_generator,
+    check_int,
+    check_type,
+)
 
 _METHODS = ("cg", "sgd")
 _OBJECTIVES = ("low_variance", "standard")
@@ -185,8 +191,7 @@ def _initial_mean(features: Features, init: Tensor | None) -> Tensor | None:
         )
     if not init.dtype.is_floating_point:
         raise TypeError(f"init must be a floating tensor, got dtype {init.dtype}")
-    if not bool(torch.isfinite(init).all()):
-        raise ValueError("init has non-finite entries")
+    check_finite(init, "init has non-finite entries")
     return init.reshape(features.d, 1).to(device=features.device, dtype=features.dtype)
 
 

@@ -16,6 +16,7 @@ from partialbayes.linear_sampling._sgd import (
     diverged,
     error_bound,
 )
+from partialbayes.predictive.internal import check_finite
 
 _MAX_HALVINGS = 30
 
@@ -55,8 +56,7 @@ def svrg_minimise(
     x = x0.clone()
     r = residual_fn(x)
     objective, bound, first = error_bound(r, x, c, a)
-    if not math.isfinite(first):
-        raise ValueError("the residual at the initial point is not finite")
+    check_finite(first, "the residual at the initial point is not finite")
     info.record(0, 0.0, objective, bound, lr)
     best = (objective, x, r, bound)
     vel = torch.zeros_like(x)
