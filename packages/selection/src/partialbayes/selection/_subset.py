@@ -148,7 +148,8 @@ class Subset:
         return tuple(self._blocks)
 
     def _get(self, name: str) -> Block:
-        check_type("parameter name", name, str, "a string")
+        if not isinstance(name, str):  # inline: on every posterior's hot path
+            raise TypeError(f"parameter name must be a string, got {type(name).__name__}")
         if name not in self._blocks:
             where = "model" if name not in self._info else "subset"
             raise KeyError(f"parameter {name!r} is not in the {where}{_close(name, self._blocks)}")
@@ -219,7 +220,8 @@ class Subset:
         return n
 
     def _check_storage(self, name: str, tensor: Tensor, what: str) -> None:
-        check_type(f"{what} for {name!r}", tensor, Tensor, "a Tensor")
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{what} for {name!r} must be a Tensor, got {type(tensor).__name__}")
         if tensor.shape != self._info[name].shape:
             raise ValueError(
                 f"{what} for {name!r} has shape {tuple(tensor.shape)}, expected storage shape "
@@ -320,7 +322,8 @@ class Subset:
             ValueError: If a parameter of the subset is missing from ``model``, has another shape, or
                 lives on the ``meta`` device (no values to read or write; load real weights first).
         """
-        check_type("model", model, nn.Module, "a torch.nn.Module")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         params = dict(model.named_parameters())
         out: dict[str, nn.Parameter] = {}
         for name in self._blocks:
@@ -553,9 +556,15 @@ class Subset:
         return cls.from_model(model, blocks)
 
 
-def check_subset(subset: object) -> Subset:
-    """``subset`` itself if it is a `Subset`, else a ``TypeError``."""
-    return check_type("subset", subset, Subset, "a partialbayes.selection.Subset")
+def check_subset(subset: object, empty_ok: bool = True) -> Subset:
+    """``subset`` itself if it is a `Subset` (non-empty unless ``empty_ok``), else a ``TypeError`` / ``ValueError``."""
+    if not isinstance(subset, Subset):
+        raise TypeError(
+            f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
+        )
+    if not (empty_ok or subset.names):
+        raise ValueError("subset is empty: select at least one parameter")
+    return subset
 
 
 def _json_type(value: object) -> str:
