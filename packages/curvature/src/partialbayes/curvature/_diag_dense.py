@@ -12,7 +12,7 @@ from partialbayes.curvature._hooks import BatchObserver, Run, all_reduce, fail_t
 from partialbayes.curvature._jacobians import ParamTarget, entry_grads, param_targets
 from partialbayes.curvature._likelihood import CurvatureOptions
 from partialbayes.curvature._outputs import resolve_shift_labels
-from partialbayes.predictive.internal import check_generator
+from partialbayes.predictive.internal import check_finite, check_generator
 from partialbayes.selection import Subset
 
 
@@ -156,8 +156,7 @@ def diagonal(
                     x = bp.inputs[t.module].to(dtype)
                     inc[t.name] = d2[t.name].T @ (x * x)
             for name, v in inc.items():
-                if not bool(torch.isfinite(v).all()):
-                    raise ValueError(f"non-finite curvature of {name!r} at batch {bp.index}")
+                check_finite(v, f"non-finite curvature of {name!r} at batch {bp.index}")
                 if name in d2:
                     full_2d[name] = full_2d[name] + v if name in full_2d else v
                 else:

@@ -21,21 +21,21 @@ from partialbayes.curvature._likelihood import (
 )
 from partialbayes.curvature._memory import check_exact_fisher
 from partialbayes.curvature._outputs import Outputs, position_plan, read_batch
-from partialbayes.predictive.internal import model_logits
+from partialbayes.predictive.internal import model_logits, prefixed
 
 
 def merge_calls(name: str, tensors: list[Tensor]) -> Tensor:
     """One module's per-call ``[B, d]`` / ``[B, T_k, d]`` tensors as one ``[B, Σ_k T_k, d]`` (one call as is)."""
-    if len(tensors) == 1:
-        return tensors[0]
     lead = tensors[0].shape[0]
     if any(t.ndim not in (2, 3) or t.shape[0] != lead for t in tensors):
         shapes = [tuple(t.shape) for t in tensors]
         raise ValueError(
             f"module {name!r} is called {len(tensors)} times per forward pass with activations of shapes "
-            f"{shapes}: repeated calls are merged as extra token positions of each example and must be "
-            "[B, d] or [B, T, d] with the same batch size B"
+            f"{shapes}: linear-map activations must be [B, d] or [B, T, d]; repeated calls are merged "
+            "as extra token positions of each example and need the same batch size B"
         )
+    if len(tensors) == 1:
+        return tensors[0]
     return torch.cat([t[:, None] if t.ndim == 2 else t for t in tensors], dim=1)
 
 
@@ -44,11 +44,7 @@ def token_masks(calls: Mapping[str, list[Tensor]], mask: Tensor | None) -> dict[
     out: dict[str, Tensor | None] = {}
     for name, xs in calls.items():
         parts = []
-        for x in xs:
-            if x.ndim not in (2, 3):
-                raise ValueError(
-                    f"linear-map activations must be [B, d] or [B, T, d], got {tuple(x.shape)}"
-                )
+        for x in xs:  # [B, d] or [B, T, d] (`merge_calls` checked)
             if x.ndim == 2:
                 parts.append(x.new_ones(x.shape[0], 1))
             elif mask is not None and tuple(mask.shape) == tuple(x.shape[:2]):
@@ -253,7 +249,7 @@ def stream(
             it = tqdm(loader, desc="curvature")
     for index, batch in enumerate(it):
         run.batches += 1
-        try:
+        with prefixed(f"batch {index}"):
             inputs, outputs = read_batch(
                 batch, device, likelihood=options.likelihood, shift=options.shift_labels
             )
@@ -266,9 +262,6 @@ def stream(
             keep = outputs.keep(logits)
             rows = logits if keep is None else logits[keep]
             labels = outputs.targets(logits, keep)
-        except (TypeError, ValueError) as err:
-            kind = TypeError if isinstance(err, TypeError) else ValueError
-            raise kind(f"batch {index}: {err}") from err
         if rows.shape[0] == 0:  # token-level: no kept position (padding, -100, the causal shift)
             run.skipped += 1
             continue

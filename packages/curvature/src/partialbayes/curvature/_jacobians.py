@@ -124,9 +124,7 @@ def param_targets(
     model: nn.Module, subset: Subset
 ) -> tuple[list[ParamTarget], dict[str, nn.Module]]:
     """Every parameter of ``subset`` with its owning linear map (refusing any other parameter), and those maps."""
-    check_subset(subset)
-    if not subset.names:
-        raise ValueError("subset is empty: no parameter to compute the curvature for")
+    check_subset(subset, empty_ok=False)
     lin = linear_modules(model)
     owner = {}
     for mname in lin:

@@ -139,7 +139,7 @@ def row_count(x: Tensor, mask: Tensor | None, sharing: str) -> Tensor | int:
 
 def kron_targets(model: nn.Module, subset: Subset, what: str) -> KronTargets:
     """``subset.kron_modules()`` checked against ``model`` (present, untied) and resolved for the hooks."""
-    check_subset(subset)
+    check_subset(subset, empty_ok=False)
     try:
         kmods = subset.kron_modules()
     except TypeError as err:
@@ -148,8 +148,6 @@ def kron_targets(model: nn.Module, subset: Subset, what: str) -> KronTargets:
             "For elementwise mask subsets use diag_curvature or dense_curvature "
             "(DiagLaplace / DenseLaplace)."
         ) from err
-    if not kmods:
-        raise ValueError("subset is empty: no linear map to compute factors for")
     named = dict(model.named_modules())
     missing = [m for m in kmods if m not in named]
     if missing:

@@ -21,7 +21,6 @@ from partialbayes.curvature._outputs import Outputs, read_batch, resolve_shift_l
 from partialbayes.curvature._prior import (
     MarglikFit,
     PriorSpec,
-    check_positive,
     evidence_ascent,
     grid_search,
     grid_val_nlls,
@@ -31,8 +30,10 @@ from partialbayes.predictive import laplace_bridge
 from partialbayes.predictive.internal import (
     PosteriorFile,
     check_choice,
+    check_finite,
     check_generator,
     check_int,
+    check_number,
     check_target_ids,
     eval_mode,
     gaussian_draws,
@@ -178,9 +179,7 @@ class LaplaceBase(ABC):
         shift_labels: bool | None = None,
         max_memory: int | None = None,
     ) -> None:
-        check_subset(subset)
-        if len(subset.names) == 0:
-            raise ValueError("subset is empty: select at least one parameter")
+        check_subset(subset, empty_ok=False)
         params = subset.parameters_of(model)
         self.model, self.subset = model, subset
         self._options = CurvatureOptions(
@@ -192,7 +191,7 @@ class LaplaceBase(ABC):
             num_classes=num_classes,
             shift_labels=resolve_shift_labels(model, shift_labels),
         )
-        check_positive("temperature", temperature)
+        check_number("temperature", float(temperature))
         self.temperature = float(temperature)
         self.max_memory = None if max_memory is None else check_int("max_memory", max_memory)
         self.device = next(iter(params.values())).device
@@ -343,7 +342,7 @@ class LaplaceBase(ABC):
         if self.likelihood != "regression":
             return 1.0
         sigma = self.sigma_noise if sigma_noise is None else sigma_noise
-        check_positive("sigma_noise", sigma)
+        check_number("sigma_noise", float(sigma))
         return self._sigma_fit**2 / sigma**2
 
     def _read(
@@ -453,10 +452,8 @@ class LaplaceBase(ABC):
             ValueError: Curvature that does not match the subset, is not finite, or is negative beyond round-off
                 (naming the module); ``n_data < 1``; a non-finite ``map_loss``.
         """
-        if n_data < 1:
-            raise ValueError(f"n_data must be positive, got {n_data}")
-        if not math.isfinite(map_loss):
-            raise ValueError(f"map_loss must be finite, got {map_loss}")
+        check_number("n_data", n_data, "[1, inf)")
+        check_finite(map_loss, f"map_loss must be finite, got {map_loss}")
         params = self.subset.parameters_of(self.model)
         self._set_curvature(curvature)
         self._map = {
@@ -934,12 +931,10 @@ class LaplaceBase(ABC):
             raise file.error(f"holds a {saved}, not a {cls.__name__}: load it with {saved}.load")
         file.check_model(model)
         dtype, prior = file.dtype(), file.tensor("prior_precision")
-        try:
+        with file.reraised("the saved settings are invalid"):
             subset = Subset.from_json(file.meta["subset"], model)
             options = {**file.meta["options"], "dtype": dtype, "prior_precision": prior}
             post: LaplaceBase = target(model, subset, **options)
-        except (TypeError, ValueError) as err:
-            raise file.error(f"the saved settings are invalid: {err}") from err
         if list(post.modules) != file.meta["modules"]:
             raise file.error(
                 f"saved modules {file.meta['modules']} do not match the subset's {list(post.modules)}"
@@ -1025,11 +1020,11 @@ def _linearised(
     keep_all = None if keeps[0] is None else torch.cat([k for k in keeps if k is not None])
     logits_all = torch.cat(logits)
     rows = logits_all if keep_all is None else logits_all[keep_all]
-    if not bool(torch.isfinite(rows).all()):
-        raise ValueError(
-            "the model's logits for this batch are not finite (NaN or inf in the inputs?): "
-            "no predictive is computed from them"
-        )
+    check_finite(
+        rows,
+        "the model's logits for this batch are not finite (NaN or inf in the inputs?): "
+        "no predictive is computed from them",
+    )
     f_rows = rows if ids is None else rows.index_select(-1, ids)
     return logits_all, keep_all, f_rows, [torch.cat(c) for c in covs]
 

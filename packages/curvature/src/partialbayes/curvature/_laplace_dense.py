@@ -14,7 +14,7 @@ from partialbayes.curvature._jacobians import subset_jacobians
 from partialbayes.curvature._laplace import LaplaceBase
 from partialbayes.curvature._lowrank import clamped_eigh
 from partialbayes.curvature._outputs import Outputs
-from partialbayes.predictive.internal import PosteriorFile
+from partialbayes.predictive.internal import PosteriorFile, prefixed
 from partialbayes.selection import Subset
 
 
@@ -61,10 +61,8 @@ class DenseLaplace(LaplaceBase):
         got = tuple(curvature.shape) if isinstance(curvature, Tensor) else type(curvature).__name__
         if got != (p, p):
             raise ValueError(f"dense curvature must have shape ({p}, {p}), got {got}")
-        try:
+        with prefixed(f"dense curvature of modules {list(self.modules)}"):
             self._eig = clamped_eigh(curvature, self.dtype, self.device, "H")
-        except ValueError as err:
-            raise ValueError(f"dense curvature of modules {list(self.modules)}: {err}") from err
 
     def _entry_prior(self, prior: Tensor) -> Tensor:
         """``[P]`` prior precision of every entry."""

@@ -13,7 +13,7 @@ from partialbayes.curvature._hooks import Run
 from partialbayes.curvature._jacobians import subset_jacobians
 from partialbayes.curvature._laplace import LaplaceBase
 from partialbayes.curvature._outputs import Outputs
-from partialbayes.predictive.internal import PosteriorFile
+from partialbayes.predictive.internal import PosteriorFile, check_finite, check_keys
 
 
 class DiagLaplace(LaplaceBase):
@@ -33,10 +33,9 @@ class DiagLaplace(LaplaceBase):
 
     def _set_curvature(self, curvature: Mapping[str, Tensor]) -> None:
         """``curvature``: ``{param name: h [k]}`` in ``subset.gather`` order, ``h ≥ 0`` up to round-off."""
-        missing = [n for n in self.subset.names if n not in curvature]
-        extra = [n for n in curvature if n not in self.subset.names]
-        if missing or extra:
-            raise ValueError(f"diagonal and subset differ: missing {missing}, unknown {extra}")
+        check_keys(
+            "curvature (a diagonal per parameter of the subset)", curvature, self.subset.names, ()
+        )
         h = {}
         for n in self.subset.names:
             v = curvature[n].to(device=self.device, dtype=self.dtype).reshape(-1)
@@ -45,8 +44,7 @@ class DiagLaplace(LaplaceBase):
                 raise ValueError(
                     f"{where} has {v.numel()} entries, the subset selects {self.subset.num_entries(n)}"
                 )
-            if not torch.isfinite(v).all():
-                raise ValueError(f"{where} is not finite")
+            check_finite(v, f"{where} is not finite")
             low, tol = (float(v.min()), float(v.abs().max())) if v.numel() else (0.0, 0.0)
             if low < -(torch.finfo(v.dtype).eps ** 0.5) * tol:
                 raise ValueError(

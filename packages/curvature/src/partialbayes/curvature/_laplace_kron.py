@@ -25,7 +25,12 @@ from partialbayes.curvature._lowrank import (
 )
 from partialbayes.curvature._memory import MemoryEstimate, kron_estimate
 from partialbayes.curvature._outputs import Outputs
-from partialbayes.predictive.internal import PosteriorFile, check_generator, check_number
+from partialbayes.predictive.internal import (
+    PosteriorFile,
+    check_generator,
+    check_number,
+    prefixed,
+)
 from partialbayes.selection import Subset
 
 
@@ -235,14 +240,12 @@ class KronLaplace(LaplaceBase):
                     f"factors of module {m!r} have G {tuple(shapes[0])} and A {tuple(shapes[1])}, "
                     f"expected {(sides['G'],) * 2} and {(sides['A'],) * 2} for its block"
                 )
-            try:
+            with prefixed(f"curvature of module {m!r}"):
                 g, a = (
                     self._factor(f, n, k) for (k, n), f in zip(sides.items(), (G, A), strict=True)
                 )
                 if A_bias is not None:  # separate (checked above)
                     a = _with_separate_bias(a, A_bias.to(a.U))
-            except ValueError as err:
-                raise ValueError(f"curvature of module {m!r}: {err}") from err
             eig[m] = (g, a)
         shared = {str(s) for m in self.modules if (s := getattr(curvature[m], "sharing", None))}
         if len(shared) > 1 or (self.sharing is not None and shared - {self.sharing}):

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from partialbayes.predictive.internal import (
     check_bool,
     check_choice,
+    check_finite,
     check_int,
     check_likelihood,
     check_type,
@@ -154,8 +155,7 @@ def check_logits(logits: Tensor, num_classes: int | None, index: int) -> None:
         raise ValueError(
             f"batch {index}: model outputs {logits.shape[1]} logits but num_classes={num_classes}"
         )
-    if not bool(torch.isfinite(logits).all()):
-        raise ValueError(f"batch {index}: the model's logits are not finite")
+    check_finite(logits, f"batch {index}: the model's logits are not finite")
 
 
 def check_labels(labels: Tensor, logits: Tensor, likelihood: str, index: int) -> Tensor:
@@ -189,8 +189,7 @@ def check_labels(labels: Tensor, logits: Tensor, likelihood: str, index: int) ->
             f"batch {index}: regression targets of shape {tuple(labels.shape)} do not match the "
             f"model outputs: expected {expected}"
         )
-    if not bool(torch.isfinite(y).all()):
-        raise ValueError(f"batch {index}: regression targets are not finite")
+    check_finite(y, f"batch {index}: regression targets are not finite")
     return y
 
 

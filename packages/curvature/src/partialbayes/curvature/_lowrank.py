@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from partialbayes.predictive.internal import check_finite
+
 
 def clamped_eigh(
     matrix: Tensor,
@@ -16,8 +18,7 @@ def clamped_eigh(
     what: str = "factor",
 ) -> tuple[Tensor, Tensor]:
     """``(λ [n], Q [n, n])`` of a PSD factor (shape checked by the caller), round-off below 0 clamped."""
-    if not torch.isfinite(matrix).all():
-        raise ValueError(f"{what} holds non-finite values (NaN or inf)")
+    check_finite(matrix, f"{what} holds non-finite values (NaN or inf)")
     m = matrix.to(device=device, dtype=dtype)
     eigenvalues, eigenvectors = torch.linalg.eigh(0.5 * (m + m.T))
     eps = max(torch.finfo(matrix.dtype).eps, torch.finfo(m.dtype).eps)

@@ -69,13 +69,6 @@ def prior_vector(
     return vec
 
 
-def check_positive(name: str, value: float | Tensor) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is a positive finite number."""
-    v = float(value.detach()) if isinstance(value, Tensor) else float(value)
-    if not math.isfinite(v) or v <= 0:
-        raise ValueError(f"{name} must be positive and finite, got {v}")
-
-
 @dataclass(frozen=True)
 class MarglikFit:
     """Result of the gradient ascent on the Laplace evidence (``optimize_prior_precision(optimizer="gradient")``).
