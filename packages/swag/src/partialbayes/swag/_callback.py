@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from partialbayes.predictive.internal import TrainerEvents, check_int
+from partialbayes.predictive.internal import TrainerEvents, check_int, prefixed
 from partialbayes.selection import Subset
 from partialbayes.selection.internal import check_subset
 from partialbayes.swag._posterior import SWAG
@@ -94,12 +94,8 @@ class SWAGCallback(TrainerEvents):
         done = state.global_step - self.start_step
         if self._swag is None or done <= 0 or done % self.every:
             return
-        try:
+        with prefixed(f"SWAGCallback: snapshot after optimizer step {state.global_step}"):
             self._swag.collect()
-        except ValueError as err:
-            raise ValueError(
-                f"SWAGCallback: snapshot after optimizer step {state.global_step}: {err}"
-            ) from err
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Warn about too few snapshots, or a negligible spread (`SWAG.warn_if_negligible`)."""

@@ -28,7 +28,7 @@ class FlatLayout:
     @classmethod
     def from_subset(cls, subset: Subset) -> FlatLayout:
         """The layout of a non-empty ``partialbayes.selection.Subset``."""
-        check_subset(subset)
+        check_subset(subset, empty_ok=False)
         names = tuple(subset.names)
         shapes, indices, offsets = [], [], [0]
         for name in names:
@@ -37,8 +37,6 @@ class FlatLayout:
             shapes.append(torch.Size(mask.shape))
             indices.append(idx)
             offsets.append(offsets[-1] + idx.numel())
-        if offsets[-1] == 0:
-            raise ValueError("subset has no stochastic entries: SWAG needs at least one")
         return cls(names, tuple(shapes), tuple(indices), tuple(offsets))
 
     def to(self, device: torch.device | str) -> FlatLayout:

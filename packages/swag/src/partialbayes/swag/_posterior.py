@@ -370,10 +370,8 @@ class SWAG:
         """
         file = read_posterior_file(path, formats=FORMAT, version=VERSION, fields=_FIELDS)
         file.check_model(model)
-        try:
+        with file.reraised("the saved subset does not fit the model"):
             saved = Subset.from_json(file.meta["subset"], model)
-        except (TypeError, ValueError) as err:
-            raise file.error(f"the saved subset does not fit the model: {err}") from err
         if subset is not None and not FlatLayout.from_subset(subset).same_entries(
             FlatLayout.from_subset(saved)
         ):
@@ -381,7 +379,7 @@ class SWAG:
         n = file.meta["n_snapshots"]
         if n < 1:
             raise file.error(f"n_snapshots={n} (must be >= 1)")
-        try:
+        with file.reraised("invalid SWAG settings"):
             swag = cls(
                 model,
                 saved if subset is None else subset,
@@ -391,8 +389,6 @@ class SWAG:
                 likelihood=file.meta["likelihood"],
                 sigma_noise=file.meta["sigma_noise"],
             )
-        except (TypeError, ValueError) as err:
-            raise file.error(f"invalid SWAG settings: {err}") from err
         d = swag.num_entries
         mean, sq_mean = file.tensor("mean", (d,)), file.tensor("sq_mean", (d,))
         dev = None if swag.diagonal_only else file.tensor("deviations")

@@ -13,11 +13,13 @@ from torch import Tensor, nn
 
 from partialbayes.predictive.internal import (
     IGNORE_INDEX,
+    check_finite,
     check_int,
     eval_mode,
     flatten_outputs,
     model_logits,
     move_batch,
+    prefixed,
     split_batch,
 )
 from partialbayes.selection import Subset
@@ -46,12 +48,10 @@ def _per_example_log_probs(
     out, skipped, seen = [], 0, 0
     for i, batch in enumerate(batches):
         seen += 1
-        try:
+        with prefixed(f"validation batch {i}"):
             b = split_batch(batch, device=device)
             if b.labels is None:
                 raise ValueError("it has no labels under 'labels' or 'label'")
-        except (TypeError, ValueError) as err:
-            raise type(err)(f"validation batch {i}: {err}") from err
         if not has_labelled_outputs(b.labels):
             skipped += 1
             continue
@@ -196,7 +196,6 @@ def sweep_learning_rate(
         )
         nll[lr] = value if math.isfinite(value) else math.inf
     best = min(nll, key=lambda k: nll[k])
-    if not math.isfinite(nll[best]):
-        raise ValueError(f"every learning rate of the sweep diverged: {list(lrs)}")
+    check_finite(nll[best], f"every learning rate of the sweep diverged: {list(lrs)}")
     final = collect_swag(model, subset, train_batches, lr=best, n_steps=final_steps, **common)
     return SweepResult(lr=best, nll=nll, swag=final)
