@@ -342,7 +342,7 @@ class LaplaceBase(ABC):
         if self.likelihood != "regression":
             return 1.0
         sigma = self.sigma_noise if sigma_noise is None else sigma_noise
-        check_number("sigma_noise", float(sigma))
+        check_number("sigma_noise", float(torch.as_tensor(sigma).detach()))
         return self._sigma_fit**2 / sigma**2
 
     def _read(
