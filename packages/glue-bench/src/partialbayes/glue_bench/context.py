@@ -19,6 +19,7 @@ from partialbayes.predictive.internal import (
     check_fields,
     check_int,
     check_number,
+    check_type,
     model_logits,
     ranged,
     split_batch,
@@ -112,10 +113,7 @@ class Settings:
         if isinstance(counts, (str, bytes)) or not isinstance(counts, Sequence) or not counts:
             raise TypeError(f"Settings.module_counts must be a non-empty sequence, got {counts!r}")
         self.module_counts = tuple(check_int("Settings.module_counts", k) for k in counts)
-        if not isinstance(ls := self.linear_sampling, LinearSamplingConfig):
-            raise TypeError(
-                f"Settings.linear_sampling must be a LinearSamplingConfig, got {type(ls).__name__}"
-            )
+        check_type("Settings.linear_sampling", self.linear_sampling, LinearSamplingConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict."""

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from partialbayes.predictive.internal import check_int, check_known
+
 DATA_ENV = "PARTIALBAYES_DATA"
 
 
@@ -67,8 +69,7 @@ class Examples:
 def task_spec(name: str) -> TaskSpec:
     """The :class:`TaskSpec` of ``name``; raises ``ValueError`` listing the valid names."""
     key = name.lower().replace("-", "")
-    if key not in TASKS:
-        raise ValueError(f"unknown GLUE task {name!r}; valid tasks: {', '.join(TASKS)}")
+    check_known("GLUE task", key, TASKS, "valid tasks")
     return TASKS[key]
 
 
@@ -193,10 +194,9 @@ def split_indices(
     Validation: the first ``spec.val_size`` of a permutation seeded by ``split``, training the next
     ``spec.train_size``; ``max_train`` cuts both in proportion (validation at least 64), nested in the full split.
     """
-    if split < 0:
-        raise ValueError(f"split must be >= 0, got {split}")
-    if max_train is not None and max_train < 1:
-        raise ValueError(f"max_train must be >= 1, got {max_train}")
+    check_int("split", split, "[0, inf)")
+    if max_train is not None:
+        check_int("max_train", max_train)
     gen = torch.Generator().manual_seed(1000 + split)
     perm = torch.randperm(n, generator=gen).tolist()
     full_val = min(spec.val_size, n // 2)

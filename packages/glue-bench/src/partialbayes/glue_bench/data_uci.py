@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from partialbayes.predictive.internal import check_known
+
 UCI_DATASETS: dict[str, str] = {"boston": "bostonHousing", "energy": "energy", "yacht": "yacht"}
 
 
@@ -32,8 +34,7 @@ class UCISplit:
 
 def uci_folder(name: str, uci_dir: str | Path | None = None) -> Path:
     """The ``data/`` folder of UCI dataset ``name`` (``boston``, ``energy`` or ``yacht``)."""
-    if name not in UCI_DATASETS:
-        raise ValueError(f"unknown UCI dataset {name!r}; valid datasets: {', '.join(UCI_DATASETS)}")
+    check_known("UCI dataset", name, UCI_DATASETS, "valid datasets")
     if uci_dir is None:
         root = os.environ.get("PARTIALBAYES_DATA")
         if not root:

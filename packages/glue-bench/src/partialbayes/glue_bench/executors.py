@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from partialbayes.glue_bench.store import atomic_write
+from partialbayes.predictive.internal import check_choice
 
 EXECUTORS = ("local", "ray")
 RAY_INSTALL = "pip install 'partialbayes-glue-bench[ray]'"
@@ -65,8 +66,7 @@ def run_units(
         ImportError: Ray requested but not installed (the message names the extra).
         FileNotFoundError: A Ray worker does not see the results folder this process created.
     """
-    if executor not in EXECUTORS:
-        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+    check_choice("executor", executor, EXECUTORS)
     if executor == "local":
         return [job(task, split, log) for task, split in units]
     ray = import_ray()

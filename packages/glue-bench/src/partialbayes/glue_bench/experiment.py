@@ -40,7 +40,13 @@ from partialbayes.glue_bench.train import (
     progress_path,
     save_checkpoint,
 )
-from partialbayes.predictive.internal import check_choice, check_fields, ranged
+from partialbayes.predictive.internal import (
+    check_choice,
+    check_fields,
+    check_finite,
+    check_type,
+    ranged,
+)
 
 ModelFactory = Callable[[str, int, float], tuple[torch.nn.Module, Any]]
 CURVATURE_PASSES = ("shared", "per-cell")
@@ -79,10 +85,7 @@ class RunConfig:
         if not isinstance(self.model, str) or not self.model:
             raise TypeError(f"RunConfig.model must be a non-empty string, got {self.model!r}")
         for key, kind in (("train", TrainConfig), ("settings", Settings)):
-            if not isinstance(value := getattr(self, key), kind):
-                raise TypeError(
-                    f"RunConfig.{key} must be a {kind.__name__}, got {type(value).__name__}"
-                )
+            check_type(f"RunConfig.{key}", getattr(self, key), kind)
         check_fields(self)
         check_choice("RunConfig.curvature_pass", self.curvature_pass, CURVATURE_PASSES)
 
@@ -211,8 +214,7 @@ def all_metrics(probs: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
 def prediction_record(ctx: Context, method: Method, pred: Prediction, cpu: float) -> dict[str, Any]:
     """The results record of a finished cell (test metrics, floats, times, method facts)."""
     labels = ctx.labels("test")
-    if not torch.isfinite(pred.probs).all():
-        raise ValueError(f"method {method.name!r} produced non-finite probabilities")
+    check_finite(pred.probs, f"method {method.name!r} produced non-finite probabilities")
     record = {**all_metrics(pred.probs, labels), "n_test": len(labels), "cpu_seconds": cpu}
     record.update({k: getattr(pred, k) for k in RECORDED})
     if pred.curvature_pass is not None:

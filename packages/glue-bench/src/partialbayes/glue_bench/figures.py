@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from partialbayes.glue_bench.store import atomic_write
+from partialbayes.predictive.internal import check_int
 
 
 def pyplot() -> Any:
@@ -101,8 +102,7 @@ def rank_plot(rank_rows: Sequence[dict[str, Any]], task: str, path: Path) -> boo
 
 def merged_bins(rows: Sequence[dict[str, Any]], n_bins: int) -> list[dict[str, float]]:
     """One curve's reliability bins, in confidence order, merged (count-weighted) into at most ``n_bins`` of about equal count."""
-    if n_bins < 1:
-        raise ValueError(f"n_bins must be at least 1, got {n_bins}")
+    check_int("n_bins", n_bins)
     ordered = sorted(rows, key=lambda r: r["confidence"])
     total = sum(r["count"] for r in ordered)
     out: list[dict[str, float]] = []

@@ -33,7 +33,7 @@ from partialbayes.glue_bench.laplace_cells import kron_prediction, laplace_predi
 from partialbayes.glue_bench.linearised import fit_linearised, linearised_probs
 from partialbayes.ivon import GaussianPosterior
 from partialbayes.predictive import Posterior, fit_temperature
-from partialbayes.predictive.internal import check_choice, eval_mode
+from partialbayes.predictive.internal import check_choice, check_known, eval_mode
 from partialbayes.selection import Subset
 from partialbayes.selection.internal import countable_named_parameters, grouped_linear_modules
 from partialbayes.sgmcmc import parallel_chains, run_chain
@@ -412,7 +412,5 @@ METHODS: dict[str, Method] = _registry()
 
 def get_methods(names: Sequence[str]) -> list[Method]:
     """Look up methods by name; raises ``ValueError`` listing the valid names."""
-    unknown = [n for n in names if n not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown method(s) {unknown}; valid methods: {', '.join(METHODS)}")
+    check_known("method(s)", names, METHODS, "valid methods")
     return [METHODS[n] for n in names]

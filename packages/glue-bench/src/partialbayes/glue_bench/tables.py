@@ -18,11 +18,13 @@ from typing import Any
 import numpy as np
 
 from partialbayes.glue_bench.store import atomic_write
+from partialbayes.predictive.internal import check_number
 
 # Module-ramping strategies of the paper's Fig. 4: <family>-<strategy>, sizes = module counts.
 STRATEGY_PATTERN = re.compile(
     r"^(?P<family>kfac|swag)-(?P<strategy>random|(?:max|min)(?:-(?:mlp|attn))?)$"
 )
+
 BASELINES = ("map", "temperature")
 
 
@@ -86,8 +88,7 @@ def budget_table(
     """
     if not 0 <= target <= 100 or math.isnan(target):
         raise ValueError(f"target must be a percentage in [0, 100], got {target}")
-    if not tolerance >= 0 or math.isinf(tolerance):
-        raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance}")
+    check_number("tolerance", tolerance, "[0, inf)")
     limit = target * (1 + tolerance)
     by_method: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in rows:

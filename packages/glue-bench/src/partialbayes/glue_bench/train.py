@@ -26,6 +26,7 @@ from partialbayes.glue_bench.store import atomic_write, json_ready, read_json, t
 from partialbayes.ivon import IVON
 from partialbayes.predictive.internal import (
     check_fields,
+    check_known,
     eval_mode,
     model_logits,
     ranged,
@@ -78,10 +79,7 @@ class TrainConfig:
     length_buckets: int = ranged(0, "[0, inf)", int)
 
     def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(
-                f"unknown optimizer {self.optimizer!r}; valid optimizers: {', '.join(OPTIMIZERS)}"
-            )
+        check_known("optimizer", self.optimizer, OPTIMIZERS)
         check_fields(self)
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"TrainConfig.betas must be two numbers in [0, 1), got {self.betas!r}")

@@ -25,6 +25,7 @@ from partialbayes.glue_bench.data_uci import UCI_DATASETS, UCISplit, load_uci
 from partialbayes.glue_bench.methods import Method
 from partialbayes.glue_bench.models import MLP
 from partialbayes.glue_bench.store import Cell, ResultStore, grid_units, json_ready
+from partialbayes.predictive.internal import check_choice, check_known
 from partialbayes.selection import Subset
 from partialbayes.swag import collect_swag
 
@@ -67,10 +68,8 @@ class UCIProtocol:
     n_samples: int = 30
 
     def __post_init__(self) -> None:
-        if self.sigma not in SIGMA_RULES:
-            raise ValueError(f"sigma must be one of {SIGMA_RULES}, got {self.sigma!r}")
-        if self.prior not in PRIOR_RULES:
-            raise ValueError(f"prior must be one of {PRIOR_RULES}, got {self.prior!r}")
+        check_choice("sigma", self.sigma, SIGMA_RULES)
+        check_choice("prior", self.prior, PRIOR_RULES)
         counts = {"width": self.width, "depth": self.depth, "epochs": self.epochs}
         counts.update(swag_steps=self.swag_steps, n_samples=self.n_samples)
         counts.update(batch_size=self.batch_size or 1, patience=self.patience or 1)
@@ -457,10 +456,7 @@ UCI_METHODS: dict[str, Method] = {
 
 def run_uci_cell(ctx: UCIContext, method: str, size: str) -> dict[str, Any]:
     """One UCI cell: the method's posterior, its choices (σ, prior, SWAG lr) and its test metrics."""
-    if method not in UCI_METHODS:
-        raise ValueError(
-            f"unknown UCI method {method!r}; valid UCI methods: {', '.join(UCI_METHODS)}"
-        )
+    check_known("UCI method", method, UCI_METHODS)
     t0 = time.perf_counter()
     pred = UCI_METHODS[method].run(ctx, size)
     data, total = ctx.data, sum(p.numel() for p in ctx.model.parameters())
@@ -508,17 +504,10 @@ def run_uci(
             valid ones), before any work.
     """
     if isinstance(protocol, str):
-        if protocol not in PROTOCOLS:
-            raise ValueError(f"unknown UCI protocol {protocol!r}; valid: {', '.join(PROTOCOLS)}")
+        check_known("UCI protocol", protocol, PROTOCOLS, "valid")
         protocol = PROTOCOLS[protocol]
-    bad = [d for d in datasets if d not in UCI_DATASETS]
-    if bad:
-        raise ValueError(f"unknown UCI dataset(s) {bad}; valid datasets: {', '.join(UCI_DATASETS)}")
-    bad = [m for m in methods if m not in UCI_METHODS]
-    if bad:
-        raise ValueError(
-            f"method(s) {bad} have no UCI version; valid UCI methods: {', '.join(UCI_METHODS)}"
-        )
+    check_known("UCI dataset(s)", datasets, UCI_DATASETS, "valid datasets")
+    check_known("UCI method(s)", methods, UCI_METHODS, "valid UCI methods")
     if str(device) != "cpu":
         log("UCI models are tiny: running them on cpu")
     store = ResultStore(results, protocol.store_config(seed))
