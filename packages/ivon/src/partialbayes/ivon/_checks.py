@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from partialbayes.predictive.internal import check_int, check_number
+from partialbayes.predictive.internal import check_int, check_keys, check_number
 
 #: Hyperparameters every IVON parameter group holds, with their intervals.
 RANGES: dict[str, str] = {
@@ -37,12 +37,9 @@ def check_state_dict(
     where = "IVON.load_state_dict: "
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"{where}expected a dict, got {type(state_dict).__name__}")
-    for key in ("state", "param_groups"):
-        if key not in state_dict:
-            raise ValueError(f"{where}the state dict has no {key!r} entry")
-    unknown = sorted(map(str, set(state_dict) - {"state", "param_groups", "generator_state"}))
-    if unknown:
-        raise ValueError(f"{where}unknown entries {unknown} (not an IVON state dict)")
+    check_keys(
+        f"{where}the state dict", state_dict, ("state", "param_groups"), ("generator_state",)
+    )
     saved_groups, state = state_dict["param_groups"], state_dict["state"]
     if not isinstance(saved_groups, Sequence) or not isinstance(state, Mapping):
         raise TypeError(f"{where}'param_groups' must be a list and 'state' a dict")
@@ -54,11 +51,8 @@ def check_state_dict(
         if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), Sequence):
             raise TypeError(f"{where}parameter group {g} is not a dict with a 'params' list")
         validate_group(saved, f"{where}group {g}: ")
-        unknown = sorted(map(str, set(saved) - set(own) - {"params"}))
-        if unknown:
-            raise ValueError(f"{where}group {g} has unknown entries {unknown}")
-        if "step" not in saved:  # it would restart the debiasing and schedules at step 0
-            raise ValueError(f"{where}group {g} has no 'step' (IVON.state_dict always saves it)")
+        # no "step" would restart the debiasing and schedules at step 0
+        check_keys(f"{where}group {g}", saved, ("step",), {*own, "params"})
         check_int(f"{where}group {g}: step", saved["step"], "[0, inf)")
         if len(saved["params"]) != len(own["params"]):
             raise ValueError(
@@ -77,11 +71,9 @@ def check_state_dict(
 def _check_param_state(entry: Any, p: Tensor, where: str) -> None:
     if not isinstance(entry, Mapping):
         raise ValueError(f"{where}the state dict holds no IVON state (momentum, hess) for it")
-    unknown = sorted(map(str, set(entry) - {"momentum", "hess"}))
-    if unknown:
-        raise ValueError(f"{where}unknown state entries {unknown}")
+    check_keys(f"{where}it", entry, ("momentum", "hess"), (), "state entries")
     for key in ("momentum", "hess"):
-        t = entry.get(key)
+        t = entry[key]
         if not isinstance(t, Tensor):
             raise ValueError(f"{where}no tensor {key!r} for it (not an IVON state dict)")
         if tuple(t.shape) != tuple(p.shape):

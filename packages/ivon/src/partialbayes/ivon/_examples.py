@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from partialbayes.predictive.internal import IGNORE_INDEX, split_batch, take_inputs
+from partialbayes.predictive.internal import IGNORE_INDEX, prefixed, split_batch, take_inputs
 
 #: ``(position in the loader, inputs of one example, label)``.
 Example = tuple[int, Tensor | dict[str, Any], int]
@@ -21,10 +21,8 @@ def labelled_batches(loader: Iterable[Any], model: nn.Module, who: str) -> Itera
     seen = skipped = position = 0
     for i, raw in enumerate(loader):
         seen += 1
-        try:
+        with prefixed(f"{who}: batch {i}"):
             batch = split_batch(raw, device=device)
-        except (TypeError, ValueError) as err:
-            raise type(err)(f"{who}: batch {i}: {err}") from None
         labels, size = batch.labels, batch.size
         if labels is None:
             raise ValueError(

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from partialbayes.ivon._examples import class_logits, labelled_batches, requiring_grad
 from partialbayes.ivon.posterior import GaussianPosterior
-from partialbayes.predictive.internal import check_number, eval_mode, model_logits
+from partialbayes.predictive.internal import check_number, check_shapes, eval_mode, model_logits
 
 
 def _check_same(posteriors: Sequence[Any]) -> dict[str, torch.Size]:
@@ -25,20 +25,12 @@ def _check_same(posteriors: Sequence[Any]) -> dict[str, torch.Size]:
                 f"merge: posterior {t} is a {type(post).__name__}, expected a GaussianPosterior "
                 "(ivon_posterior(optimizer, model) of each fine-tune)"
             )
+    # fine-tunes of one base model: the same parameters, of the same shapes
     shapes = {n: m.shape for n, m in posteriors[0].mean.items()}
     for t, post in enumerate(posteriors[1:], start=1):
-        for name in [*shapes, *post.mean]:
-            if name not in post.mean or name not in shapes:
-                which = "0" if name not in shapes else str(t)
-                raise ValueError(
-                    f"merge: parameter {name!r} is missing from posterior {which} (the posteriors must be "
-                    "fine-tunes of one base model over the same parameters)"
-                )
-            if post.mean[name].shape != shapes[name]:
-                raise ValueError(
-                    f"merge: parameter {name!r} has shape {tuple(post.mean[name].shape)} in posterior {t}, "
-                    f"{tuple(shapes[name])} in posterior 0"
-                )
+        check_shapes("merge: ", post.mean, shapes, f"posterior {t}", "posterior 0")
+        own = {n: m.shape for n, m in post.mean.items()}
+        check_shapes("merge: ", posteriors[0].mean, own, "posterior 0", f"posterior {t}")
     return shapes
 
 

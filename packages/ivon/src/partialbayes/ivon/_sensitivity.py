@@ -74,8 +74,7 @@ def _variances(source: Any, model: nn.Module | None) -> tuple[nn.Module, dict[st
     elif isinstance(source, IVON):
         if model is None:
             raise ValueError("sensitivity(optimizer, loader) needs model=...: the model it trains")
-        if source._sampling:
-            raise RuntimeError("sensitivity: called inside sampled_params (model holds a sample)")
+        source._check_outside("sensitivity")
         held = {p for g in source.param_groups for p in g["params"]}
         std = {n: source.posterior_std(p) for n, p in model.named_parameters() if p in held}
     else:

@@ -437,8 +437,7 @@ class IVON(torch.optim.Optimizer):
         return loss
 
     def _run_closure(self, closure: Callable[[], Any]) -> Any:
-        if not callable(closure):
-            raise TypeError(f"IVON.step: closure must be callable, got {type(closure).__name__}")
+        check_type("IVON.step: closure", closure, Callable, "callable")
         losses = []
         for _ in range(self.mc_samples):
             with self.sampled_params(train=True), torch.enable_grad():
@@ -614,6 +613,13 @@ class IVON(torch.optim.Optimizer):
             out["generator_state"] = self.generator.get_state()
         return out
 
+    def _check_outside(self, who: str) -> None:
+        """A ``RuntimeError`` naming ``who`` while the parameters hold a sample (`sampled_params`)."""
+        if self._sampling:
+            raise RuntimeError(
+                f"{who}: not allowed inside sampled_params (the parameters hold a sample)"
+            )
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by :meth:`state_dict`, checked whole before anything changes.
 
@@ -623,8 +629,7 @@ class IVON(torch.optim.Optimizer):
             ValueError: If it is not an IVON state dict or does not fit this optimizer's parameters (the
                 message names the group and the parameter).
         """
-        if self._sampling:
-            raise RuntimeError("IVON.load_state_dict: not allowed inside sampled_params")
+        self._check_outside("IVON.load_state_dict")
         check_state_dict(state_dict, self.param_groups, self._label)
         state_dict = dict(state_dict)
         gen_state = state_dict.pop("generator_state", None)

@@ -16,6 +16,7 @@ from partialbayes.predictive.internal import (
     PosteriorFile,
     check_int,
     check_likelihood,
+    check_shapes,
     check_type,
     read_posterior_file,
     resolve_link,
@@ -46,15 +47,7 @@ def _randn(shape: tuple[int, ...], like: Tensor, generator: torch.Generator | No
 
 def _check_model(model: nn.Module, shapes: Mapping[str, torch.Size], who: str) -> None:
     check_type(f"{who}: model", model, nn.Module, "a torch.nn.Module")
-    params = dict(model.named_parameters())
-    for name, shape in shapes.items():
-        if name not in params:
-            raise ValueError(f"{who}: the model has no parameter {name!r}")
-        if params[name].shape != shape:
-            raise ValueError(
-                f"{who}: parameter {name!r} has shape {tuple(params[name].shape)} in the model, "
-                f"{tuple(shape)} in the posterior"
-            )
+    check_shapes(f"{who}: ", dict(model.named_parameters()), shapes, "the model", "the posterior")
 
 
 def _subset_of(model: nn.Module, masks: Mapping[str, Tensor], who: str) -> Subset:
@@ -317,8 +310,7 @@ def ivon_posterior(
         ValueError: If the optimizer holds none of the model's parameters.
         RuntimeError: If called inside ``sampled_params``.
     """
-    if optimizer._sampling:
-        raise RuntimeError("ivon_posterior: called inside sampled_params (parameters hold a draw)")
+    optimizer._check_outside("ivon_posterior")
     held = {p for g in optimizer.param_groups for p in g["params"]}
     mean, std = {}, {}
     for name, p in model.named_parameters():
@@ -532,12 +524,10 @@ def load_posterior(
         }
 
     options = {k: file.meta[k] for k in ("likelihood", "sigma_noise")}
-    try:
+    with file.reraised("the saved settings are invalid"):
         runs = [
             GaussianPosterior(place(m), place(s), model, **options) for m, s in _read_runs(file)
         ]
-    except ValueError as err:
-        raise file.error(f"the saved settings are invalid: {err}") from err
     return MultiIVON(runs, model) if file.meta["format"] == FORMATS["MultiIVON"] else runs[0]
 
 
