@@ -42,8 +42,7 @@ def _check_in(name: str, value: Any, interval: str) -> None:
     raise ValueError(f"{name} must {rule}, got {value!r}")
 
 
-# The type checks are inline (not one shared helper): check_int / check_number / check_bool run on every
-# hot path (a fit, a predict, an optimizer step), where each helper is one more call to follow.
+# Inline type checks: check_int / check_number / check_bool run on every hot path (one call fewer each).
 def check_int(name: str, value: object, interval: str = "[1, inf)") -> int:
     """An ``int`` (not a ``bool``) in ``interval``: else a ``TypeError`` (type) or ``ValueError`` (range)."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -115,10 +114,7 @@ def check_shapes(who: str, params: Any, shapes: Any, here: str, there: str) -> N
 
 
 def check_known(kind: str, names: Any, valid: Collection[str], heading: str = "") -> None:
-    """``unknown {kind} {names}; {heading}: {valid, ...}`` (a ``ValueError``) unless every name is in ``valid``.
-
-    ``names``: one string or several; ``heading`` defaults to ``valid {kind}s``.
-    """
+    """``unknown {kind} {names}; {heading or valid {kind}s}: ...`` unless each of ``names`` (str or several) is valid."""
     one = isinstance(names, str)
     bad = [n for n in ([names] if one else names) if n not in valid]
     if bad:
@@ -158,10 +154,7 @@ def check_fields(obj: Any, owner: str | None = None) -> None:
 def check_tensor(
     name: str, x: object, *, floating: bool = True, finite: bool = True, what: str = ""
 ) -> Tensor:
-    """Check that ``x`` is a tensor (floating point when asked) with only finite entries (when asked).
-
-    ``what``: the expected kind in words, for the ``TypeError`` (default: a torch.Tensor / a floating-point tensor).
-    """
+    """Check that ``x`` is a tensor (floating point, finite when asked); ``what``: the expected kind in words."""
     if not isinstance(x, Tensor) or (floating and not x.is_floating_point()):
         got = f"dtype {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
         kind = what or ("a floating-point tensor" if isinstance(x, Tensor) else "a torch.Tensor")
