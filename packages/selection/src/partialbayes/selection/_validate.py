@@ -36,10 +36,9 @@ def check_count(k: int, available: int, what: str) -> int:
     """Validate a module count ``0 <= k <= available``."""
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"k must be an int, got {type(k).__name__}")
-    if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
-    if k > available:
-        raise ValueError(f"k={k} is larger than the number of {what} ({available})")
+    if not 0 <= k <= available:
+        over = f"k={k} is larger than the number of {what} ({available})"
+        raise ValueError(f"k must be >= 0, got {k}" if k < 0 else over)
     return k
 
 
