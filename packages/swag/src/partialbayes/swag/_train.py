@@ -147,12 +147,12 @@ def numbered_cycle(batches: Iterable[Batch]) -> Iterator[tuple[int, int, Batch]]
         i = -1
         for i, b in enumerate(batches):
             yield passes, i, b
-        if i < 0 and passes == 0:
-            raise ValueError("batches is empty")
         if i < 0:
             raise ValueError(
-                "batches yielded nothing on its second pass: pass a re-iterable (a list or a DataLoader), "
-                "not a generator or iterator"
+                "batches is empty"
+                if passes == 0
+                else "batches yielded nothing on its second pass: pass a re-iterable (a list or a "
+                "DataLoader), not a generator or iterator"
             )
 
 
