@@ -204,13 +204,10 @@ class GaussianPosterior(_SampledFamily):
     ) -> None:
         if set(mean) != set(std):
             raise ValueError("GaussianPosterior: mean and std must name the same parameters")
-        for name, m in mean.items():
-            s = std[name]
-            if s.shape != m.shape:
-                raise ValueError(
-                    f"GaussianPosterior: std of {name!r} has shape {tuple(s.shape)}, "
-                    f"mean has {tuple(m.shape)}"
-                )
+        check_shapes(
+            "GaussianPosterior: ", std, {n: m.shape for n, m in mean.items()}, "std", "mean"
+        )
+        for name, s in std.items():
             if not bool(torch.isfinite(s).all()) or bool((s < 0).any()):
                 raise ValueError(f"GaussianPosterior: std of {name!r} is negative or not finite")
         self._mean = dict(mean)
