@@ -2,6 +2,7 @@
 
 import sys
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from _laplace_helpers import (
     random_factors,
 )
 
-from partialbayes.curvature import KronLaplace
+from partialbayes.curvature import KronLaplace, _laplace_projected
 from partialbayes.curvature._laplace_projected import shared_covariances, unshared_covariances
 from partialbayes.curvature._lowrank import clamped_eigh, precision_eigenvalues
 from partialbayes.selection import linear_modules, modules, sparse_kfac
@@ -71,6 +72,10 @@ def test_shared_covariances_equal_dense(device, b, t, r, cw, n_cls, bias, seed):
     stacked = torch.stack([1 / E, 1 / E2], -1)
     views = [stacked[..., 0], stacked[..., 1]]
     covs = shared_covariances(x, d, qg, qa, bias, views, torch.float64, stacked)
+    for cov, ref in zip(covs, refs, strict=True):
+        torch.testing.assert_close(cov.cpu(), ref)
+    with patch.object(_laplace_projected, "ROWS_IN_CACHE", 1):  # M formed one row at a time
+        covs = shared_covariances(x, d, qg, qa, bias, views, torch.float64, stacked)
     for cov, ref in zip(covs, refs, strict=True):
         torch.testing.assert_close(cov.cpu(), ref)
 

@@ -375,7 +375,7 @@ class KronLaplace(LaplaceBase):
         lowrank = {m: (g, a) for m, (g, a) in self._eig.items() if not (g.full and a.full)}
         exact = self.predictive_rtol == 0
         cut = {m: slice(None) if m in lowrank else slice(None, -1) for m in self.modules}
-        stacked = {  # [r, c, n_priors], contiguous: one GEMM contracts every prior (`shared_covariances`)
+        stacked = {  # [r, c, n_priors], contiguous: for `stacked_covariances`
             m: torch.stack(
                 [self._eigenvalues(i, m, pr, scale)[cut[m], cut[m]] for pr in priors], -1
             ).reciprocal_()
@@ -383,19 +383,13 @@ class KronLaplace(LaplaceBase):
             if exact or m in lowrank
         }
         inv = [{m: st[..., p] for m, st in stacked.items()} for p in range(len(priors))]
-        if exact:
-            bases = {m: (g.U, a.U) for m, (g, a) in self._eig.items()}
-            blocks = KronBlocks(self._targets, bases, inv, self.dtype, lowrank=lowrank)
-            self._memo = (key, replace(blocks, stacked=stacked))
-            return self._memo[1]
         f64 = torch.float64
-        bases = {}
-        residual: list[dict[str, float]] = [{} for _ in priors]
+        bases = {m: (g.U, a.U) for m, (g, a) in self._eig.items()}
+        residual: list[dict[str, float]] | None = None if exact else [{} for _ in priors]
         for i, m in enumerate(self.modules):
-            g, a = self._eig[m]
-            bases[m] = (g.U, a.U)
-            if m in lowrank:  # exact (lowrank_covariance)
+            if residual is None or m in lowrank:  # exact (stacked, lowrank_covariance)
                 continue
+            g, a = self._eig[m]
             deltas = [float(prior[i]) for prior in priors]
             eigs = [self._eigenvalues(i, m, prior, scale)[:-1, :-1].to(f64) for prior in priors]
             k = min(range(len(priors)), key=deltas.__getitem__)
@@ -408,11 +402,9 @@ class KronLaplace(LaplaceBase):
                 kept = e.index_select(0, rows).index_select(1, cols)
                 inv[p][m] = kept.reciprocal() - 1.0 / delta
                 residual[p][m] = 1.0 / delta
-        self._memo = (
-            key,
-            KronBlocks(self._targets, bases, inv, self.dtype, residual, f64, lowrank),
-        )
-        return self._memo[1]
+        blocks = KronBlocks(self._targets, bases, inv, self.dtype, residual, f64, lowrank, stacked)
+        self._memo = (key, blocks)
+        return blocks
 
     # ------------------------------------------------------------------ state
     def _state(self) -> dict[str, Tensor]:

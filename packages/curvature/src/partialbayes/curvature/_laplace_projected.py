@@ -15,6 +15,9 @@ from partialbayes.curvature._lowrank import LowRankFactor, lowrank_covariance
 from partialbayes.curvature._outputs import Outputs
 from partialbayes.predictive.internal import available_memory
 
+# Entries of ``1/E`` (all priors) one step of `stacked_covariances` reads: its rows stay in cache.
+ROWS_IN_CACHE = 1 << 18
+
 
 def rotate_inputs(x: Tensor, q_a: Tensor, bias: bool) -> Tensor:
     """``x̃ Q_A`` ``[N, c]`` for ``x [N, c_w]``, ``x̃ = (x | 1)`` when the block has the bias (no concatenation)."""
@@ -66,30 +69,26 @@ def shared_covariances(
     dtype: torch.dtype,
     stacked: Tensor | None = None,
 ) -> list[Tensor]:
-    """``J Σ Jᵀ`` ``[B, C, C]`` per prior of sequences, one example's ``M`` at a time."""
+    """``J Σ Jᵀ`` ``[B, C, C]`` per prior of sequences, one ``M`` at a time (priors: `stacked_covariances`)."""
     n_cls, b, _, r = d.shape
-    c = q_a.shape[0]
-    if stacked is not None and len(inv_eigenvalues) > 1:  # every prior from one GEMM
-        iu = torch.triu_indices(n_cls, n_cls, device=d.device)
-        prods = d.new_empty(b, iu.shape[1], r * c, dtype=dtype)
     xp, dp, counts = active_tokens(x, d, dtype)  # [N, c_w], [C, N, r]
-    n_tok = xp.shape[0]
-    x_first = n_tok <= b * n_cls * r
-    d_first = n_tok <= b * c
+    many = len(inv_eigenvalues) > 1
+    x_first = many or xp.shape[0] <= b * n_cls * r
+    d_first = many or xp.shape[0] <= b * q_a.shape[0]
     if x_first:
         xp = rotate_inputs(xp, q_a, bias)
     elif bias:
         xp = torch.cat([xp, torch.ones_like(xp[:, :1])], dim=1)
     if d_first:
         dp = dp @ q_g
-    out = [torch.zeros(b, n_cls, n_cls, dtype=dtype, device=d.device) for _ in inv_eigenvalues]
-    # one prior: scale M in place by 1/√E (one pass over M instead of a product copy)
-    inv_sqrt = inv_eigenvalues[0].sqrt().reshape(-1) if len(inv_eigenvalues) == 1 else None
+    if many:
+        every = torch.stack(list(inv_eigenvalues), -1) if stacked is None else stacked
+        return stacked_covariances(xp, dp, counts, every)
+    out = torch.zeros(b, n_cls, n_cls, dtype=dtype, device=d.device)
+    inv_sqrt = inv_eigenvalues[0].sqrt().reshape(-1)
     start = 0
     for i, n in enumerate(counts):
         if n == 0:
-            if stacked is not None and len(inv_eigenvalues) > 1:
-                prods[i] = 0
             continue
         m = dp[:, start : start + n].transpose(1, 2) @ xp[start : start + n]  # [C, r, c]
         start += n
@@ -97,23 +96,31 @@ def shared_covariances(
             m = q_g.T @ m
         if not x_first:
             m = m @ q_a
-        flat = m.reshape(n_cls, r * c)
-        if stacked is not None and len(inv_eigenvalues) > 1:
-            torch.mul(flat[iu[0]], flat[iu[1]], out=prods[i])
-            continue
-        if inv_sqrt is not None:
-            flat = flat.mul_(inv_sqrt)
-            torch.mm(flat, flat.T, out=out[0][i])
-            continue
-        for cov, inv_e in zip(out, inv_eigenvalues, strict=True):
-            cov[i] = (flat * inv_e.reshape(-1)) @ flat.T
-    if stacked is not None and len(inv_eigenvalues) > 1:
-        # Σ_ij M_k,ij M_l,ij / E_ij for every pair k ≤ l and prior p: [B·pairs, r c] @ [r c, P]
-        vals = (prods.reshape(-1, r * c) @ stacked.reshape(r * c, -1)).reshape(b, -1, len(out))
-        for p, cov in enumerate(out):
-            cov[:, iu[0], iu[1]] = vals[..., p]
-            cov[:, iu[1], iu[0]] = vals[..., p]
-    return out
+        flat = m.reshape(n_cls, -1).mul_(inv_sqrt)  # M scaled by 1/√E in place: one pass over M
+        torch.mm(flat, flat.T, out=out[i])
+    return [out]
+
+
+def stacked_covariances(xq: Tensor, dq: Tensor, counts: list[int], stacked: Tensor) -> list[Tensor]:
+    """``J Σ Jᵀ`` ``[B, C, C]`` for every prior of ``stacked`` (``1/E [r, c, P]``) from rotated tokens.
+
+    ``M``'s rows are formed a few at a time for every example, so that ``1/E`` of those rows stays in cache
+    while one small GEMM gives ``Σ_ij M_k,ij M_l,ij / E_ij`` of every pair ``k ≤ l`` and every prior.
+    """
+    n_cls, _, r = dq.shape
+    n_p = stacked.shape[-1]
+    iu = torch.triu_indices(n_cls, n_cls, device=dq.device)
+    covs = dq.new_zeros(n_p, len(counts), n_cls, n_cls)  # upper triangles, mirrored at the end
+    ends = torch.tensor(counts).cumsum(0).tolist()
+    rows = max(1, ROWS_IN_CACHE // (xq.shape[1] * n_p))
+    for s in range(0, r, rows):
+        inv = stacked[s : s + rows].reshape(-1, n_p)
+        d_rows = dq[:, :, s : s + rows].transpose(1, 2)  # [C, rows, N]
+        for i, (n, end) in enumerate(zip(counts, ends, strict=True)):
+            if n:
+                m = (d_rows[:, :, end - n : end] @ xq[end - n : end]).reshape(n_cls, -1)
+                covs[:, i, iu[0], iu[1]] += ((m[iu[0]] * m[iu[1]]) @ inv).T
+    return list(covs + covs.transpose(-1, -2).tril(-1))
 
 
 def residual_covariances(
