@@ -300,3 +300,12 @@ def test_shared_checkers_name_the_culprit_and_keep_the_kind():
     with pytest.raises(TypeError, match=r"^n must be an int, got bool True$"):
         pi.check_int("n", True)
     assert pi.check_bool("flag", False) is False
+    # NumPy's scalars count (n_data = mask.sum() is one), as Python ints and floats
+    np = pytest.importorskip("numpy")
+    assert type(pi.check_int("n", np.int64(3))) is int
+    assert pi.check_int("n", np.int32(2)) == 2
+    assert type(pi.check_number("x", np.float32(0.5))) is float
+    with pytest.raises(ValueError, match=r"^n must be a positive int, got 0$"):
+        pi.check_int("n", np.int64(0))
+    with pytest.raises(TypeError, match=r"^n must be an int, got bool"):
+        pi.check_int("n", np.bool_(True))

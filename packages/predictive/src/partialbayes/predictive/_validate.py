@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import numbers
 from collections.abc import Collection, Iterator
 from typing import Any
 
@@ -44,16 +45,16 @@ def _check_in(name: str, value: Any, interval: str) -> None:
 
 # Inline type checks: check_int / check_number / check_bool run on every hot path (one call fewer each).
 def check_int(name: str, value: object, interval: str = "[1, inf)") -> int:
-    """An ``int`` (not a ``bool``) in ``interval``: else a ``TypeError`` (type) or ``ValueError`` (range)."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """An integer (``int``, NumPy's; not a ``bool``) in ``interval``, as an ``int``: else ``TypeError`` / ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    _check_in(name, value, interval)
-    return value
+    _check_in(name, int(value), interval)
+    return int(value)
 
 
 def check_number(name: str, value: object, interval: str = "(0, inf)") -> float:
-    """A real number (``int`` or ``float``, not ``bool``) in ``interval`` (NaN lies in none), as a float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A real number (``int``, ``float``, NumPy's; not ``bool``) in ``interval`` (NaN lies in none), as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     _check_in(name, value, interval)
     return float(value)
