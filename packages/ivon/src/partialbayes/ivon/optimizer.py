@@ -475,10 +475,10 @@ class IVON(torch.optim.Optimizer):
         """Raise, naming the parameters, if a collected gradient holds NaN or inf; the samples are dropped."""
         bad: list[str] = []
         for b in self._plan():
-            params = b.var[0] + b.fixed[0]
-            # 0·g is 0 where g is finite, NaN elsewhere: its norm shows which gradients are not finite
-            zeros = torch._foreach_mul([self._avg_grad[p] for p in params], 0.0)
-            finite = torch.stack(torch._foreach_norm(zeros)).isfinite() if params else None
+            params = [p for p in b.var[0] + b.fixed[0] if p.numel()]
+            # the max-norm propagates NaN, shows ±inf, cannot overflow and allocates no copy of the gradients
+            norms = torch._foreach_norm([self._avg_grad[p] for p in params], ord=math.inf)
+            finite = torch.stack(norms).isfinite() if params else None
             if finite is not None and not bool(finite.all()):
                 bad += [
                     self._label(p) for p, ok in zip(params, finite.tolist(), strict=True) if not ok
