@@ -41,7 +41,7 @@ from transformers import (
     DistilBertForSequenceClassification,
 )
 
-from partialbayes.ivon import IVON, _blocked
+from partialbayes.ivon import IVON, _kernels
 
 Batch = dict[str, torch.Tensor]
 MakeOpt = Callable[[torch.nn.Module], torch.optim.Optimizer]
@@ -154,7 +154,7 @@ def _cpu_seconds() -> float:
 
 
 def _compile_note() -> str:
-    state = _blocked._STATE["ok"]
+    state = _kernels._STATE["ok"]
     if state is None:
         return "eager kernels: the model is below AUTO_COMPILE_MIN, nothing compiled"
     return "includes compiling the kernels" if state else "torch.compile failed: eager fallback"

@@ -6,8 +6,8 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from partialbayes.ivon import IVON, _blocked
-from partialbayes.ivon._math import Hyper, Update, ivon_update, update_
+from partialbayes.ivon import IVON, _kernels
+from partialbayes.ivon._kernels import Hyper, Update, ivon_update, update_
 
 HYPER = Hyper(
     lr=0.1, beta1=0.9, beta2=0.8, weight_decay=0.01, ess=7.0, bias_correction=0.5, clip_radius=None
@@ -102,12 +102,12 @@ def test_packed_and_chunked_update_equals_whole_tensor_update(
         ]  # fmt: skip
 
     copies = [[t.clone() for t in lst] for lst in (means, mom, hess)]
-    saved = _blocked.CHUNK, _blocked.SMALL
-    _blocked.CHUNK, _blocked.SMALL = chunk, {False: small, True: small}
+    saved = _kernels.CHUNK, _kernels.SMALL
+    _kernels.CHUNK, _kernels.SMALL = chunk, {False: small, True: small}
     try:
-        _blocked.apply(update_, items(copies), **kwargs)
+        _kernels.apply(update_, items(copies), **kwargs)
     finally:
-        _blocked.CHUNK, _blocked.SMALL = saved
+        _kernels.CHUNK, _kernels.SMALL = saved
     for it in items((means, mom, hess)):
         update_(it, **kwargs)
     for a_list, b_list in zip(copies, (means, mom, hess), strict=True):
@@ -121,8 +121,8 @@ def test_chunked_draw_and_update_equal_whole_tensor_ones(n_hidden, seed, monkeyp
     """Chunked and packed passes take the same steps as whole-tensor ones (the noise is drawn whole)."""
     finals = []
     for chunk, small in ((1 << 22, 0), (32, 0), (7, 0), (32, 40), (1 << 22, 1 << 22)):
-        monkeypatch.setattr(_blocked, "CHUNK", chunk)
-        monkeypatch.setattr(_blocked, "SMALL", {False: small, True: small})
+        monkeypatch.setattr(_kernels, "CHUNK", chunk)
+        monkeypatch.setattr(_kernels, "SMALL", {False: small, True: small})
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(3, n_hidden), torch.nn.Tanh()).double()
         x = torch.randn(4, 3, dtype=torch.float64)

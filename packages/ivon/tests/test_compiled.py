@@ -6,13 +6,13 @@ import warnings
 import pytest
 import torch
 
-from partialbayes.ivon import IVON, _blocked, optimizer
+from partialbayes.ivon import IVON, _kernels, optimizer
 
 
 @pytest.fixture(autouse=True)
 def _no_small_tensors(monkeypatch):
-    """Compiled kernels run only on tensors above _blocked.SMALL entries: make every tensor large."""
-    monkeypatch.setattr(_blocked, "SMALL", {False: 0, True: 0})
+    """Compiled kernels run only on tensors above _kernels.SMALL entries: make every tensor large."""
+    monkeypatch.setattr(_kernels, "SMALL", {False: 0, True: 0})
 
 
 class _MaskSubset:
@@ -54,7 +54,7 @@ def test_failed_compilation_warns_once_and_falls_back_to_eager(monkeypatch):
     with pytest.warns(RuntimeWarning, match="no compiler here") as record:
         fallback = _run(True, mc=2)
     assert len([w for w in record if issubclass(w.category, RuntimeWarning)]) == 1
-    assert not _blocked.available()
+    assert _kernels._STATE["ok"] is False
     eager = _run(False, mc=2)
     for a, b in zip(eager, fallback, strict=True):
         assert torch.equal(a, b)
@@ -68,8 +68,8 @@ def _broken_compile(monkeypatch):
         raise RuntimeError("no compiler here")
 
     monkeypatch.setattr(torch, "compile", broken_compile)
-    monkeypatch.setitem(_blocked._STATE, "ok", None)
-    monkeypatch.setitem(_blocked._STATE, "fns", {})
+    monkeypatch.setitem(_kernels._STATE, "ok", None)
+    monkeypatch.setitem(_kernels._STATE, "fns", {})
     return calls
 
 
@@ -80,7 +80,7 @@ def test_default_falls_back_silently_where_compiling_fails(monkeypatch):
         warnings.simplefilter("error")
         fallback = _run(None, mc=2)
     assert calls
-    assert not _blocked.available()
+    assert _kernels._STATE["ok"] is False
     eager = _run(False, mc=2)
     for a, b in zip(eager, fallback, strict=True):
         assert torch.equal(a, b)
@@ -90,7 +90,7 @@ def test_default_does_not_compile_for_small_models(monkeypatch):
     calls = _broken_compile(monkeypatch)
     _run(None)
     assert not calls
-    assert _blocked._STATE["ok"] is None
+    assert _kernels._STATE["ok"] is None
 
 
 @pytest.mark.slow

@@ -11,10 +11,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from partialbayes.ivon import _blocked as blocked
-from partialbayes.ivon import _distributed as dist_utils
+from partialbayes.ivon import _kernels as kernels
 from partialbayes.ivon._checks import check_state_dict, validate_group
-from partialbayes.ivon._math import Fold, Hyper, Shift, Update, fold_, shift_, update_
+from partialbayes.ivon._kernels import Fold, Hyper, Shift, Update, fold_, shift_, update_
 from partialbayes.ivon._noise import normal_
 from partialbayes.predictive.internal import (
     check_bool,
@@ -31,7 +30,7 @@ if TYPE_CHECKING:  # the selection package is an optional extra: never imported 
 HESS_APPROX = ("price", "gradsq")
 
 #: With ``compiled=None``, a (device, dtype) bucket uses the compiled kernels when its parameters of more than
-#: ``_blocked.SMALL[True]`` entries hold at least this many entries in all (below, compiling does not pay).
+#: ``_kernels.SMALL[True]`` entries hold at least this many entries in all (below, compiling does not pay).
 AUTO_COMPILE_MIN = 1 << 20
 
 #: Parameters of these dtypes keep an exact copy of their means inside a sample (see `IVON.sampled_params`).
@@ -60,17 +59,20 @@ class IVON(torch.optim.Optimizer):
     supported; the concept page (``docs/pages/concepts/ivon.md``) states the algorithm, the kernels, the
     differences from ``ivon-opt`` and the errors you may see.
 
-    The private state between calls (``k`` = samples collected since the last step):
+    The private state: ``k`` samples collected since the last step, of batch sizes summing to ``w``:
 
-    | state | ``_count`` | ``_avg_grad`` (= ``p.grad``) | ``_stat`` | ``_pending`` | ``_noise`` |
-    |---|---|---|---|---|---|
-    | idle (after ``__init__``, ``step``) | 0 | empty | empty | False | empty |
-    | inside ``sampled_params`` | ``k`` | ``k`` samples' mean | their statistics' mean (``k ≥ 1``) | False | this sample's ``z`` |
-    | after 1 sample | 1 | its gradient | empty | True | its ``z`` (``"price"``) |
-    | after ``k ≥ 2`` samples | ``k`` | weighted mean | weighted mean of ``z·g`` / ``g²`` | False | empty |
+    | state | ``_sampling`` | ``_count``, ``_weight`` | ``_avg_grad`` (= ``p.grad``) | ``_stat`` | ``_noise`` | ``_stash`` |
+    |---|---|---|---|---|---|---|
+    | idle (after ``__init__``, ``step``, ``load_state_dict``) | False | 0, 0 | empty | empty | empty | empty |
+    | inside ``sampled_params`` | True | ``k``, ``w`` | the ``k`` samples' mean | their statistics' mean (``k ≥ 1``) | this sample's ``z`` | exact means (half precision, data-parallel) |
+    | pending: after 1 sample | False | 1, ``w`` | its gradient | empty | its ``z`` (``"price"``) | empty |
+    | after ``k ≥ 2`` samples | False | ``k``, ``w`` | weighted mean | weighted mean of ``z·g`` / ``g²`` | empty | empty |
 
-    ``_enter`` folds a pending first statistic into ``_stat`` before it redraws ``_noise``; ``_weight`` sums the
-    batch sizes; ``_stash`` holds exact means of half-precision parameters inside a sample only.
+    "Pending" is ``_count == 1`` with ``_stat`` empty (the one sample's statistic is computed inside the update);
+    entering a sample in that state first folds it into ``_stat`` (``_materialize``), as the sample redraws
+    ``_noise``. A completed ``train=True`` sample moves ``k`` to ``k + 1``; a failed or ``train=False`` one keeps
+    ``k``. :meth:`step` needs ``k ≥ 1`` outside a sample and returns to idle (``_discard``), as does a skipped
+    or refused step; a sample inside a sample is refused.
     """
 
     #: ``torch.amp.GradScaler.step`` hands this optimizer its scale and inf flag instead of unscaling ``.grad``
@@ -138,8 +140,7 @@ class IVON(torch.optim.Optimizer):
         self._masks: dict[Tensor, _Mask] = {}
         self._names: dict[Tensor, str] = {}
         self._sampling = False
-        self._count, self._weight = 0, 0.0
-        self._pending = False  # the states: see the class docstring
+        self._count, self._weight = 0, 0.0  # the states: see the class docstring
         self._avg_grad: dict[Tensor, Tensor] = {}
         self._stat: dict[Tensor, Tensor] = {}
         self._noise: dict[Tensor, Tensor] = {}
@@ -271,7 +272,10 @@ class IVON(torch.optim.Optimizer):
             TypeError: If ``train`` is not a bool.
             ValueError: If ``batch_size`` is not a number > 0.
         """
-        check_bool("IVON.sampled_params: train", train)
+        if not isinstance(train, bool):
+            raise TypeError(
+                f"IVON.sampled_params: train must be a bool, got {type(train).__name__} {train!r}"
+            )
         weight = 1.0
         if batch_size is not None:
             weight = check_number("IVON.sampled_params: batch_size", batch_size)
@@ -295,28 +299,34 @@ class IVON(torch.optim.Optimizer):
                     if completed and train:
                         self._collect(weight)
             finally:
-                if not (self._pending and self.hess_approx == "price"):
-                    self._noise = {}  # no statistic waits for this sample's noise
+                if self._stat or self._count != 1 or self.hess_approx != "price":
+                    self._noise = {}  # no pending statistic waits for this sample's noise
                 self._sampling = False
 
     def _enter(self, train: bool) -> None:
         """Draw the noise ``z`` and add ``ε = z/√(λ(h+δ))`` to every variational parameter, in place."""
-        if self._pending:
-            self._materialize()  # the first sample's statistic needs its noise, which is redrawn now
+        if self._count == 1 and not self._stat:
+            self._materialize()  # the pending statistic needs its noise, which is redrawn now
         if train:
             self._release_grads()
         # data-parallel replicas must stay equal to the bit: no rank-specific rounding of the means
-        exact = self._sync_enabled()
+        exact = self.sync is not False and _distributed()
         for b in self._plan():
             params = b.var[0]
             if not params:
                 continue
+            device, generator = params[0].device, self.generator
+            if generator is None and exact:  # each rank its own noise, seeded from the global seed
+                if device not in self._rank_generators:
+                    seed = (torch.initial_seed() + 7919 * torch.distributed.get_rank()) % 2**63
+                    self._rank_generators[device] = torch.Generator(device).manual_seed(seed)
+                generator = self._rank_generators[device]
             if params[0] not in self._noise:  # one float16 buffer per bucket, a view per parameter
-                flat = torch.empty(b.size, dtype=torch.float16, device=params[0].device)
+                flat = torch.empty(b.size, dtype=torch.float16, device=device)
                 views = torch._C._nn.unflatten_dense_tensors(flat, params)
                 self._noise.update(zip(params, views, strict=True))
             noise = [self._noise[p] for p in params]
-            normal_(noise, self._generator_for(params[0].device))
+            normal_(noise, generator)
             for z, mask in zip(noise, b.masks or (), strict=False):
                 z.mul_(True if mask is None else mask)
             if exact or params[0].dtype in _HALF:
@@ -333,9 +343,9 @@ class IVON(torch.optim.Optimizer):
         self._stash = {}
 
     def _shift(self, b: _Bucket, noise: list[Tensor], sign: float) -> None:
-        blocked.run(
+        kernels.run(
             shift_, [b.var[0], b.var[2], noise], Shift, scale=sign / math.sqrt(b.group["ess"]),
-            weight_decay=float(b.group["weight_decay"]), **self._compile_opts(b.large[0]),
+            weight_decay=float(b.group["weight_decay"]), **b.opts[0],
         )  # fmt: skip
 
     def _collect(self, weight: float) -> None:
@@ -349,7 +359,12 @@ class IVON(torch.optim.Optimizer):
         rate = weight / self._weight
         for b in self._plan():
             params = b.var[0] + b.fixed[0]
-            grads = [self._take_grad(p) for p in params]
+            grads = []  # a missing gradient counts as zero; no view into someone's bucket is kept
+            for p in params:
+                g = torch.zeros_like(p) if p.grad is None else p.grad
+                if g.is_sparse:
+                    raise TypeError("IVON does not support sparse gradients")
+                grads.append(g if g._base is None else g.clone())
             if self._count == 1:
                 self._avg_grad.update(zip(params, grads, strict=True))
             else:
@@ -360,26 +375,24 @@ class IVON(torch.optim.Optimizer):
                 grads = avg
             for p, g in zip(params, grads, strict=True):
                 p.grad = g
-        self._pending = self._count == 1 and bool(self._noise)  # noise: the variational parameters
 
     def _materialize(self) -> None:
         """Fold the pending statistic of the first sample (``z·g`` or ``g²``) into its own zeroed buffers."""
         for b in self._plan():
             self._stat.update((p, torch.zeros_like(p)) for p in b.var[0])
             self._fold(b, [self._avg_grad[p] for p in b.var[0]], 1.0)
-        self._pending = False
 
     def _fold(self, b: _Bucket, grads: list[Tensor], rate: float) -> None:
         """Fold one sample's statistic, from its gradients of the bucket's variational parameters, into ``_stat``."""
         price = self.hess_approx == "price"
         noise = [self._noise[p] for p in b.var[0]] if price else None
         columns = [[self._stat[p] for p in b.var[0]], grads, noise]
-        blocked.run(fold_, columns, Fold, hess_approx=self.hess_approx, rate=rate)
+        kernels.run(fold_, columns, Fold, hess_approx=self.hess_approx, rate=rate)
 
     def _discard(self) -> None:
         """Forget the collected samples and free their buffers (after a step, or a skipped one)."""
         self._release_grads()
-        self._count, self._weight, self._pending = 0, 0.0, False
+        self._count, self._weight = 0, 0.0
         self._avg_grad.clear()
         self._stat, self._noise = {}, {}
 
@@ -425,10 +438,22 @@ class IVON(torch.optim.Optimizer):
             return loss
         if found_inf is not None:
             self._unscale(getattr(self, "grad_scale", None))
-        if self._sync_enabled():
+        if self.sync is not False and _distributed():
             self._all_reduce()
-        if found_inf is None:
-            self._check_finite()
+        bad: list[str] = []
+        for b in self._plan() if found_inf is None else ():  # a GradScaler has checked already
+            params = [p for p in b.var[0] + b.fixed[0] if p.numel()]
+            # the max-norm propagates NaN, shows ±inf, cannot overflow and allocates no copy of the gradients
+            norms = torch._foreach_norm([self._avg_grad[p] for p in params], ord=math.inf)
+            finite = torch.stack(norms).isfinite().tolist() if params else []
+            bad += [self._label(p) for p, ok in zip(params, finite, strict=True) if not ok]
+        if bad:
+            self._discard()
+            raise ValueError(
+                f"IVON.step: non-finite gradients (NaN or inf) in {', '.join(bad)}; no step was taken, the "
+                "state is unchanged and the collected samples were dropped (use torch.amp.GradScaler to "
+                "skip such steps instead)"
+            )
         for group in self.param_groups:
             group["step"] += 1
         for b in self._plan():
@@ -464,62 +489,42 @@ class IVON(torch.optim.Optimizer):
 
     def _all_reduce(self) -> None:
         """Average gradient and Hessian statistics over the ranks, weighted by their samples' batch sizes."""
-        if self._pending:
-            self._materialize()
+        if self._count == 1 and not self._stat:
+            self._materialize()  # a pending statistic is not a mean over the ranks' samples
         for b in self._plan():
             tensors = [self._avg_grad[p] for p in b.var[0] + b.fixed[0]]
             tensors += [self._stat[p] for p in b.var[0]] if self._stat else []
-            dist_utils.all_reduce_weighted_mean_(tensors, self._weight)
-
-    def _check_finite(self) -> None:
-        """Raise, naming the parameters, if a collected gradient holds NaN or inf; the samples are dropped."""
-        bad: list[str] = []
-        for b in self._plan():
-            params = [p for p in b.var[0] + b.fixed[0] if p.numel()]
-            # the max-norm propagates NaN, shows ±inf, cannot overflow and allocates no copy of the gradients
-            norms = torch._foreach_norm([self._avg_grad[p] for p in params], ord=math.inf)
-            finite = torch.stack(norms).isfinite() if params else None
-            if finite is not None and not bool(finite.all()):
-                bad += [
-                    self._label(p) for p, ok in zip(params, finite.tolist(), strict=True) if not ok
-                ]
-        if bad:
-            self._discard()
-            raise ValueError(
-                f"IVON.step: non-finite gradients (NaN or inf) in {', '.join(bad)}; no step was taken, the "
-                "state is unchanged and the collected samples were dropped (use torch.amp.GradScaler to "
-                "skip such steps instead)"
-            )
+            if tensors:  # each becomes Σ_r w_r·t_r / Σ_r w_r, with one all-reduce
+                flat = torch._C._nn.flatten_dense_tensors(tensors).mul_(self._weight)
+                flat = torch.cat([flat, flat.new_full((1,), self._weight)])
+                torch.distributed.all_reduce(flat)
+                values = flat[:-1].div_(flat[-1])
+                torch._foreach_copy_(tensors, torch._C._nn.unflatten_dense_tensors(values, tensors))
 
     def _update(self, b: _Bucket) -> None:
         """The IVON update of one bucket, in place: learned ``h`` on variational entries, fixed elsewhere."""
-        pending = self._pending and self.hess_approx == "price"
-        kw = {"hyper": self._hyper(b.group), "hess_approx": self.hess_approx}
-        opts = self._compile_opts(b.large[1])
+        g, pending = b.group, self._count == 1 and not self._stat and self.hess_approx == "price"
+        delta, clip = float(g["weight_decay"]), float(g["clip_radius"])
+        hyper = Hyper(
+            lr=float(g["lr"]) * (float(g["hess_init"]) + delta if self.rescale_lr else 1.0),
+            beta1=float(g["beta1"]),
+            beta2=float(g["beta2"]),
+            weight_decay=delta,
+            ess=float(g["ess"]),
+            bias_correction=1.0 - float(g["beta1"]) ** g["step"] if self.debias else 1.0,
+            clip_radius=None if clip == math.inf else clip,
+        )
+        kw = {"hyper": hyper, "hess_approx": self.hess_approx, **b.opts[1]}
         for (params, momentum, hess), learn in ((b.var, True), (b.fixed, False)):
             grads = [self._avg_grad[p] for p in params]
             noise = [self._noise[p] for p in params] if learn and pending else None
             stat = [self._stat[p] for p in params] if learn and self._stat else None
             columns = [params, momentum, hess, grads, noise, stat, b.masks if learn else None]
             if columns[-1] is None:
-                blocked.run(update_, columns, Update, **kw, learn_hess=learn, **opts)
+                kernels.run(update_, columns, Update, **kw, learn_hess=learn)
             else:  # variational masks on some parameters only: items grouped by their absent fields
                 items = zip(*(c or [None] * len(params) for c in columns), strict=True)
-                blocked.apply(update_, [Update(*i) for i in items], **kw, learn_hess=learn, **opts)
-
-    def _hyper(self, group: dict[str, Any]) -> Hyper:
-        delta = float(group["weight_decay"])
-        lr = float(group["lr"]) * (float(group["hess_init"]) + delta if self.rescale_lr else 1.0)
-        clip = float(group["clip_radius"])
-        return Hyper(
-            lr=lr,
-            beta1=float(group["beta1"]),
-            beta2=float(group["beta2"]),
-            weight_decay=delta,
-            ess=float(group["ess"]),
-            bias_correction=1.0 - float(group["beta1"]) ** group["step"] if self.debias else 1.0,
-            clip_radius=None if clip == math.inf else clip,
-        )
+                kernels.apply(update_, [Update(*i) for i in items], **kw, learn_hess=learn)
 
     # ---------------------------------------------------------------------------------------------- helpers
     def _plan(self) -> list[_Bucket]:
@@ -538,45 +543,18 @@ class IVON(torch.optim.Optimizer):
         masks = {p: self.variational_mask(p) for p in params}
         var, fixed = ([p for p in params if (masks[p] is False) is f] for f in (False, True))
         partial = (masks[p] if isinstance(masks[p], Tensor) else None for p in var)
-        large = [
-            sum(p.numel() for p in q if p.numel() > blocked.SMALL[True]) for q in (var, params)
-        ]
+        # `kernels.run`'s options (see ``compiled``; only ``compiled=True`` warns of a failure to compile)
+        large = (
+            sum(p.numel() for p in q if p.numel() > kernels.SMALL[True]) for q in (var, params)
+        )
+        auto = (self.compiled is None and n >= AUTO_COMPILE_MIN for n in large)
+        opts = [{"compiled": bool(self.compiled) or a, "warn": bool(self.compiled)} for a in auto]
         var_, fixed_ = (
             [q, *([self.state[p][k] for p in q] for k in ("momentum", "hess"))]
             for q in (var, fixed)
         )
         full, n = all(masks[p] is True for p in var), sum(p.numel() for p in var)
-        return _Bucket(group, var_, None if full else [*partial], fixed_, n, large)
-
-    def _compile_opts(self, large: int) -> dict[str, bool]:
-        """Whether a bucket runs the compiled kernels (see ``compiled``), and whether a failure warns."""
-        if self.compiled is False or not blocked.available():
-            return {"compiled": False, "warn": False}
-        if self.compiled:
-            return {"compiled": True, "warn": True}
-        return {"compiled": large >= AUTO_COMPILE_MIN, "warn": False}
-
-    def _generator_for(self, device: torch.device) -> torch.Generator | None:
-        if self.generator is not None:
-            return self.generator
-        if self._sync_enabled():
-            if device not in self._rank_generators:
-                gen = torch.Generator(device=device)
-                gen.manual_seed(dist_utils.rank_seed(torch.initial_seed()))
-                self._rank_generators[device] = gen
-            return self._rank_generators[device]
-        return None
-
-    def _sync_enabled(self) -> bool:
-        return self.sync is not False and dist_utils.is_distributed()
-
-    def _take_grad(self, p: Tensor) -> Tensor:
-        g = p.grad
-        if g is None:
-            return torch.zeros_like(p)
-        if g.is_sparse:
-            raise TypeError("IVON does not support sparse gradients")
-        return g.clone() if g._base is not None else g  # never keep a view into someone's bucket
+        return _Bucket(group, var_, None if full else [*partial], fixed_, n, opts)
 
     def _release_grads(self) -> None:
         """Detach the averaged gradients this optimizer exposes as ``p.grad`` (before a sample, after a step)."""
@@ -650,7 +628,13 @@ class _Bucket(NamedTuple):
     masks: list[Tensor | None] | None  # their variational entries (None: all)
     fixed: list[list[Tensor]]  # the same for the parameters without variational entries
     size: int  # entries of the variational parameters
-    large: list[int]  # entries in tensors above SMALL[True]: of the variational ones, of all
+    opts: list[
+        dict[str, bool]
+    ]  # `kernels.run`'s compile options: for the variational ones, for all
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _describe(value: Any) -> str:
