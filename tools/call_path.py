@@ -85,7 +85,7 @@ def cell() -> Callable[[], object]:
 
     from transformers import BertTokenizerFast
 
-    from partialbayes.glue_bench import RunConfig, Settings, TrainConfig, run_grid
+    from partialbayes.glue_bench import Grid, RunConfig, Settings, TrainConfig, run_grid
     from tiny_models import tiny_model
 
     root = Path(tempfile.mkdtemp(prefix="call-path-cell-"))
@@ -112,14 +112,16 @@ def cell() -> Callable[[], object]:
     def run() -> object:  # a fresh results folder each time: nothing cached
         results = root / f"results-{next(runs)}"
         return run_grid(
-            ["sst2"],
-            [0],
-            ["skfac"],
-            config,
-            results,
-            glue_dir=root / "glue",
-            model_factory=factory,
-            progress=False,
+            Grid(
+                ["sst2"],
+                [0],
+                ["skfac"],
+                config,
+                results,
+                glue_dir=root / "glue",
+                model_factory=factory,
+                progress=False,
+            ),
             log=lambda s: None,
         )
 

@@ -160,7 +160,7 @@ def bench_ramp(b: Bench) -> None:
         b.skip("shared passes", group=group, reason="$PARTIALBAYES_DATA is not set")
         return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from partialbayes.glue_bench import RunConfig, TrainConfig, run_grid
+    from partialbayes.glue_bench import Grid, RunConfig, TrainConfig, run_grid
     from partialbayes.glue_bench.store import ResultStore, iter_records
 
     keep = os.environ.get("PB_BENCH_RAMP_DIR")
@@ -184,14 +184,16 @@ def bench_ramp(b: Bench) -> None:
 
     def grid(p: str, names: list[str]) -> None:
         run_grid(
-            ["mrpc"],
-            [0],
-            names,
-            configs[p],
-            root / p,
-            device=b.device,
-            glue_dir=glue,
-            progress=False,
+            Grid(
+                ["mrpc"],
+                [0],
+                names,
+                configs[p],
+                root / p,
+                device=b.device,
+                glue_dir=glue,
+                progress=False,
+            ),
             log=lambda s: print(f"  [{p}] {s}", flush=True),
         )
 

@@ -11,7 +11,7 @@ from partialbayes import selection
 from partialbayes.glue_bench.context import Prediction, Settings, every_linear_map
 from partialbayes.glue_bench.data_glue import Examples, encode
 from partialbayes.glue_bench.data_uci import UCISplit
-from partialbayes.glue_bench.experiment import RunConfig, run_grid
+from partialbayes.glue_bench.experiment import Grid, RunConfig, run_grid
 from partialbayes.glue_bench.linearised import LinearSamplingConfig
 from partialbayes.glue_bench.models import MLP
 from partialbayes.glue_bench.store import iter_records
@@ -94,14 +94,16 @@ def test_a_tiny_grid_calls_no_deprecated_api(tmp_path, mini_glue, tiny_bert_fact
                 model="tiny-bert", train=tcfg, settings=settings, max_train_examples=16
             )
             store = run_grid(
-                ["sst2"],
-                [0],
-                methods,
-                config,
-                tmp_path / name,
-                glue_dir=mini_glue,
-                model_factory=lambda n, c, d: tiny_bert_factory(c),
-                progress=False,
+                Grid(
+                    ["sst2"],
+                    [0],
+                    methods,
+                    config,
+                    tmp_path / name,
+                    glue_dir=mini_glue,
+                    model_factory=lambda n, c, d: tiny_bert_factory(c),
+                    progress=False,
+                ),
                 log=lambda s: None,
             )
             assert not store.failures

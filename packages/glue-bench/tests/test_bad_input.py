@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from partialbayes.glue_bench.cli import main, parse_splits
 from partialbayes.glue_bench.context import Settings
-from partialbayes.glue_bench.experiment import RunConfig, run_grid
+from partialbayes.glue_bench.experiment import Grid, RunConfig, run_grid
 from partialbayes.glue_bench.store import Cell, ResultStore, iter_records
 from partialbayes.glue_bench.train import TrainConfig, load_checkpoint
 
@@ -30,14 +30,16 @@ def _grid(root, glue, factory, methods=("map",), **kw):
         **kw,
     )
     return run_grid(
-        ["sst2"],
-        [0],
-        list(methods),
-        config,
-        root,
-        glue_dir=glue,
-        model_factory=lambda name, c, d: factory(c),
-        progress=False,
+        Grid(
+            ["sst2"],
+            [0],
+            list(methods),
+            config,
+            root,
+            glue_dir=glue,
+            model_factory=lambda name, c, d: factory(c),
+            progress=False,
+        ),
         log=lambda s: None,
     )
 
@@ -154,7 +156,9 @@ def test_empty_lists_are_refused(flag, tmp_path, capsys):
     assert f"argument {flag}" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
     with pytest.raises(ValueError, match="tasks is empty"):
-        run_grid([], [0], ["map"], RunConfig(), tmp_path / "r")
+        run_grid(Grid([], [0], ["map"], RunConfig(), tmp_path / "r"))
+    with pytest.raises(TypeError, match="run_grid: grid must be a Grid, got list"):
+        run_grid(["sst2"])  # the grid before issue 33: its fields as arguments
 
 
 def test_damaged_config_json_is_named(tmp_path, capsys):

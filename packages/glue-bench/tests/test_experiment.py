@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from partialbayes.glue_bench.context import Settings
-from partialbayes.glue_bench.experiment import RunConfig, run_grid
+from partialbayes.glue_bench.experiment import Grid, RunConfig, run_grid
 from partialbayes.glue_bench.linearised import LinearSamplingConfig
 from partialbayes.glue_bench.store import iter_records
 from partialbayes.glue_bench.train import TrainConfig
@@ -34,14 +34,16 @@ def _config(settings=FAST, **kw):
 def _run(tmp_path, mini_glue, factory, methods, task="sst2", timings=None, **kw):
     torch.set_num_threads(1)
     store = run_grid(
-        [task],
-        [0],
-        methods,
-        _config(**kw),
-        tmp_path / "res",
-        glue_dir=mini_glue,
-        model_factory=lambda name, c, d: factory(c),
-        progress=False,
+        Grid(
+            [task],
+            [0],
+            methods,
+            _config(**kw),
+            tmp_path / "res",
+            glue_dir=mini_glue,
+            model_factory=lambda name, c, d: factory(c),
+            progress=False,
+        ),
         log=lambda s: None,
         timings=timings,
     )
@@ -175,14 +177,16 @@ def test_ivon_finetuning_and_posterior(tmp_path, mini_glue, tiny_bert_factory):
     )
     config = RunConfig(model="tiny-bert", train=train, settings=FAST, max_train_examples=32)
     store = run_grid(
-        ["sst2"],
-        [0],
-        ["map", "ivon"],
-        config,
-        tmp_path / "res",
-        glue_dir=mini_glue,
-        model_factory=lambda name, c, d: tiny_bert_factory(c),
-        progress=False,
+        Grid(
+            ["sst2"],
+            [0],
+            ["map", "ivon"],
+            config,
+            tmp_path / "res",
+            glue_dir=mini_glue,
+            model_factory=lambda name, c, d: tiny_bert_factory(c),
+            progress=False,
+        ),
         log=lambda s: None,
     )
     recs = {(r["method"], r["size"]): r for r in iter_records(store.root)}
@@ -252,7 +256,9 @@ def test_results_folder_of_another_configuration_is_refused(tmp_path, mini_glue)
     other = _config(max_test_examples=5)
     with pytest.raises(ValueError, match=r"another configuration.*max_test_examples"):
         run_grid(
-            ["sst2"], [0], ["map"], other, tmp_path / "res", glue_dir=mini_glue, progress=False
+            Grid(
+                ["sst2"], [0], ["map"], other, tmp_path / "res", glue_dir=mini_glue, progress=False
+            )
         )
     assert [p.name for p in (tmp_path / "res" / "records").rglob("*.json")] == ["-.json"]
 
@@ -266,14 +272,16 @@ def test_swag_learning_rate_sweep(tmp_path, mini_glue, tiny_distilbert_factory):
     train = TrainConfig(epochs=1, batch_size=8, max_length=32, patience=1, lr=1e-3)
     config = RunConfig(model="tiny", train=train, settings=settings, max_train_examples=32)
     store = run_grid(
-        ["sst2"],
-        [0],
-        ["swag-random"],
-        config,
-        tmp_path / "res",
-        glue_dir=mini_glue,
-        model_factory=lambda name, c, d: tiny_distilbert_factory(c),
-        progress=False,
+        Grid(
+            ["sst2"],
+            [0],
+            ["swag-random"],
+            config,
+            tmp_path / "res",
+            glue_dir=mini_glue,
+            model_factory=lambda name, c, d: tiny_distilbert_factory(c),
+            progress=False,
+        ),
         log=lambda s: None,
     )
     (rec,) = iter_records(store.root)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from partialbayes.glue_bench.context import Settings
-from partialbayes.glue_bench.experiment import RunConfig, prepare_context, run_grid
+from partialbayes.glue_bench.experiment import Grid, RunConfig, prepare_context, run_grid
 from partialbayes.glue_bench.methods import METHODS
 from partialbayes.glue_bench.store import Cell, ResultStore, iter_records, without_timings
 from partialbayes.glue_bench.train import TrainConfig
@@ -54,14 +54,16 @@ def _config(curvature_pass, fisher="empirical", prior="val_nll"):
 def _grid(root, mini_glue, factory, curvature_pass, **kw):
     torch.set_num_threads(1)
     run_grid(
-        ["sst2"],
-        [0],
-        ["map", *RAMP],
-        _config(curvature_pass, **kw),
-        root,
-        glue_dir=mini_glue,
-        model_factory=lambda name, c, d: factory(c),
-        progress=False,
+        Grid(
+            ["sst2"],
+            [0],
+            ["map", *RAMP],
+            _config(curvature_pass, **kw),
+            root,
+            glue_dir=mini_glue,
+            model_factory=lambda name, c, d: factory(c),
+            progress=False,
+        ),
         log=lambda s: None,
     )
     return {(r["method"], r["size"]): r for r in iter_records(root)}
@@ -177,5 +179,5 @@ def test_a_folder_of_the_other_path_or_fisher_is_refused(tmp_path, change, diffe
         change.get("curvature_pass", "shared"), fisher=change.get("fisher", "empirical")
     )
     with pytest.raises(ValueError, match=rf"another configuration.*differs in \['{differs}'\]"):
-        run_grid(["sst2"], [0], ["skfac"], other, tmp_path / "res", progress=False)
+        run_grid(Grid(["sst2"], [0], ["skfac"], other, tmp_path / "res", progress=False))
     assert len(list((tmp_path / "res" / "records").rglob("*.json"))) == 1

@@ -393,7 +393,7 @@ def test_uci_report_from_records(tmp_path):
 def test_tiny_grid_then_report(tmp_path, mini_glue, tiny_bert_factory):
     pytest.importorskip("partialbayes.curvature")
     from partialbayes.glue_bench.context import Settings
-    from partialbayes.glue_bench.experiment import RunConfig, run_grid
+    from partialbayes.glue_bench.experiment import Grid, RunConfig, run_grid
     from partialbayes.glue_bench.store import iter_records
     from partialbayes.glue_bench.train import TrainConfig
 
@@ -406,14 +406,16 @@ def test_tiny_grid_then_report(tmp_path, mini_glue, tiny_bert_factory):
     )
     methods = ["map", "temperature", "kfac-random", "kfac-max-mlp", "kfac-min-mlp", "skfac"]
     run_grid(
-        ["sst2"],
-        [0, 1],
-        methods,
-        config,
-        tmp_path / "res",
-        glue_dir=mini_glue,
-        model_factory=lambda name, c, d: tiny_bert_factory(c),
-        progress=False,
+        Grid(
+            ["sst2"],
+            [0, 1],
+            methods,
+            config,
+            tmp_path / "res",
+            glue_dir=mini_glue,
+            model_factory=lambda name, c, d: tiny_bert_factory(c),
+            progress=False,
+        ),
         log=lambda s: None,
     )
     recs = list(iter_records(tmp_path / "res"))

@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent(
     import torch
     from transformers import BertTokenizerFast
 
-    from partialbayes.glue_bench import RunConfig, Settings, TrainConfig, run_grid
+    from partialbayes.glue_bench import Grid, RunConfig, Settings, TrainConfig, run_grid
     from partialbayes.glue_bench.linearised import LinearSamplingConfig
 
     glue, out = Path(sys.argv[1]), Path(sys.argv[2])
@@ -48,11 +48,11 @@ SCRIPT = textwrap.dedent(
     common = dict(model="tiny", settings=settings, max_train_examples=32, curvature_batch_size=8)
     train = dict(epochs=2, batch_size=8, max_length=32, patience=2, lr=1e-3)
     methods = ["temperature", "last-layer", "skfac", "kfac-random", "swag-random", "ls-random"]
-    run_grid(["sst2"], [1], methods, RunConfig(train=TrainConfig(**train), **common),
-             out / "adamw", glue_dir=glue, model_factory=factory, progress=False, log=lambda s: None)
+    run_grid(Grid(["sst2"], [1], methods, RunConfig(train=TrainConfig(**train), **common),
+                  out / "adamw", glue_dir=glue, model_factory=factory, progress=False), log=lambda s: None)
     ivon = TrainConfig(**train, optimizer="ivon", ivon_lr=0.05)
-    run_grid(["sst2"], [0], ["map", "ivon"], RunConfig(train=ivon, **common),
-             out / "ivon", glue_dir=glue, model_factory=factory, progress=False, log=lambda s: None)
+    run_grid(Grid(["sst2"], [0], ["map", "ivon"], RunConfig(train=ivon, **common),
+                  out / "ivon", glue_dir=glue, model_factory=factory, progress=False), log=lambda s: None)
     """
 )
 

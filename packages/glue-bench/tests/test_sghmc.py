@@ -5,7 +5,7 @@ import math
 import torch
 
 from partialbayes.glue_bench.context import Settings
-from partialbayes.glue_bench.experiment import RunConfig, run_grid
+from partialbayes.glue_bench.experiment import Grid, RunConfig, run_grid
 from partialbayes.glue_bench.methods import SGHMC_CHAINS
 from partialbayes.glue_bench.store import iter_records
 from partialbayes.glue_bench.train import TrainConfig
@@ -17,9 +17,9 @@ def test_serial_and_parallel_sghmc_cells(tmp_path, mini_glue, tiny_bert_factory)
     config = RunConfig(model="tiny-bert", train=TrainConfig(epochs=1, batch_size=8, max_length=32, lr=1e-3),
                        settings=settings, max_train_examples=16)  # fmt: skip
     methods = ["map", "sghmc-full", "psghmc-skfac", "psghmc-full"]
-    store = run_grid(["sst2"], [0], methods, config, tmp_path, glue_dir=mini_glue,
-                     model_factory=lambda n, c, d: tiny_bert_factory(c), progress=False,
-                     log=lambda s: None)  # fmt: skip
+    grid = Grid(["sst2"], [0], methods, config, tmp_path, glue_dir=mini_glue,
+                model_factory=lambda n, c, d: tiny_bert_factory(c), progress=False)  # fmt: skip
+    store = run_grid(grid, log=lambda s: None)
     assert not store.failures
     records = {r["method"]: r for r in iter_records(store.root)}
     assert set(records) == set(methods)

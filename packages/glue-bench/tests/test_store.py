@@ -5,7 +5,7 @@ import torch
 
 from partialbayes.glue_bench import experiment
 from partialbayes.glue_bench.context import Settings
-from partialbayes.glue_bench.experiment import RunConfig, run_grid
+from partialbayes.glue_bench.experiment import Grid, RunConfig, run_grid
 from partialbayes.glue_bench.store import Cell, ResultStore, grid_units, parse_shard
 from partialbayes.glue_bench.train import TrainConfig
 
@@ -71,14 +71,16 @@ def _config():
 
 def _grid(root, mini_glue, factory):
     return run_grid(
-        ["sst2"],
-        [0],
-        ["map", "temperature", "swag-random"],
-        _config(),
-        root,
-        glue_dir=mini_glue,
-        model_factory=lambda n, c, d: factory(c),
-        progress=False,
+        Grid(
+            ["sst2"],
+            [0],
+            ["map", "temperature", "swag-random"],
+            _config(),
+            root,
+            glue_dir=mini_glue,
+            model_factory=lambda n, c, d: factory(c),
+            progress=False,
+        ),
         log=lambda s: None,
     )
 

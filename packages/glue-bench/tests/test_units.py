@@ -13,7 +13,7 @@ import torch
 from partialbayes.glue_bench import experiment
 from partialbayes.glue_bench.cli import main, parse_splits
 from partialbayes.glue_bench.context import Settings
-from partialbayes.glue_bench.experiment import RunConfig, run_grid
+from partialbayes.glue_bench.experiment import Grid, RunConfig, run_grid
 from partialbayes.glue_bench.store import (
     ResultStore,
     UnitBusyError,
@@ -38,18 +38,11 @@ def _config(model="tiny-bert", **train):
 def _grid(root, glue, factory=None, methods=("map",), model="tiny-bert", splits=(0,), **kw):
     torch.set_num_threads(1)
     make = None if factory is None else (lambda name, c, d: factory(c))
-    return run_grid(
-        ["sst2"],
-        list(splits),
-        list(methods),
-        kw.pop("config", None) or _config(model),
-        root,
-        glue_dir=glue,
-        model_factory=make,
-        progress=False,
-        log=lambda s: None,
-        **kw,
-    )
+    config = kw.pop("config", None) or _config(model)
+    executor = kw.pop("executor", "local")
+    grid = Grid(["sst2"], list(splits), list(methods), config, root, glue_dir=glue,
+                model_factory=make, progress=False, **kw)  # fmt: skip
+    return run_grid(grid, executor=executor, log=lambda s: None)
 
 
 def _saved(folder, factory, num_labels=2, head=True):

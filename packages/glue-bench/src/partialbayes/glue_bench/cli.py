@@ -327,12 +327,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     failures: list[str] = []
     if "glue" in plan:
         tasks, methods = plan["glue"]
-        glue = {"executor": args.executor, "ray_address": args.ray_address, "shard": shard}
-        glue.update(take_over=args.take_over, progress=not args.no_progress, keep_going=True)
-        config, where = _configs(args), (args.results, args.device, args.glue_dir)
-        failures += experiment.run_grid(
-            tasks, splits["glue"], methods, config, *where, **glue
-        ).failures
+        grid = experiment.Grid(
+            tasks, splits["glue"], methods, _configs(args), args.results, args.device, args.glue_dir,
+            progress=not args.no_progress, keep_going=True, take_over=args.take_over,
+        )  # fmt: skip
+        at = {"executor": args.executor, "ray_address": args.ray_address, "shard": shard}
+        failures += experiment.run_grid(grid, **at).failures
     if "uci" in plan:
         tasks, methods = plan["uci"]
         at = {"uci_dir": args.uci_dir, "shard": shard, "seed": args.seed, "device": args.device}
@@ -434,10 +434,9 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     )
     timings: list[dict] = []
     methods, unit = qs.QUICKSTART_METHODS, ([args.task], [args.split])
-    options = {"progress": not args.no_progress, "keep_going": True, "timings": timings}
-    store = experiment.run_grid(
-        *unit, methods, config, args.results, args.device, folder, **options
-    )
+    grid = experiment.Grid(*unit, methods, config, args.results, args.device, folder,
+                           progress=not args.no_progress, keep_going=True)  # fmt: skip
+    store = experiment.run_grid(grid, timings=timings)
     here = (args.task, args.split)
     records = [r for r in iter_records(args.results) if (r["task"], r["split"]) == here]
     records = [r for r in records if r["method"] in methods]

@@ -239,13 +239,30 @@ def run_cell(ctx: Context, method: Method, size: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Grid:
-    """What every unit of one :func:`run_grid` call shares (paths absolute: workers may run elsewhere)."""
+    """The (task, split, method) grid :func:`run_grid` fills: one unit per (task, split), each method's cells.
 
-    methods: tuple[str, ...]
-    config: RunConfig
-    results: Path
-    device: str = "cpu"
-    glue_dir: Path | None = None
+    Attributes:
+        tasks: GLUE task names.
+        splits: Split indices.
+        methods: Method names (:data:`~partialbayes.glue_bench.METHODS`); cells run in this order.
+        config: What determines the results (the results folder's configuration).
+        results: The results folder.
+        device: Where units compute.
+        glue_dir: The GLUE data folder (``None``: ``$PARTIALBAYES_DATA/glue`` or the hub).
+        model_factory: ``(name, num_labels, dropout) -> (model, tokenizer)`` instead of loading
+            ``config.model``.
+        progress: Progress bars.
+        keep_going: Log and skip a failing cell (no record: a later run retries it) instead of raising.
+        take_over: Take over claims whose owner on another host is gone.
+    """
+
+    tasks: Sequence[str]
+    splits: Sequence[int]
+    methods: Sequence[str]
+    config: RunConfig = field(default_factory=lambda: RunConfig())
+    results: str | Path = "results"
+    device: str | torch.device = "cpu"
+    glue_dir: str | Path | None = None
     model_factory: ModelFactory | None = None
     progress: bool = True
     keep_going: bool = False
@@ -382,54 +399,52 @@ class _Unit:
 
 
 def run_grid(
-    tasks: Sequence[str],
-    splits: Sequence[int],
-    method_names: Sequence[str],
-    config: RunConfig,
-    results: str | Path,
-    device: str | torch.device = "cpu",
-    glue_dir: str | Path | None = None,
+    grid: Grid,
+    *,
     shard: tuple[int, int] = (0, 1),
-    model_factory: ModelFactory | None = None,
-    progress: bool = True,
     log: Callable[[str], None] = print,
-    keep_going: bool = False,
     timings: list[dict[str, Any]] | None = None,
     executor: str = "local",
     ray_address: str | None = None,
-    take_over: bool = False,
 ) -> ResultStore:
-    """Fill the (task, split, method, size) grid, one (task, split) unit at a time; finished cells are skipped.
+    """Fill the grid, one (task, split) unit at a time; finished cells are skipped.
 
     A unit fine-tunes (or reuses) its MAP once, then runs its cells (:func:`run_unit`) under a claim that
     keeps other processes off it. ``shard=(i, n)``: every n-th unit. ``executor="ray"``: one Ray task per
     unit (:func:`~partialbayes.glue_bench.executors.run_units`), into a results folder every node sees.
-    ``take_over``: take over claims whose owner on another host is gone. ``config.curvature_pass``: see
-    :class:`RunConfig`.
+    ``grid.config.curvature_pass``: see :class:`RunConfig`.
 
-    With ``keep_going`` a failing cell is logged and skipped (no record: a later run retries it); the
-    messages, and one per unit that another process holds, are in ``store.failures``. ``timings`` receives
-    one dict per stage: ``{"stage": "prepare", "task", "split", "wall", "cpu", "finetune_wall",
-    "finetune_cpu"}`` and ``{"stage": method, "size", ...}``.
+    With ``grid.keep_going`` a failing cell is logged and skipped; the messages, and one per unit that another
+    process holds, are in ``store.failures``. ``timings`` receives one dict per stage: ``{"stage": "prepare",
+    "task", "split", "wall", "cpu", "finetune_wall", "finetune_cpu"}`` and ``{"stage": method, "size", ...}``.
 
     Raises:
+        TypeError: If ``grid`` is no :class:`Grid`.
         ValueError: Unknown tasks or methods, none at all, a ``--model`` folder that is missing or has no
             tokenizer, or a results folder of another configuration (before any work).
     """
-    for what, values in (("tasks", tasks), ("splits", splits), ("methods", method_names)):
-        if len(values) == 0:
+    check_type("run_grid: grid", grid, Grid, "a Grid")
+    for what in ("tasks", "splits", "methods"):
+        if len(getattr(grid, what)) == 0:
             raise ValueError(f"run_grid: {what} is empty: nothing to run")
-    for t in tasks:
+    for t in grid.tasks:
         task_spec(t)
-    methods = tuple(dict.fromkeys(m.name for m in get_methods(method_names)))
-    if model_factory is None:
-        check_model_folder(config.model)
-    store = ResultStore(results, config.to_dict())
-    folder = Path(glue_dir).absolute() if glue_dir is not None else None
-    root, options = store.root.absolute(), (progress, keep_going, take_over)
-    grid = Grid(methods, config, root, str(device), folder, model_factory, *options)
-    gpus = 1.0 if torch.device(device).type == "cuda" else 0.0
-    job, units = partial(run_unit, grid), grid_units(tasks, splits, shard)
+    methods = tuple(dict.fromkeys(m.name for m in get_methods(grid.methods)))
+    if grid.model_factory is None:
+        check_model_folder(grid.config.model)
+    store = ResultStore(grid.results, grid.config.to_dict())
+    folder = Path(grid.glue_dir).absolute() if grid.glue_dir is not None else None
+    # what the units share, paths absolute (workers may run elsewhere)
+    shared = dataclasses.replace(
+        grid,
+        methods=methods,
+        results=store.root.absolute(),
+        device=str(grid.device),
+        glue_dir=folder,
+    )
+    gpus = 1.0 if torch.device(grid.device).type == "cuda" else 0.0
+    job, units = partial(run_unit, shared), grid_units(grid.tasks, grid.splits, shard)
+    keep_going = grid.keep_going
     for unit in run_units(units, job, store.root, executor, ray_address, keep_going, log, gpus):
         store.failures += unit.failures
         if timings is not None:
