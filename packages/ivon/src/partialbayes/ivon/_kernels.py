@@ -189,7 +189,7 @@ def run(
         flat = kind(*(c and torch._C._nn.flatten_dense_tensors(c) for c in columns))
         _flat(kernel, flat, prepared, warn, kwargs)
         n = WRITES[kind]
-        for src, dst in zip(flat[:n], columns[:n], strict=True):
+        for src, dst in zip(flat[:n], kind(*columns)[:n], strict=True):
             torch._foreach_copy_(dst, torch._C._nn.unflatten_dense_tensors(src, dst))
 
 
