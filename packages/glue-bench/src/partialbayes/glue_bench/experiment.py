@@ -259,8 +259,8 @@ class Grid:
     tasks: Sequence[str]
     splits: Sequence[int]
     methods: Sequence[str]
-    config: RunConfig = field(default_factory=lambda: RunConfig())
-    results: str | Path = "results"
+    config: RunConfig
+    results: str | Path
     device: str | torch.device = "cpu"
     glue_dir: str | Path | None = None
     model_factory: ModelFactory | None = None
