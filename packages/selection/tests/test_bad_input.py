@@ -219,9 +219,11 @@ def test_other_bad_arguments():
         largest_magnitude(MODEL, 10, exclude=["("])
     with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
         countable_parameters("model")
-    for tol in (math.nan, 0.0, -1.0, True):
-        with pytest.raises(ValueError, match="tol must be a positive number"):
+    for tol in (math.nan, 0.0, -1.0):
+        with pytest.raises(ValueError, match=r"tol must be in \(0, inf\]"):
             skfac_percent_for_target(MODEL, 5.0, tol=tol)
+    with pytest.raises(TypeError, match="tol must be a number"):
+        skfac_percent_for_target(MODEL, 5.0, tol=True)
     with pytest.raises(TypeError, match=r"subset must be a partialbayes\.selection\.Subset"):
         summary("fc1")
     with pytest.raises(TypeError, match="parameter name must be a string"):

@@ -173,7 +173,9 @@ def test_validation_errors_name_the_culprit():
         s.scatter("fc1.weight", torch.zeros(3), torch.zeros(4, 5))
     with pytest.raises(KeyError, match="not in the subset"):
         s.mask("fc2.weight")
-    with pytest.raises(ValueError, match="different parameter structure"):
+    with pytest.raises(
+        ValueError, match="cannot union: the other subset does not have the parameter structure"
+    ):
         _ = s | Subset.from_model(Tiny(n_in=2), {"fc1.weight": KronBlock()})
 
 

@@ -13,11 +13,10 @@ from partialbayes.selection._modules import (
     Grouping,
     grouped_linear_modules,
     linear_modules,
-    tied_linear_modules,
 )
 from partialbayes.selection._norms import operator_norms
 from partialbayes.selection._subset import Subset
-from partialbayes.selection._validate import as_generator, check_count, check_names
+from partialbayes.selection._validate import as_generator, check_count, check_names, check_type
 
 PAPER_COUNTS: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 8, 11, 17, 38)
 """Module counts of the ramping experiments of Kampen et al."""
@@ -35,7 +34,8 @@ def whole_modules(model: nn.Module, names: Iterable[str]) -> Subset:
             if owner[id(p)] != full:
                 raise ValueError(
                     f"parameter {full!r} of module {name!r} is the same tensor as {owner[id(p)]!r} (tied "
-                    "weights); select the module that owns it, or untie the weights"
+                    "weights, e.g. a head tied to the token embedding, never stochastic); select the "
+                    "module that owns it or other modules, or untie the weights"
                 )
             blocks[full] = KronBlock()
     return Subset.from_model(model, blocks)
@@ -131,16 +131,9 @@ def last_layer(model: nn.Module) -> Subset:
 
     Raises:
         ValueError: If that map's weight is tied to another module (a language-model head sharing the
-            token embedding, which is never stochastic).
+            token embedding, which is never stochastic), as :func:`modules` does.
     """
-    name = list(linear_modules(model))[-1]
-    tied = tied_linear_modules(model)
-    if name in tied:
-        raise ValueError(
-            f"the last linear map {name!r} of {type(model).__name__} shares its weight with {tied[name]!r} "
-            "(tied to the token embedding, never stochastic); choose maps with modules(...) or untie it"
-        )
-    return whole_modules(model, [name])
+    return whole_modules(model, [list(linear_modules(model))[-1]])
 
 
 def modules(model: nn.Module, names: Sequence[str]) -> Subset:
@@ -176,9 +169,7 @@ def ramp(
     prev: Subset | None = None
     prev_k = None
     for k in counts:
-        s = strategy(k)
-        if not isinstance(s, Subset):
-            raise TypeError(f"strategy({k}) returned {type(s).__name__}, expected a Subset")
+        s = check_type(f"strategy({k})", strategy(k), Subset, "a Subset (what strategy returns)")
         if prev is not None and not prev <= s:
             raise ValueError(f"strategy is not nested: subset for k={prev_k} is not within k={k}")
         prev, prev_k = s, k

@@ -165,12 +165,8 @@ def _user_group(name: str, grouping: Grouping) -> str | None:
                 return group
         return None
     if callable(grouping):
-        found = grouping(name)
-        if found is not None and not isinstance(found, str):
-            raise TypeError(
-                f"grouping function returned {found!r} for module {name!r}; expected a str or None"
-            )
-        return found
+        what = f"grouping({name!r}) (the group of module {name!r})"
+        return check_type(what, grouping(name), (str, type(None)), "a str or None")
     raise TypeError(
         f"grouping must be a mapping {{group: regex}} or a callable, got {type(grouping).__name__}"
     )

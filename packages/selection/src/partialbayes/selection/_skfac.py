@@ -128,8 +128,7 @@ def skfac_percent_for_target(
             gives the maximum).
     """
     t = check_percent(target, "target")
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < math.inf:
-        raise ValueError(f"tol must be a positive number, got {tol!r}")
+    check_percent(tol, "tol", math.inf)
     modules = None if modules is None else list(modules)  # read many times below
     best = skfac_percent_of_params(model, 100.0, modules, exclude)
     if t > best + 1e-12:

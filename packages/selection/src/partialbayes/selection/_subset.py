@@ -220,8 +220,7 @@ class Subset:
         return n
 
     def _check_storage(self, name: str, tensor: Tensor, what: str) -> None:
-        if not isinstance(tensor, Tensor):
-            raise TypeError(f"{what} for {name!r} must be a Tensor, got {type(tensor).__name__}")
+        check_type(f"{what} for {name!r}", tensor, Tensor, "a Tensor")
         if tensor.shape != self._info[name].shape:
             raise ValueError(
                 f"{what} for {name!r} has shape {tuple(tensor.shape)}, expected storage shape "
@@ -322,9 +321,7 @@ class Subset:
             ValueError: If a parameter of the subset is missing from ``model``, has another shape, or
                 lives on the ``meta`` device (no values to read or write; load real weights first).
         """
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        params = dict(model.named_parameters())
+        params = dict(check_type("model", model, nn.Module, "a torch.nn.Module").named_parameters())
         out: dict[str, nn.Parameter] = {}
         for name in self._blocks:
             p = params.get(name)
@@ -421,25 +418,19 @@ class Subset:
         self, model: nn.Module, exclude: str | Iterable[str] | None = EMBEDDINGS
     ) -> float:
         """Stochastic entries as a percentage of the model's countable parameters (``exclude``: `countable_parameters`)."""
-        self._check_model(model)
+        self._check_structure(_model_structure(model), f"model {type(model).__name__}")
         return 100.0 * self.num_entries() / countable_parameters(model, exclude)
 
-    def _check_model(self, model: nn.Module) -> None:
-        info = _model_structure(model)
+    def _check_structure(self, info: Mapping[str, _ParamInfo], what: str) -> None:
         if {n: i.shape for n, i in info.items()} != {n: i.shape for n, i in self._info.items()}:
             raise ValueError(
-                f"model {type(model).__name__} does not have the parameter structure this subset was "
-                "built for"
+                f"{what} does not have the parameter structure this subset was built for"
             )
 
     # --------------------------------------------------------------------------- algebra
     def _compatible(self, other: object, op: str) -> Subset:
-        if not isinstance(other, Subset):
-            raise TypeError(f"cannot {op} a Subset with {type(other).__name__}")
-        if {n: i.shape for n, i in self._info.items()} != {
-            n: i.shape for n, i in other._info.items()
-        }:
-            raise ValueError(f"cannot {op} subsets of models with different parameter structure")
+        check_type(f"the other operand of {op}", other, Subset, "a Subset")
+        self._check_structure(other._info, f"cannot {op}: the other subset")
         return other
 
     def __or__(self, other: Subset) -> Subset:
@@ -546,12 +537,7 @@ class Subset:
             raise ValueError(f"unsupported Subset JSON version {data.get('version')!r}")
         if "blocks" not in data:
             raise ValueError("Subset JSON has no 'blocks' key")
-        raw = data["blocks"]
-        if not isinstance(raw, dict):
-            raise TypeError(
-                f"Subset JSON 'blocks' must be an object {{parameter name: block}}, got "
-                f"{_json_type(raw)}"
-            )
+        raw = check_type("Subset JSON 'blocks'", data["blocks"], dict, "an object {name: block}")
         blocks = {n: _block_from_json(n, d) for n, d in raw.items()}
         return cls.from_model(model, blocks)
 
@@ -598,9 +584,7 @@ def _json_ints(name: str, d: dict[str, Any], key: str, *, nullable: bool) -> lis
 
 def _block_from_json(name: str, d: object) -> Block:
     """One block of a Subset's JSON, validated field by field."""
-    if not isinstance(d, dict):
-        raise TypeError(f"block of {name!r} must be an object, got {_json_type(d)}")
-    kind = d.get("type")
+    kind = check_type(f"block of {name!r}", d, dict, "an object").get("type")
     if kind == "kron":
         return KronBlock(
             _json_ints(name, d, "rows", nullable=True), _json_ints(name, d, "cols", nullable=True)
