@@ -112,7 +112,10 @@ def test_token_positions_follow_mask_and_ignore_index():
     assert kept_positions(torch.ones(2, 3)) is None
     with pytest.raises(ValueError, match="need an attention_mask or labels"):
         kept_positions(logits)
-    with pytest.raises(ValueError, match="attention_mask has shape"):
+    with pytest.raises(
+        ValueError,
+        match=r"attention_mask of token-level logits must have shape \[B, T\] = \(2, 3\), got \(2, 4\)",
+    ):
         kept_positions(logits, attention_mask=torch.ones(2, 4))
 
 

@@ -76,8 +76,6 @@ def test_missing_parent_is_created_and_a_folder_is_refused(tmp_path):
 def test_interrupted_write_keeps_the_previous_file(tmp_path):
     path = tmp_path / "p.safetensors"
     first = _write(path)
-    with pytest.raises(TypeError, match="must be a tensor"):
-        write_posterior_file(path, {"mean": [1.0]}, {"format": FMT, "version": 2}, model=_model())
     with pytest.raises(TypeError):  # not JSON
         write_posterior_file(path, {}, {"format": FMT, "version": 2, "x": object()}, model=_model())
     assert torch.equal(_read(path).tensors["mean"], first["mean"])
@@ -117,7 +115,9 @@ def test_missing_field_tensor_dtype_and_shape(tmp_path):
         f.tensor("std")
     with pytest.raises(ValueError, match=r"tensor 'mean' has shape \(5,\), expected \(6,\)"):
         f.tensor("mean", (6,))
-    with pytest.raises(ValueError, match="unsupported dtype 'int7'"):
+    with pytest.raises(
+        ValueError, match=r"unsupported dtype: field 'dtype' must be one of .*, got 'int7'"
+    ):
         f.dtype()
 
 

@@ -121,19 +121,16 @@ def split_batch(batch: Any, *, device: torch.device | str | None = None) -> Batc
 
 
 def move_batch(batch: Any, device: torch.device | str) -> Any:
-    """The batch with its tensors on ``device``, same kind (a mapping becomes a ``dict``, a pair a tuple)."""
+    """A batch `split_batch` accepted, its tensors on ``device``, same kind (a mapping becomes a ``dict``, a pair a tuple)."""
     dev = torch.device(device)
     if isinstance(batch, Tensor):
         return batch.to(dev)
     if isinstance(batch, Mapping):
         return {k: _to(v, dev) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        first, labels = batch
-        if isinstance(first, Mapping):
-            first = {k: _to(v, dev) for k, v in first.items()}
-        return (_to(first, dev), _to(labels, dev))
-    shape = f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""
-    raise TypeError(f"batch must be {_ACCEPTED}; got {type(batch).__name__}{shape}")
+    first, labels = batch  # a pair (split_batch checked the batch)
+    if isinstance(first, Mapping):
+        first = {k: _to(v, dev) for k, v in first.items()}
+    return (_to(first, dev), _to(labels, dev))
 
 
 def batch_size(inputs: Tensor | Mapping[str, Any]) -> int:
@@ -206,18 +203,15 @@ def kept_positions(
             "(with -100 at ignored positions) to tell which positions count"
         )
     keep = torch.ones(b, t, dtype=torch.bool, device=logits.device)
-    if attention_mask is not None:
-        if tuple(attention_mask.shape) != (b, t):
+    for name, given in (("attention_mask", attention_mask), ("labels", labels)):
+        if given is not None and tuple(given.shape) != (b, t):
             raise ValueError(
-                f"attention_mask has shape {tuple(attention_mask.shape)}, logits need [B, T] = {(b, t)}"
+                f"{name} of token-level logits must have shape [B, T] = {(b, t)}, "
+                f"got {tuple(given.shape)}"
             )
+    if attention_mask is not None:
         keep &= attention_mask.to(logits.device) != 0
     if labels is not None:
-        if tuple(labels.shape) != (b, t):
-            raise ValueError(
-                f"labels of token-level logits must have shape [B, T] = {(b, t)}, "
-                f"got {tuple(labels.shape)}"
-            )
         kept = labels.to(logits.device) != ignore_index
         if shift:  # position t holds what t + 1 holds; the last has no target
             keep = keep & torch.cat([keep[:, 1:], keep[:, :1] & False], dim=1)

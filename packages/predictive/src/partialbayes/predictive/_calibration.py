@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from partialbayes.predictive._metrics import _probs_labels
-from partialbayes.predictive._validate import check_int
+from partialbayes.predictive._validate import check_choice, check_int
 
 Binning = Literal["equal_width", "equal_mass"]
 
@@ -62,13 +62,14 @@ def reliability(
     """
     p, y = _probs_labels(probs, labels)
     check_int("n_bins", n_bins)
+    check_choice("binning", binning, ("equal_width", "equal_mass"))
     conf, pred = p.max(-1)
     correct = (pred == y).to(p.dtype)
     n = conf.shape[0]
     if binning == "equal_width":
         edges = torch.linspace(0, 1, n_bins + 1, dtype=p.dtype, device=p.device)
         idx = torch.bucketize(conf, edges[1:-1], right=False)
-    elif binning == "equal_mass":
+    else:  # equal_mass
         order = torch.sort(conf, stable=True).indices
         # Position r in sorted order goes to bin b with array_split sizes: the first n % n_bins
         # bins have q + 1 members, the rest q.
@@ -91,8 +92,6 @@ def reliability(
         )
         top = sorted_conf[-1:] if n else lo.new_full((1,), torch.nan)
         edges = torch.cat([lo, top])
-    else:
-        raise ValueError(f"binning must be 'equal_width' or 'equal_mass', got {binning!r}")
     count = torch.bincount(idx, minlength=n_bins)
     sum_conf = torch.zeros(n_bins, dtype=p.dtype, device=p.device).index_add_(0, idx, conf)
     sum_acc = torch.zeros(n_bins, dtype=p.dtype, device=p.device).index_add_(0, idx, correct)

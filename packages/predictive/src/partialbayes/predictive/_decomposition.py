@@ -11,6 +11,7 @@ from torch import Tensor
 from partialbayes.predictive._validate import (
     PROB_ATOL,
     check_broadcasts,
+    check_int,
     check_nonneg,
     check_same_device,
     check_tensor,
@@ -50,14 +51,7 @@ def entropy(log_probs: Tensor, dim: int = -1) -> Tensor:
     check_tensor("log_probs", log_probs, finite=False, what="a floating-point torch.Tensor")
     if bool(torch.isnan(log_probs).any()) or bool((log_probs == math.inf).any()):
         raise ValueError("log_probs contains NaN or +inf")
-    if (
-        isinstance(dim, bool)
-        or not isinstance(dim, int)
-        or not -log_probs.ndim <= dim < max(log_probs.ndim, 1)
-    ):
-        raise ValueError(
-            f"dim must be an int in [-{log_probs.ndim}, {log_probs.ndim}), got {dim!r}"
-        )
+    check_int("dim", dim, f"[{-log_probs.ndim}, {max(log_probs.ndim, 1)})")
     if log_probs.numel():
         work = torch.promote_types(log_probs.dtype, torch.float32)
         norm = torch.logsumexp(log_probs.to(work), dim).abs().amax()

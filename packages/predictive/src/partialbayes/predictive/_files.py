@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from partialbayes.predictive._validate import check_choice
+
 KEY = "partialbayes"
 _DTYPES = {
     str(d).removeprefix("torch."): d
@@ -50,9 +52,7 @@ def write_posterior_file(
         )
     out: dict[str, Tensor] = {}
     seen: set[int] = set()
-    for k, t in tensors.items():
-        if not isinstance(t, Tensor):
-            raise TypeError(f"posterior tensor {k!r} must be a tensor, got {type(t).__name__}")
+    for k, t in tensors.items():  # the families' own tensors: not re-checked
         t = t.detach().to("cpu").contiguous()
         if t.untyped_storage().data_ptr() in seen:
             t = t.clone()
@@ -106,11 +106,8 @@ class PosteriorFile:
     def dtype(self, key: str = "dtype") -> torch.dtype:
         """A floating dtype stored by name (``"float32"`` or ``"torch.float32"``) under ``key``."""
         name = self.field(key, str).removeprefix("torch.")
-        if name not in _DTYPES:
-            raise self.error(
-                f"unsupported dtype {name!r} in field {key!r} (known: {sorted(_DTYPES)})"
-            )
-        return _DTYPES[name]
+        with self.reraised("unsupported dtype"):
+            return _DTYPES[check_choice(f"field {key!r}", name, _DTYPES)]
 
     def tensor(self, key: str, shape: Sequence[int] | None = None) -> Tensor:
         """Tensor ``key``, checked to be present (and of ``shape`` when given)."""

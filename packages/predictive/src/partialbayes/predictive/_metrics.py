@@ -10,6 +10,7 @@ from torch import Tensor
 
 from partialbayes.predictive._validate import (
     check_broadcasts,
+    check_choice,
     check_labels,
     check_nonneg,
     check_probs,
@@ -21,13 +22,8 @@ Reduction = Literal["mean", "sum", "none"]
 
 
 def _reduce(x: Tensor, reduction: Reduction) -> Tensor:
-    if reduction == "mean":
-        return x.mean()
-    if reduction == "sum":
-        return x.sum()
-    if reduction == "none":
-        return x
-    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    check_choice("reduction", reduction, ("mean", "sum", "none"))
+    return x if reduction == "none" else getattr(x, reduction)()
 
 
 def _probs_labels(probs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
