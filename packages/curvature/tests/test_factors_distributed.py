@@ -166,5 +166,5 @@ def test_an_error_on_one_rank_fails_every_rank(tmp_path, routine, fisher):
     assert not hung, "a rank hung waiting for the rank that raised"
     assert all(p.exitcode == 0 for p in procs)
     msgs = [Path(f"{out}.{r}").read_text() for r in range(2)]
-    assert msgs[1].startswith("ValueError: batch 0: labels out of range")
+    assert msgs[1].startswith("ValueError: batch 0: labels must lie in")
     assert msgs[0].startswith("RuntimeError: 1 other rank(s) raised")

@@ -286,12 +286,12 @@ def stream(
             passes=backward_passes(logits, calls_out, cotangents(logits, vectors, keep, positions)),
         )
         del logits, rows
-    if run.batches == 0:
-        raise ValueError("loader is empty: no batch to compute the curvature from")
-    if run.skipped == run.batches:
+    if run.skipped == run.batches:  # none usable: an empty loader, or only unlabelled batches
         raise ValueError(
             f"every batch of the loader ({run.batches}) has no labelled output (every label -100): "
             "nothing to compute the curvature from"
+            if run.batches
+            else "loader is empty: no batch to compute the curvature from"
         )
 
 

@@ -13,7 +13,7 @@ from partialbayes.curvature._hooks import Run
 from partialbayes.curvature._jacobians import subset_jacobians
 from partialbayes.curvature._laplace import LaplaceBase
 from partialbayes.curvature._outputs import Outputs
-from partialbayes.predictive.internal import PosteriorFile, check_finite
+from partialbayes.predictive.internal import PosteriorFile, check_finite, check_keys
 
 
 class DiagLaplace(LaplaceBase):
@@ -33,10 +33,8 @@ class DiagLaplace(LaplaceBase):
 
     def _set_curvature(self, curvature: Mapping[str, Tensor]) -> None:
         """``curvature``: ``{param name: h [k]}`` in ``subset.gather`` order, ``h ≥ 0`` up to round-off."""
-        missing = [n for n in self.subset.names if n not in curvature]
-        extra = [n for n in curvature if n not in self.subset.names]
-        if missing or extra:
-            raise ValueError(f"diagonal and subset differ: missing {missing}, unknown {extra}")
+        names = self.subset.names
+        check_keys("diagonal curvature", curvature, names, names, "parameters")
         h = {}
         for n in self.subset.names:
             v = curvature[n].to(device=self.device, dtype=self.dtype).reshape(-1)

@@ -18,6 +18,7 @@ from partialbayes.predictive.internal import (
     check_likelihood,
     check_type,
 )
+from partialbayes.predictive.internal import check_labels as check_class_labels
 
 
 def _exact(f: Tensor, p: Tensor | None, labels: Tensor | None, k: int, s: float, g: Any) -> Tensor:
@@ -114,12 +115,8 @@ class CurvatureOptions:
         check_int("mc_samples", self.mc_samples)
         if self.dtype not in DTYPES:
             raise TypeError(f"dtype must be torch.float32 or torch.float64, got {self.dtype!r}")
-        if self.num_classes is not None and (
-            isinstance(self.num_classes, bool)
-            or not isinstance(self.num_classes, int)
-            or self.num_classes < 1
-        ):
-            raise ValueError(f"num_classes must be a positive int or None: {self.num_classes!r}")
+        if self.num_classes is not None:
+            check_int("num_classes", self.num_classes)
         check_bool("shift_labels", self.shift_labels)
         check_choice("sharing", self.sharing, (None, "reduce", "expand"))
         check_choice("bias", self.bias, ("fold", "separate"))
@@ -148,9 +145,7 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 def check_logits(logits: Tensor, num_classes: int | None, index: int) -> None:
-    """Refuse output rows that are not ``[N, C]`` (``C == num_classes`` when given) or not finite."""
-    if logits.ndim != 2:
-        raise ValueError(f"batch {index}: output rows must be [N, C], got {tuple(logits.shape)}")
+    """Refuse output rows ``[N, C]`` (`Outputs.keep` checked the rank) not finite, or ``C != num_classes``."""
     if num_classes is not None and logits.shape[1] != num_classes:
         raise ValueError(
             f"batch {index}: model outputs {logits.shape[1]} logits but num_classes={num_classes}"
@@ -163,21 +158,7 @@ def check_labels(labels: Tensor, logits: Tensor, likelihood: str, index: int) ->
     check_type(f"batch {index}: labels", labels, Tensor, "a tensor")
     b, c = logits.shape
     if likelihood == "classification":
-        if labels.dtype.is_floating_point or labels.is_complex() or labels.dtype == torch.bool:
-            raise ValueError(
-                f"batch {index}: classification labels must be integer class indices, "
-                f"got dtype {labels.dtype}"
-            )
-        if tuple(labels.shape) != (b,):
-            raise ValueError(
-                f"batch {index}: classification labels must have shape [{b}] (one class per "
-                f"example), got {tuple(labels.shape)}"
-            )
-        if b > 0:
-            lo, hi = int(labels.min()), int(labels.max())
-            if lo < 0 or hi >= c:
-                raise ValueError(f"batch {index}: labels out of range [0, {c}): min {lo}, max {hi}")
-        return labels.long()
+        return check_class_labels(f"batch {index}: labels", labels, b, c).long()
     if labels.is_complex() or labels.dtype == torch.bool:
         raise ValueError(
             f"batch {index}: regression targets must be real numbers, got dtype {labels.dtype}"

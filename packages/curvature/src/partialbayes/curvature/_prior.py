@@ -114,13 +114,15 @@ def grid_search(
         values = torch.tensor(list(grid), dtype=torch.float64).reshape(-1)
     if values.numel() == 0 or not bool(((values > 0) & torch.isfinite(values)).all()):
         raise ValueError(f"grid must hold positive finite values, got {values.tolist()}")
+    if (method == "val_nll") != (val_loader is not None):
+        raise ValueError(
+            "method='val_nll' needs val_loader"
+            if val_loader is None
+            else "val_loader is only used with method='val_nll'"
+        )
     if method == "val_nll":
-        if val_loader is None:
-            raise ValueError("method='val_nll' needs val_loader")
         best = int(torch.argmin(post.grid_val_nll(val_loader, values)))
     else:
-        if val_loader is not None:
-            raise ValueError("val_loader is only used with method='val_nll'")
         with torch.no_grad():
             scores = torch.stack([post.log_marginal_likelihood(float(v)) for v in values])
         best = int(torch.argmax(scores))
@@ -257,11 +259,11 @@ def grid_val_nlls(
     for p in posteriors:  # the grid's inverse eigenvalues (`KronLaplace._blocks`) are done with
         if hasattr(p, "_memo"):
             p._memo = None
-    if batches == 0:
-        raise ValueError("val_loader is empty")
-    if skipped == batches:
+    if skipped == batches:  # none usable: an empty loader, or only unlabelled batches
         raise ValueError(
             f"every batch of val_loader ({batches}) has no labelled output (every label -100)"
+            if batches
+            else "val_loader is empty"
         )
     if skipped:
         warnings.warn(
