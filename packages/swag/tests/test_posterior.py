@@ -232,7 +232,7 @@ def test_forms_deprecated_in_0_2_are_gone(helpers):
         swag.sampled(model)
     with pytest.raises(TypeError, match="takes 2 positional arguments"):
         predictive_nll(model, swag, data)
-    with pytest.raises(TypeError, match="takes a SWAG"):
+    with pytest.raises(TypeError, match="swag must be a SWAG"):
         predictive_nll(model, data)
     import partialbayes.swag
 

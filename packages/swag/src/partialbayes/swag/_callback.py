@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from partialbayes.predictive.internal import TrainerEvents, check_int, prefixed
+from partialbayes.predictive.internal import TrainerEvents, check_int, check_type, prefixed
 from partialbayes.selection import Subset
 from partialbayes.selection.internal import check_subset
 from partialbayes.swag._posterior import SWAG
@@ -83,9 +83,7 @@ class SWAGCallback(TrainerEvents):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Start a new collection on the ``model`` Trainer passes (checks the `SWAG` options)."""
-        model = kwargs.get("model")
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"SWAGCallback needs the Trainer's model, got {type(model).__name__}")
+        model = check_type("the Trainer's model", kwargs.get("model"), nn.Module, "an nn.Module")
         self._swag = SWAG(model, self.subset, **self.swag_options)
 
     @torch.no_grad()

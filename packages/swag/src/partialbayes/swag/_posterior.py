@@ -376,10 +376,8 @@ class SWAG:
             FlatLayout.from_subset(saved)
         ):
             raise file.error("subset does not match the saved SWAG: it selects different entries")
-        n = file.meta["n_snapshots"]
-        if n < 1:
-            raise file.error(f"n_snapshots={n} (must be >= 1)")
         with file.reraised("invalid SWAG settings"):
+            n = check_int("n_snapshots", file.meta["n_snapshots"])
             swag = cls(
                 model,
                 saved if subset is None else subset,

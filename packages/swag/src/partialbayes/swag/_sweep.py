@@ -15,6 +15,7 @@ from partialbayes.predictive.internal import (
     IGNORE_INDEX,
     check_finite,
     check_int,
+    check_type,
     eval_mode,
     flatten_outputs,
     model_logits,
@@ -64,8 +65,6 @@ def _per_example_log_probs(
         keep = labels != IGNORE_INDEX
         logp = torch.log_softmax(logits[keep], dim=-1)
         out.append(logp.gather(1, labels[keep].unsqueeze(1)).squeeze(1))
-    if not seen:
-        raise ValueError("validation batches are empty")
     return (torch.cat(out) if out else torch.empty(0)), skipped, seen
 
 
@@ -96,8 +95,7 @@ def predictive_nll(
         TypeError: If ``swag`` is not a `SWAG`.
         ValueError: If ``batches`` is empty or no batch has a labelled output, or a batch fails (named).
     """
-    if not isinstance(swag, SWAG):
-        raise TypeError(f"predictive_nll takes a SWAG, got {type(swag).__name__}")
+    check_type("swag", swag, SWAG, "a SWAG (predictive_nll takes a SWAG)")
     check_int("n_samples", n_samples)
     logits_fn = _batch_logits if logits_fn is None else logits_fn
     logps = []

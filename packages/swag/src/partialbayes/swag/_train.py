@@ -91,10 +91,12 @@ def has_labelled_outputs(labels: Tensor | None) -> bool:
 
 
 def skipped_warning(what: str, skipped: int, total: int) -> None:
-    """Warn once about the batches a call skipped; refuse when it skipped every batch."""
-    if skipped and skipped == total:
+    """Warn once about the batches a call skipped; refuse when it skipped every batch (or saw none)."""
+    if skipped == total:
         raise ValueError(
             f"{what}: every batch ({total}) has no labelled outputs (all labels -100): nothing to use"
+            if total
+            else f"{what}: the batches are empty"
         )
     if skipped:
         warnings.warn(
@@ -316,12 +318,10 @@ def collect_swag(
                 w.sub_(lr * buf)
                 layout.scatter_(params, w)
                 if step % snapshot_every == 0:
-                    if not bool(torch.isfinite(w).all()):
-                        raise NonFiniteLossError(step, lr, "weights (gradient overflow)")
-                    try:
+                    try:  # collect refuses NaN / inf weights (a gradient overflow) and squares that overflow
                         swag.collect(model)
                     except ValueError as err:
-                        raise NonFiniteLossError(step, lr, f"second moment ({err})") from err
+                        raise NonFiniteLossError(step, lr, f"snapshot ({err})") from err
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss_value:.4f}", snapshots=swag.n_snapshots)
