@@ -271,7 +271,7 @@ def test_budget_refuses_what_is_not_a_percentage(target):
     if 0 <= target <= 100:
         assert budget_table([], target=target) == []
     else:
-        with pytest.raises(ValueError, match="target must be a percentage"):
+        with pytest.raises(ValueError, match=r"target must lie in \[0, 100\]"):
             budget_table([], target=target)
 
 

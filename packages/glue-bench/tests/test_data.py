@@ -178,7 +178,7 @@ def test_real_uci_split(name, n_train, n_test, d, data_dir):
     )
     torch.testing.assert_close(float(s.y_train.std()), 1.0)
     assert torch.isfinite(s.x_test).all()
-    with pytest.raises(ValueError, match=r"split must be in \[0, 20\)"):
+    with pytest.raises(ValueError, match=r"split must lie in \[0, 20\), got 20"):
         load_uci(name, 20, data_dir / "uci")
 
 
@@ -201,5 +201,5 @@ def test_uci_validation_part(data_dir):
     )
     again = load_uci("boston", 2, data_dir / "uci", val_fraction=0.2, seed=5)
     torch.testing.assert_close(again.y_val, s.y_val)
-    with pytest.raises(ValueError, match=r"val_fraction must be in \[0, 0.5\]"):
+    with pytest.raises(ValueError, match=r"val_fraction must lie in \[0, 0.5\], got 0.9"):
         load_uci("boston", 2, data_dir / "uci", val_fraction=0.9)

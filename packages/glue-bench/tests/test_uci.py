@@ -282,7 +282,9 @@ def test_subnet_selection_bad_method():
     from partialbayes.glue_bench.models import MLP
     from partialbayes.glue_bench.uci import subnet_subset
 
-    with pytest.raises(ValueError, match="'subnet-norm' or 'subnet-variance'"):
+    with pytest.raises(
+        ValueError, match=r"method must be one of \['subnet-norm', 'subnet-variance'\]"
+    ):
         subnet_subset(MLP(2, 3, 1), "subnet-magic", 5.0, torch.zeros(2, 2), torch.zeros(2), 1.0)
 
 

@@ -252,21 +252,21 @@ def plan_run(
             continue
         if name not in by_kind.setdefault(kind, []):
             by_kind[kind].append(name)
+    plan, errors = {}, []
     if unknown:
-        raise ValueError(
+        errors.append(
             f"unknown task(s) {unknown}; valid tasks: {', '.join([*TASKS, *UCI_DATASETS])}"
         )
     bad = [m for m in methods or () if m not in METHODS and m not in UCI_METHODS]
     if bad:
-        raise ValueError(
+        errors.append(
             f"unknown method(s) {bad}; valid methods: {', '.join(METHODS)} (UCI: {', '.join(UCI_METHODS)})"
         )
-    plan, errors = {}, []
     for kind, names in by_kind.items():
         chosen = list(DEFAULT_METHODS[kind]) if methods is None else list(dict.fromkeys(methods))
-        if bad := [m for m in chosen if m not in valid[kind]]:
+        if wrong := [m for m in chosen if m not in valid[kind] and m not in bad]:
             errors.append(
-                f"method(s) {bad} have no {TASK_KINDS[kind]} version (tasks {', '.join(names)}); "
+                f"method(s) {wrong} have no {TASK_KINDS[kind]} version (tasks {', '.join(names)}); "
                 f"valid {TASK_KINDS[kind]} methods: {', '.join(valid[kind])}"
             )
         if kind == "glue" and "ivon" in chosen and optimizer != "ivon":

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from partialbayes.predictive.internal import check_known
+from partialbayes.predictive.internal import check_int, check_known, check_number
 
 UCI_DATASETS: dict[str, str] = {"boston": "bostonHousing", "energy": "energy", "yacht": "yacht"}
 
@@ -90,12 +90,9 @@ def load_uci(
 
     ``val_fraction`` (at most 0.5) of the training rows, by a permutation seeded by ``seed``, become ``x_val``, ``y_val``.
     """
-    if not 0.0 <= val_fraction <= 0.5:
-        raise ValueError(f"val_fraction must be in [0, 0.5], got {val_fraction}")
+    check_number("val_fraction", val_fraction, "[0, 0.5]")
     folder = uci_folder(name, uci_dir)
-    n = num_splits(name, uci_dir)
-    if not 0 <= split < n:
-        raise ValueError(f"split must be in [0, {n}), got {split}")
+    check_int("split", split, f"[0, {num_splits(name, uci_dir)})")
     data = read_uci_matrix(folder / "data.txt")
     features = _read_ints(folder / "index_features.txt")
     target = _read_ints(folder / "index_target.txt")[0]

@@ -78,9 +78,7 @@ def load_encoder(
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    if num_labels < 2:
-        raise ValueError(f"num_labels must be >= 2, got {num_labels}")
-    check_model_folder(name)
+    check_model_folder(name)  # num_labels: the task's (2 or more)
     path = resolve_model(name)
     if name == DEFAULT_MODEL:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")

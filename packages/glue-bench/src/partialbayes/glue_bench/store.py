@@ -49,16 +49,19 @@ def without_timings(obj: Any) -> Any:
     return obj
 
 
-def read_json(path: Path, what: str = "file") -> Any:
-    """Parse the JSON file ``path``; a missing, unreadable or corrupt file raises ``ValueError`` naming it."""
+def read_json(path: Path, what: str = "file") -> dict[str, Any]:
+    """The JSON object in ``path``; a missing, unreadable, corrupt or non-object file raises ``ValueError`` naming it."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        obj = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as err:
         raise ValueError(f"cannot read {what} {path}: {err}") from err
     except json.JSONDecodeError as err:
         raise ValueError(
             f"{what} {path} is not valid JSON ({err}); it is damaged: delete or restore it"
         ) from err
+    if not isinstance(obj, dict):
+        raise ValueError(f"{what} {path} is not a JSON object; it is damaged: delete or restore it")
+    return obj
 
 
 def json_text(obj: Any) -> str:
@@ -193,10 +196,10 @@ class ResultStore:
         old, binds = self._stored(self.config_path, "results configuration", self.root / "records")
         if old is None:
             return False
-        if not isinstance(old, dict) or not isinstance(old.get("config", {}), dict):
+        if not isinstance(old.get("config", {}), dict):
             raise ValueError(
-                f"results configuration {self.config_path} is damaged (not a JSON object with "
-                "'config'): delete or restore it"
+                f"results configuration {self.config_path} is damaged ('config' is not a JSON "
+                "object): delete or restore it"
             )
         if old.get("fingerprint") == self.fingerprint or not binds:
             return old.get("fingerprint") == self.fingerprint
@@ -256,7 +259,7 @@ class ResultStore:
 
     def read(self, cell: Cell) -> dict[str, Any]:
         """The record of a finished cell (``ValueError`` naming the file when it is damaged)."""
-        return _record(self.record_path(cell))
+        return read_json(self.record_path(cell), "result record")
 
     def checkpoint_dir(self, task: str, split: int, model: str) -> Path:
         """Folder of the fine-tuned checkpoint of (task, split, model) under this configuration."""
@@ -319,14 +322,7 @@ def _take_over(path: Path, stale: dict[str, Any]) -> None:
 def iter_records(root: str | Path) -> Iterator[dict[str, Any]]:
     """Every record under ``root/records`` (sorted by path); a damaged one raises ``ValueError`` naming it."""
     for path in sorted((Path(root) / "records").rglob("*.json")):
-        yield _record(path)
-
-
-def _record(path: Path) -> dict[str, Any]:
-    record = read_json(path, "result record")
-    if not isinstance(record, dict):
-        raise ValueError(f"result record {path} is damaged (not a JSON object): delete it")
-    return record
+        yield read_json(path, "result record")
 
 
 def _digest(data: Any) -> str:

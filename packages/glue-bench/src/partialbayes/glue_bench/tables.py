@@ -86,8 +86,7 @@ def budget_table(
     ``target`` (``closest``); one-size methods give their cell (``single``). Rows gain ``target``, ``limit``,
     ``candidates``, ``rule``.
     """
-    if not 0 <= target <= 100 or math.isnan(target):
-        raise ValueError(f"target must be a percentage in [0, 100], got {target}")
+    check_number("target", target, "[0, 100]")
     check_number("tolerance", tolerance, "[0, inf)")
     limit = target * (1 + tolerance)
     by_method: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)

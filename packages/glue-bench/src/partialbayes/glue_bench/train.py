@@ -389,8 +389,6 @@ def load_checkpoint(
             f"checkpoint folder {folder} is incomplete (no meta.json); delete it to fine-tune again"
         )
     meta = read_json(folder / "meta.json", "checkpoint meta")
-    if not isinstance(meta, dict):
-        raise ValueError(f"checkpoint meta {folder / 'meta.json'} is damaged (not a JSON object)")
     state = _load_tensors(folder / "model.safetensors", "checkpoint weights")
     own = model.state_dict()
     if set(state) != set(own) or any(state[k].shape != own[k].shape for k in own):

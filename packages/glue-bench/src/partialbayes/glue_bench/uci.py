@@ -372,10 +372,8 @@ def subnet_subset(
     ``subnet-norm``: the ``percent`` % largest-magnitude weights and biases; ``subnet-variance``: the largest
     marginal variances under a diagonal GGN Laplace, ``1 / (h_i / σ² + δ)``, whose order does not depend on δ.
     """
-    if method == "subnet-norm":
+    if check_choice("method", method, ("subnet-norm", "subnet-variance")) == "subnet-norm":
         return selection.largest_magnitude(model, percent)
-    if method != "subnet-variance":
-        raise ValueError(f"method must be 'subnet-norm' or 'subnet-variance', got {method!r}")
     full = every_linear_map(model)
     h = diag_curvature(model, [(x, y[:, None])], full, likelihood="regression", sigma_noise=sigma)
     params = dict(model.named_parameters())
