@@ -172,7 +172,7 @@ def test_bad_use_is_explained(helpers):
     subset = helpers.partial_subset(model)
     with pytest.raises(TypeError, match="Subset"):
         SGMCMC(model, {"fc1.weight": None}, lr=0.1, num_data=10)
-    with pytest.raises(ValueError, match="no entries"):
+    with pytest.raises(ValueError, match="subset is empty"):
         SGMCMC(model, Subset.from_model(model, {}), lr=0.1, num_data=10)
     sampler = SGMCMC(model, subset, lr=0.1, num_data=10)
     with pytest.raises(ValueError, match="no gradient"):
@@ -181,7 +181,7 @@ def test_bad_use_is_explained(helpers):
         sampler.posterior()
     for p in model.parameters():
         p.grad = torch.full_like(p, float("nan"))
-    with pytest.raises(ValueError, match=r"NaN or inf entries in .'fc1.weight'.* at step 1"):
+    with pytest.raises(ValueError, match=r"NaN or inf entries in 'fc1\.weight' at step 1"):
         sampler.step()
     model = helpers.tiny_net()
     with pytest.raises(ValueError, match="non-finite loss"):

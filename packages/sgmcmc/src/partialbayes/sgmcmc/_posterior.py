@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from partialbayes.predictive import sampled_logits, sampled_predict
 from partialbayes.predictive.internal import (
+    check_finite,
     check_generator,
     check_int,
     check_likelihood,
@@ -70,9 +71,8 @@ class SampledPosterior:
         if len(sizes) != 1 or 0 in sizes:
             raise ValueError(f"samples must share one number S >= 1 of rows, got {sorted(sizes)}")
         subset.check_values(rows(samples, 0), what="samples")  # coverage and sizes
-        bad = [n for n, v in samples.items() if not bool(torch.isfinite(v).all())]
-        if bad:
-            raise ValueError(f"samples hold NaN or inf entries in {bad[:5]}")
+        for name, v in samples.items():
+            check_finite(v, f"samples hold NaN or inf entries in {name!r}")
         self.samples = {n: samples[n].to(params[n].device) for n in subset.names}
 
     @property
@@ -191,10 +191,8 @@ class SampledPosterior:
         """
         file = read_posterior_file(path, formats=FORMAT, version=VERSION, fields=_FIELDS)
         file.check_model(model)
-        try:
+        with file.reraised("the saved subset does not fit the model"):
             subset = Subset.from_json(file.meta["subset"], model)
-        except (TypeError, ValueError) as err:
-            raise file.error(f"the saved subset does not fit the model: {err}") from err
         flat = file.tensor("samples")
         sizes = [subset.num_entries(n) for n in subset.names]
         if flat.ndim != 2 or flat.shape[1] != sum(sizes):

@@ -9,7 +9,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.predictive.internal import check_choice, check_generator, check_int, check_number
+from partialbayes.predictive.internal import (
+    check_choice,
+    check_finite,
+    check_generator,
+    check_int,
+    check_number,
+)
 from partialbayes.selection import Subset
 from partialbayes.selection.internal import check_subset
 
@@ -69,10 +75,8 @@ class SGMCMC(torch.optim.Optimizer):
         thin: int = 1,
         generator: torch.Generator | None = None,
     ) -> None:
-        check_subset(subset)
+        check_subset(subset, empty_ok=False)  # a block selects at least one entry
         check_choice("method", method, METHODS)
-        if subset.num_entries() == 0:
-            raise ValueError("subset has no entries: SGMCMC needs at least one to sample")
         params = subset.parameters_of(model)
         defaults = {
             "lr": check_number("lr", lr),
@@ -168,9 +172,8 @@ class SGMCMC(torch.optim.Optimizer):
         done = self.steps - self.burn_in
         if done > 0 and done % self.thin == 0:  # only kept samples are checked (a check is a pass)
             sample = self.current()
-            bad = [n for n, v in sample.items() if not bool(torch.isfinite(v).all())]
-            if bad:
-                raise ValueError(f"NaN or inf entries in {bad[:5]} at step {self.steps}")
+            for name, v in sample.items():
+                check_finite(v, f"NaN or inf entries in {name!r} at step {self.steps}")
             self.samples.append(sample)
         return loss
 
