@@ -267,7 +267,7 @@ def test_linearised_targets_make_the_map_the_linear_posterior_mean():
     targets = linearised_targets(feats, theta, logits, labels, noise)
     mean = posterior_mean(feats, targets, noise, Prior(alpha), tol=1e-10).mean
     torch.testing.assert_close(mean, theta, rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match=r"labels must lie in 0\.\.2"):
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 3\); got values in"):
         linearised_targets(feats, theta, logits, labels + 3, noise)
 
 

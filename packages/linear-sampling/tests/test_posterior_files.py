@@ -129,7 +129,11 @@ def test_samples_of_the_wrong_length_are_refused(good, tmp_path):
 def test_a_non_positive_prior_precision_is_refused(good, tmp_path):
     _, meta, tensors = good
     alpha = -tensors["prior_alpha"].abs()
-    _refused(tmp_path, _file(tmp_path, {**tensors, "prior_alpha": alpha}, meta), "prior_alpha")
+    _refused(
+        tmp_path,
+        _file(tmp_path, {**tensors, "prior_alpha": alpha}, meta),
+        "prior precision alpha must be positive",
+    )
 
 
 def test_a_missing_file_raises_file_not_found(tmp_path):

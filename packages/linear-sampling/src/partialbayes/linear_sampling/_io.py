@@ -57,10 +57,8 @@ def read_posterior(
     file = read_posterior_file(path, formats=FORMAT, version=VERSION, fields=_FIELDS)
     file.check_model(model)
     meta = file.meta
-    try:
+    with file.reraised("the saved subset does not apply to the model"):
         subset = Subset.from_json(meta["subset"], model)
-    except (ValueError, KeyError, TypeError) as err:
-        raise file.error(f"the saved subset does not apply to the model ({err})") from err
     d = subset.num_entries()
     samples, map_t = file.tensor("samples"), file.tensor("map")
     if samples.ndim != 2 or samples.shape[0] != d or tuple(map_t.shape) != (d,):
@@ -68,9 +66,7 @@ def read_posterior(
             f"saved samples have shape {tuple(samples.shape)} and the MAP {tuple(map_t.shape)}, but "
             f"the subset selects d={d} entries"
         )
-    alpha = file.tensor("prior_alpha")
-    if bool((alpha <= 0).any()):
-        raise file.error("tensor 'prior_alpha' has non-positive prior precisions")
+    alpha = file.tensor("prior_alpha")  # Prior refuses non-positive precisions
     try:
         post = cls(
             model,

@@ -23,7 +23,7 @@ from partialbayes.linear_sampling._ops import (
     default_batch_size,
 )
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior
-from partialbayes.predictive.internal import check_finite
+from partialbayes.predictive.internal import check_finite, check_labels
 
 
 def linearised_logit_samples(
@@ -150,16 +150,11 @@ def linearised_targets(
     n, m = features.n, features.m
     if tuple(logits.shape) != (n, m):
         raise ValueError(f"logits have shape {tuple(logits.shape)}, expected (n, m) = ({n}, {m})")
-    if labels.shape != (n,) or labels.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"labels must be [n={n}] ints, got {labels.dtype} {tuple(labels.shape)}")
+    labels = check_labels("labels", labels, n, m).long()
     check_finite(logits, "logits have non-finite entries")
     if theta.shape != (features.d,) or not bool(torch.isfinite(theta).all()):
         raise ValueError(
             f"theta must be a finite [d] = [{features.d}] tensor, got shape {tuple(theta.shape)}"
-        )
-    if int(labels.min()) < 0 or int(labels.max()) >= m:
-        raise ValueError(
-            f"labels must lie in 0..{m - 1}, got range {int(labels.min())}..{int(labels.max())}"
         )
     if noise.value.ndim < 2:
         raise ValueError("noise must be a softmax Hessian (softmax_hessian)")

@@ -229,13 +229,13 @@ def read_batches(
             length = out.shape[1] if out.ndim == 3 else 1
             parts.append(_Part(b.inputs, n, rows, length))
             logits.append(out[rows])
-    if not total:
-        raise ValueError("batches is empty")
     skipped = total - len(parts)
-    if not parts:
+    if not parts:  # none usable: no batch, or only unlabelled ones
         raise ValueError(
             f"every batch ({skipped} of {total}) has no labelled outputs (labels -100, or attention "
             "mask 0): nothing to fit"
+            if total
+            else "batches is empty"
         )
     if skipped:
         warnings.warn(

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from partialbayes.predictive.internal import check_finite, check_number, check_tensor
+from partialbayes.predictive.internal import check_finite, check_number, check_tensor, check_type
 
 
 @dataclass(frozen=True)
@@ -171,12 +171,11 @@ class Prior:
         if not bool(torch.isfinite(a).all() & (a > 0).all()):
             raise ValueError(f"prior precision alpha must be positive and finite, got {a.tolist()}")
         g = self.groups
-        if g is not None and not isinstance(g, Tensor):
-            raise TypeError(f"groups must be a [d] integer tensor or None, got {type(g).__name__}")
         if g is None:
             if a.ndim == 1 and a.shape[0] != 1:
                 raise ValueError(f"alpha has {a.shape[0]} groups but no groups tensor was given")
             return
+        check_type("groups", g, Tensor, "a [d] integer tensor or None")
         if g.ndim != 1 or g.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"groups must be a [d] integer tensor, got {g.dtype} {tuple(g.shape)}")
         n_groups = 1 if a.ndim == 0 else a.shape[0]
