@@ -320,8 +320,7 @@ class LaplaceBase(ABC):
         """Structure: ``(module, stored structure, floats)`` per module."""
 
     def _accumulate(self, curvature: Any, previous: Any, n_data: int) -> Any:
-        """Structure: this episode's curvature (a routine's result) plus ``previous``'s, in that form."""
-        raise NotImplementedError
+        """Structure: this episode's curvature plus ``previous``'s (only if overridden: `_check_previous`)."""
 
     def _quad(self, delta: Mapping[str, Tensor], prior: Tensor, scale: Tensor | float) -> Tensor:
         """Structure: ``Δᵀ P Δ`` for ``Δ = {param name: [k]}`` (differentiable in ``Δ`` and the prior)."""

@@ -43,7 +43,7 @@ def _check_in(name: str, value: Any, interval: str) -> None:
     raise ValueError(f"{name} must {rule}, got {value!r}")
 
 
-# Inline type checks: check_int / check_number / check_bool run on every hot path (one call fewer each).
+# Inline type checks: check_int / check_number run on every hot path (one call fewer each).
 def check_int(name: str, value: object, interval: str = "[1, inf)") -> int:
     """An integer (``int``, NumPy's; not a ``bool``) in ``interval``, as an ``int``: else ``TypeError`` / ``ValueError``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -62,9 +62,7 @@ def check_number(name: str, value: object, interval: str = "(0, inf)") -> float:
 
 def check_bool(name: str, value: object) -> bool:
     """A ``bool``, else a ``TypeError`` naming ``name``."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    return value
+    return check_type(name, value, bool, "a bool")
 
 
 @contextlib.contextmanager
@@ -171,12 +169,8 @@ def check_tensor(
 
 def check_generator(generator: object, name: str = "generator") -> torch.Generator | None:
     """``None`` or a ``torch.Generator``, else a ``TypeError`` naming ``name`` (a seed is not a generator)."""
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(
-            f"{name} must be a torch.Generator or None, got {type(generator).__name__} "
-            f"{generator!r} (for a seed s pass torch.Generator().manual_seed(s))"
-        )
-    return generator
+    hint = "a torch.Generator or None (for a seed s pass torch.Generator().manual_seed(s))"
+    return check_type(name, generator, (torch.Generator, type(None)), hint)
 
 
 def check_same_device(**tensors: Tensor) -> None:
