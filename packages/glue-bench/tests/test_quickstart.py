@@ -163,7 +163,7 @@ def test_negative_split_is_refused_before_any_work(capsys, tmp_path):
     from partialbayes.glue_bench.cli import main
 
     assert main(["quickstart", "--split", "-1", "--results", str(tmp_path / "q")]) == 2
-    assert "--split must be >= 0, got -1" in capsys.readouterr().err
+    assert "--split must be an int >= 0, got -1" in capsys.readouterr().err
     assert not (tmp_path / "q").exists()
 
 

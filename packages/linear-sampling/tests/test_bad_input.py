@@ -115,13 +115,15 @@ def test_init_of_the_wrong_shape_names_the_expected_one(shape):
 
 def test_init_bad_values():
     feats, y = small()
-    with pytest.raises(ValueError, match="init has non-finite"):
+    with pytest.raises(ValueError, match="init contains 1 NaN or infinite"):
         posterior_mean(
             feats, y, NoisePrecision(1.0), Prior(1.0), init=torch.tensor([0.0, math.nan, 0.0])
         )
     with pytest.raises(TypeError, match="init must be a floating tensor"):
         posterior_mean(feats, y, NoisePrecision(1.0), Prior(1.0), init=torch.zeros(3, dtype=int))
-    with pytest.raises(TypeError, match="init must be a tensor"):
+    with pytest.raises(
+        TypeError, match=r"init must be a floating tensor of shape \[3\] or None, got list"
+    ):
         posterior_mean(feats, y, NoisePrecision(1.0), Prior(1.0), init=[0.0, 0.0, 0.0])
     ok = posterior_mean(feats, y, NoisePrecision(1.0), Prior(1.0), init=torch.zeros(3, 1))
     assert ok.info.converged  # [d, 1] is accepted

@@ -96,7 +96,7 @@ def test_model_logits_reads_hf_style_outputs():
         def forward(self, x):
             return "no logits"
 
-    with pytest.raises(TypeError, match="no logits tensor"):
+    with pytest.raises(TypeError, match="the model output must be a logits tensor"):
         model_logits(Text(), x)
 
 

@@ -162,7 +162,7 @@ def test_validation_errors_name_the_culprit():
         Subset.from_model(model, {"fc2.weight": MaskBlock(torch.ones(2, 2, dtype=torch.bool))})
     with pytest.raises(ValueError, match="selects no entries"):
         Subset.from_model(model, {"fc2.weight": MaskBlock(torch.zeros(3, 4, dtype=torch.bool))})
-    with pytest.raises(ValueError, match="empty rows"):
+    with pytest.raises(ValueError, match="has empty rows"):
         Subset.from_model(model, {"fc2.weight": KronBlock([], None)})
     with pytest.raises(TypeError, match="KronBlock or MaskBlock"):
         Subset.from_model(model, {"fc2.weight": [0, 1]})

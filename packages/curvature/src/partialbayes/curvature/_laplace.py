@@ -35,6 +35,7 @@ from partialbayes.predictive.internal import (
     check_int,
     check_number,
     check_target_ids,
+    check_type,
     eval_mode,
     gaussian_draws,
     gaussian_mc,
@@ -320,7 +321,8 @@ class LaplaceBase(ABC):
         """Structure: ``(module, stored structure, floats)`` per module."""
 
     def _accumulate(self, curvature: Any, previous: Any, n_data: int) -> Any:
-        """Structure: this episode's curvature plus ``previous``'s (only if overridden: `_check_previous`)."""
+        """Structure: this episode's curvature (a routine's result) plus ``previous``'s, in that form."""
+        raise NotImplementedError
 
     def _quad(self, delta: Mapping[str, Tensor], prior: Tensor, scale: Tensor | float) -> Tensor:
         """Structure: ``Δᵀ P Δ`` for ``Δ = {param name: [k]}`` (differentiable in ``Δ`` and the prior)."""
@@ -416,10 +418,7 @@ class LaplaceBase(ABC):
             raise TypeError(
                 f"{type(self).__name__} does not take a previous posterior (DiagLaplace and KronLaplace do)"
             )
-        if type(previous) is not type(self):
-            raise TypeError(
-                f"previous must be a fitted {type(self).__name__}, got {type(previous).__name__}"
-            )
+        check_type("previous", previous, type(self), f"a fitted {type(self).__name__}")
         previous._require_fit()
         mine = (self.subset, self.likelihood, self.temperature, self.sigma_noise)
         theirs = (previous.subset, previous.likelihood, previous.temperature, previous.sigma_noise)

@@ -49,12 +49,13 @@ class Outputs:
 
     def keep(self, logits: Tensor) -> Tensor | None:
         """``[B, T]`` kept positions of token-level logits (``None`` for ``[B, C]``)."""
+        if self.shift and (logits.ndim == 2 or self.likelihood == "regression"):
+            raise ValueError(
+                "shift_labels=True is for token-level logits [B, T, C] (causal language models) and "
+                f"needs likelihood='classification'; the model returns logits of shape "
+                f"{tuple(logits.shape)}, likelihood={self.likelihood!r}: pass shift_labels=False"
+            )
         if logits.ndim == 2:
-            if self.shift:
-                raise ValueError(
-                    "shift_labels=True is for token-level logits [B, T, C] (causal language models); "
-                    f"the model returns logits of shape {tuple(logits.shape)}: pass shift_labels=False"
-                )
             return None
         if logits.ndim != 3:
             raise ValueError(
@@ -62,10 +63,6 @@ class Outputs:
                 f"(one per token position), got {tuple(logits.shape)}"
             )
         if self.likelihood == "regression":
-            if self.shift:
-                raise ValueError(
-                    "shift_labels=True (next-token prediction) needs likelihood='classification'"
-                )
             if self.attention_mask is None:
                 raise ValueError(
                     f"token-level regression outputs of shape {tuple(logits.shape)} need an "

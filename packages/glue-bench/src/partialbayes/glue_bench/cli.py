@@ -35,6 +35,7 @@ from partialbayes.glue_bench.store import grid_units, iter_records, parse_shard
 from partialbayes.glue_bench.tables import BUDGET_TOLERANCE, col, markdown
 from partialbayes.glue_bench.train import OPTIMIZERS, TrainConfig
 from partialbayes.glue_bench.uci import PROTOCOLS, SIGMA_RULES, UCI_METHODS, UCIProtocol
+from partialbayes.predictive.internal import check_int
 
 # `glue-bench run` without --methods: the two cheap baselines of each task kind (UCI has no temperature
 # scaling, a classification method; last-layer Laplace is its cheapest calibrated alternative).
@@ -415,8 +416,7 @@ def choose_threads() -> str:
 
 def cmd_quickstart(args: argparse.Namespace) -> int:
     """``glue-bench quickstart``: fine-tune on a subsample, compare four methods, print, plot and read."""
-    if args.split < 0:
-        raise ValueError(f"--split must be >= 0, got {args.split}")
+    check_int("--split", args.split, "[0, inf)")
     folder = args.glue_dir or default_glue_dir()
     if folder is None or not (Path(folder) / task_spec(args.task).folder).is_dir():
         print(glue_missing_message(args.task, folder), file=sys.stderr)

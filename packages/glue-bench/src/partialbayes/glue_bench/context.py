@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,13 +52,21 @@ def prior_edge(chosen: float, grid: Sequence[float]) -> str | None:
     return "lowest" if chosen == min(grid) else "highest" if chosen == max(grid) else None
 
 
-def check_numbers(name: str, values: Any, interval: str = "(0, inf)") -> tuple[float, ...]:
-    """A non-empty sequence of distinct numbers in ``interval``, as floats, or an error naming ``name``."""
+def check_numbers(
+    name: str,
+    values: Any,
+    interval: str = "(0, inf)",
+    check: Callable = check_number,
+    least: int = 1,
+) -> tuple[Any, ...]:
+    """``least`` or more distinct numbers in ``interval`` (each through ``check``), or an error naming ``name``."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise TypeError(f"{name} must be a sequence of numbers, got {values!r}")
-    out = tuple(check_number(name, v, interval) for v in values)
-    if not out:
-        raise ValueError(f"{name} is empty")
+    out = tuple(check(name, v, interval) for v in values)
+    if len(out) < least:
+        raise ValueError(
+            f"{name} needs at least {least} values, got {out}" if out else f"{name} is empty"
+        )
     if len(set(out)) != len(out):
         raise ValueError(f"{name} has repeated values: {list(values)}")
     return out
@@ -106,13 +114,11 @@ class Settings:
         check_fields(self)
         for key in ("prior_grid", "swag_lrs", "skfac_percents", "swag_l1_percents"):
             interval = "(0, 100]" if key.endswith("percents") else "(0, inf)"
-            setattr(self, key, check_numbers(f"Settings.{key}", getattr(self, key), interval))
-        if len(self.prior_grid) < 2:
-            raise ValueError(f"Settings.prior_grid needs at least 2 values, got {self.prior_grid}")
+            least = 2 if key == "prior_grid" else 1  # a grid search needs a choice
+            value = check_numbers(f"Settings.{key}", getattr(self, key), interval, least=least)
+            setattr(self, key, value)
         counts = self.module_counts
-        if isinstance(counts, (str, bytes)) or not isinstance(counts, Sequence) or not counts:
-            raise TypeError(f"Settings.module_counts must be a non-empty sequence, got {counts!r}")
-        self.module_counts = tuple(check_int("Settings.module_counts", k) for k in counts)
+        self.module_counts = check_numbers("Settings.module_counts", counts, "[1, inf)", check_int)
         check_type("Settings.linear_sampling", self.linear_sampling, LinearSamplingConfig)
 
     def to_dict(self) -> dict[str, Any]:

@@ -84,9 +84,7 @@ def read_glue_tsv(path: str | Path, spec: TaskSpec) -> Examples:
 
     Errors (missing file, column, field or an unknown label) name the file and line.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GLUE file not found: {path}")
+    path = Path(path)  # a missing file: open's FileNotFoundError names it
     label_index = {label: i for i, label in enumerate(spec.labels)}
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
     texts: list[tuple[str, ...]] = []

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from partialbayes.predictive.internal import check_int, check_known, check_number
+from partialbayes.predictive.internal import check_int, check_known, check_number, prefixed
 
 UCI_DATASETS: dict[str, str] = {"boston": "bostonHousing", "energy": "energy", "yacht": "yacht"}
 
@@ -46,30 +46,20 @@ def uci_folder(name: str, uci_dir: str | Path | None = None) -> Path:
     return Path(uci_dir) / UCI_DATASETS[name] / "data"
 
 
-def _read(path: Path) -> str:
-    if not path.is_file():
-        raise FileNotFoundError(f"UCI file not found: {path}")
-    return path.read_text()
-
-
 def _read_ints(path: Path) -> list[int]:
-    return [int(float(t)) for t in _read(path).split()]
+    return [int(float(t)) for t in path.read_text().split()]
 
 
 def read_uci_matrix(path: Path) -> torch.Tensor:
     """``data.txt`` as a (rows, columns) float64 tensor; a ragged row or a non-number raises, naming the line."""
     rows: list[list[float]] = []
-    for line_no, line in enumerate(_read(path).splitlines(), start=1):
+    for line_no, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
-        try:
+        with prefixed(f"{path}: line {line_no}"):  # not a number, or a ragged row
             values = [float(t) for t in line.split()]
-        except ValueError as err:
-            raise ValueError(f"{path}: line {line_no}: not a number ({err})") from None
-        if rows and len(values) != len(rows[0]):
-            raise ValueError(
-                f"{path}: line {line_no}: {len(values)} columns, expected {len(rows[0])}"
-            )
+            if rows and len(values) != len(rows[0]):
+                raise ValueError(f"{len(values)} columns, expected {len(rows[0])}")
         rows.append(values)
     return torch.tensor(rows, dtype=torch.float64)
 

@@ -146,8 +146,7 @@ def map_checkpoint(
         own.update(finetune_cpu_seconds=float(summary["cpu_seconds"]))
         resume.unlink(missing_ok=True)
     loaded = load_checkpoint(model, folder)
-    if loaded is None:  # pragma: no cover - save_checkpoint either published or found a checkpoint
-        raise RuntimeError(f"checkpoint {folder} vanished after it was published")
+    assert loaded is not None, "save_checkpoint either published a checkpoint or found one"
     return {**loaded[0], **own}, loaded[1]
 
 

@@ -25,7 +25,7 @@ from partialbayes.glue_bench.data_uci import UCI_DATASETS, UCISplit, load_uci
 from partialbayes.glue_bench.methods import Method
 from partialbayes.glue_bench.models import MLP
 from partialbayes.glue_bench.store import Cell, ResultStore, grid_units, json_ready
-from partialbayes.predictive.internal import check_choice, check_known
+from partialbayes.predictive.internal import check_choice, check_finite, check_known
 from partialbayes.selection import Subset
 from partialbayes.swag import collect_swag
 
@@ -233,8 +233,7 @@ def gaussian_metrics(
     var = var.clamp_min(1e-12)
     rmse = float(((mean - y) ** 2).mean().sqrt()) * y_std
     nll = float(_nll(mean, var, y)) + math.log(y_std)
-    if not (math.isfinite(rmse) and math.isfinite(nll)):
-        raise ValueError("non-finite UCI metrics")
+    check_finite(torch.tensor([rmse, nll]), f"non-finite UCI metrics (RMSE {rmse}, NLL {nll})")
     return {"rmse": rmse, "nll": nll}
 
 

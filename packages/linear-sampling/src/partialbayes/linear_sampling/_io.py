@@ -67,7 +67,7 @@ def read_posterior(
             f"the subset selects d={d} entries"
         )
     alpha = file.tensor("prior_alpha")  # Prior refuses non-positive precisions
-    try:
+    with file.reraised("the saved settings are invalid"):
         post = cls(
             model,
             subset,
@@ -77,11 +77,7 @@ def read_posterior(
             jitter=meta["jitter"],
         )
         info = meta["info"]
-        post.info = (
-            None if info is None else SolveInfo(info["method"], info["steps"], info["converged"])
-        )
-    except (ValueError, TypeError, KeyError) as err:
-        raise file.error(f"the saved settings are invalid ({err!r})") from err
+        post.info = None if info is None else SolveInfo(**info)
     here = network_parameters(model, subset)
     post.samples = samples.to(here.device, torch.promote_types(here.dtype, torch.float32))
     post._map = map_t.to(here.device, here.dtype)

@@ -22,6 +22,7 @@ from partialbayes.predictive.internal import (
     IGNORE_INDEX,
     Batch,
     check_int,
+    check_type,
     output_logits,
     prefixed,
     split_batch,
@@ -118,8 +119,7 @@ class _Operators:
                 out = self.get(functional_call(self.model, p, (), dict(inputs)))
             else:
                 out = self.get(functional_call(self.model, p, (inputs,)))
-            if not isinstance(out, Tensor):
-                raise TypeError(f"output_fn must return a tensor, got {type(out).__name__}")
+            check_type("output_fn's result", out, Tensor, "a tensor")
             out = out.unsqueeze(1) if out.ndim == 1 else out
             return out if rows is None else out[rows]
 

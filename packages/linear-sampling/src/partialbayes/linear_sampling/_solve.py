@@ -24,9 +24,9 @@ from partialbayes.linear_sampling._sgd import SGDConfig, SolveInfo, sgd_minimise
 from partialbayes.linear_sampling._svrg import svrg_minimise
 from partialbayes.predictive.internal import (
     check_choice,
-    check_finite,
     check_generator,
     check_int,
+    check_tensor,
     check_type,
 )
 
@@ -183,15 +183,11 @@ def posterior_mean(
 def _initial_mean(features: Features, init: Tensor | None) -> Tensor | None:
     if init is None:
         return None
-    if not isinstance(init, Tensor):
-        raise TypeError(f"init must be a tensor of shape [{features.d}] or None, got {init!r}")
+    check_tensor("init", init, what=f"a floating tensor of shape [{features.d}] or None")
     if tuple(init.shape) not in ((features.d,), (features.d, 1)):
         raise ValueError(
             f"init has shape {tuple(init.shape)} but the features expect [d] = [{features.d}]"
         )
-    if not init.dtype.is_floating_point:
-        raise TypeError(f"init must be a floating tensor, got dtype {init.dtype}")
-    check_finite(init, "init has non-finite entries")
     return init.reshape(features.d, 1).to(device=features.device, dtype=features.dtype)
 
 

@@ -115,8 +115,7 @@ def split_batch(batch: Any, *, device: torch.device | str | None = None) -> Batc
             "empty batch: the inputs hold 0 examples (drop empty batches before handing them over)"
         )
     mask = inputs.get("attention_mask") if isinstance(inputs, dict) else None
-    if mask is not None and not isinstance(mask, Tensor):
-        raise TypeError(f"attention_mask must be a tensor, got {type(mask).__name__}")
+    check_type("attention_mask", mask, (Tensor, type(None)), "a tensor")
     return Batch(inputs=inputs, labels=labels, attention_mask=mask)
 
 
@@ -165,9 +164,8 @@ def output_logits(output: Any) -> Tensor:
     logits = getattr(output, "logits", output)
     if isinstance(logits, (tuple, list)) and logits:
         logits = logits[0]
-    if not isinstance(logits, Tensor):
-        raise TypeError(f"model output has no logits tensor: got {type(output).__name__}")
-    return logits
+    hint = "a logits tensor (or hold one: .logits, or a tuple's first element)"
+    return check_type("the model output", logits, Tensor, hint)
 
 
 def model_logits(model: nn.Module, inputs: Tensor | Mapping[str, Any]) -> Tensor:

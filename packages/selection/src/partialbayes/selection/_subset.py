@@ -70,10 +70,17 @@ def _check_block(name: str, block: Any, info: _ParamInfo) -> None:
                 f"MaskBlock for {name!r} has shape {tuple(block.mask.shape)}, the parameter has "
                 f"storage shape {tuple(shape)}"
             )
-        if not bool(block.mask.any()):
-            raise ValueError(f"MaskBlock for {name!r} selects no entries; leave the parameter out")
+        empty = "" if bool(block.mask.any()) else "selects no entries"
+    else:
+        check_type(f"block for {name!r}", block, KronBlock, "a KronBlock or MaskBlock")
+        given = {w: getattr(block, w) for w in ("rows", "cols")}
+        empty = next(
+            (f"has empty {w}" for w, i in given.items() if i is not None and not i.numel()), ""
+        )
+    if empty:
+        raise ValueError(f"{type(block).__name__} for {name!r} {empty}; leave the parameter out")
+    if isinstance(block, MaskBlock):
         return
-    check_type(f"block for {name!r}", block, KronBlock, "a KronBlock or MaskBlock")
     if len(shape) == 1:
         if block.cols is not None:
             raise ValueError(f"KronBlock for 1-D {name!r} (e.g. a bias) must have cols=None")
@@ -92,11 +99,7 @@ def _check_block(name: str, block: Any, info: _ParamInfo) -> None:
         return
     for what, limit in limits.items():
         idx = getattr(block, what)
-        if idx is None:
-            continue
-        if idx.numel() == 0:
-            raise ValueError(f"KronBlock for {name!r} has empty {what}; leave the parameter out")
-        if int(idx.max()) >= limit:
+        if idx is not None and int(idx.max()) >= limit:
             raise ValueError(
                 f"KronBlock {what} for {name!r} contains index {int(idx.max())}, out of range for "
                 f"size {limit} (logical shape n_out x n_in)"
@@ -531,10 +534,11 @@ class Subset:
             data = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"text is not valid JSON: {err}") from err
-        if not isinstance(data, dict) or data.get("format") != _FORMAT:
-            raise ValueError(f"JSON is not a {_FORMAT} (missing or wrong 'format' field)")
-        if data.get("version") != _VERSION:
-            raise ValueError(f"unsupported Subset JSON version {data.get('version')!r}")
+        got = (data.get("format"), data.get("version")) if isinstance(data, dict) else None
+        if got != (_FORMAT, _VERSION):
+            raise ValueError(
+                f"JSON is not a {_FORMAT} of version {_VERSION} ('format', 'version': {got})"
+            )
         if "blocks" not in data:
             raise ValueError("Subset JSON has no 'blocks' key")
         raw = check_type("Subset JSON 'blocks'", data["blocks"], dict, "an object {name: block}")
@@ -544,10 +548,7 @@ class Subset:
 
 def check_subset(subset: object, empty_ok: bool = True) -> Subset:
     """``subset`` itself if it is a `Subset` (non-empty unless ``empty_ok``), else a ``TypeError`` / ``ValueError``."""
-    if not isinstance(subset, Subset):
-        raise TypeError(
-            f"subset must be a partialbayes.selection.Subset, got {type(subset).__name__}"
-        )
+    check_type("subset", subset, Subset, "a partialbayes.selection.Subset")
     if not (empty_ok or subset.names):
         raise ValueError("subset is empty: select at least one parameter")
     return subset
