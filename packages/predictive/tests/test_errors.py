@@ -100,9 +100,13 @@ def test_other_argument_checks():
         gaussian_nll(torch.zeros(2), 1.0, torch.zeros(3))
     with pytest.raises(ValueError, match="both classes"):
         auroc(torch.randn(4), torch.ones(4, dtype=torch.bool))
-    with pytest.raises(ValueError, match="only 0 and 1"):
+    with pytest.raises(ValueError, match=r"positives must lie in \[0, 2\); got values in \[0, 2\]"):
         auroc(torch.randn(3), torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="scores contains"):
         auroc(torch.tensor([0.0, math.nan]), torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match=r"shape \[N\]"):
+    with pytest.raises(ValueError, match=r"positives must have shape \[3\], got \(2,\)"):
         auroc(torch.randn(3), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"positives must have shape \[3\]"):  # bool ones too
+        auroc(torch.randn(3), torch.tensor([True, False]))
+    with pytest.raises(ValueError, match=r"scores must have shape \[N\]"):
+        auroc(torch.randn(3, 1), torch.tensor([0, 1, 1]))

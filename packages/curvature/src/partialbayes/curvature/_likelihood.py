@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from partialbayes.predictive.internal import (
     check_bool,
     check_choice,
+    check_dtype,
     check_finite,
     check_int,
     check_likelihood,
@@ -73,9 +74,6 @@ FISHERS: dict[str, Fisher] = {
     ),
 }
 
-#: The dtypes curvature is accumulated and stored in (what the factors and ``eigh`` support).
-DTYPES = (torch.float32, torch.float64)
-
 
 @dataclass(frozen=True)
 class CurvatureOptions:
@@ -113,8 +111,7 @@ class CurvatureOptions:
         object.__setattr__(self, "sigma_noise", check_likelihood(self.likelihood, self.sigma_noise))
         check_choice("fisher", self.fisher, FISHERS)
         check_int("mc_samples", self.mc_samples)
-        if self.dtype not in DTYPES:
-            raise TypeError(f"dtype must be torch.float32 or torch.float64, got {self.dtype!r}")
+        check_dtype("dtype", self.dtype)
         if self.num_classes is not None:
             check_int("num_classes", self.num_classes)
         check_bool("shift_labels", self.shift_labels)

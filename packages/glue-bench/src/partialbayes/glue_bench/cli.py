@@ -52,9 +52,7 @@ MAX_SPLITS = 1000
 
 def parse_splits(text: str, limit: int = MAX_SPLITS) -> list[int]:
     """``"0-4"`` -> [0, 1, 2, 3, 4]; ``"0,2"`` -> [0, 2]; every split below ``limit`` (checked before expanding)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("--splits: empty (use e.g. 0-4 or 0,2)")
-    out: set[int] = set()
+    out: set[int] = set()  # an empty text is one part that cannot be parsed
     for part in text.split(","):
         m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
         if not m:

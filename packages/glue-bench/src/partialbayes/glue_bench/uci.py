@@ -333,13 +333,14 @@ def _swag(ctx: UCIContext, subset: Subset) -> _Pred:
     choose = p.sigma in ("val", "evidence")
     best: tuple[float, _Pred] | None = None
     options = {"n_steps": p.swag_steps, "loss_fn": loss_fn, "progress": False}
+    errors = []
     for lr in p.swag_lrs:
         try:
             swag = collect_swag(ctx.model, subset, batches, lr=lr, **options)
         except ValueError as err:  # a learning rate that diverges is not a candidate
-            if len(p.swag_lrs) == 1:
-                raise
-            warnings.warn(f"SWAG lr {lr:g} left out: {err}", stacklevel=2)
+            errors.append(f"lr {lr:g}: {err}")
+            if len(p.swag_lrs) > 1:
+                warnings.warn(f"SWAG lr {lr:g} left out: {err}", stacklevel=2)
             continue
         gen, outs = torch.Generator().manual_seed(ctx.seed), []
         x_all = torch.cat([data.x_test, *([data.x_val] if ctx.has_val else [])]).float()
@@ -359,7 +360,7 @@ def _swag(ctx: UCIContext, subset: Subset) -> _Pred:
         if best is None or score < best[0]:
             best = (score, pred)
     if best is None:
-        raise ValueError(f"SWAG diverged at every learning rate {list(p.swag_lrs)}")
+        raise ValueError(f"SWAG diverged at every learning rate ({'; '.join(errors)})")
     return best[1]
 
 

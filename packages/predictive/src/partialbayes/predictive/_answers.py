@@ -14,11 +14,11 @@ def check_target_ids(target_ids: Sequence[int] | Tensor, num_outputs: int) -> Te
     """``target_ids`` as an ``int64`` tensor ``[K]`` of distinct indices in ``[0, num_outputs)``."""
     try:
         ids = torch.as_tensor(target_ids)
-    except (TypeError, ValueError, RuntimeError) as err:
-        raise TypeError(f"target_ids must be integer token ids, got {target_ids!r}") from err
-    if ids.ndim != 1 or ids.numel() == 0:
+    except (TypeError, ValueError, RuntimeError):  # not numbers: refused below
+        ids = None
+    if ids is not None and (ids.ndim != 1 or ids.numel() == 0):
         raise ValueError(f"target_ids must be a non-empty 1-D list of ids, got {target_ids!r}")
-    if ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.is_complex():
+    if ids is None or ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.is_complex():
         raise TypeError(f"target_ids must be integer token ids, got {target_ids!r}")
     bad = ids[(ids < 0) | (ids >= num_outputs)]
     if bad.numel():

@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from partialbayes.predictive._validate import check_same_device, check_tensor, check_type
+from partialbayes.predictive._validate import (
+    check_labels,
+    check_same_device,
+    check_tensor,
+    check_type,
+)
 
 
 def auroc(scores: Tensor, positives: Tensor) -> Tensor:
@@ -21,17 +26,10 @@ def auroc(scores: Tensor, positives: Tensor) -> Tensor:
     s = check_tensor("scores", scores)
     check_type("positives", positives, Tensor, "a torch.Tensor")
     check_same_device(scores=s, positives=positives)
-    if s.ndim != 1 or positives.shape != s.shape:
-        raise ValueError(
-            f"scores and positives must both have shape [N], got {tuple(s.shape)} and "
-            f"{tuple(positives.shape)}"
-        )
-    if positives.dtype != torch.bool:
-        if positives.is_floating_point() or positives.is_complex():
-            raise TypeError(f"positives must be bool or integer, got dtype {positives.dtype}")
-        if bool(((positives != 0) & (positives != 1)).any()):
-            raise ValueError("positives must contain only 0 and 1")
-        positives = positives.bool()
+    if s.ndim != 1:
+        raise ValueError(f"scores must have shape [N], got {tuple(s.shape)}")
+    pos = positives.long() if positives.dtype == torch.bool else positives  # bool or integer 0 / 1
+    positives = check_labels("positives", pos, s.shape[0], 2).bool()
     n_pos = int(positives.sum())
     n_neg = s.numel() - n_pos
     if n_pos == 0 or n_neg == 0:

@@ -70,10 +70,10 @@ def entropy(log_probs: Tensor, dim: int = -1) -> Tensor:
     return -torch.where(p > 0, p * log_probs, torch.zeros_like(p)).sum(dim)
 
 
-def _check_samples(name: str, samples: Tensor) -> Tensor:
+def _check_samples(name: str, samples: Tensor, shape: str = "[S, ..., C]", ndim: int = 2) -> Tensor:
     x = check_tensor(name, samples)
-    if x.ndim < 2 or x.shape[0] < 1:
-        raise ValueError(f"{name} must have shape [S, ..., C] with S >= 1, got {tuple(x.shape)}")
+    if x.ndim < ndim or x.shape[0] < 1:
+        raise ValueError(f"{name} must have shape {shape} with S >= 1, got {tuple(x.shape)}")
     return x
 
 
@@ -112,9 +112,7 @@ def decompose_regression(
     ``aleatoric = mean_s v_s``, ``epistemic = mean_s (m_s − m̄)²``. ``mean_samples`` are ``[S, ...]``;
     ``var_samples`` anything broadcastable to them (e.g. a float), or ``None`` for zero.
     """
-    m = check_tensor("mean_samples", mean_samples)
-    if m.ndim < 1 or m.shape[0] < 1:
-        raise ValueError(f"mean_samples must have shape [S, ...], got {tuple(m.shape)}")
+    m = _check_samples("mean_samples", mean_samples, "[S, ...]", 1)
     if var_samples is None:
         var_samples = 0.0
     if not isinstance(var_samples, Tensor):

@@ -45,15 +45,17 @@ def fit_temperature(
     # mean(mean_c z_c − z_y), is non-negative (optimum at β ≤ 0, i.e. T = ∞ or negative).
     z_y = z64.gather(1, y[:, None])
     others = z64.scatter(1, y[:, None], -torch.inf)
-    if bool((others.amax(1, keepdim=True) < z_y).all()):
+    separable = bool((others.amax(1, keepdim=True) < z_y).all())
+    if separable or float((z64.mean(1, keepdim=True) - z_y).mean()) >= 0:
         raise ValueError(
-            "temperature scaling has no finite optimum: every validation example is classified "
-            "correctly (separable logits), so the NLL keeps falling as T -> 0"
-        )
-    if float((z64.mean(1, keepdim=True) - z_y).mean()) >= 0:
-        raise ValueError(
-            "temperature scaling has no finite optimum: the logits carry no information about "
-            "the labels (the NLL decreases as T -> infinity)"
+            "temperature scaling has no finite optimum: "
+            + (
+                "every validation example is classified correctly (separable logits), so the NLL "
+                "keeps falling as T -> 0"
+                if separable
+                else "the logits carry no information about the labels (the NLL decreases as "
+                "T -> infinity)"
+            )
         )
     log_t = torch.tensor(float(torch.tensor(init).log()), dtype=torch.float64, device=z.device)
     log_t.requires_grad_(True)

@@ -173,6 +173,13 @@ def check_generator(generator: object, name: str = "generator") -> torch.Generat
     return check_type(name, generator, (torch.Generator, type(None)), hint)
 
 
+def check_dtype(name: str, dtype: object, why: str = "") -> torch.dtype:
+    """``torch.float32`` or ``torch.float64`` (what curvature and moments are kept in), else a ``TypeError``."""
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"{name} must be torch.float32 or torch.float64{why}, got {dtype!r}")
+    return dtype  # type: ignore[return-value]
+
+
 def check_same_device(**tensors: Tensor) -> None:
     """Check that every tensor lives on one device."""
     devices = {name: t.device for name, t in tensors.items()}

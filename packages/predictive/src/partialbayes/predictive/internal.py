@@ -33,6 +33,7 @@ from partialbayes.predictive._posterior import (
 from partialbayes.predictive._validate import (
     check_bool,
     check_choice,
+    check_dtype,
     check_fields,
     check_finite,
     check_generator,
@@ -59,6 +60,7 @@ __all__ = [
     "batch_size",
     "check_bool",
     "check_choice",
+    "check_dtype",
     "check_fields",
     "check_finite",
     "check_generator",

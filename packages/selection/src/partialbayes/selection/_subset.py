@@ -151,8 +151,7 @@ class Subset:
         return tuple(self._blocks)
 
     def _get(self, name: str) -> Block:
-        if not isinstance(name, str):  # inline: on every posterior's hot path
-            raise TypeError(f"parameter name must be a string, got {type(name).__name__}")
+        check_type("parameter name", name, str, "a string")
         if name not in self._blocks:
             where = "model" if name not in self._info else "subset"
             raise KeyError(f"parameter {name!r} is not in the {where}{_close(name, self._blocks)}")

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from partialbayes.predictive import sampled_logits, sampled_predict
 from partialbayes.predictive.internal import (
+    check_dtype,
     check_generator,
     check_int,
     check_likelihood,
@@ -97,11 +98,7 @@ class SWAG:
         first = params[self.layout.names[0]]
         if dtype is None:  # half-precision models keep float32 moments (squares overflow float16)
             dtype = torch.promote_types(first.dtype, torch.float32)
-        if dtype not in (torch.float32, torch.float64):
-            raise TypeError(
-                f"dtype must be torch.float32 or torch.float64 (the moments' dtype), got {dtype!r}"
-            )
-        self.dtype = dtype
+        self.dtype = check_dtype("dtype", dtype, " (the moments' dtype)")
         self.device = first.device
         self.layout = self.layout.to(self.device)
         self.max_rank = max_rank

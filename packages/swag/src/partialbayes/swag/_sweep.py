@@ -29,6 +29,7 @@ from partialbayes.swag._train import (
     Batch,
     LossFn,
     NonFiniteLossError,
+    _labelled,
     check_snapshots,
     collect_swag,
     has_labelled_outputs,
@@ -50,9 +51,7 @@ def _per_example_log_probs(
     for i, batch in enumerate(batches):
         seen += 1
         with prefixed(f"validation batch {i}"):
-            b = split_batch(batch, device=device)
-            if b.labels is None:
-                raise ValueError("it has no labels under 'labels' or 'label'")
+            b = _labelled(batch, device)
         if not has_labelled_outputs(b.labels):
             skipped += 1
             continue

@@ -107,8 +107,8 @@ def skipped_warning(what: str, skipped: int, total: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------- losses
-def _labelled(batch: Batch) -> Any:
-    b = split_batch(batch)
+def _labelled(batch: Batch, device: torch.device | None = None) -> Any:
+    b = split_batch(batch, device=device)
     if b.labels is None:
         keys = f" (keys: {sorted(map(str, batch))})" if isinstance(batch, Mapping) else ""
         raise ValueError(f"batch has no labels under 'labels' or 'label'{keys}")
