@@ -294,8 +294,12 @@ def test_precision_wrong_types():
             Prior(value)
     with pytest.raises(TypeError, match="groups must be"):
         Prior(torch.ones(2, dtype=F64), [0, 1])
-    with pytest.raises(ValueError, match="groups must be a"):
+    with pytest.raises(TypeError, match="groups must be an integer tensor"):
         Prior(torch.ones(2, dtype=F64), torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match=r"groups must lie in \[0, 2\); got values in \[0, 2\]"):
+        Prior(torch.ones(2, dtype=F64), torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match=r"groups must have shape \[2\], got \(1, 2\)"):
+        Prior(torch.ones(2, dtype=F64), torch.tensor([[0, 1]]))
     with pytest.raises(TypeError, match="logits must be a floating tensor"):
         softmax_hessian(torch.zeros(3, 2, dtype=torch.int64))
     with pytest.raises(ValueError, match="jitter"):

@@ -48,7 +48,7 @@ def test_non_positive_prior_precision(alpha):
 
 
 def test_prior_groups_out_of_range():
-    with pytest.raises(ValueError, match=r"values in 0\.\.1"):
+    with pytest.raises(ValueError, match=r"groups must lie in \[0, 2\); got values in \[0, 2\]"):
         Prior(torch.ones(2, dtype=F64), torch.tensor([0, 2, 1]))
 
 

@@ -17,6 +17,7 @@ from partialbayes.predictive import gaussian_nll, nll
 from partialbayes.predictive.internal import (
     check_bool,
     check_int,
+    check_keys,
     check_number,
     eval_mode,
     probit_kernel,
@@ -33,14 +34,8 @@ def prior_vector(
 ) -> Tensor:
     """``[len(modules)]`` prior precisions from a scalar, a ``[M]`` tensor or ``{module: δ}``."""
     n = len(modules)
-    if isinstance(spec, Mapping):
-        unknown = sorted(set(spec) - set(modules))
-        missing = [m for m in modules if m not in spec]
-        if unknown or missing:
-            raise ValueError(
-                f"prior_precision must name every module: unknown modules {unknown}, misses {missing}; "
-                f"known: {list(modules)}"
-            )
+    if isinstance(spec, Mapping):  # every module, named once
+        check_keys(f"prior_precision (modules {list(modules)})", spec, modules, modules, "modules")
         vec = torch.stack(
             [torch.as_tensor(spec[m], dtype=dtype, device=device).reshape(()) for m in modules]
         )

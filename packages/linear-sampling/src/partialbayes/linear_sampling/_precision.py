@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from partialbayes.predictive.internal import check_finite, check_number, check_tensor, check_type
+from partialbayes.predictive.internal import check_finite, check_labels, check_number, check_tensor
 
 
 @dataclass(frozen=True)
@@ -175,15 +175,9 @@ class Prior:
             if a.ndim == 1 and a.shape[0] != 1:
                 raise ValueError(f"alpha has {a.shape[0]} groups but no groups tensor was given")
             return
-        check_type("groups", g, Tensor, "a [d] integer tensor or None")
-        if g.ndim != 1 or g.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"groups must be a [d] integer tensor, got {g.dtype} {tuple(g.shape)}")
-        n_groups = 1 if a.ndim == 0 else a.shape[0]
-        if g.numel() and (int(g.min()) < 0 or int(g.max()) >= n_groups):
-            raise ValueError(
-                f"groups must take values in 0..{n_groups - 1} (alpha has {n_groups} entries), "
-                f"got range {int(g.min())}..{int(g.max())}"
-            )
+        n_groups = 1 if a.ndim == 0 else a.shape[0]  # groups index alpha: [d] ints in [0, G)
+        d = g.numel() if isinstance(g, Tensor) else 0
+        object.__setattr__(self, "groups", check_labels("groups", g, d, n_groups).long())
 
     @property
     def n_groups(self) -> int:

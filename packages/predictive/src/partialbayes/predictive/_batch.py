@@ -41,14 +41,13 @@ def _to(value: Any, device: torch.device | None) -> Any:
 
 
 def _mapping_inputs(
-    batch: Mapping[str, Any], device: torch.device | None
+    batch: Mapping[str, Any], device: torch.device | None, paired: bool = False
 ) -> tuple[dict[str, Any], Any]:
     labels = None
     found = [k for k in LABEL_KEYS if k in batch]
-    if len(found) > 1:
-        raise ValueError(
-            f"batch carries labels under both {found}: keep one of them so the labels are unambiguous"
-        )
+    if len(found) + paired > 1:  # labels given twice (``paired``: also as a pair's second element)
+        where = f"both {found}" if len(found) > 1 else f"{found[0]!r} and as the pair's labels"
+        raise ValueError(f"batch carries labels under {where}: give them once")
     if found:
         labels = batch[found[0]]
     inputs = {str(k): _to(v, device) for k, v in batch.items() if k not in LABEL_KEYS}
@@ -78,11 +77,7 @@ def split_batch(batch: Any, *, device: torch.device | str | None = None) -> Batc
     elif isinstance(batch, (tuple, list)) and len(batch) == 2:
         first, labels = batch
         if isinstance(first, Mapping):
-            inputs, inner = _mapping_inputs(first, dev)
-            if inner is not None:
-                raise ValueError(
-                    "batch is a pair (inputs, labels) whose inputs also carry labels: give them once"
-                )
+            inputs, _ = _mapping_inputs(first, dev, paired=True)
         elif isinstance(first, Tensor):
             inputs = _to(first, dev)
         else:

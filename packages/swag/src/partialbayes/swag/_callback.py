@@ -68,17 +68,16 @@ class SWAGCallback(TrainerEvents):
             ValueError: Before training, or with fewer snapshots than sampling needs (2, or 1 for
                 ``diagonal_only=True``).
         """
-        if self._swag is None:
+        if self.n_snapshots < self._needed:  # also before any training run (0 snapshots)
             raise ValueError(
                 "SWAGCallback has not seen a training run: pass it to Trainer(callbacks=[...]) and call "
                 "trainer.train() first"
+                if self._swag is None
+                else f"SWAGCallback collected {self.n_snapshots} snapshot(s) (start_step="
+                f"{self.start_step}, every={self.every}); the SWAG posterior needs at least "
+                f"{self._needed}: lower start_step or every, or train for more steps"
             )
-        if self.n_snapshots < self._needed:
-            raise ValueError(
-                f"SWAGCallback collected {self.n_snapshots} snapshot(s) (start_step={self.start_step}, "
-                f"every={self.every}); the SWAG posterior needs at least {self._needed}: lower "
-                "start_step or every, or train for more steps"
-            )
+        assert self._swag is not None
         return self._swag
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
