@@ -276,7 +276,7 @@ def test_bad_lists_are_refused_by_name():
         kfac(model, data, [])
     with pytest.raises(TypeError, match="subset must be a list of Subset, got dict"):
         kfac(model, data, {"a": s})
-    with pytest.raises(TypeError, match=r"subset\[1\] is a str, not a Subset"):
+    with pytest.raises(TypeError, match=r"subset\[1\] must be a Subset, got str"):
         kfac(model, data, [s, "not a subset"])
     with pytest.raises(TypeError, match="subsets must be a list"):
         KronLaplace.fit_many(model, s, data)
@@ -291,7 +291,7 @@ def test_bad_lists_are_refused_by_name():
     other = KronLaplace(wide_bert(1), sparse_kfac(wide_bert(1), 10.0))
     with pytest.raises(ValueError, match="posteriors is an empty list"):
         logit_mean_cov_many([], data[0])
-    with pytest.raises(TypeError, match=r"posteriors\[1\] is a str, not a LaplaceBase"):
+    with pytest.raises(TypeError, match=r"posteriors\[1\] must be a LaplaceBase, got str"):
         logit_mean_cov_many([la, "la"], data[0])
     with pytest.raises(TypeError, match="posteriors must be a list"):
         grid_val_nll_many(la, data, torch.ones(1))

@@ -29,6 +29,7 @@ from partialbayes.curvature._prior import (
 from partialbayes.predictive import laplace_bridge
 from partialbayes.predictive.internal import (
     PosteriorFile,
+    answer_only,
     check_choice,
     check_finite,
     check_generator,
@@ -994,9 +995,7 @@ def _linearised(
     if chunk_size is not None:
         check_int("chunk_size", chunk_size)
     ids = None
-    if target_ids is not None:
-        if first.likelihood == "regression":
-            raise ValueError("target_ids selects answer tokens of a classifier; not for regression")
+    if answer_only(target_ids, first.likelihood == "regression"):
         ids = check_target_ids(target_ids, first.n_outputs).to(first.device)
     inputs, outputs = first._read(batch, labels or ids is not None, ids)
     if outputs.unlabelled:

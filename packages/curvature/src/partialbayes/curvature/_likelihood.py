@@ -128,8 +128,7 @@ def check_list(items: Any, what: str, kind: type) -> list[Any]:
     if not items:
         raise ValueError(f"{what} is an empty list: pass at least one {kind.__name__}")
     for i, item in enumerate(items):
-        if not isinstance(item, kind):
-            raise TypeError(f"{what}[{i}] is a {type(item).__name__}, not a {kind.__name__}")
+        check_type(f"{what}[{i}]", item, kind, f"a {kind.__name__}")
         if getattr(item, "names", True) == ():  # an empty Subset: say which
             raise ValueError(f"{what}[{i}] is empty: select at least one parameter")
     return list(items)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from partialbayes.predictive.internal import check_int, check_known
+from partialbayes.predictive.internal import check_int, check_keys, check_known
 
 DATA_ENV = "PARTIALBAYES_DATA"
 
@@ -95,9 +95,9 @@ def read_glue_tsv(path: str | Path, spec: TaskSpec) -> Examples:
             header = next(reader)
         except StopIteration:
             raise ValueError(f"{path}: empty file, expected a header line") from None
-        missing = [c for c in (*spec.text_columns, spec.label_column) if c not in header]
-        if missing:
-            raise ValueError(f"{path}: line 1: header {header} lacks column(s) {missing}")
+        check_keys(
+            f"{path}: line 1: header {header}", header, (*spec.text_columns, spec.label_column)
+        )
         text_pos = [header.index(c) for c in spec.text_columns]
         label_pos = header.index(spec.label_column)
         for row in reader:

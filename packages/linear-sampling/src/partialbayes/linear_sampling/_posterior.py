@@ -24,6 +24,7 @@ from partialbayes.linear_sampling._solve import posterior_samples
 from partialbayes.predictive import is_causal_lm, probit
 from partialbayes.predictive.internal import (
     answer_index,
+    answer_only,
     check_int,
     check_likelihood,
     check_number,
@@ -249,11 +250,7 @@ class SampledLaplace:
         with eval_mode(self.model):
             f = ops.forward(b.inputs)
             numel, rows = f.numel(), None
-            if target_ids is not None:
-                if self.likelihood == "regression":
-                    raise ValueError(
-                        "target_ids selects answer tokens of a classifier; not for regression"
-                    )
+            if answer_only(target_ids, self.likelihood == "regression"):
                 causal = is_causal_lm(self.model)
                 kw = {"labels": b.labels, "attention_mask": b.attention_mask, "causal_lm": causal}
                 rows = answer_index(f, target_ids, **kw)

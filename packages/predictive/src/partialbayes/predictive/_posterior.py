@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from partialbayes.predictive._answers import answer_logits
+from partialbayes.predictive._answers import answer_logits, answer_only
 from partialbayes.predictive._batch import is_causal_lm, model_logits, split_batch
 from partialbayes.predictive._stream import mc_predict, mc_predict_regression
 from partialbayes.predictive._validate import check_choice, check_int, check_number, check_type
@@ -278,8 +278,7 @@ def sampled_predict(
         ValueError: ``target_ids`` with ``regression``, or repeated / out-of-range ``target_ids``.
     """
     check_int("n", n)
-    if regression and target_ids is not None:
-        raise ValueError("target_ids selects answer tokens of a classifier; not for regression")
+    answer_only(target_ids, regression)
     model = posterior.model
     forward = _forward(model, batch, target_ids, causal_lm)
     ctx = _contexts(posterior, generator, sample_ctx)

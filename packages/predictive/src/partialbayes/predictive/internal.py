@@ -1,6 +1,6 @@
 """Plumbing the sibling packages share: no compatibility promise, not part of the API reference."""
 
-from partialbayes.predictive._answers import answer_index, check_target_ids
+from partialbayes.predictive._answers import answer_index, answer_only, check_target_ids
 from partialbayes.predictive._batch import (
     IGNORE_INDEX,
     Batch,
@@ -56,6 +56,7 @@ __all__ = [
     "PosteriorFile",
     "TrainerEvents",
     "answer_index",
+    "answer_only",
     "available_memory",
     "batch_size",
     "check_bool",

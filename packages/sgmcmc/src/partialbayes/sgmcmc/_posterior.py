@@ -92,13 +92,14 @@ class SampledPosterior:
         Raises:
             ValueError: If ``posteriors`` is empty or they differ in model, subset or likelihood.
         """
-        if not posteriors:
-            raise ValueError("concat needs at least one posterior")
+        kinds = [(p.model, p.subset, p.likelihood, p.sigma_noise) for p in posteriors]
+        if not kinds or any(k != kinds[0] for k in kinds):  # none, or of other models / subsets
+            raise ValueError(
+                "concat: posteriors differ in model, subset or likelihood"
+                if kinds
+                else "concat needs at least one posterior"
+            )
         first = posteriors[0]
-        for p in posteriors[1:]:
-            same = (p.model, p.subset, p.likelihood, p.sigma_noise)
-            if same != (first.model, first.subset, first.likelihood, first.sigma_noise):
-                raise ValueError("concat: posteriors differ in model, subset or likelihood")
         samples = {n: torch.cat([p.samples[n] for p in posteriors]) for n in first.samples}
         options = {"likelihood": first.likelihood, "sigma_noise": first.sigma_noise}
         return cls(first.model, first.subset, samples, **options)

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from partialbayes.predictive.internal import (
     IGNORE_INDEX,
     check_int,
+    check_labels,
     check_number,
     flatten_outputs,
     gradients_only,
@@ -64,22 +65,13 @@ def check_class_labels(logits: Tensor, labels: Tensor) -> Tensor:
 
     Checked first, as torch raises a bare ``IndexError`` on CPU and a process-poisoning assert on CUDA.
     """
-    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        raise TypeError(f"labels must be integer class indices, got dtype {labels.dtype}")
-    n_classes = logits.shape[-1]
     if labels.numel() != logits[..., 0].numel():
         raise ValueError(
             f"labels have shape {tuple(labels.shape)} but the logits {tuple(logits.shape)} need "
             f"{tuple(logits.shape[:-1])}"
         )
-    kept = labels[labels != IGNORE_INDEX]
-    if kept.numel():
-        lo, hi = int(kept.min()), int(kept.max())
-        if lo < 0 or hi >= n_classes:
-            raise ValueError(
-                f"labels must lie in [0, {n_classes}) (or be {IGNORE_INDEX} to ignore a position), "
-                f"got values in [{lo}, {hi}]"
-            )
+    kept = labels[labels != IGNORE_INDEX]  # integer class indices, each in [0, C)
+    check_labels(f"labels (other than {IGNORE_INDEX})", kept, kept.numel(), logits.shape[-1])
     return labels
 
 
