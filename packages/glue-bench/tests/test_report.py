@@ -98,7 +98,7 @@ def test_budget_table_chooses_by_validation_nll_within_the_budget():
 
 @pytest.mark.parametrize("target", [-1.0, 101.0, float("nan")])
 def test_budget_table_rejects_bad_target(target):
-    with pytest.raises(ValueError, match="target must be a percentage"):
+    with pytest.raises(ValueError, match=r"target must lie in \[0, 100\]"):
         budget_table([], target=target)
     with pytest.raises(ValueError, match="tolerance must be"):
         budget_table([], target=10.0, tolerance=-0.1)
