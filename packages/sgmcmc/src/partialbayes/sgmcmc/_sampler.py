@@ -130,8 +130,7 @@ class SGMCMC(torch.optim.Optimizer):
                 loss = closure()
         group = self.param_groups[0]
         lr, mu, temp, params = group["lr"], group["momentum"], group["temperature"], group["params"]
-        if not lr > 0:
-            raise ValueError(f"lr must be > 0 at every step, got {lr} at step {self.steps + 1}")
+        check_number(f"lr (step {self.steps + 1})", lr)  # a scheduler may have changed it
         n, theta, g, norms = self.num_data, [], [], []
         for name, p, i in zip(self.names, params, self._index, strict=True):
             if p.grad is None:
