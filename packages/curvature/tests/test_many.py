@@ -227,6 +227,42 @@ def test_low_rank_factors_and_answer_only_predictives_equal_each_alone(seed, fis
         assert torch.equal(cov, cov1)
 
 
+def test_shared_blocks_are_accumulated_decomposed_and_projected_once(device, monkeypatch):
+    """Overlapping module subsets: each distinct block costs once; a posterior at another prior its own."""
+    import partialbayes.curvature._kfac as kfac_module
+    import partialbayes.curvature._laplace_projected as projected
+
+    model = wide_bert(2).to(device)
+    data = on(device, batches(2))
+    maps = list(linear_modules(model))
+    subsets = [modules(model, maps[:3]), modules(model, maps[1:4]), modules(model, maps)]
+    adds, terms = [], []
+    add, contributions = kfac_module.FactorAccumulator.add, projected._contributions
+    monkeypatch.setattr(kfac_module.FactorAccumulator, "add", lambda *a: adds.append(1) or add(*a))
+    monkeypatch.setattr(
+        projected, "_contributions", lambda *a: terms.append(a[1]) or contributions(*a)
+    )
+    posts = KronLaplace.fit_many(model, subsets, data)
+    assert len(adds) == len(maps) * len(data)
+    assert posts[0]._eig[maps[1]] is posts[1]._eig[maps[1]] is posts[2]._eig[maps[1]]
+    grid = torch.tensor([0.5, 5.0], dtype=torch.float64)
+    nll = grid_val_nll_many(posts, data, grid)
+    assert sorted(terms) == sorted(maps * len(data))
+    posts[1].prior_precision = 3.0
+    terms.clear()
+    many = logit_mean_cov_many(posts, data[0])
+    assert sorted(terms) == sorted(
+        maps + maps[1:4]
+    )  # posts[0] and posts[2] share; posts[1] has its own
+    for s, la, (f, cov), row in zip(subsets, posts, many, nll, strict=True):
+        alone = KronLaplace(model, s).fit(data)
+        alone.prior_precision = la.prior_precision
+        f1, cov1 = alone.logit_mean_cov(data[0])
+        assert torch.equal(f, f1)
+        assert torch.equal(cov, cov1)
+        assert torch.equal(row, alone.grid_val_nll(data, grid))
+
+
 def test_fit_many_checks_the_memory_of_all_its_subsets_first():
     """Each subset fits alone in ``max_memory``; all their factors at once do not: refused before allocating."""
     model = wide_bert(0)

@@ -265,6 +265,12 @@ def kfac(
     return factors[0] if isinstance(subset, Subset) else factors
 
 
+def block_key(m: str, t: KronTargets) -> tuple[str, tuple[int, ...] | None, tuple[int, ...] | None]:
+    """Module ``m``'s block in ``t``: subsets asking for the same map, rows and columns share its factors."""
+    r, c = t.rows[m], t.cols[m]
+    return m, None if r is None else tuple(r.tolist()), None if c is None else tuple(c.tolist())
+
+
 def kron_factors(
     model: nn.Module,
     loader: Iterable[Any],
@@ -272,23 +278,25 @@ def kron_factors(
     options: CurvatureOptions,
     run: Run,
 ) -> list[dict[str, ModuleFactors]]:
-    """`kfac`'s pass: each map's ``x`` and ``δ`` recorded once, each subset accumulating alone."""
+    """`kfac`'s pass: each map's ``x`` and ``δ`` recorded once, each distinct block accumulated once.
+
+    Subsets with the same block (map, rows, columns) get the same `ModuleFactors` object.
+    """
     modules = {m: mod for t in targets for m, mod in t.modules.items()}
     device = model_device(model)
-    accs = [
-        {
-            m: FactorAccumulator(
-                k.n_rows,
-                k.n_cols,
-                options.dtype,
-                device,
-                options.max_rank,
-                bias=k.bias_name is not None and options.bias == "fold",
-            )
-            for m, k in t.kmods.items()
-        }
-        for t in targets
-    ]
+    keys = [{m: block_key(m, t) for m in t.kmods} for t in targets]
+    blocks = {key: (t, m) for t, ks in zip(targets, keys, strict=True) for m, key in ks.items()}
+    accs = {
+        key: FactorAccumulator(
+            t.kmods[m].n_rows,
+            t.kmods[m].n_cols,
+            options.dtype,
+            device,
+            options.max_rank,
+            bias=t.kmods[m].bias_name is not None and options.bias == "fold",
+        )
+        for key, (t, m) in blocks.items()
+    }
     n_examples = 0
     sharing = options.sharing
     with fail_together(device):
@@ -304,7 +312,7 @@ def kron_factors(
                     "sequence. Pass sharing='expand' (or leave sharing=None)"
                 )
             n_examples += bp.n_examples
-            deltas: list[dict[str, list[Tensor]]] = [{m: [] for m in t.kmods} for t in targets]
+            deltas: dict[tuple, list[Tensor]] = {key: [] for key in blocks}
             energy: dict[str, Tensor] = {}  # token-level: the largest ‖δ_t‖² over the passes
             for grads in bp.passes:
                 for m, d in grads.items():
@@ -312,11 +320,11 @@ def kron_factors(
                     if token_level and tm is not None:
                         e = d.square().sum(-1)  # full rows, before an S-KFAC gather
                         energy[m] = torch.maximum(energy[m], e) if m in energy else e
-                    for t, rows in zip(targets, deltas, strict=True):
-                        if m in rows:
+                    for key, (t, bm) in blocks.items():
+                        if bm == m:
                             r = t.rows[m]
                             dr = d if r is None else d.index_select(-1, r)
-                            rows[m].append(shared_rows(dr, tm, sharing, mean=False))
+                            deltas[key].append(shared_rows(dr, tm, sharing, mean=False))
             masks = dict(bp.token_masks)
             for m, tm in masks.items():
                 if m in energy and tm is not None:  # G is unchanged: δ ≈ 0 where this drops
@@ -325,23 +333,22 @@ def kron_factors(
                 if tm is not None and sharing == "reduce" and bool((tm.sum(1) == 0).any()):
                     raise ValueError(f"batch {bp.index}: an example has no unmasked token")
             checks: list[tuple[str, Tensor]] = []
-            for t, rows, acc in zip(targets, deltas, accs, strict=True):
-                for m in t.kmods:
-                    x, c, tm = bp.inputs[m], t.cols[m], masks[m]
-                    if c is not None:
-                        x = x.index_select(-1, c)
-                    xr = shared_rows(x, tm, sharing, mean=True)
-                    dd = rows[m][0] if len(rows[m]) == 1 else torch.cat(rows[m])
-                    ones = torch.ones_like(x[..., :1])  # the folded bias's input column
-                    w = shared_rows(ones, tm, sharing, mean=True) if acc[m].bias else None
-                    acc[m].add(xr, row_count(x, tm, sharing), dd, w)
-                    checks.append((m, xr.sum() + dd.sum()))
+            for key, (t, m) in blocks.items():
+                x, c, tm, acc = bp.inputs[m], t.cols[m], masks[m], accs[key]
+                if c is not None:
+                    x = x.index_select(-1, c)
+                xr = shared_rows(x, tm, sharing, mean=True)
+                dd = deltas[key][0] if len(deltas[key]) == 1 else torch.cat(deltas[key])
+                ones = torch.ones_like(x[..., :1])  # the folded bias's input column
+                w = shared_rows(ones, tm, sharing, mean=True) if acc.bias else None
+                acc.add(xr, row_count(x, tm, sharing), dd, w)
+                checks.append((m, xr.sum() + dd.sum()))
             # finite rows give finite factors (overflow is caught on the totals below)
             if not bool(torch.isfinite(torch.stack([v for _, v in checks]).sum())):
                 bad = next(m for m, v in checks if not v.isfinite())
                 raise ValueError(f"non-finite curvature in module {bad!r} at batch {bp.index}")
     n_examples = round(float(all_reduce(torch.tensor(float(n_examples), device=device))))
-    return [
-        {m: acc[m].result(m, k, n_examples, sharing) for m, k in t.kmods.items()}
-        for t, acc in zip(targets, accs, strict=True)
-    ]
+    done = {
+        key: accs[key].result(m, t.kmods[m], n_examples, sharing) for key, (t, m) in blocks.items()
+    }
+    return [{m: done[key] for m, key in ks.items()} for ks in keys]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, ClassVar
@@ -11,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from partialbayes.curvature._hooks import Run
-from partialbayes.curvature._kfac import kron_factors, kron_targets
+from partialbayes.curvature._kfac import block_key, kron_factors, kron_targets
 from partialbayes.curvature._laplace import LaplaceBase, MapLoss
 from partialbayes.curvature._laplace_projected import KronBlocks, kron_predictive
 from partialbayes.curvature._likelihood import CurvatureOptions, check_list
@@ -78,6 +79,10 @@ class KronLaplace(LaplaceBase):
         self.predictive_rtol = check_number("predictive_rtol", predictive_rtol, "[0, 1)")
         self._eig: dict[str, tuple[LowRankFactor, LowRankFactor]] = {}  # (G, A) per module
         self._memo: tuple[Any, KronBlocks] | None = None  # the last `_blocks` (one per prior grid)
+        # per module: its ``1/E`` stacks by priors, shared with the posteriors of one `fit_many` that hold
+        # the same block; and `fit_many`'s ``{id(factors): (factors, (G, A), stacks)}`` while it fits
+        self._stacks: dict[str, weakref.WeakValueDictionary[Any, Tensor]] = {}
+        self._fit_memo: dict[int, Any] | None = None
         super().__init__(model, subset, **kwargs)
         self._options: CurvatureOptions = replace(
             self._options, sharing=sharing, bias=bias, max_rank=max_rank
@@ -185,8 +190,11 @@ class KronLaplace(LaplaceBase):
 
         Equals ``[KronLaplace(model, s, **kwargs).fit(loader, progress=..., generator=...) for s in subsets]``
         bit for bit (`kfac` with a list of subsets); ``kwargs`` are the constructor settings shared by every
-        posterior. Memory: every subset's factor sums during the pass, then one eigendecomposition at a time;
-        checked against ``max_memory`` (or the free memory) before the first batch's backward passes.
+        posterior. A block (map, rows, columns) that several subsets hold is accumulated and eigendecomposed
+        once, and its share of a predictive is computed once per prior (`logit_mean_cov_many`,
+        `grid_val_nll_many`): module ramps that reuse maps cost about what their union costs. Memory: the
+        distinct blocks' factor sums during the pass, then one eigendecomposition at a time; checked against
+        ``max_memory`` (or the free memory) before the first batch's backward passes.
 
         Returns:
             The fitted posteriors, in the order of ``subsets``.
@@ -201,18 +209,22 @@ class KronLaplace(LaplaceBase):
         loss = MapLoss(first.likelihood)
         run = Run(check_generator(generator), progress, loss)
 
-        def preflight(f: Tensor, keep: Tensor | None, mask: Tensor | None) -> None:
-            ests = [p._estimate(f, keep, mask, 0) for p in posteriors]
-            factors, eigen = sum(e.factors for e in ests), sum(e.eigen for e in ests)
-            fit = max(e.fit_batch for e in ests)
-            replace(ests[0], factors=factors, eigen=eigen, fit_batch=fit).check(first.max_memory)
-
-        run.preflight = preflight
-        factors = kron_factors(model, loader, [p._targets for p in posteriors], first._options, run)
+        targets = [p._targets for p in posteriors]
+        blocks = {block_key(m, t): k for t in targets for m, k in t.kmods.items()}
+        kmods = {f"{key[0]} ({i})": k for i, (key, k) in enumerate(blocks.items())}
+        run.preflight = lambda f, keep, mask: kron_estimate(
+            kmods, f, keep, mask, first._options, 0
+        ).check(first.max_memory)
+        factors = kron_factors(model, loader, targets, first._options, run)
         total, n, n_out = loss.result(first.device)
         run.finish(model)
+        memo: dict[int, Any] = {}
         for p in posteriors:
-            p.fit_curvature(factors.pop(0), map_loss=total, n_data=n, n_outputs=n_out)
+            p._fit_memo = memo
+            try:
+                p.fit_curvature(factors.pop(0), map_loss=total, n_data=n, n_outputs=n_out)
+            finally:
+                p._fit_memo = None
         return posteriors
 
     def _set_curvature(self, curvature: Mapping[str, Any]) -> None:
@@ -221,8 +233,13 @@ class KronLaplace(LaplaceBase):
         extra = [m for m in curvature if m not in self.modules]
         if missing or extra:
             raise ValueError(f"factors do not match the subset: missing {missing}, unknown {extra}")
-        eig = {}
+        eig, stacks, memo = {}, {}, self._fit_memo
         for m in self.modules:
+            if (
+                memo is not None and id(curvature[m]) in memo
+            ):  # checked and decomposed for another subset
+                _, eig[m], stacks[m] = memo[id(curvature[m])]
+                continue
             separate, sides = self._separate(m), self._sides(m)
             G, A = curvature[m].G, curvature[m].A
             A_bias = getattr(curvature[m], "A_bias", None)
@@ -246,7 +263,9 @@ class KronLaplace(LaplaceBase):
                 )
                 if A_bias is not None:  # separate (checked above)
                     a = _with_separate_bias(a, A_bias.to(a.U))
-            eig[m] = (g, a)
+            eig[m], stacks[m] = (g, a), weakref.WeakValueDictionary()
+            if memo is not None:
+                memo[id(curvature[m])] = (curvature[m], eig[m], stacks[m])
         shared = {str(s) for m in self.modules if (s := getattr(curvature[m], "sharing", None))}
         if len(shared) > 1 or (self.sharing is not None and shared - {self.sharing}):
             raise ValueError(
@@ -255,7 +274,7 @@ class KronLaplace(LaplaceBase):
             )
         if self.sharing is None and shared:
             self._options = replace(self._options, sharing=shared.pop())
-        self._eig = eig
+        self._eig, self._stacks = eig, stacks
 
     def _factor(self, f: Tensor | LowRankFactor, n: int, what: str) -> LowRankFactor:
         """A factor as stored (eigenpairs, at most ``max_rank``), in the posterior's dtype and device."""
@@ -375,13 +394,17 @@ class KronLaplace(LaplaceBase):
         lowrank = {m: (g, a) for m, (g, a) in self._eig.items() if not (g.full and a.full)}
         exact = self.predictive_rtol == 0
         cut = {m: slice(None) if m in lowrank else slice(None, -1) for m in self.modules}
-        stacked = {  # [r, c, n_priors], contiguous: for `stacked_covariances`
-            m: torch.stack(
-                [self._eigenvalues(i, m, pr, scale)[cut[m], cut[m]] for pr in priors], -1
-            ).reciprocal_()
-            for i, m in enumerate(self.modules)
-            if exact or m in lowrank
-        }
+        stacked = {}  # [r, c, n_priors], contiguous: for `stacked_covariances`
+        for i, m in enumerate(self.modules):
+            if exact or m in lowrank:
+                stacks = self._stacks.get(m, {})
+                at = (tuple(float(pr[i]) for pr in priors), key[1], str(key[3]))
+                stacked[m] = stacks.get(at)
+                if stacked[m] is None:
+                    stacked[m] = torch.stack(
+                        [self._eigenvalues(i, m, pr, scale)[cut[m], cut[m]] for pr in priors], -1
+                    ).reciprocal_()
+                    stacks[at] = stacked[m]
         inv = [{m: st[..., p] for m, st in stacked.items()} for p in range(len(priors))]
         f64 = torch.float64
         bases = {m: (g.U, a.U) for m, (g, a) in self._eig.items()}
@@ -436,7 +459,7 @@ class KronLaplace(LaplaceBase):
             if self._separate(m):
                 a = _with_separate_bias(a, read("eig_a", None)[-1:].reshape(1, 1))
             eig[m] = (g, a)
-        self._eig = eig
+        self._eig, self._stacks = eig, {}
 
     def _summary_rows(self) -> list[tuple[str, str, int]]:
         rows = []

@@ -221,15 +221,24 @@ def kron_predictive(
             ]
             for m in names:
                 x_u, d_u = ps.inputs[m], torch.stack(pg.grads.pop(m))  # d: [K, B, (T...,) r]
+                done: dict[
+                    int, list[Tensor]
+                ] = {}  # parts sharing a block's ``1/E`` share its terms
                 for i in users[m]:
-                    c, r = where[i][m]
-                    x = x_u if c is None else x_u.index_select(-1, c)
-                    d = d_u if r is None else d_u.index_select(-1, r)
-                    terms = _contributions(parts[i], m, x, d, b)
+                    stacked = parts[i].stacked
+                    key = id(stacked[m]) if stacked is not None and m in stacked else None
+                    terms = done.get(key) if key is not None else None
+                    if terms is None:
+                        c, r = where[i][m]
+                        x = x_u if c is None else x_u.index_select(-1, c)
+                        d = d_u if r is None else d_u.index_select(-1, r)
+                        terms = _contributions(parts[i], m, x, d, b)
+                        del x, d
+                        if key is not None:
+                            done[key] = terms
                     for cov, term in zip(covs[i], terms, strict=True):
                         cov += term
-                    del x, d, terms
-                del x_u, d_u
+                del x_u, d_u, done
             for per_prior, now in zip(results, covs, strict=True):
                 for rows_so_far, cov in zip(per_prior, now, strict=True):
                     rows_so_far.append(cov.index_select(0, pg.examples))

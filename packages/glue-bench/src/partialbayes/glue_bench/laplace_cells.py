@@ -5,7 +5,7 @@ training, validation and test sets; the KFAC-type cells of a (task, split) can s
 (``"shared"``, :func:`shared_predictions`: ``KronLaplace.fit_many``, ``grid_val_nll_many``,
 ``logit_mean_cov_many``, each bit for bit the single-posterior call). Both paths use :func:`kron_options`,
 :func:`choose_prior` and :func:`laplace_result`, so the records are equal; :func:`groups_of` keeps a group's
-eigenbases and MAP entries below :data:`MEMORY_FLOATS`.
+eigenbases (a block that several cells hold once) and MAP entries below :data:`MEMORY_FLOATS`.
 """
 
 from __future__ import annotations
@@ -117,27 +117,35 @@ def kron_prediction(ctx: Context, cell: KronCell) -> Prediction:
     return laplace_prediction(ctx, la, cell.skfac_percent)
 
 
-def floats_of(cell: KronCell) -> int:
-    """Floats a cell's posterior holds: its Kronecker eigenbases (``num_floats``) and its MAP entries."""
-    total = cell.subset.num_entries()
-    for km in cell.subset.kron_modules().values():
+def blocks_of(cell: KronCell) -> dict[tuple[str, bytes, bytes], int]:
+    """The floats of each Kronecker eigenbasis of a cell, by block (map, rows, columns)."""
+    out = {}
+    for m, km in cell.subset.kron_modules().items():
         r, c = km.n_rows, km.n_cols + (km.bias_name is not None)
-        total += r * r + r + c * c + c
-    return total
+        key = tuple(b"" if t is None else t.cpu().numpy().tobytes() for t in (km.rows, km.cols))
+        out[(m, *key)] = r * r + r + c * c + c
+    return out
 
 
 def groups_of(cells: Sequence[KronCell], memory_floats: int = MEMORY_FLOATS) -> list[list[int]]:
-    """Consecutive groups of cell indices whose floats sum to at most ``memory_floats`` (at least one)."""
+    """Consecutive groups of cell indices whose floats fit ``memory_floats`` (at least one cell a group).
+
+    A cell's floats: its MAP entries and its blocks' eigenbases, a block that an earlier cell of the group
+    holds counting once (``KronLaplace.fit_many`` shares it).
+    """
     out: list[list[int]] = []
-    used = 0  # floats of the last group
+    used, seen = 0, set()  # floats and blocks of the last group
     for i, cell in enumerate(cells):
-        need = floats_of(cell)
+        blocks = blocks_of(cell)
+        need = cell.subset.num_entries() + sum(v for k, v in blocks.items() if k not in seen)
         if out and used + need <= memory_floats:
             out[-1].append(i)
             used += need
+            seen.update(blocks)
         else:
             out.append([i])
-            used = need
+            used = cell.subset.num_entries() + sum(blocks.values())
+            seen = set(blocks)
     return out
 
 
