@@ -228,7 +228,7 @@ def test_low_rank_factors_and_answer_only_predictives_equal_each_alone(seed, fis
 
 
 def test_shared_blocks_are_accumulated_decomposed_and_projected_once(device, monkeypatch):
-    """Overlapping module subsets: each distinct block costs once; a posterior at another prior its own."""
+    """Overlapping module subsets: each distinct block is accumulated, decomposed and projected once."""
     import partialbayes.curvature._kfac as kfac_module
     import partialbayes.curvature._laplace_projected as projected
 
@@ -237,23 +237,24 @@ def test_shared_blocks_are_accumulated_decomposed_and_projected_once(device, mon
     maps = list(linear_modules(model))
     subsets = [modules(model, maps[:3]), modules(model, maps[1:4]), modules(model, maps)]
     adds, terms = [], []
-    add, contributions = kfac_module.FactorAccumulator.add, projected._contributions
+    add, project = kfac_module.FactorAccumulator.add, projected.shared_covariances
     monkeypatch.setattr(kfac_module.FactorAccumulator, "add", lambda *a: adds.append(1) or add(*a))
     monkeypatch.setattr(
-        projected, "_contributions", lambda *a: terms.append(a[1]) or contributions(*a)
+        projected, "shared_covariances", lambda *a, **k: terms.append(id(a[2])) or project(*a, **k)
     )
     posts = KronLaplace.fit_many(model, subsets, data)
     assert len(adds) == len(maps) * len(data)
     assert posts[0]._eig[maps[1]] is posts[1]._eig[maps[1]] is posts[2]._eig[maps[1]]
+    bases = {id(la._eig[m][0].U) for la in posts for m in la.modules}
+    assert len(bases) == len(maps)
     grid = torch.tensor([0.5, 5.0], dtype=torch.float64)
     nll = grid_val_nll_many(posts, data, grid)
-    assert sorted(terms) == sorted(maps * len(data))
-    posts[1].prior_precision = 3.0
+    seq = set(terms)  # the blocks read per token (the pooler and classifier: once per sequence)
+    assert seq <= bases and len(seq) == len(maps) - 2 and len(terms) == len(seq) * len(data)
+    posts[1].prior_precision = 3.0  # another prior: the blocks' tokens and M are still formed once
     terms.clear()
     many = logit_mean_cov_many(posts, data[0])
-    assert sorted(terms) == sorted(
-        maps + maps[1:4]
-    )  # posts[0] and posts[2] share; posts[1] has its own
+    assert len(terms) == len(seq) and set(terms) == seq
     for s, la, (f, cov), row in zip(subsets, posts, many, nll, strict=True):
         alone = KronLaplace(model, s).fit(data)
         alone.prior_precision = la.prior_precision

@@ -68,11 +68,16 @@ def shared_covariances(
     inv_eigenvalues: Sequence[Tensor],
     dtype: torch.dtype,
     stacked: Tensor | None = None,
+    each: bool = False,
 ) -> list[Tensor]:
-    """``J Σ Jᵀ`` ``[B, C, C]`` per prior of sequences, one ``M`` at a time (priors: `stacked_covariances`)."""
+    """``J Σ Jᵀ`` ``[B, C, C]`` per prior of sequences, one ``M`` at a time (priors: `stacked_covariances`).
+
+    ``each``: every prior of ``inv_eigenvalues`` as if alone (the single-prior path, bit for bit), each ``M``
+    formed once for all of them.
+    """
     n_cls, b, _, r = d.shape
     xp, dp, counts = active_tokens(x, d, dtype)  # [N, c_w], [C, N, r]
-    many = len(inv_eigenvalues) > 1
+    many = len(inv_eigenvalues) > 1 and not each
     x_first = many or xp.shape[0] <= b * n_cls * r
     d_first = many or xp.shape[0] <= b * q_a.shape[0]
     if x_first:
@@ -84,8 +89,8 @@ def shared_covariances(
     if many:
         every = torch.stack(list(inv_eigenvalues), -1) if stacked is None else stacked
         return stacked_covariances(xp, dp, counts, every)
-    out = torch.zeros(b, n_cls, n_cls, dtype=dtype, device=d.device)
-    inv_sqrt = inv_eigenvalues[0].sqrt().reshape(-1)
+    out = torch.zeros(len(inv_eigenvalues), b, n_cls, n_cls, dtype=dtype, device=d.device)
+    inv_sqrt = [e.sqrt().reshape(-1) for e in inv_eigenvalues]
     start = 0
     for i, n in enumerate(counts):
         if n == 0:
@@ -96,9 +101,13 @@ def shared_covariances(
             m = q_g.T @ m
         if not x_first:
             m = m @ q_a
-        flat = m.reshape(n_cls, -1).mul_(inv_sqrt)  # M scaled by 1/√E in place: one pass over M
-        torch.mm(flat, flat.T, out=out[i])
-    return [out]
+        flat = m.reshape(n_cls, -1)
+        for k, w in enumerate(
+            inv_sqrt
+        ):  # M scaled by 1/√E (the last in place): one pass over M each
+            scaled = flat.mul_(w) if k == len(inv_sqrt) - 1 else flat * w
+            torch.mm(scaled, scaled.T, out=out[k, i])
+    return list(out)
 
 
 def stacked_covariances(xq: Tensor, dq: Tensor, counts: list[int], stacked: Tensor) -> list[Tensor]:
@@ -221,24 +230,11 @@ def kron_predictive(
             ]
             for m in names:
                 x_u, d_u = ps.inputs[m], torch.stack(pg.grads.pop(m))  # d: [K, B, (T...,) r]
-                done: dict[
-                    int, list[Tensor]
-                ] = {}  # parts sharing a block's ``1/E`` share its terms
+                terms = _module_terms(parts, users[m], m, x_u, d_u, where, b)
                 for i in users[m]:
-                    stacked = parts[i].stacked
-                    key = id(stacked[m]) if stacked is not None and m in stacked else None
-                    terms = done.get(key) if key is not None else None
-                    if terms is None:
-                        c, r = where[i][m]
-                        x = x_u if c is None else x_u.index_select(-1, c)
-                        d = d_u if r is None else d_u.index_select(-1, r)
-                        terms = _contributions(parts[i], m, x, d, b)
-                        del x, d
-                        if key is not None:
-                            done[key] = terms
-                    for cov, term in zip(covs[i], terms, strict=True):
+                    for cov, term in zip(covs[i], terms[i], strict=True):
                         cov += term
-                del x_u, d_u, done
+                del x_u, d_u, terms
             for per_prior, now in zip(results, covs, strict=True):
                 for rows_so_far, cov in zip(per_prior, now, strict=True):
                     rows_so_far.append(cov.index_select(0, pg.examples))
@@ -264,6 +260,57 @@ def fits_memory(
         total += x.numel() // max(x.shape[-1], 1) * x.element_size() * (n_outputs * r + x.shape[-1])
     available, _ = available_memory(device)
     return available is None or total <= available
+
+
+def _module_terms(
+    parts: Sequence[KronBlocks],
+    idx: Sequence[int],
+    m: str,
+    x_u: Tensor,
+    d_u: Tensor,
+    where: Sequence[Mapping[str, tuple[Tensor | None, Tensor | None]]],
+    b: int,
+) -> dict[int, list[Tensor]]:
+    """Module ``m``'s terms of the parts ``idx``, each distinct block computed once.
+
+    Parts holding one ``1/E`` stack (the same block at the same priors, `KronLaplace.fit_many`) share its
+    terms; parts holding one block at different single priors share its rotated tokens and each ``M``.
+    """
+    rep: dict[int, int] = {}  # part -> the part whose terms it takes
+    stacks: dict[int, int] = {}
+    for i in idx:
+        st = parts[i].stacked.get(m) if parts[i].stacked is not None else None
+        rep[i] = i if st is None else stacks.setdefault(id(st), i)
+    blocks: dict[tuple[int, int], list[int]] = {}  # a block's single-prior sequence parts
+    plain: dict[int, list[int]] = {}  # such a part -> its block's
+    for i in dict.fromkeys(rep.values()):
+        p = parts[i]
+        if (
+            x_u.ndim > 2
+            and p.residual is None
+            and m not in p.lowrank
+            and len(p.inv_eigenvalues) == 1
+        ):
+            plain[i] = blocks.setdefault((id(p.bases[m][0]), id(p.bases[m][1])), [])
+            plain[i].append(i)
+    terms: dict[int, list[Tensor]] = {}
+    for i in dict.fromkeys(rep.values()):
+        if i in terms:
+            continue
+        c, r = where[i][m]
+        x = x_u if c is None else x_u.index_select(-1, c)
+        d = d_u if r is None else d_u.index_select(-1, r)
+        p, group = parts[i], plain.get(i, [])
+        if len(group) > 1:
+            x3 = x.reshape(b, -1, x.shape[-1])
+            d4 = d.reshape(d.shape[0], b, x3.shape[1], d.shape[-1])
+            bias = p.targets.kmods[m].bias_name is not None
+            inv = [parts[j].inv_eigenvalues[0][m] for j in group]
+            each = shared_covariances(x3, d4, *p.bases[m], bias, inv, p.dtype, each=True)
+            terms.update({j: [t] for j, t in zip(group, each, strict=True)})
+        else:
+            terms[i] = _contributions(p, m, x, d, b)
+    return {i: terms[rep[i]] for i in idx}
 
 
 def _contributions(part: KronBlocks, m: str, x: Tensor, d: Tensor, b: int) -> list[Tensor]:
