@@ -21,6 +21,8 @@ Sizes (environment variables):
 * ``PB_BENCH_RAMP_METHODS`` comma-separated methods (default ``map,skfac,kfac-full,kfac-max-mlp``),
 * ``PB_BENCH_RAMP_PER_CELL`` ``all`` (default) or ``every-N`` (the sample above),
 * ``PB_BENCH_RAMP_TEST`` test pairs (default: the whole MRPC dev set, 408 pairs),
+* ``PB_BENCH_RAMP_BUCKETS`` ``TrainConfig.length_buckets`` (default 0; the published MRPC runs used 8, so
+  with ``full`` a copy of their split-0 checkpoint under ``$PB_BENCH_RAMP_DIR/shared`` is reused),
 * ``PB_BENCH_RAMP_DIR`` where the results folders go (default a temporary folder; set it to keep the
   fine-tuned checkpoint between runs).
 
@@ -168,7 +170,9 @@ def bench_ramp(b: Bench) -> None:
     glue = Path(data) / "glue"
     test = os.environ.get("PB_BENCH_RAMP_TEST")
     base = RunConfig(
-        train=TrainConfig(epochs=epochs),
+        train=TrainConfig(
+            epochs=epochs, length_buckets=int(os.environ.get("PB_BENCH_RAMP_BUCKETS", "0"))
+        ),
         max_train_examples=n_train,
         max_test_examples=int(test) if test else None,
     )
