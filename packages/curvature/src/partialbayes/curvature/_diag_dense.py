@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from partialbayes.curvature._hooks import BatchObserver, Run, all_reduce, fail_together, stream
 from partialbayes.curvature._jacobians import ParamTarget, entry_grads, param_targets
-from partialbayes.curvature._likelihood import CurvatureOptions
+from partialbayes.curvature._likelihood import FISHERS, CurvatureOptions
 from partialbayes.curvature._outputs import resolve_shift_labels
 from partialbayes.predictive.internal import check_finite, check_generator
 from partialbayes.selection import Subset
@@ -137,7 +137,7 @@ def diagonal(
     out = {t.name: torch.zeros(t.index.numel(), dtype=dtype, device=device) for t in targets}
     # weights of [B, d] activations: Σ_n (δ_n x_nᵀ)² = (Σ_s δ_s²)ᵀ (x ⊙ x), one matmul into the full matrix
     full_2d: dict[str, Tensor] = {}
-    positions = options.fisher_type.positions  # see the module notes
+    positions = FISHERS[options.fisher].positions  # see the module notes
     with fail_together(device):
         for bp in stream(model, loader, modules, options, run, positions):
             d2: dict[str, Tensor] = {}
@@ -177,7 +177,7 @@ def dense(
     device = dict(model.named_parameters())[targets[0].name].device
     p = sum(t.index.numel() for t in targets)
     H = torch.zeros(p, p, dtype=options.dtype, device=device)
-    positions = options.fisher_type.positions  # see the module notes
+    positions = FISHERS[options.fisher].positions  # see the module notes
     with fail_together(device):
         for bp in stream(model, loader, modules, options, run, positions):
             rows = [

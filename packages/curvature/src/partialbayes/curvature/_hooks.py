@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from partialbayes.curvature._likelihood import (
+    FISHERS,
     CurvatureOptions,
     check_labels,
     check_logits,
@@ -270,7 +271,7 @@ def stream(
             labels = check_labels(labels, rows, options.likelihood, index)
         if run.on_batch is not None:
             run.on_batch(index, rows.detach(), labels)
-        if options.fisher_type.per_class:
+        if FISHERS[options.fisher].per_class:
             rounds = 1 if keep is None or positions == "joint" else int(keep.sum(1).max())
             check_exact_fisher(rows, rounds, index)
         if run.preflight is not None:

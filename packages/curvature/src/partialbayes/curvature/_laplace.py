@@ -24,7 +24,6 @@ from partialbayes.curvature._prior import (
     evidence_ascent,
     grid_search,
     grid_val_nlls,
-    prior_vector,
 )
 from partialbayes.predictive import laplace_bridge
 from partialbayes.predictive.internal import (
@@ -34,6 +33,7 @@ from partialbayes.predictive.internal import (
     check_finite,
     check_generator,
     check_int,
+    check_keys,
     check_number,
     check_target_ids,
     check_type,
@@ -110,6 +110,41 @@ def _place(full: Tensor, keep: Tensor | None, rows: Tensor) -> Tensor:
     out = full.clone()
     out[..., keep, :] = rows
     return out
+
+
+def prior_vector(
+    spec: PriorSpec, modules: Sequence[str], *, dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """``[len(modules)]`` prior precisions from a scalar, a ``[M]`` tensor or ``{module: δ}``."""
+    n = len(modules)
+    if isinstance(spec, Mapping):  # every module, named once
+        check_keys(f"prior_precision (modules {list(modules)})", spec, modules, modules, "modules")
+        vec = torch.stack(
+            [torch.as_tensor(spec[m], dtype=dtype, device=device).reshape(()) for m in modules]
+        )
+    elif isinstance(spec, Tensor):
+        vec = spec.to(dtype=dtype, device=device)
+        if vec.ndim == 0:
+            vec = vec.expand(n)
+        elif vec.shape != (n,):
+            raise ValueError(
+                f"prior_precision tensor must be a scalar or have shape ({n},) (one per module), got {tuple(vec.shape)}"
+            )
+    elif isinstance(spec, (float, int)) and not isinstance(spec, bool):
+        vec = torch.full((n,), float(spec), dtype=dtype, device=device)
+    else:
+        raise TypeError(
+            f"prior_precision must be a float, a tensor or a dict module -> float, got {type(spec).__name__}"
+        )
+    with torch.no_grad():
+        bad = ~torch.isfinite(vec) | (vec <= 0)
+        if bad.any():
+            where = [modules[i] for i in torch.nonzero(bad).flatten().tolist()]
+            raise ValueError(
+                f"prior_precision must be positive and finite; got {vec.detach().cpu().tolist()} "
+                f"(bad for modules {where})"
+            )
+    return vec
 
 
 class LaplaceBase(ABC):
@@ -204,7 +239,7 @@ class LaplaceBase(ABC):
         self._map: dict[str, Tensor] = {}
         self._fitted = False
         self.n_data, self.n_outputs, self.map_loss = 0, 0, 0.0
-        self._sigma_fit = self.sigma_noise
+        self._sigma_fit = self._options.sigma_noise
 
     # ------------------------------------------------------------------ settings
     @property
@@ -341,7 +376,7 @@ class LaplaceBase(ABC):
 
     def _scale(self, sigma_noise: float | Tensor | None) -> Tensor | float:
         """Curvature rescaling ``σ_fit² / σ²`` (regression; 1 for classification)."""
-        if self.likelihood != "regression":
+        if self._options.likelihood != "regression":
             return 1.0
         sigma = self.sigma_noise if sigma_noise is None else sigma_noise
         check_number("sigma_noise", float(torch.as_tensor(sigma).detach()))
@@ -354,8 +389,8 @@ class LaplaceBase(ABC):
         return read_batch(
             batch,
             self.device,
-            likelihood=self.likelihood,
-            shift=self.shift_labels,
+            likelihood=self._options.likelihood,
+            shift=self._options.shift_labels,
             labels=labels,
             target_ids=target_ids,
         )
@@ -396,7 +431,7 @@ class LaplaceBase(ABC):
             RuntimeError: Under ``torch.distributed``, when another rank failed on its shard.
         """
         prev = self._check_previous(previous)
-        loss = MapLoss(self.likelihood)
+        loss = MapLoss(self._options.likelihood)
         run = Run(check_generator(generator), progress, loss)
         run.preflight = lambda f, k, m: self._estimate(f, k, m, 0).check(self.max_memory)
         curvature = self._compute_curvature(loader, run)
@@ -456,11 +491,12 @@ class LaplaceBase(ABC):
         params = self.subset.parameters_of(self.model)
         self._set_curvature(curvature)
         self._map = {
-            n: self.subset.gather(n, p.detach()).to(self.dtype).clone() for n, p in params.items()
+            n: self.subset.gather(n, p.detach()).to(self._options.dtype).clone()
+            for n, p in params.items()
         }
         self.map_loss, self.n_data, self.n_outputs = float(map_loss), int(n_data), int(n_outputs)
         self.n_seen, self._previous, self._prior_mean = self.n_data, None, None
-        self._sigma_fit = self.sigma_noise
+        self._sigma_fit = self._options.sigma_noise
         self._fitted = True
         return self
 
@@ -795,8 +831,8 @@ class LaplaceBase(ABC):
         check_generator(generator)
         logits, keep, f, (cov,) = _linearised([self], batch, labels=False, target_ids=target_ids)
         full, f = logits.to(cov.dtype), f.to(cov.dtype)
-        if self.likelihood == "regression":
-            noise = self.sigma_noise**2  # our own covariance: added unchecked
+        if self._options.likelihood == "regression":
+            noise = self._options.sigma_noise**2  # our own covariance: added unchecked
             var = _place(torch.full_like(full, noise), keep, cov.diagonal(dim1=-2, dim2=-1) + noise)
             return _place(full, keep, f).to(logits.dtype), var.to(logits.dtype)
         if link == "probit":  # our own covariance: nothing to check
@@ -995,7 +1031,7 @@ def _linearised(
     if chunk_size is not None:
         check_int("chunk_size", chunk_size)
     ids = None
-    if answer_only(target_ids, first.likelihood == "regression"):
+    if answer_only(target_ids, first._options.likelihood == "regression"):
         ids = check_target_ids(target_ids, first.n_outputs).to(first.device)
     inputs, outputs = first._read(batch, labels or ids is not None, ids)
     if outputs.unlabelled:
@@ -1013,7 +1049,7 @@ def _linearised(
         logits.append(f.detach())
         keeps.append(keep)
         for acc, (cov,), p in zip(covs, part_covs, posteriors, strict=True):
-            acc.append(cov.to(p.dtype))
+            acc.append(cov.to(p._options.dtype))
     keep_all = None if keeps[0] is None else torch.cat([k for k in keeps if k is not None])
     logits_all = torch.cat(logits)
     rows = logits_all if keep_all is None else logits_all[keep_all]

@@ -141,7 +141,8 @@ class KronLaplace(LaplaceBase):
 
     def _rank(self, n: int) -> int:
         """The rank a factor side of size ``n`` is kept at."""
-        return n if self.max_rank is None else min(n, self.max_rank)
+        max_rank = self._options.max_rank
+        return n if max_rank is None else min(n, max_rank)
 
     def block_to_params(self, module: str, block: Tensor) -> dict[str, Tensor]:
         """Split block matrices ``[..., r, c]`` (bias column last) into the module's parameters.
@@ -258,29 +259,30 @@ class KronLaplace(LaplaceBase):
                     f"expected {(sides['G'],) * 2} and {(sides['A'],) * 2} for its block"
                 )
             with prefixed(f"curvature of module {m!r}"):
-                g, a = (
-                    self._factor(f, n, k) for (k, n), f in zip(sides.items(), (G, A), strict=True)
-                )
+                g, a = (self._factor(f, k) for k, f in zip(sides, (G, A), strict=True))
                 if A_bias is not None:  # separate (checked above)
                     a = _with_separate_bias(a, A_bias.to(a.U))
             eig[m], stacks[m] = (g, a), weakref.WeakValueDictionary()
             if memo is not None:
                 memo[id(curvature[m])] = (curvature[m], eig[m], stacks[m])
         shared = {str(s) for m in self.modules if (s := getattr(curvature[m], "sharing", None))}
-        if len(shared) > 1 or (self.sharing is not None and shared - {self.sharing}):
+        sharing = self._options.sharing
+        if len(shared) > 1 or (sharing is not None and shared - {sharing}):
             raise ValueError(
                 f"factors computed with sharing {sorted(shared)} do not fit this posterior "
-                f"(sharing={self.sharing!r})"
+                f"(sharing={sharing!r})"
             )
-        if self.sharing is None and shared:
+        if sharing is None and shared:
             self._options = replace(self._options, sharing=shared.pop())
         self._eig, self._stacks = eig, stacks
 
-    def _factor(self, f: Tensor | LowRankFactor, n: int, what: str) -> LowRankFactor:
+    def _factor(self, f: Tensor | LowRankFactor, what: str) -> LowRankFactor:
         """A factor as stored (eigenpairs, at most ``max_rank``), in the posterior's dtype and device."""
-        if not isinstance(f, LowRankFactor):
-            return truncated(whole_factor(f, self.dtype, self.device, what), self._rank(n))
-        return LowRankFactor(*(t.to(self.device, self.dtype) for t in (f.U, f.s, f.rest)))
+        dtype, max_rank = self._options.dtype, self._options.max_rank
+        if isinstance(f, LowRankFactor):
+            return LowRankFactor(*(t.to(self.device, dtype) for t in (f.U, f.s, f.rest)))
+        whole = whole_factor(f, dtype, self.device, what)
+        return whole if max_rank is None else truncated(whole, max_rank)
 
     def _eigenvalues(self, i: int, m: str, prior: Tensor, scale: Tensor | float) -> Tensor:
         """``E`` on the extended grid ``[r_G + 1, r_A + 1]`` (`_lowrank`; ``[:-1, :-1]`` for whole factors)."""
@@ -377,7 +379,7 @@ class KronLaplace(LaplaceBase):
             return super()._covariances_of(posteriors, inputs, outputs, priors)
         parts = [p._blocks(pr, p._scale(None)) for p, pr in zip(posts, priors, strict=True)]
         logits, keep, covs = kron_predictive(posts[0].model, inputs, outputs, parts)
-        covs = [[c.to(p.dtype) for c in cs] for p, cs in zip(posts, covs, strict=True)]
+        covs = [[c.to(p._options.dtype) for c in cs] for p, cs in zip(posts, covs, strict=True)]
         return logits, keep, covs
 
     def _blocks(self, priors: Sequence[Tensor], scale: Tensor | float) -> KronBlocks:
@@ -425,7 +427,8 @@ class KronLaplace(LaplaceBase):
                 kept = e.index_select(0, rows).index_select(1, cols)
                 inv[p][m] = kept.reciprocal() - 1.0 / delta
                 residual[p][m] = 1.0 / delta
-        blocks = KronBlocks(self._targets, bases, inv, self.dtype, residual, f64, lowrank, stacked)
+        dtype = self._options.dtype
+        blocks = KronBlocks(self._targets, bases, inv, dtype, residual, f64, lowrank, stacked)
         self._memo = (key, blocks)
         return blocks
 

@@ -179,11 +179,6 @@ class KronBlocks:
     lowrank: Mapping[str, tuple[LowRankFactor, LowRankFactor]] = field(default_factory=dict)
     stacked: Mapping[str, Tensor] | None = None
 
-    @property
-    def out_dtype(self) -> torch.dtype:
-        """The dtype of the covariances."""
-        return self.combine_dtype if self.residual is not None else self.dtype
-
 
 def union_index(indices: Sequence[Tensor | None]) -> tuple[Tensor | None, list[Tensor | None]]:
     """The union ``U`` of index sets (``None``: all) and each set's place in it: ``x[..., U][..., place]``."""
@@ -216,17 +211,19 @@ def kron_predictive(
     ps = output_passes(model, inputs, outputs, modules, cols, rows)
     b = ps.logits.shape[0]
     n_cls = ps.logits.shape[-1] if outputs.target_ids is None else len(outputs.target_ids)
-    if not fits_memory(ps.inputs, rows, parts, n_cls, ps.logits.device):
+    if len(parts) > 1 and not fits_memory(ps.inputs, rows, parts, n_cls, ps.logits.device):
         del ps
         alone = [kron_predictive(model, inputs, outputs, [p]) for p in parts]
         return alone[0][0], alone[0][1], [covs for _, _, (covs,) in alone]
     keys: list[Tensor] = []
+    out_dtypes = [p.dtype if p.residual is None else p.combine_dtype for p in parts]
     results: list[list[list[Tensor]]] = [[[] for _ in p.inv_eigenvalues] for p in parts]
     with torch.no_grad():
         for pg in ps.positions:
             new = ps.logits.new_zeros
             covs = [
-                [new(b, n_cls, n_cls, dtype=p.out_dtype) for _ in p.inv_eigenvalues] for p in parts
+                [new(b, n_cls, n_cls, dtype=dt) for _ in p.inv_eigenvalues]
+                for p, dt in zip(parts, out_dtypes, strict=True)
             ]
             for m in names:
                 x_u, d_u = ps.inputs[m], torch.stack(pg.grads.pop(m))  # d: [K, B, (T...,) r]
@@ -249,9 +246,7 @@ def fits_memory(
     n_outputs: int,
     device: torch.device,
 ) -> bool:
-    """Whether the backward passes shared by several ``parts`` fit the free memory (one part always does)."""
-    if len(parts) == 1:
-        return True
+    """Whether the backward passes shared by several ``parts`` fit the free memory."""
     total = 0
     for m, x in inputs.items():
         r_u = rows[m]

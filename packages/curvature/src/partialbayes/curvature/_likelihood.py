@@ -90,16 +90,11 @@ class CurvatureOptions:
     bias: str = "fold"
     max_rank: int | None = None
 
-    @property
-    def fisher_type(self) -> Fisher:
-        """The `Fisher` of ``fisher``."""
-        return FISHERS[self.fisher]
-
     def output_vectors(
         self, logits: Tensor, labels: Tensor | None, generator: Any, batch_index: int
     ) -> Tensor:
         """Cotangents ``[S, B, C]`` of one batch from its output rows and checked labels."""
-        fisher, f = self.fisher_type, logits.detach()
+        fisher, f = FISHERS[self.fisher], logits.detach()
         if fisher.labels and labels is None:
             raise ValueError(
                 f"batch {batch_index}: fisher={fisher.name!r} needs labels, the batch has none"

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.curvature._likelihood import CurvatureOptions, model_device
+from partialbayes.curvature._likelihood import FISHERS, CurvatureOptions, model_device
 from partialbayes.curvature._lowrank import OVERSAMPLE
 from partialbayes.curvature._outputs import Outputs, read_batch, resolve_shift_labels
 from partialbayes.predictive.internal import (
@@ -192,7 +192,7 @@ def _batch_bytes(
     b, n_cls = logits.shape[0], logits.shape[-1]
     n_kept = b if keep is None else int(keep.sum())
     t = logits.shape[1] if keep is not None else (1 if mask is None else mask.shape[1])
-    passes = options.fisher_type.passes(n_cls, options.mc_samples)
+    passes = FISHERS[options.fisher].passes(n_cls, options.mc_samples)
     fit = (passes * n_kept * n_cls + 3 * b * t * n_cls) * logits.element_size()
     return b, t, n_kept, passes, fit
 
@@ -245,7 +245,7 @@ def entries_estimate(
     """The estimate of a diagonal (``dense=False``) or dense curvature over ``n_entries`` entries."""
     b, _, n_kept, passes, fit = _batch_bytes(logits, keep, mask, options)
     item, p = torch.finfo(options.dtype).bits // 8, n_entries
-    rounds = 1 if keep is None or options.fisher_type.sampled else int(keep.sum(1).max())
+    rounds = 1 if keep is None or FISHERS[options.fisher].sampled else int(keep.sum(1).max())
     fit += ((passes * rounds * b if dense else 2 * b) * p + (p * p if dense else p)) * item
     pred = (3 * n_kept * k_out * p + n_kept * k_out * k_out) * item
     stored, eigen = (p * p * item, (4 * p * p + p) * item) if dense else (p * item, 0)

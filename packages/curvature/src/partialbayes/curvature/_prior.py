@@ -17,7 +17,6 @@ from partialbayes.predictive import gaussian_nll, nll
 from partialbayes.predictive.internal import (
     check_bool,
     check_int,
-    check_keys,
     check_number,
     eval_mode,
     probit_kernel,
@@ -27,41 +26,6 @@ if TYPE_CHECKING:
     from partialbayes.curvature._laplace import LaplaceBase
 
 PriorSpec = float | int | Tensor | Mapping[str, float]
-
-
-def prior_vector(
-    spec: PriorSpec, modules: Sequence[str], *, dtype: torch.dtype, device: torch.device
-) -> Tensor:
-    """``[len(modules)]`` prior precisions from a scalar, a ``[M]`` tensor or ``{module: δ}``."""
-    n = len(modules)
-    if isinstance(spec, Mapping):  # every module, named once
-        check_keys(f"prior_precision (modules {list(modules)})", spec, modules, modules, "modules")
-        vec = torch.stack(
-            [torch.as_tensor(spec[m], dtype=dtype, device=device).reshape(()) for m in modules]
-        )
-    elif isinstance(spec, Tensor):
-        vec = spec.to(dtype=dtype, device=device)
-        if vec.ndim == 0:
-            vec = vec.expand(n)
-        elif vec.shape != (n,):
-            raise ValueError(
-                f"prior_precision tensor must be a scalar or have shape ({n},) (one per module), got {tuple(vec.shape)}"
-            )
-    elif isinstance(spec, (float, int)) and not isinstance(spec, bool):
-        vec = torch.full((n,), float(spec), dtype=dtype, device=device)
-    else:
-        raise TypeError(
-            f"prior_precision must be a float, a tensor or a dict module -> float, got {type(spec).__name__}"
-        )
-    with torch.no_grad():
-        bad = ~torch.isfinite(vec) | (vec <= 0)
-        if bad.any():
-            where = [modules[i] for i in torch.nonzero(bad).flatten().tolist()]
-            raise ValueError(
-                f"prior_precision must be positive and finite; got {vec.detach().cpu().tolist()} "
-                f"(bad for modules {where})"
-            )
-    return vec
 
 
 @dataclass(frozen=True)

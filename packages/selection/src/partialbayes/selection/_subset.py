@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.selection._blocks import Block, KronBlock, KronModule, MaskBlock
+from partialbayes.selection._blocks import Block, KronBlock, KronModule, MaskBlock, _same
 from partialbayes.selection._modules import is_conv1d, linear_shape
 from partialbayes.selection._validate import check_type
 
@@ -400,7 +400,7 @@ class Subset:
             if bias is not None:
                 bb = self._blocks[bias]
                 assert isinstance(bb, KronBlock)
-                if bb != KronBlock(rows=b.rows):
+                if not _same(bb.rows, b.rows):  # a 1-D bias's block has cols=None
                     raise ValueError(
                         f"bias {bias!r} selects rows {bb.rows}, its weight selects rows {b.rows}; "
                         "Kronecker-factored methods need the bias rows to equal the weight rows"
