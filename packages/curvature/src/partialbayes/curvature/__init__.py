@@ -9,13 +9,12 @@ from partialbayes.curvature._laplace import LaplaceBase, grid_val_nll_many, logi
 from partialbayes.curvature._laplace_dense import DenseLaplace
 from partialbayes.curvature._laplace_diag import DiagLaplace
 from partialbayes.curvature._laplace_kron import KronLaplace
-from partialbayes.curvature._likelihood import FISHERS
 from partialbayes.curvature._memory import MemoryEstimate, memory_estimate
 from partialbayes.curvature._prior import MarglikFit
+from partialbayes.curvature.internal import FISHERS as FISHERS  # importable; not in __all__
 
 __version__ = version("partialbayes-curvature")
 __all__ = [
-    "FISHERS",
     "DenseLaplace",
     "DiagLaplace",
     "KronLaplace",

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from partialbayes.curvature import FISHERS as CURVATURE_FISHERS
+from partialbayes.curvature.internal import FISHERS as CURVATURE_FISHERS
 from partialbayes.glue_bench.linearised import LinearSamplingConfig
 from partialbayes.glue_bench.store import json_ready
 from partialbayes.predictive import nll

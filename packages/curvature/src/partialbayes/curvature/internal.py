@@ -1,0 +1,5 @@
+"""What the sibling packages share from ``curvature``: no compatibility promise, not in the API reference."""
+
+from partialbayes.curvature._likelihood import FISHERS
+
+__all__ = ["FISHERS"]
