@@ -126,9 +126,7 @@ class KronLaplace(LaplaceBase):
     def _dims(self, module: str) -> tuple[int, int, int]:
         """``(r, c_w, c)``: block rows, weight columns, block columns (``c_w + 1`` with a bias)."""
         km = self._kmods[module]
-        r = km.n_out if km.rows is None else int(km.rows.numel())
-        cw = km.n_in if km.cols is None else int(km.cols.numel())
-        return r, cw, cw + (km.bias_name is not None)
+        return km.n_rows, km.n_cols, km.n_cols + (km.bias_name is not None)
 
     def _separate(self, module: str) -> bool:
         """Whether the module's bias is in its block and kept separate (``bias="separate"``)."""

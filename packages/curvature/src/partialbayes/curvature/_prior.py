@@ -1,4 +1,4 @@
-"""The prior precision: its parsing, the Laplace evidence, and the search of `optimize_prior_precision`."""
+"""The prior precision's search (`optimize_prior_precision`): the grid and the evidence's gradient ascent."""
 
 from __future__ import annotations
 
