@@ -430,7 +430,7 @@ class LaplaceBase(ABC):
                 estimate above ``max_memory`` or the available memory (before the factors are allocated).
             RuntimeError: Under ``torch.distributed``, when another rank failed on its shard.
         """
-        prev = self._check_previous(previous)
+        prev = None if previous is None else self._check_previous(previous)
         loss = MapLoss(self._options.likelihood)
         run = Run(check_generator(generator), progress, loss)
         run.preflight = lambda f, k, m: self._estimate(f, k, m, 0).check(self.max_memory)
@@ -447,9 +447,7 @@ class LaplaceBase(ABC):
             self.n_seen = prev.n_seen + n
         return self
 
-    def _check_previous(self, previous: LaplaceBase | None) -> LaplaceBase | None:
-        if previous is None:
-            return None
+    def _check_previous(self, previous: LaplaceBase) -> LaplaceBase:
         if type(self)._accumulate is LaplaceBase._accumulate:
             raise TypeError(
                 f"{type(self).__name__} does not take a previous posterior (DiagLaplace and KronLaplace do)"
