@@ -75,28 +75,6 @@ def check_untied(model: nn.Module, modules: Mapping[str, nn.Module]) -> None:
         )
 
 
-@contextmanager
-def prepared(
-    model: nn.Module, modules: Mapping[str, nn.Module], switch: bool = True
-) -> Iterator[None]:
-    """Eval mode (``switch``), gradients on, target weights differentiable; every module's state restored."""
-    modes = [(m, m.training) for m in model.modules()]
-    weights: list[Tensor] = [m.weight for m in modules.values()]  # type: ignore[misc]
-    flags = [(w, bool(w.requires_grad)) for w in weights]
-    if switch:
-        model.eval()
-    try:
-        for w, _ in flags:
-            w.requires_grad_(True)
-        with torch.enable_grad():
-            yield
-    finally:
-        for w, flag in flags:
-            w.requires_grad_(flag)
-        for m, mode in modes:
-            m.training = mode
-
-
 def _record(
     name: str,
     cols: Tensor | None,
@@ -124,21 +102,32 @@ def hooked_forward(
     *,
     switch: bool = True,
 ) -> tuple[Tensor, dict[str, list[Tensor]], dict[str, list[Tensor]]]:
-    """One forward pass recording every call of ``modules``: ``(logits with graph, inputs, outputs per call)``."""
+    """One forward pass recording every call of ``modules``: ``(logits with graph, inputs, outputs per call)``.
+
+    Eval mode (``switch``), gradients on, the target weights differentiable; hooks, modes and flags restored.
+    """
     calls_in: dict[str, list[Tensor]] = {n: [] for n in modules}
     calls_out: dict[str, list[Tensor]] = {n: [] for n in modules}
-    with prepared(model, modules, switch):
-        handles = [
-            m.register_forward_hook(
-                partial(_record, n, cols[n], calls_in[n], calls_out[n]), with_kwargs=True
-            )
-            for n, m in modules.items()
-        ]
-        try:
+    modes = [(m, m.training) for m in model.modules()]
+    weights: list[Tensor] = [m.weight for m in modules.values()]  # type: ignore[misc]
+    flags = [(w, bool(w.requires_grad)) for w in weights]
+    handles = []
+    if switch:
+        model.eval()
+    try:
+        for (n, m), w in zip(modules.items(), weights, strict=True):
+            w.requires_grad_(True)
+            hook = partial(_record, n, cols[n], calls_in[n], calls_out[n])
+            handles.append(m.register_forward_hook(hook, with_kwargs=True))
+        with torch.enable_grad():
             logits = model_logits(model, inputs)
-        finally:
-            for h in handles:
-                h.remove()
+    finally:
+        for h in handles:
+            h.remove()
+        for w, flag in flags:
+            w.requires_grad_(flag)
+        for m, mode in modes:
+            m.training = mode
     missing = [n for n, calls in calls_out.items() if not calls]
     if missing:
         raise ValueError(f"modules {missing} were not called by the model's forward pass")
