@@ -250,11 +250,14 @@ def test_shared_blocks_are_accumulated_decomposed_and_projected_once(device, mon
     grid = torch.tensor([0.5, 5.0], dtype=torch.float64)
     nll = grid_val_nll_many(posts, data, grid)
     seq = set(terms)  # the blocks read per token (the pooler and classifier: once per sequence)
-    assert seq <= bases and len(seq) == len(maps) - 2 and len(terms) == len(seq) * len(data)
+    assert seq <= bases
+    assert len(seq) == len(maps) - 2
+    assert len(terms) == len(seq) * len(data)
     posts[1].prior_precision = 3.0  # another prior: the blocks' tokens and M are still formed once
     terms.clear()
     many = logit_mean_cov_many(posts, data[0])
-    assert len(terms) == len(seq) and set(terms) == seq
+    assert len(terms) == len(seq)
+    assert set(terms) == seq
     for s, la, (f, cov), row in zip(subsets, posts, many, nll, strict=True):
         alone = KronLaplace(model, s).fit(data)
         alone.prior_precision = la.prior_precision
