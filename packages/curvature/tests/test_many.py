@@ -24,7 +24,7 @@ from partialbayes.curvature import (
     logit_mean_cov_many,
     memory_estimate,
 )
-from partialbayes.selection import Subset, linear_modules, modules, sparse_kfac
+from partialbayes.selection import KronBlock, Subset, linear_modules, modules, sparse_kfac
 from tiny_models import tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -346,3 +346,24 @@ def test_bad_lists_are_refused_by_name():
     regression.fit_curvature(kfac(model, data, s), map_loss=1.0, n_data=10, n_outputs=3)
     with pytest.raises(ValueError, match=r"posteriors\[1\] differs from posteriors\[0\]"):
         logit_mean_cov_many([la, regression], data[0])
+
+
+def test_one_map_with_and_without_its_bias_are_two_blocks(device):
+    """A map's weight alone and weight + bias are different blocks: `fit_many` must not share them."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    model = model.double().eval().to(device)
+    x = torch.randn(16, 4, dtype=torch.float64, device=device)
+    y = torch.randint(0, 3, (16,), device=device)
+    data = [(x[:8], y[:8]), (x[8:], y[8:])]
+    subsets = [
+        Subset.from_model(model, {"2.weight": KronBlock(), "2.bias": KronBlock()}),
+        Subset.from_model(model, {"2.weight": KronBlock()}),
+    ]
+    for s, f in zip(subsets, kfac(model, data, subsets), strict=True):
+        assert_same_factors(f, kfac(model, data, s), s)
+    posts = KronLaplace.fit_many(model, subsets, data)
+    for la, (f, cov) in zip(posts, logit_mean_cov_many(posts, x[:3]), strict=True):
+        f1, cov1 = KronLaplace(model, la.subset).fit(data).logit_mean_cov(x[:3])
+        assert torch.equal(f, f1)
+        assert torch.equal(cov, cov1)

@@ -265,10 +265,10 @@ def kfac(
     return factors[0] if isinstance(subset, Subset) else factors
 
 
-def block_key(m: str, t: KronTargets) -> tuple[str, tuple[int, ...] | None, tuple[int, ...] | None]:
-    """Module ``m``'s block in ``t``: subsets asking for the same map, rows and columns share its factors."""
-    r, c = t.rows[m], t.cols[m]
-    return m, None if r is None else tuple(r.tolist()), None if c is None else tuple(c.tolist())
+def block_key(m: str, t: KronTargets) -> tuple[Any, ...]:
+    """Module ``m``'s block in ``t``: subsets asking for the same map, rows, columns and bias share it."""
+    r, c, bias = t.rows[m], t.cols[m], t.kmods[m].bias_name is not None
+    return m, None if r is None else tuple(r.tolist()), None if c is None else tuple(c.tolist()), bias
 
 
 def kron_factors(
