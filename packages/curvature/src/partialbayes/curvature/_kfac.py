@@ -267,8 +267,8 @@ def kfac(
 
 def block_key(m: str, t: KronTargets) -> tuple[Any, ...]:
     """Module ``m``'s block in ``t``: subsets asking for the same map, rows, columns and bias share it."""
-    r, c, bias = t.rows[m], t.cols[m], t.kmods[m].bias_name is not None
-    return m, None if r is None else tuple(r.tolist()), None if c is None else tuple(c.tolist()), bias
+    r, c = (None if i is None else tuple(i.tolist()) for i in (t.rows[m], t.cols[m]))
+    return m, r, c, t.kmods[m].bias_name is not None
 
 
 def kron_factors(
