@@ -156,3 +156,20 @@ def test_predictive_rtol_validated_and_saved(tmp_path):
     assert back.predictive_rtol == 0.2
     x, _ = classification_data(4, 0)
     torch.testing.assert_close(back.logit_mean_cov(x)[1], la.logit_mean_cov(x)[1])
+
+
+def test_predictive_rtol_set_after_a_predictive_is_used(device):
+    """The memoised blocks follow ``predictive_rtol`` (a public attribute) when it changes after a call."""
+    torch.manual_seed(0)
+    model = MODELS["bert"]().double().eval().to(device)
+    subset = modules(model, list(linear_modules(model)))
+    factors = _factors(KronLaplace(model, subset), 0, 100.0)
+    la = _fit(KronLaplace(model, subset, prior_precision=0.5), factors)
+    fresh = _fit(KronLaplace(model, subset, prior_precision=0.5, predictive_rtol=0.5), factors)
+    batch = {k: v.to(device) for k, v in _batch(2, 4, 0).items()}
+    _, exact = la.logit_mean_cov(batch)
+    la.predictive_rtol = 0.5
+    _, got = la.logit_mean_cov(batch)
+    _, want = fresh.logit_mean_cov(batch)
+    assert not torch.equal(want, exact)  # the truncation changes the result here
+    assert torch.equal(got, want)

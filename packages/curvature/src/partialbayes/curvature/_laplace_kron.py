@@ -387,6 +387,7 @@ class KronLaplace(LaplaceBase):
             self.temperature,
             [prior.tolist() for prior in priors],
             scale.tolist() if isinstance(scale, Tensor) else scale,
+            self.predictive_rtol,
         )
         memo = self._memo
         if memo is not None and memo[0][0] is self._eig and memo[0][1:] == key[1:]:
