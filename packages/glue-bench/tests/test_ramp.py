@@ -181,3 +181,22 @@ def test_a_folder_of_the_other_path_or_fisher_is_refused(tmp_path, change, diffe
     with pytest.raises(ValueError, match=rf"another configuration.*differs in \['{differs}'\]"):
         run_grid(Grid(["sst2"], [0], ["skfac"], other, tmp_path / "res", progress=False))
     assert len(list((tmp_path / "res" / "records").rglob("*.json"))) == 1
+
+
+def test_groups_count_a_map_with_and_without_its_bias_as_two_blocks():
+    """`KronLaplace.fit_many` keeps a weight alone and weight + bias apart: so does the memory count."""
+    from types import SimpleNamespace
+
+    from partialbayes.glue_bench.laplace_cells import groups_of
+    from partialbayes.selection import KronBlock, Subset
+
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3))
+    cells = [
+        SimpleNamespace(subset=Subset.from_model(model, blocks))
+        for blocks in (
+            {"0.weight": KronBlock(), "0.bias": KronBlock()},  # 18 entries, 9 + 3 + 36 + 6 floats
+            {"0.weight": KronBlock()},  # 15 entries, 9 + 3 + 25 + 5 floats
+        )
+    ]
+    assert groups_of(cells, memory_floats=129) == [[0, 1]]
+    assert groups_of(cells, memory_floats=128) == [[0], [1]]

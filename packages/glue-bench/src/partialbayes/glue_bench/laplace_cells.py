@@ -117,13 +117,13 @@ def kron_prediction(ctx: Context, cell: KronCell) -> Prediction:
     return laplace_prediction(ctx, la, cell.skfac_percent)
 
 
-def blocks_of(cell: KronCell) -> dict[tuple[str, bytes, bytes], int]:
-    """The floats of each Kronecker eigenbasis of a cell, by block (map, rows, columns)."""
+def blocks_of(cell: KronCell) -> dict[tuple[str, bytes, bytes, int], int]:
+    """The floats of each Kronecker eigenbasis of a cell, by block (map, rows, columns, bias)."""
     out = {}
     for m, km in cell.subset.kron_modules().items():
         r, c = km.n_rows, km.n_cols + (km.bias_name is not None)
         key = tuple(b"" if t is None else t.cpu().numpy().tobytes() for t in (km.rows, km.cols))
-        out[(m, *key)] = r * r + r + c * c + c
+        out[(m, *key, c)] = r * r + r + c * c + c
     return out
 
 
