@@ -234,9 +234,7 @@ class KronLaplace(LaplaceBase):
             raise ValueError(f"factors do not match the subset: missing {missing}, unknown {extra}")
         eig, stacks, memo = {}, {}, self._fit_memo
         for m in self.modules:
-            if (
-                memo is not None and id(curvature[m]) in memo
-            ):  # checked and decomposed for another subset
+            if memo is not None and id(curvature[m]) in memo:  # checked for another subset
                 _, eig[m], stacks[m] = memo[id(curvature[m])]
                 continue
             separate, sides = self._separate(m), self._sides(m)
