@@ -356,14 +356,16 @@ def test_one_map_with_and_without_its_bias_are_two_blocks(device):
     x = torch.randn(16, 4, dtype=torch.float64, device=device)
     y = torch.randint(0, 3, (16,), device=device)
     data = [(x[:8], y[:8]), (x[8:], y[8:])]
-    subsets = [
-        Subset.from_model(model, {"2.weight": KronBlock(), "2.bias": KronBlock()}),
+    both = {"2.weight": KronBlock(), "2.bias": KronBlock()}
+    subsets = [  # the weight alone between two: it was given the others' factors unchecked
+        Subset.from_model(model, both),
         Subset.from_model(model, {"2.weight": KronBlock()}),
+        Subset.from_model(model, both),
     ]
-    for s, f in zip(subsets, kfac(model, data, subsets), strict=True):
-        assert_same_factors(f, kfac(model, data, s), s)
     posts = KronLaplace.fit_many(model, subsets, data)
     for la, (f, cov) in zip(posts, logit_mean_cov_many(posts, x[:3]), strict=True):
         f1, cov1 = KronLaplace(model, la.subset).fit(data).logit_mean_cov(x[:3])
         assert torch.equal(f, f1)
         assert torch.equal(cov, cov1)
+    for s, f in zip(subsets, kfac(model, data, subsets), strict=True):
+        assert_same_factors(f, kfac(model, data, s), s)
