@@ -14,7 +14,10 @@ RESULTS = Path(__file__).resolve().parents[3] / "results"
 
 @pytest.mark.parametrize(
     ("folder", "task"),
-    [("glue", "mrpc"), ("glue-sst2-3k", "sst2")],  # the full-size MRPC units; SST-2 on 3,000 sentences
+    [
+        ("glue", "mrpc"),
+        ("glue-sst2-3k", "sst2"),
+    ],  # the full-size MRPC units; SST-2 on 3,000 sentences
 )
 def test_published_glue_records_make_table_2(tmp_path, folder, task):
     root = RESULTS / folder
