@@ -115,3 +115,18 @@ def test_chains_compute_gradients_of_the_subsets_tensors_only(helpers):
     assert seen == [{"fc2.weight"}] * 3
     assert {n: p.requires_grad for n, p in model.named_parameters()} == before
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_default_loss_refuses_labels_out_of_range(helpers):
+    """A class label >= C (or a float label) is refused by name before cross-entropy sees it."""
+    model = helpers.tiny_net(4)
+    subset = helpers.partial_subset(model)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    for labels, error, words in [
+        (torch.tensor([0, 1, 3, 2, -100, 1]), ValueError, "must lie in \\[0, 3\\)"),
+        (torch.zeros(6), TypeError, "integer tensor"),
+    ]:
+        with pytest.raises(error, match=words):
+            run_chain(model, subset, [{"x": x, "labels": labels}], n_steps=2, lr=0.01, num_data=6)
+    ok = torch.tensor([0, 1, 2, 2, -100, 1])
+    run_chain(model, subset, [{"x": x, "labels": ok}], n_steps=2, lr=0.01, num_data=6)

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from partialbayes.predictive.internal import (
     IGNORE_INDEX,
     check_int,
+    check_labels,
     flatten_outputs,
     gradients_only,
     model_logits,
@@ -36,6 +37,10 @@ def classification_loss(model: nn.Module, batch: Any) -> Tensor:
     logits, labels = flatten_outputs(
         model_logits(model, b.inputs), b.labels, attention_mask=b.attention_mask
     )
+    kept = labels[
+        labels != IGNORE_INDEX
+    ]  # before torch's bare IndexError (CPU) or device assert (CUDA)
+    check_labels(f"labels (other than {IGNORE_INDEX})", kept, kept.numel(), logits.shape[-1])
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
 
 
