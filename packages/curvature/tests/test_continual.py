@@ -135,6 +135,8 @@ def test_previous_is_checked_and_a_loaded_posterior_keeps_what_it_can(tmp_path):
         fit(KronLaplace, theta, x, y, 2, previous=fit(DiagLaplace, theta, x, y, 2))
     with pytest.raises(TypeError, match="DenseLaplace does not take a previous"):
         fit(DenseLaplace, theta, x, y, 2, previous=first)
+    with pytest.raises(NotImplementedError, match="DenseLaplace has no penalty"):
+        fit(DenseLaplace, theta, x, y, 2).penalty()
     model = model_at(theta, 2)
     cold = laplace(KronLaplace, model, x, y)
     cold.temperature = 0.5

@@ -362,7 +362,9 @@ class LaplaceBase(ABC):
 
     def _quad(self, delta: Mapping[str, Tensor], prior: Tensor, scale: Tensor | float) -> Tensor:
         """Structure: ``Δᵀ P Δ`` for ``Δ = {param name: [k]}`` (differentiable in ``Δ`` and the prior)."""
-        raise NotImplementedError
+        raise NotImplementedError(
+            f"{type(self).__name__} has no penalty (DiagLaplace and KronLaplace do: continual learning)"
+        )
 
     # ------------------------------------------------------------------ fitting
     def _require_fit(self) -> None:
