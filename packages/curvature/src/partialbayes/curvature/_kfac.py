@@ -265,10 +265,10 @@ def kfac(
     return factors[0] if isinstance(subset, Subset) else factors
 
 
-def block_key(m: str, t: KronTargets) -> tuple[Any, ...]:
-    """Module ``m``'s block in ``t``: subsets asking for the same map, rows, columns and bias share it."""
-    r, c = (None if i is None else tuple(i.tolist()) for i in (t.rows[m], t.cols[m]))
-    return m, r, c, t.kmods[m].bias_name is not None
+def block_key(m: str, k: KronModule) -> tuple[Any, ...]:
+    """Map ``m``'s block ``k``: subsets asking for the same map, rows, columns and bias share it."""
+    r, c = (None if i is None else tuple(i.tolist()) for i in (k.rows, k.cols))
+    return m, r, c, k.bias_name is not None
 
 
 def kron_factors(
@@ -284,7 +284,7 @@ def kron_factors(
     """
     modules = {m: mod for t in targets for m, mod in t.modules.items()}
     device = model_device(model)
-    keys = [{m: block_key(m, t) for m in t.kmods} for t in targets]
+    keys = [{m: block_key(m, k) for m, k in t.kmods.items()} for t in targets]
     blocks = {key: (t, m) for t, ks in zip(targets, keys, strict=True) for m, key in ks.items()}
     accs = {
         key: FactorAccumulator(

@@ -209,7 +209,7 @@ class KronLaplace(LaplaceBase):
         run = Run(check_generator(generator), progress, loss)
 
         targets = [p._targets for p in posteriors]
-        blocks = {block_key(m, t): k for t in targets for m, k in t.kmods.items()}
+        blocks = {block_key(m, k): k for t in targets for m, k in t.kmods.items()}
         kmods = {f"{key[0]} ({i})": k for i, (key, k) in enumerate(blocks.items())}
         run.preflight = lambda f, keep, mask: kron_estimate(
             kmods, f, keep, mask, first._options, 0

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from partialbayes.curvature import KronLaplace, LaplaceBase, grid_val_nll_many, logit_mean_cov_many
+from partialbayes.curvature.internal import block_key
 from partialbayes.glue_bench.context import (
     MC_FISHER_OFFSET,
     Context,
@@ -117,13 +118,12 @@ def kron_prediction(ctx: Context, cell: KronCell) -> Prediction:
     return laplace_prediction(ctx, la, cell.skfac_percent)
 
 
-def blocks_of(cell: KronCell) -> dict[tuple[str, bytes, bytes, int], int]:
-    """The floats of each Kronecker eigenbasis of a cell, by block (map, rows, columns, bias)."""
+def blocks_of(cell: KronCell) -> dict[tuple[Any, ...], int]:
+    """The floats of each Kronecker eigenbasis of a cell, by block (`curvature.internal.block_key`)."""
     out = {}
     for m, km in cell.subset.kron_modules().items():
         r, c = km.n_rows, km.n_cols + (km.bias_name is not None)
-        key = tuple(b"" if t is None else t.cpu().numpy().tobytes() for t in (km.rows, km.cols))
-        out[(m, *key, c)] = r * r + r + c * c + c
+        out[block_key(m, km)] = r * r + r + c * c + c
     return out
 
 
