@@ -169,6 +169,14 @@ def test_validation_errors_name_the_culprit():
     s = Subset.from_model(model, {"fc1.weight": KronBlock()})
     with pytest.raises(ValueError, match=r"tensor for 'fc1.weight' has shape \(5, 4\)"):
         s.gather("fc1.weight", torch.zeros(5, 4))
+    with pytest.raises(TypeError, match=r"tensor for 'fc1\.weight' must be a Tensor, got list"):
+        s.gather("fc1.weight", [[0.0] * 5] * 4)
+    with pytest.raises(KeyError, match=r"'fc2\.weight' is not in the subset"):
+        s.gather("fc2.weight", torch.zeros(3, 4))
+    with pytest.raises(KeyError, match=r"'fc9\.weight' is not in the model"):
+        s.gather("fc9.weight", torch.zeros(4, 5))
+    with pytest.raises(TypeError, match="parameter name must be a string, got list"):
+        s.gather(["fc1.weight"], torch.zeros(4, 5))
     with pytest.raises(ValueError, match="20 entries"):
         s.scatter("fc1.weight", torch.zeros(3), torch.zeros(4, 5))
     with pytest.raises(KeyError, match="not in the subset"):
@@ -218,10 +226,15 @@ def test_kron_modules_and_errors():
         Subset.from_model(model, {"norm.weight": KronBlock()}).kron_modules()
     with pytest.raises(ValueError, match=r"'fc1.bias' is selected without its weight"):
         Subset.from_model(model, {"fc1.bias": KronBlock()}).kron_modules()
-    with pytest.raises(ValueError, match="bias rows to equal"):
-        Subset.from_model(
-            model, {"fc1.weight": KronBlock([0]), "fc1.bias": KronBlock([1])}
-        ).kron_modules()
+    for w, b in (([0], [1]), ([0], [0, 1]), (None, [0]), ([0], None)):  # all rows: None
+        with pytest.raises(ValueError, match="bias rows to equal"):
+            Subset.from_model(
+                model, {"fc1.weight": KronBlock(w), "fc1.bias": KronBlock(b)}
+            ).kron_modules()
+    for rows in (None, [0, 3]):
+        blocks = {"fc1.weight": KronBlock(rows), "fc1.bias": KronBlock(rows)}
+        km = Subset.from_model(model, blocks).kron_modules()["fc1"]
+        assert (km.bias_name, km.n_rows, km.n_cols) == ("fc1.bias", 2 if rows else 4, 5)
 
 
 def test_percent_of_excludes_embeddings():

@@ -10,13 +10,6 @@ from torch import Tensor
 from partialbayes.predictive._batch import kept_positions
 
 
-def answer_only(target_ids: object, regression: bool) -> bool:
-    """Whether ``target_ids`` asks for answer-only outputs (a ``ValueError`` for a regression model)."""
-    if target_ids is not None and regression:
-        raise ValueError("target_ids selects answer tokens of a classifier; not for regression")
-    return target_ids is not None
-
-
 def check_target_ids(target_ids: Sequence[int] | Tensor, num_outputs: int) -> Tensor:
     """``target_ids`` as an ``int64`` tensor ``[K]`` of distinct indices in ``[0, num_outputs)``."""
     try:

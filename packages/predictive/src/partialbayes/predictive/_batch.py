@@ -1,8 +1,9 @@
-"""One way to read a batch (tensor, ``(inputs, labels)`` pair, or mapping) and call a model."""
+"""Model plumbing: read a batch (tensor, ``(inputs, labels)`` pair, or mapping), call a model, free memory."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,55 +37,34 @@ class Batch:
         return batch_size(self.inputs)
 
 
-def _to(value: Any, device: torch.device | None) -> Any:
-    return value.to(device) if device is not None and isinstance(value, Tensor) else value
-
-
-def _mapping_inputs(
-    batch: Mapping[str, Any], device: torch.device | None, paired: bool = False
-) -> tuple[dict[str, Any], Any]:
-    labels = None
-    found = [k for k in LABEL_KEYS if k in batch]
-    if len(found) + paired > 1:  # labels given twice (``paired``: also as a pair's second element)
-        where = f"both {found}" if len(found) > 1 else f"{found[0]!r} and as the pair's labels"
-        raise ValueError(f"batch carries labels under {where}: give them once")
-    if found:
-        labels = batch[found[0]]
-    inputs = {str(k): _to(v, device) for k, v in batch.items() if k not in LABEL_KEYS}
-    lists = [k for k, v in inputs.items() if isinstance(v, list)]
-    if lists:
-        raise TypeError(
-            f"batch input {lists[0]!r} is a list, not a tensor: the examples were not collated. Batch "
-            "them with a collator (DataLoader(ds, batch_size=..., collate_fn=transformers."
-            "DataCollatorWithPadding(tokenizer))) or tokenize with return_tensors='pt'"
-        )
-    if not inputs:
-        raise ValueError(f"mapping batch holds no model inputs, only {sorted(map(str, batch))}")
-    return inputs, labels
-
-
 def split_batch(batch: Any, *, device: torch.device | str | None = None) -> Batch:
     """Split a tensor, ``(inputs, labels)`` pair or mapping batch (labels under ``"labels"`` / ``"label"``).
 
     Non-tensor labels go through ``torch.as_tensor``; tensors move to ``device`` when given.
     """
-    dev = torch.device(device) if device is not None else None
-    labels: Any = None
-    if isinstance(batch, Tensor):
-        inputs: Tensor | dict[str, Any] = _to(batch, dev)
-    elif isinstance(batch, Mapping):
-        inputs, labels = _mapping_inputs(batch, dev)
-    elif isinstance(batch, (tuple, list)) and len(batch) == 2:
-        first, labels = batch
-        if isinstance(first, Mapping):
-            inputs, _ = _mapping_inputs(first, dev, paired=True)
-        elif isinstance(first, Tensor):
-            inputs = _to(first, dev)
-        else:
+    paired = isinstance(batch, (tuple, list)) and len(batch) == 2
+    inputs, labels = batch if paired else (batch, None)
+    if isinstance(inputs, Mapping):
+        found = [k for k in LABEL_KEYS if k in inputs]
+        if len(found) + paired > 1:  # labels given twice (a pair's second element counts)
+            where = f"both {found}" if len(found) > 1 else f"{found[0]!r} and as the pair's labels"
+            raise ValueError(f"batch carries labels under {where}: give them once")
+        labels = inputs[found[0]] if found else labels
+        inputs = {str(k): v for k, v in inputs.items() if k not in LABEL_KEYS}
+        lists = [k for k, v in inputs.items() if isinstance(v, list)]
+        if lists:
             raise TypeError(
-                f"the inputs of a pair batch must be a tensor or a mapping, got {type(first).__name__}"
+                f"batch input {lists[0]!r} is a list, not a tensor: the examples were not collated. Batch "
+                "them with a collator (DataLoader(ds, batch_size=..., collate_fn=transformers."
+                "DataCollatorWithPadding(tokenizer))) or tokenize with return_tensors='pt'"
             )
-    else:
+        if not inputs:
+            raise ValueError(f"mapping batch holds no model inputs, only {sorted(found)}")
+    elif paired and not isinstance(inputs, Tensor):
+        raise TypeError(
+            f"the inputs of a pair batch must be a tensor or a mapping, got {type(inputs).__name__}"
+        )
+    elif not isinstance(inputs, Tensor):
         shape = f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""
         hint = (
             f" {batch!r}: iterating one batch (a dict or BatchEncoding) yields its keys. Pass a list "
@@ -100,18 +80,24 @@ def split_batch(batch: Any, *, device: torch.device | str | None = None) -> Batc
             raise TypeError(
                 f"labels must be a tensor (or convertible to one), got {type(labels).__name__}"
             ) from err
-    labels = _to(labels, dev)
-    try:
-        empty = batch_size(inputs) == 0
-    except ValueError:  # sizes unknown here; the model call will say more
-        empty = False
-    if empty:
+    tensors = inputs.values() if isinstance(inputs, dict) else [inputs]
+    if {int(t.shape[0]) for t in tensors if isinstance(t, Tensor) and t.ndim} == {0}:  # no example
         raise ValueError(
             "empty batch: the inputs hold 0 examples (drop empty batches before handing them over)"
         )
+    if device is not None:
+        labels = None if labels is None else labels.to(device)
+        if isinstance(inputs, dict):
+            inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
+        else:
+            inputs = inputs.to(device)
     mask = inputs.get("attention_mask") if isinstance(inputs, dict) else None
     check_type("attention_mask", mask, (Tensor, type(None)), "a tensor")
     return Batch(inputs=inputs, labels=labels, attention_mask=mask)
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, Tensor) else value
 
 
 def move_batch(batch: Any, device: torch.device | str) -> Any:
@@ -167,6 +153,37 @@ def model_logits(model: nn.Module, inputs: Tensor | Mapping[str, Any]) -> Tensor
     """``model(**inputs)`` for a mapping, ``model(inputs)`` else; its logits (inputs of a split `Batch`)."""
     out = model(**inputs) if isinstance(inputs, Mapping) else model(inputs)
     return output_logits(out)
+
+
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """Put every module of ``model`` in eval mode (dropout off); restore each module's mode on exit."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def available_memory(device: torch.device | str) -> tuple[int | None, str]:
+    """Bytes free on ``device`` (``None``: unknown) and their source: CUDA free + cached, CPU ``MemAvailable``."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        return free + cached, "free + cached CUDA memory"
+    if dev.type != "cpu":
+        return None, f"unknown on {dev.type}"
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+    except OSError:
+        pass
+    return None, "unknown (no /proc/meminfo)"
 
 
 def kept_positions(

@@ -1,8 +1,9 @@
-"""Deterministic link approximations of ``E[softmax(f)]`` (or ``E[sigmoid(f)]``) for Gaussian logits ``f``."""
+"""Deterministic link approximations of ``E[softmax(f)]`` (or ``E[sigmoid(f)]``) for Gaussian logits ``f``; the link choice."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -161,3 +162,14 @@ def gaussian_predictive(
     if full:
         return mu, v + torch.diag_embed(torch.zeros_like(target) + noise)
     return mu, v + noise
+
+
+def resolve_link(link: str | None, offered: Sequence[str], family: str) -> str:
+    """The link to use: ``offered[0]`` for ``None``, else ``link`` if offered (else a ``ValueError`` listing them)."""
+    if link is None:
+        return offered[0]
+    if link not in offered:
+        raise ValueError(
+            f"{family}.predict: link={link!r} is not offered; {family} offers {tuple(offered)}"
+        )
+    return link

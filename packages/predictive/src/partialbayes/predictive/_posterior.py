@@ -10,10 +10,10 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from partialbayes.predictive._answers import answer_logits, answer_only
-from partialbayes.predictive._batch import is_causal_lm, model_logits, split_batch
+from partialbayes.predictive._answers import answer_logits
+from partialbayes.predictive._batch import eval_mode, is_causal_lm, model_logits, split_batch
 from partialbayes.predictive._stream import mc_predict, mc_predict_regression
-from partialbayes.predictive._validate import check_choice, check_int, check_number, check_type
+from partialbayes.predictive._validate import answer_only, check_int, check_type
 
 
 @runtime_checkable
@@ -92,61 +92,9 @@ class Posterior(Protocol):
         ...
 
 
-def resolve_link(link: str | None, offered: Sequence[str], family: str) -> str:
-    """The link to use: ``offered[0]`` for ``None``, else ``link`` if offered (else a ``ValueError`` listing them)."""
-    if link is None:
-        return offered[0]
-    if link not in offered:
-        raise ValueError(
-            f"{family}.predict: link={link!r} is not offered; {family} offers {tuple(offered)}"
-        )
-    return link
-
-
-#: The likelihoods every posterior family supports.
-LIKELIHOODS = ("classification", "regression")
-
-
-def check_likelihood(likelihood: object, sigma_noise: object = 1.0) -> float:
-    """Check ``likelihood`` (one of `LIKELIHOODS`) and ``sigma_noise`` (finite > 0); return the latter as a float."""
-    check_choice("likelihood", likelihood, LIKELIHOODS)
-    return check_number("sigma_noise", sigma_noise)
-
-
-def available_memory(device: torch.device | str) -> tuple[int | None, str]:
-    """Bytes free on ``device`` (``None``: unknown) and their source: CUDA free + cached, CPU ``MemAvailable``."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev)
-        cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-        return free + cached, "free + cached CUDA memory"
-    if dev.type != "cpu":
-        return None, f"unknown on {dev.type}"
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
-    except OSError:
-        pass
-    return None, "unknown (no /proc/meminfo)"
-
-
 def rows(sample: Mapping[str, Tensor], i: int) -> dict[str, Tensor]:
     """Sample ``i`` of a batch of samples ``{name: [n, k]}``, as ``{name: [k]}``."""
     return {name: values[i] for name, values in sample.items()}
-
-
-@contextmanager
-def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
-    """Put every module of ``model`` in eval mode (dropout off); restore each module's mode on exit."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield model
-    finally:
-        for m, mode in modes:
-            m.training = mode
 
 
 @contextmanager

@@ -27,12 +27,23 @@ def _interval(spec: str) -> tuple[float, float, bool, bool]:
     return float(low), float(high), spec[0] == "(", spec[-1] == ")"
 
 
-def _check_in(name: str, value: Any, interval: str) -> None:
+# check_number checks its type inline (it runs on every hot path); check_int reuses it for the interval.
+def check_int(name: str, value: object, interval: str = "[1, inf)") -> int:
+    """An integer (``int``, NumPy's; not a ``bool``) in ``interval``, as an ``int``: else ``TypeError`` / ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    check_number(name, int(value), interval)
+    return int(value)
+
+
+def check_number(name: str, value: object, interval: str = "(0, inf)") -> float:
+    """A real number (``int``, ``float``, NumPy's; not ``bool``) in ``interval`` (NaN lies in none), as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     low, high, low_open, high_open = _interval(interval)
-    if (low < value if low_open else low <= value) and (
-        value < high if high_open else value <= high
-    ):
-        return
+    x = float(value)
+    if (low < x if low_open else low <= x) and (x < high if high_open else x <= high):
+        return x
     if high < float("inf"):
         rule = f"lie in {interval}"
     elif interval == "[1, inf)" and isinstance(value, int):
@@ -41,23 +52,6 @@ def _check_in(name: str, value: Any, interval: str) -> None:
         kind = "an int" if isinstance(value, int) else "a finite number"
         rule = f"be {kind} {'>' if low_open else '>='} {low:g}"
     raise ValueError(f"{name} must {rule}, got {value!r}")
-
-
-# Inline type checks: check_int / check_number run on every hot path (one call fewer each).
-def check_int(name: str, value: object, interval: str = "[1, inf)") -> int:
-    """An integer (``int``, NumPy's; not a ``bool``) in ``interval``, as an ``int``: else ``TypeError`` / ``ValueError``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    _check_in(name, int(value), interval)
-    return int(value)
-
-
-def check_number(name: str, value: object, interval: str = "(0, inf)") -> float:
-    """A real number (``int``, ``float``, NumPy's; not ``bool``) in ``interval`` (NaN lies in none), as a float."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    _check_in(name, value, interval)
-    return float(value)
 
 
 def check_bool(name: str, value: object) -> bool:
@@ -85,6 +79,23 @@ def check_choice(name: str, value: object, options: Collection[Any]) -> Any:
     if value not in options:
         raise ValueError(f"{name} must be one of {sorted(options, key=str)}, got {value!r}")
     return value
+
+
+#: The likelihoods every posterior family supports.
+LIKELIHOODS = ("classification", "regression")
+
+
+def check_likelihood(likelihood: object, sigma_noise: object = 1.0) -> float:
+    """Check ``likelihood`` (one of `LIKELIHOODS`) and ``sigma_noise`` (finite > 0); return the latter as a float."""
+    check_choice("likelihood", likelihood, LIKELIHOODS)
+    return check_number("sigma_noise", sigma_noise)
+
+
+def answer_only(target_ids: object, regression: bool) -> bool:
+    """Whether ``target_ids`` asks for answer-only outputs (a ``ValueError`` for a regression model)."""
+    if target_ids is not None and regression:
+        raise ValueError("target_ids selects answer tokens of a classifier; not for regression")
+    return target_ids is not None
 
 
 def check_keys(

@@ -1,10 +1,12 @@
 """Plumbing the sibling packages share: no compatibility promise, not part of the API reference."""
 
-from partialbayes.predictive._answers import answer_index, answer_only, check_target_ids
+from partialbayes.predictive._answers import answer_index, check_target_ids
 from partialbayes.predictive._batch import (
     IGNORE_INDEX,
     Batch,
+    available_memory,
     batch_size,
+    eval_mode,
     flatten_outputs,
     model_logits,
     move_batch,
@@ -18,19 +20,12 @@ from partialbayes.predictive._files import (
     read_posterior_file,
     write_posterior_file,
 )
-from partialbayes.predictive._link import probit_kernel, probit_scale
+from partialbayes.predictive._link import probit_kernel, probit_scale, resolve_link
 from partialbayes.predictive._mc import cholesky_jitter, gaussian_draws, gaussian_mc
-from partialbayes.predictive._posterior import (
-    LIKELIHOODS,
-    TrainerEvents,
-    available_memory,
-    check_likelihood,
-    eval_mode,
-    gradients_only,
-    resolve_link,
-    rows,
-)
+from partialbayes.predictive._posterior import TrainerEvents, gradients_only, rows
 from partialbayes.predictive._validate import (
+    LIKELIHOODS,
+    answer_only,
     check_bool,
     check_choice,
     check_dtype,
@@ -41,6 +36,7 @@ from partialbayes.predictive._validate import (
     check_keys,
     check_known,
     check_labels,
+    check_likelihood,
     check_number,
     check_shapes,
     check_tensor,

@@ -117,7 +117,8 @@ class KronModule:
     """A linear map of a Kronecker-structured Subset, as KFAC-type methods consume it.
 
     ``bias_name`` is ``None`` when the bias is not in the subset; ``rows`` / ``cols`` (sorted int64, ``None``:
-    all) index the logical ``n_out x n_in`` weight; ``transposed`` marks a Hugging Face ``Conv1D``.
+    all) index the logical ``n_out x n_in`` weight, ``n_rows`` / ``n_cols`` count them; ``transposed`` marks a
+    Hugging Face ``Conv1D``.
     """
 
     module_name: str
@@ -128,16 +129,8 @@ class KronModule:
     n_out: int
     n_in: int
     transposed: bool
-
-    @property
-    def n_rows(self) -> int:
-        """Number of selected outputs."""
-        return self.n_out if self.rows is None else int(self.rows.numel())
-
-    @property
-    def n_cols(self) -> int:
-        """Number of selected inputs."""
-        return self.n_in if self.cols is None else int(self.cols.numel())
+    n_rows: int
+    n_cols: int
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, KronModule):

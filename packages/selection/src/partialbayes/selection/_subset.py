@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.selection._blocks import Block, KronBlock, KronModule, MaskBlock, _same
+from partialbayes.selection._blocks import Block, KronBlock, KronModule, MaskBlock
 from partialbayes.selection._modules import is_conv1d, linear_shape
 from partialbayes.selection._validate import check_type
 
@@ -185,14 +185,6 @@ class Subset:
         """Whether every block is a :class:`KronBlock`."""
         return all(isinstance(b, KronBlock) for b in self._blocks.values())
 
-    def _storage_index(self, name: str) -> tuple[Tensor | None, Tensor | None]:
-        """(storage-dim-0 indices, storage-dim-1 indices) of a KronBlock."""
-        b = self._blocks[name]
-        assert isinstance(b, KronBlock)
-        if self._info[name].transposed:
-            return b.cols, b.rows
-        return b.rows, b.cols
-
     def mask(self, name: str) -> Tensor:
         """Boolean mask of ``name`` in storage shape, on cpu."""
         b = self._get(name)
@@ -215,7 +207,7 @@ class Subset:
             return int(b.mask.sum())
         if len(shape) not in (1, 2):
             return int(shape.numel())
-        r, c = self._storage_index(name)
+        r, c = (b.cols, b.rows) if self._info[name].transposed else (b.rows, b.cols)  # storage dims
         n = int(shape[0]) if r is None else int(r.numel())
         if len(shape) == 2:
             n *= int(shape[1]) if c is None else int(c.numel())
@@ -234,10 +226,13 @@ class Subset:
 
         Order: row-major order of the storage mask (``tensor[mask]``).
         """
-        b = self._get(name)
-        self._check_storage(name, tensor, "tensor")
+        b = self._blocks.get(name) if isinstance(name, str) else None
+        if b is None or not isinstance(tensor, Tensor) or tensor.shape != self._info[name].shape:
+            self._get(name)  # each raises naming the culprit
+            self._check_storage(name, tensor, "tensor")
         if isinstance(b, KronBlock) and tensor.ndim in (1, 2):
-            r, c = self._storage_index(name)
+            t = self._info[name].transposed  # storage dims: a Conv1D stores n_in x n_out
+            r, c = (b.cols, b.rows) if t else (b.rows, b.cols)
             out = tensor if r is None else tensor.index_select(0, r.to(tensor.device))
             if tensor.ndim == 2 and c is not None:
                 out = out.index_select(1, c.to(tensor.device))
@@ -263,7 +258,8 @@ class Subset:
         if not (isinstance(b, KronBlock) and tensor.ndim in (1, 2)):
             tensor[self.mask(name).to(tensor.device)] = values
             return
-        r, c = (None if i is None else i.to(tensor.device) for i in self._storage_index(name))
+        rc = (b.cols, b.rows) if self._info[name].transposed else (b.rows, b.cols)  # storage dims
+        r, c = (None if i is None else i.to(tensor.device) for i in rc)
         if tensor.ndim == 1 or c is None:
             shape = (tensor.shape[0] if r is None else r.numel(), *tensor.shape[1:])
             if r is None:
@@ -397,17 +393,20 @@ class Subset:
             assert isinstance(b, KronBlock)
             assert inf.module_name is not None
             bias = bias_of.pop(inf.module_name, None)
-            if bias is not None:
-                bb = self._blocks[bias]
-                assert isinstance(bb, KronBlock)
-                if not _same(bb.rows, b.rows):  # a 1-D bias's block has cols=None
-                    raise ValueError(
-                        f"bias {bias!r} selects rows {bb.rows}, its weight selects rows {b.rows}; "
-                        "Kronecker-factored methods need the bias rows to equal the weight rows"
-                    )
-            out[inf.module_name] = KronModule(
-                inf.module_name, n, bias, b.rows, b.cols, inf.n_out, inf.n_in, inf.transposed
-            )
+            bb = b if bias is None else self._blocks[bias]  # a 1-D bias's block: cols=None
+            assert isinstance(bb, KronBlock)
+            rows = bb.rows
+            if rows is not b.rows and (
+                rows is None or b.rows is None or not torch.equal(rows, b.rows)
+            ):
+                raise ValueError(
+                    f"bias {bias!r} selects rows {rows}, its weight selects rows {b.rows}; "
+                    "Kronecker-factored methods need the bias rows to equal the weight rows"
+                )
+            n_rows = inf.n_out if b.rows is None else int(b.rows.numel())
+            n_cols = inf.n_in if b.cols is None else int(b.cols.numel())
+            where = (inf.module_name, n, bias, b.rows, b.cols, inf.n_out, inf.n_in, inf.transposed)
+            out[inf.module_name] = KronModule(*where, n_rows, n_cols)
         if bias_of:
             name = next(iter(bias_of.values()))
             raise ValueError(
@@ -548,7 +547,7 @@ class Subset:
 def check_subset(subset: object, empty_ok: bool = True) -> Subset:
     """``subset`` itself if it is a `Subset` (non-empty unless ``empty_ok``), else a ``TypeError`` / ``ValueError``."""
     check_type("subset", subset, Subset, "a partialbayes.selection.Subset")
-    if not (empty_ok or subset.names):
+    if not (empty_ok or subset._blocks):
         raise ValueError("subset is empty: select at least one parameter")
     return subset
 
