@@ -234,7 +234,7 @@ class LaplaceBase(ABC):
         self.device = next(iter(params.values())).device
         groups = self._groups()
         self.modules = tuple(dict.fromkeys(groups.values()))
-        self._param_module = {n: self.modules.index(groups[n]) for n in subset.names}
+        self._param_module = {n: self.modules.index(groups[n]) for n in params}
         self._prior = prior_vector(prior_precision, self.modules, dtype=dtype, device=self.device)
         self._map: dict[str, Tensor] = {}
         self._fitted = False

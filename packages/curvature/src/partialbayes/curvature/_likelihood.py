@@ -11,12 +11,12 @@ import torch
 from torch import Tensor, nn
 
 from partialbayes.predictive.internal import (
-    check_bool,
+    LIKELIHOODS,
     check_choice,
     check_dtype,
     check_finite,
     check_int,
-    check_likelihood,
+    check_number,
     check_type,
 )
 from partialbayes.predictive.internal import check_labels as check_class_labels
@@ -103,13 +103,14 @@ class CurvatureOptions:
         return fisher.vectors(f, p, labels, self.mc_samples, float(self.sigma_noise), generator)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sigma_noise", check_likelihood(self.likelihood, self.sigma_noise))
+        check_choice("likelihood", self.likelihood, LIKELIHOODS)
+        object.__setattr__(self, "sigma_noise", check_number("sigma_noise", self.sigma_noise))
         check_choice("fisher", self.fisher, FISHERS)
         check_int("mc_samples", self.mc_samples)
         check_dtype("dtype", self.dtype)
         if self.num_classes is not None:
             check_int("num_classes", self.num_classes)
-        check_bool("shift_labels", self.shift_labels)
+        check_type("shift_labels", self.shift_labels, bool, "a bool")
         check_choice("sharing", self.sharing, (None, "reduce", "expand"))
         check_choice("bias", self.bias, ("fold", "separate"))
         if self.max_rank is not None:
