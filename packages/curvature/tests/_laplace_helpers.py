@@ -47,7 +47,7 @@ def random_factors(posterior, seed: int, rank: int | None = None) -> dict[str, S
     g = torch.Generator().manual_seed(seed)
     out = {}
     for m in posterior.modules:
-        r, _, c = posterior._dims(m)
+        r, _, c = posterior._dims[m]
         xg = torch.randn(r, rank or r, generator=g, dtype=torch.float64)
         xa = torch.randn(c, rank or c, generator=g, dtype=torch.float64)
         out[m] = SimpleNamespace(G=xg @ xg.T * 3.0, A=xa @ xa.T / 2.0)

@@ -216,7 +216,7 @@ def test_fit_passes_the_option_and_refuses_factors_of_the_other_mode():
     # floats: eig_g, Q_G, eig_a (weight inputs + the bias factor), Q_A over the weight inputs only
     expected = 0
     for m in la.modules:
-        r, cw, c = la._dims(m)
+        r, cw, c = la._dims[m]
         expected += r + r * r + c + (cw * cw if c > cw else c * c)
     assert la.num_floats == expected
 

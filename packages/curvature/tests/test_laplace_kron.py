@@ -117,7 +117,7 @@ def test_samples_mean_and_covariance_match_dense(device):
 def test_block_mapping_round_trip_and_gather_order():
     model, subset, la, _ = _fitted(3)
     for m in la.modules:
-        r, _, c = la._dims(m)
+        r, _, c = la._dims[m]
         blk = torch.arange(r * c, dtype=torch.float64).reshape(r, c)
         params = la.block_to_params(m, blk)
         torch.testing.assert_close(la.params_to_block(m, params), blk)

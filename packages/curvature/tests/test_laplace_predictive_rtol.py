@@ -36,7 +36,7 @@ def _factors(la, seed, scale):
     g = torch.Generator().manual_seed(seed)
     out = {}
     for m in la.modules:
-        r, _, c = la._dims(m)
+        r, _, c = la._dims[m]
         out[m] = SimpleNamespace(G=_decaying(r, g, 4) * scale, A=_decaying(c, g, 3))
     return out
 

@@ -273,7 +273,7 @@ def _kron_factors(la, seed):
     g = torch.Generator().manual_seed(seed)
     out = {}
     for m in la.modules:
-        r, _, c = la._dims(m)
+        r, _, c = la._dims[m]
         xg = torch.randn(r, r, generator=g, dtype=torch.float64)
         xa = torch.randn(c, c, generator=g, dtype=torch.float64)
         out[m] = SimpleNamespace(G=xg @ xg.T, A=xa @ xa.T / c)

@@ -8,7 +8,7 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal, TypeVar, overload
 
 import torch
@@ -66,12 +66,14 @@ _FIELDS: dict[str, type | tuple[type, ...]] = {
 }
 
 
+@dataclass
 class MapLoss:
     """Training loss at the MAP from the curvature pass's output rows (``on_batch``): summed CE or SSE, float64."""
 
-    def __init__(self, likelihood: str) -> None:
-        self.likelihood, self.n_data, self.n_outputs = likelihood, 0, 0
-        self.total = torch.zeros((), dtype=torch.float64)
+    likelihood: str
+    n_data: int = 0
+    n_outputs: int = 0
+    total: Tensor | float = 0.0  # a float64 tensor on the batches' device once a batch is added
 
     def __call__(self, index: int, logits: Tensor, labels: Tensor | None) -> None:
         """Add one batch: output rows ``logits [N, C]`` and their checked labels (refused: none)."""
@@ -85,14 +87,15 @@ class MapLoss:
             loss = nn.functional.cross_entropy(f, labels, reduction="sum")
         else:
             loss = ((f - labels.double()) ** 2).sum()
-        self.total = loss + self.total.to(loss.device)
+        self.total = loss + self.total
         self.n_data += int(f.shape[0])
         self.n_outputs = int(f.shape[1])
 
     def result(self, device: torch.device) -> tuple[float, int, int]:
         """``(loss, n_examples, n_outputs)`` summed over ranks (the same on every rank: they fail together)."""
         n_data = torch.tensor(float(self.n_data), dtype=torch.float64, device=device)
-        sums = all_reduce(torch.stack([self.total.to(device), n_data]))
+        total = torch.as_tensor(self.total, dtype=torch.float64, device=device)
+        sums = all_reduce(torch.stack([total, n_data]))
         # the max of C and of -C: equal on every rank iff the ranks agree
         outs = all_reduce(torch.tensor([self.n_outputs, -self.n_outputs], device=device), "max")
         if int(outs[0]) != -int(outs[1]):

@@ -87,7 +87,17 @@ class KronLaplace(LaplaceBase):
         self._options: CurvatureOptions = replace(
             self._options, sharing=sharing, bias=bias, max_rank=max_rank
         )
-        sizes = {f"{s} of {m!r} ({n})": n for m in self.modules for s, n in self._sides(m).items()}
+        # per module: ``(r, c_w, c)`` (``c = c_w + 1`` with a bias), a separate bias, the factor sizes
+        self._dims: dict[str, tuple[int, int, int]] = {}
+        self._separate: set[str] = set()
+        self._sides: dict[str, dict[str, int]] = {}
+        for m, km in self._kmods.items():
+            r, cw, c = km.n_rows, km.n_cols, km.n_cols + (km.bias_name is not None)
+            self._dims[m] = (r, cw, c)
+            if c > cw and self._options.bias == "separate":
+                self._separate.add(m)
+            self._sides[m] = {"G": r, "A": cw if m in self._separate else c}
+        sizes = {f"{s} of {m!r} ({n})": n for m in self.modules for s, n in self._sides[m].items()}
         if max_rank is not None and max(sizes.values()) <= max_rank:
             largest = max(sizes, key=sizes.__getitem__)
             warnings.warn(
@@ -123,20 +133,6 @@ class KronLaplace(LaplaceBase):
             if n is not None
         }
 
-    def _dims(self, module: str) -> tuple[int, int, int]:
-        """``(r, c_w, c)``: block rows, weight columns, block columns (``c_w + 1`` with a bias)."""
-        km = self._kmods[module]
-        return km.n_rows, km.n_cols, km.n_cols + (km.bias_name is not None)
-
-    def _separate(self, module: str) -> bool:
-        """Whether the module's bias is in its block and kept separate (``bias="separate"``)."""
-        return self._options.bias == "separate" and self._kmods[module].bias_name is not None
-
-    def _sides(self, module: str) -> dict[str, int]:
-        """``{"G": r, "A": n_A}``: the factor sizes (``n_A = c_w`` with a separate bias, else ``c``)."""
-        r, cw, c = self._dims(module)
-        return {"G": r, "A": cw if self._separate(module) else c}
-
     def _rank(self, n: int) -> int:
         """The rank a factor side of size ``n`` is kept at."""
         max_rank = self._options.max_rank
@@ -150,7 +146,7 @@ class KronLaplace(LaplaceBase):
             part transposed to its ``n_in x n_out`` storage).
         """
         km = self._kmods[module]
-        _, cw, _ = self._dims(module)
+        _, cw, _ = self._dims[module]
         w = block[..., :cw]
         if km.transposed:
             w = w.transpose(-1, -2)
@@ -162,7 +158,7 @@ class KronLaplace(LaplaceBase):
     def params_to_block(self, module: str, values: Mapping[str, Tensor]) -> Tensor:
         """Inverse of `block_to_params`: ``{param: [..., k]}`` -> ``[..., r, c]``."""
         km = self._kmods[module]
-        r, cw, _ = self._dims(module)
+        r, cw, _ = self._dims[module]
         w = values[km.weight_name]
         lead = w.shape[:-1]
         w = w.reshape(*lead, cw, r).transpose(-1, -2) if km.transposed else w.reshape(*lead, r, cw)
@@ -233,11 +229,12 @@ class KronLaplace(LaplaceBase):
         if missing or extra:
             raise ValueError(f"factors do not match the subset: missing {missing}, unknown {extra}")
         eig, stacks, memo = {}, {}, self._fit_memo
+        dtype, max_rank = self._options.dtype, self._options.max_rank
         for m in self.modules:
             if memo is not None and id(curvature[m]) in memo:  # checked for another subset
                 _, eig[m], stacks[m] = memo[id(curvature[m])]
                 continue
-            separate, sides = self._separate(m), self._sides(m)
+            separate, sides = m in self._separate, self._sides[m]
             G, A = curvature[m].G, curvature[m].A
             A_bias = getattr(curvature[m], "A_bias", None)
             if separate != (A_bias is not None):
@@ -254,8 +251,16 @@ class KronLaplace(LaplaceBase):
                     f"factors of module {m!r} have G {tuple(shapes[0])} and A {tuple(shapes[1])}, "
                     f"expected {(sides['G'],) * 2} and {(sides['A'],) * 2} for its block"
                 )
+            factors = []  # as stored: eigenpairs (at most max_rank), the posterior's dtype and device
             with prefixed(f"curvature of module {m!r}"):
-                g, a = (self._factor(f, k) for k, f in zip(sides, (G, A), strict=True))
+                for what, f in zip(sides, (G, A), strict=True):
+                    if isinstance(f, LowRankFactor):
+                        parts = (t.to(self.device, dtype) for t in (f.U, f.s, f.rest))
+                        factors.append(LowRankFactor(*parts))
+                    else:
+                        whole = whole_factor(f, dtype, self.device, what)
+                        factors.append(whole if max_rank is None else truncated(whole, max_rank))
+                g, a = factors
                 if A_bias is not None:  # separate (checked above)
                     a = _with_separate_bias(a, A_bias.to(a.U))
             eig[m], stacks[m] = (g, a), weakref.WeakValueDictionary()
@@ -271,14 +276,6 @@ class KronLaplace(LaplaceBase):
         if sharing is None and shared:
             self._options = replace(self._options, sharing=shared.pop())
         self._eig, self._stacks = eig, stacks
-
-    def _factor(self, f: Tensor | LowRankFactor, what: str) -> LowRankFactor:
-        """A factor as stored (eigenpairs, at most ``max_rank``), in the posterior's dtype and device."""
-        dtype, max_rank = self._options.dtype, self._options.max_rank
-        if isinstance(f, LowRankFactor):
-            return LowRankFactor(*(t.to(self.device, dtype) for t in (f.U, f.s, f.rest)))
-        whole = whole_factor(f, dtype, self.device, what)
-        return whole if max_rank is None else truncated(whole, max_rank)
 
     def _eigenvalues(self, i: int, m: str, prior: Tensor, scale: Tensor | float) -> Tensor:
         """``E`` on the extended grid ``[r_G + 1, r_A + 1]`` (`_lowrank`; ``[:-1, :-1]`` for whole factors)."""
@@ -297,7 +294,7 @@ class KronLaplace(LaplaceBase):
     def _sample(self, n: int, generator: torch.Generator | None) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         for i, m in enumerate(self.modules):
-            r, _, c = self._dims(m)
+            r, _, c = self._dims[m]
             w = self._eigenvalues(i, m, self._prior, self._scale(None)).rsqrt()
             eps = self._noise((n, r, c), generator)
             out.update(self.block_to_params(m, scale_in_basis(eps, *self._eig[m], w)))
@@ -434,7 +431,7 @@ class KronLaplace(LaplaceBase):
         """Eigenpairs per module (``eig_*``, ``q_*``, low-rank ``rest_*``; a separate bias's last)."""
         state = {}
         for m, (g, a) in self._eig.items():
-            qa = a.U[:-1, :-1] if self._separate(m) else a.U
+            qa = a.U[:-1, :-1] if m in self._separate else a.U
             state.update({f"{m}:eig_g": g.s, f"{m}:q_g": g.U, f"{m}:eig_a": a.s, f"{m}:q_a": qa})
             state.update({f"{m}:rest_{k}": f.rest for k, f in (("g", g), ("a", a)) if not f.full})
         return state
@@ -448,15 +445,15 @@ class KronLaplace(LaplaceBase):
                 return file.tensor(f"curv:{m}:{key}", shape).to(self.device, self.dtype)
 
             factors = []
-            for key, n in self._sides(m).items():
+            for key, n in self._sides[m].items():
                 k, s = self._rank(n), key.lower()
-                extra = int(self._separate(m) and key == "A")  # the separate bias's eigenvalue
+                extra = int(m in self._separate and key == "A")  # the separate bias's eigenvalue
                 rest = read(f"rest_{s}", ()) if k < n else read(f"eig_{s}", None).new_zeros(())
                 factors.append(
                     LowRankFactor(read(f"q_{s}", (n, k)), read(f"eig_{s}", (k + extra,))[:k], rest)
                 )
             g, a = factors
-            if self._separate(m):
+            if m in self._separate:
                 a = _with_separate_bias(a, read("eig_a", None)[-1:].reshape(1, 1))
             eig[m] = (g, a)
         self._eig, self._stacks = eig, {}
@@ -465,11 +462,11 @@ class KronLaplace(LaplaceBase):
         rows = []
         for m in self.modules:
             text, floats = [], 0
-            for key, n in self._sides(m).items():
+            for key, n in self._sides[m].items():
                 k = self._rank(n)
                 text.append(f"{key} {n}x{n}" + (f" rank {k}" if k < n else ""))
                 floats += n * k + k + (k < n)
-            sep = self._separate(m)  # the separate bias's eigenvalue: one float more
+            sep = m in self._separate  # the separate bias's eigenvalue: one float more
             rows.append((m, " ⊗ ".join(text) + (", bias G ⊗ [1]" if sep else ""), floats + sep))
         return rows
 

@@ -143,10 +143,8 @@ def residual_covariances(
     dtype: torch.dtype,
     combine_dtype: torch.dtype = torch.float64,
 ) -> list[Tensor]:
-    """``J Σ Jᵀ`` per prior with truncated bases: ``‖J‖²/δ`` plus the kept directions' part."""
+    """``J Σ Jᵀ`` per prior with truncated bases (``x [B, T, c_w]``): ``‖J‖²/δ`` plus the kept directions' part."""
     n_cls, b = d.shape[0], d.shape[1]
-    if x.ndim == 2:  # one position per example
-        x, d = x[:, None, :], d[:, :, None, :]
     xp, dp, counts = active_tokens(x, d, dtype)  # [N, c_w], [C, N, r]
     xq = rotate_inputs(xp, q_a.to(dtype), bias)  # [N, |J|]
     dq = dp @ q_g.to(dtype)  # [C, N, |I|]
@@ -177,7 +175,7 @@ class KronBlocks:
     residual: Sequence[Mapping[str, float]] | None = None
     combine_dtype: torch.dtype = torch.float64
     lowrank: Mapping[str, tuple[LowRankFactor, LowRankFactor]] = field(default_factory=dict)
-    stacked: Mapping[str, Tensor] | None = None
+    stacked: Mapping[str, Tensor] = field(default_factory=dict)
 
 
 def union_index(indices: Sequence[Tensor | None]) -> tuple[Tensor | None, list[Tensor | None]]:
@@ -200,13 +198,15 @@ def kron_predictive(
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     names = sorted({m for p in parts for m in p.targets.kmods}, key=order.__getitem__)
     users = {m: [i for i, p in enumerate(parts) if m in p.targets.kmods] for m in names}
-    cols, rows = {}, {}
+    cols, rows = parts[0].targets.cols, parts[0].targets.rows  # one posterior: its own
     where: list[dict[str, tuple[Tensor | None, Tensor | None]]] = [{} for _ in parts]
-    for m, idx in users.items():
-        cols[m], cw = union_index([parts[i].targets.cols[m] for i in idx])
-        rows[m], rw = union_index([parts[i].targets.rows[m] for i in idx])
-        for i, c, r in zip(idx, cw, rw, strict=True):
-            where[i][m] = (c, r)
+    if len(parts) > 1:  # the union of the parts' rows and columns; each part's place in it
+        cols, rows = {}, {}
+        for m, idx in users.items():
+            cols[m], cw = union_index([parts[i].targets.cols[m] for i in idx])
+            rows[m], rw = union_index([parts[i].targets.rows[m] for i in idx])
+            for i, c, r in zip(idx, cw, rw, strict=True):
+                where[i][m] = (c, r)
     modules = {m: parts[users[m][0]].targets.modules[m] for m in names}
     ps = output_passes(model, inputs, outputs, modules, cols, rows)
     b = ps.logits.shape[0]
@@ -227,7 +227,10 @@ def kron_predictive(
             ]
             for m in names:
                 x_u, d_u = ps.inputs[m], torch.stack(pg.grads.pop(m))  # d: [K, B, (T...,) r]
-                terms = _module_terms(parts, users[m], m, x_u, d_u, where, b)
+                if len(parts) == 1:
+                    terms = {0: _contributions(parts[0], m, x_u, d_u, b)}
+                else:
+                    terms = _module_terms(parts, users[m], m, x_u, d_u, where, b)
                 for i in users[m]:
                     for cov, term in zip(covs[i], terms[i], strict=True):
                         cov += term
@@ -274,7 +277,7 @@ def _module_terms(
     rep: dict[int, int] = {}  # part -> the part whose terms it takes
     stacks: dict[int, int] = {}
     for i in idx:
-        st = parts[i].stacked.get(m) if parts[i].stacked is not None else None
+        st = parts[i].stacked.get(m)
         rep[i] = i if st is None else stacks.setdefault(id(st), i)
     blocks: dict[tuple[int, int], list[int]] = {}  # a block's single-prior sequence parts
     plain: dict[int, list[int]] = {}  # such a part -> its block's
@@ -313,24 +316,17 @@ def _contributions(part: KronBlocks, m: str, x: Tensor, d: Tensor, b: int) -> li
     q_g, q_a = part.bases[m]
     inv = [e[m] for e in part.inv_eigenvalues]
     bias = part.targets.kmods[m].bias_name is not None
-    n_cls = d.shape[0]
+    if x.ndim == 2 and m not in part.lowrank and part.residual is None:  # one position per example
+        xq, dq = rotate_inputs(x.to(part.dtype), q_a, bias), d.to(part.dtype) @ q_g
+        return unshared_covariances(xq, dq, inv)
+    x = x.reshape(b, -1, x.shape[-1])  # [B, T, c_w], d: [C, B, T, r]
+    d = d.reshape(d.shape[0], b, x.shape[1], d.shape[-1])
     if m in part.lowrank:
-        x3 = x.reshape(b, -1, x.shape[-1]).to(part.dtype)
+        x, d = x.to(part.dtype), d.to(part.dtype)
         if bias:
-            x3 = torch.cat([x3, torch.ones_like(x3[..., :1])], dim=-1)
-        d4 = d.reshape(n_cls, b, x3.shape[1], d.shape[-1]).to(part.dtype)
-        return [lowrank_covariance(x3, d4, *part.lowrank[m], e) for e in inv]
+            x = torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)
+        return [lowrank_covariance(x, d, *part.lowrank[m], e) for e in inv]
     if part.residual is not None:
-        if x.ndim > 2:
-            x = x.reshape(b, -1, x.shape[-1])
-            d = d.reshape(n_cls, b, x.shape[1], d.shape[-1])
         res, dt = [rs[m] for rs in part.residual], part.dtype
         return residual_covariances(x, d, q_g, q_a, bias, inv, res, dt, part.combine_dtype)
-    if x.ndim == 2:
-        return unshared_covariances(
-            rotate_inputs(x.to(part.dtype), q_a, bias), d.to(part.dtype) @ q_g, inv
-        )
-    x3 = x.reshape(b, -1, x.shape[-1])
-    d4 = d.reshape(n_cls, b, x3.shape[1], d.shape[-1])
-    stacked = part.stacked.get(m) if part.stacked is not None else None
-    return shared_covariances(x3, d4, q_g, q_a, bias, inv, part.dtype, stacked)
+    return shared_covariances(x, d, q_g, q_a, bias, inv, part.dtype, part.stacked.get(m))
