@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import replace
 from typing import Any, ClassVar
 
@@ -390,17 +390,17 @@ class KronLaplace(LaplaceBase):
         lowrank = {m: (g, a) for m, (g, a) in self._eig.items() if not (g.full and a.full)}
         exact = self.predictive_rtol == 0
         cut = {m: slice(None) if m in lowrank else slice(None, -1) for m in self.modules}
-        stacked = {}  # [r, c, n_priors], contiguous: for `stacked_covariances`
+        stacked: dict[str, Tensor] = {}  # [r, c, n_priors], contiguous: for `stacked_covariances`
         for i, m in enumerate(self.modules):
             if exact or m in lowrank:
-                stacks = self._stacks.get(m, {})
+                stacks: MutableMapping[Any, Tensor] = self._stacks.get(m, {})
                 at = (tuple(float(pr[i]) for pr in priors), key[1], str(key[3]))
-                stacked[m] = stacks.get(at)
-                if stacked[m] is None:
-                    stacked[m] = torch.stack(
+                st = stacks.get(at)
+                if st is None:
+                    st = stacks[at] = torch.stack(
                         [self._eigenvalues(i, m, pr, scale)[cut[m], cut[m]] for pr in priors], -1
                     ).reciprocal_()
-                    stacks[at] = stacked[m]
+                stacked[m] = st
         inv = [{m: st[..., p] for m, st in stacked.items()} for p in range(len(priors))]
         f64 = torch.float64
         bases = {m: (g.U, a.U) for m, (g, a) in self._eig.items()}
