@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _laplace_helpers import TinyNet, classification_data, kron_subset, reference_block_jacobian
 
 from partialbayes.curvature import KronLaplace, kfac
-from partialbayes.curvature._lowrank import LowRankFactor, truncated, whole_factor
+from partialbayes.curvature._kfac import LowRankFactor, truncated, whole_factor
 from partialbayes.selection import modules
 
 FIXTURE_OK = settings(

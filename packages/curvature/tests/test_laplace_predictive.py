@@ -20,8 +20,8 @@ from _laplace_helpers import (
 )
 
 from partialbayes.curvature import KronLaplace, _laplace_projected
+from partialbayes.curvature._kfac import precision_eigenvalues, whole_factor
 from partialbayes.curvature._laplace_projected import shared_covariances, unshared_covariances
-from partialbayes.curvature._lowrank import clamped_eigh, precision_eigenvalues
 from partialbayes.selection import linear_modules, modules, sparse_kfac
 
 FIXTURE_OK = settings(suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
@@ -34,9 +34,8 @@ def _psd(n, g):
 
 
 def _basis(r, c, g, prior):
-    eg, qg = clamped_eigh(_psd(r, g))
-    ea, qa = clamped_eigh(_psd(c, g) / 5)
-    return qg, qa, precision_eigenvalues(eg, ea, prior)
+    fg, fa = whole_factor(_psd(r, g)), whole_factor(_psd(c, g) / 5)
+    return fg.U, fa.U, precision_eigenvalues(fg, fa, prior)[:-1, :-1]
 
 
 @FIXTURE_OK

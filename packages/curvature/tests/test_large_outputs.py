@@ -111,7 +111,7 @@ _MEASURE = textwrap.dedent(
     import json, torch
     from torch import nn
     from partialbayes.curvature import DenseLaplace, DiagLaplace, KronLaplace, kfac, memory_estimate
-    from partialbayes.curvature._lowrank import clamped_eigh
+    from partialbayes.curvature._kfac import whole_factor
     from partialbayes.selection import modules
 
     torch.set_num_threads(1)
@@ -123,7 +123,7 @@ _MEASURE = textwrap.dedent(
         subset = modules(model, ["0", "2"])
         est = memory_estimate(model, subset, data[0], fisher="mc")
         fs = kfac(model, data, subset, fisher="mc", generator=torch.Generator().manual_seed(0))
-        eig = [clamped_eigh(t) for f in fs.values() for t in (f.G, f.A)]
+        eig = [whole_factor(t) for f in fs.values() for t in (f.G, f.A)]
         return est
 
     def status(key):

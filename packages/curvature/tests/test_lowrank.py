@@ -12,11 +12,10 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).parent))
 from _alloc_guard import LargestTensor
 
-from partialbayes.curvature._lowrank import (
+from partialbayes.curvature._kfac import (
     OVERSAMPLE,
+    FactorAccumulator,
     LowRankFactor,
-    NystromSketch,
-    clamped_eigh,
     lowrank_covariance,
     lowrank_log_det,
     nystrom_factor,
@@ -24,6 +23,7 @@ from partialbayes.curvature._lowrank import (
     scale_in_basis,
     whole_factor,
 )
+from partialbayes.selection.internal import KronModule
 
 FIXTURE_OK = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 F64 = torch.float64
@@ -49,7 +49,7 @@ def _dense(f: LowRankFactor) -> torch.Tensor:
 
 
 def _extended_e(g, a, delta, T, scale=1.0):
-    return precision_eigenvalues(g.extended()[0], a.extended()[0], delta, T, scale)
+    return precision_eigenvalues(g, a, delta, T, scale)
 
 
 def _sample_matrix(g, a, E):
@@ -105,9 +105,10 @@ def test_rank_full_is_the_exact_kron_algebra(device, ng, na, cut_g, cut_a, seed,
     g = torch.Generator().manual_seed(seed)
     G, A = _psd(ng, 1 + cut_g, g, device), _psd(na, 1 + cut_a, g, device) / 5
     fg, fa = whole_factor(G), whole_factor(A)
-    eg, ea = clamped_eigh(G)[0], clamped_eigh(A)[0]
     E = _extended_e(fg, fa, delta, T)
-    torch.testing.assert_close(E[:-1, :-1], precision_eigenvalues(eg, ea, delta, T))
+    want = torch.outer(torch.linalg.eigvalsh(G), torch.linalg.eigvalsh(A)) / T + delta
+    torch.testing.assert_close(E[:-1, :-1], want)
+    torch.testing.assert_close(E[-1], torch.full_like(E[-1], delta))  # no remainder: δ
     P = torch.kron(G, A) / T + delta * torch.eye(ng * na, dtype=F64, device=device)
     torch.testing.assert_close(lowrank_log_det(E, fg, fa), torch.logdet(P))
     lam, q = torch.linalg.eigh(P)
@@ -120,7 +121,7 @@ def test_isotropic_remainder_over_estimates_log_det(device):
     """Exact top-r eigenvectors, remainder = mean of the rest: log det ≥ exact (Jensen), trace kept."""
     g = torch.Generator().manual_seed(3)
     G, A = _psd(9, 9, g, device), _psd(4, 4, g, device)
-    s, u = clamped_eigh(G)
+    s, u = torch.linalg.eigh(G)
     for r in (1, 4, 8):
         top = LowRankFactor(u[:, -r:], s[-r:], s[:-r].mean())
         torch.testing.assert_close(torch.trace(_dense(top)), torch.trace(G))
@@ -129,17 +130,24 @@ def test_isotropic_remainder_over_estimates_log_det(device):
         assert lowrank_log_det(E, top, whole_factor(A)) >= exact - 1e-10
 
 
+def _streamed(n, rank, parts):
+    """``G = Σ dᵀd`` of ``parts`` through a `FactorAccumulator` (one input column): ``(G, accumulator)``."""
+    dev = parts[0].device
+    acc = FactorAccumulator(n, 1, F64, dev, max_rank=rank)
+    for d in parts:
+        acc.add(torch.ones(d.shape[0], 1, dtype=F64, device=dev), d.shape[0], d)
+    kmod = KronModule("m", "m.weight", None, None, None, n, 1, False)
+    return acc.result("m", kmod, 1, None).G, acc
+
+
 @pytest.mark.parametrize("rows", [3, 9])
 def test_nystrom_is_exact_when_the_rank_fits_the_sketch(device, rows):
     """F = Σ dᵀd from fewer rows than the sketch's columns: recovered to rounding, streamed in batches."""
     g = torch.Generator().manual_seed(rows)
     n, rank = 40, 6
     d = torch.randn(rows, n, generator=g, dtype=F64).to(device)
-    sk = NystromSketch(n, rank, device=device, generator=g)
-    for part in d.split(2):
-        sk.add(part)
-    f = sk.factor(scale=0.5)
-    F = 0.5 * d.T @ d
+    f, _ = _streamed(n, rank, d.split(2))
+    F = d.T @ d
     if rows <= rank:
         torch.testing.assert_close(_dense(f), F, atol=1e-9, rtol=0)
     else:  # rank 9 > r = 6: the top 6 eigenpairs of F, remainder from the exact trace
@@ -173,24 +181,20 @@ def test_a_rank_at_least_the_size_keeps_the_sum_whole(device):
     g = torch.Generator().manual_seed(1)
     d = torch.randn(7, 5, generator=g, dtype=F64).to(device)
     for rank in (None, 5, 8):
-        sk = NystromSketch(5, rank, device=device)
-        assert sk.y is None
-        sk.add(d[:3])
-        sk.add(d[3:])
-        torch.testing.assert_close(sk.factor(0.5), 0.5 * d.T @ d)
+        acc = FactorAccumulator(5, 1, F64, torch.device(device), max_rank=rank)
+        assert acc.sums == [None, None]
+        G, _ = _streamed(5, rank, [d[:3], d[3:]])
+        torch.testing.assert_close(G, d.T @ d)
 
 
 def test_sketch_of_a_50k_factor_never_forms_it(device):
     """n = 50,257 (GPT-2's vocabulary): sketch, factor and one sample stay O(n q), far below n²."""
     n, rank = 50257, 8
-    g = torch.Generator().manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with LargestTensor(limit=64 * n) as guard:
-            sk = NystromSketch(n, rank, device=device, generator=g)
-            for _ in range(3):
-                sk.add(torch.randn(5, n, dtype=F64, device=device, generator=None))
-            f = sk.factor()
+            parts = [torch.randn(5, n, dtype=F64, device=device) for _ in range(3)]
+            f, acc = _streamed(n, rank, parts)
             fa = whole_factor(torch.eye(3, dtype=F64, device=device))
             E = _extended_e(f, fa, 1.0, 1.0)
             z = torch.randn(1, n, 3, dtype=F64, device=device)
@@ -198,4 +202,4 @@ def test_sketch_of_a_50k_factor_never_forms_it(device):
     assert f.U.shape == (n, rank)
     assert theta.shape == (1, n, 3)
     assert guard.largest <= (rank + OVERSAMPLE) * n  # Y and Ω: n × q
-    torch.testing.assert_close(f.s.sum() + f.rest * (n - rank), sk.trace)
+    torch.testing.assert_close(f.s.sum() + f.rest * (n - rank), acc.traces[0])

@@ -41,8 +41,7 @@ from partialbayes.curvature import (
     kfac,
     logit_jacobians,
 )
-from partialbayes.curvature._outputs import is_causal_lm
-from partialbayes.predictive import kept_positions, probit
+from partialbayes.predictive import is_causal_lm, kept_positions, probit
 from partialbayes.selection import (
     MaskBlock,
     Subset,
@@ -560,7 +559,7 @@ def test_generic_jacobians_of_token_outputs_for_parameters_outside_linear_maps()
 
 def test_a_round_of_backward_passes_takes_one_kept_position_of_every_example():
     """Answers at different positions are backpropagated together: one round per answer of an example."""
-    from partialbayes.curvature._outputs import position_plan
+    from partialbayes.curvature._likelihood import position_plan
 
     keep = torch.zeros(3, 6, dtype=torch.bool)
     keep[0, 5] = keep[1, 2] = keep[2, 4] = keep[2, 1] = True

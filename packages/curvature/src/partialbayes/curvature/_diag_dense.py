@@ -10,8 +10,7 @@ from torch import Tensor, nn
 
 from partialbayes.curvature._hooks import BatchObserver, Run, all_reduce, fail_together, stream
 from partialbayes.curvature._jacobians import ParamTarget, entry_grads, param_targets
-from partialbayes.curvature._likelihood import FISHERS, CurvatureOptions
-from partialbayes.curvature._outputs import resolve_shift_labels
+from partialbayes.curvature._likelihood import FISHERS, CurvatureOptions, resolve_shift_labels
 from partialbayes.predictive.internal import check_finite, check_generator
 from partialbayes.selection import Subset
 

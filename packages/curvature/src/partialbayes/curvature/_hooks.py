@@ -16,12 +16,12 @@ from torch import Tensor, nn
 from partialbayes.curvature._likelihood import (
     FISHERS,
     CurvatureOptions,
-    check_labels,
-    check_logits,
+    Outputs,
     model_device,
+    position_plan,
+    read_batch,
 )
 from partialbayes.curvature._memory import check_exact_fisher
-from partialbayes.curvature._outputs import Outputs, position_plan, read_batch
 from partialbayes.predictive.internal import model_logits, prefixed
 
 
@@ -38,22 +38,6 @@ def merge_calls(name: str, tensors: list[Tensor]) -> Tensor:
     if len(tensors) == 1:
         return tensors[0]
     return torch.cat([t[:, None] if t.ndim == 2 else t for t in tensors], dim=1)
-
-
-def token_masks(calls: Mapping[str, list[Tensor]], mask: Tensor | None) -> dict[str, Tensor | None]:
-    """``{module: float mask [B, T] | None}`` of the real positions of each module's merged inputs."""
-    out: dict[str, Tensor | None] = {}
-    for name, xs in calls.items():
-        parts = []
-        for x in xs:  # [B, d] or [B, T, d] (`merge_calls` checked)
-            if x.ndim == 2:
-                parts.append(x.new_ones(x.shape[0], 1))
-            elif mask is not None and tuple(mask.shape) == tuple(x.shape[:2]):
-                parts.append(mask.to(x.dtype))
-            else:
-                parts.append(x.new_ones(x.shape[:2]))
-        out[name] = None if len(xs) == 1 and xs[0].ndim == 2 else torch.cat(parts, dim=1)
-    return out
 
 
 def check_untied(model: nn.Module, modules: Mapping[str, nn.Module]) -> None:
@@ -134,46 +118,41 @@ def hooked_forward(
     return logits, calls_in, calls_out
 
 
-def cotangents(
-    logits: Tensor, vectors: Tensor, keep: Tensor | None, positions: str
-) -> Iterator[Tensor]:
-    """Cotangents ``[B, (T,) C]`` of ``vectors [S, N, C]``, all kept positions per pass (``joint``) or per round."""
-    if keep is None:
-        for v in vectors:
-            yield v.contiguous()
-        return
-    if positions == "joint":
-        for v in vectors:
-            one = vectors.new_zeros(logits.shape)
-            one[keep] = v
-            yield one
-        return
-    row = torch.full(keep.shape, -1, dtype=torch.long, device=keep.device)
-    row[keep] = torch.arange(int(keep.sum()), device=keep.device)
-    for t, examples in position_plan(keep, keep.shape[0], keep.device):
-        rows_t = row[examples, t]
-        for v in vectors:
-            one = vectors.new_zeros(logits.shape)
-            one[examples, t] = v[rows_t]
-            yield one
-
-
 def backward_passes(
-    logits: Tensor, calls: Mapping[str, list[Tensor]], cots: Iterator[Tensor]
+    logits: Tensor,
+    calls: Mapping[str, list[Tensor]],
+    vectors: Tensor,
+    keep: Tensor | None,
+    positions: str,
 ) -> Iterator[dict[str, Tensor]]:
-    """``{module: δ}`` per cotangent (calls merged; each paired with its own output); the graph kept to the last."""
+    """``{module: δ}`` per cotangent of ``vectors [S, N, C]`` (calls merged, each paired with its own output).
+
+    The cotangents ``[B, (T,) C]`` hold all kept positions per pass (``joint``), or one position per example
+    per round of `position_plan` (``each``: ``S`` passes a round); the graph is kept to the last pass.
+    """
     flat = [t for ts in calls.values() for t in ts]
-    nxt = next(cots, None)
-    while nxt is not None:
-        cot, nxt = nxt, next(cots, None)
-        grads = torch.autograd.grad(
-            logits, flat, grad_outputs=cot, retain_graph=nxt is not None, allow_unused=True
-        )
-        it = iter(grads)
-        yield {
-            n: merge_calls(n, [torch.zeros_like(t) if (g := next(it)) is None else g for t in ts])
-            for n, ts in calls.items()
-        }
+    rounds: list[tuple[Any, Tensor | None]] = [(keep, None)]  # (where in the logits, rows of v)
+    if keep is not None and positions != "joint":
+        row = torch.full(keep.shape, -1, dtype=torch.long, device=keep.device)
+        row[keep] = torch.arange(int(keep.sum()), device=keep.device)
+        rounds = [((b, t), row[b, t]) for t, b in position_plan(keep, keep.shape[0], keep.device)]
+    left = len(rounds) * len(vectors)
+    for where, rows in rounds:
+        for v in vectors:
+            left -= 1
+            cot = v.contiguous() if where is None else vectors.new_zeros(logits.shape)
+            if where is not None:
+                cot[where] = v if rows is None else v[rows]
+            grads = torch.autograd.grad(
+                logits, flat, grad_outputs=cot, retain_graph=left > 0, allow_unused=True
+            )
+            it = iter(grads)
+            yield {
+                n: merge_calls(
+                    n, [torch.zeros_like(t) if (g := next(it)) is None else g for t in ts]
+                )
+                for n, ts in calls.items()
+            }
 
 
 BatchObserver = Callable[[int, Tensor, Tensor | None], None]
@@ -230,7 +209,7 @@ def stream(
     positions: str = "joint",
 ) -> Iterator[BatchPasses]:
     """Stream ``loader``: per batch one forward pass (labels, logits checked), then the backward passes, lazily."""
-    device = model_device(model)
+    device, fisher = model_device(model), FISHERS[options.fisher]
     it: Iterable[Any] = loader
     if run.progress:
         with suppress(ImportError):  # tqdm is optional
@@ -250,30 +229,45 @@ def stream(
                 model, inputs, modules, dict.fromkeys(modules)
             )
             keep = outputs.keep(logits)
-            rows = logits if keep is None else logits[keep]
-            labels = outputs.targets(logits, keep)
+            rows, labels = outputs.rows(logits, keep, options.num_classes)
         if rows.shape[0] == 0:  # token-level: no kept position (padding, -100, the causal shift)
             run.skipped += 1
             continue
-        check_logits(rows, options.num_classes, index)
-        if labels is not None:
-            labels = check_labels(labels, rows, options.likelihood, index)
         if run.on_batch is not None:
             run.on_batch(index, rows.detach(), labels)
-        if FISHERS[options.fisher].per_class:
+        if fisher.per_class:
             rounds = 1 if keep is None or positions == "joint" else int(keep.sum(1).max())
             check_exact_fisher(rows, rounds, index)
         if run.preflight is not None:
             run.preflight(logits.detach(), keep, outputs.attention_mask)
             run.preflight = None  # the first batch only
-        vectors = options.output_vectors(rows, labels, run.generator, index)
+        if fisher.labels and labels is None:
+            raise ValueError(
+                f"batch {index}: fisher={fisher.name!r} needs labels, the batch has none"
+            )
+        f = rows.detach()
+        p = torch.softmax(f, dim=-1) if options.likelihood == "classification" else None
+        k, s = options.mc_samples, float(options.sigma_noise)
+        vectors = fisher.vectors(f, p, labels, k, s, run.generator)  # [S, N, C]
+        merged = {n: merge_calls(n, xs) for n, xs in calls_in.items()}  # shapes checked
+        mask, masks = outputs.attention_mask, {}
+        for n, xs in calls_in.items():  # float [B, T] masks of the real positions of merged inputs
+            parts = [
+                x.new_ones(x.shape[0], 1)
+                if x.ndim == 2
+                else mask.to(x.dtype)
+                if mask is not None and mask.shape == x.shape[:2]
+                else x.new_ones(x.shape[:2])
+                for x in xs
+            ]
+            masks[n] = None if len(xs) == 1 and xs[0].ndim == 2 else torch.cat(parts, dim=1)
         yield BatchPasses(
             index=index,
             n_examples=int(logits.shape[0]),
-            inputs={n: merge_calls(n, xs) for n, xs in calls_in.items()},
+            inputs=merged,
             keep=keep,
-            token_masks=token_masks(calls_in, outputs.attention_mask),
-            passes=backward_passes(logits, calls_out, cotangents(logits, vectors, keep, positions)),
+            token_masks=masks,
+            passes=backward_passes(logits, calls_out, vectors, keep, positions),
         )
         del logits, rows
     if run.skipped == run.batches:  # none usable: an empty loader, or only unlabelled batches
@@ -309,9 +303,11 @@ def _position_grads(
     keep: Tensor | None,
     calls: Mapping[str, list[Tensor]],
     rows: Mapping[str, Tensor | None],
-    ids: Tensor,
+    ids: Tensor | None,
 ) -> Iterator[PositionGrads]:
-    """The ``K`` backward passes (cotangents ``e_k``, ``k ∈ ids``) of every kept position, round by round."""
+    """The ``K`` backward passes (cotangents ``e_k``, ``k ∈ ids``; all ``C``: ``None``) of every kept position, round by round."""
+    dev = logits.device
+    ids = torch.arange(logits.shape[-1], device=dev) if ids is None else ids.to(dev)
     b, n_cls = logits.shape[0], len(ids)
     plan = position_plan(keep, b, logits.device)
     if not plan:  # no kept output: zero gradients of the right shapes, no backward pass
@@ -325,7 +321,7 @@ def _position_grads(
     n_rows = b if keep is None else int(keep.sum())
     units = logits.new_zeros(n_cls, 1, logits.shape[-1]).scatter_(2, ids[:, None, None], 1.0)
     vectors = units.expand(n_cls, n_rows, logits.shape[-1])  # e_k: no [C, C] identity
-    passes = backward_passes(logits, calls, cotangents(logits, vectors, keep, "each"))
+    passes = backward_passes(logits, calls, vectors, keep, "each")
     for t, examples in plan:
         grads: dict[str, list[Tensor]] = {m: [] for m in calls}
         for _ in range(n_cls):
@@ -351,9 +347,7 @@ def output_passes(
         logits=logits.detach(),
         keep=keep,
         inputs={n: merge_calls(n, xs) for n, xs in calls_in.items()},
-        positions=_position_grads(
-            logits, keep, calls_out, rows, outputs.ids(logits.shape[-1], logits.device)
-        ),
+        positions=_position_grads(logits, keep, calls_out, rows, outputs.target_ids),
     )
 
 

@@ -12,8 +12,14 @@ from torch import Tensor, nn
 
 from partialbayes.curvature._hooks import check_untied, in_row_order, output_passes
 from partialbayes.curvature._kfac import kron_targets
-from partialbayes.curvature._likelihood import CurvatureOptions, model_device
-from partialbayes.curvature._outputs import Outputs, position_plan, read_batch, resolve_shift_labels
+from partialbayes.curvature._likelihood import (
+    CurvatureOptions,
+    Outputs,
+    model_device,
+    position_plan,
+    read_batch,
+    resolve_shift_labels,
+)
 from partialbayes.predictive.internal import model_logits
 from partialbayes.selection import KronBlock, Subset, linear_modules
 from partialbayes.selection.internal import check_subset
@@ -179,7 +185,8 @@ def param_jacobians(
     with torch.enable_grad():
         f = model_logits(model, inputs)
         keep = outputs.keep(f)
-        ids = outputs.ids(f.shape[-1], f.device)
+        ids = outputs.target_ids
+        ids = torch.arange(f.shape[-1], device=f.device) if ids is None else ids.to(f.device)
         b, c = f.shape[0], len(ids)
         eye = f.new_zeros(b * c, b, f.shape[-1])  # row (i, k): e_{ids[k]} at example i
         rows = torch.arange(b * c, device=f.device)

@@ -1,4 +1,8 @@
-"""KFAC and Sparse-KFAC factors (``G`` SUMMED, ``A`` AVERAGED) of a Kronecker-structured subset, streamed."""
+"""Kronecker factors: KFAC / S-KFAC (``G`` SUMMED, ``A`` AVERAGED) streamed, and the algebra of one block.
+
+A factor side is whole, or beyond ``max_rank`` a streamed Nyström sketch; a block's precision has the eigenvalues
+``E = λ_G λ_Aᵀ / T + δ`` in ``Q_G ⊗ Q_A``, whole or low-rank (rank ``r`` + isotropic rest).
+"""
 
 from __future__ import annotations
 
@@ -17,12 +21,138 @@ from partialbayes.curvature._hooks import (
     fail_together,
     stream,
 )
-from partialbayes.curvature._likelihood import CurvatureOptions, check_list, model_device
-from partialbayes.curvature._lowrank import LowRankFactor, NystromSketch
-from partialbayes.curvature._outputs import resolve_shift_labels
-from partialbayes.predictive.internal import check_generator
+from partialbayes.curvature._likelihood import (
+    OVERSAMPLE,
+    CurvatureOptions,
+    check_list,
+    model_device,
+    resolve_shift_labels,
+)
+from partialbayes.predictive.internal import check_finite, check_generator
 from partialbayes.selection import Subset
 from partialbayes.selection.internal import KronModule, check_subset
+
+
+@dataclass(frozen=True)
+class LowRankFactor:
+    """A PSD factor ``U diag(s) Uᵀ + rest · (I − U Uᵀ)``: ``U [n, r]`` orthonormal, ``s [r] ≥ 0``, 0-d ``rest``."""
+
+    U: Tensor
+    s: Tensor
+    rest: Tensor
+
+    @property
+    def full(self) -> bool:
+        """Whether the factor is kept whole (``r = n``)."""
+        return self.U.shape[1] == self.U.shape[0]
+
+
+def whole_factor(
+    matrix: Tensor,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+    what: str = "factor",
+) -> LowRankFactor:
+    """A PSD factor kept whole (``r = n``, no remainder): its eigenpairs, round-off below 0 clamped (shape checked)."""
+    check_finite(matrix, f"{what} holds non-finite values (NaN or inf)")
+    m = matrix.to(device=device, dtype=dtype)
+    eigenvalues, eigenvectors = torch.linalg.eigh(0.5 * (m + m.T))
+    eps = max(torch.finfo(matrix.dtype).eps, torch.finfo(m.dtype).eps)
+    tol = max(eps**0.5, 10 * m.shape[0] * eps)
+    scale = float(eigenvalues.abs().max()) if m.numel() else 0.0
+    lowest = float(eigenvalues.min()) if m.numel() else 0.0
+    if lowest < -tol * scale:
+        raise ValueError(
+            f"{what} is not positive semi-definite: its most negative eigenvalue is {lowest:.3g}, "
+            f"{lowest / scale:.3g} times its largest in magnitude (round-off stays within {tol:.1e}); "
+            "a curvature factor is a sum of outer products"
+        )
+    # row-major like a loaded posterior's tensors: matmuls then round identically before and after load
+    s = eigenvalues.clamp(min=0.0)
+    return LowRankFactor(eigenvectors.contiguous(), s, s.new_zeros(()))
+
+
+def truncated(f: LowRankFactor, rank: int) -> LowRankFactor:
+    """A whole factor's ``rank`` largest eigenpairs, the others as the remainder (their mean: trace kept)."""
+    n = f.U.shape[0]
+    if rank >= n:
+        return f
+    top = f.s.argsort(descending=True)[:rank]
+    rest = ((f.s.sum() - f.s[top].sum()) / (n - rank)).clamp_min(0.0)
+    return LowRankFactor(f.U[:, top].contiguous(), f.s[top], rest)
+
+
+def precision_eigenvalues(
+    g: LowRankFactor,
+    a: LowRankFactor,
+    prior_precision: Tensor | float,
+    temperature: float = 1.0,
+    curvature_scale: Tensor | float = 1.0,
+) -> Tensor:
+    """``E [r_G + 1, r_A + 1]``, ``E_ij = s λ_G,i λ_A,j / T + δ`` on the extended eigenvalues ``(s, rest)``.
+
+    The eigenvalues of ``P`` in ``Q_G ⊗ Q_A``, the remainders last (``[:-1, :-1]`` for whole factors).
+    """
+    eig_g, eig_a = (torch.cat([f.s, f.rest.reshape(1)]) for f in (g, a))
+    return torch.outer(eig_g, eig_a) * (curvature_scale / temperature) + prior_precision
+
+
+def lowrank_log_det(eigenvalues: Tensor, g: LowRankFactor, a: LowRankFactor) -> Tensor:
+    """``log det P`` from the extended eigenvalues ``E`` ``[r_G + 1, r_A + 1]`` and the multiplicities."""
+    mg, ma = (
+        f.s.new_ones(f.s.shape[0] + 1) for f in (g, a)
+    )  # 1 per eigenpair, n − r the remainder
+    mg[-1], ma[-1] = g.U.shape[0] - g.U.shape[1], a.U.shape[0] - a.U.shape[1]
+    return (torch.outer(mg, ma) * eigenvalues.log()).sum()
+
+
+def _scale_cols(y: Tensor, a: LowRankFactor, w: Tensor) -> Tensor:
+    """``y`` ``[..., m, n_A]`` with its coordinates in ``[U_A, U_A⊥]`` multiplied by ``w`` ``[m | 1, r_A + 1]``."""
+    v = a.U
+    yv = y @ v
+    out = (yv * w[..., :-1]) @ v.T
+    if not a.full:
+        out = out + (y - yv @ v.T) * w[..., -1:]
+    return out
+
+
+def scale_in_basis(z: Tensor, g: LowRankFactor, a: LowRankFactor, w: Tensor) -> Tensor:
+    """Multiply ``z [..., n_G, n_A]``'s coordinates in the extended eigenbasis by ``w``."""
+    u = g.U
+    zc = u.T @ z  # [..., r_G, n_A]
+    out = u @ _scale_cols(zc, a, w[:-1])
+    if not g.full:
+        out = out + _scale_cols(z - u @ zc, a, w[-1:])
+    return out
+
+
+def lowrank_covariance(
+    x: Tensor,
+    d: Tensor,
+    g: LowRankFactor,
+    a: LowRankFactor,
+    inv_eigenvalues: Tensor,
+    jacobians: bool | None = None,
+) -> Tensor:
+    """``J Σ Jᵀ`` ``[B, K, K]`` of one block with low-rank factors."""
+    w = inv_eigenvalues
+    k, _, t, n_g = d.shape
+    if jacobians or (jacobians is None and n_g * x.shape[-1] <= (k * t) ** 2):
+        jac = torch.einsum("kbti,btj->bkij", d, x)  # [B, K, n_G, n_A]
+        return torch.einsum("bkij,blij->bkl", jac, scale_in_basis(jac, g, a, w))
+    dc, xc = d @ g.U, x @ a.U  # [K, B, T, r_G], [B, T, r_A]
+    m = torch.einsum("kbti,btj->bkij", dc, xc)
+    cov = torch.einsum("bkij,blij->bkl", m * w[:-1, :-1], m)
+    if not a.full:
+        gram_x = x @ x.transpose(1, 2) - xc @ xc.transpose(1, 2)  # x⊥ x⊥ᵀ  [B, T, T]
+        cov = cov + torch.einsum("kbti,lbsi,bts->bkl", dc * w[:-1, -1], dc, gram_x)
+    if not g.full:
+        gram_d = torch.einsum("kbti,lbsi->bktls", d, d) - torch.einsum("kbti,lbsi->bktls", dc, dc)
+        wx = (xc * w[-1, :-1]) @ xc.transpose(1, 2)
+        if not a.full:
+            wx = wx + w[-1, -1] * gram_x
+        cov = cov + torch.einsum("bktls,bts->bkl", gram_d, wx)
+    return cov
 
 
 @dataclass(frozen=True)
@@ -66,8 +196,27 @@ class ModuleFactors:
         return torch.block_diag(self.A, self.A_bias.to(self.A))
 
 
+def nystrom_factor(y: Tensor, omega: Tensor, trace: Tensor | float, rank: int) -> LowRankFactor:
+    """The rank-``rank`` `LowRankFactor` from a sketch ``y = F Ω`` ``[n, q]``, ``omega`` and ``tr F``."""
+    n = y.shape[0]
+    info = torch.finfo(y.dtype)
+    nu = (n**0.5 * info.eps * torch.linalg.matrix_norm(y, ord=2)).clamp_min(info.tiny)
+    y_nu = y + nu * omega
+    b = omega.T @ y_nu
+    chol = torch.linalg.cholesky(0.5 * (b + b.T))
+    e = torch.linalg.solve_triangular(chol, y_nu.T, upper=False).T  # Y_ν L⁻ᵀ: F̂ = E Eᵀ
+    u, sv, _ = torch.linalg.svd(e, full_matrices=False)
+    s = (sv[:rank] ** 2 - nu).clamp_min(0.0)
+    rest = (torch.as_tensor(trace, dtype=y.dtype, device=y.device) - s.sum()).clamp_min(0.0)
+    return LowRankFactor(u[:, :rank].contiguous(), s, rest / max(n - rank, 1))
+
+
 class FactorAccumulator:
-    """One module's running ``Σ δδᵀ``, ``Σ x̃x̃ᵀ`` (two `NystromSketch` sides) and row count."""
+    """One block's running ``Σ δδᵀ``, ``Σ x̃x̃ᵀ`` and input row count.
+
+    A side of size ``n`` above ``max_rank`` is a streamed Nyström sketch ``Y = F Ω`` ``[n, q]`` with ``tr F``
+    (Tropp et al. 2017; ``Ω`` orthonormal, drawn on the CPU from seed 0), never ``n × n``.
+    """
 
     def __init__(
         self,
@@ -78,26 +227,44 @@ class FactorAccumulator:
         max_rank: int | None = None,
         bias: bool = False,
     ) -> None:
-        self.sides = [
-            NystromSketch(
-                n, max_rank, dtype=dtype, device=device, generator=torch.Generator().manual_seed(0)
-            )
-            for n in (r, c + bias)
-        ]
+        self.sizes = (r, c + bias)
+        self.ranks = [n if max_rank is None else min(max_rank, n) for n in self.sizes]
+        self.omegas: list[Tensor | None] = [None, None]  # None: the side is kept whole, Y = F
+        for i, (n, k) in enumerate(zip(self.sizes, self.ranks, strict=True)):
+            if k < n:
+                g = torch.Generator().manual_seed(0)
+                sketch = torch.randn(n, min(n, k + OVERSAMPLE), generator=g, dtype=dtype)
+                self.omegas[i] = torch.linalg.qr(sketch.to(device)).Q
+        self.sums: list[Tensor | None] = [None, None]  # allocated by the first rows
+        self.traces = torch.zeros(2, dtype=dtype, device=device)
         self.count = torch.zeros((), dtype=dtype, device=device)
         self.bias = bias  # add() then needs ``w``
 
     def add(self, x: Tensor, count: Tensor | float, d: Tensor, w: Tensor | None = None) -> None:
         """Add input rows ``x [m, c]`` (weights ``w [m, 1]``) counting ``count``, gradient rows ``δ [m', r]``."""
-        self.sides[0].add(d)
-        self.sides[1].add(x if w is None else torch.cat([x, w.to(x)], dim=1))
+        for i, rows in enumerate((d, x if w is None else torch.cat([x, w.to(x)], dim=1))):
+            rows, omega, y = rows.to(self.count.dtype), self.omegas[i], self.sums[i]
+            if omega is not None:
+                self.traces[i] += rows.square().sum()
+            right = rows if omega is None else rows @ omega
+            self.sums[i] = rows.T @ right if y is None else y.addmm_(rows.T, right)
         self.count += count
 
     def result(self, m: str, k: KronModule, n_examples: int, sharing: str | None) -> ModuleFactors:
         """Module ``m``'s factors reduced over ranks (``G`` summed, ``A`` averaged); refuses an overflow."""
-        for t in [*self.sides[0].sums(), *self.sides[1].sums(), self.count]:
+        sums = [  # zeros: no rows on this rank
+            self.count.new_zeros(n, n if o is None else o.shape[1]) if y is None else y
+            for y, n, o in zip(self.sums, self.sizes, self.omegas, strict=True)
+        ]
+        for t in [*sums, self.traces, self.count]:
             all_reduce(t)
-        G, A = self.sides[0].factor(), self.sides[1].factor(1 / float(self.count.clamp_min(1)))
+        scales = (1.0, 1 / float(self.count.clamp_min(1)))  # G summed, A averaged
+        G, A = (
+            y * s if o is None else nystrom_factor(y * s, o, tr * s, k)
+            for y, o, tr, k, s in zip(
+                sums, self.omegas, self.traces, self.ranks, scales, strict=True
+            )
+        )
         parts = [
             p for f in (G, A) for p in ((f.U, f.s, f.rest) if isinstance(f, LowRankFactor) else [f])
         ]
@@ -128,13 +295,6 @@ def shared_rows(t: Tensor, mask: Tensor | None, sharing: str, *, mean: bool) -> 
         return (t * mask[..., None]).reshape(-1, t.shape[-1])
     s = torch.einsum("btd,bt->bd", t, mask)
     return s / mask.sum(1, keepdim=True) if mean else s
-
-
-def row_count(x: Tensor, mask: Tensor | None, sharing: str) -> Tensor | int:
-    """How many rows `shared_rows` gives the input factor's average: examples, or unmasked tokens (expand)."""
-    if mask is None or sharing == "reduce":
-        return x.shape[0]
-    return mask.sum()
 
 
 def kron_targets(model: nn.Module, subset: Subset, what: str) -> KronTargets:
@@ -284,7 +444,9 @@ def kron_factors(
     """
     modules = {m: mod for t in targets for m, mod in t.modules.items()}
     device = model_device(model)
-    keys = [{m: block_key(m, k) for m, k in t.kmods.items()} for t in targets]
+    keys = [  # one subset: its blocks are its maps
+        {m: block_key(m, k) if len(targets) > 1 else m for m, k in t.kmods.items()} for t in targets
+    ]
     blocks = {key: (t, m) for t, ks in zip(targets, keys, strict=True) for m, key in ks.items()}
     accs = {
         key: FactorAccumulator(
@@ -341,7 +503,8 @@ def kron_factors(
                 dd = deltas[key][0] if len(deltas[key]) == 1 else torch.cat(deltas[key])
                 ones = torch.ones_like(x[..., :1])  # the folded bias's input column
                 w = shared_rows(ones, tm, sharing, mean=True) if acc.bias else None
-                acc.add(xr, row_count(x, tm, sharing), dd, w)
+                n = x.shape[0] if tm is None or sharing == "reduce" else tm.sum()  # rows A averages
+                acc.add(xr, n, dd, w)
                 checks.append((m, xr.sum() + dd.sum()))
             # finite rows give finite factors (overflow is caught on the totals below)
             if not bool(torch.isfinite(torch.stack([v for _, v in checks]).sum())):

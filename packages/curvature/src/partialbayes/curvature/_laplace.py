@@ -15,9 +15,15 @@ import torch
 from torch import Tensor, nn
 
 from partialbayes.curvature._hooks import Run, all_reduce
-from partialbayes.curvature._likelihood import CurvatureOptions, check_list
-from partialbayes.curvature._memory import MemoryEstimate, entries_estimate, sized
-from partialbayes.curvature._outputs import Outputs, read_batch, resolve_shift_labels, split_chunks
+from partialbayes.curvature._likelihood import (
+    CurvatureOptions,
+    Outputs,
+    check_list,
+    read_batch,
+    resolve_shift_labels,
+    split_chunks,
+)
+from partialbayes.curvature._memory import MemoryEstimate, batch_estimate, sized
 from partialbayes.curvature._prior import (
     MarglikFit,
     PriorSpec,
@@ -332,7 +338,7 @@ class LaplaceBase(ABC):
     ) -> MemoryEstimate:
         """Structure: the memory of a fit, and of a predictive of ``k_out`` logits, for a batch's logits."""
         n, dense = self.subset.num_entries(), self._dense_curvature
-        return entries_estimate(n, dense, logits, keep, mask, self._options, k_out)
+        return batch_estimate(logits, keep, mask, self._options, k_out, entries=(n, dense))
 
     @classmethod
     def _covariances_of(

@@ -11,9 +11,9 @@ from torch import Tensor, nn
 from partialbayes.curvature._diag_dense import dense
 from partialbayes.curvature._hooks import Run
 from partialbayes.curvature._jacobians import subset_jacobians
+from partialbayes.curvature._kfac import whole_factor
 from partialbayes.curvature._laplace import LaplaceBase
-from partialbayes.curvature._lowrank import clamped_eigh
-from partialbayes.curvature._outputs import Outputs
+from partialbayes.curvature._likelihood import Outputs
 from partialbayes.predictive.internal import PosteriorFile, prefixed
 from partialbayes.selection import Subset
 
@@ -62,7 +62,8 @@ class DenseLaplace(LaplaceBase):
         if got != (p, p):
             raise ValueError(f"dense curvature must have shape ({p}, {p}), got {got}")
         with prefixed(f"dense curvature of modules {list(self.modules)}"):
-            self._eig = clamped_eigh(curvature, self.dtype, self.device, "H")
+            f = whole_factor(curvature, self.dtype, self.device, "H")
+            self._eig = f.s, f.U
 
     def _entry_prior(self, prior: Tensor) -> Tensor:
         """``[P]`` prior precision of every entry."""

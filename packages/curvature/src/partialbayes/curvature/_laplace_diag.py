@@ -12,7 +12,7 @@ from partialbayes.curvature._diag_dense import diagonal
 from partialbayes.curvature._hooks import Run
 from partialbayes.curvature._jacobians import subset_jacobians
 from partialbayes.curvature._laplace import LaplaceBase
-from partialbayes.curvature._outputs import Outputs
+from partialbayes.curvature._likelihood import Outputs
 from partialbayes.predictive.internal import PosteriorFile, check_finite, check_keys
 
 

@@ -12,20 +12,21 @@ import torch
 from torch import Tensor, nn
 
 from partialbayes.curvature._hooks import Run
-from partialbayes.curvature._kfac import block_key, kron_factors, kron_targets
-from partialbayes.curvature._laplace import LaplaceBase, MapLoss
-from partialbayes.curvature._laplace_projected import KronBlocks, kron_predictive
-from partialbayes.curvature._likelihood import CurvatureOptions, check_list
-from partialbayes.curvature._lowrank import (
+from partialbayes.curvature._kfac import (
     LowRankFactor,
+    block_key,
+    kron_factors,
+    kron_targets,
     lowrank_log_det,
     precision_eigenvalues,
     scale_in_basis,
     truncated,
     whole_factor,
 )
-from partialbayes.curvature._memory import MemoryEstimate, kron_estimate
-from partialbayes.curvature._outputs import Outputs
+from partialbayes.curvature._laplace import LaplaceBase, MapLoss
+from partialbayes.curvature._laplace_projected import KronBlocks, kron_predictive
+from partialbayes.curvature._likelihood import CurvatureOptions, Outputs, check_list
+from partialbayes.curvature._memory import MemoryEstimate, batch_estimate
 from partialbayes.predictive.internal import (
     PosteriorFile,
     check_generator,
@@ -207,8 +208,8 @@ class KronLaplace(LaplaceBase):
         targets = [p._targets for p in posteriors]
         blocks = {block_key(m, k): k for t in targets for m, k in t.kmods.items()}
         kmods = {f"{key[0]} ({i})": k for i, (key, k) in enumerate(blocks.items())}
-        run.preflight = lambda f, keep, mask: kron_estimate(
-            kmods, f, keep, mask, first._options, 0
+        run.preflight = lambda f, keep, mask: batch_estimate(
+            f, keep, mask, first._options, 0, kmods=kmods
         ).check(first.max_memory)
         factors = kron_factors(model, loader, targets, first._options, run)
         total, n, n_out = loss.result(first.device)
@@ -278,11 +279,9 @@ class KronLaplace(LaplaceBase):
         self._eig, self._stacks = eig, stacks
 
     def _eigenvalues(self, i: int, m: str, prior: Tensor, scale: Tensor | float) -> Tensor:
-        """``E`` on the extended grid ``[r_G + 1, r_A + 1]`` (`_lowrank`; ``[:-1, :-1]`` for whole factors)."""
+        """``E`` on the extended grid ``[r_G + 1, r_A + 1]`` (`_kfac`; ``[:-1, :-1]`` for whole factors)."""
         g, a = self._eig[m]
-        return precision_eigenvalues(
-            g.extended()[0], a.extended()[0], prior[i], self.temperature, scale
-        )
+        return precision_eigenvalues(g, a, prior[i], self.temperature, scale)
 
     def _log_det(self, prior: Tensor, scale: Tensor | float) -> Tensor:
         dets = [
@@ -342,7 +341,7 @@ class KronLaplace(LaplaceBase):
     def _estimate(
         self, logits: Tensor, keep: Tensor | None, mask: Tensor | None, k_out: int
     ) -> MemoryEstimate:
-        return kron_estimate(self._kmods, logits, keep, mask, self._options, k_out)
+        return batch_estimate(logits, keep, mask, self._options, k_out, kmods=self._kmods)
 
     # ------------------------------------------------------------------ predictive
     def _covariances(

@@ -10,9 +10,8 @@ import torch
 from torch import Tensor, nn
 
 from partialbayes.curvature._hooks import in_row_order, output_passes
-from partialbayes.curvature._kfac import KronTargets
-from partialbayes.curvature._lowrank import LowRankFactor, lowrank_covariance
-from partialbayes.curvature._outputs import Outputs
+from partialbayes.curvature._kfac import KronTargets, LowRankFactor, lowrank_covariance
+from partialbayes.curvature._likelihood import Outputs
 from partialbayes.predictive.internal import available_memory
 
 # Entries of ``1/E`` (all priors) one step of `stacked_covariances` reads: its rows stay in cache.

@@ -1,23 +1,32 @@
-"""Options, logits and labels checks, and the output vectors of each `Fisher` (``Σ_n Σ_s J_nᵀ v_s v_sᵀ J_n``)."""
+"""A batch's outputs and their likelihood: which outputs count, their labels, each `Fisher`'s output vectors.
+
+Outputs: one per example (``[B, C]`` logits) or per kept position (``[B, T, C]``, row-major). The output
+vectors ``v_s`` give the curvature ``Σ_n Σ_s J_nᵀ v_s v_sᵀ J_n``; `CurvatureOptions` are a pass's settings.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from partialbayes.predictive import answer_positions, is_causal_lm, kept_positions
 from partialbayes.predictive.internal import (
+    IGNORE_INDEX,
     LIKELIHOODS,
+    batch_size,
     check_choice,
     check_dtype,
     check_finite,
     check_int,
     check_number,
     check_type,
+    split_batch,
+    take_inputs,
 )
 from partialbayes.predictive.internal import check_labels as check_class_labels
 
@@ -55,15 +64,14 @@ class Fisher:
     labels: bool
     vectors: Callable[..., Tensor]
 
-    def passes(self, n_outputs: int, mc_samples: int) -> int:
-        """Backward passes ``S`` per batch (per round of positions) for ``n_outputs`` logits."""
-        return n_outputs if self.per_class else mc_samples if self.sampled else 1
-
     @property
     def positions(self) -> str:
         """``"joint"`` (one pass serves every kept position) or ``"each"``."""
         return "joint" if self.sampled else "each"
 
+
+#: Sketch columns beyond the rank kept (``q = max_rank + OVERSAMPLE``) of a factor side above ``max_rank``.
+OVERSAMPLE = 10
 
 #: The Fisher types by name.
 FISHERS: dict[str, Fisher] = {
@@ -89,18 +97,6 @@ class CurvatureOptions:
     sharing: str | None = None
     bias: str = "fold"
     max_rank: int | None = None
-
-    def output_vectors(
-        self, logits: Tensor, labels: Tensor | None, generator: Any, batch_index: int
-    ) -> Tensor:
-        """Cotangents ``[S, B, C]`` of one batch from its output rows and checked labels."""
-        fisher, f = FISHERS[self.fisher], logits.detach()
-        if fisher.labels and labels is None:
-            raise ValueError(
-                f"batch {batch_index}: fisher={fisher.name!r} needs labels, the batch has none"
-            )
-        p = torch.softmax(f, dim=-1) if self.likelihood == "classification" else None
-        return fisher.vectors(f, p, labels, self.mc_samples, float(self.sigma_noise), generator)
 
     def __post_init__(self) -> None:
         check_choice("likelihood", self.likelihood, LIKELIHOODS)
@@ -130,43 +126,165 @@ def check_list(items: Any, what: str, kind: type) -> list[Any]:
     return list(items)
 
 
+def resolve_shift_labels(model: nn.Module, shift_labels: bool | None) -> bool:
+    """``shift_labels`` as given (checked by `CurvatureOptions`), or (``None``) whether ``model`` is a causal LM."""
+    return is_causal_lm(model) if shift_labels is None else shift_labels
+
+
 def model_device(model: nn.Module) -> torch.device:
     """Device of the model's first parameter (cpu for a parameterless model)."""
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
 
 
-def check_logits(logits: Tensor, num_classes: int | None, index: int) -> None:
-    """Refuse output rows ``[N, C]`` (`Outputs.keep` checked the rank) not finite, or ``C != num_classes``."""
-    if num_classes is not None and logits.shape[1] != num_classes:
-        raise ValueError(
-            f"batch {index}: model outputs {logits.shape[1]} logits but num_classes={num_classes}"
-        )
-    check_finite(logits, f"batch {index}: the model's logits are not finite")
-
-
-def check_labels(labels: Tensor, logits: Tensor, likelihood: str, index: int) -> Tensor:
-    """One batch's labels checked against its output rows ``[B, C]``: ``int64 [B]`` or regression ``[B, C]``."""
-    check_type(f"batch {index}: labels", labels, Tensor, "a tensor")
-    b, c = logits.shape
-    if likelihood == "classification":
-        return check_class_labels(f"batch {index}: labels", labels, b, c).long()
-    if labels.is_complex() or labels.dtype == torch.bool:
-        raise ValueError(
-            f"batch {index}: regression targets must be real numbers, got dtype {labels.dtype}"
-        )
-    y = labels[:, None] if labels.ndim == 1 and c == 1 else labels
-    if tuple(y.shape) != (b, c):
-        expected = f"[{b}, {c}]" + (f" or [{b}]" if c == 1 else "")
-        raise ValueError(
-            f"batch {index}: regression targets of shape {tuple(labels.shape)} do not match the "
-            f"model outputs: expected {expected}"
-        )
-    check_finite(y, f"batch {index}: regression targets are not finite")
-    return y
-
-
 def minus_one_hot(p: Tensor, labels: Tensor) -> Tensor:
     """``p - e_y`` ``[S, B, C]`` for ``p [B, C]`` and ``labels [S, B]``, by a scatter."""
     out = p.expand(labels.shape[0], *p.shape).clone()
     return out.scatter_add_(-1, labels[..., None], out.new_full((*labels.shape, 1), -1.0))
+
+
+def _shifted(t: Tensor, fill: int) -> Tensor:
+    """``t[:, 1:]`` then a column of ``fill``: position ``t + 1``'s value at ``t``."""
+    return torch.cat([t[:, 1:], torch.full_like(t[:, :1], fill)], dim=1)
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """How one batch's outputs are counted and labelled (``target_ids``: answer-only, the ``K`` checked ids)."""
+
+    attention_mask: Tensor | None
+    labels: Tensor | None
+    shift: bool
+    likelihood: str
+    target_ids: Tensor | None = None
+    #: Whether the batch (as read) has classification labels and none but -100: no labelled output.
+    unlabelled: bool = False
+
+    def keep(self, logits: Tensor) -> Tensor | None:
+        """``[B, T]`` kept positions of token-level logits (``None`` for ``[B, C]``)."""
+        if self.shift and (logits.ndim == 2 or self.likelihood == "regression"):
+            raise ValueError(
+                "shift_labels=True is for token-level logits [B, T, C] (causal language models) and "
+                f"needs likelihood='classification'; the model returns logits of shape "
+                f"{tuple(logits.shape)}, likelihood={self.likelihood!r}: pass shift_labels=False"
+            )
+        if logits.ndim == 2:
+            return None
+        if logits.ndim != 3:
+            raise ValueError(
+                "model output must be logits of shape [B, C] (one output per example) or [B, T, C] "
+                f"(one per token position), got {tuple(logits.shape)}"
+            )
+        if self.likelihood == "regression":
+            if self.attention_mask is None:
+                raise ValueError(
+                    f"token-level regression outputs of shape {tuple(logits.shape)} need an "
+                    "attention_mask to tell which positions count (regression targets cannot mark "
+                    "ignored positions)"
+                )
+            return kept_positions(logits, attention_mask=self.attention_mask)
+        mask, labels = self.attention_mask, self.labels
+        if self.target_ids is not None:
+            return answer_positions(
+                logits, labels=labels, attention_mask=mask, causal_lm=self.shift
+            )
+        keep = kept_positions(logits, attention_mask=mask, labels=labels, shift=self.shift)
+        assert keep is not None
+        return keep
+
+    def rows(
+        self, logits: Tensor, keep: Tensor | None, num_classes: int | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """The kept outputs ``[N, C]`` (row-major) and their labels (shifted with ``shift``), checked if ``N > 0``.
+
+        The logits finite (``C = num_classes`` when given); the labels ``int64 [N]`` (classification) or
+        ``[N, C]`` (regression), ``None`` without labels. Errors name no batch: the callers prefix it.
+        """
+        rows, labels = logits if keep is None else logits[keep], self.labels
+        if labels is not None and keep is not None:
+            if self.likelihood == "regression":
+                if tuple(labels.shape[:2]) != tuple(keep.shape) or labels.ndim not in (2, 3):
+                    raise ValueError(
+                        f"regression targets of token-level outputs {tuple(logits.shape)} must have "
+                        f"shape [B, T, C] or [B, T], got {tuple(labels.shape)}"
+                    )
+                labels = labels[keep]
+            else:
+                labels = (_shifted(labels, IGNORE_INDEX) if self.shift else labels)[keep]
+        n, c = rows.shape
+        if n == 0:  # nothing to check: the callers skip the batch
+            return rows, labels
+        if num_classes is not None and c != num_classes:
+            raise ValueError(f"model outputs {c} logits but num_classes={num_classes}")
+        check_finite(rows, "the model's logits are not finite")
+        if labels is None:
+            return rows, None
+        check_type("labels", labels, Tensor, "a tensor")
+        if self.likelihood == "classification":
+            return rows, check_class_labels("labels", labels, n, c).long()
+        if labels.is_complex() or labels.dtype == torch.bool:
+            raise ValueError(f"regression targets must be real numbers, got dtype {labels.dtype}")
+        y = labels[:, None] if labels.ndim == 1 and c == 1 else labels
+        if tuple(y.shape) != (n, c):
+            expected = f"[{n}, {c}]" + (f" or [{n}]" if c == 1 else "")
+            raise ValueError(
+                f"regression targets of shape {tuple(labels.shape)} do not match the model outputs: "
+                f"expected {expected}"
+            )
+        check_finite(y, "regression targets are not finite")
+        return rows, y
+
+
+def read_batch(
+    batch: Any,
+    device: torch.device,
+    *,
+    likelihood: str,
+    shift: bool,
+    labels: bool = True,
+    target_ids: Tensor | None = None,
+) -> tuple[Tensor | dict[str, Any], Outputs]:
+    """Model inputs on ``device`` and `Outputs` of a batch (examples labelled -100 dropped)."""
+    b = split_batch(batch, device=device)
+    y = b.labels if labels else None
+    classes = y if likelihood == "classification" else None  # -100 marks an output left out
+    none = classes is not None and not bool((classes != IGNORE_INDEX).any())
+    outputs = Outputs(b.attention_mask, y, shift, likelihood, target_ids, none)
+    if classes is not None and classes.ndim == 1 and target_ids is None:
+        labelled = classes != IGNORE_INDEX
+        if not bool(labelled.all()):
+            return take_examples(b.inputs, outputs, labelled.nonzero().squeeze(1))
+    return b.inputs, outputs
+
+
+def position_plan(
+    keep: Tensor | None, batch: int, device: torch.device
+) -> list[tuple[Tensor | None, Tensor]]:
+    """Rounds ``(positions [n], examples [n])`` of at most one kept position per example."""
+    if keep is None:
+        return [(None, torch.arange(batch, device=device))]
+    rank = keep.cumsum(1) - 1  # the index of each kept position within its example
+    rounds = int(keep.sum(1).max()) if keep.numel() else 0
+    return [(t, b) for b, t in ((keep & (rank == r)).nonzero(as_tuple=True) for r in range(rounds))]
+
+
+def take_examples(
+    inputs: Tensor | dict[str, Any], outputs: Outputs, index: slice | Tensor
+) -> tuple[Tensor | dict[str, Any], Outputs]:
+    """The examples ``index`` of model inputs (tensors with the batch dimension) and of their `Outputs`."""
+    part = take_inputs(inputs, index, batch_size(inputs))
+    mask = part.get("attention_mask") if isinstance(part, dict) else None
+    labels = None if outputs.labels is None else outputs.labels[index]
+    return part, replace(outputs, attention_mask=mask, labels=labels)
+
+
+def split_chunks(
+    inputs: Tensor | dict[str, Any], outputs: Outputs, chunk_size: int | None
+) -> list[tuple[Tensor | dict[str, Any], Outputs]]:
+    """Model inputs and `Outputs` in chunks of at most ``chunk_size`` examples, in row order."""
+    if chunk_size is None:
+        return [(inputs, outputs)]
+    n = batch_size(inputs)
+    return [
+        take_examples(inputs, outputs, slice(i, i + chunk_size)) for i in range(0, n, chunk_size)
+    ]

@@ -11,9 +11,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.curvature._likelihood import FISHERS, CurvatureOptions, model_device
-from partialbayes.curvature._lowrank import OVERSAMPLE
-from partialbayes.curvature._outputs import Outputs, read_batch, resolve_shift_labels
+from partialbayes.curvature._likelihood import (
+    FISHERS,
+    OVERSAMPLE,
+    CurvatureOptions,
+    Outputs,
+    model_device,
+    read_batch,
+    resolve_shift_labels,
+)
 from partialbayes.predictive.internal import (
     available_memory,
     check_int,
@@ -180,40 +186,47 @@ def memory_estimate(
     n_cls = logits.shape[-1]
     k_out = n_cls if target_ids is None else len(check_target_ids(target_ids, n_cls))
     keep = outputs.keep(logits[..., :0])
-    return kron_estimate(
-        subset.kron_modules(), logits, keep, outputs.attention_mask, options, k_out
-    )
+    mask = outputs.attention_mask
+    return batch_estimate(logits, keep, mask, options, k_out, kmods=subset.kron_modules())
 
 
-def _batch_bytes(
-    logits: Tensor, keep: Tensor | None, mask: Tensor | None, options: CurvatureOptions
-) -> tuple[int, int, int, int, int]:
-    """``(B, T, N, S, fit bytes)`` of a batch: its positions, kept outputs, passes and output vectors' bytes."""
-    b, n_cls = logits.shape[0], logits.shape[-1]
-    n_kept = b if keep is None else int(keep.sum())
-    t = logits.shape[1] if keep is not None else (1 if mask is None else mask.shape[1])
-    passes = FISHERS[options.fisher].passes(n_cls, options.mc_samples)
-    fit = (passes * n_kept * n_cls + 3 * b * t * n_cls) * logits.element_size()
-    return b, t, n_kept, passes, fit
-
-
-def kron_estimate(
-    kmods: Mapping[str, KronModule],
+def batch_estimate(
     logits: Tensor,
     keep: Tensor | None,
     mask: Tensor | None,
     options: CurvatureOptions,
     k_out: int,
+    kmods: Mapping[str, KronModule] | None = None,
+    entries: tuple[int, bool] | None = None,
 ) -> MemoryEstimate:
-    """`memory_estimate` from a batch's logits ``[B, (T,) C]``, kept positions and attention mask."""
-    b, t, n_kept, passes, fit = _batch_bytes(logits, keep, mask, options)
+    """`memory_estimate` from a batch's logits ``[B, (T,) C]``, kept positions and attention mask.
+
+    The curvature: the Kronecker blocks ``kmods``, or ``entries = (P, dense)``, a diagonal or dense one over
+    ``P`` entries. The batch's own share: its ``S`` passes' output vectors and logits' gradients.
+    """
+    b, n_cls = logits.shape[0], logits.shape[-1]
+    n_kept = b if keep is None else int(keep.sum())
+    t = logits.shape[1] if keep is not None else (1 if mask is None else mask.shape[1])
+    fisher = FISHERS[options.fisher]
+    passes = n_cls if fisher.per_class else options.mc_samples if fisher.sampled else 1
+    item, mitem = torch.finfo(options.dtype).bits // 8, logits.element_size()
+    fit = (passes * n_kept * n_cls + 3 * b * t * n_cls) * mitem
+    pred = n_kept * k_out * k_out * item
+    if entries is not None:
+        p, dense = entries
+        rounds = 1 if keep is None or fisher.sampled else int(keep.sum(1).max())
+        fit += ((passes * rounds * b if dense else 2 * b) * p + (p * p if dense else p)) * item
+        pred += 3 * n_kept * k_out * p * item
+        stored, eigen = (p * p * item, (4 * p * p + p) * item) if dense else (p * item, 0)
+        largest = f"{'H' if dense else 'diagonal'} of {p} entries"
+        return MemoryEstimate(
+            stored, eigen, fit, pred, largest, *available_memory(logits.device), item
+        )
     sharing, max_rank = options.sharing, options.max_rank
     rows = b if (sharing or ("reduce" if keep is None else "expand")) == "reduce" else b * t
-    item, mitem = torch.finfo(options.dtype).bits // 8, logits.element_size()
     factors = eigen = transient = 0
     largest, size = "", 0
-    pred = n_kept * k_out * k_out * item
-    for name, k in kmods.items():
+    for name, k in (kmods or {}).items():
         r, c = k.n_rows, k.n_cols + (k.bias_name is not None)
         for side, n in (("G", r), ("A", c)):
             if max_rank is not None and n > max_rank:
@@ -231,26 +244,6 @@ def kron_estimate(
         pred += k_out * b * t * r * mitem + b * t * c * mitem if k_out else 0
     avail, source = available_memory(logits.device)
     return MemoryEstimate(factors, eigen + transient, fit, pred, largest, avail, source, item)
-
-
-def entries_estimate(
-    n_entries: int,
-    dense: bool,
-    logits: Tensor,
-    keep: Tensor | None,
-    mask: Tensor | None,
-    options: CurvatureOptions,
-    k_out: int,
-) -> MemoryEstimate:
-    """The estimate of a diagonal (``dense=False``) or dense curvature over ``n_entries`` entries."""
-    b, _, n_kept, passes, fit = _batch_bytes(logits, keep, mask, options)
-    item, p = torch.finfo(options.dtype).bits // 8, n_entries
-    rounds = 1 if keep is None or FISHERS[options.fisher].sampled else int(keep.sum(1).max())
-    fit += ((passes * rounds * b if dense else 2 * b) * p + (p * p if dense else p)) * item
-    pred = (3 * n_kept * k_out * p + n_kept * k_out * k_out) * item
-    stored, eigen = (p * p * item, (4 * p * p + p) * item) if dense else (p * item, 0)
-    largest = f"{'H' if dense else 'diagonal'} of {p} entries"
-    return MemoryEstimate(stored, eigen, fit, pred, largest, *available_memory(logits.device), item)
 
 
 @contextmanager

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from partialbayes.curvature._likelihood import check_labels, check_logits
 from partialbayes.curvature._memory import sized
 from partialbayes.predictive import gaussian_nll, nll
 from partialbayes.predictive.internal import (
@@ -19,6 +18,7 @@ from partialbayes.predictive.internal import (
     check_int,
     check_number,
     eval_mode,
+    prefixed,
     probit_kernel,
 )
 
@@ -196,16 +196,14 @@ def grid_val_nlls(
                 continue
             with eval_mode(first.model), sized(posteriors, outputs):
                 logits, keep, covs = first._covariances_of(posteriors, inputs, outputs, priors)
-            rows = logits if keep is None else logits[keep]
+            with prefixed(f"batch {index}"):
+                rows, y = outputs.rows(logits, keep)
             if rows.shape[0] == 0:
                 skipped += 1
                 continue
-            check_logits(rows, None, index)
-            labels = outputs.targets(logits, keep)
-            assert labels is not None
+            assert y is not None
             for i, (p, p_covs) in enumerate(zip(posteriors, covs, strict=True)):
                 f = rows.to(p.dtype)
-                y = check_labels(labels, f, p.likelihood, index)
                 for j, cov in enumerate(p_covs):  # our own covariances: nothing to check
                     var = cov.to(p.dtype).diagonal(dim1=-2, dim2=-1)
                     if p.likelihood == "classification":
