@@ -474,7 +474,7 @@ def kron_factors(
                     "sequence. Pass sharing='expand' (or leave sharing=None)"
                 )
             n_examples += bp.n_examples
-            deltas: dict[tuple, list[Tensor]] = {key: [] for key in blocks}
+            deltas: dict[Any, list[Tensor]] = {key: [] for key in blocks}
             energy: dict[str, Tensor] = {}  # token-level: the largest ‖δ_t‖² over the passes
             for grads in bp.passes:
                 for m, d in grads.items():
