@@ -249,6 +249,7 @@ def stream(
         p = torch.softmax(f, dim=-1) if options.likelihood == "classification" else None
         k, s = options.mc_samples, float(options.sigma_noise)
         vectors = fisher.vectors(f, p, labels, k, s, run.generator)  # [S, N, C]
+        del p  # not held through the passes
         merged = {n: merge_calls(n, xs) for n, xs in calls_in.items()}  # shapes checked
         mask, masks = outputs.attention_mask, {}
         for n, xs in calls_in.items():  # float [B, T] masks of the real positions of merged inputs
@@ -305,7 +306,7 @@ def _position_grads(
     rows: Mapping[str, Tensor | None],
     ids: Tensor | None,
 ) -> Iterator[PositionGrads]:
-    """The ``K`` backward passes (cotangents ``e_k``, ``k ∈ ids``; all ``C``: ``None``) of every kept position, round by round."""
+    """The ``K`` backward passes (cotangents ``e_k``, ``k ∈ ids``, ``None``: all) of every kept position, by rounds."""
     dev = logits.device
     ids = torch.arange(logits.shape[-1], device=dev) if ids is None else ids.to(dev)
     b, n_cls = logits.shape[0], len(ids)
