@@ -260,8 +260,8 @@ class FactorAccumulator:
             all_reduce(t)
         scales = (1.0, 1 / float(self.count.clamp_min(1)))  # G summed, A averaged
         G, A = (
-            y * s if o is None else nystrom_factor(y * s, o, tr * s, k)
-            for y, o, tr, k, s in zip(
+            y * s if o is None else nystrom_factor(y * s, o, tr * s, rank)
+            for y, o, tr, rank, s in zip(
                 sums, self.omegas, self.traces, self.ranks, scales, strict=True
             )
         )
