@@ -23,7 +23,7 @@ from partialbayes.curvature._kfac import (
     scale_in_basis,
     whole_factor,
 )
-from partialbayes.selection.internal import KronModule
+from partialbayes.selection import modules
 
 FIXTURE_OK = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 F64 = torch.float64
@@ -136,8 +136,10 @@ def _streamed(n, rank, parts):
     acc = FactorAccumulator(n, 1, F64, dev, max_rank=rank)
     for d in parts:
         acc.add(torch.ones(d.shape[0], 1, dtype=F64, device=dev), d.shape[0], d)
-    kmod = KronModule("m", "m.weight", None, None, None, n, 1, False)
-    return acc.result("m", kmod, 1, None).G, acc
+    kmod = modules(torch.nn.Sequential(torch.nn.Linear(1, n, bias=False)), ["0"]).kron_modules()[
+        "0"
+    ]
+    return acc.result("0", kmod, 1, None).G, acc
 
 
 @pytest.mark.parametrize("rows", [3, 9])
