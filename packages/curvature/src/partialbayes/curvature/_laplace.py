@@ -21,7 +21,7 @@ from partialbayes.curvature._likelihood import (
     check_list,
     read_batch,
     resolve_shift_labels,
-    split_chunks,
+    take_examples,
 )
 from partialbayes.curvature._memory import MemoryEstimate, batch_estimate, sized
 from partialbayes.curvature._prior import (
@@ -35,6 +35,7 @@ from partialbayes.predictive import laplace_bridge
 from partialbayes.predictive.internal import (
     PosteriorFile,
     answer_only,
+    batch_size,
     check_choice,
     check_finite,
     check_generator,
@@ -1050,7 +1051,14 @@ def _linearised(
         )
     logits, keeps = [], []
     covs: list[list[Tensor]] = [[] for _ in posteriors]
-    for part, part_outputs in split_chunks(inputs, outputs, chunk_size):
+    chunks = [(inputs, outputs)]
+    if chunk_size is not None:  # in row order
+        n = batch_size(inputs)
+        chunks = [
+            take_examples(inputs, outputs, slice(i, i + chunk_size))
+            for i in range(0, n, chunk_size)
+        ]
+    for part, part_outputs in chunks:
         with eval_mode(first.model), sized(posteriors, part_outputs):
             f, keep, part_covs = type(first)._covariances_of(
                 posteriors, part, part_outputs, [[p._prior] for p in posteriors]

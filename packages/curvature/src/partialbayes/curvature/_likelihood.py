@@ -276,15 +276,3 @@ def take_examples(
     mask = part.get("attention_mask") if isinstance(part, dict) else None
     labels = None if outputs.labels is None else outputs.labels[index]
     return part, replace(outputs, attention_mask=mask, labels=labels)
-
-
-def split_chunks(
-    inputs: Tensor | dict[str, Any], outputs: Outputs, chunk_size: int | None
-) -> list[tuple[Tensor | dict[str, Any], Outputs]]:
-    """Model inputs and `Outputs` in chunks of at most ``chunk_size`` examples, in row order."""
-    if chunk_size is None:
-        return [(inputs, outputs)]
-    n = batch_size(inputs)
-    return [
-        take_examples(inputs, outputs, slice(i, i + chunk_size)) for i in range(0, n, chunk_size)
-    ]
