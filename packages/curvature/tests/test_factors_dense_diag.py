@@ -159,3 +159,14 @@ def test_dense_non_finite_names_parameter():
         dense_curvature(model, [(x, torch.tensor([0, 1]))], s)
     with pytest.raises(ValueError, match=r"'0.weight' at batch 0"):
         diag_curvature(model, [(x, torch.tensor([0, 1]))], s)
+
+
+def test_logit_jacobians_run_a_training_mode_model_in_eval_mode_and_restore_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Dropout(0.5), nn.Linear(5, 2)).double()
+    s = Subset.from_model(model, {"2.weight": KronBlock()})
+    x = torch.randn(4, 3, dtype=torch.float64)
+    ref_logits, ref = logit_jacobians(model.eval(), x, s)
+    logits, jac = logit_jacobians(model.train(), x, s)  # dropout off: the same Jacobians
+    assert model.training and model[1].training  # every mode restored
+    assert torch.equal(logits, ref_logits) and torch.equal(jac["2"], ref["2"])

@@ -68,7 +68,8 @@ def _dense_optimum(la, factors) -> np.ndarray:
         method="L-BFGS-B",
         options={"gtol": 1e-12, "ftol": 1e-15, "maxiter": 1000},
     )
-    assert res.success, res.message
+    # L-BFGS-B may stop ABNORMAL at gtol=1e-12 once the line search hits round-off: accept a vanishing gradient
+    assert res.success or np.abs(res.jac).max() < 1e-6, res.message
     return np.exp(res.x)
 
 

@@ -83,12 +83,10 @@ def hooked_forward(
     inputs: Tensor | Mapping[str, Any],
     modules: Mapping[str, nn.Module],
     cols: Mapping[str, Tensor | None],
-    *,
-    switch: bool = True,
 ) -> tuple[Tensor, dict[str, list[Tensor]], dict[str, list[Tensor]]]:
     """One forward pass recording every call of ``modules``: ``(logits with graph, inputs, outputs per call)``.
 
-    Eval mode (``switch``), gradients on, the target weights differentiable; hooks, modes and flags restored.
+    Eval mode, gradients on, the target weights differentiable; hooks, modes and flags restored.
     """
     calls_in: dict[str, list[Tensor]] = {n: [] for n in modules}
     calls_out: dict[str, list[Tensor]] = {n: [] for n in modules}
@@ -96,8 +94,7 @@ def hooked_forward(
     weights: list[Tensor] = [m.weight for m in modules.values()]  # type: ignore[misc]
     flags = [(w, bool(w.requires_grad)) for w in weights]
     handles = []
-    if switch:
-        model.eval()
+    model.eval()
     try:
         for (n, m), w in zip(modules.items(), weights, strict=True):
             w.requires_grad_(True)
@@ -342,7 +339,7 @@ def output_passes(
     rows: Mapping[str, Tensor | None],
 ) -> OutputPasses:
     """Hooked forward pass, then lazily ``K`` backward passes per kept position (``rows`` gather ``δ``)."""
-    logits, calls_in, calls_out = hooked_forward(model, inputs, modules, cols, switch=False)
+    logits, calls_in, calls_out = hooked_forward(model, inputs, modules, cols)
     keep = outputs.keep(logits)
     return OutputPasses(
         logits=logits.detach(),

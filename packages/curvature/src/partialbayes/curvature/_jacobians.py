@@ -20,7 +20,7 @@ from partialbayes.curvature._likelihood import (
     read_batch,
     resolve_shift_labels,
 )
-from partialbayes.predictive.internal import model_logits
+from partialbayes.predictive.internal import eval_mode, model_logits
 from partialbayes.selection import KronBlock, Subset, linear_modules
 from partialbayes.selection.internal import check_subset
 
@@ -52,7 +52,7 @@ def logit_jacobians(
 
     ``C`` backward passes per output (cotangents ``e_c``) with hooks recording ``x[:, C]`` and ``δ[:, R]``;
     for token sequences ``J = Σ_t δ_t x_tᵀ``. Outputs count and skip as in `kfac` (token-level logits: one
-    per kept position). The model's mode is left as it is (call it in eval mode).
+    per kept position). The model runs in eval mode (dropout off); every module's mode is restored.
 
     Args:
         model: Network returning logits ``[B, C]`` or ``[B, T, C]``.
@@ -182,7 +182,7 @@ def param_jacobians(
     """``(logits, keep, {param: J [N, K, k]})`` by batched reverse mode (any parameter)."""
     params = dict(model.named_parameters())
     targets = [params[n] for n in subset.names]
-    with torch.enable_grad():
+    with torch.enable_grad(), eval_mode(model):
         f = model_logits(model, inputs)
         keep = outputs.keep(f)
         ids = outputs.target_ids

@@ -44,7 +44,6 @@ from partialbayes.predictive.internal import (
     check_number,
     check_target_ids,
     check_type,
-    eval_mode,
     gaussian_draws,
     gaussian_mc,
     probit_kernel,
@@ -1059,7 +1058,7 @@ def _linearised(
             for i in range(0, n, chunk_size)
         ]
     for part, part_outputs in chunks:
-        with eval_mode(first.model), sized(posteriors, part_outputs):
+        with sized(posteriors, part_outputs):
             f, keep, part_covs = type(first)._covariances_of(
                 posteriors, part, part_outputs, [[p._prior] for p in posteriors]
             )

@@ -17,7 +17,6 @@ from partialbayes.predictive.internal import (
     check_bool,
     check_int,
     check_number,
-    eval_mode,
     prefixed,
     probit_kernel,
 )
@@ -194,7 +193,7 @@ def grid_val_nlls(
             if outputs.unlabelled:
                 skipped += 1
                 continue
-            with eval_mode(first.model), sized(posteriors, outputs):
+            with sized(posteriors, outputs):
                 logits, keep, covs = first._covariances_of(posteriors, inputs, outputs, priors)
             with prefixed(f"batch {index}"):
                 rows, y = outputs.rows(logits, keep)
