@@ -529,7 +529,7 @@ def test_fit_and_predict_the_answer_token(fine_tuned, tmp_path):
     la = KronLaplace(model, lora_subset(model), sharing="expand").fit(loader)
     assert la.shift_labels  # a PeftModelForCausalLM is a causal LM
     assert la.n_data == 24  # one scored answer per prompt
-    result = la.optimize_prior_precision("marglik", optimizer="gradient")
+    result = la.maximize_evidence()
     assert result.converged
     assert math.isfinite(result.log_marginal_likelihood)
     probs = la.predict(test)

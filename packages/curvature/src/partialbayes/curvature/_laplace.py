@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Literal, TypeVar, overload
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -588,117 +588,75 @@ class LaplaceBase(ABC):
         log_det = self._log_det(prior, self._scale(sigma_noise))  # P's and P₀'s 2π factors cancel
         return self.log_likelihood(sigma_noise) - 0.5 * (log_det - log_det_prior) - 0.5 * scatter
 
-    @overload
-    def optimize_prior_precision(
-        self,
-        method: str = ...,
-        *,
-        optimizer: Literal["grid"] = ...,
-        val_loader: Iterable[Any] | None = ...,
-        grid: Tensor | Sequence[float] | None = ...,
-    ) -> float: ...
-
-    @overload
-    def optimize_prior_precision(
-        self,
-        method: Literal["marglik"] = ...,
-        *,
-        optimizer: Literal["gradient"],
-        init_prior_precision: PriorSpec | None = ...,
-        fit_sigma_noise: bool | None = ...,
-        per_module: bool | None = ...,
-        lr: float | None = ...,
-        max_steps: int | None = ...,
-        tol: float | None = ...,
-    ) -> MarglikFit: ...
-
-    @overload
-    def optimize_prior_precision(
-        self,
-        method: str = ...,
-        *,
-        optimizer: str,
-        val_loader: Iterable[Any] | None = ...,
-        grid: Tensor | Sequence[float] | None = ...,
-        init_prior_precision: PriorSpec | None = ...,
-        fit_sigma_noise: bool | None = ...,
-        per_module: bool | None = ...,
-        lr: float | None = ...,
-        max_steps: int | None = ...,
-        tol: float | None = ...,
-    ) -> float | MarglikFit: ...
-
     def optimize_prior_precision(
         self,
         method: str = "marglik",
         *,
-        optimizer: str = "grid",
         val_loader: Iterable[Any] | None = None,
         grid: Tensor | Sequence[float] | None = None,
-        init_prior_precision: PriorSpec | None = None,
-        fit_sigma_noise: bool | None = None,
-        per_module: bool | None = None,
-        lr: float | None = None,
-        max_steps: int | None = None,
-        tol: float | None = None,
-    ) -> float | MarglikFit:
-        """Choose the prior precision (a scalar on a grid, or one per module by gradient ascent) and set it.
+    ) -> float:
+        """Choose one scalar prior precision for every module, the best of ``grid``, and set it.
 
-        * ``"grid"`` (default): one scalar prior for every module, the best of ``grid``: one evidence evaluation
-          per candidate (``method="marglik"``), or one linearised predictive per validation batch with the
-          Jacobians shared by every candidate (``method="val_nll"``).
-        * ``"gradient"`` (``method="marglik"`` only): Adam on ``log δ_m``, one prior per module (or one shared
-          value with ``per_module=False``), and on ``log σ`` for regression, until every scaled gradient
-          (``|∂L/∂log δ_m| / d_m``, ``d_m`` the module's entries; ``|∂L/∂log σ| / (N C)``) is at most ``tol``.
-          Each step is one evidence evaluation (no data pass). Not converging within ``max_steps`` warns and
-          returns ``converged=False``; the last values are set anyway.
+        One evidence evaluation per candidate (``method="marglik"``), or one linearised predictive per validation
+        batch with the Jacobians shared by every candidate (``method="val_nll"``). `maximize_evidence` instead
+        fits one prior per module (and ``σ``) by the evidence's gradient.
 
         Args:
             method: ``"marglik"`` (maximise `log_marginal_likelihood`) or ``"val_nll"`` (minimise `grid_val_nll`
                 on ``val_loader``).
-            optimizer: ``"grid"`` or ``"gradient"``.
             val_loader: Validation batches (``method="val_nll"`` only).
-            grid: Candidate values of the grid, default ``torch.logspace(-1, 3, 21)``.
-            init_prior_precision: Gradient start (scalar, per module tensor or dict); default the current one.
-            fit_sigma_noise: Also fit ``σ`` (gradient; default: for regression); it becomes ``sigma_noise``.
-            per_module: One prior precision per module (gradient; default ``True``) or one shared value.
-            lr: Adam step size on the log scale (gradient; default 0.1).
-            max_steps: Most Adam steps (gradient; default 1000).
-            tol: Stationarity tolerance on the scaled gradients (gradient; default 1e-4).
+            grid: Candidate values, default ``torch.logspace(-1, 3, 21)``.
 
         Returns:
-            ``"grid"``: the chosen scalar prior precision. ``"gradient"``: a `MarglikFit`. Either way the values
-            are also set on the posterior.
+            The chosen prior precision, also set on the posterior.
 
         Raises:
-            ValueError: A bad ``method`` / ``optimizer`` / ``grid``, options of the other optimizer, bad gradient
-                options (non-positive start, ``lr``, ``tol`` or ``max_steps``; ``fit_sigma_noise`` for
-                classification; a non-finite evidence), and (``"val_nll"``) what `grid_val_nll` refuses.
+            ValueError: A bad ``method`` or ``grid``, ``val_loader`` missing for ``"val_nll"`` or given without
+                it, and (``"val_nll"``) what `grid_val_nll` refuses.
         """
         self._require_fit()
         check_choice("method", method, ("marglik", "val_nll"))
-        check_choice("optimizer", optimizer, ("grid", "gradient"))
-        options = {
-            "val_loader": val_loader,
-            "grid": grid,
-            "init_prior_precision": init_prior_precision,
-            "fit_sigma_noise": fit_sigma_noise,
-            "per_module": per_module,
-            "lr": lr,
-            "max_steps": max_steps,
-            "tol": tol,
-        }
-        given: dict[str, Any] = {k: v for k, v in options.items() if v is not None}
-        grid_only = [k for k in given if k in ("val_loader", "grid")]
-        foreign = grid_only if optimizer == "gradient" else [k for k in given if k not in grid_only]
-        if foreign:
-            other = "grid" if optimizer == "gradient" else "gradient"
-            raise ValueError(
-                f"{foreign} are options of optimizer={other!r}, not used with optimizer={optimizer!r}"
-            )
-        if optimizer == "grid":
-            return grid_search(self, method, val_loader, grid)
-        return evidence_ascent(self, method, **given)
+        return grid_search(self, method, val_loader, grid)
+
+    def maximize_evidence(
+        self,
+        *,
+        init_prior_precision: PriorSpec | None = None,
+        fit_sigma_noise: bool | None = None,
+        per_module: bool = True,
+        lr: float = 0.1,
+        max_steps: int = 1000,
+        tol: float = 1e-4,
+    ) -> MarglikFit:
+        """Fit the prior precision, one per module, and for regression ``σ``, by gradient ascent on the evidence.
+
+        Adam on ``log δ_m`` (one shared value with ``per_module=False``) and on ``log σ``, until every scaled
+        gradient (``|∂L/∂log δ_m| / d_m``, ``d_m`` the module's entries; ``|∂L/∂log σ| / (N C)``) is at most
+        ``tol``. Each step is one `log_marginal_likelihood` evaluation (no data pass). Not converging within
+        ``max_steps`` warns and returns ``converged=False``; the last values are set anyway.
+        `optimize_prior_precision` picks one scalar on a grid instead.
+
+        Args:
+            init_prior_precision: Start (scalar, per module tensor or dict); default the current one.
+            fit_sigma_noise: Also fit ``σ`` (default: for regression); it becomes ``sigma_noise``.
+            per_module: One prior precision per module, or one shared value.
+            lr: Adam step size on the log scale.
+            max_steps: Most Adam steps.
+            tol: Stationarity tolerance on the scaled gradients.
+
+        Returns:
+            A `MarglikFit`; its values are also set on the posterior.
+
+        Raises:
+            ValueError: A non-positive start, ``lr``, ``tol`` or ``max_steps``; ``fit_sigma_noise=True`` for
+                classification; a non-finite evidence.
+            TypeError: ``per_module`` or ``fit_sigma_noise`` not a bool, ``lr`` or ``tol`` not a number, ``max_steps``
+                not an int.
+        """
+        self._require_fit()
+        return evidence_ascent(
+            self, init_prior_precision, fit_sigma_noise, per_module, lr, max_steps, tol
+        )
 
     def grid_val_nll(self, val_loader: Iterable[Any], grid: Tensor) -> Tensor:
         """Mean validation NLL of the linearised predictive for each scalar prior precision in ``grid``.

@@ -1,4 +1,4 @@
-"""The prior precision's search (`optimize_prior_precision`): the grid and the evidence's gradient ascent."""
+"""The prior precision's search: the grid (`optimize_prior_precision`) and the evidence's ascent (`maximize_evidence`)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ PriorSpec = float | int | Tensor | Mapping[str, float]
 
 @dataclass(frozen=True)
 class MarglikFit:
-    """Result of the gradient ascent on the Laplace evidence (``optimize_prior_precision(optimizer="gradient")``).
+    """Result of the gradient ascent on the Laplace evidence (`LaplaceBase.maximize_evidence`).
 
     Attributes:
         prior_precision: Fitted prior precision per module, ``[M]`` (float64, cpu), in ``modules`` order.
@@ -63,7 +63,7 @@ def grid_search(
     val_loader: Iterable[Any] | None,
     grid: Tensor | Sequence[float] | None,
 ) -> float:
-    """``optimizer="grid"``: the best scalar prior of ``grid`` by ``method``, set on ``post``."""
+    """`LaplaceBase.optimize_prior_precision`: the best scalar prior of ``grid`` by ``method``, set on ``post``."""
     if grid is None:
         values = torch.logspace(-1, 3, 21, dtype=torch.float64)
     elif isinstance(grid, Tensor):
@@ -90,21 +90,14 @@ def grid_search(
 
 def evidence_ascent(
     post: LaplaceBase,
-    method: str,
-    *,
-    init_prior_precision: PriorSpec | None = None,
-    fit_sigma_noise: bool | None = None,
-    per_module: bool = True,
-    lr: float = 0.1,
-    max_steps: int = 1000,
-    tol: float = 1e-4,
+    init_prior_precision: PriorSpec | None,
+    fit_sigma_noise: bool | None,
+    per_module: bool,
+    lr: float,
+    max_steps: int,
+    tol: float,
 ) -> MarglikFit:
-    """``optimizer="gradient"``: Adam on ``log δ`` (per module or shared) and ``log σ``; the result set on ``post``."""
-    if method != "marglik":
-        raise ValueError(
-            f"optimizer='gradient' needs method='marglik' (got {method!r}); "
-            "method='val_nll' is offered on a grid"
-        )
+    """`LaplaceBase.maximize_evidence`: Adam on ``log δ`` (per module or shared) and ``log σ``, set on ``post``."""
     if fit_sigma_noise is None:
         fit_sigma_noise = post.likelihood == "regression"
     elif check_bool("fit_sigma_noise", fit_sigma_noise) and post.likelihood != "regression":
@@ -157,7 +150,7 @@ def evidence_ascent(
             f"gradient marginal likelihood did not converge in max_steps={max_steps} steps: the largest "
             f"scaled gradient is {worst:.3g} > tol={tol:g}. The last values are set; raise max_steps or "
             "lr, or loosen tol",
-            stacklevel=3,  # the user's call of optimize_prior_precision
+            stacklevel=3,  # the user's call of maximize_evidence
         )
     fit = MarglikFit(
         prior_precision=log_prior.detach().exp().expand(n).to("cpu", torch.float64).clone(),

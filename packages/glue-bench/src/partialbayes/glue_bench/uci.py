@@ -275,7 +275,7 @@ def _evidence(ctx: UCIContext, la: Any, n_stoch: int) -> tuple[float, str] | Non
     n = len(ctx.data.y_train)
     why = f"{n_stoch} stochastic weights > {n} data points" if n_stoch > n else None
     if why is None:
-        fit = la.optimize_prior_precision("marglik", optimizer="gradient", per_module=False)
+        fit = la.maximize_evidence(per_module=False)
         sigma, prior = float(fit.sigma_noise), float(fit.prior_precision.reshape(-1)[0])
         if sigma <= 1.0 and fit.converged:
             return prior, "evidence"
