@@ -168,5 +168,7 @@ def test_logit_jacobians_run_a_training_mode_model_in_eval_mode_and_restore_it()
     x = torch.randn(4, 3, dtype=torch.float64)
     ref_logits, ref = logit_jacobians(model.eval(), x, s)
     logits, jac = logit_jacobians(model.train(), x, s)  # dropout off: the same Jacobians
-    assert model.training and model[1].training  # every mode restored
-    assert torch.equal(logits, ref_logits) and torch.equal(jac["2"], ref["2"])
+    assert model.training  # every mode restored
+    assert model[1].training
+    assert torch.equal(logits, ref_logits)
+    assert torch.equal(jac["2"], ref["2"])
