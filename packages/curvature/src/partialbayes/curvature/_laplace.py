@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -594,6 +595,8 @@ class LaplaceBase(ABC):
         *,
         val_loader: Iterable[Any] | None = None,
         grid: Tensor | Sequence[float] | None = None,
+        optimizer: str = "grid",
+        **gradient: Any,
     ) -> float:
         """Choose one scalar prior precision for every module, the best of ``grid``, and set it.
 
@@ -606,15 +609,37 @@ class LaplaceBase(ABC):
                 on ``val_loader``).
             val_loader: Validation batches (``method="val_nll"`` only).
             grid: Candidate values, default ``torch.logspace(-1, 3, 21)``.
+            optimizer: Deprecated since 0.5.0, to be removed: ``"gradient"`` warns (``FutureWarning``) and
+                returns ``maximize_evidence(**gradient)`` (a `MarglikFit`); call `maximize_evidence` instead.
+            **gradient: With ``optimizer="gradient"`` only: `maximize_evidence`'s options.
 
         Returns:
             The chosen prior precision, also set on the posterior.
 
         Raises:
-            ValueError: A bad ``method`` or ``grid``, ``val_loader`` missing for ``"val_nll"`` or given without
-                it, and (``"val_nll"``) what `grid_val_nll` refuses.
+            ValueError: A bad ``method``, ``optimizer`` or ``grid``, ``val_loader`` missing for ``"val_nll"`` or
+                given without it, and (``"val_nll"``) what `grid_val_nll` refuses.
+            TypeError: `maximize_evidence`'s options without ``optimizer="gradient"``.
         """
         self._require_fit()
+        check_choice("optimizer", optimizer, ("grid", "gradient"))
+        if optimizer == "gradient":  # the 0.3 API
+            warnings.warn(
+                "optimize_prior_precision(optimizer='gradient', ...) is deprecated and will be removed: "
+                "call maximize_evidence(...) with the same options",
+                FutureWarning,
+                stacklevel=2,
+            )
+            check_choice("method", method, ("marglik",))
+            grid_options = {
+                k: v for k, v in (("val_loader", val_loader), ("grid", grid)) if v is not None
+            }
+            return self.maximize_evidence(**gradient, **grid_options)  # type: ignore[return-value]
+        if gradient:
+            raise TypeError(
+                f"{sorted(gradient)} are options of maximize_evidence, not of the grid search "
+                "optimize_prior_precision"
+            )
         check_choice("method", method, ("marglik", "val_nll"))
         return grid_search(self, method, val_loader, grid)
 
