@@ -122,7 +122,6 @@ def cell() -> Callable[[], object]:
                 model_factory=factory,
                 progress=False,
             ),
-            log=lambda s: None,
         )
 
     return run

@@ -1,6 +1,7 @@
 """glue-bench on its siblings' public APIs (issue #17): subsets, train modes, no deprecated calls, namespace."""
 
 import dataclasses
+import logging
 import warnings
 
 import pytest
@@ -46,13 +47,12 @@ def test_finetune_leaves_the_model_in_the_callers_mode(training, tiny_bert_facto
     assert all(m.training is training for m in model.modules())
 
 
-def test_finetune_logs_each_epoch_it_trains(tiny_bert_factory):
+def test_finetune_logs_each_epoch_it_trains(tiny_bert_factory, caplog):
     model, tokenizer = tiny_bert_factory()
-    lines: list[str] = []
+    caplog.set_level(logging.INFO, logger="partialbayes.glue_bench")
     config = TrainConfig(epochs=2, batch_size=4, max_length=16, lr=1e-3, patience=5)
-    summary = finetune(
-        model, tokenizer, _examples(8), _examples(4), config, progress=False, log=lines.append
-    )
+    summary = finetune(model, tokenizer, _examples(8), _examples(4), config, progress=False)
+    lines = [r.getMessage() for r in caplog.records if r.name == "partialbayes.glue_bench.train"]
     assert len(lines) == len(summary["history"]) == 2
     assert lines[0].startswith("epoch 1/2: train loss ")
     assert "val accuracy" in lines[1]
@@ -104,7 +104,6 @@ def test_a_tiny_grid_calls_no_deprecated_api(tmp_path, mini_glue, tiny_bert_fact
                     model_factory=lambda n, c, d: tiny_bert_factory(c),
                     progress=False,
                 ),
-                log=lambda s: None,
             )
             assert not store.failures
             assert {r["method"] for r in iter_records(store.root)} == set(methods)

@@ -40,7 +40,6 @@ def _grid(root, glue, factory, methods=("map",), **kw):
             model_factory=lambda name, c, d: factory(c),
             progress=False,
         ),
-        log=lambda s: None,
     )
 
 

@@ -94,6 +94,11 @@ def test_quickstart_end_to_end_with_a_local_model_folder(
     argv += ["--epochs", "1", "--n-samples", "2", "--no-progress"]
     assert main(argv) == 0
     out = capsys.readouterr().out
+    head = out.splitlines()[:4]  # printed lines and the library's logged ones, in order
+    assert head[0].startswith("glue-bench quickstart: sst2 split 0")
+    assert head[1].startswith("threads: ")
+    assert head[2] == f"[sst2 split 0] preparing model {folder}"
+    assert head[3].startswith("[sst2 split 0] epoch 1/1: train loss ")
     rows = [line for line in out.splitlines() if line.startswith("| ") and line.count("|") == 8]
     methods = [line.split(" | ")[0][2:] for line in rows[1:]]  # after the header
     assert methods[:3] == ["map", "temperature", "last-layer"]  # MAP first, then the baselines
@@ -243,7 +248,7 @@ def test_uci_grid_keeps_going_past_a_failing_cell(capsys, tmp_path, fast_uci, mo
     assert recs == {(0, "map"), (1, "map")}
     # from Python the first failure propagates unless keep_going is set
     with pytest.raises(RuntimeError, match="curvature exploded"):
-        uci.run_uci(["yacht"], [0], ["last-layer"], tmp_path / "p", uci_dir, log=lambda s: None)
+        uci.run_uci(["yacht"], [0], ["last-layer"], tmp_path / "p", uci_dir)
 
 
 def test_uci_runs_the_papers_15_splits_by_default(tmp_path, fast_uci, monkeypatch):

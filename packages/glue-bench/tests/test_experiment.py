@@ -44,7 +44,6 @@ def _run(tmp_path, mini_glue, factory, methods, task="sst2", timings=None, **kw)
             model_factory=lambda name, c, d: factory(c),
             progress=False,
         ),
-        log=lambda s: None,
         timings=timings,
     )
     recs = {(r["method"], r["size"]): r for r in iter_records(store.root)}
@@ -187,7 +186,6 @@ def test_ivon_finetuning_and_posterior(tmp_path, mini_glue, tiny_bert_factory):
             model_factory=lambda name, c, d: tiny_bert_factory(c),
             progress=False,
         ),
-        log=lambda s: None,
     )
     recs = {(r["method"], r["size"]): r for r in iter_records(store.root)}
     assert set(recs) == {("map", "-"), ("ivon", "-")}
@@ -282,7 +280,6 @@ def test_swag_learning_rate_sweep(tmp_path, mini_glue, tiny_distilbert_factory):
             model_factory=lambda name, c, d: tiny_distilbert_factory(c),
             progress=False,
         ),
-        log=lambda s: None,
     )
     (rec,) = iter_records(store.root)
     assert rec["extra"]["swag_lr_swept"] is True

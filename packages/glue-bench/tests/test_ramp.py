@@ -64,7 +64,6 @@ def _grid(root, mini_glue, factory, curvature_pass, **kw):
             model_factory=lambda name, c, d: factory(c),
             progress=False,
         ),
-        log=lambda s: None,
     )
     return {(r["method"], r["size"]): r for r in iter_records(root)}
 

@@ -1,6 +1,7 @@
 """Report tables and figures on hand-built record sets (values checked by hand) and end to end."""
 
 import csv
+import logging
 import math
 
 import numpy as np
@@ -291,10 +292,11 @@ def _synthetic_grid(with_bins=True):
     return records
 
 
-def test_write_report_synthetic(tmp_path, capsys):
+def test_write_report_synthetic(tmp_path, caplog):
     _store(tmp_path / "res", _synthetic_grid())
-    lines = []
-    out = write_report(tmp_path / "res", tmp_path / "rep", log=lines.append)
+    caplog.set_level(logging.DEBUG, logger="partialbayes.glue_bench.report")
+    out = write_report(tmp_path / "res", tmp_path / "rep")
+    lines = caplog.messages
     rep = tmp_path / "rep"
     for name in (
         "report.md",
@@ -416,7 +418,6 @@ def test_tiny_grid_then_report(tmp_path, mini_glue, tiny_bert_factory):
             model_factory=lambda name, c, d: tiny_bert_factory(c),
             progress=False,
         ),
-        log=lambda s: None,
     )
     recs = list(iter_records(tmp_path / "res"))
     assert all(len(r["reliability"]["count"]) == 20 for r in recs)

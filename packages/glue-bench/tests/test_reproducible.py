@@ -49,10 +49,10 @@ SCRIPT = textwrap.dedent(
     train = dict(epochs=2, batch_size=8, max_length=32, patience=2, lr=1e-3)
     methods = ["temperature", "last-layer", "skfac", "kfac-random", "swag-random", "ls-random"]
     run_grid(Grid(["sst2"], [1], methods, RunConfig(train=TrainConfig(**train), **common),
-                  out / "adamw", glue_dir=glue, model_factory=factory, progress=False), log=lambda s: None)
+                  out / "adamw", glue_dir=glue, model_factory=factory, progress=False))
     ivon = TrainConfig(**train, optimizer="ivon", ivon_lr=0.05)
     run_grid(Grid(["sst2"], [0], ["map", "ivon"], RunConfig(train=ivon, **common),
-                  out / "ivon", glue_dir=glue, model_factory=factory, progress=False), log=lambda s: None)
+                  out / "ivon", glue_dir=glue, model_factory=factory, progress=False))
     """
 )
 

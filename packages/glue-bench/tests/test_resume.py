@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import torch
 
 from partialbayes.glue_bench.data_glue import Examples
 from partialbayes.glue_bench.store import progress_epoch
-from partialbayes.glue_bench.train import TrainConfig, finetune
+from partialbayes.glue_bench.train import TrainConfig, finetune, logger
 
 
 class Killed(BaseException):
@@ -25,19 +26,32 @@ def _examples(n: int, offset: int = 0) -> Examples:
     return Examples(texts, tuple((i + offset) % 2 for i in range(n)))
 
 
-def _run(factory, config, resume=None, kill_after=None):
-    model, tokenizer = factory()
-    lines: list[str] = []
+class _Lines(logging.Handler):
+    """Fine-tuning's log lines; "killed" (``Killed`` raised out of the logging call) after an epoch."""
 
-    def log(line: str) -> None:
-        lines.append(line)
-        if kill_after is not None and line.startswith(f"epoch {kill_after}/"):
+    def __init__(self, kill_after: int | None) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+        self.kill_after = kill_after
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(line := record.getMessage())
+        if self.kill_after is not None and line.startswith(f"epoch {self.kill_after}/"):
             raise Killed
 
-    summary = finetune(
-        model, tokenizer, _examples(24), _examples(8, 1), config, "cpu", False, log, resume
-    )
-    return model, summary, lines
+
+def _run(factory, config, resume=None, kill_after=None):
+    model, tokenizer = factory()
+    handler, level = _Lines(kill_after), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        args = (_examples(24), _examples(8, 1), config, "cpu", False, resume)
+        summary = finetune(model, tokenizer, *args)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return model, summary, handler.lines
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "ivon"])
@@ -76,22 +90,25 @@ def test_progress_of_other_settings_is_refused(tiny_bert_factory, tmp_path):
 
 
 SCRIPT = """
-import sys, time
+import logging, sys, time
 from pathlib import Path
 import torch
 from conftest import _build_tokenizer
 from test_resume import _examples
 from tiny_models import tiny_model
-from partialbayes.glue_bench.train import TrainConfig, finetune
+from partialbayes.glue_bench.train import TrainConfig, finetune, logger
 torch.set_num_threads(1)
 tok = _build_tokenizer(Path({folder!r}))
 model = tiny_model("bert", size="s", vocab=tok.vocab_size, positions=64, num_labels=2, seed=0)
 config = TrainConfig(epochs=3, batch_size=4, max_length=16, lr=1e-3, patience=4)
-def log(line):
-    print(line, flush=True)
-    if {slow} and line.startswith("epoch 1/"):
+def log(record):  # a logger filter: print each line, then sleep after the first epoch
+    print(record.getMessage(), flush=True)
+    if {slow} and record.getMessage().startswith("epoch 1/"):
         time.sleep(60)
-finetune(model, tok, _examples(24), _examples(8, 1), config, "cpu", False, log, Path({path!r}))
+    return True
+logging.getLogger("partialbayes.glue_bench.train").addFilter(log)
+logging.getLogger("partialbayes.glue_bench").setLevel(logging.INFO)
+finetune(model, tok, _examples(24), _examples(8, 1), config, "cpu", False, Path({path!r}))
 torch.save(model.state_dict(), {out!r})
 """
 

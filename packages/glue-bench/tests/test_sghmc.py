@@ -19,7 +19,7 @@ def test_serial_and_parallel_sghmc_cells(tmp_path, mini_glue, tiny_bert_factory)
     methods = ["map", "sghmc-full", "psghmc-skfac", "psghmc-full"]
     grid = Grid(["sst2"], [0], methods, config, tmp_path, glue_dir=mini_glue,
                 model_factory=lambda n, c, d: tiny_bert_factory(c), progress=False)  # fmt: skip
-    store = run_grid(grid, log=lambda s: None)
+    store = run_grid(grid)
     assert not store.failures
     records = {r["method"]: r for r in iter_records(store.root)}
     assert set(records) == set(methods)

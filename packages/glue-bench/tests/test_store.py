@@ -81,7 +81,6 @@ def _grid(root, mini_glue, factory):
             model_factory=lambda n, c, d: factory(c),
             progress=False,
         ),
-        log=lambda s: None,
     )
 
 

@@ -180,7 +180,6 @@ def test_uci_pipeline_one_split(tmp_path, data_dir, monkeypatch):
         ["map", "last-layer", "kfac-max"],
         tmp_path,
         data_dir / "uci",
-        log=lambda s: None,
     )
     recs = {(r["method"], r["size"]): r for r in iter_records(store.root)}
     assert set(recs) == {
@@ -212,7 +211,7 @@ def test_uci_literature_one_split(tmp_path, data_dir):
     torch.set_num_threads(1)
     proto = replace(PROTOCOLS["literature"], epochs=200)
     methods = ["map", "diag-full", "swag-full"]
-    run_uci(["yacht"], [0], methods, tmp_path, data_dir / "uci", log=lambda s: None, protocol=proto)
+    run_uci(["yacht"], [0], methods, tmp_path, data_dir / "uci", protocol=proto)
     recs = {r["method"]: r for r in iter_records(tmp_path)}
     assert set(recs) == set(methods)
     for r in recs.values():
@@ -303,7 +302,6 @@ def test_uci_subnet_methods_one_split(tmp_path, data_dir, monkeypatch):
         ["map", "subnet-norm", "subnet-variance"],
         tmp_path / "uci",
         data_dir / "uci",
-        log=lambda s: None,
     )
     recs = {(r["method"], r["size"]): r for r in iter_records(tmp_path / "uci")}
     assert set(recs) == {

@@ -2,6 +2,7 @@
 the user's own checkpoint (``--epochs 0``), and the glue-bench defects of issue #27."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -42,7 +43,7 @@ def _grid(root, glue, factory=None, methods=("map",), model="tiny-bert", splits=
     executor = kw.pop("executor", "local")
     grid = Grid(["sst2"], list(splits), list(methods), config, root, glue_dir=glue,
                 model_factory=make, progress=False, **kw)  # fmt: skip
-    return run_grid(grid, executor=executor, log=lambda s: None)
+    return run_grid(grid, executor=executor)
 
 
 def _saved(folder, factory, num_labels=2, head=True):
@@ -63,7 +64,9 @@ def _records(root):
 
 
 # ------------------------------------------------------------------------------------------ claims
-def test_a_unit_claimed_by_a_live_process_is_left_to_it(tmp_path, mini_glue, tiny_bert_factory):
+def test_a_unit_claimed_by_a_live_process_is_left_to_it(
+    tmp_path, mini_glue, tiny_bert_factory, caplog
+):
     """Two workers on one unit: the second is refused (nothing written), never a second fine-tuning."""
     store = ResultStore(tmp_path / "res", _config().to_dict())
     with store.unit_claim("sst2", 0):  # this process is alive: a second claim must be refused
@@ -74,6 +77,8 @@ def test_a_unit_claimed_by_a_live_process_is_left_to_it(tmp_path, mini_glue, tin
         assert len(got.failures) == 1
         assert "sst2/split0: unit sst2 split 0 is claimed by" in got.failures[0]
         assert "--take-over" in got.failures[0]
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert warned == [f"[sst2 split 0] skipped: {got.failures[0].split(': ', 1)[1]}"]
         assert not (tmp_path / "res" / "records").exists()
         assert not (tmp_path / "res" / "checkpoints").exists()
     assert not (tmp_path / "res" / "claims").exists()  # released on exit, the empty folder removed
@@ -193,6 +198,20 @@ def test_list_units_and_run_one_unit(tmp_path, mini_glue, tiny_bert_factory, cap
     torch.set_num_threads(1)
     assert main([*argv, "--unit", "1"]) == 0
     assert [r["split"] for r in iter_records(tmp_path / "res")] == [1]
+    # the library's messages, one printed line each; fine-tuning's lines name the unit too
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"[sst2 split 1] preparing model {folder}"
+    assert lines[1].startswith("[sst2 split 1] epoch 1/1: train loss ")
+    assert lines[2].startswith("[sst2 split 1] MAP val accuracy ")
+    assert lines[3].startswith("[sst2 split 1] map -: acc ")
+    assert lines[4:] == [
+        f"results in {tmp_path / 'res'}; summarise with: glue-bench report --results {tmp_path / 'res'}"
+    ]
+    package = logging.getLogger("partialbayes.glue_bench")
+    assert (package.handlers, package.level) == (
+        [],
+        logging.NOTSET,
+    )  # main leaves no handler behind
     assert main([*argv, "--unit", "3"]) == 2
     assert "--unit 3 is out of range: this grid has 3 units (0-2" in capsys.readouterr().err
     assert main([*argv, "--unit", "0", "--shard", "0/2"]) == 2
@@ -337,6 +356,30 @@ def test_a_ray_address_that_does_not_answer_fails_at_once(tmp_path, mini_glue, c
     assert "--ray-address must be HOST:PORT" in capsys.readouterr().err
 
 
+WORKER = """
+import logging, sys
+from partialbayes.glue_bench.executors import UnitResult, on_worker
+
+def job(task, split):
+    logging.getLogger("partialbayes.glue_bench.experiment").info(f"[{task} split {split}] progress")
+    logging.getLogger("partialbayes.glue_bench.experiment").warning(f"[{task} split {split}] FAILED")
+    return UnitResult()
+
+for split in (0, 1):  # a worker process runs several units: one handler, not one per unit
+    on_worker(job, "sst2", split, sys.argv[1], int(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("level", [logging.INFO, logging.WARNING])
+def test_a_ray_worker_prints_what_the_driver_would(tmp_path, level):
+    """A fresh worker process has no logging set up: ``on_worker`` prints from the driver's level up."""
+    (probe := tmp_path / "probe").write_text("driver")
+    argv = [sys.executable, "-c", WORKER, str(probe), str(level)]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout.splitlines()
+    expected = [f"[sst2 split {k}] {m}" for k in (0, 1) for m in ("progress", "FAILED")]
+    assert out == (expected if level == logging.INFO else expected[1::2])
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A real local Ray cluster of two worker processes on loopback."""
@@ -385,17 +428,19 @@ def test_a_results_folder_the_workers_do_not_see_is_named(
     assert not (tmp_path / "res" / "records").exists()
 
 
-def test_a_prior_at_the_edge_of_its_grid_is_said_at_run_time(tmp_path):
+def test_a_prior_at_the_edge_of_its_grid_is_said_at_run_time(tmp_path, caplog):
     # Issue 34: it was reported only in report/prior_edges.md.
     from partialbayes.glue_bench.experiment import _Unit
 
-    lines = []
-    unit = _Unit(None, "sst2", 0, lines.append, ResultStore(tmp_path / "res", _config().to_dict()))
+    caplog.set_level(logging.INFO, logger="partialbayes.glue_bench")
+    unit = _Unit(None, "sst2", 0, ResultStore(tmp_path / "res", _config().to_dict()))
     record = {"accuracy": 0.9, "nll": 0.3, "ece": 0.05, "seconds": 1.0, "cpu_seconds": 1.0}
     edge = {"prior_precision": 0.001, "prior_at_grid_edge": "lowest"}
     unit.done("skfac", "1.0", {**record, "extra": edge})
     unit.done("skfac", "6.8", {**record, "extra": {**edge, "prior_at_grid_edge": None}})
+    lines = caplog.messages
     assert lines[0].endswith(
         "its prior precision 0.001 is the lowest value of the grid: widen it (--prior-grid)"
     )
     assert lines[1].endswith("(1.0 s)")
+    assert [r.levelname for r in caplog.records] == ["WARNING", "INFO"]  # a problem, a result

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import re
 import sys
@@ -499,8 +500,15 @@ def main(argv: list[str] | None = None) -> int:
             print(title + "\n".join(f"{m.name:16s} {m.description}" for m in methods.values()))
         return 0
     commands = {"run": cmd_run, "report": cmd_report, "quickstart": cmd_quickstart}
+    package, handler = logging.getLogger(__package__), logging.StreamHandler(sys.stdout)
+    level = package.level  # the library's messages from INFO up, as printed lines (flushed each)
+    package.addHandler(handler)
+    package.setLevel(logging.INFO)
     try:
         return commands[args.command](args)
     except (ValueError, TypeError, OSError, ImportError) as err:  # OSError: unwritable folders
         print(f"glue-bench: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        package.removeHandler(handler)
+        package.setLevel(level)

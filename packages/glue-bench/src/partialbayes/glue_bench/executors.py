@@ -7,9 +7,11 @@ imported only when asked for.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
+import sys
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +23,7 @@ from partialbayes.predictive.internal import check_choice
 
 EXECUTORS = ("local", "ray")
 RAY_INSTALL = "pip install 'partialbayes-glue-bench[ray]'"
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,8 +34,8 @@ class UnitResult:
     timings: list[dict[str, Any]] = field(default_factory=list)
 
 
-UnitJob = Callable[[str, int, Callable[[str], None]], UnitResult]
-"""``job(task, split, log) -> UnitResult``: the work of one unit."""
+UnitJob = Callable[[str, int], UnitResult]
+"""``job(task, split) -> UnitResult``: the work of one unit."""
 
 
 def run_units(
@@ -42,7 +45,6 @@ def run_units(
     executor: str = "local",
     ray_address: str | None = None,
     keep_going: bool = False,
-    log: Callable[[str], None] = print,
     gpus_per_unit: float = 0.0,
 ) -> list[UnitResult]:
     """Run ``job`` for every (task, split) unit; returns their results in the order they finish.
@@ -53,11 +55,10 @@ def run_units(
         results: The results folder every unit writes to.
         executor: ``local`` (this process, in order) or ``ray`` (one task per unit on the cluster at
             ``ray_address``; without one, on the cluster Ray is initialised with, or on a local cluster
-            started here and shut down at the end). Ray workers print their progress.
+            started here and shut down at the end). Ray workers print their progress (:func:`on_worker`).
         ray_address: ``HOST:PORT`` or ``ray://HOST:PORT`` of a running cluster.
         keep_going: Ray: a unit that raises becomes a failure line and the others go on; otherwise the
             others are cancelled and its error is raised here (``local`` always raises).
-        log: Progress messages of this process.
         gpus_per_unit: GPUs each Ray task asks for (1 on ``cuda``).
 
     Raises:
@@ -68,15 +69,16 @@ def run_units(
     """
     check_choice("executor", executor, EXECUTORS)
     if executor == "local":
-        return [job(task, split, log) for task, split in units]
+        return [job(task, split) for task, split in units]
     ray = import_ray()
     started = connect_ray(ray, ray_address)
     probe = Path(results).absolute() / f".glue-bench-probe-{uuid.uuid4().hex}"
     try:
         atomic_write(probe, socket.gethostname())
         remote = ray.remote(num_cpus=1, num_gpus=gpus_per_unit)(on_worker)
-        pending = {remote.remote(job, t, s, str(probe)): (t, s) for t, s in units}
-        log(f"{len(pending)} unit(s) sent to the Ray cluster")
+        level = logger.getEffectiveLevel()
+        pending = {remote.remote(job, t, s, str(probe), level): (t, s) for t, s in units}
+        logger.info(f"{len(pending)} unit(s) sent to the Ray cluster")
         out = []
         while pending:
             (ref,), _ = ray.wait(list(pending), num_returns=1)
@@ -90,7 +92,7 @@ def run_units(
                         ray.cancel(other)
                     raise cause from None
                 out.append(UnitResult([f"{task}/split{split}: {type(cause).__name__}: {cause}"]))
-                log(f"[{task} split {split}] FAILED ({out[-1].failures[0]})")
+                logger.warning(f"[{task} split {split}] FAILED ({out[-1].failures[0]})")
         return out
     finally:
         probe.unlink(missing_ok=True)
@@ -98,8 +100,11 @@ def run_units(
             ray.shutdown()
 
 
-def on_worker(job: UnitJob, task: str, split: int, probe: str) -> UnitResult:
+def on_worker(job: UnitJob, task: str, split: int, probe: str, level: int) -> UnitResult:
     """A unit on a Ray worker: check that this host sees the driver's results folder, then run it.
+
+    A worker whose logging nobody configured prints this package's messages from ``level`` (the driver's) up
+    to its stdout, which Ray forwards to the driver: the one handler the library installs.
 
     Raises:
         FileNotFoundError: The probe file the driver wrote into the results folder is not here.
@@ -111,7 +116,11 @@ def on_worker(job: UnitJob, task: str, split: int, probe: str) -> UnitResult:
             "that the driver wrote there is missing, so this is not the driver's folder; give --results "
             "a path on a file system that every node mounts"
         )
-    return job(task, split, print)
+    package = logging.getLogger(__package__)
+    if not package.hasHandlers():
+        package.addHandler(logging.StreamHandler(sys.stdout))
+        package.setLevel(level)
+    return job(task, split)
 
 
 def import_ray() -> Any:

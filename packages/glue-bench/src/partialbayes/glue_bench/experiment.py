@@ -7,6 +7,7 @@ share passes (:mod:`~partialbayes.glue_bench.laplace_cells`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from partialbayes.glue_bench.train import (
     progress_path,
     save_checkpoint,
 )
+from partialbayes.glue_bench.train import logger as train_logger
 from partialbayes.predictive.internal import (
     check_choice,
     check_fields,
@@ -49,6 +51,7 @@ from partialbayes.predictive.internal import (
 )
 
 ModelFactory = Callable[[str, int, float], tuple[torch.nn.Module, Any]]
+logger = logging.getLogger(__name__)
 CURVATURE_PASSES = ("shared", "per-cell")
 # The Prediction fields every GLUE record holds as they are (all but the probabilities, curvature_pass).
 RECORDED = [
@@ -123,7 +126,6 @@ def map_checkpoint(
     folder: Path,
     progress: bool,
     about: dict[str, Any],
-    log: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
     """Load the MAP checkpoint at ``folder`` into ``model``, fine-tuning and publishing it first if absent.
 
@@ -136,7 +138,7 @@ def map_checkpoint(
         device = next(model.parameters()).device
         resume = progress_path(folder)
         summary = finetune(
-            model, tokenizer, parts["train"], parts["val"], train, device, progress, log, resume
+            model, tokenizer, parts["train"], parts["val"], train, device, progress, resume=resume
         )
         hess = summary.pop("ivon_hess", None)
         cut = {n: count_truncated(e, tokenizer, train.max_length) for n, e in parts.items()}
@@ -159,7 +161,6 @@ def prepare_context(
     glue_dir: str | Path | None = None,
     model_factory: ModelFactory | None = None,
     progress: bool = True,
-    log: Callable[[str], None] | None = None,
 ) -> tuple[Context, dict[str, Any]]:
     """Load data, fine-tune or reuse the checkpoint of (task, split); ``(method context, checkpoint meta)``.
 
@@ -183,7 +184,7 @@ def prepare_context(
     folder = store.checkpoint_dir(task, split, config.model)
     about = {"task": task, "split": split, "model": config.model}
     model.to(device)
-    meta, hess = map_checkpoint(model, tokenizer, parts, train, folder, progress, about, log)
+    meta, hess = map_checkpoint(model, tokenizer, parts, train, folder, progress, about)
     model.eval()
     ivon = None
     if hess is not None and "ivon" in meta:
@@ -268,18 +269,18 @@ class Grid:
     take_over: bool = False
 
 
-def run_unit(grid: Grid, task: str, split: int, log: Callable[[str], None] = print) -> UnitResult:
+def run_unit(grid: Grid, task: str, split: int) -> UnitResult:
     """One unit: claim (task, split), fine-tune or reuse its MAP, then run every cell not finished yet.
 
     A unit claimed by another live process is left to it (a failure line says so, nothing is written).
     """
-    unit = _Unit(grid, task, split, log, ResultStore(grid.results, grid.config.to_dict()))
+    unit = _Unit(grid, task, split, ResultStore(grid.results, grid.config.to_dict()))
     try:
         with unit.store.unit_claim(task, split, grid.take_over):
             unit.run()
     except UnitBusyError as err:
         unit.out.failures.append(f"{task}/split{split}: {err}")
-        unit.say(f"skipped: {err}")
+        unit.say(f"skipped: {err}", logging.WARNING)
     return unit.out
 
 
@@ -290,7 +291,6 @@ class _Unit:
     grid: Grid
     task: str
     split: int
-    log: Callable[[str], None]
     store: ResultStore
     out: UnitResult = field(default_factory=UnitResult)
 
@@ -322,7 +322,11 @@ class _Unit:
         self.say(f"preparing model {g.config.model}")
         w0, c0 = time.perf_counter(), time.process_time()
         where = (self.task, self.split, g.config, self.store, torch.device(g.device), g.glue_dir)
-        ctx, meta = prepare_context(*where, g.model_factory, g.progress, self.say)
+        train_logger.addFilter(self.prefix)  # fine-tuning's lines name the unit, as its own do
+        try:
+            ctx, meta = prepare_context(*where, g.model_factory, g.progress)
+        finally:
+            train_logger.removeFilter(self.prefix)
         if meta.get("published_here") is False:
             self.say("another process published this checkpoint first: using its weights")
         tuning = {"finetune_wall": meta["finetune_seconds"]}
@@ -369,13 +373,17 @@ class _Unit:
         cell = partial(Cell, self.task, self.split, method.name)
         return [s for s in method.sizes(ctx) if not self.store.has(cell(s))]
 
-    def say(self, message: str) -> None:
-        self.log(f"[{self.task} split {self.split}] {message}")
+    def say(self, message: str, level: int = logging.INFO) -> None:
+        logger.log(level, f"[{self.task} split {self.split}] {message}")
+
+    def prefix(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = f"[{self.task} split {self.split}] {record.getMessage()}", ()
+        return True
 
     def fail(self, name: str, size: str, err: BaseException) -> None:
         line = f"{self.task}/split{self.split}/{name}/{size}: {type(err).__name__}: {err}"
         self.out.failures.append(line)
-        self.say(f"{name} {size}: FAILED ({line})")
+        self.say(f"{name} {size}: FAILED ({line})", logging.WARNING)
         if not self.grid.keep_going:
             raise err
 
@@ -389,7 +397,7 @@ class _Unit:
         if edge := extra.get("prior_at_grid_edge"):
             prior = extra.get("prior_precision", 0)
             line += f"; its prior precision {prior:g} is the {edge} value of the grid: widen it (--prior-grid)"
-        self.say(line)
+        self.say(line, logging.WARNING if edge else logging.INFO)
 
     def timing(self, stage: str, wall: float, cpu: float, **extra: Any) -> None:
         """One stage dict of ``run_grid(..., timings=...)``."""
@@ -401,7 +409,6 @@ def run_grid(
     grid: Grid,
     *,
     shard: tuple[int, int] = (0, 1),
-    log: Callable[[str], None] = print,
     timings: list[dict[str, Any]] | None = None,
     executor: str = "local",
     ray_address: str | None = None,
@@ -444,7 +451,7 @@ def run_grid(
     gpus = 1.0 if torch.device(grid.device).type == "cuda" else 0.0
     job, units = partial(run_unit, shared), grid_units(grid.tasks, grid.splits, shard)
     keep_going = grid.keep_going
-    for unit in run_units(units, job, store.root, executor, ray_address, keep_going, log, gpus):
+    for unit in run_units(units, job, store.root, executor, ray_address, keep_going, gpus):
         store.failures += unit.failures
         if timings is not None:
             timings += unit.timings

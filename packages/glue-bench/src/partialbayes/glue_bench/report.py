@@ -7,9 +7,10 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from partialbayes.glue_bench.store import atomic_write, iter_records, unit_state
 from partialbayes.glue_bench.tables import BUDGET_TOLERANCE, Column, col, markdown, size_key
 
 METRICS = ("accuracy", "nll", "ece", "brier")
+logger = logging.getLogger(__name__)
 COLUMNS = (*METRICS, "val_nll", "percent_stochastic", "floats", "fit_seconds", "predict_seconds")
 UCI_COLUMNS = ("nll", "rmse", "val_nll", "sigma", "prior_precision", *COLUMNS[5:8])
 # Published results on the same 20 standard splits (test RMSE, its ±, test NLL, its ±; original units).
@@ -190,18 +192,17 @@ class _Report:
     """The outputs of one :func:`write_report` call, written one by one (each atomically)."""
 
     out: Path
-    say: Callable[[str], None]
     files: list[Path] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     parts: list[str] = field(default_factory=list)
 
     def wrote(self, path: Path) -> None:
         self.files.append(path)
-        self.say(f"wrote {path}")
+        logger.debug(f"wrote {path}")
 
     def skip(self, what: str, why: str) -> None:
         self.skipped.append(f"{what}: {why}")
-        self.say(f"skipped {what}: {why}")
+        logger.debug(f"skipped {what}: {why}")
 
     def text(self, name: str, body: str) -> None:
         self.wrote(atomic_write(self.out / name, body))
@@ -240,7 +241,6 @@ def write_report(
     out: str | Path | None = None,
     budget: float = 10.0,
     calibration_methods: Sequence[str] | None = None,
-    log: Callable[[str], None] | None = None,
     budget_tolerance: float = BUDGET_TOLERANCE,
 ) -> dict[str, Any]:
     """Write every table and figure of a results folder (PNG, markdown, CSV; each file atomically).
@@ -252,7 +252,7 @@ def write_report(
     ``<task>_calibration.png`` (Fig. 6), ``uci_summary`` and ``uci_<dataset>_selection.png`` (Figs. 9,
     10), ``units`` (each unit's state: done, running, or partial with the epoch its fine-tuning reached,
     ``store.unit_states``): tables as ``.md`` and ``.csv``; the how-to lists what each holds. An output
-    whose records are missing is skipped with its reason.
+    whose records are missing is skipped with its reason; each written file and skip is logged (DEBUG).
 
     Args:
         results: The results folder (GLUE records under ``records/``, UCI records under ``uci/records/``).
@@ -260,7 +260,6 @@ def write_report(
         budget: Stochastic budget of Table 2, in percent.
         budget_tolerance: Relative slack of the budget ("≈ 10 %"), see ``tables.budget_table``.
         calibration_methods: Methods of the calibration figure (default: see ``calibration_cells``).
-        log: Called with one line per written file and per skipped output.
 
     Returns:
         ``{"rows": GLUE summary rows, "markdown": report.md text, "files": [written paths],
@@ -275,7 +274,7 @@ def write_report(
         raise FileNotFoundError(
             f"no result records under {results / 'records'} or {results / 'uci' / 'records'}"
         )
-    report = _Report(Path(out) if out is not None else results / "report", log or (lambda _: None))
+    report = _Report(Path(out) if out is not None else results / "report")
     report.parts += [
         "# glue-bench report\n",
         f"Results: `{results}`. Medians over splits, [q25, q75] in brackets.\n",

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ from partialbayes.selection.internal import countable_named_parameters
 
 Batch = Mapping[str, torch.Tensor]
 OPTIMIZERS = ("adamw", "ivon")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -176,7 +178,6 @@ def finetune(
     config: TrainConfig,
     device: torch.device | str = "cpu",
     progress: bool = True,
-    log: Callable[[str], None] | None = None,
     resume: Path | None = None,
 ) -> dict[str, Any]:
     """Fine-tune ``model`` in place; keep the weights of the epoch with the best validation accuracy.
@@ -195,8 +196,7 @@ def finetune(
     st = _Progress()
     if resume is not None and resume.is_file():
         st = _read_progress(resume, model, opts, config, device)
-        if log is not None:
-            log(f"resuming after epoch {st.epoch}/{config.epochs} from {resume}")
+        logger.info(f"resuming after epoch {st.epoch}/{config.epochs} from {resume}")
     start, start_cpu = time.perf_counter(), time.process_time()
     while st.epoch < config.epochs and st.stale < config.patience:
         epoch = st.epoch
@@ -214,8 +214,9 @@ def finetune(
         if resume is not None:
             took = (time.perf_counter() - start, time.process_time() - start_cpu)
             _write_progress(resume, model, opts, config, st, took)
-        if log is not None:
-            log(f"epoch {epoch + 1}/{config.epochs}: train loss {loss:.4f}, val accuracy {acc:.3f}")
+        logger.info(
+            f"epoch {epoch + 1}/{config.epochs}: train loss {loss:.4f}, val accuracy {acc:.3f}"
+        )
     if st.best is not None:
         model.load_state_dict(st.best)
     else:  # epochs=0: the model as it came, scored on the validation set

@@ -6,6 +6,7 @@ how-to's UCI sections; records go to a results store like GLUE's (task = dataset
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import warnings
@@ -36,6 +37,7 @@ SIGMA_RULES = ("train", "val", "evidence", "learned")
 PRIOR_RULES = ("marglik", "val_nll")
 # σ candidates of a validation choice, as multiples of the MAP's validation residual RMS.
 SIGMA_FACTORS = tuple(2.0 ** (k / 8) for k in range(-16, 5))
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -486,7 +488,6 @@ def run_uci(
     shard: tuple[int, int] = (0, 1),
     seed: int = 0,
     device: str = "cpu",
-    log: Callable[[str], None] = print,
     keep_going: bool = False,
     protocol: UCIProtocol | str = "paper",
 ) -> ResultStore:
@@ -507,7 +508,7 @@ def run_uci(
     check_known("UCI dataset(s)", datasets, UCI_DATASETS, "valid datasets")
     check_known("UCI method(s)", methods, UCI_METHODS, "valid UCI methods")
     if str(device) != "cpu":
-        log("UCI models are tiny: running them on cpu")
+        logger.warning("UCI models are tiny: running them on cpu")
     store = ResultStore(results, protocol.store_config(seed))
     sizes = {m: UCI_METHODS[m].sizes(SimpleNamespace(protocol=protocol)) for m in methods}  # type: ignore[arg-type]
     for name, split in grid_units(datasets, splits, shard):
@@ -525,13 +526,13 @@ def run_uci(
                 store.failures.append(
                     f"{name}/split{split}/{cell.method}/{cell.size}: {type(err).__name__}: {err}"
                 )
-                log(f"{where}: FAILED ({store.failures[-1]})")
+                logger.warning(f"{where}: FAILED ({store.failures[-1]})")
                 if not keep_going:
                     raise
                 continue
             store.write(cell, rec)
             extra = rec["extra"]
-            log(
+            logger.info(
                 f"{where}: rmse {rec['rmse']:.3f} nll {rec['nll']:.3f} (σ {extra['sigma']:.3g} by {extra['sigma_rule']})"
             )
     return store
