@@ -385,12 +385,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         calibration_methods=args.calibration_methods,
         budget_tolerance=args.budget_tolerance,
     )
-    print(out["markdown"])
-    print(
-        "\n".join(
-            [*(f"wrote {f}" for f in out["files"]), *(f"skipped {s}" for s in out["skipped"])]
-        )
-    )
+    lines = [*(f"wrote {f}" for f in out["files"]), *(f"skipped {s}" for s in out["skipped"])]
+    print(out["markdown"], *lines, sep="\n")  # report.md is always among the files
     return 0
 
 

@@ -103,8 +103,7 @@ def run_units(
 def on_worker(job: UnitJob, task: str, split: int, probe: str, level: int) -> UnitResult:
     """A unit on a Ray worker: check that this host sees the driver's results folder, then run it.
 
-    A worker whose logging nobody configured prints this package's messages from ``level`` (the driver's) up
-    to its stdout, which Ray forwards to the driver: the one handler the library installs.
+    A worker without logging set up prints this package's messages from the driver's ``level`` up (to the driver).
 
     Raises:
         FileNotFoundError: The probe file the driver wrote into the results folder is not here.

@@ -272,15 +272,21 @@ class Grid:
 def run_unit(grid: Grid, task: str, split: int) -> UnitResult:
     """One unit: claim (task, split), fine-tune or reuse its MAP, then run every cell not finished yet.
 
-    A unit claimed by another live process is left to it (a failure line says so, nothing is written).
+    A unit claimed by another live process is left to it (a failure line says so, nothing is written). Its
+    log lines (fine-tuning's too) begin with ``[task split k]``.
     """
     unit = _Unit(grid, task, split, ResultStore(grid.results, grid.config.to_dict()))
+    for named in (logger, train_logger):
+        named.addFilter(unit.prefix)
     try:
         with unit.store.unit_claim(task, split, grid.take_over):
             unit.run()
     except UnitBusyError as err:
         unit.out.failures.append(f"{task}/split{split}: {err}")
-        unit.say(f"skipped: {err}", logging.WARNING)
+        logger.warning(f"skipped: {err}")
+    finally:
+        for named in (logger, train_logger):
+            named.removeFilter(unit.prefix)
     return unit.out
 
 
@@ -319,20 +325,16 @@ class _Unit:
 
     def prepare(self) -> Context:
         g = self.grid
-        self.say(f"preparing model {g.config.model}")
+        logger.info(f"preparing model {g.config.model}")
         w0, c0 = time.perf_counter(), time.process_time()
         where = (self.task, self.split, g.config, self.store, torch.device(g.device), g.glue_dir)
-        train_logger.addFilter(self.prefix)  # fine-tuning's lines name the unit, as its own do
-        try:
-            ctx, meta = prepare_context(*where, g.model_factory, g.progress)
-        finally:
-            train_logger.removeFilter(self.prefix)
+        ctx, meta = prepare_context(*where, g.model_factory, g.progress)
         if meta.get("published_here") is False:
-            self.say("another process published this checkpoint first: using its weights")
+            logger.info("another process published this checkpoint first: using its weights")
         tuning = {"finetune_wall": meta["finetune_seconds"]}
         tuning["finetune_cpu"] = meta["finetune_cpu_seconds"]
         self.timing("prepare", time.perf_counter() - w0, time.process_time() - c0, **tuning)
-        self.say(f"MAP val accuracy {meta['val_accuracy']:.3f}")
+        logger.info(f"MAP val accuracy {meta['val_accuracy']:.3f}")
         return ctx
 
     def run_ramp(self, ctx: Context, ramp: list[tuple[Method, str]]) -> None:
@@ -352,7 +354,7 @@ class _Unit:
         groups = groups_of([kron for _, _, kron in cells])
         for i, group in enumerate(groups):
             members = [cells[j] for j in group]
-            self.say(f"shared passes: group {i + 1}/{len(groups)}, {len(group)} cells")
+            logger.info(f"shared passes: group {i + 1}/{len(groups)}, {len(group)} cells")
             try:
                 preds, took = shared_predictions(ctx, [kron for _, _, kron in members])
             except Exception as err:
@@ -373,9 +375,6 @@ class _Unit:
         cell = partial(Cell, self.task, self.split, method.name)
         return [s for s in method.sizes(ctx) if not self.store.has(cell(s))]
 
-    def say(self, message: str, level: int = logging.INFO) -> None:
-        logger.log(level, f"[{self.task} split {self.split}] {message}")
-
     def prefix(self, record: logging.LogRecord) -> bool:
         record.msg, record.args = f"[{self.task} split {self.split}] {record.getMessage()}", ()
         return True
@@ -383,7 +382,7 @@ class _Unit:
     def fail(self, name: str, size: str, err: BaseException) -> None:
         line = f"{self.task}/split{self.split}/{name}/{size}: {type(err).__name__}: {err}"
         self.out.failures.append(line)
-        self.say(f"{name} {size}: FAILED ({line})", logging.WARNING)
+        logger.warning(f"{name} {size}: FAILED ({line})")
         if not self.grid.keep_going:
             raise err
 
@@ -397,7 +396,7 @@ class _Unit:
         if edge := extra.get("prior_at_grid_edge"):
             prior = extra.get("prior_precision", 0)
             line += f"; its prior precision {prior:g} is the {edge} value of the grid: widen it (--prior-grid)"
-        self.say(line, logging.WARNING if edge else logging.INFO)
+        logger.log(logging.WARNING if edge else logging.INFO, line)
 
     def timing(self, stage: str, wall: float, cpu: float, **extra: Any) -> None:
         """One stage dict of ``run_grid(..., timings=...)``."""
