@@ -378,13 +378,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     """``glue-bench report``."""
     if args.results_dir is not None and args.results is not None:
         raise ValueError("give the results folder once: either RESULTS or --results")
-    out = write_report(
-        args.results_dir or args.results or Path("results"),
-        args.out,
-        budget=args.budget,
-        calibration_methods=args.calibration_methods,
-        budget_tolerance=args.budget_tolerance,
-    )
+    results = args.results_dir or args.results or Path("results")
+    at = {"budget": args.budget, "budget_tolerance": args.budget_tolerance}
+    out = write_report(results, args.out, calibration_methods=args.calibration_methods, **at)
     lines = [*(f"wrote {f}" for f in out["files"]), *(f"skipped {s}" for s in out["skipped"])]
     print(out["markdown"], *lines, sep="\n")  # report.md is always among the files
     return 0
@@ -440,11 +436,9 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     plot = args.results / f"{args.task}_split{args.split}_ramping_nll.png"
     if ramping_plot(rows, args.task, plot):
         print(f"wrote {plot}")
-    print(f"\n{stage_table(timings, time.perf_counter() - start, time.process_time() - cpu_start)}")
-    print(
-        f"finished in {time.perf_counter() - start:.0f} s; full tables: "
-        f"glue-bench report --results {args.results}"
-    )
+    total = time.perf_counter() - start
+    print(f"\n{stage_table(timings, total, time.process_time() - cpu_start)}")
+    print(f"finished in {total:.0f} s; full tables: glue-bench report --results {args.results}")
     if any(r["method"] == "map" for r in records):
         print(f"\n{qs.read_table(records)}")
     return _report_failures(store.failures)

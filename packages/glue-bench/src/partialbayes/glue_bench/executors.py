@@ -76,8 +76,7 @@ def run_units(
     try:
         atomic_write(probe, socket.gethostname())
         remote = ray.remote(num_cpus=1, num_gpus=gpus_per_unit)(on_worker)
-        level = logger.getEffectiveLevel()
-        pending = {remote.remote(job, t, s, str(probe), level): (t, s) for t, s in units}
+        pending = {remote.remote(job, t, s, str(probe)): (t, s) for t, s in units}
         logger.info(f"{len(pending)} unit(s) sent to the Ray cluster")
         out = []
         while pending:
@@ -100,10 +99,10 @@ def run_units(
             ray.shutdown()
 
 
-def on_worker(job: UnitJob, task: str, split: int, probe: str, level: int) -> UnitResult:
-    """A unit on a Ray worker: check that this host sees the driver's results folder, then run it.
+def on_worker(job: UnitJob, task: str, split: int, probe: str) -> UnitResult:
+    """A unit on a Ray worker: check this host sees the driver's results folder, run it, print its progress.
 
-    A worker without logging set up prints this package's messages from the driver's ``level`` up (to the driver).
+    Printed from INFO up (Ray forwards it to the driver) where nobody set up logging in the worker.
 
     Raises:
         FileNotFoundError: The probe file the driver wrote into the results folder is not here.
@@ -115,10 +114,9 @@ def on_worker(job: UnitJob, task: str, split: int, probe: str, level: int) -> Un
             "that the driver wrote there is missing, so this is not the driver's folder; give --results "
             "a path on a file system that every node mounts"
         )
-    package = logging.getLogger(__package__)
-    if not package.hasHandlers():
+    if not (package := logging.getLogger(__package__)).hasHandlers():
         package.addHandler(logging.StreamHandler(sys.stdout))
-        package.setLevel(level)
+        package.setLevel(logging.INFO)
     return job(task, split)
 
 

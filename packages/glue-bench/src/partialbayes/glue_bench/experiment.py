@@ -272,11 +272,13 @@ class Grid:
 def run_unit(grid: Grid, task: str, split: int) -> UnitResult:
     """One unit: claim (task, split), fine-tune or reuse its MAP, then run every cell not finished yet.
 
-    A unit claimed by another live process is left to it (a failure line says so, nothing is written). Its
-    log lines (fine-tuning's too) begin with ``[task split k]``.
+    A unit claimed by another live process is left to it (a failure line says so, nothing is written).
     """
     unit = _Unit(grid, task, split, ResultStore(grid.results, grid.config.to_dict()))
-    for named in (logger, train_logger):
+    for named in (
+        logger,
+        train_logger,
+    ):  # its log lines, fine-tuning's too, begin with [task split k]
         named.addFilter(unit.prefix)
     try:
         with unit.store.unit_claim(task, split, grid.take_over):
@@ -449,8 +451,7 @@ def run_grid(
     )
     gpus = 1.0 if torch.device(grid.device).type == "cuda" else 0.0
     job, units = partial(run_unit, shared), grid_units(grid.tasks, grid.splits, shard)
-    keep_going = grid.keep_going
-    for unit in run_units(units, job, store.root, executor, ray_address, keep_going, gpus):
+    for unit in run_units(units, job, store.root, executor, ray_address, grid.keep_going, gpus):
         store.failures += unit.failures
         if timings is not None:
             timings += unit.timings

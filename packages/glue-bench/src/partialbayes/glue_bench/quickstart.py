@@ -90,10 +90,9 @@ def _memory(r: Mapping[str, Any]) -> str:
 
 
 def _size(r: Mapping[str, Any]) -> str:
-    size = str(r["size"])
-    return (
-        "" if size == "-" else f" at p = {size}" if r["method"] == "skfac" else f" at size {size}"
-    )
+    if (size := str(r["size"])) == "-":
+        return ""
+    return f" at p = {size}" if r["method"] == "skfac" else f" at size {size}"
 
 
 def _calibration_sentence(map_r: Mapping[str, Any], temp: Mapping[str, Any] | None) -> str:

@@ -176,11 +176,6 @@ SHORT_COLUMNS: list[Column] = [
 ]
 
 
-def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] = COLUMNS) -> str:
-    """A markdown table of summary rows: median over splits, and [q25, q75] when there are several."""
-    return markdown(rows, summary_columns(columns))
-
-
 def short_table(rows: Sequence[dict[str, Any]]) -> str:
     """A compact markdown table (accuracy, NLL, ECE, floats, % stochastic) for the terminal."""
     return markdown(rows, SHORT_COLUMNS)
@@ -230,9 +225,7 @@ class _Report:
 
 def _records(results: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(GLUE records, UCI records) of a results folder; UCI ones also from ``<results>/uci``."""
-    recs = list(iter_records(results))
-    if (results / "uci" / "records").is_dir():
-        recs += list(iter_records(results / "uci"))
+    recs = [*iter_records(results), *iter_records(results / "uci")]  # a missing folder holds none
     return [r for r in recs if "rmse" not in r], [r for r in recs if "rmse" in r]
 
 
@@ -294,12 +287,8 @@ def write_report(
     if report.skipped:
         report.section("Skipped", "\n".join(f"* {s}" for s in report.skipped))
     report.text("report.md", text := "\n".join(report.parts))
-    return {
-        "rows": rows,
-        "markdown": text,
-        "files": [str(f) for f in report.files],
-        "skipped": report.skipped,
-    }
+    files = [str(f) for f in report.files]
+    return {"rows": rows, "markdown": text, "files": files, "skipped": report.skipped}
 
 
 def _glue_outputs(

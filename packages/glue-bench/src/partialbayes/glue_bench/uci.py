@@ -531,8 +531,6 @@ def run_uci(
                     raise
                 continue
             store.write(cell, rec)
-            extra = rec["extra"]
-            logger.info(
-                f"{where}: rmse {rec['rmse']:.3f} nll {rec['nll']:.3f} (σ {extra['sigma']:.3g} by {extra['sigma_rule']})"
-            )
+            sigma = f"σ {rec['extra']['sigma']:.3g} by {rec['extra']['sigma_rule']}"
+            logger.info(f"{where}: rmse {rec['rmse']:.3f} nll {rec['nll']:.3f} ({sigma})")
     return store
