@@ -35,8 +35,10 @@ import contextlib
 import ctypes
 import dataclasses
 import json
+import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -187,19 +189,29 @@ def bench_ramp(b: Bench) -> None:
     }
 
     def grid(p: str, names: list[str]) -> None:
-        run_grid(
-            Grid(
-                ["mrpc"],
-                [0],
-                names,
-                configs[p],
-                root / p,
-                device=b.device,
-                glue_dir=glue,
-                progress=False,
-            ),
-            log=lambda s: print(f"  [{p}] {s}", flush=True),
-        )
+        # glue-bench's progress lines, each printed (and flushed) with the pass it belongs to
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter(f"  [{p}] %(message)s"))
+        package = logging.getLogger("partialbayes.glue_bench")
+        level = package.level
+        package.addHandler(handler)
+        package.setLevel(logging.INFO)
+        try:
+            run_grid(
+                Grid(
+                    ["mrpc"],
+                    [0],
+                    names,
+                    configs[p],
+                    root / p,
+                    device=b.device,
+                    glue_dir=glue,
+                    progress=False,
+                )
+            )
+        finally:
+            package.removeHandler(handler)
+            package.setLevel(level)
 
     # fine-tune once (timed on its own), then give the per-cell folder the very same checkpoint
     t0 = time.perf_counter()
