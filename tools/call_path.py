@@ -16,6 +16,7 @@ Usage: ``uv run --frozen python tools/call_path.py [laplace|ivon ...] [--list]``
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -88,6 +89,8 @@ def cell() -> Callable[[], object]:
     from partialbayes.glue_bench import Grid, RunConfig, Settings, TrainConfig, run_grid
     from tiny_models import tiny_model
 
+    # silent, as before: the tiny model's warnings (a prior at its grid's edge) are expected here
+    logging.getLogger("partialbayes.glue_bench").addHandler(logging.NullHandler())
     root = Path(tempfile.mkdtemp(prefix="call-path-cell-"))
     chars = list(string.ascii_lowercase + string.punctuation)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *chars, *[f"##{c}" for c in chars]]
