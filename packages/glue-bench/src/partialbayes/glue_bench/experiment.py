@@ -272,13 +272,11 @@ class Grid:
 def run_unit(grid: Grid, task: str, split: int) -> UnitResult:
     """One unit: claim (task, split), fine-tune or reuse its MAP, then run every cell not finished yet.
 
-    A unit claimed by another live process is left to it (a failure line says so, nothing is written).
+    A unit claimed by another live process is left to it (a failure line says so, nothing is written). Its
+    log lines, fine-tuning's too, begin with ``[task split k]``.
     """
     unit = _Unit(grid, task, split, ResultStore(grid.results, grid.config.to_dict()))
-    for named in (
-        logger,
-        train_logger,
-    ):  # its log lines, fine-tuning's too, begin with [task split k]
+    for named in (logger, train_logger):
         named.addFilter(unit.prefix)
     try:
         with unit.store.unit_claim(task, split, grid.take_over):

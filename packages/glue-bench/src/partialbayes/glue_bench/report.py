@@ -21,8 +21,8 @@ from partialbayes.glue_bench import figures, tables
 from partialbayes.glue_bench.store import atomic_write, iter_records, unit_states
 from partialbayes.glue_bench.tables import BUDGET_TOLERANCE, Column, col, markdown, size_key
 
-METRICS = ("accuracy", "nll", "ece", "brier")
 logger = logging.getLogger(__name__)
+METRICS = ("accuracy", "nll", "ece", "brier")
 COLUMNS = (*METRICS, "val_nll", "percent_stochastic", "floats", "fit_seconds", "predict_seconds")
 UCI_COLUMNS = ("nll", "rmse", "val_nll", "sigma", "prior_precision", *COLUMNS[5:8])
 # Published results on the same 20 standard splits (test RMSE, its ±, test NLL, its ±; original units).
