@@ -24,11 +24,11 @@ from partialbayes.linear_sampling import (
     loader_features,
     mackay_update,
     network_logits,
-    network_parameters,
     posterior_mean,
     posterior_samples,
     softmax_hessian,
 )
+from partialbayes.linear_sampling.internal import network_parameters
 from partialbayes.predictive.internal import check_fields, ranged
 from partialbayes.selection import Subset
 

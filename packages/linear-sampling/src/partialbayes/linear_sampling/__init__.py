@@ -19,16 +19,14 @@ from partialbayes.linear_sampling._linearised import (
     linearised_logit_samples,
     linearised_targets,
 )
-from partialbayes.linear_sampling._network import (
-    loader_features,
-    network_features,
-    network_logits,
-    network_parameters,
-)
+from partialbayes.linear_sampling._network import loader_features, network_features, network_logits
 from partialbayes.linear_sampling._posterior import SampledLaplace
 from partialbayes.linear_sampling._precision import NoisePrecision, Prior, softmax_hessian
 from partialbayes.linear_sampling._sgd import DivergenceError, SGDConfig
 from partialbayes.linear_sampling._solve import posterior_mean, posterior_samples
+from partialbayes.linear_sampling.internal import (  # importable; not in __all__
+    network_parameters as network_parameters,
+)
 
 __version__ = version("partialbayes-linear-sampling")
 __all__ = [
@@ -48,7 +46,6 @@ __all__ = [
     "mackay_update",
     "network_features",
     "network_logits",
-    "network_parameters",
     "posterior_mean",
     "posterior_samples",
     "softmax_hessian",
