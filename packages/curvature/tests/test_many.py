@@ -1,6 +1,6 @@
 """Several subsets in one pass: factors, posteriors and the linearised predictive equal separate runs, bit for bit.
 
-`kfac` with a list of subsets, `KronLaplace.fit_many`, `logit_mean_cov_many` and `grid_val_nll_many` share
+`kfac_many`, `KronLaplace.fit_many`, `logit_mean_cov_many` and `grid_val_nll_many` share
 the network's forward and backward passes; each subset's result must be `torch.equal` to what it gets alone
 (so a ramp's records do not depend on whether its cells ran together). The single-subset paths they are
 compared with are themselves checked against dense float64 references in the other test modules.
@@ -21,6 +21,7 @@ from partialbayes.curvature import (
     KronLaplace,
     grid_val_nll_many,
     kfac,
+    kfac_many,
     logit_mean_cov_many,
     memory_estimate,
 )
@@ -107,7 +108,7 @@ def test_kfac_of_several_subsets_equals_separate_fits(
     subsets = ramp(model, percents)
     opts = {"fisher": fisher, "sharing": sharing, "bias": bias, "mc_samples": 2}
     seen = []
-    together = kfac(
+    together = kfac_many(
         model,
         data,
         subsets,
@@ -129,7 +130,7 @@ def test_kfac_of_several_subsets_with_token_outputs(seed, percents, device):
     model = bert_tagger(seed).to(device)
     data = on(device, [tagged_batch(3, 6, seed + i) for i in range(2)])
     subsets = ramp(model, percents)
-    together = kfac(
+    together = kfac_many(
         model, data, subsets, fisher="mc", generator=torch.Generator().manual_seed(seed)
     )
     for s, f in zip(subsets, together, strict=True):
@@ -308,16 +309,37 @@ def test_several_structures_each_run_their_own_passes(device):
         assert torch.equal(cov, cov1)
 
 
+def test_a_list_given_to_kfac_is_deprecated_and_forwards_to_kfac_many():
+    """The 0.4.0 API `kfac(model, loader, [subsets])` warns and returns `kfac_many`'s list, bit for bit."""
+    model = wide_bert(0)
+    data = batches(0)
+    subsets = ramp(model, [60.0, 6.8])
+    many = kfac_many(model, data, subsets, fisher="mc", generator=torch.Generator().manual_seed(1))
+    with pytest.warns(FutureWarning, match=r"call kfac_many\(model, loader, subsets, \.\.\.\)"):
+        old = kfac(model, data, subsets, fisher="mc", generator=torch.Generator().manual_seed(1))
+    assert len(old) == len(subsets)
+    for s, a, b in zip(subsets, old, many, strict=True):
+        assert_same_factors(a, b, s)
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="subset is an empty list"):
+        kfac(model, data, [])  # the 0.4.0 message
+
+
 def test_bad_lists_are_refused_by_name():
     model = wide_bert(0)
     data = batches(0)
     s = sparse_kfac(model, 10.0)
-    with pytest.raises(ValueError, match="subset is an empty list"):
-        kfac(model, data, [])
-    with pytest.raises(TypeError, match="subset must be a list of Subset, got dict"):
+    with pytest.raises(ValueError, match="subsets is an empty list"):
+        kfac_many(model, data, [])
+    with pytest.raises(TypeError, match="subsets must be a list of Subset, got dict"):
+        kfac_many(model, data, {"a": s})
+    with pytest.raises(TypeError, match=r"subsets\[1\] must be a Subset, got str"):
+        kfac_many(model, data, [s, "not a subset"])
+    with pytest.raises(TypeError, match="subsets must be a list of Subset, got Subset"):
+        kfac_many(model, data, s)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_rank'"):
+        kfac_many(model, data, [s], max_rank=2)  # KronLaplace's, not kfac's
+    with pytest.raises(TypeError, match=r"must be a partialbayes\.selection\.Subset, got dict"):
         kfac(model, data, {"a": s})
-    with pytest.raises(TypeError, match=r"subset\[1\] must be a Subset, got str"):
-        kfac(model, data, [s, "not a subset"])
     with pytest.raises(TypeError, match="subsets must be a list"):
         KronLaplace.fit_many(model, s, data)
     with pytest.raises(ValueError, match="subsets is an empty list"):
@@ -367,5 +389,5 @@ def test_one_map_with_and_without_its_bias_are_two_blocks(device):
         f1, cov1 = KronLaplace(model, la.subset).fit(data).logit_mean_cov(x[:3])
         assert torch.equal(f, f1)
         assert torch.equal(cov, cov1)
-    for s, f in zip(subsets, kfac(model, data, subsets), strict=True):
+    for s, f in zip(subsets, kfac_many(model, data, subsets), strict=True):
         assert_same_factors(f, kfac(model, data, s), s)

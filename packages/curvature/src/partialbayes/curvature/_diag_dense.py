@@ -8,10 +8,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from partialbayes.curvature._hooks import BatchObserver, Run, all_reduce, fail_together, stream
+from partialbayes.curvature._hooks import (
+    BatchObserver,
+    Run,
+    all_reduce,
+    entry_pass,
+    fail_together,
+    stream,
+)
 from partialbayes.curvature._jacobians import ParamTarget, entry_grads, param_targets
-from partialbayes.curvature._likelihood import FISHERS, CurvatureOptions, resolve_shift_labels
-from partialbayes.predictive.internal import check_finite, check_generator
+from partialbayes.curvature._likelihood import FISHERS, CurvatureOptions
+from partialbayes.predictive.internal import check_finite
 from partialbayes.selection import Subset
 
 
@@ -51,19 +58,7 @@ def diag_curvature(
             non-finite curvature (naming the parameter and batch).
         RuntimeError: Under ``torch.distributed``, when another rank failed on its shard.
     """
-    options = CurvatureOptions(
-        likelihood=likelihood,
-        fisher=fisher,
-        mc_samples=mc_samples,
-        sigma_noise=sigma_noise,
-        dtype=dtype,
-        num_classes=num_classes,
-        shift_labels=resolve_shift_labels(model, shift_labels),
-    )
-    run = Run(check_generator(generator), progress, on_batch)
-    out = diagonal(model, loader, subset, options, run)
-    run.finish(model)
-    return out
+    return entry_pass(diagonal, locals(), subset)
 
 
 def dense_curvature(
@@ -100,19 +95,7 @@ def dense_curvature(
             non-finite curvature (naming the parameter and batch).
         RuntimeError: Under ``torch.distributed``, when another rank failed on its shard.
     """
-    options = CurvatureOptions(
-        likelihood=likelihood,
-        fisher=fisher,
-        mc_samples=mc_samples,
-        sigma_noise=sigma_noise,
-        dtype=dtype,
-        num_classes=num_classes,
-        shift_labels=resolve_shift_labels(model, shift_labels),
-    )
-    run = Run(check_generator(generator), progress, on_batch)
-    out = dense(model, loader, subset, options, run)
-    run.finish(model)
-    return out
+    return entry_pass(dense, locals(), subset)
 
 
 def _first_bad(targets: list[ParamTarget], finite: Tensor) -> str:

@@ -20,9 +20,10 @@ from partialbayes.curvature._likelihood import (
     model_device,
     position_plan,
     read_batch,
+    resolve_shift_labels,
 )
 from partialbayes.curvature._memory import check_exact_fisher
-from partialbayes.predictive.internal import model_logits, prefixed
+from partialbayes.predictive.internal import check_generator, model_logits, prefixed
 
 
 def merge_calls(name: str, tensors: list[Tensor]) -> Tensor:
@@ -169,20 +170,36 @@ class Run:
     batches: int = 0
     skipped: int = 0
 
-    def finish(self, model: nn.Module) -> None:
-        """Warn about a model left in training mode and skipped batches (stack level: the user's call)."""
+    def finish(self, model: nn.Module, stacklevel: int = 3) -> None:
+        """Warn about a model left in training mode and skipped batches (``stacklevel``: the user's call)."""
         if model.training:
             warnings.warn(
                 "model is in training mode; the curvature was computed in eval mode (dropout would "
                 "corrupt it) and every module's mode restored afterwards",
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
         if self.skipped:
             warnings.warn(
                 f"skipped {self.skipped} of {self.batches} batches with no labelled outputs (every "
                 "label -100)",
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
+
+
+def entry_pass(compute: Callable[..., Any], args: Mapping[str, Any], subject: Any) -> Any:
+    """A public routine's ``compute(model, loader, subject, options, run)``, ``args`` its ``locals()``.
+
+    The options and the `Run` are built (and checked) from ``args``; `Run.finish` warns at the user's line.
+    """
+    model = args["model"]
+    rest = ("model", "loader", "subset", "generator", "progress", "on_batch")  # not the options
+    given = {k: v for k, v in args.items() if k not in rest}
+    given["shift_labels"] = resolve_shift_labels(model, given["shift_labels"])
+    options = CurvatureOptions(**given)
+    run = Run(check_generator(args["generator"]), args["progress"], args["on_batch"])
+    out = compute(model, args["loader"], subject, options, run)
+    run.finish(model, stacklevel=4)
+    return out
 
 
 @dataclass

@@ -6,6 +6,8 @@ A factor side is whole, or beyond ``max_rank`` a streamed Nyström sketch; a blo
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +20,7 @@ from partialbayes.curvature._hooks import (
     Run,
     all_reduce,
     check_untied,
+    entry_pass,
     fail_together,
     stream,
 )
@@ -26,9 +29,8 @@ from partialbayes.curvature._likelihood import (
     CurvatureOptions,
     check_list,
     model_device,
-    resolve_shift_labels,
 )
-from partialbayes.predictive.internal import check_finite, check_generator
+from partialbayes.predictive.internal import check_finite
 from partialbayes.selection import Subset
 from partialbayes.selection.internal import KronModule, check_subset
 
@@ -331,7 +333,7 @@ def carries_gradient(energy: Tensor, eps: float) -> Tensor:
 def kfac(
     model: nn.Module,
     loader: Iterable[Any],
-    subset: Subset | Sequence[Subset],
+    subset: Subset,
     *,
     likelihood: str = "classification",
     fisher: str = "exact",
@@ -345,7 +347,7 @@ def kfac(
     num_classes: int | None = None,
     on_batch: BatchObserver | None = None,
     shift_labels: bool | None = None,
-) -> dict[str, ModuleFactors] | list[dict[str, ModuleFactors]]:
+) -> dict[str, ModuleFactors]:
     r"""KFAC (or Sparse-KFAC) factors of every linear map of a Kronecker-structured subset.
 
     For each module the summed curvature of its selected block ``vec(W[R][:, C] | b[R])`` (row-major) is
@@ -365,15 +367,15 @@ def kfac(
     a batch left without a labelled output is skipped with one warning. The curvature concept page derives
     each case and its exactness.
 
-    **Several subsets in one pass** (a ramp): pass a list; each subset's factors are bit-identical to
-    ``kfac`` on it alone (``fisher="mc"``: labels drawn once per batch). Memory: every subset's factor sums.
+    Several subsets in one pass (a ramp): `kfac_many`.
 
     Args:
         model: Network returning logits ``[B, C]`` or ``[B, T, C]`` (or an output with ``.logits``), run in
             eval mode (a training-mode model is switched with a warning and restored).
         loader: Batches: tensors, pairs ``(inputs, labels)``, or mappings (``dict``, ``BatchEncoding``) with
             ``"labels"`` / ``"label"`` and an ``"attention_mask"``.
-        subset: Kronecker-structured :class:`~partialbayes.selection.Subset`, or a list of them (one pass).
+        subset: Kronecker-structured :class:`~partialbayes.selection.Subset`. A list of them (the 0.4.0 API) is
+            deprecated: it warns (``FutureWarning``) and returns `kfac_many`'s list; call `kfac_many` instead.
         likelihood: ``"classification"`` (softmax cross-entropy) or ``"regression"`` (Gaussian).
         fisher: ``"exact"`` (GGN, one backward pass per class), ``"mc"`` (``mc_samples`` sampled labels) or
             ``"empirical"`` (true labels).
@@ -393,7 +395,7 @@ def kfac(
             ``None`` (default): whether the model's class name ends with ``ForCausalLM`` / ``LMHeadModel``.
 
     Returns:
-        ``{module name: ModuleFactors}`` in the subset's model order (a list of them for a list of subsets).
+        ``{module name: ModuleFactors}`` in the subset's model order.
         Under ``torch.distributed`` the sums are reduced across ranks (the factors of the union of shards).
 
     Raises:
@@ -406,23 +408,48 @@ def kfac(
         RuntimeError: Under ``torch.distributed``, on every rank whose shard went through when another
             rank raised (all ranks fail instead of waiting for each other).
     """
-    options = CurvatureOptions(
-        likelihood=likelihood,
-        fisher=fisher,
-        mc_samples=mc_samples,
-        sigma_noise=sigma_noise,
-        dtype=dtype,
-        num_classes=num_classes,
-        shift_labels=resolve_shift_labels(model, shift_labels),
-        sharing=sharing,
-        bias=bias,
-    )
-    run = Run(check_generator(generator), progress, on_batch)
-    subsets = [subset] if isinstance(subset, Subset) else check_list(subset, "subset", Subset)
+    if isinstance(subset, (list, tuple)):  # the 0.4.0 API
+        warnings.warn(
+            "kfac(model, loader, [subsets], ...) is deprecated and will be removed: call "
+            "kfac_many(model, loader, subsets, ...) with the same options",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return entry_pass(_kron_pass, locals(), check_list(subset, "subset", Subset))
+    return entry_pass(_kron_pass, locals(), [subset])[0]
+
+
+def kfac_many(
+    model: nn.Module, loader: Iterable[Any], subsets: Sequence[Subset], **options: Any
+) -> list[dict[str, ModuleFactors]]:
+    """`kfac` of several subsets (a ramp) in one pass, each bit-identical to `kfac` on it alone.
+
+    ``subsets`` is a non-empty list of Kronecker-structured subsets; ``model``, ``loader`` and the keyword
+    ``options`` are `kfac`'s. ``fisher="mc"`` draws the labels once per batch for every subset. A block (map,
+    rows, columns) that several subsets hold is accumulated once: their factors are the same `ModuleFactors`
+    object. Memory: the factor sums of every distinct block.
+
+    Returns:
+        One ``{module name: ModuleFactors}`` per subset, in order.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: As `kfac`; a bad list (naming the culprit) or option.
+    """
+    args = inspect.signature(kfac).bind(model, loader, subsets, **options)  # kfac's options only
+    args.apply_defaults()
+    return entry_pass(_kron_pass, args.arguments, check_list(subsets, "subsets", Subset))
+
+
+def _kron_pass(
+    model: nn.Module,
+    loader: Iterable[Any],
+    subsets: list[Subset],
+    options: CurvatureOptions,
+    run: Run,
+) -> list[dict[str, ModuleFactors]]:
+    """`kfac`'s pass: the subsets' maps resolved (after the options are checked), then `kron_factors`."""
     targets = [kron_targets(model, s, "kfac") for s in subsets]
-    factors = kron_factors(model, loader, targets, options, run)
-    run.finish(model)
-    return factors[0] if isinstance(subset, Subset) else factors
+    return kron_factors(model, loader, targets, options, run)
 
 
 def block_key(m: str, k: KronModule) -> tuple[Any, ...]:

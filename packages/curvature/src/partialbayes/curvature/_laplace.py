@@ -19,7 +19,6 @@ from partialbayes.curvature._hooks import Run, all_reduce
 from partialbayes.curvature._likelihood import (
     CurvatureOptions,
     Outputs,
-    check_list,
     read_batch,
     resolve_shift_labels,
     take_examples,
@@ -779,7 +778,7 @@ class LaplaceBase(ABC):
                 finite; an empty batch, or one whose every label is -100; ``target_ids`` out of range,
                 repeated, or with regression; a predictive above ``max_memory`` (or the free memory).
         """
-        _, _, f, (cov,) = _linearised([self], batch, chunk_size, target_ids=target_ids)
+        _, _, f, (cov,) = linearised([self], batch, chunk_size, target_ids=target_ids)
         return f, cov.to(f.dtype)
 
     def predict(
@@ -821,7 +820,7 @@ class LaplaceBase(ABC):
         link = resolve_link(link, self.links, type(self).__name__)
         n_samples = check_int("n_samples", n_samples)
         check_generator(generator)
-        logits, keep, f, (cov,) = _linearised([self], batch, labels=False, target_ids=target_ids)
+        logits, keep, f, (cov,) = linearised([self], batch, labels=False, target_ids=target_ids)
         full, f = logits.to(cov.dtype), f.to(cov.dtype)
         if self._options.likelihood == "regression":
             noise = self._options.sigma_noise**2  # our own covariance: added unchecked
@@ -862,7 +861,7 @@ class LaplaceBase(ABC):
         """
         n = check_int("n", n)
         check_generator(generator)
-        logits, keep, f, (cov,) = _linearised([self], batch, labels=False, target_ids=target_ids)
+        logits, keep, f, (cov,) = linearised([self], batch, labels=False, target_ids=target_ids)
         draws = gaussian_draws(f.to(cov.dtype), cov, True, n, generator)
         if target_ids is not None:
             return draws.to(logits.dtype)
@@ -995,22 +994,7 @@ class LaplaceBase(ABC):
         return post
 
 
-def _check_posteriors(posteriors: Any) -> list[LaplaceBase]:
-    """A non-empty list of fitted posteriors of one model that read batches alike, or an error."""
-    posteriors = check_list(posteriors, "posteriors", LaplaceBase)
-    first = posteriors[0]
-    reads = (first.model, first.likelihood, first.shift_labels)
-    for i, p in enumerate(posteriors):
-        p._require_fit()
-        if p.model is not reads[0] or (p.likelihood, p.shift_labels) != reads[1:]:
-            raise ValueError(
-                f"posteriors[{i}] differs from posteriors[0] in its model, likelihood or shift_labels: "
-                "the shared passes read one batch into one model"
-            )
-    return posteriors
-
-
-def _linearised(
+def linearised(
     posteriors: Sequence[LaplaceBase],
     batch: Any,
     chunk_size: int | None = None,
@@ -1059,53 +1043,3 @@ def _linearised(
     )
     f_rows = rows if ids is None else rows.index_select(-1, ids)
     return logits_all, keep_all, f_rows, [torch.cat(c) for c in covs]
-
-
-def logit_mean_cov_many(
-    posteriors: Sequence[LaplaceBase],
-    batch: Any,
-    chunk_size: int | None = None,
-    *,
-    target_ids: Sequence[int] | Tensor | None = None,
-) -> list[tuple[Tensor, Tensor]]:
-    """`LaplaceBase.logit_mean_cov` of several posteriors of one model, sharing the network's passes.
-
-    Kronecker posteriors (e.g. from `KronLaplace.fit_many`) share one forward pass and one backward pass per
-    logit and kept position, each result equal to its own ``logit_mean_cov`` bit for bit; other structures
-    run their own passes. Memory: the backward passes of the union of the blocks (each posterior alone when
-    that does not fit the free memory); each posterior's predictive is checked against its ``max_memory``.
-
-    Args:
-        posteriors: Fitted posteriors of one model (same likelihood and ``shift_labels``).
-        batch: Any batch ``logit_mean_cov`` takes.
-        chunk_size: At most this many examples at a time (``None``: the whole batch).
-        target_ids: Answer-only: the ``K`` logits of these tokens (as ``logit_mean_cov``).
-
-    Returns:
-        One ``(f [N, K], Σ_f [N, K, K])`` per posterior, in order (``K = C`` without ``target_ids``).
-
-    Raises:
-        TypeError: Not a list of Laplace posteriors, and as ``logit_mean_cov``.
-        ValueError: An empty list, posteriors of different models or settings, and as ``logit_mean_cov``.
-        RuntimeError: An unfitted posterior.
-    """
-    posteriors = _check_posteriors(posteriors)
-    _, _, f, covs = _linearised(posteriors, batch, chunk_size, target_ids=target_ids)
-    return [(f, cov.to(f.dtype)) for cov in covs]
-
-
-def grid_val_nll_many(
-    posteriors: Sequence[LaplaceBase], val_loader: Iterable[Any], grid: Tensor
-) -> Tensor:
-    """`LaplaceBase.grid_val_nll` of several posteriors of one model, reading ``val_loader`` once.
-
-    The passes are shared as in `logit_mean_cov_many`: row ``i`` equals ``posteriors[i].grid_val_nll``
-    bit for bit, and ``grid[nll.argmin(1)]`` is each posterior's prior by validation NLL.
-
-    Returns:
-        ``[len(posteriors), len(grid)]`` mean NLL per example.
-
-    Raises:
-        TypeError, ValueError, RuntimeError: As `logit_mean_cov_many` and ``grid_val_nll``.
-    """
-    return torch.stack(grid_val_nlls(_check_posteriors(posteriors), val_loader, grid))

@@ -184,13 +184,12 @@ class KronLaplace(LaplaceBase):
     ) -> list[KronLaplace]:
         """One posterior per subset, all fitted in ONE pass over ``loader`` (an S-KFAC ramp, module ramps).
 
-        Equals ``[KronLaplace(model, s, **kwargs).fit(loader, progress=..., generator=...) for s in subsets]``
-        bit for bit (`kfac` with a list of subsets); ``kwargs`` are the constructor settings shared by every
-        posterior. A block (map, rows, columns) that several subsets hold is accumulated and eigendecomposed
-        once, and its share of a predictive is computed once per prior (`logit_mean_cov_many`,
-        `grid_val_nll_many`): module ramps that reuse maps cost about what their union costs. Memory: the
-        distinct blocks' factor sums during the pass, then one eigendecomposition at a time; checked against
-        ``max_memory`` (or the free memory) before the first batch's backward passes.
+        Equals ``[KronLaplace(model, s, **kwargs).fit(loader, progress=..., generator=...) for s in subsets]`` bit
+        for bit (`kfac_many`); ``kwargs`` are the constructor settings shared by every posterior. A block (map, rows,
+        columns) that several subsets hold is accumulated and eigendecomposed once, and its share of a predictive is
+        computed once per prior (`logit_mean_cov_many`, `grid_val_nll_many`): module ramps that reuse maps cost about
+        what their union costs. Memory: the distinct blocks' factor sums during the pass, then one eigendecomposition
+        at a time; checked against ``max_memory`` (or the free memory) before the first batch's backward passes.
 
         Returns:
             The fitted posteriors, in the order of ``subsets``.
