@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from partialbayes.curvature import ModuleFactors, kfac
+from partialbayes.curvature import ModuleFactors, diag_curvature, kfac, kfac_many
 from partialbayes.selection import KronBlock, MaskBlock, Subset, modules
 
 FIXTURE = settings(
@@ -259,6 +259,14 @@ def test_training_mode_warns_and_is_restored():
         a = kfac(model, [(x, y)], modules(model, ["0"]))["0"]
     assert record[0].filename == __file__  # the user's call, not a line inside the package
     assert model.training
+    for call in (kfac_many, diag_curvature):  # the shared entry pass warns at the same line
+        with pytest.warns(UserWarning, match="training mode") as record:
+            call(
+                model,
+                [(x, y)],
+                [modules(model, ["0"])] if call is kfac_many else modules(model, ["0"]),
+            )
+        assert record[0].filename == __file__
     b = kfac(model.eval(), [(x, y)], modules(model, ["0"]))["0"]
     torch.testing.assert_close(a.G, b.G)  # dropout was off
 
