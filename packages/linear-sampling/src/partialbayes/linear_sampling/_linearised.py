@@ -137,8 +137,8 @@ def linearised_targets(
 
     Args:
         features: Training features ``Φ`` at ``θ*`` (``n`` examples, ``m`` classes).
-        theta: ``[d]`` the MAP values of the stochastic parameters
-            ([`network_parameters`][partialbayes.linear_sampling.network_parameters]).
+        theta: ``[d]`` the MAP values of the stochastic parameters, flat in the features' order (``subset.gather``
+            of each parameter, in ``subset.names`` order).
         logits: ``[n, m]`` logits at ``θ*``.
         labels: ``[n]`` int64 class labels.
         noise: ``B``, a [`softmax_hessian`][partialbayes.linear_sampling.softmax_hessian].

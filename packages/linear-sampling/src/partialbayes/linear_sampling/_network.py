@@ -329,8 +329,8 @@ def network_features(
         model: The network, in eval mode (dropout would make the features random).
         inputs: One batch of any kind ``partialbayes.predictive.internal.split_batch`` reads.
         params: Parameter names, ``{name: bool mask}`` in storage shape, or a
-            ``partialbayes.selection.Subset`` (the flat order of
-            [`network_parameters`][partialbayes.linear_sampling.network_parameters]).
+            ``partialbayes.selection.Subset`` (the flat order: ``subset.gather`` of each parameter, in
+            ``subset.names`` order).
         output_fn: Maps the model output to logits (``[b]`` becomes ``[b, 1]``).
         check_finite: Raise on non-finite Jacobian products.
 
