@@ -408,6 +408,7 @@ def kfac(
         RuntimeError: Under ``torch.distributed``, on every rank whose shard went through when another
             rank raised (all ranks fail instead of waiting for each other).
     """
+    args = dict(locals())  # the arguments, for entry_pass
     if isinstance(subset, (list, tuple)):  # the 0.4.0 API
         warnings.warn(
             "kfac(model, loader, [subsets], ...) is deprecated and will be removed: call "
@@ -415,8 +416,9 @@ def kfac(
             FutureWarning,
             stacklevel=2,
         )
-        return entry_pass(_kron_pass, locals(), check_list(subset, "subset", Subset))
-    return entry_pass(_kron_pass, locals(), [subset])[0]
+        subsets = check_list(subset, "subset", Subset)
+        return entry_pass(kron_factors, args, [kron_targets(model, s, "kfac") for s in subsets])
+    return entry_pass(kron_factors, args, [kron_targets(model, subset, "kfac")])[0]
 
 
 def kfac_many(
@@ -437,19 +439,8 @@ def kfac_many(
     """
     args = inspect.signature(kfac).bind(model, loader, subsets, **options)  # kfac's options only
     args.apply_defaults()
-    return entry_pass(_kron_pass, args.arguments, check_list(subsets, "subsets", Subset))
-
-
-def _kron_pass(
-    model: nn.Module,
-    loader: Iterable[Any],
-    subsets: list[Subset],
-    options: CurvatureOptions,
-    run: Run,
-) -> list[dict[str, ModuleFactors]]:
-    """`kfac`'s pass: the subsets' maps resolved (after the options are checked), then `kron_factors`."""
-    targets = [kron_targets(model, s, "kfac") for s in subsets]
-    return kron_factors(model, loader, targets, options, run)
+    targets = [kron_targets(model, s, "kfac") for s in check_list(subsets, "subsets", Subset)]
+    return entry_pass(kron_factors, args.arguments, targets)
 
 
 def block_key(m: str, k: KronModule) -> tuple[Any, ...]:
