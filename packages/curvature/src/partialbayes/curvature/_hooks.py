@@ -187,9 +187,9 @@ class Run:
 
 
 def entry_pass(compute: Callable[..., Any], args: Mapping[str, Any], subject: Any) -> Any:
-    """A public routine's ``compute(model, loader, subject, options, run)``, ``args`` its ``locals()``.
+    """``compute(model, loader, subject, options, run)`` of a public routine, ``args`` its arguments (checked).
 
-    The options and the `Run` are built (and checked) from ``args``; `Run.finish` warns at the user's line.
+    The options and the `Run` come from ``args`` (the routine's ``locals()``); warnings at the user's line.
     """
     model = args["model"]
     rest = ("model", "loader", "subset", "generator", "progress", "on_batch")  # not the options

@@ -367,15 +367,13 @@ def kfac(
     a batch left without a labelled output is skipped with one warning. The curvature concept page derives
     each case and its exactness.
 
-    Several subsets in one pass (a ramp): `kfac_many`.
-
     Args:
         model: Network returning logits ``[B, C]`` or ``[B, T, C]`` (or an output with ``.logits``), run in
             eval mode (a training-mode model is switched with a warning and restored).
         loader: Batches: tensors, pairs ``(inputs, labels)``, or mappings (``dict``, ``BatchEncoding``) with
             ``"labels"`` / ``"label"`` and an ``"attention_mask"``.
-        subset: Kronecker-structured :class:`~partialbayes.selection.Subset`. A list of them (the 0.4.0 API) is
-            deprecated: it warns (``FutureWarning``) and returns `kfac_many`'s list; call `kfac_many` instead.
+        subset: Kronecker-structured :class:`~partialbayes.selection.Subset` (several in one pass: `kfac_many`). A
+            list of them (the 0.4.0 API) is deprecated: it warns (``FutureWarning``) and returns `kfac_many`'s list.
         likelihood: ``"classification"`` (softmax cross-entropy) or ``"regression"`` (Gaussian).
         fisher: ``"exact"`` (GGN, one backward pass per class), ``"mc"`` (``mc_samples`` sampled labels) or
             ``"empirical"`` (true labels).
