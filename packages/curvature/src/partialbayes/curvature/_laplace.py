@@ -608,7 +608,7 @@ class LaplaceBase(ABC):
                 on ``val_loader``).
             val_loader: Validation batches (``method="val_nll"`` only).
             grid: Candidate values, default ``torch.logspace(-1, 3, 21)``.
-            optimizer: Deprecated since 0.5.0, to be removed: ``"gradient"`` warns (``FutureWarning``) and
+            optimizer: Deprecated since 0.6.0, to be removed: ``"gradient"`` warns (``FutureWarning``) and
                 returns ``maximize_evidence(**gradient)`` (a `MarglikFit`); call `maximize_evidence` instead.
             **gradient: With ``optimizer="gradient"`` only: `maximize_evidence`'s options.
 
