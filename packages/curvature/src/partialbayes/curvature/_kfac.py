@@ -460,9 +460,7 @@ def kron_factors(
     """
     modules = {m: mod for t in targets for m, mod in t.modules.items()}
     device = model_device(model)
-    keys = [  # one subset: its blocks are its maps
-        {m: block_key(m, k) if len(targets) > 1 else m for m, k in t.kmods.items()} for t in targets
-    ]
+    keys = [{m: block_key(m, k) for m, k in t.kmods.items()} for t in targets]
     blocks = {key: (t, m) for t, ks in zip(targets, keys, strict=True) for m, key in ks.items()}
     accs = {
         key: FactorAccumulator(
